@@ -1,0 +1,53 @@
+// Model configuration: the HF-style config.json of SPEC §1 ("model_type": "laplace").
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+
+namespace laplace {
+
+struct Config {
+  int64_t vocab_size = 0;   // V
+  int64_t hidden_size = 0;  // D
+  int64_t num_layers = 0;   // L
+  int64_t num_heads = 0;    // H
+  int64_t head_k_dim = 0;   // dk
+  int64_t head_v_dim = 0;   // dv
+  int64_t ffn_size = 0;     // F
+  int64_t conv_size = 4;    // K
+  int64_t chunk_size = 128; // C
+  double norm_eps = 1e-5;
+  bool tie_embeddings = false;
+  // Optional, used by the tokenizer/generation once a tokenizer is attached.
+  int64_t bos_token_id = -1;
+  int64_t eos_token_id = -1;
+
+  int64_t qkvg_rows() const { return num_heads * (2 * head_k_dim + 2 * head_v_dim); }
+  int64_t qk_dim() const { return num_heads * head_k_dim; }   // H·dk
+  int64_t v_dim() const { return num_heads * head_v_dim; }    // H·dv
+
+  // Parameters of the 4 body matrices per layer (what Muon optimises).
+  int64_t body_params() const;
+  // All parameters (embedding, head unless tied, norms, conv).
+  int64_t total_params() const;
+  // Bytes of one sequence's decode state: L × (H·dk·dv + K·D) fp32 values.
+  int64_t state_bytes_per_sequence() const;
+  // Training FLOPs per token, SPEC §2: 6·(body + V·D) + L·3·H·(C(dk+dv) + 4·dk·dv).
+  double train_flops_per_token() const;
+
+  // λ_h = 1 − 2^(−5−h), h = 0..H−1 (fixed decay per head).
+  std::vector<double> decays() const;
+
+  Status validate() const;
+  std::string to_json() const;  // pretty-printed config.json
+};
+
+// Parses and validates config.json text. Unknown keys are ignored; missing required
+// keys, wrong types and out-of-range values are errors naming the field.
+Status config_from_json(const std::string& text, Config* out);
+Status config_load(const std::string& path, Config* out);
+
+}  // namespace laplace

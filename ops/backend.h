@@ -1,0 +1,120 @@
+// The ops interface: every computation of the model goes through a Backend, so the
+// same model code runs on the CPU (ops/cpu) and on CUDA (ops/cuda).
+//
+// Conventions (all backends):
+//  - Tensors are row-major views (core/tensor.h); the innermost dim is contiguous,
+//    outer strides may be larger (q/k/v/g are views into the fused projection).
+//  - N = B·T token rows. Shapes are given next to each argument.
+//  - "accumulate" outputs (parameter gradients) are added to, never overwritten:
+//    the caller zeroes them once per optimizer step.
+//  - Reductions run in a fixed order that does not depend on thread count, so the
+//    same inputs give bitwise identical outputs (the determinism contract).
+//  - Optional tensors are passed undefined (Tensor{}).
+//  - Decode states live in a pool [S, ...] (stride of dim 0 may exceed the row size:
+//    a slot holds every layer's state); `slots` [B] I32 maps batch row b to its slot.
+//    With `slots` undefined, batch row b uses pool entry b.
+//
+// Dtypes: the CPU backend computes in F32 or F64 (all float tensors of one call share
+// the dtype). The CUDA backend takes BF16 activations/weights with F32 accumulation,
+// F32 states and F32 norms' statistics.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/tensor.h"
+
+namespace laplace {
+
+enum class GlaForm { kQuadratic, kRecurrent, kChunked };
+
+struct GlaParams {
+  GlaForm form = GlaForm::kChunked;
+  int64_t chunk = 128;          // C, for kChunked; any C ≥ 1, the tail chunk may be short
+  double scale = 1.0;           // q is multiplied by this (1/√dk in the model)
+  std::vector<double> decay;    // λ_h per head, size H
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual Device device() const = 0;
+  virtual const char* name() const = 0;
+  virtual Allocator& allocator() = 0;
+
+  // ---- memory -------------------------------------------------------------------
+  // dst = src; shapes equal; either may live on the host (H2D/D2H on CUDA).
+  virtual void copy(Tensor dst, const Tensor& src) = 0;
+  virtual void fill(Tensor dst, double value) = 0;
+  // y += alpha · x (same shape).
+  virtual void axpy(double alpha, const Tensor& x, Tensor y) = 0;
+  // Waits for queued work (a no-op on the CPU).
+  virtual void synchronize() = 0;
+
+  // ---- dense ---------------------------------------------------------------------
+  // c = alpha · op(a) · op(b) + beta · c, 2-D; op(x) = xᵀ when trans_x.
+  virtual void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor c,
+                    double alpha, double beta) = 0;
+
+  // out[n] = table[ids[n]]. ids [N] I32, table [V,D], out [N,D].
+  virtual void embedding_forward(const Tensor& ids, const Tensor& table, Tensor out) = 0;
+  // dtable[ids[n]] += dout[n] (accumulate).
+  virtual void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor dtable) = 0;
+
+  // y = (x − mean)·rstd·w + b per row. x,y [N,D]; w,b [D]; mean,rstd [N] optional.
+  virtual void layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, double eps,
+                                 Tensor y, Tensor mean, Tensor rstd) = 0;
+  // dx (= or += when accumulate_dx) ; dw, db accumulate.
+  virtual void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w,
+                                  const Tensor& mean, const Tensor& rstd, Tensor dx,
+                                  bool accumulate_dx, Tensor dw, Tensor db) = 0;
+
+  // Causal depthwise conv + SiLU, SPEC §1. u,c,pre [B,T,D]; w [D,K].
+  // win_in/win_out [S,K,D]: the last K conv inputs of each sequence (u_{<0} = 0 when
+  // win_in is undefined); win_out receives the last K inputs after this call and may
+  // alias win_in. pre (optional) receives the pre-activation for the backward.
+  virtual void conv_silu_forward(const Tensor& u, const Tensor& w, Tensor c, Tensor pre,
+                                 const Tensor& win_in, Tensor win_out, const Tensor& slots) = 0;
+  // Backward with a zero initial window. du written; dw accumulates.
+  virtual void conv_silu_backward(const Tensor& dc, const Tensor& u, const Tensor& w,
+                                  const Tensor& pre, Tensor du, Tensor dw) = 0;
+
+  // GLA mixer, SPEC §1. q,k [B,T,H,dk]; v,o [B,T,H,dv]; states [S,H,dk,dv].
+  // s_in undefined means S_0 = 0; s_out (optional) gets the final state and may alias s_in.
+  virtual void gla_forward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                           Tensor o, const Tensor& s_in, Tensor s_out, const Tensor& slots) = 0;
+  // dq,dk,dv written. ds_in (optional) gets d(initial state); ds_out (optional) is the
+  // gradient flowing into the final state. States here are indexed by batch row.
+  virtual void gla_backward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                            const Tensor& s_in, const Tensor& d_o, const Tensor& ds_out, Tensor dq,
+                            Tensor dk, Tensor dv, Tensor ds_in) = 0;
+
+  // y = RMSNorm(o; w) ⊙ SiLU(g), per head. o,g [B,T,H,dv]; w [dv]; y [B,T,H,dv];
+  // rstd [B,T,H] optional.
+  virtual void rmsnorm_gate_forward(const Tensor& o, const Tensor& g, const Tensor& w, double eps,
+                                    Tensor y, Tensor rstd) = 0;
+  // d_o, dg written; dw accumulates.
+  virtual void rmsnorm_gate_backward(const Tensor& dy, const Tensor& o, const Tensor& g,
+                                     const Tensor& w, const Tensor& rstd, Tensor d_o, Tensor dg,
+                                     Tensor dw) = 0;
+
+  // h = SiLU(a) ⊙ b where ab [N,2F] = [a | b]; h [N,F].
+  virtual void swiglu_forward(const Tensor& ab, Tensor h) = 0;
+  virtual void swiglu_backward(const Tensor& dh, const Tensor& ab, Tensor dab) = 0;
+
+  // losses[n] = logsumexp(logits[n]) − logits[n][targets[n]]; targets < 0 give 0.
+  // logits [N,V]; targets [N] I32; losses [N] (always F32 or the compute dtype).
+  virtual void cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor losses) = 0;
+  // dlogits = scale · (softmax(logits) − onehot(target)); rows with target < 0 get 0.
+  // dlogits may alias logits.
+  virtual void cross_entropy_backward(const Tensor& logits, const Tensor& targets, double scale,
+                                      Tensor dlogits) = 0;
+};
+
+std::unique_ptr<Backend> make_cpu_backend();
+// nullptr with a reason in *why when CUDA is not compiled in or no GPU is present.
+std::unique_ptr<Backend> make_cuda_backend(std::string* why);
+
+}  // namespace laplace
