@@ -1,0 +1,16 @@
+// CPU GLA mixer kernels (SPEC §1), F32 and F64. The CPU backend forwards its
+// gla_forward/gla_backward here; argument meanings are those of ops/backend.h.
+#pragma once
+
+#include "ops/backend.h"
+
+namespace laplace::cpu {
+
+void gla_forward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor o,
+                 const Tensor& s_in, Tensor s_out, const Tensor& slots);
+
+void gla_backward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                  const Tensor& s_in, const Tensor& d_o, const Tensor& ds_out, Tensor dq, Tensor dk,
+                  Tensor dv, Tensor ds_in);
+
+}  // namespace laplace::cpu
