@@ -1,0 +1,76 @@
+#include "tests/test_util.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+
+namespace laplace::testing {
+
+namespace {
+double get(const Tensor& t, int64_t flat) {
+  // Flat index in logical row-major order, honouring strides.
+  int64_t off = 0;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    int64_t i = flat % t.shape[d];
+    flat /= t.shape[d];
+    off += i * t.stride[d];
+  }
+  if (t.dtype == DType::kF32) return static_cast<const float*>(t.data)[off];
+  if (t.dtype == DType::kF64) return static_cast<const double*>(t.data)[off];
+  if (t.dtype == DType::kBF16) return bf16_to_float(static_cast<const uint16_t*>(t.data)[off]);
+  LAPLACE_CHECK(false, "test_util: unsupported dtype");
+  return 0;
+}
+}  // namespace
+
+OwnedTensor::OwnedTensor(DType dt, std::initializer_list<int64_t> shape) {
+  t = Tensor(nullptr, dt, shape);
+  storage.assign((t.nbytes() + 7) / 8 + 1, 0.0);
+  t.data = storage.data();
+}
+
+void fill_uniform(Tensor t, uint64_t seed, double lo, double hi) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> dist(lo, hi);
+  LAPLACE_CHECK(t.is_contiguous(), "fill_uniform needs a contiguous tensor");
+  int64_t n = t.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    double x = dist(rng);
+    if (t.dtype == DType::kF32) static_cast<float*>(t.data)[i] = static_cast<float>(x);
+    else if (t.dtype == DType::kF64) static_cast<double*>(t.data)[i] = x;
+    else if (t.dtype == DType::kBF16) static_cast<uint16_t*>(t.data)[i] = float_to_bf16(static_cast<float>(x));
+    else LAPLACE_CHECK(false, "fill_uniform: unsupported dtype");
+  }
+}
+
+double max_rel_error(const Tensor& a, const Tensor& b) {
+  LAPLACE_CHECK(a.numel() == b.numel(), "max_rel_error: sizes differ");
+  double num = 0, den = 1e-30;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    double x = get(a, i), y = get(b, i);
+    if (std::isnan(x) || std::isnan(y)) return INFINITY;
+    num = std::max(num, std::fabs(x - y));
+    den = std::max(den, std::fabs(y));
+  }
+  return num / den;
+}
+
+double rms_rel_error(const Tensor& a, const Tensor& b) {
+  LAPLACE_CHECK(a.numel() == b.numel(), "rms_rel_error: sizes differ");
+  double num = 0, den = 1e-300;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    double x = get(a, i), y = get(b, i);
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  return std::sqrt(num / den);
+}
+
+std::string make_temp_dir(const std::string& tag) {
+  std::string tmpl = (std::filesystem::temp_directory_path() / ("laplace_" + tag + "_XXXXXX")).string();
+  char* p = mkdtemp(tmpl.data());
+  LAPLACE_CHECK(p != nullptr, "mkdtemp failed");
+  return tmpl;
+}
+
+}  // namespace laplace::testing

@@ -1,0 +1,36 @@
+// Helpers shared by the C++ tests.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace laplace::testing {
+
+// A CPU tensor that owns its memory (tests only; the library uses arenas).
+struct OwnedTensor {
+  std::vector<double> storage;  // 8-byte aligned, large enough for any dtype
+  Tensor t;
+  OwnedTensor() = default;
+  OwnedTensor(DType dt, std::initializer_list<int64_t> shape);
+  OwnedTensor(const OwnedTensor&) = delete;
+  OwnedTensor& operator=(const OwnedTensor&) = delete;
+  operator Tensor() const { return t; }
+  template <class T> T* ptr() { return t.ptr<T>(); }
+};
+
+// Fills with uniform values in [lo, hi) from a seeded generator (F32/F64).
+void fill_uniform(Tensor t, uint64_t seed, double lo = -1.0, double hi = 1.0);
+
+// max|a−b| / max(max|b|, tiny): the normalised error used by cross-backend tests.
+double max_rel_error(const Tensor& a, const Tensor& b);
+// sqrt(Σ(a−b)²) / sqrt(Σb²).
+double rms_rel_error(const Tensor& a, const Tensor& b);
+
+// A fresh empty directory under the system temp dir.
+std::string make_temp_dir(const std::string& tag);
+
+}  // namespace laplace::testing
