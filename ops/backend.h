@@ -37,6 +37,11 @@ struct GlaParams {
   std::vector<double> decay;    // λ_h per head, size H
 };
 
+struct AdamWParams {
+  double lr = 0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, wd = 0;
+  int64_t step = 1;  // 1-based, for bias correction
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -111,6 +116,19 @@ class Backend {
   // dlogits may alias logits.
   virtual void cross_entropy_backward(const Tensor& logits, const Tensor& targets, double scale,
                                       Tensor dlogits) = 0;
+
+  // ---- optimizer (element-wise, so they work unchanged on a row shard) ------------
+  // Σ x² accumulated in double in a fixed order (for norms and clipping).
+  virtual double sum_squares(const Tensor& x) = 0;
+  // x *= alpha.
+  virtual void scale(Tensor x, double alpha) = 0;
+  // AdamW (SPEC §2): m ← β1 m + (1−β1) g; v ← β2 v + (1−β2) g²;
+  // w ← w·(1 − lr·wd) − lr · (m/(1−β1^t)) / (√(v/(1−β2^t)) + eps), t = p.step (1-based).
+  virtual void adamw_update(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p) = 0;
+  // Muon momentum: m ← μ·m + g; u = g + μ·m (Nesterov) or u = m.
+  virtual void muon_momentum(const Tensor& g, Tensor m, Tensor u, double mu, bool nesterov) = 0;
+  // w ← w·(1 − lr·wd) − lr·s·o (o the orthogonalised update).
+  virtual void muon_apply(Tensor w, const Tensor& o, double lr, double wd, double s) = 0;
 };
 
 std::unique_ptr<Backend> make_cpu_backend();
