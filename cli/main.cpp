@@ -1,1 +1,22 @@
-int main() { return 0; }
+// laplace: train and serve fixed-state linear-attention language models.
+#include "cli/common.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"laplace: train and serve Laplace (gated linear attention) language models"};
+  app.require_subcommand(1);
+  laplace::cli::add_info(app);
+  laplace::cli::add_init(app);
+  laplace::cli::add_forward(app);
+  laplace::cli::add_generate(app);
+  laplace::cli::add_eval(app);
+  laplace::cli::add_train(app);
+  laplace::cli::add_tokenizer(app);
+  laplace::cli::add_data(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help exits 0; a malformed command line exits 2 (errors in the work exit 1).
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  return laplace::cli::g_exit_code;
+}

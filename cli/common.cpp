@@ -1,0 +1,108 @@
+#include "cli/common.h"
+
+#include <cstdio>
+#include <filesystem>
+
+#include "model/config.h"
+
+namespace laplace::cli {
+
+int g_exit_code = 0;
+
+void ModelArgs::add_to(CLI::App* app, bool need_ckpt) {
+  app->add_option("--model", dir, "model directory (config.json, model.safetensors, tokenizer.model)");
+  app->add_option("--config", config, "config.json (overrides --model's)");
+  if (need_ckpt) app->add_option("--ckpt", ckpt, "weights .safetensors (overrides --model's)");
+  app->add_option("--tokenizer", tokenizer, "sentencepiece .model (overrides --model's)");
+  app->add_option("--device", device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app->add_option("--dtype", dtype, "compute dtype: f32, f64 (CPU) or bf16 (CUDA)");
+}
+
+Status ModelArgs::resolve() {
+  namespace fs = std::filesystem;
+  if (!dir.empty()) {
+    if (!fs::is_directory(dir)) return Status::not_found("model directory " + dir + " does not exist");
+    if (config.empty()) config = (fs::path(dir) / "config.json").string();
+    if (ckpt.empty() && fs::exists(fs::path(dir) / "model.safetensors"))
+      ckpt = (fs::path(dir) / "model.safetensors").string();
+    if (tokenizer.empty() && fs::exists(fs::path(dir) / "tokenizer.model"))
+      tokenizer = (fs::path(dir) / "tokenizer.model").string();
+  }
+  if (config.empty()) return Status::invalid_argument("no model given: pass --model DIR or --config FILE");
+  return Status::ok();
+}
+
+Status make_backend(const std::string& device, std::unique_ptr<Backend>* out) {
+  if (device == "cpu") {
+    *out = make_cpu_backend();
+    return Status::ok();
+  }
+  std::string why;
+  *out = make_cuda_backend(&why);
+  if (!*out) return Status::unsupported("no CUDA backend: " + why);
+  return Status::ok();
+}
+
+Status parse_dtype(const std::string& s, DType* out) {
+  if (s == "f32") *out = DType::kF32;
+  else if (s == "f64") *out = DType::kF64;
+  else if (s == "bf16") *out = DType::kBF16;
+  else return Status::invalid_argument("unknown dtype '" + s + "' (use f32, f64 or bf16)");
+  return Status::ok();
+}
+
+Status load_model(const ModelArgs& args, LoadedModel* out) {
+  ModelArgs a = args;
+  LAPLACE_RETURN_IF_ERROR(a.resolve());
+  Config cfg;
+  LAPLACE_RETURN_IF_ERROR(config_load(a.config, &cfg));
+  DType dt;
+  LAPLACE_RETURN_IF_ERROR(parse_dtype(a.dtype, &dt));
+  LAPLACE_RETURN_IF_ERROR(make_backend(a.device, &out->backend));
+  LAPLACE_RETURN_IF_ERROR(out->model.create(cfg, *out->backend, dt));
+  if (!a.ckpt.empty()) LAPLACE_RETURN_IF_ERROR(out->model.load(a.ckpt));
+  return Status::ok();
+}
+
+Status parse_ids(const std::string& s, std::vector<int32_t>* out) {
+  out->clear();
+  size_t i = 0;
+  while (i <= s.size()) {
+    size_t j = s.find(',', i);
+    if (j == std::string::npos) j = s.size();
+    std::string item = s.substr(i, j - i);
+    while (!item.empty() && item.front() == ' ') item.erase(item.begin());
+    while (!item.empty() && item.back() == ' ') item.pop_back();
+    if (item.empty()) return Status::invalid_argument("empty token id in '" + s + "'");
+    char* end = nullptr;
+    errno = 0;
+    long long v = std::strtoll(item.c_str(), &end, 10);
+    if (*end != '\0' || errno == ERANGE || v < 0 || v > INT32_MAX)
+      return Status::invalid_argument("bad token id '" + item + "'");
+    out->push_back(static_cast<int32_t>(v));
+    i = j + 1;
+  }
+  return Status::ok();
+}
+
+Status parse_id_rows(const std::string& s, std::vector<std::vector<int32_t>>* out) {
+  out->clear();
+  size_t i = 0;
+  while (i <= s.size()) {
+    size_t j = s.find(';', i);
+    if (j == std::string::npos) j = s.size();
+    std::vector<int32_t> row;
+    LAPLACE_RETURN_IF_ERROR(parse_ids(s.substr(i, j - i), &row));
+    out->push_back(std::move(row));
+    i = j + 1;
+  }
+  return Status::ok();
+}
+
+int report(const Status& st) {
+  if (st.is_ok()) return 0;
+  std::fprintf(stderr, "laplace: error: %s\n", st.to_string().c_str());
+  return 1;
+}
+
+}  // namespace laplace::cli

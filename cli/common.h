@@ -1,0 +1,56 @@
+// Shared plumbing of the `laplace` subcommands.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "core/status.h"
+#include "model/model.h"
+#include "ops/backend.h"
+
+namespace laplace::cli {
+
+// Where a model lives: --model DIR (config.json, model.safetensors, tokenizer.model)
+// or explicit --config/--ckpt/--tokenizer files.
+struct ModelArgs {
+  std::string dir, config, ckpt, tokenizer;
+  std::string device = "cpu";
+  std::string dtype = "f32";
+  void add_to(CLI::App* app, bool need_ckpt = true);
+  Status resolve();  // fills config/ckpt/tokenizer from dir
+};
+
+struct LoadedModel {
+  std::unique_ptr<Backend> backend;
+  Model model;
+};
+
+Status make_backend(const std::string& device, std::unique_ptr<Backend>* out);
+Status parse_dtype(const std::string& s, DType* out);
+// Creates the backend and the model, and loads the checkpoint when one is named.
+Status load_model(const ModelArgs& a, LoadedModel* out);
+
+// "1,2,3" → {1,2,3}; "1,2;3,4" → {{1,2},{3,4}}. Errors name the bad item.
+Status parse_ids(const std::string& s, std::vector<int32_t>* out);
+Status parse_id_rows(const std::string& s, std::vector<std::vector<int32_t>>* out);
+
+// Prints "laplace: error: <status>" and returns the exit code 1 (0 when ok).
+int report(const Status& st);
+
+// Subcommand registration: each adds itself to the app and sets its callback.
+void add_info(CLI::App& app);
+void add_init(CLI::App& app);
+void add_forward(CLI::App& app);
+void add_generate(CLI::App& app);
+void add_eval(CLI::App& app);
+void add_train(CLI::App& app);
+void add_tokenizer(CLI::App& app);
+void add_data(CLI::App& app);
+
+// Set by subcommand callbacks; main returns it.
+extern int g_exit_code;
+
+}  // namespace laplace::cli

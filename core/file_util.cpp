@@ -1,0 +1,254 @@
+#include "core/file_util.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <utility>
+
+namespace laplace {
+
+namespace {
+
+// strerror() is not thread-safe; strerror_r comes in a GNU flavour (returns
+// char*) and an XSI one (returns int). These overloads accept either.
+[[maybe_unused]] const char* pick_strerror(char* r, char* /*buf*/) { return r; }
+[[maybe_unused]] const char* pick_strerror(int r, char* buf) { return r == 0 ? buf : "unknown error"; }
+
+std::string os_error(int err) {
+  char buf[256];
+  buf[0] = '\0';
+  return pick_strerror(strerror_r(err, buf, sizeof(buf)), buf);
+}
+
+// "<path>: <what>: <strerror>", with the Status code chosen from errno so that
+// callers can tell a missing file (often expected) from a real failure.
+Status errno_status(const std::string& path, const std::string& what, int err) {
+  std::string msg = path + ": " + what + ": " + os_error(err);
+  if (err == ENOENT || err == ENOTDIR) return Status::not_found(std::move(msg));
+  return Status::io_error(std::move(msg));
+}
+
+// open(2) retried on EINTR (a signal during open on a slow filesystem is not an error).
+int open_retry(const char* p, int flags, mode_t mode = 0) {
+  int fd;
+  do {
+    fd = ::open(p, flags, mode);
+  } while (fd < 0 && errno == EINTR);
+  return fd;
+}
+
+// Removes the temp file of write_file_atomic on every path that does not reach
+// the rename (early returns and exceptions thrown by the writer alike).
+class TempFileGuard {
+ public:
+  explicit TempFileGuard(std::string tmp) : tmp_(std::move(tmp)) {}
+  ~TempFileGuard() {
+    if (f_ != nullptr) std::fclose(f_);
+    if (!committed_) ::unlink(tmp_.c_str());
+  }
+  TempFileGuard(const TempFileGuard&) = delete;
+  TempFileGuard& operator=(const TempFileGuard&) = delete;
+
+  void set_file(std::FILE* f) { f_ = f; }
+  // Closes the stream; returns fclose's result (0 or EOF) and leaves errno set.
+  int close() {
+    int r = std::fclose(f_);
+    f_ = nullptr;  // fclose releases the stream even when it fails
+    return r;
+  }
+  void commit() { committed_ = true; }
+
+ private:
+  std::string tmp_;
+  std::FILE* f_ = nullptr;
+  bool committed_ = false;
+};
+
+std::string parent_dir(const std::string& path) {
+  std::string dir = std::filesystem::path(path).parent_path().string();
+  return dir.empty() ? std::string(".") : dir;
+}
+
+}  // namespace
+
+Status read_file(const std::string& path, std::string* out) {
+  out->clear();
+  int fd = open_retry(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno_status(path, "cannot open for reading", errno);
+
+  // Size hint: read a regular file straight into a buffer of its size. Reading
+  // continues to EOF regardless, so pipes, /proc files and files that grow
+  // while we read are still read whole.
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int e = errno;
+    ::close(fd);
+    return errno_status(path, "cannot stat", e);
+  }
+  // A directory opens fine with O_RDONLY; report it clearly instead of EISDIR on read.
+  if (S_ISDIR(st.st_mode)) {
+    ::close(fd);
+    return Status::io_error(path + ": is a directory, not a file");
+  }
+  size_t pos = 0;
+  if (S_ISREG(st.st_mode) && st.st_size > 0) out->resize(static_cast<size_t>(st.st_size));
+
+  char chunk[1 << 16];
+  for (;;) {
+    char* dst;
+    size_t want;
+    if (pos < out->size()) {
+      dst = out->data() + pos;
+      want = out->size() - pos;
+    } else {
+      dst = chunk;
+      want = sizeof(chunk);
+    }
+    ssize_t r = ::read(fd, dst, want);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      int e = errno;
+      ::close(fd);
+      out->clear();
+      return errno_status(path, "read failed after " + std::to_string(pos) + " bytes", e);
+    }
+    if (r == 0) break;  // EOF
+    if (dst == chunk) {
+      out->append(chunk, static_cast<size_t>(r));
+    }
+    pos += static_cast<size_t>(r);
+  }
+  out->resize(pos);  // the file may have shrunk since fstat
+  ::close(fd);
+  return Status::ok();
+}
+
+Status write_all(std::FILE* f, const void* data, size_t n) {
+  if (n == 0) return Status::ok();
+  // fwrite need not reset errno; clear it so a stale value is never reported.
+  errno = 0;
+  size_t w = std::fwrite(data, 1, n, f);
+  if (w != n) {
+    int e = errno;
+    return Status::io_error("write failed after " + std::to_string(w) + " of " + std::to_string(n) +
+                            " bytes: " + (e != 0 ? os_error(e) : std::string("short write")));
+  }
+  return Status::ok();
+}
+
+Status write_file_atomic(const std::string& path, const std::function<Status(std::FILE*)>& writer) {
+  // Same directory as the target: rename(2) is atomic only within one filesystem.
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  TempFileGuard guard(tmp);
+
+  int fd = open_retry(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (fd < 0) return errno_status(path, "cannot create temporary file " + tmp, errno);
+  std::FILE* f = ::fdopen(fd, "wb");
+  if (f == nullptr) {
+    int e = errno;
+    ::close(fd);
+    return errno_status(path, "fdopen failed", e);
+  }
+  guard.set_file(f);
+
+  Status s = writer(f);
+  if (!s.is_ok()) return s.with_context(path);
+
+  // Buffered data reaches the kernel only here; ENOSPC often shows up at this point.
+  errno = 0;
+  if (std::fflush(f) != 0) return errno_status(path, "flush failed", errno);
+  // Without fsync, a crash after the rename could leave a renamed but empty file.
+  if (::fsync(::fileno(f)) != 0) return errno_status(path, "fsync failed", errno);
+  errno = 0;
+  if (guard.close() != 0) return errno_status(path, "close failed", errno);
+
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return errno_status(path, "cannot rename " + tmp + " over it", errno);
+  }
+  guard.commit();
+
+  // The rename is only durable once the directory entry is on disk. From here on
+  // the new file is in place; an error only means its durability is uncertain.
+  const std::string dir = parent_dir(path);
+  int dfd = open_retry(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0) return errno_status(path, "written, but cannot open directory " + dir + " to fsync it", errno);
+  int r = ::fsync(dfd);
+  int e = errno;
+  ::close(dfd);
+  // Some filesystems cannot fsync a directory (EINVAL); nothing more can be done there.
+  if (r != 0 && e != EINVAL) return errno_status(path, "written, but fsync of directory " + dir + " failed", e);
+  return Status::ok();
+}
+
+Status write_file_atomic(const std::string& path, const void* data, size_t n) {
+  return write_file_atomic(path, [data, n](std::FILE* f) { return write_all(f, data, n); });
+}
+
+// ---- MappedFile ----
+
+MappedFile::~MappedFile() { reset(); }
+
+MappedFile::MappedFile(MappedFile&& o) noexcept
+    : data_(std::exchange(o.data_, nullptr)),
+      size_(std::exchange(o.size_, 0)),
+      open_(std::exchange(o.open_, false)),
+      path_(std::move(o.path_)) {}
+
+MappedFile& MappedFile::operator=(MappedFile&& o) noexcept {
+  if (this != &o) {
+    reset();
+    data_ = std::exchange(o.data_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+    open_ = std::exchange(o.open_, false);
+    path_ = std::move(o.path_);
+  }
+  return *this;
+}
+
+void MappedFile::reset() {
+  if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), static_cast<size_t>(size_));
+  data_ = nullptr;
+  size_ = 0;
+  open_ = false;
+  path_.clear();
+}
+
+Status MappedFile::open(const std::string& path, MappedFile* out) {
+  int fd = open_retry(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno_status(path, "cannot open for reading", errno);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int e = errno;
+    ::close(fd);
+    return errno_status(path, "cannot stat", e);
+  }
+  // mmap of a directory, pipe or device either fails obscurely or has no fixed size.
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return Status::io_error(path + ": not a regular file, cannot map it");
+  }
+  MappedFile m;
+  m.size_ = static_cast<uint64_t>(st.st_size);
+  m.path_ = path;
+  m.open_ = true;
+  // mmap rejects a length of 0; an empty file is simply an empty mapping.
+  if (m.size_ > 0) {
+    void* p = ::mmap(nullptr, static_cast<size_t>(m.size_), PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p == MAP_FAILED) {
+      int e = errno;
+      ::close(fd);
+      return errno_status(path, "mmap of " + std::to_string(m.size_) + " bytes failed", e);
+    }
+    m.data_ = static_cast<const uint8_t*>(p);
+  }
+  ::close(fd);  // the mapping keeps the file alive
+  *out = std::move(m);
+  return Status::ok();
+}
+
+}  // namespace laplace

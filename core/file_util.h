@@ -1,0 +1,71 @@
+// File helpers: whole-file reads, crash-safe (atomic) writes and read-only
+// memory maps. Every error names the path and the OS error (strerror), so a
+// failed checkpoint save or load says exactly which file and why.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <string>
+
+#include "core/status.h"
+
+namespace laplace {
+
+// Reads the whole file at `path` into *out (replacing its contents).
+// Errors: not_found (no such file or directory), io_error (permission denied,
+// a directory, a read error). *out is unspecified on error.
+Status read_file(const std::string& path, std::string* out);
+
+// Writes exactly n bytes to f. Buffered write errors (e.g. ENOSPC) may only show
+// at fflush/fclose, which write_file_atomic checks. The message carries the OS
+// error but not the path (a FILE* does not know it); write_file_atomic adds it.
+Status write_all(std::FILE* f, const void* data, size_t n);
+
+// Crash-safe replacement of `path`:
+//   1. creates `path + ".tmp.<pid>"` in the same directory (so the rename below
+//      stays within one filesystem and is atomic),
+//   2. calls writer(f) on it, then checks fflush, fsyncs the file and closes it,
+//   3. renames the temp file over `path`, then fsyncs the directory so the new
+//      directory entry itself survives a power loss.
+// On any failure (including the writer returning an error or throwing) the
+// temp file is removed and the previous file at `path`, if any, is untouched;
+// the returned error names `path`. Two threads of one process must not write
+// the same path at the same time (they would share the temp name).
+Status write_file_atomic(const std::string& path, const std::function<Status(std::FILE*)>& writer);
+Status write_file_atomic(const std::string& path, const void* data, size_t n);
+
+// A read-only, private memory map of a whole file (for large checkpoints and
+// data shards: pages load on demand and are shared with the page cache).
+// An empty file maps to data() == nullptr, size() == 0.
+// Note: if another process truncates the file while it is mapped, touching the
+// lost pages raises SIGBUS; files we map are only ever replaced by rename.
+class MappedFile {
+ public:
+  MappedFile() = default;
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  MappedFile(MappedFile&& o) noexcept;
+  MappedFile& operator=(MappedFile&& o) noexcept;
+
+  // Maps `path`; *out is replaced only on success. Errors: not_found,
+  // io_error (permission, not a regular file, mmap failure).
+  static Status open(const std::string& path, MappedFile* out);
+
+  const uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+  bool is_open() const { return open_; }
+
+ private:
+  void reset();
+
+  const uint8_t* data_ = nullptr;
+  uint64_t size_ = 0;
+  bool open_ = false;
+  std::string path_;
+};
+
+}  // namespace laplace

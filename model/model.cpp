@@ -1,0 +1,315 @@
+#include "model/model.h"
+
+#include <cmath>
+
+namespace laplace {
+
+namespace {
+
+// The first n rows of a [rows, cols] buffer.
+Tensor rows(const Tensor& t, int64_t n) { return t.slice(0, 0, n); }
+
+// A 2-D buffer [N, C] seen as [B, T, C].
+Tensor btc(const Tensor& t, int64_t B, int64_t T) {
+  Tensor r = t;
+  r.ndim = 3;
+  r.shape = {B, T, t.shape[1], 0};
+  r.stride = {T * t.stride[0], t.stride[0], 1, 0};
+  return r;
+}
+
+// A 2-D buffer [N, H·d] seen as [B, T, H, d].
+Tensor bthd(const Tensor& t, int64_t B, int64_t T, int64_t H, int64_t d) {
+  Tensor r = t;
+  r.ndim = 4;
+  r.shape = {B, T, H, d};
+  r.stride = {T * t.stride[0], t.stride[0], d, 1};
+  return r;
+}
+
+}  // namespace
+
+Status Model::create(const Config& c, Backend& be, DType dtype) {
+  LAPLACE_RETURN_IF_ERROR(c.validate());
+  cfg_ = c;
+  be_ = &be;
+  dtype_ = dtype;
+  LAPLACE_RETURN_IF_ERROR(weights_.create(weight_specs(c, dtype), be.allocator(), "weights"));
+  w_ = weights_bind(c, weights_);
+  return Status::ok();
+}
+
+Status Model::plan(const PlanOptions& opt) {
+  if (opt.max_batch < 1 || opt.max_seq < 1) return Status::invalid_argument("plan: batch and sequence must be ≥ 1");
+  plan_ = opt;
+  const int64_t N = opt.max_batch * opt.max_seq, B = opt.max_batch;
+  const int64_t D = cfg_.hidden_size, R = cfg_.qkvg_rows(), HV = cfg_.v_dim(), H = cfg_.num_heads;
+  const int64_t F = cfg_.ffn_size, V = cfg_.vocab_size;
+  const DType st = dtype_ == DType::kBF16 ? DType::kF32 : dtype_;  // statistics dtype
+  const int64_t sets = opt.training ? cfg_.num_layers : 1;
+
+  std::vector<TensorSpec> s;
+  s.push_back({"ids", DType::kI32, {N}});
+  s.push_back({"targets", DType::kI32, {N}});
+  s.push_back({"slots", DType::kI32, {B}});
+  for (int64_t l = 0; l < sets; ++l) {
+    const std::string p = "l" + std::to_string(l) + ".";
+    s.push_back({p + "x_in", dtype_, {N, D}});
+    s.push_back({p + "ln1_mean", st, {N}});
+    s.push_back({p + "ln1_rstd", st, {N}});
+    s.push_back({p + "u", dtype_, {N, D}});
+    s.push_back({p + "conv_pre", dtype_, {N, D}});
+    s.push_back({p + "c", dtype_, {N, D}});
+    s.push_back({p + "qkvg", dtype_, {N, R}});
+    if (l == 0 || !opt.recompute_mixer) s.push_back({p + "o", dtype_, {N, HV}});
+    s.push_back({p + "onorm_rstd", st, {N, H}});
+    s.push_back({p + "y", dtype_, {N, HV}});
+    if (opt.training) s.push_back({p + "x_mid", dtype_, {N, D}});
+    s.push_back({p + "ln2_mean", st, {N}});
+    s.push_back({p + "ln2_rstd", st, {N}});
+    s.push_back({p + "z", dtype_, {N, D}});
+    s.push_back({p + "ab", dtype_, {N, 2 * F}});
+    s.push_back({p + "h", dtype_, {N, F}});
+  }
+  if (opt.training) s.push_back({"x_final", dtype_, {N, D}});
+  s.push_back({"lnf_mean", st, {N}});
+  s.push_back({"lnf_rstd", st, {N}});
+  s.push_back({"zf", dtype_, {N, D}});
+  s.push_back({"logits", dtype_, {N, V}});
+  s.push_back({"losses", st, {N}});
+  LAPLACE_RETURN_IF_ERROR(acts_.create(std::move(s), be_->allocator(), "activations"));
+
+  auto get = [&](const std::string& name) {
+    int64_t i = acts_.find(name);
+    LAPLACE_CHECK(i >= 0, "plan: missing activation buffer");
+    return acts_.tensor(static_cast<size_t>(i));
+  };
+  ids_ = get("ids");
+  targets_ = get("targets");
+  slots_ = get("slots");
+  layer_.assign(cfg_.num_layers, LayerActs{});
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    const std::string p = "l" + std::to_string(opt.training ? l : 0) + ".";
+    LayerActs& a = layer_[l];
+    a.x_in = get(p + "x_in");
+    a.ln1_mean = get(p + "ln1_mean");
+    a.ln1_rstd = get(p + "ln1_rstd");
+    a.u = get(p + "u");
+    a.conv_pre = get(p + "conv_pre");
+    a.c = get(p + "c");
+    a.qkvg = get(p + "qkvg");
+    a.o = get(opt.recompute_mixer ? "l0.o" : p + "o");
+    a.onorm_rstd = get(p + "onorm_rstd");
+    a.y = get(p + "y");
+    // Inference updates the residual stream in place; training keeps each stage.
+    a.x_mid = opt.training ? get(p + "x_mid") : a.x_in;
+    a.ln2_mean = get(p + "ln2_mean");
+    a.ln2_rstd = get(p + "ln2_rstd");
+    a.z = get(p + "z");
+    a.ab = get(p + "ab");
+    a.h = get(p + "h");
+  }
+  x_final_ = opt.training ? get("x_final") : layer_[0].x_in;
+  lnf_mean_ = get("lnf_mean");
+  lnf_rstd_ = get("lnf_rstd");
+  zf_ = get("zf");
+  logits_buf_ = get("logits");
+  losses_ = get("losses");
+
+  if (opt.training) {
+    std::vector<TensorSpec> g = {
+        {"dx", dtype_, {N, D}},     {"dtmp", dtype_, {N, D}},  {"du", dtype_, {N, D}},
+        {"dc", dtype_, {N, D}},     {"dqkvg", dtype_, {N, R}}, {"do", dtype_, {N, HV}},
+        {"dy", dtype_, {N, HV}},    {"dz", dtype_, {N, D}},    {"dab", dtype_, {N, 2 * F}},
+        {"dh", dtype_, {N, F}},
+    };
+    LAPLACE_RETURN_IF_ERROR(scratch_.create(std::move(g), be_->allocator(), "backward scratch"));
+    Tensor* dst[] = {&dx_, &dtmp_, &du_, &dc_, &dqkvg_, &do_, &dy_, &dz_, &dab_, &dh_};
+    for (size_t i = 0; i < scratch_.size(); ++i) *dst[i] = scratch_.tensor(i);
+  }
+  return Status::ok();
+}
+
+GlaParams Model::gla_params(GlaForm form) const {
+  GlaParams p;
+  p.form = form;
+  p.chunk = cfg_.chunk_size;
+  p.scale = 1.0 / std::sqrt(static_cast<double>(cfg_.head_k_dim));
+  p.decay = cfg_.decays();
+  return p;
+}
+
+Tensor Model::qkvg_part(const Tensor& qkvg, int64_t B, int64_t T, int part) const {
+  const int64_t H = cfg_.num_heads, dk = cfg_.head_k_dim, dv = cfg_.head_v_dim;
+  const int64_t begin[] = {0, H * dk, 2 * H * dk, 2 * H * dk + H * dv};
+  const int64_t width[] = {H * dk, H * dk, H * dv, H * dv};
+  const int64_t d[] = {dk, dk, dv, dv};
+  Tensor cols = qkvg.slice(1, begin[part], begin[part] + width[part]);
+  return bthd(cols, B, T, H, d[part]);
+}
+
+void Model::forward(const int32_t* tokens, int64_t B, int64_t T, const ForwardOptions& opt, StatePool* pool,
+                    const int32_t* slots) {
+  LAPLACE_CHECK(B >= 1 && T >= 1 && B <= plan_.max_batch && T <= plan_.max_seq,
+                "forward: batch shape exceeds the plan");
+  LAPLACE_CHECK(!pool || !plan_.training, "forward: training runs from the zero state");
+  Backend& be = *be_;
+  const int64_t N = B * T, D = cfg_.hidden_size, H = cfg_.num_heads, dv = cfg_.head_v_dim;
+  last_B_ = B;
+  last_T_ = T;
+  last_only_ = opt.last_logits_only;
+
+  be.copy(ids_.slice(0, 0, N), Tensor(const_cast<int32_t*>(tokens), DType::kI32, {N}));
+  Tensor slot_ids;
+  if (pool) {
+    std::vector<int32_t> identity;
+    if (!slots) {
+      identity.resize(B);
+      for (int64_t b = 0; b < B; ++b) identity[b] = static_cast<int32_t>(b);
+      slots = identity.data();
+    }
+    for (int64_t b = 0; b < B; ++b) LAPLACE_CHECK(slots[b] >= 0 && slots[b] < pool->slots(), "forward: bad slot");
+    slot_ids = slots_.slice(0, 0, B);
+    be.copy(slot_ids, Tensor(const_cast<int32_t*>(slots), DType::kI32, {B}));
+  }
+
+  be.embedding_forward(ids_.slice(0, 0, N), w_.embed, rows(layer_[0].x_in, N));
+  const GlaParams gp = gla_params(opt.form);
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    const LayerActs& a = layer_[l];
+    const LayerWeights& w = w_.layers[l];
+    const Tensor x_in = rows(a.x_in, N), x_mid = rows(a.x_mid, N);
+    const Tensor x_out = rows(l + 1 < cfg_.num_layers ? layer_[l + 1].x_in : x_final_, N);
+    const Tensor qkvg = rows(a.qkvg, N);
+
+    // Mixer block: x_mid = x_in + (RMSNorm(GLA(conv(LN1 x))) ⊙ SiLU(g)) · W_oᵀ
+    be.layernorm_forward(x_in, w.norm1_w, w.norm1_b, cfg_.norm_eps, rows(a.u, N), rows(a.ln1_mean, N),
+                         rows(a.ln1_rstd, N));
+    Tensor win = pool ? pool->conv(l) : Tensor{};
+    be.conv_silu_forward(btc(rows(a.u, N), B, T), w.conv_w, btc(rows(a.c, N), B, T),
+                         plan_.training ? btc(rows(a.conv_pre, N), B, T) : Tensor{}, win, win, slot_ids);
+    be.gemm(rows(a.c, N), false, w.wqkvg, true, qkvg, 1.0, 0.0);
+    Tensor st = pool ? pool->gla(l) : Tensor{};
+    Tensor o = bthd(rows(a.o, N), B, T, H, dv);
+    be.gla_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), o, st, st,
+                   slot_ids);
+    Tensor rstd = a.onorm_rstd.slice(0, 0, N);
+    rstd.ndim = 3;
+    rstd.shape = {B, T, H, 0};
+    rstd.stride = {T * H, H, 1, 0};
+    be.rmsnorm_gate_forward(o, qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps, bthd(rows(a.y, N), B, T, H, dv),
+                            rstd);
+    if (x_mid.data != x_in.data) be.copy(x_mid, x_in);
+    be.gemm(rows(a.y, N), false, w.wo, true, x_mid, 1.0, 1.0);
+
+    // Channel mixer: x_out = x_mid + (SiLU(a) ⊙ b) · W_3ᵀ with [a|b] = LN2(x_mid) · W_12ᵀ
+    be.layernorm_forward(x_mid, w.norm2_w, w.norm2_b, cfg_.norm_eps, rows(a.z, N), rows(a.ln2_mean, N),
+                         rows(a.ln2_rstd, N));
+    be.gemm(rows(a.z, N), false, w.w12, true, rows(a.ab, N), 1.0, 0.0);
+    be.swiglu_forward(rows(a.ab, N), rows(a.h, N));
+    if (x_out.data != x_mid.data) be.copy(x_out, x_mid);
+    be.gemm(rows(a.h, N), false, w.w3, true, x_out, 1.0, 1.0);
+  }
+
+  // Head: logits = LN_f(x) · W_headᵀ, for every token or each sequence's last one.
+  Tensor xf = rows(x_final_, N);
+  int64_t M = N;
+  if (opt.last_logits_only) {
+    Tensor last = xf.slice(0, T - 1, T - 1 + 1);
+    last.shape[0] = B;
+    last.stride[0] = T * D;
+    xf = last;
+    M = B;
+  }
+  be.layernorm_forward(xf, w_.norm_w, w_.norm_b, cfg_.norm_eps, rows(zf_, M), rows(lnf_mean_, M),
+                       rows(lnf_rstd_, M));
+  logits_ = rows(logits_buf_, M);
+  be.gemm(rows(zf_, M), false, w_.lm_head, true, logits_, 1.0, 0.0);
+}
+
+double Model::loss(const int32_t* targets) {
+  LAPLACE_CHECK(!last_only_, "loss: needs the logits of every token");
+  const int64_t N = last_B_ * last_T_;
+  be_->copy(targets_.slice(0, 0, N), Tensor(const_cast<int32_t*>(targets), DType::kI32, {N}));
+  Tensor losses = losses_.slice(0, 0, N);
+  be_->cross_entropy_forward(logits_, targets_.slice(0, 0, N), losses);
+  // Sum on the host in a fixed order (double), divide by the number of targets.
+  std::vector<char> host(losses.nbytes());
+  Tensor h = Tensor(host.data(), losses.dtype, {N});
+  be_->copy(h, losses);
+  be_->synchronize();
+  double sum = 0;
+  int64_t count = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    if (targets[i] < 0) continue;
+    sum += losses.dtype == DType::kF64 ? reinterpret_cast<const double*>(host.data())[i]
+                                       : reinterpret_cast<const float*>(host.data())[i];
+    ++count;
+  }
+  return count ? sum / static_cast<double>(count) : 0.0;
+}
+
+void Model::backward(const int32_t* targets, const Arena& grads) {
+  LAPLACE_CHECK(plan_.training, "backward: the plan is not a training plan");
+  LAPLACE_CHECK(!last_only_, "backward: needs the logits of every token");
+  Backend& be = *be_;
+  const int64_t B = last_B_, T = last_T_, N = B * T;
+  const int64_t H = cfg_.num_heads, dv = cfg_.head_v_dim;
+  const ModelWeights g = weights_bind(cfg_, grads);
+
+  int64_t count = 0;
+  for (int64_t i = 0; i < N; ++i) count += targets[i] >= 0;
+  const double scale = count ? 1.0 / static_cast<double>(count) : 0.0;
+  Tensor tg = targets_.slice(0, 0, N);
+  be.copy(tg, Tensor(const_cast<int32_t*>(targets), DType::kI32, {N}));
+
+  // Head and final norm.
+  be.cross_entropy_backward(logits_, tg, scale, logits_);  // dlogits in place
+  const Tensor dx = rows(dx_, N), dtmp = rows(dtmp_, N);
+  be.gemm(logits_, false, w_.lm_head, false, dtmp, 1.0, 0.0);
+  be.gemm(logits_, true, rows(zf_, N), false, g.lm_head, 1.0, 1.0);
+  be.layernorm_backward(dtmp, rows(x_final_, N), w_.norm_w, rows(lnf_mean_, N), rows(lnf_rstd_, N), dx, false,
+                        g.norm_w, g.norm_b);
+
+  const GlaParams gp = gla_params(GlaForm::kChunked);
+  for (int64_t l = cfg_.num_layers - 1; l >= 0; --l) {
+    const LayerActs& a = layer_[l];
+    const LayerWeights& w = w_.layers[l];
+    const LayerWeights& gw = g.layers[l];
+    const Tensor qkvg = rows(a.qkvg, N), dqkvg = rows(dqkvg_, N);
+
+    // Channel mixer: x_out = x_mid + h·W_3ᵀ, h = SiLU(a) ⊙ b, [a|b] = z·W_12ᵀ.
+    be.gemm(dx, false, w.w3, false, rows(dh_, N), 1.0, 0.0);
+    be.gemm(dx, true, rows(a.h, N), false, gw.w3, 1.0, 1.0);
+    be.swiglu_backward(rows(dh_, N), rows(a.ab, N), rows(dab_, N));
+    be.gemm(rows(dab_, N), false, w.w12, false, rows(dz_, N), 1.0, 0.0);
+    be.gemm(rows(dab_, N), true, rows(a.z, N), false, gw.w12, 1.0, 1.0);
+    be.layernorm_backward(rows(dz_, N), rows(a.x_mid, N), w.norm2_w, rows(a.ln2_mean, N), rows(a.ln2_rstd, N), dx,
+                          true, gw.norm2_w, gw.norm2_b);
+
+    // Mixer: x_mid = x_in + y·W_oᵀ, y = RMSNorm(o) ⊙ SiLU(g), o = GLA(q, k, v).
+    be.gemm(dx, false, w.wo, false, rows(dy_, N), 1.0, 0.0);
+    be.gemm(dx, true, rows(a.y, N), false, gw.wo, 1.0, 1.0);
+    Tensor o = bthd(rows(a.o, N), B, T, H, dv);
+    if (plan_.recompute_mixer)
+      be.gla_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), o, {}, {}, {});
+    Tensor rstd = a.onorm_rstd.slice(0, 0, N);
+    rstd.ndim = 3;
+    rstd.shape = {B, T, H, 0};
+    rstd.stride = {T * H, H, 1, 0};
+    be.rmsnorm_gate_backward(bthd(rows(dy_, N), B, T, H, dv), o, qkvg_part(qkvg, B, T, 3), w.onorm_w, rstd,
+                             bthd(rows(do_, N), B, T, H, dv), qkvg_part(dqkvg, B, T, 3), gw.onorm_w);
+    be.gla_backward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), {},
+                    bthd(rows(do_, N), B, T, H, dv), {}, qkvg_part(dqkvg, B, T, 0), qkvg_part(dqkvg, B, T, 1),
+                    qkvg_part(dqkvg, B, T, 2), {});
+    be.gemm(dqkvg, false, w.wqkvg, false, rows(dc_, N), 1.0, 0.0);
+    be.gemm(dqkvg, true, rows(a.c, N), false, gw.wqkvg, 1.0, 1.0);
+    be.conv_silu_backward(btc(rows(dc_, N), B, T), btc(rows(a.u, N), B, T), w.conv_w,
+                          btc(rows(a.conv_pre, N), B, T), btc(rows(du_, N), B, T), gw.conv_w);
+    be.layernorm_backward(rows(du_, N), rows(a.x_in, N), w.norm1_w, rows(a.ln1_mean, N), rows(a.ln1_rstd, N), dx,
+                          true, gw.norm1_w, gw.norm1_b);
+  }
+  be.embedding_backward(ids_.slice(0, 0, N), dx, g.embed);
+}
+
+}  // namespace laplace

@@ -1,0 +1,120 @@
+// The Laplace model of SPEC §1: one definition that drives training (forward +
+// backward, chunked mixer), prefill (chunked mixer from and into decode states) and
+// decode (one token per sequence, recurrent mixer, states updated in place).
+// All arithmetic goes through a Backend, so the same code runs on CPU and CUDA.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/arena.h"
+#include "model/config.h"
+#include "model/state.h"
+#include "model/weights.h"
+#include "ops/backend.h"
+
+namespace laplace {
+
+struct PlanOptions {
+  int64_t max_batch = 1;         // B
+  int64_t max_seq = 1;           // T
+  bool training = false;         // keep per-layer activations for the backward
+  bool recompute_mixer = false;  // training: recompute the GLA output in the backward
+                                 // instead of storing it per layer
+};
+
+struct ForwardOptions {
+  GlaForm form = GlaForm::kChunked;  // kRecurrent for decode
+  bool last_logits_only = false;     // logits of each sequence's last token only
+};
+
+class Model {
+ public:
+  // Allocates the weights (zeroed) on the backend's device in `dtype`.
+  Status create(const Config& c, Backend& be, DType dtype);
+
+  const Config& config() const { return cfg_; }
+  Backend& backend() const { return *be_; }
+  DType dtype() const { return dtype_; }
+  const Arena& weight_arena() const { return weights_; }
+  const ModelWeights& weights() const { return w_; }
+
+  void init_weights(uint64_t seed) { weights_init(cfg_, *be_, weights_, seed); }
+  Status load(const std::string& path) { return weights_load(path, *be_, weights_); }
+  Status save(const std::string& path) const { return weights_save(path, cfg_, *be_, weights_); }
+
+  // Plans and allocates the activation arena (and, for training, the backward
+  // scratch). Returns the bytes of each buffer class through activation_bytes().
+  Status plan(const PlanOptions& opt);
+  size_t activation_bytes() const { return acts_.bytes() + scratch_.bytes(); }
+  const PlanOptions& plan_options() const { return plan_; }
+
+  // Forward of B sequences of T tokens (host ids, row-major [B,T]). With `pool`,
+  // row b starts from the state in slot slots[b] (host ids; nullptr = slot b) and
+  // leaves it updated; without, every sequence starts from the zero state.
+  void forward(const int32_t* tokens, int64_t B, int64_t T, const ForwardOptions& opt,
+               StatePool* pool = nullptr, const int32_t* slots = nullptr);
+
+  // Logits of the last forward: [B·T, V], or [B, V] with last_logits_only.
+  Tensor logits() const { return logits_; }
+
+  // Mean cross-entropy of the last forward's logits against host targets [B·T]
+  // (targets < 0 are ignored). Synchronises.
+  double loss(const int32_t* targets);
+
+  // Gradient of the mean loss of the last (training) forward. Accumulates into a
+  // gradient arena created from weight_specs(config, F32-or-compute dtype); the
+  // caller zeroes it once per optimizer step. Overwrites the logits.
+  void backward(const int32_t* targets, const Arena& grads);
+
+ private:
+  struct LayerActs {
+    Tensor x_in;         // [N, D]     residual stream entering the layer
+    Tensor ln1_mean;     // [N]
+    Tensor ln1_rstd;     // [N]
+    Tensor u;            // [N, D]     norm1 output = conv input
+    Tensor conv_pre;     // [N, D]     conv pre-activation
+    Tensor c;            // [N, D]     conv output (SiLU)
+    Tensor qkvg;         // [N, H(2dk+2dv)]
+    Tensor o;            // [N, H·dv]  GLA output
+    Tensor onorm_rstd;   // [N, H]
+    Tensor y;            // [N, H·dv]  RMSNorm(o) ⊙ SiLU(g)
+    Tensor x_mid;        // [N, D]     residual stream after the mixer
+    Tensor ln2_mean;     // [N]
+    Tensor ln2_rstd;     // [N]
+    Tensor z;            // [N, D]     norm2 output
+    Tensor ab;           // [N, 2F]
+    Tensor h;            // [N, F]     SiLU(a) ⊙ b
+  };
+
+  GlaParams gla_params(GlaForm form) const;
+  // Views of the fused projection as q, k, v, g: [B, T, H, d].
+  Tensor qkvg_part(const Tensor& qkvg, int64_t B, int64_t T, int part) const;
+  void mixer_forward(int64_t l, int64_t B, int64_t T, const ForwardOptions& opt, StatePool* pool);
+
+  Config cfg_;
+  Backend* be_ = nullptr;
+  DType dtype_ = DType::kF32;
+  Arena weights_;
+  ModelWeights w_;
+
+  PlanOptions plan_;
+  Arena acts_;     // activations (per layer when training)
+  Arena scratch_;  // backward scratch (training only)
+  std::vector<LayerActs> layer_;
+  Tensor ids_, targets_, slots_;  // [N] I32, [N] I32, [B] I32 on the device
+  Tensor x_final_;                // [N, D] residual stream after the last layer
+  Tensor lnf_mean_, lnf_rstd_;    // [N]
+  Tensor zf_;                     // [N, D] final norm output
+  Tensor logits_buf_;             // [N, V]
+  Tensor losses_;                 // [N]
+  Tensor logits_;                 // view of logits_buf_ for the last forward
+  int64_t last_B_ = 0, last_T_ = 0;
+  bool last_only_ = false;
+  bool has_slots_ = false;
+  // Backward scratch.
+  Tensor dx_, dtmp_, du_, dc_, dqkvg_, do_, dy_, dz_, dab_, dh_;
+};
+
+}  // namespace laplace

@@ -1,0 +1,59 @@
+// The model's parameters: one Arena carved by a size table with the canonical
+// names of SPEC §1. The same table carves gradient arenas, so a gradient has the
+// name and shape of its parameter.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/status.h"
+#include "model/config.h"
+#include "ops/backend.h"
+
+namespace laplace {
+
+struct LayerWeights {
+  Tensor norm1_w, norm1_b;  // [D], [D]
+  Tensor conv_w;            // [D, K]
+  Tensor wqkvg;             // [H(2dk+2dv), D]
+  Tensor onorm_w;           // [dv]
+  Tensor wo;                // [D, H·dv]
+  Tensor norm2_w, norm2_b;  // [D], [D]
+  Tensor w12;               // [2F, D]
+  Tensor w3;                // [D, F]
+};
+
+struct ModelWeights {
+  Tensor embed;                      // [V, D]
+  std::vector<LayerWeights> layers;  // L
+  Tensor norm_w, norm_b;             // [D]
+  Tensor lm_head;                    // [V, D]; aliases embed when tied
+};
+
+// The size table, in canonical order. lm_head is absent when embeddings are tied.
+std::vector<TensorSpec> weight_specs(const Config& c, DType dtype);
+
+// Views of an arena created from weight_specs(c, ·).
+ModelWeights weights_bind(const Config& c, const Arena& arena);
+
+// True for the four body matrices per layer that Muon optimises.
+bool is_body_matrix(const std::string& name);
+// Row blocks orthogonalised separately (SPEC §2): q,k,v,g of W_qkvg; a,b of W_12.
+std::vector<int64_t> muon_blocks(const Config& c, const std::string& name);
+// Parameters that AdamW decays (embedding and head).
+bool is_decayed_by_adamw(const std::string& name);
+
+// Deterministic initialisation from a seed, on the host then copied to the arena's
+// device: matrices N(0, 0.02), W_o and W_3 scaled by 1/√(2L), norm weights 1, biases
+// 0, onorm 1, conv N(0, 1/√K).
+void weights_init(const Config& c, Backend& be, const Arena& arena, uint64_t seed);
+
+// safetensors with the canonical names and {"format": "pt"} metadata, written
+// atomically. Tensors are converted to F32 on disk unless the arena is F64 or BF16.
+Status weights_save(const std::string& path, const Config& c, Backend& be, const Arena& arena);
+// Loads every tensor of the arena by name, converting dtypes where needed. Missing
+// tensors, wrong shapes and unexpected extra tensors are errors.
+Status weights_load(const std::string& path, Backend& be, const Arena& arena);
+
+}  // namespace laplace

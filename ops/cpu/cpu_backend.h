@@ -1,0 +1,68 @@
+// CPU backend: every op of ops/backend.h in F32 and F64 (all float tensors of one call
+// share the dtype), on strided views whose innermost stride is 1. Dense products go
+// through OpenBLAS; row loops are parallelised with OpenMP; every reduction (parameter
+// gradients, embedding backward, sum_squares) runs in a fixed order that does not
+// depend on the thread count, so results are bitwise identical for any OMP_NUM_THREADS.
+// The GLA mixer forwards to ops/cpu/gla.h.
+#pragma once
+
+#include <memory>
+
+#include "ops/backend.h"
+
+namespace laplace {
+
+class CpuBackend final : public Backend {
+ public:
+  Device device() const override { return Device::kCPU; }
+  const char* name() const override { return "cpu"; }
+  Allocator& allocator() override;
+
+  void copy(Tensor dst, const Tensor& src) override;
+  void fill(Tensor dst, double value) override;
+  void axpy(double alpha, const Tensor& x, Tensor y) override;
+  void synchronize() override {}
+
+  void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor c, double alpha,
+            double beta) override;
+
+  void embedding_forward(const Tensor& ids, const Tensor& table, Tensor out) override;
+  void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor dtable) override;
+
+  void layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tensor y,
+                         Tensor mean, Tensor rstd) override;
+  void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& mean,
+                          const Tensor& rstd, Tensor dx, bool accumulate_dx, Tensor dw,
+                          Tensor db) override;
+
+  void conv_silu_forward(const Tensor& u, const Tensor& w, Tensor c, Tensor pre,
+                         const Tensor& win_in, Tensor win_out, const Tensor& slots) override;
+  void conv_silu_backward(const Tensor& dc, const Tensor& u, const Tensor& w, const Tensor& pre,
+                          Tensor du, Tensor dw) override;
+
+  void gla_forward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor o,
+                   const Tensor& s_in, Tensor s_out, const Tensor& slots) override;
+  void gla_backward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const Tensor& s_in, const Tensor& d_o, const Tensor& ds_out, Tensor dq,
+                    Tensor dk, Tensor dv, Tensor ds_in) override;
+
+  void rmsnorm_gate_forward(const Tensor& o, const Tensor& g, const Tensor& w, double eps, Tensor y,
+                            Tensor rstd) override;
+  void rmsnorm_gate_backward(const Tensor& dy, const Tensor& o, const Tensor& g, const Tensor& w,
+                             const Tensor& rstd, Tensor d_o, Tensor dg, Tensor dw) override;
+
+  void swiglu_forward(const Tensor& ab, Tensor h) override;
+  void swiglu_backward(const Tensor& dh, const Tensor& ab, Tensor dab) override;
+
+  void cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor losses) override;
+  void cross_entropy_backward(const Tensor& logits, const Tensor& targets, double scale,
+                              Tensor dlogits) override;
+
+  double sum_squares(const Tensor& x) override;
+  void scale(Tensor x, double alpha) override;
+  void adamw_update(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p) override;
+  void muon_momentum(const Tensor& g, Tensor m, Tensor u, double mu, bool nesterov) override;
+  void muon_apply(Tensor w, const Tensor& o, double lr, double wd, double s) override;
+};
+
+}  // namespace laplace

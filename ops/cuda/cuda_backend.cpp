@@ -1,0 +1,306 @@
+// CudaBackend: allocator, stream, copies, cuBLASLt gemm and the factory. The kernels live in
+// ops/cuda/kernels_*.cu (member functions of CudaBackend defined there).
+#include "ops/cuda/cuda_backend.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "ops/cuda/cuda_check.h"
+
+namespace laplace {
+
+namespace {
+
+constexpr size_t kWorkspaceBytes = 32u << 20;  // cuBLASLt workspace (Hopper: 32 MiB advised)
+
+void require_device(const Tensor& t, const char* what) {
+  if (t.defined() && t.device != Device::kCUDA)
+    check_failed(__FILE__, __LINE__, what, ("tensor must live on the GPU: " + t.shape_str()).c_str());
+}
+
+// Largest power of two (≤ 256) dividing the address: the alignment cuBLASLt may assume.
+uint32_t pointer_alignment(const void* p) {
+  uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  uint32_t al = 256;
+  while (al > 1 && (a % al) != 0) al >>= 1;
+  return al;
+}
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::kF32: return CUDA_R_32F;
+    case DType::kBF16: return CUDA_R_16BF;
+    default: LAPLACE_CHECK(false, "gemm: dtype must be F32 or BF16");
+  }
+  return CUDA_R_32F;
+}
+
+}  // namespace
+
+// ---- allocator ---------------------------------------------------------------------------------
+
+void* CudaAllocator::allocate(size_t bytes) {
+  void* p = nullptr;
+  cudaError_t e = cudaMalloc(&p, bytes ? bytes : 256);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky-free error so later calls are unaffected
+    return nullptr;
+  }
+  return p;
+}
+
+void CudaAllocator::deallocate(void* p) {
+  if (p) CUDA_CHECK(cudaFree(p));
+}
+
+void CudaAllocator::zero(void* p, size_t bytes) {
+  if (p && bytes) CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
+}
+
+// ---- backend -----------------------------------------------------------------------------------
+
+CudaBackend::CudaBackend(int device) : device_(device) {
+  CUDA_CHECK(cudaSetDevice(device_));
+  CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
+  CUDA_CHECK(cudaDeviceGetAttribute(&max_smem_optin_, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  alloc_ = std::make_unique<CudaAllocator>(stream_);
+  CUBLAS_CHECK(cublasLtCreate(&lt_));
+  workspace_bytes_ = kWorkspaceBytes;
+  CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
+  CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_f64_), sizeof(double)));
+}
+
+CudaBackend::~CudaBackend() {
+  // Errors are ignored here: a destructor must not abort while unwinding a failed test.
+  cudaStreamSynchronize(stream_);
+  for (auto& kv : gemm_plans_) {
+    cublasLtMatrixLayoutDestroy(kv.second.la);
+    cublasLtMatrixLayoutDestroy(kv.second.lb);
+    cublasLtMatrixLayoutDestroy(kv.second.lc);
+    cublasLtMatmulDescDestroy(kv.second.desc);
+  }
+  if (lt_) cublasLtDestroy(lt_);
+  if (workspace_) cudaFree(workspace_);
+  if (scratch_) cudaFree(scratch_);
+  if (host_f64_) cudaFreeHost(host_f64_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+void CudaBackend::synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+void* CudaBackend::scratch(size_t bytes) {
+  if (bytes <= scratch_bytes_) return scratch_;
+  size_t n = scratch_bytes_ ? scratch_bytes_ : (1u << 20);
+  while (n < bytes) n *= 2;
+  if (scratch_) {
+    CUDA_CHECK(cudaStreamSynchronize(stream_));  // earlier ops may still use the old buffer
+    CUDA_CHECK(cudaFree(scratch_));
+  }
+  scratch_ = nullptr;
+  CUDA_CHECK(cudaMalloc(&scratch_, n));
+  scratch_bytes_ = n;
+  return scratch_;
+}
+
+// ---- copy ----------------------------------------------------------------------------------------
+
+void CudaBackend::copy(Tensor dst, const Tensor& src) {
+  LAPLACE_CHECK(same_shape(dst, src),
+                ("copy: shapes differ: " + dst.shape_str() + " vs " + src.shape_str()).c_str());
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  const bool dd = dst.device == Device::kCUDA, sd = src.device == Device::kCUDA;
+  if (dst.dtype != src.dtype) {
+    LAPLACE_CHECK(dd && sd, "copy: F32<->BF16 conversion runs device to device only");
+    cuda::convert_copy(dst, src, stream_);
+    return;
+  }
+  const size_t es = dtype_size(dst.dtype);
+  // Merge dims that are contiguous in both views (size-1 dims dropped).
+  int nd = 0;
+  int64_t shp[kMaxDims], sdst[kMaxDims], ssrc[kMaxDims];
+  for (int i = 0; i < dst.ndim; ++i) {
+    if (dst.shape[i] == 1) continue;
+    if (nd > 0 && sdst[nd - 1] == dst.stride[i] * dst.shape[i] && ssrc[nd - 1] == src.stride[i] * dst.shape[i]) {
+      shp[nd - 1] *= dst.shape[i];
+      sdst[nd - 1] = dst.stride[i];
+      ssrc[nd - 1] = src.stride[i];
+    } else {
+      shp[nd] = dst.shape[i];
+      sdst[nd] = dst.stride[i];
+      ssrc[nd] = src.stride[i];
+      ++nd;
+    }
+  }
+  if (nd == 0) {
+    shp[0] = 1;
+    sdst[0] = ssrc[0] = 1;
+    nd = 1;
+  }
+  LAPLACE_CHECK(sdst[nd - 1] == 1 && ssrc[nd - 1] == 1, "copy: the innermost dim must be contiguous");
+  cudaMemcpyKind kind = dd ? (sd ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice)
+                           : (sd ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost);
+  char* pd = static_cast<char*>(dst.data);
+  const char* ps = static_cast<const char*>(src.data);
+  if (nd == 1) {
+    CUDA_CHECK(cudaMemcpyAsync(pd, ps, static_cast<size_t>(shp[0]) * es, kind, stream_));
+  } else {
+    // Rows of the two innermost (merged) dims per cudaMemcpy2DAsync; outer dims looped.
+    const size_t width = static_cast<size_t>(shp[nd - 1]) * es;
+    const size_t height = static_cast<size_t>(shp[nd - 2]);
+    const size_t dpitch = static_cast<size_t>(sdst[nd - 2]) * es, spitch = static_cast<size_t>(ssrc[nd - 2]) * es;
+    int64_t outer = 1;
+    for (int i = 0; i < nd - 2; ++i) outer *= shp[i];
+    for (int64_t o = 0; o < outer; ++o) {
+      int64_t rem = o, od = 0, os = 0;
+      for (int i = nd - 3; i >= 0; --i) {
+        const int64_t idx = rem % shp[i];
+        rem /= shp[i];
+        od += idx * sdst[i];
+        os += idx * ssrc[i];
+      }
+      CUDA_CHECK(cudaMemcpy2DAsync(pd + od * static_cast<int64_t>(es), dpitch, ps + os * static_cast<int64_t>(es),
+                                   spitch, width, height, kind, stream_));
+    }
+  }
+  // Copies that touch host memory complete before returning (the host may reuse or read
+  // the buffer at once, as with the CPU backend).
+  if (!dd || !sd) CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+// ---- gemm ----------------------------------------------------------------------------------------
+//
+// Row-major C[M,N] = op(A)·op(B) is column-major Cᵀ[N,M] = op(B)ᵀ·op(A)ᵀ, and a row-major
+// matrix with row stride ld is, read column-major, its transpose with the same ld. So cuBLASLt
+// gets (B, A) as its (A, B): its first operand is B with op = trans_b ? T : N, stored as a
+// column-major [cols(B) x rows(B)] matrix, and likewise for A; its output is C as [N x M].
+
+const CudaBackend::GemmPlan& CudaBackend::gemm_plan(const GemmKey& key) {
+  auto it = gemm_plans_.find(key);
+  if (it != gemm_plans_.end()) return it->second;
+  const auto ta = static_cast<cudaDataType_t>(key[0]), tb = static_cast<cudaDataType_t>(key[1]),
+             tc = static_cast<cudaDataType_t>(key[2]);
+  const bool trans_a = key[3] != 0, trans_b = key[4] != 0;
+  const int64_t M = key[5], N = key[6], K = key[7], lda = key[8], ldb = key[9], ldc = key[10];
+  const uint32_t al_a = static_cast<uint32_t>(key[11]), al_b = static_cast<uint32_t>(key[12]),
+                 al_c = static_cast<uint32_t>(key[13]);
+
+  GemmPlan plan;
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  cublasOperation_t op_first = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLAS "A" = our B
+  cublasOperation_t op_second = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N; // cuBLAS "B" = our A
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
+  // Column-major storage shapes: our B is [K,N] (or [N,K] when trans_b) row-major.
+  const uint64_t b_rows = trans_b ? K : N, b_cols = trans_b ? N : K;
+  const uint64_t a_rows = trans_a ? M : K, a_cols = trans_a ? K : M;
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.lb, tb, b_rows, b_cols, ldb));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.la, ta, a_rows, a_cols, lda));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.lc, tc, N, M, ldc));
+
+  cublasLtMatmulPreference_t pref;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  uint64_t ws = workspace_bytes_;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  // No split-K: its reductions would tie results to the algorithm's partitioning.
+  uint32_t red = CUBLASLT_REDUCTION_SCHEME_NONE;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &red, sizeof(red)));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_b, sizeof(al_b)));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_a, sizeof(al_a)));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
+  cublasLtMatmulHeuristicResult_t res{};
+  int found = 0;
+  cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(lt_, plan.desc, plan.lb, plan.la, plan.lc, plan.lc, pref, 1, &res, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
+    std::string msg = "gemm: cuBLASLt has no algorithm for M=" + std::to_string(M) + " N=" + std::to_string(N) +
+                      " K=" + std::to_string(K) + " (dtypes/alignment/leading dimensions unsupported)";
+    check_failed(__FILE__, __LINE__, "cublasLtMatmulAlgoGetHeuristic", msg.c_str());
+  }
+  plan.algo = res.algo;
+  return gemm_plans_.emplace(key, plan).first->second;
+}
+
+void CudaBackend::gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor c, double alpha,
+                       double beta) {
+  require_device(a, "gemm: a");
+  require_device(b, "gemm: b");
+  require_device(c, "gemm: c");
+  LAPLACE_CHECK(a.ndim == 2 && b.ndim == 2 && c.ndim == 2, "gemm: operands must be 2-D");
+  const int64_t M = c.shape[0], N = c.shape[1];
+  const int64_t K = trans_a ? a.shape[0] : a.shape[1];
+  const int64_t am = trans_a ? a.shape[1] : a.shape[0];
+  const int64_t bk = trans_b ? b.shape[1] : b.shape[0], bn = trans_b ? b.shape[0] : b.shape[1];
+  if (am != M || bk != K || bn != N)
+    check_failed(__FILE__, __LINE__, "gemm shapes",
+                 ("gemm: op(a) " + a.shape_str() + (trans_a ? "ᵀ" : "") + " · op(b) " + b.shape_str() +
+                  (trans_b ? "ᵀ" : "") + " does not give c " + c.shape_str())
+                     .c_str());
+  const bool bf16_in = a.dtype == DType::kBF16 && b.dtype == DType::kBF16 &&
+                       (c.dtype == DType::kF32 || c.dtype == DType::kBF16);
+  const bool f32_all = a.dtype == DType::kF32 && b.dtype == DType::kF32 && c.dtype == DType::kF32;
+  LAPLACE_CHECK(bf16_in || f32_all, "gemm: dtypes must be (BF16, BF16, F32|BF16) or (F32, F32, F32)");
+  if (M == 0 || N == 0) return;
+  if (K == 0) {  // c = beta·c
+    if (beta == 0) fill(c, 0.0);
+    else if (beta != 1) scale(c, beta);
+    return;
+  }
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&a, &b, &c})
+    LAPLACE_CHECK(t->stride[1] == 1 || t->shape[1] == 1, "gemm: the innermost dim must be contiguous");
+  const int64_t lda = std::max<int64_t>(a.stride[0], a.shape[1]);
+  const int64_t ldb = std::max<int64_t>(b.stride[0], b.shape[1]);
+  const int64_t ldc = std::max<int64_t>(c.stride[0], c.shape[1]);
+  GemmKey key = {static_cast<int64_t>(cuda_type(a.dtype)), static_cast<int64_t>(cuda_type(b.dtype)),
+                 static_cast<int64_t>(cuda_type(c.dtype)), trans_a ? 1 : 0, trans_b ? 1 : 0, M, N, K, lda, ldb, ldc,
+                 pointer_alignment(a.data), pointer_alignment(b.data), pointer_alignment(c.data), 0};
+  const GemmPlan& plan = gemm_plan(key);
+  const float fa = static_cast<float>(alpha), fb = static_cast<float>(beta);
+  CUBLAS_CHECK(cublasLtMatmul(lt_, plan.desc, &fa, b.data, plan.lb, a.data, plan.la, &fb, c.data, plan.lc, c.data,
+                              plan.lc, &plan.algo, workspace_, workspace_bytes_, stream_));
+}
+
+// ---- factory -------------------------------------------------------------------------------------
+
+std::unique_ptr<Backend> make_cuda_backend(std::string* why) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (why) *why = std::string("cudaGetDeviceCount failed: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
+    return nullptr;
+  }
+  if (n == 0) {
+    if (why) *why = "no CUDA device is visible (cudaGetDeviceCount returned 0)";
+    return nullptr;
+  }
+  int dev = 0;
+  e = cudaGetDevice(&dev);  // the caller (e.g. one rank per GPU) may have chosen it
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (why) *why = std::string("cudaGetDevice failed: ") + cudaGetErrorString(e);
+    return nullptr;
+  }
+  e = cuda::probe_kernel_image();
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    cudaDeviceProp prop{};
+    int major = 0, minor = 0;
+    if (cudaGetDeviceProperties(&prop, dev) == cudaSuccess) {
+      major = prop.major;
+      minor = prop.minor;
+    }
+    if (why)
+      *why = std::string("the CUDA kernels cannot run on device ") + std::to_string(dev) + " (compute capability " +
+             std::to_string(major) + "." + std::to_string(minor) + "): " + cudaGetErrorString(e) +
+             "; laplace is built for sm_90a (H100/H200)";
+    return nullptr;
+  }
+  return std::make_unique<CudaBackend>(dev);
+}
+
+}  // namespace laplace

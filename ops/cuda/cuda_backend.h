@@ -1,0 +1,173 @@
+// The CUDA backend: one device, one stream, a cuBLASLt handle with a fixed workspace.
+// Every op is queued on the backend's stream in call order; only copies that touch host
+// memory, sum_squares and synchronize() wait for the device.
+//
+// Built for sm_90a (H100/H200). make_cuda_backend() probes the machine first and returns
+// nullptr with a reason (no driver, no device, no kernel image for the device) instead of
+// aborting; once a backend exists, CUDA failures abort with file:line (ops/cuda/cuda_check.h).
+//
+// ---- Dtype rules (anything else fails a LAPLACE_CHECK) ----------------------------------
+// "float" below means F32 or BF16, chosen per tensor (they may differ within one call);
+// every op loads to F32, computes in F32 and rounds once on the store. States, windows,
+// norm statistics and losses are F32 only. Index tensors are I32.
+//  copy            same dtype: any dtype, any direction (H2D/D2H/D2D/H2H), strided views
+//                  (innermost dim contiguous). F32<->BF16 conversion: device to device only.
+//  fill            F32, BF16, F64, I32 (device).
+//  axpy, scale     float x, float y.
+//  gemm            (A, B, C) = (BF16, BF16, F32), (BF16, BF16, BF16) or (F32, F32, F32);
+//                  F32 compute (no TF32), alpha/beta F32. 2-D, innermost stride 1.
+//  embedding       ids I32 [N]; table, out, dout float; dtable float (F32 advised: it
+//                  accumulates). Ids outside [0, V) give a zero row / no gradient.
+//  layernorm       x, y, dy, dx float; w, b float [D] (b may be undefined); mean, rstd F32
+//                  [N] contiguous (optional: recomputed by the backward when undefined);
+//                  dw, db float [D] (accumulate).
+//  conv_silu       u, c, pre, dc, du float [B,T,D]; w, dw float [D,K], K <= 8; win_in/win_out
+//                  F32 [S,K,D] with win[s,j] = u_{T-K+j} (j = K-1 the newest input, oldest
+//                  first); slots I32 [B] or undefined. pre may be undefined in the backward
+//                  (recomputed from u and w with a zero window).
+//  gla             q, k, v, o, d_o, dq, dk, dv float; s_in, s_out, ds_in, ds_out F32 [S,H,dk,dv]
+//                  with the [dk,dv] plane contiguous; dk <= 128, dv <= 256, H <= 128.
+//                  All three forms run the same chunked kernel (they agree to rounding); the
+//                  kernel's internal chunk is min(p.chunk, a size that fits shared memory).
+//  rmsnorm_gate    o, g, y, dy, d_o, dg float; w, dw float [dv]; rstd F32 [B,T,H] contiguous
+//                  (optional: recomputed by the backward when undefined).
+//  swiglu          ab, h, dh, dab float. dab may alias ab.
+//  cross_entropy   logits, dlogits float [N,V] (dlogits may alias logits); targets I32 [N]
+//                  contiguous; losses F32 [N] contiguous. A target >= V gives a NaN loss.
+//  sum_squares     float x; accumulated in F64 in a fixed order, returned to the host.
+//  adamw_update    w F32 (master), g float, m F32, v F32.
+//  muon_momentum   g float, m F32, u float.
+//  muon_apply      w F32, o float.
+//
+// Determinism: no atomics anywhere; every reduction has a fixed order that depends only on
+// the shapes; gemm algorithms are chosen once per (shape, layout, dtype, alignment) and
+// cached, with split-K excluded.
+//
+// Lifetime: arenas made with allocator() must be destroyed before the backend.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "ops/backend.h"
+
+namespace laplace {
+
+// Device memory for arenas: cudaMalloc/cudaFree; zero() is queued on the backend's stream.
+class CudaAllocator final : public Allocator {
+ public:
+  explicit CudaAllocator(cudaStream_t stream) : stream_(stream) {}
+  Device device() const override { return Device::kCUDA; }
+  void* allocate(size_t bytes) override;  // nullptr on failure (the error is cleared)
+  void deallocate(void* p) override;
+  void zero(void* p, size_t bytes) override;
+
+ private:
+  cudaStream_t stream_;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  // Takes the device `device` (aborts on CUDA errors: probe with make_cuda_backend).
+  explicit CudaBackend(int device);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  Device device() const override { return Device::kCUDA; }
+  const char* name() const override { return "cuda"; }
+  Allocator& allocator() override { return *alloc_; }
+
+  void copy(Tensor dst, const Tensor& src) override;
+  void fill(Tensor dst, double value) override;
+  void axpy(double alpha, const Tensor& x, Tensor y) override;
+  void synchronize() override;
+
+  void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor c, double alpha,
+            double beta) override;
+
+  void embedding_forward(const Tensor& ids, const Tensor& table, Tensor out) override;
+  void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor dtable) override;
+
+  void layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tensor y,
+                         Tensor mean, Tensor rstd) override;
+  void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& mean,
+                          const Tensor& rstd, Tensor dx, bool accumulate_dx, Tensor dw,
+                          Tensor db) override;
+
+  void conv_silu_forward(const Tensor& u, const Tensor& w, Tensor c, Tensor pre,
+                         const Tensor& win_in, Tensor win_out, const Tensor& slots) override;
+  void conv_silu_backward(const Tensor& dc, const Tensor& u, const Tensor& w, const Tensor& pre,
+                          Tensor du, Tensor dw) override;
+
+  void gla_forward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor o,
+                   const Tensor& s_in, Tensor s_out, const Tensor& slots) override;
+  void gla_backward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const Tensor& s_in, const Tensor& d_o, const Tensor& ds_out, Tensor dq,
+                    Tensor dk, Tensor dv, Tensor ds_in) override;
+
+  void rmsnorm_gate_forward(const Tensor& o, const Tensor& g, const Tensor& w, double eps, Tensor y,
+                            Tensor rstd) override;
+  void rmsnorm_gate_backward(const Tensor& dy, const Tensor& o, const Tensor& g, const Tensor& w,
+                             const Tensor& rstd, Tensor d_o, Tensor dg, Tensor dw) override;
+
+  void swiglu_forward(const Tensor& ab, Tensor h) override;
+  void swiglu_backward(const Tensor& dh, const Tensor& ab, Tensor dab) override;
+
+  void cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor losses) override;
+  void cross_entropy_backward(const Tensor& logits, const Tensor& targets, double scale,
+                              Tensor dlogits) override;
+
+  double sum_squares(const Tensor& x) override;
+  void scale(Tensor x, double alpha) override;
+  void adamw_update(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p) override;
+  void muon_momentum(const Tensor& g, Tensor m, Tensor u, double mu, bool nesterov) override;
+  void muon_apply(Tensor w, const Tensor& o, double lr, double wd, double s) override;
+
+  // ---- CUDA specifics ----
+  cudaStream_t stream() const { return stream_; }
+  int device_id() const { return device_; }
+  int num_sms() const { return num_sms_; }
+  // Largest dynamic shared memory one block may opt into (bytes).
+  int max_smem_optin() const { return max_smem_optin_; }
+  // Device scratch of at least `bytes`, reused by every op (stream-ordered, so an op may
+  // use it freely between its own launches). Growing it synchronises the device.
+  void* scratch(size_t bytes);
+
+ private:
+  struct GemmPlan {
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+  };
+  using GemmKey = std::array<int64_t, 15>;
+  const GemmPlan& gemm_plan(const GemmKey& key);
+
+  int device_ = 0;
+  int num_sms_ = 0;
+  int max_smem_optin_ = 0;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<CudaAllocator> alloc_;
+  cublasLtHandle_t lt_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  void* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
+  double* host_f64_ = nullptr;  // pinned, one double: sum_squares' result
+  std::map<GemmKey, GemmPlan> gemm_plans_;
+};
+
+namespace cuda {
+// F32 <-> BF16 (or same-dtype float) device-to-device copy of equal-shaped views.
+void convert_copy(Tensor dst, const Tensor& src, cudaStream_t stream);
+// cudaSuccess when this binary has a kernel image the current device can run.
+cudaError_t probe_kernel_image();
+}  // namespace cuda
+
+}  // namespace laplace

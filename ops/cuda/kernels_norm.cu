@@ -1,0 +1,772 @@
+// Row-wise CUDA ops: embedding, LayerNorm, RMSNorm×SiLU gate, causal conv + SiLU,
+// cross-entropy. Parameter gradients (dw, db, dtable) are reduced without atomics:
+// per-segment partials [nq, nseg, cols] in a fixed row order, then one thread per column
+// sums the segments in order (colsum_finalize_kernel). The segmentation depends only on
+// the shapes, so results are bitwise reproducible.
+#include <cmath>
+#include <string>
+
+#include "ops/cuda/cuda_common.cuh"
+
+namespace laplace {
+namespace cuda {
+
+constexpr int kWarpsPerBlock = 8;     // warp-per-row kernels: 256 threads, 8 rows per block
+constexpr int kSegRows = 128;         // rows per partial segment in column reductions
+constexpr int kMaxColOut = 8;         // outputs per column reduction (conv: K ≤ 8)
+
+// A 1-D float vector (weights, biases), contiguous.
+struct Vec {
+  void* p = nullptr;
+  int dt = kF32;
+};
+
+Vec make_vec(const Tensor& t, int64_t n, const char* what) {
+  Vec v;
+  if (!t.defined()) return v;
+  check_device(t, what);
+  if (t.numel() != n || !t.is_contiguous())
+    check_failed(__FILE__, __LINE__, what, ("expected a contiguous vector of " + std::to_string(n) +
+                                            " elements, got " + t.shape_str()).c_str());
+  v.p = t.data;
+  v.dt = float_code(t, what);
+  return v;
+}
+
+float* f32_vec(const Tensor& t, int64_t n, const char* what) {
+  if (!t.defined()) return nullptr;
+  check_device(t, what);
+  if (t.dtype != DType::kF32 || t.numel() != n || !t.is_contiguous())
+    check_failed(__FILE__, __LINE__, what, ("expected a contiguous F32 tensor of " + std::to_string(n) +
+                                            " elements, got " + t.shape_str()).c_str());
+  return static_cast<float*>(t.data);
+}
+
+const int32_t* i32_vec(const Tensor& t, int64_t n, const char* what) {
+  if (!t.defined()) return nullptr;
+  check_device(t, what);
+  if (t.dtype != DType::kI32 || t.numel() != n || !t.is_contiguous())
+    check_failed(__FILE__, __LINE__, what, ("expected a contiguous I32 tensor of " + std::to_string(n) +
+                                            " elements, got " + t.shape_str()).c_str());
+  return static_cast<const int32_t*>(t.data);
+}
+
+// ---- column reductions ------------------------------------------------------------------
+
+// Where output q of a column reduction goes: element c at p[off + c·stride].
+struct ColOut {
+  void* p = nullptr;
+  int dt = kF32;
+  int64_t off = 0, stride = 1;
+};
+struct ColOuts {
+  ColOut o[kMaxColOut];
+};
+
+// Pass 1. Block (32, 8) owns columns [32·bx, 32·bx+32) of segment `seg` = blockIdx.y, rows
+// [seg·kSegRows, (seg+1)·kSegRows): thread (tx, ty) sums rows seg·R + ty + 8j in order, then
+// the 8 row-lanes are summed in order ty = 0..7. f(r, c, out[nq]) gives the row's terms.
+// partial [nq, nseg, cols] F32.
+template <class F>
+__global__ void colpartial_kernel(F f, int64_t rows, int64_t cols, int nq, float* partial) {
+  __shared__ float sh[kMaxColOut][8][33];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t c = blockIdx.x * 32LL + tx;
+  const int64_t seg = blockIdx.y, nseg = gridDim.y;
+  const int64_t r0 = seg * kSegRows, r1 = min(rows, r0 + kSegRows);
+  float acc[kMaxColOut];
+#pragma unroll
+  for (int q = 0; q < kMaxColOut; ++q) acc[q] = 0.f;
+  if (c < cols) {
+    for (int64_t r = r0 + ty; r < r1; r += 8) {
+      float t[kMaxColOut];
+      f(r, c, t);
+#pragma unroll
+      for (int q = 0; q < kMaxColOut; ++q)
+        if (q < nq) acc[q] += t[q];
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < kMaxColOut; ++q) sh[q][ty][tx] = acc[q];
+  __syncthreads();
+  if (ty == 0 && c < cols) {
+    for (int q = 0; q < nq; ++q) {
+      float s = 0.f;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) s += sh[q][k][tx];
+      partial[(q * nseg + seg) * cols + c] = s;
+    }
+  }
+}
+
+// Pass 2: out_q[c] += Σ_seg partial[q, seg, c], segments in order (outputs with p null skipped).
+__global__ void colsum_finalize_kernel(const float* partial, int64_t nseg, int64_t cols, int nq, ColOuts outs) {
+  const int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  for (int q = 0; q < nq; ++q) {
+    float s = 0.f;
+    for (int64_t g = 0; g < nseg; ++g) s += partial[(q * nseg + g) * cols + c];
+    const ColOut& o = outs.o[q];
+    if (!o.p) continue;
+    const int64_t i = o.off + c * o.stride;
+    stf(o.p, i, o.dt, ldf(o.p, i, o.dt) + s);
+  }
+}
+
+// Runs both passes; `partial` holds nq·nseg·cols floats (see colreduce_floats).
+inline int64_t colreduce_nseg(int64_t rows) { return (rows + kSegRows - 1) / kSegRows; }
+inline size_t colreduce_floats(int64_t rows, int64_t cols, int nq) {
+  return static_cast<size_t>(nq) * static_cast<size_t>(colreduce_nseg(rows)) * static_cast<size_t>(cols);
+}
+
+template <class F>
+void colreduce(F f, int64_t rows, int64_t cols, int nq, const ColOuts& outs, float* partial, cudaStream_t st) {
+  if (rows == 0 || cols == 0) return;
+  const int64_t nseg = colreduce_nseg(rows);
+  LAPLACE_CHECK(nseg <= 65535, "column reduction: too many rows");
+  dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(nseg));
+  colpartial_kernel<F><<<grid, dim3(32, 8), 0, st>>>(f, rows, cols, nq, partial);
+  CUDA_CHECK_LAUNCH();
+  colsum_finalize_kernel<<<static_cast<unsigned>((cols + 255) / 256), 256, 0, st>>>(partial, nseg, cols, nq, outs);
+  CUDA_CHECK_LAUNCH();
+}
+
+ColOut col_out(const Tensor& t, int64_t off, int64_t stride, const char* what) {
+  ColOut o;
+  check_device(t, what);
+  o.p = t.data;
+  o.dt = float_code(t, what);
+  o.off = off;
+  o.stride = stride;
+  return o;
+}
+
+// ---- embedding ----------------------------------------------------------------------------
+
+// out[n, :] = table[ids[n], :]  (a zero row for ids outside [0, V)). One block per row.
+// ids [N], table [V,D], out [N,D]
+__global__ void embedding_fwd_kernel(const int32_t* ids, RView table, RView out) {
+  const int64_t n = blockIdx.x;
+  const int64_t D = out.cols;
+  const int32_t id = ids[n];
+  const bool ok = id >= 0 && id < table.rows;
+  const int64_t ot = ok ? table.row(id) : 0, oo = out.row(n);
+  for (int64_t c = threadIdx.x; c < D; c += blockDim.x)
+    stf(out.p, oo + c, out.dt, ok ? ldf(table.p, ot + c, table.dt) : 0.f);
+}
+
+constexpr int kEmbParts = 64;    // vocabulary partitions: id & 63
+constexpr int kEmbIdTile = 4096; // ids staged in shared memory per pass
+
+// dtable[ids[n], c] += dout[n, c], without atomics and bitwise equal to the sequential loop:
+// block (bx, p) owns columns [256·bx, 256·bx+256) of the rows with id % 64 == p; each thread
+// walks all tokens in order and adds the ones of its partition, so every table element
+// receives its terms in token order. ids [N]; dout [N,D]; dtable [V,D]
+__global__ void embedding_bwd_kernel(const int32_t* ids, int64_t N, RView dout, RView dtab) {
+  __shared__ int32_t sid[kEmbIdTile];
+  const int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  const int part = blockIdx.y;
+  const int64_t V = dtab.rows, D = dtab.cols;
+  for (int64_t n0 = 0; n0 < N; n0 += kEmbIdTile) {
+    const int cnt = static_cast<int>(min(static_cast<int64_t>(kEmbIdTile), N - n0));
+    __syncthreads();
+    for (int i = threadIdx.x; i < cnt; i += blockDim.x) sid[i] = ids[n0 + i];
+    __syncthreads();
+    if (c >= D) continue;
+    for (int i = 0; i < cnt; ++i) {
+      const int32_t id = sid[i];
+      if ((id & (kEmbParts - 1)) != part || id < 0 || id >= V) continue;
+      const int64_t o = dtab.row(id) + c;
+      stf(dtab.p, o, dtab.dt, ldf(dtab.p, o, dtab.dt) + ldf(dout.p, dout.row(n0 + i) + c, dout.dt));
+    }
+  }
+}
+
+}  // namespace cuda
+
+using namespace cuda;
+
+void CudaBackend::embedding_forward(const Tensor& ids, const Tensor& table, Tensor out) {
+  RView vt = make_rview(table, "embedding: table"), vo = make_rview(out, "embedding: out");
+  const int32_t* pid = i32_vec(ids, vo.rows, "embedding: ids must be I32 [N]");
+  LAPLACE_CHECK(vt.cols == vo.cols, "embedding_forward: table and out widths differ");
+  if (vo.rows == 0) return;
+  LAPLACE_CHECK(vo.rows <= 0x7fffffff, "embedding_forward: too many rows");
+  embedding_fwd_kernel<<<static_cast<unsigned>(vo.rows), 256, 0, stream_>>>(pid, vt, vo);
+  CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tensor dtable) {
+  RView vd = make_rview(dout, "embedding: dout"), vt = make_rview(dtable, "embedding: dtable");
+  const int32_t* pid = i32_vec(ids, vd.rows, "embedding: ids must be I32 [N]");
+  LAPLACE_CHECK(vt.cols == vd.cols, "embedding_backward: dtable and dout widths differ");
+  if (vd.rows == 0 || vd.cols == 0) return;
+  dim3 grid(static_cast<unsigned>((vd.cols + 255) / 256), kEmbParts);
+  embedding_bwd_kernel<<<grid, 256, 0, stream_>>>(pid, vd.rows, vd, vt);
+  CUDA_CHECK_LAUNCH();
+}
+
+// ---- LayerNorm ----------------------------------------------------------------------------
+
+namespace cuda {
+
+// One warp per row (F32): mean = Σx/D; var = Σ(x−mean)²/D (second pass, no cancellation);
+// rstd = 1/√(var+eps); y = (x−mean)·rstd·w + b. y may be null (statistics only).
+// x, y [N,D]; w, b [D]; mean, rstd [N]
+__global__ void layernorm_fwd_kernel(RView x, Vec w, Vec b, float eps, RView y, float* mean, float* rstd) {
+  const int64_t row = blockIdx.x * (int64_t)kWarpsPerBlock + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= x.rows) return;
+  const int64_t D = x.cols, ox = x.row(row);
+  float s = 0.f;
+  for (int64_t c = lane; c < D; c += 32) s += ldf(x.p, ox + c, x.dt);
+  const float mu = warp_sum(s) / static_cast<float>(D);
+  float s2 = 0.f;
+  for (int64_t c = lane; c < D; c += 32) {
+    const float d = ldf(x.p, ox + c, x.dt) - mu;
+    s2 += d * d;
+  }
+  const float r = 1.0f / sqrtf(warp_sum(s2) / static_cast<float>(D) + eps);
+  if (y.p) {
+    const int64_t oy = y.row(row);
+    for (int64_t c = lane; c < D; c += 32) {
+      float v = (ldf(x.p, ox + c, x.dt) - mu) * r;
+      if (w.p) v *= ldf(w.p, c, w.dt);
+      if (b.p) v += ldf(b.p, c, b.dt);
+      stf(y.p, oy + c, y.dt, v);
+    }
+  }
+  if (lane == 0) {
+    if (mean) mean[row] = mu;
+    if (rstd) rstd[row] = r;
+  }
+}
+
+// dx for one row per warp, with x̂ = (x−mean)·rstd and g = dy·w:
+//   dx = rstd · (g − mean(g) − x̂ · mean(g·x̂))   (= or += when accumulate).
+// dy, x, dx [N,D]; w [D]; mean, rstd [N]
+__global__ void layernorm_bwd_dx_kernel(RView dy, RView x, Vec w, const float* mean, const float* rstd,
+                                        RView dx, int accumulate) {
+  const int64_t row = blockIdx.x * (int64_t)kWarpsPerBlock + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= x.rows) return;
+  const int64_t D = x.cols, ox = x.row(row), ody = dy.row(row), odx = dx.row(row);
+  const float mu = mean[row], r = rstd[row];
+  float s1 = 0.f, s2 = 0.f;
+  for (int64_t c = lane; c < D; c += 32) {
+    float g = ldf(dy.p, ody + c, dy.dt);
+    if (w.p) g *= ldf(w.p, c, w.dt);
+    const float xh = (ldf(x.p, ox + c, x.dt) - mu) * r;
+    s1 += g;
+    s2 += g * xh;
+  }
+  const float m1 = warp_sum(s1) / static_cast<float>(D), m2 = warp_sum(s2) / static_cast<float>(D);
+  for (int64_t c = lane; c < D; c += 32) {
+    float g = ldf(dy.p, ody + c, dy.dt);
+    if (w.p) g *= ldf(w.p, c, w.dt);
+    const float xh = (ldf(x.p, ox + c, x.dt) - mu) * r;
+    float v = r * (g - m1 - xh * m2);
+    if (accumulate) v += ldf(dx.p, odx + c, dx.dt);
+    stf(dx.p, odx + c, dx.dt, v);
+  }
+}
+
+// Column terms of LayerNorm: dw += dy·x̂, db += dy.
+struct LnDwDbTerms {
+  RView dy, x;
+  const float* mean;
+  const float* rstd;
+  __device__ void operator()(int64_t r, int64_t c, float* t) const {
+    const float g = ldf(dy.p, dy.row(r) + c, dy.dt);
+    t[0] = g * (ldf(x.p, x.row(r) + c, x.dt) - mean[r]) * rstd[r];
+    t[1] = g;
+  }
+};
+
+}  // namespace cuda
+
+void CudaBackend::layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tensor y,
+                                    Tensor mean, Tensor rstd) {
+  RView vx = make_rview(x, "layernorm: x"), vy = make_rview(y, "layernorm: y");
+  const int64_t N = vx.rows, D = vx.cols;
+  LAPLACE_CHECK(!y.defined() || (vy.rows == N && vy.cols == D), "layernorm_forward: y shape differs from x");
+  Vec vw = make_vec(w, D, "layernorm: w"), vb = make_vec(b, D, "layernorm: b");
+  float* pm = f32_vec(mean, N, "layernorm: mean");
+  float* pr = f32_vec(rstd, N, "layernorm: rstd");
+  if (N == 0) return;
+  layernorm_fwd_kernel<<<static_cast<unsigned>((N + kWarpsPerBlock - 1) / kWarpsPerBlock), 32 * kWarpsPerBlock, 0,
+                         stream_>>>(vx, vw, vb, static_cast<float>(eps), vy, pm, pr);
+  CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& mean,
+                                     const Tensor& rstd, Tensor dx, bool accumulate_dx, Tensor dw, Tensor db) {
+  RView vx = make_rview(x, "layernorm: x"), vdy = make_rview(dy, "layernorm: dy"),
+        vdx = make_rview(dx, "layernorm: dx");
+  const int64_t N = vx.rows, D = vx.cols;
+  LAPLACE_CHECK(vdy.rows == N && vdy.cols == D, "layernorm_backward: dy shape differs from x");
+  LAPLACE_CHECK(!dx.defined() || (vdx.rows == N && vdx.cols == D), "layernorm_backward: dx shape differs from x");
+  Vec vw = make_vec(w, D, "layernorm: w");
+  const float* pm = f32_vec(mean, N, "layernorm: mean");
+  const float* pr = f32_vec(rstd, N, "layernorm: rstd");
+  if (N == 0) return;
+  LAPLACE_CHECK((pm == nullptr) == (pr == nullptr), "layernorm_backward: pass both mean and rstd, or neither");
+  const bool need_w = dw.defined() || db.defined();
+  if (dw.defined()) LAPLACE_CHECK(dw.numel() == D && dw.is_contiguous(), "layernorm_backward: dw must be contiguous [D]");
+  if (db.defined()) LAPLACE_CHECK(db.numel() == D && db.is_contiguous(), "layernorm_backward: db must be contiguous [D]");
+  // scratch: [mean N][rstd N] when recomputed, then the column partials [2, nseg, D].
+  const size_t stat_floats = pm ? 0 : 2 * static_cast<size_t>(N);
+  const size_t part_floats = need_w ? colreduce_floats(N, D, 2) : 0;
+  float* sc = static_cast<float*>(scratch((stat_floats + part_floats + 64) * sizeof(float)));
+  const unsigned rows_grid = static_cast<unsigned>((N + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  if (!pm) {
+    // The forward's statistics were not kept: recompute them. eps is not an argument of the
+    // backward, so the model's norm_eps (SPEC §1, 1e-5) is assumed; pass mean/rstd otherwise.
+    layernorm_fwd_kernel<<<rows_grid, 32 * kWarpsPerBlock, 0, stream_>>>(vx, Vec{}, Vec{}, 1e-5f, RView{}, sc,
+                                                                          sc + N);
+    CUDA_CHECK_LAUNCH();
+    pm = sc;
+    pr = sc + N;
+  }
+  if (dx.defined()) {
+    layernorm_bwd_dx_kernel<<<rows_grid, 32 * kWarpsPerBlock, 0, stream_>>>(vdy, vx, vw, pm, pr, vdx,
+                                                                             accumulate_dx ? 1 : 0);
+    CUDA_CHECK_LAUNCH();
+  }
+  if (need_w) {
+    ColOuts outs;  // a missing dw or db keeps p == nullptr and is skipped by the finalize pass
+    if (dw.defined()) outs.o[0] = col_out(dw, 0, 1, "layernorm: dw");
+    if (db.defined()) outs.o[1] = col_out(db, 0, 1, "layernorm: db");
+    colreduce(LnDwDbTerms{vdy, vx, pm, pr}, N, D, 2, outs, sc + stat_floats, stream_);
+  }
+}
+
+// ---- RMSNorm × SiLU gate --------------------------------------------------------------------
+
+namespace cuda {
+
+// One warp per (token, head) row of dv (F32):
+//   rstd = 1/√(mean(o²) + eps);  y = o·rstd·w ⊙ SiLU(g).   y may be null (statistics only).
+// o, g, y [B,T,H,dv] as rows [B·T·H, dv]; w [dv]; rstd [B·T·H]
+__global__ void rmsnorm_gate_fwd_kernel(RView o, RView g, Vec w, float eps, RView y, float* rstd) {
+  const int64_t row = blockIdx.x * (int64_t)kWarpsPerBlock + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= o.rows) return;
+  const int64_t dv = o.cols, oo = o.row(row);
+  float ss = 0.f;
+  for (int64_t c = lane; c < dv; c += 32) {
+    const float v = ldf(o.p, oo + c, o.dt);
+    ss += v * v;
+  }
+  const float r = 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(dv) + eps);
+  if (y.p) {
+    const int64_t og = g.row(row), oy = y.row(row);
+    for (int64_t c = lane; c < dv; c += 32) {
+      const float gv = ldf(g.p, og + c, g.dt);
+      float v = ldf(o.p, oo + c, o.dt) * r * gv * sigmoidf_(gv);
+      if (w.p) v *= ldf(w.p, c, w.dt);
+      stf(y.p, oy + c, y.dt, v);
+    }
+  }
+  if (lane == 0 && rstd) rstd[row] = r;
+}
+
+// Backward per row, with ô = o·rstd, s = SiLU(g), a = dy·w·s:
+//   d_o = rstd·(a − ô·mean(a·ô));   dg = dy·w·ô·SiLU'(g),  SiLU'(g) = σ(g)(1 + g(1−σ(g))).
+__global__ void rmsnorm_gate_bwd_kernel(RView dy, RView o, RView g, Vec w, const float* rstd, RView d_o,
+                                        RView dg) {
+  const int64_t row = blockIdx.x * (int64_t)kWarpsPerBlock + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= o.rows) return;
+  const int64_t dv = o.cols, oo = o.row(row), og = g.row(row), ody = dy.row(row);
+  const float r = rstd[row];
+  float s = 0.f;
+  for (int64_t c = lane; c < dv; c += 32) {
+    const float gv = ldf(g.p, og + c, g.dt);
+    float a = ldf(dy.p, ody + c, dy.dt) * gv * sigmoidf_(gv);
+    if (w.p) a *= ldf(w.p, c, w.dt);
+    s += a * ldf(o.p, oo + c, o.dt) * r;
+  }
+  const float m = warp_sum(s) / static_cast<float>(dv);
+  const int64_t odo = d_o.row(row), odg = dg.row(row);
+  for (int64_t c = lane; c < dv; c += 32) {
+    const float gv = ldf(g.p, og + c, g.dt);
+    const float sg = sigmoidf_(gv);
+    float dyw = ldf(dy.p, ody + c, dy.dt);
+    if (w.p) dyw *= ldf(w.p, c, w.dt);
+    const float oh = ldf(o.p, oo + c, o.dt) * r;
+    if (d_o.p) stf(d_o.p, odo + c, d_o.dt, r * (dyw * gv * sg - oh * m));
+    if (dg.p) stf(dg.p, odg + c, dg.dt, dyw * oh * sg * (1.0f + gv * (1.0f - sg)));
+  }
+}
+
+// Column terms: dw += dy·ô·SiLU(g).
+struct RmsDwTerms {
+  RView dy, o, g;
+  const float* rstd;
+  __device__ void operator()(int64_t r, int64_t c, float* t) const {
+    const float gv = ldf(g.p, g.row(r) + c, g.dt);
+    t[0] = ldf(dy.p, dy.row(r) + c, dy.dt) * ldf(o.p, o.row(r) + c, o.dt) * rstd[r] * gv * sigmoidf_(gv);
+  }
+};
+
+void check_bthd(const Tensor& t, const Tensor& ref, const char* what) {
+  if (!t.defined()) return;
+  if (!same_shape(t, ref))
+    check_failed(__FILE__, __LINE__, what, ("shape " + t.shape_str() + " differs from " + ref.shape_str()).c_str());
+}
+
+}  // namespace cuda
+
+void CudaBackend::rmsnorm_gate_forward(const Tensor& o, const Tensor& g, const Tensor& w, double eps, Tensor y,
+                                       Tensor rstd) {
+  check_bthd(g, o, "rmsnorm_gate: g");
+  check_bthd(y, o, "rmsnorm_gate: y");
+  RView vo = make_rview(o, "rmsnorm_gate: o"), vg = make_rview(g, "rmsnorm_gate: g"),
+        vy = make_rview(y, "rmsnorm_gate: y");
+  Vec vw = make_vec(w, vo.cols, "rmsnorm_gate: w");
+  float* pr = f32_vec(rstd, vo.rows, "rmsnorm_gate: rstd");
+  if (vo.rows == 0) return;
+  rmsnorm_gate_fwd_kernel<<<static_cast<unsigned>((vo.rows + kWarpsPerBlock - 1) / kWarpsPerBlock),
+                            32 * kWarpsPerBlock, 0, stream_>>>(vo, vg, vw, static_cast<float>(eps), vy, pr);
+  CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::rmsnorm_gate_backward(const Tensor& dy, const Tensor& o, const Tensor& g, const Tensor& w,
+                                        const Tensor& rstd, Tensor d_o, Tensor dg, Tensor dw) {
+  check_bthd(g, o, "rmsnorm_gate: g");
+  check_bthd(dy, o, "rmsnorm_gate: dy");
+  check_bthd(d_o, o, "rmsnorm_gate: d_o");
+  check_bthd(dg, o, "rmsnorm_gate: dg");
+  RView vo = make_rview(o, "rmsnorm_gate: o"), vg = make_rview(g, "rmsnorm_gate: g"),
+        vdy = make_rview(dy, "rmsnorm_gate: dy"), vdo = make_rview(d_o, "rmsnorm_gate: d_o"),
+        vdg = make_rview(dg, "rmsnorm_gate: dg");
+  const int64_t R = vo.rows, dv = vo.cols;
+  Vec vw = make_vec(w, dv, "rmsnorm_gate: w");
+  const float* pr = f32_vec(rstd, R, "rmsnorm_gate: rstd");
+  if (R == 0) return;
+  const unsigned grid = static_cast<unsigned>((R + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  const size_t stat_floats = pr ? 0 : static_cast<size_t>(R);
+  const size_t part_floats = dw.defined() ? colreduce_floats(R, dv, 1) : 0;
+  float* sc = static_cast<float*>(scratch((stat_floats + part_floats + 64) * sizeof(float)));
+  LAPLACE_CHECK(pr || stat_floats == 0, "rmsnorm_gate_backward: internal");
+  if (!pr) {
+    // eps is not an argument of the backward: the model keeps rstd from the forward. Without
+    // it we use the model's eps (SPEC §1 norm_eps = 1e-5).
+    rmsnorm_gate_fwd_kernel<<<grid, 32 * kWarpsPerBlock, 0, stream_>>>(vo, vg, Vec{}, 1e-5f, RView{}, sc);
+    CUDA_CHECK_LAUNCH();
+    pr = sc;
+  }
+  if (d_o.defined() || dg.defined()) {
+    rmsnorm_gate_bwd_kernel<<<grid, 32 * kWarpsPerBlock, 0, stream_>>>(vdy, vo, vg, vw, pr, vdo, vdg);
+    CUDA_CHECK_LAUNCH();
+  }
+  if (dw.defined()) {
+    LAPLACE_CHECK(dw.numel() == dv && dw.is_contiguous(), "rmsnorm_gate_backward: dw must be contiguous [dv]");
+    ColOuts outs;
+    outs.o[0] = col_out(dw, 0, 1, "rmsnorm_gate: dw");
+    colreduce(RmsDwTerms{vdy, vo, vg, pr}, R, dv, 1, outs, sc + stat_floats, stream_);
+  }
+}
+
+// ---- causal conv + SiLU -----------------------------------------------------------------------
+
+namespace cuda {
+
+constexpr int kMaxConvK = kMaxColOut;
+
+// Conv window of one layer in a state pool: win[s, j, d] at p + s·s0 + j·s1 + d (F32).
+struct WView {
+  float* p = nullptr;
+  int64_t s0 = 0, s1 = 0;
+};
+
+struct ConvArgs {
+  RView u;           // [B·T, D]
+  RView w;           // [D, K]
+  int64_t B, T, D;
+  int K;
+  WView win;         // input window (p null: zeros)
+  const int32_t* slots;
+};
+
+// u_s of sequence b at channel d for s ∈ [−K, T): the window supplies s < 0 (win[K+s]).
+__device__ __forceinline__ float conv_input(const ConvArgs& a, int64_t b, int64_t r_of_t0, int64_t s, int64_t d) {
+  if (s >= 0) return ldf(a.u.p, a.u.row(r_of_t0 + s) + d, a.u.dt);
+  if (!a.win.p) return 0.f;
+  const int64_t slot = a.slots ? a.slots[b] : b;
+  return a.win.p[slot * a.win.s0 + (a.K + s) * a.win.s1 + d];
+}
+
+// pre_t = Σ_j w[d,j]·u_{t−K+1+j}
+__device__ __forceinline__ float conv_pre(const ConvArgs& a, int64_t r, int64_t d) {
+  const int64_t b = r / a.T, t = r - b * a.T, r0 = b * a.T;
+  const int64_t ow = a.w.row(d);
+  float acc = 0.f;
+  for (int j = 0; j < a.K; ++j) acc += ldf(a.w.p, ow + j, a.w.dt) * conv_input(a, b, r0, t - a.K + 1 + j, d);
+  return acc;
+}
+
+// c = SiLU(pre); one thread per (b, t, d). c, pre [B,T,D] (pre optional)
+__global__ void conv_fwd_kernel(ConvArgs a, RView c, RView pre) {
+  const int64_t n = a.B * a.T * a.D;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / a.D, d = i - r * a.D;
+    const float p = conv_pre(a, r, d);
+    stf(c.p, c.row(r) + d, c.dt, p * sigmoidf_(p));
+    if (pre.p) stf(pre.p, pre.row(r) + d, pre.dt, p);
+  }
+}
+
+// win_out[slot(b), j, d] = u_{T−K+j} (from win_in when T−K+j < 0). One thread per (b, d); all K
+// values are read before any is written, so win_out may alias win_in.
+__global__ void conv_window_kernel(ConvArgs a, WView wout) {
+  const int64_t n = a.B * a.D;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t b = i / a.D, d = i - b * a.D;
+    float vals[kMaxConvK];
+#pragma unroll
+    for (int j = 0; j < kMaxConvK; ++j)
+      vals[j] = j < a.K ? conv_input(a, b, b * a.T, a.T - a.K + j, d) : 0.f;
+    const int64_t slot = a.slots ? a.slots[b] : b;
+#pragma unroll
+    for (int j = 0; j < kMaxConvK; ++j)
+      if (j < a.K) wout.p[slot * wout.s0 + j * wout.s1 + d] = vals[j];
+  }
+}
+
+// dpre_t = dc_t · SiLU'(pre_t)
+__device__ __forceinline__ float conv_dpre(const ConvArgs& a, const RView& dc, const RView& pre, int64_t r, int64_t d) {
+  const float p = pre.p ? ldf(pre.p, pre.row(r) + d, pre.dt) : conv_pre(a, r, d);
+  const float s = sigmoidf_(p);
+  return ldf(dc.p, dc.row(r) + d, dc.dt) * s * (1.0f + p * (1.0f - s));
+}
+
+// du_t = Σ_j w[d,j] · dpre_{t+K−1−j}  (terms with t+K−1−j ≥ T vanish). du [B,T,D]
+__global__ void conv_bwd_du_kernel(ConvArgs a, RView dc, RView pre, RView du) {
+  const int64_t n = a.B * a.T * a.D;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / a.D, d = i - r * a.D;
+    const int64_t t = r % a.T;
+    const int64_t ow = a.w.row(d);
+    float acc = 0.f;
+    for (int j = 0; j < a.K; ++j) {
+      const int64_t s = t + a.K - 1 - j;
+      if (s < a.T) acc += ldf(a.w.p, ow + j, a.w.dt) * conv_dpre(a, dc, pre, r + (a.K - 1 - j), d);
+    }
+    stf(du.p, du.row(r) + d, du.dt, acc);
+  }
+}
+
+// Column terms: dw[d, j] += dpre_t[d] · u_{t−K+1+j}[d]  (zero initial window).
+struct ConvDwTerms {
+  ConvArgs a;
+  RView dc, pre;
+  __device__ void operator()(int64_t r, int64_t d, float* t) const {
+    const float dp = conv_dpre(a, dc, pre, r, d);
+    const int64_t b = r / a.T, tt = r - b * a.T, r0 = b * a.T;
+#pragma unroll
+    for (int j = 0; j < kMaxConvK; ++j) t[j] = j < a.K ? dp * conv_input(a, b, r0, tt - a.K + 1 + j, d) : 0.f;
+  }
+};
+
+ConvArgs conv_args(const Tensor& u, const Tensor& w, const char* what) {
+  check_device(u, what);
+  LAPLACE_CHECK(u.ndim == 3, "conv_silu: u must be [B,T,D]");
+  ConvArgs a{};
+  a.u = make_rview(u, "conv_silu: u");
+  a.w = make_rview(w, "conv_silu: w");
+  a.B = u.shape[0];
+  a.T = u.shape[1];
+  a.D = u.shape[2];
+  LAPLACE_CHECK(w.ndim == 2 && w.shape[0] == a.D, "conv_silu: w must be [D,K]");
+  a.K = static_cast<int>(w.shape[1]);
+  LAPLACE_CHECK(a.K >= 1 && a.K <= kMaxConvK, "conv_silu: K must be in [1, 8]");
+  a.slots = nullptr;
+  return a;
+}
+
+WView window_view(const Tensor& t, int64_t K, int64_t D, const char* what) {
+  WView v;
+  if (!t.defined()) return v;
+  check_device(t, what);
+  check_f32(t, "conv_silu: windows must be F32");
+  if (t.ndim != 3 || t.shape[1] != K || t.shape[2] != D || t.stride[2] != 1)
+    check_failed(__FILE__, __LINE__, what, ("window must be [S,K,D] with D contiguous, got " + t.shape_str()).c_str());
+  v.p = static_cast<float*>(t.data);
+  v.s0 = t.stride[0];
+  v.s1 = t.stride[1];
+  return v;
+}
+
+}  // namespace cuda
+
+void CudaBackend::conv_silu_forward(const Tensor& u, const Tensor& w, Tensor c, Tensor pre, const Tensor& win_in,
+                                    Tensor win_out, const Tensor& slots) {
+  ConvArgs a = conv_args(u, w, "conv_silu_forward: u");
+  LAPLACE_CHECK(same_shape(c, u), "conv_silu_forward: c must be [B,T,D]");
+  LAPLACE_CHECK(!pre.defined() || same_shape(pre, u), "conv_silu_forward: pre must be [B,T,D]");
+  a.win = window_view(win_in, a.K, a.D, "conv_silu: win_in");
+  WView wout = window_view(win_out, a.K, a.D, "conv_silu: win_out");
+  a.slots = i32_vec(slots, a.B, "conv_silu: slots must be I32 [B]");
+  if (win_in.defined() && !slots.defined()) LAPLACE_CHECK(win_in.shape[0] >= a.B, "conv_silu: win_in has fewer than B entries");
+  if (win_out.defined() && !slots.defined()) LAPLACE_CHECK(win_out.shape[0] >= a.B, "conv_silu: win_out has fewer than B entries");
+  RView vc = make_rview(c, "conv_silu: c"), vp = make_rview(pre, "conv_silu: pre");
+  const int64_t n = a.B * a.T * a.D;
+  if (n > 0) {
+    conv_fwd_kernel<<<grid_for(n, 256), 256, 0, stream_>>>(a, vc, vp);
+    CUDA_CHECK_LAUNCH();
+  }
+  if (wout.p && a.B * a.D > 0) {
+    // Ordered after conv_fwd_kernel on the stream, which reads win_in (win_out may alias it).
+    conv_window_kernel<<<grid_for(a.B * a.D, 256), 256, 0, stream_>>>(a, wout);
+    CUDA_CHECK_LAUNCH();
+  }
+}
+
+void CudaBackend::conv_silu_backward(const Tensor& dc, const Tensor& u, const Tensor& w, const Tensor& pre, Tensor du,
+                                     Tensor dw) {
+  ConvArgs a = conv_args(u, w, "conv_silu_backward: u");
+  LAPLACE_CHECK(same_shape(dc, u), "conv_silu_backward: dc must be [B,T,D]");
+  LAPLACE_CHECK(!pre.defined() || same_shape(pre, u), "conv_silu_backward: pre must be [B,T,D]");
+  LAPLACE_CHECK(!du.defined() || same_shape(du, u), "conv_silu_backward: du must be [B,T,D]");
+  RView vdc = make_rview(dc, "conv_silu: dc"), vp = make_rview(pre, "conv_silu: pre"),
+        vdu = make_rview(du, "conv_silu: du");
+  const int64_t n = a.B * a.T * a.D;
+  if (n == 0) return;
+  if (du.defined()) {
+    conv_bwd_du_kernel<<<grid_for(n, 256), 256, 0, stream_>>>(a, vdc, vp, vdu);
+    CUDA_CHECK_LAUNCH();
+  }
+  if (dw.defined()) {
+    check_device(dw, "conv_silu: dw");
+    LAPLACE_CHECK(dw.ndim == 2 && dw.shape[0] == a.D && dw.shape[1] == a.K && dw.stride[1] == 1,
+                  "conv_silu_backward: dw must be [D,K] with K contiguous");
+    ColOuts outs;
+    for (int j = 0; j < a.K; ++j) outs.o[j] = col_out(dw, j, dw.stride[0], "conv_silu: dw");
+    const int64_t rows = a.B * a.T;
+    float* part = static_cast<float*>(scratch((colreduce_floats(rows, a.D, a.K) + 64) * sizeof(float)));
+    colreduce(ConvDwTerms{a, vdc, vp}, rows, a.D, a.K, outs, part, stream_);
+  }
+}
+
+// ---- cross-entropy -------------------------------------------------------------------------------
+
+namespace cuda {
+
+constexpr int kCeThreads = 1024;
+
+// Online softmax statistics of one row, in a fixed order: each thread scans its elements
+// c = tid, tid + blockDim, ... keeping (m, s) with s = Σ exp(x − m); then a fixed tree
+// combines (m1,s1)⊕(m2,s2) = (M, s1·e^{m1−M} + s2·e^{m2−M}), M = max(m1, m2).
+__device__ __forceinline__ void ms_combine(float& m, float& s, float m2, float s2) {
+  const float M = fmaxf(m, m2);
+  const float a = (m == -INFINITY) ? 0.f : s * expf(m - M);
+  const float b = (m2 == -INFINITY) ? 0.f : s2 * expf(m2 - M);
+  m = M;
+  s = a + b;
+}
+
+__device__ void row_softmax_stats(const RView& x, int64_t row, float* m_out, float* s_out) {
+  __shared__ float shm[32], shs[32];
+  const int64_t V = x.cols, ox = x.row(row);
+  float m = -INFINITY, s = 0.f;
+  for (int64_t c = threadIdx.x; c < V; c += blockDim.x) {
+    const float v = ldf(x.p, ox + c, x.dt);
+    if (v > m) {
+      s = s * expf(m - v) + 1.0f;  // expf(−inf) = 0 on the first element
+      m = v;
+    } else {
+      s += expf(v - m);
+    }
+  }
+  // warp tree (shfl_down: lane 0 ends with the warp's result)
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_down_sync(0xffffffffu, m, o), s2 = __shfl_down_sync(0xffffffffu, s, o);
+    ms_combine(m, s, m2, s2);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  if (lane == 0) {
+    shm[warp] = m;
+    shs[warp] = s;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < nw ? shm[lane] : -INFINITY;
+    s = lane < nw ? shs[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float m2 = __shfl_down_sync(0xffffffffu, m, o), s2 = __shfl_down_sync(0xffffffffu, s, o);
+      ms_combine(m, s, m2, s2);
+    }
+    if (lane == 0) {
+      shm[0] = m;
+      shs[0] = s;
+    }
+  }
+  __syncthreads();
+  *m_out = shm[0];
+  *s_out = shs[0];
+}
+
+// losses[n] = m + log(s) − logits[n, target]  (0 when target < 0, NaN when target ≥ V).
+// One block per row. logits [N,V]; targets [N]; losses [N]
+__global__ void ce_fwd_kernel(RView x, const int32_t* targets, float* losses) {
+  const int64_t row = blockIdx.x;
+  const int32_t t = targets[row];
+  if (t < 0) {
+    if (threadIdx.x == 0) losses[row] = 0.f;
+    return;
+  }
+  float m, s;
+  row_softmax_stats(x, row, &m, &s);
+  if (threadIdx.x == 0)
+    losses[row] = t < x.cols ? m + logf(s) - ldf(x.p, x.row(row) + t, x.dt) : NAN;
+}
+
+// dlogits = scale·(exp(x − m)/s − onehot(target)); zero rows for target < 0. The statistics
+// are complete before any element is written, and each element is read then written by the
+// same thread, so dlogits may alias logits.
+__global__ void ce_bwd_kernel(RView x, const int32_t* targets, float scale, RView dx) {
+  const int64_t row = blockIdx.x;
+  const int32_t t = targets[row];
+  const int64_t V = x.cols, od = dx.row(row);
+  if (t < 0) {
+    for (int64_t c = threadIdx.x; c < V; c += blockDim.x) stf(dx.p, od + c, dx.dt, 0.f);
+    return;
+  }
+  float m, s;
+  row_softmax_stats(x, row, &m, &s);
+  const float inv_s = 1.0f / s;
+  const int64_t ox = x.row(row);
+  for (int64_t c = threadIdx.x; c < V; c += blockDim.x) {
+    const float p = expf(ldf(x.p, ox + c, x.dt) - m) * inv_s;
+    stf(dx.p, od + c, dx.dt, scale * (p - (c == t ? 1.0f : 0.0f)));
+  }
+}
+
+}  // namespace cuda
+
+void CudaBackend::cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor losses) {
+  RView vx = make_rview(logits, "cross_entropy: logits");
+  const int32_t* pt = i32_vec(targets, vx.rows, "cross_entropy: targets must be I32 [N]");
+  float* pl = f32_vec(losses, vx.rows, "cross_entropy: losses must be F32 [N]");
+  LAPLACE_CHECK(pl != nullptr, "cross_entropy_forward: losses is required");
+  if (vx.rows == 0) return;
+  LAPLACE_CHECK(vx.rows <= 0x7fffffff, "cross_entropy: too many rows");
+  ce_fwd_kernel<<<static_cast<unsigned>(vx.rows), kCeThreads, 0, stream_>>>(vx, pt, pl);
+  CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::cross_entropy_backward(const Tensor& logits, const Tensor& targets, double scale, Tensor dlogits) {
+  RView vx = make_rview(logits, "cross_entropy: logits"), vd = make_rview(dlogits, "cross_entropy: dlogits");
+  LAPLACE_CHECK(vd.rows == vx.rows && vd.cols == vx.cols, "cross_entropy_backward: dlogits shape differs");
+  const int32_t* pt = i32_vec(targets, vx.rows, "cross_entropy: targets must be I32 [N]");
+  if (vx.rows == 0) return;
+  LAPLACE_CHECK(vx.rows <= 0x7fffffff, "cross_entropy: too many rows");
+  ce_bwd_kernel<<<static_cast<unsigned>(vx.rows), kCeThreads, 0, stream_>>>(vx, pt, static_cast<float>(scale), vd);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace laplace

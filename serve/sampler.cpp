@@ -1,0 +1,89 @@
+#include "serve/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+namespace laplace {
+
+int32_t argmax(const float* x, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (x[i] > x[best]) best = i;
+  return static_cast<int32_t>(best);
+}
+
+void Sampler::observe_prompt(const std::vector<int32_t>& ids) {
+  for (int32_t t : ids) seen_[t] = true;
+}
+
+int32_t Sampler::sample(const float* logits, int64_t V) {
+  work_.assign(logits, logits + V);
+  // Penalties act on logits before temperature (OpenAI / vLLM semantics).
+  if (opt_.repetition_penalty != 1.0) {
+    for (const auto& [t, _] : seen_) {
+      if (t < 0 || t >= V) continue;
+      float& x = work_[t];
+      x = x > 0 ? static_cast<float>(x / opt_.repetition_penalty) : static_cast<float>(x * opt_.repetition_penalty);
+    }
+  }
+  for (const auto& [t, n] : generated_counts_) {
+    if (t < 0 || t >= V) continue;
+    work_[t] -= static_cast<float>(opt_.frequency_penalty * static_cast<double>(n) + opt_.presence_penalty);
+  }
+
+  int32_t token;
+  if (opt_.temperature <= 0.0) {
+    token = argmax(work_.data(), V);
+  } else {
+    // Softmax at temperature, in double, over the candidates kept by top-k.
+    order_.resize(V);
+    std::iota(order_.begin(), order_.end(), 0);
+    auto by_logit = [&](int32_t a, int32_t b) { return work_[a] > work_[b] || (work_[a] == work_[b] && a < b); };
+    int64_t keep = V;
+    if (opt_.top_k > 0 && opt_.top_k < V) {
+      keep = opt_.top_k;
+      std::partial_sort(order_.begin(), order_.begin() + keep, order_.end(), by_logit);
+    } else {
+      std::sort(order_.begin(), order_.end(), by_logit);
+    }
+    std::vector<double> p(keep);
+    const double mx = work_[order_[0]];
+    double sum = 0;
+    for (int64_t i = 0; i < keep; ++i) sum += p[i] = std::exp((work_[order_[i]] - mx) / opt_.temperature);
+    for (auto& x : p) x /= sum;
+    // min-p relative to the most likely token, then top-p (nucleus) on what is left.
+    if (opt_.min_p > 0) {
+      const double floor = opt_.min_p * p[0];
+      int64_t k = 1;
+      while (k < keep && p[k] >= floor) ++k;
+      keep = k;
+    }
+    if (opt_.top_p < 1.0) {
+      double cum = 0;
+      int64_t k = 0;
+      while (k < keep) {
+        cum += p[k++];
+        if (cum >= opt_.top_p) break;
+      }
+      keep = std::max<int64_t>(k, 1);
+    }
+    double total = 0;
+    for (int64_t i = 0; i < keep; ++i) total += p[i];
+    double r = rng_.uniform() * total;
+    int64_t pick = keep - 1;
+    for (int64_t i = 0; i < keep; ++i) {
+      r -= p[i];
+      if (r < 0) {
+        pick = i;
+        break;
+      }
+    }
+    token = order_[pick];
+  }
+  ++generated_counts_[token];
+  seen_[token] = true;
+  return token;
+}
+
+}  // namespace laplace

@@ -1,0 +1,65 @@
+// Token sampling from one row of logits, on the host. Deterministic: the same
+// logits, options and seed give the same token on every machine (the generator
+// and its conversion to [0,1) are our own, not the standard library's
+// implementation-defined distributions).
+#pragma once
+
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+namespace laplace {
+
+struct SamplingOptions {
+  double temperature = 1.0;  // 0 = greedy
+  int64_t top_k = 0;         // 0 = off
+  double top_p = 1.0;        // 1 = off
+  double min_p = 0.0;        // 0 = off; keeps tokens with p ≥ min_p·p_max
+  double presence_penalty = 0.0;
+  double frequency_penalty = 0.0;
+  double repetition_penalty = 1.0;  // 1 = off (CTRL-style: divide positive logits)
+  uint64_t seed = 0;
+};
+
+// splitmix64: a small, well-mixed generator with a portable output.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed = 0) : s_(seed) {}
+  uint64_t next() {
+    uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
+  uint64_t state() const { return s_; }
+  void set_state(uint64_t s) { s_ = s; }
+
+ private:
+  uint64_t s_;
+};
+
+class Sampler {
+ public:
+  explicit Sampler(const SamplingOptions& o) : opt_(o), rng_(o.seed) {}
+
+  // Picks a token from logits[0..V) and records it for the penalties.
+  int32_t sample(const float* logits, int64_t V);
+  // Records prompt tokens too (penalties count them, as OpenAI's and vLLM's do for
+  // repetition; presence/frequency count only generated tokens).
+  void observe_prompt(const std::vector<int32_t>& ids);
+  const SamplingOptions& options() const { return opt_; }
+
+ private:
+  SamplingOptions opt_;
+  Rng rng_;
+  std::unordered_map<int32_t, int64_t> generated_counts_;
+  std::unordered_map<int32_t, bool> seen_;  // prompt or generated, for repetition
+  std::vector<float> work_;
+  std::vector<int32_t> order_;
+};
+
+// Index of the largest value; ties go to the lowest index.
+int32_t argmax(const float* x, int64_t n);
+
+}  // namespace laplace

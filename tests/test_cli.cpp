@@ -1,0 +1,121 @@
+// The `laplace` program end to end: sizes, and clear errors (exit code 1, never a
+// crash) for bad configs, checkpoints and arguments.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "tests/test_util.h"
+
+namespace laplace {
+namespace {
+
+struct CmdResult {
+  int exit_code = -1;
+  bool crashed = false;
+  std::string output;
+};
+
+CmdResult run(const std::string& args) {
+  CmdResult r;
+  std::string cmd = std::string(LAPLACE_BINARY) + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
+  int st = pclose(p);
+  if (WIFEXITED(st)) r.exit_code = WEXITSTATUS(st);
+  r.crashed = WIFSIGNALED(st) || r.exit_code > 1;  // sanitizers exit with other codes
+  return r;
+}
+
+void write(const std::string& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary);
+  f << text;
+}
+
+const std::string kSrc = LAPLACE_SOURCE_DIR;
+
+TEST(Cli, Info3bPrintsSpecSizes) {
+  CmdResult r = run("info --config " + kSrc + "/configs/laplace-3b.json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("body_params=2717908992\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("total_params=3284740608\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("state_bytes_per_sequence=29491200\n"), std::string::npos) << r.output;
+}
+
+TEST(Cli, BadConfigsFailCleanly) {
+  std::string dir = testing::make_temp_dir("cli");
+  const std::pair<std::string, std::string> cases[] = {
+      {"{not json", "not valid JSON"},
+      {R"({"model_type": "laplace"})", "missing"},
+      {R"({"model_type": "laplace", "vocab_size": 256, "hidden_size": -64, "num_layers": 2, "num_heads": 2,
+          "head_k_dim": 16, "head_v_dim": 32, "ffn_size": 256})", "hidden_size"},
+  };
+  int i = 0;
+  for (const auto& [text, needle] : cases) {
+    std::string path = dir + "/bad" + std::to_string(i++) + ".json";
+    write(path, text);
+    CmdResult r = run("info --config " + path);
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_FALSE(r.crashed);
+    EXPECT_NE(r.output.find(needle), std::string::npos) << r.output;
+  }
+  CmdResult r = run("info --config " + dir + "/missing.json");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("missing.json"), std::string::npos);
+}
+
+TEST(Cli, CorruptCheckpointFailsCleanly) {
+  std::string dir = testing::make_temp_dir("cli_ckpt");
+  CmdResult init = run("init --config " + kSrc + "/configs/laplace-tiny.json --out " + dir + "/m --seed 1");
+  ASSERT_EQ(init.exit_code, 0) << init.output;
+  // A healthy checkpoint works.
+  CmdResult ok = run("forward --model " + dir + "/m --tokens 1,2,3");
+  ASSERT_EQ(ok.exit_code, 0) << ok.output;
+  // Truncated, garbage and wrong-config checkpoints do not.
+  std::ifstream in(dir + "/m/model.safetensors", std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  write(dir + "/trunc.safetensors", bytes.substr(0, bytes.size() / 2));
+  write(dir + "/garbage.safetensors", "\xff\xff\xff\xff\xff\xff\xff\x7fhello");
+  for (const char* f : {"trunc", "garbage"}) {
+    CmdResult r = run("forward --model " + dir + "/m --ckpt " + dir + "/" + f + ".safetensors --tokens 1,2,3");
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_FALSE(r.crashed);
+    EXPECT_NE(r.output.find("error"), std::string::npos);
+  }
+  CmdResult other = run("init --config " + kSrc + "/configs/laplace-tiny.json --out " + dir + "/m2 --seed 2");
+  ASSERT_EQ(other.exit_code, 0);
+  write(dir + "/small.json", R"({"model_type": "laplace", "vocab_size": 256, "hidden_size": 64, "num_layers": 2,
+      "num_heads": 2, "head_k_dim": 16, "head_v_dim": 32, "ffn_size": 256})");
+  CmdResult wrong = run("forward --config " + dir + "/small.json --ckpt " + dir + "/m2/model.safetensors --tokens 1,2");
+  EXPECT_EQ(wrong.exit_code, 1) << wrong.output;
+  EXPECT_NE(wrong.output.find("shape"), std::string::npos) << wrong.output;
+}
+
+TEST(Cli, BadArgumentsFailCleanly) {
+  std::string dir = testing::make_temp_dir("cli_args");
+  ASSERT_EQ(run("init --config " + kSrc + "/configs/laplace-tiny.json --out " + dir + "/m").exit_code, 0);
+  const char* cases[] = {
+      "forward --model DIR --tokens 1,x,3",
+      "forward --model DIR --tokens 1,,3",
+      "forward --model DIR --tokens 1,99999999",
+      "forward --model DIR --tokens '1,2;3'",
+      "generate --model DIR --prompt-ids 1,-2",
+      "generate --model DIR",
+      "forward --model DIR/nothing --tokens 1",
+  };
+  for (std::string c : cases) {
+    for (size_t p; (p = c.find("DIR")) != std::string::npos;) c.replace(p, 3, dir + "/m");
+    CmdResult r = run(c);
+    EXPECT_EQ(r.exit_code, 1) << c << "\n" << r.output;
+    EXPECT_FALSE(r.crashed) << c;
+  }
+}
+
+}  // namespace
+}  // namespace laplace
