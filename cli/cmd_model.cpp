@@ -8,6 +8,7 @@
 #include "core/safetensors.h"
 #include "model/config.h"
 #include "serve/generate.h"
+#include "text/tokenizer.h"
 
 namespace laplace::cli {
 
@@ -158,11 +159,17 @@ Status run_generate(const GenerateArgs& g) {
     return Status::invalid_argument("give exactly one of --prompt-ids or --prompt");
   LoadedModel lm;
   LAPLACE_RETURN_IF_ERROR(load_model(g.model, &lm));
+  ModelArgs paths = g.model;
+  LAPLACE_RETURN_IF_ERROR(paths.resolve());
+  Tokenizer tok;
+  if (!paths.tokenizer.empty()) LAPLACE_RETURN_IF_ERROR(Tokenizer::load(paths.tokenizer, &tok));
   std::vector<int32_t> prompt;
   if (!g.prompt_ids.empty()) {
     LAPLACE_RETURN_IF_ERROR(parse_ids(g.prompt_ids, &prompt));
   } else {
-    return Status::unsupported("text prompts need a tokenizer; this build's generate takes --prompt-ids");
+    if (!tok.is_loaded()) return Status::invalid_argument("--prompt needs a tokenizer (--tokenizer or --model DIR)");
+    LAPLACE_RETURN_IF_ERROR(tok.encode(g.prompt, &prompt));
+    if (prompt.empty()) return Status::invalid_argument("the prompt encodes to no tokens");
   }
   const Config& c = lm.model.config();
   for (int32_t t : prompt)
@@ -182,6 +189,12 @@ Status run_generate(const GenerateArgs& g) {
   std::string line;
   for (size_t i = 0; i < out.size(); ++i) line += (i ? "," : "") + std::to_string(out[i]);
   std::printf("ids=%s\n", line.c_str());
+  if (tok.is_loaded()) {
+    std::string text, prompt_text;
+    LAPLACE_RETURN_IF_ERROR(tok.decode(out, &text));
+    LAPLACE_RETURN_IF_ERROR(tok.decode(prompt, &prompt_text));
+    std::printf("text=%s\n", (prompt_text + text).c_str());
+  }
   return Status::ok();
 }
 

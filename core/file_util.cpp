@@ -1,5 +1,8 @@
 #include "core/file_util.h"
 
+#include <csignal>
+#include <cstdlib>
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -141,6 +144,27 @@ Status write_all(std::FILE* f, const void* data, size_t n) {
   return Status::ok();
 }
 
+// Fault injection for the crash-safety tests: LAPLACE_TEST_KILL_DURING_WRITE=SUFFIX:N
+// kills the process with SIGKILL during the N-th atomic write of a path ending in
+// SUFFIX, after half of the temporary file reached the disk and before the rename:
+// exactly the moment a real crash would hurt. Unset in normal use (one getenv).
+static void maybe_kill_for_test(const std::string& path, std::FILE* f) {
+  static const char* spec = std::getenv("LAPLACE_TEST_KILL_DURING_WRITE");
+  if (spec == nullptr) return;
+  static int seen = 0;
+  std::string s = spec;
+  const size_t colon = s.rfind(':');
+  const std::string suffix = s.substr(0, colon);
+  const int nth = colon == std::string::npos ? 1 : std::atoi(s.c_str() + colon + 1);
+  if (path.size() < suffix.size() || path.compare(path.size() - suffix.size(), suffix.size(), suffix) != 0) return;
+  if (++seen != nth) return;
+  std::fflush(f);
+  const off_t size = ::lseek(::fileno(f), 0, SEEK_END);
+  if (size > 0 && ::ftruncate(::fileno(f), size / 2) != 0) std::perror("ftruncate");
+  ::fsync(::fileno(f));
+  ::kill(::getpid(), SIGKILL);
+}
+
 Status write_file_atomic(const std::string& path, const std::function<Status(std::FILE*)>& writer) {
   // Same directory as the target: rename(2) is atomic only within one filesystem.
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
@@ -158,6 +182,7 @@ Status write_file_atomic(const std::string& path, const std::function<Status(std
 
   Status s = writer(f);
   if (!s.is_ok()) return s.with_context(path);
+  maybe_kill_for_test(path, f);
 
   // Buffered data reaches the kernel only here; ENOSPC often shows up at this point.
   errno = 0;

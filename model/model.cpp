@@ -249,7 +249,7 @@ double Model::loss(const int32_t* targets) {
   return count ? sum / static_cast<double>(count) : 0.0;
 }
 
-void Model::backward(const int32_t* targets, const Arena& grads) {
+void Model::backward(const int32_t* targets, const Arena& grads, double loss_scale) {
   LAPLACE_CHECK(plan_.training, "backward: the plan is not a training plan");
   LAPLACE_CHECK(!last_only_, "backward: needs the logits of every token");
   Backend& be = *be_;
@@ -259,7 +259,7 @@ void Model::backward(const int32_t* targets, const Arena& grads) {
 
   int64_t count = 0;
   for (int64_t i = 0; i < N; ++i) count += targets[i] >= 0;
-  const double scale = count ? 1.0 / static_cast<double>(count) : 0.0;
+  const double scale = count ? loss_scale / static_cast<double>(count) : 0.0;
   Tensor tg = targets_.slice(0, 0, N);
   be.copy(tg, Tensor(const_cast<int32_t*>(targets), DType::kI32, {N}));
 

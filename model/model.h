@@ -65,8 +65,9 @@ class Model {
 
   // Gradient of the mean loss of the last (training) forward. Accumulates into a
   // gradient arena created from weight_specs(config, F32-or-compute dtype); the
-  // caller zeroes it once per optimizer step. Overwrites the logits.
-  void backward(const int32_t* targets, const Arena& grads);
+  // caller zeroes it once per optimizer step. `loss_scale` multiplies the gradient
+  // (1/accumulation steps when micro-batches are averaged). Overwrites the logits.
+  void backward(const int32_t* targets, const Arena& grads, double loss_scale = 1.0);
 
  private:
   struct LayerActs {

@@ -102,11 +102,15 @@ Status ShardReader::open(const std::string& path, int64_t vocab_size, ShardReade
   }
   int32_t h[kShardHeaderInts];
   std::memcpy(h, f.data(), sizeof(h));
-  if (h[0] != kShardMagic) {
+  if (h[0] == kShardMagicLlama3) {
+    if (h[1] != kShardVersionLlama3) {
+      return bad("unsupported version " + std::to_string(h[1]) + " for magic " + std::to_string(kShardMagicLlama3) +
+                 " (llm.c Llama-3 shards are version 7 = uint32 tokens)");
+    }
+  } else if (h[0] != kShardMagic) {
     return bad("bad magic " + std::to_string(h[0]) + " (expected " + std::to_string(kShardMagic) +
                "); not an llm.c/laplace token shard");
-  }
-  if (h[1] != kShardVersionU16 && h[1] != kShardVersionU32) {
+  } else if (h[1] != kShardVersionU16 && h[1] != kShardVersionU32) {
     return bad("unsupported version " + std::to_string(h[1]) + " (expected 1 = uint16 tokens or 2 = uint32 tokens)");
   }
   for (int i = 4; i < kShardHeaderInts; ++i) {

@@ -3,13 +3,16 @@
 //   header: 256 little-endian int32
 //     [0] magic 20240520
 //     [1] version: 1 = tokens are uint16, 2 = tokens are uint32
-//     [2] token count, low 32 bits
-//     [3] token count, high 32 bits (0 unless the count is >= 2^31; llm.c
-//         itself writes 0 here, so its shards read unchanged)
+//     [2] token count, low 32 bits (read as uint32)
+//     [3] token count, high 32 bits. llm.c writes count < 2^31 in [2] and 0
+//         here, so its shards read unchanged; only counts >= 2^31 look
+//         different from llm.c's layout (and llm.c cannot read those).
 //     [4..255] 0
 //   body: `count` tokens, little endian, 2 (v1) or 4 (v2) bytes each.
 //
 // A file is valid only if its size is exactly 1024 + count * token_bytes.
+// The reader also accepts llm.c's Llama-3 shards (magic 20240801, version 7,
+// uint32 tokens); the writer only produces versions 1 and 2.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +27,8 @@ namespace laplace {
 inline constexpr int32_t kShardMagic = 20240520;
 inline constexpr int32_t kShardVersionU16 = 1;
 inline constexpr int32_t kShardVersionU32 = 2;
+inline constexpr int32_t kShardMagicLlama3 = 20240801;  // llm.c, read only
+inline constexpr int32_t kShardVersionLlama3 = 7;       // uint32 tokens
 inline constexpr int64_t kShardHeaderInts = 256;
 inline constexpr int64_t kShardHeaderBytes = kShardHeaderInts * 4;
 
@@ -53,6 +58,7 @@ class ShardReader {
   static Status open(const std::string& path, int64_t vocab_size, ShardReader* out);
 
   int64_t size() const { return count_; }
+  // 1 (uint16), 2 (uint32) or 7 (llm.c Llama-3 shard, uint32).
   int32_t version() const { return version_; }
   const std::string& path() const { return file_.path(); }
 

@@ -3,8 +3,8 @@
 //
 // Ids are int32 in [0, vocab_size()). Training (tokenizer_train) fixes
 //   <unk> = 0, <s> (bos) = 1, </s> (eos) = 2, <pad> = 3,
-// then the 256 byte pieces <0x00>..<0xFF>, then user-defined specials, then the
-// learned merges. Text is not normalised (identity rule, whitespace kept), so
+// then the user-defined special tokens (4, 5, ...), then the 256 byte pieces
+// <0x00>..<0xFF>, then the learned pieces. Text is not normalised (identity rule, whitespace kept), so
 // decode(encode(s)) == s for any valid UTF-8 string s that does not contain
 // U+2581 ("▁", SentencePiece's whitespace marker, which decodes to a space).
 #pragma once
@@ -75,8 +75,8 @@ struct TokenizerTrainOptions {
   // ("piece<TAB>score" per line, for humans).
   std::string model_prefix;
   int64_t vocab_size = 32000;
-  // Extra special tokens (e.g. "<|user|>"): never split, given ids right after
-  // the byte pieces, i.e. starting at 4 + 256.
+  // Extra special tokens (e.g. "<|user|>"): never split, matched in text (so
+  // typing them in a prompt produces them), ids 4, 5, ... in this order.
   std::vector<std::string> user_defined_symbols;
   // Characters covering this fraction of the corpus become pieces; rarer ones
   // are spelled with byte pieces.

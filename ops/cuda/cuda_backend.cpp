@@ -113,8 +113,20 @@ void CudaBackend::copy(Tensor dst, const Tensor& src) {
   if (n == 0) return;
   const bool dd = dst.device == Device::kCUDA, sd = src.device == Device::kCUDA;
   if (dst.dtype != src.dtype) {
-    LAPLACE_CHECK(dd && sd, "copy: F32<->BF16 conversion runs device to device only");
-    cuda::convert_copy(dst, src, stream_);
+    // F32 <-> BF16 conversion runs on the device; a host side is staged through the
+    // scratch buffer (contiguous, in the host tensor's dtype).
+    LAPLACE_CHECK(dd || sd, "copy: host-to-host dtype conversion belongs to the CPU backend");
+    if (dd && sd) {
+      cuda::convert_copy(dst, src, stream_);
+    } else if (dd) {
+      Tensor stage = Tensor::make(scratch(src.nbytes()), src.dtype, src.shape.data(), src.ndim, Device::kCUDA);
+      copy(stage, src);  // same dtype, synchronous
+      cuda::convert_copy(dst, stage, stream_);
+    } else {
+      Tensor stage = Tensor::make(scratch(dst.nbytes()), dst.dtype, dst.shape.data(), dst.ndim, Device::kCUDA);
+      cuda::convert_copy(stage, src, stream_);
+      copy(dst, stage);  // same dtype, synchronous
+    }
     return;
   }
   const size_t es = dtype_size(dst.dtype);

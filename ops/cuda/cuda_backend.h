@@ -11,7 +11,9 @@
 // every op loads to F32, computes in F32 and rounds once on the store. States, windows,
 // norm statistics and losses are F32 only. Index tensors are I32.
 //  copy            same dtype: any dtype, any direction (H2D/D2H/D2D/H2H), strided views
-//                  (innermost dim contiguous). F32<->BF16 conversion: device to device only.
+//                  (innermost dim contiguous). F32<->BF16 conversion: D2D, H2D and D2H (the
+//                  host side staged through device scratch). Copies touching host memory
+//                  are synchronous.
 //  fill            F32, BF16, F64, I32 (device).
 //  axpy, scale     float x, float y.
 //  gemm            (A, B, C) = (BF16, BF16, F32), (BF16, BF16, BF16) or (F32, F32, F32);
@@ -26,7 +28,7 @@
 //                  first); slots I32 [B] or undefined. pre may be undefined in the backward
 //                  (recomputed from u and w with a zero window).
 //  gla             q, k, v, o, d_o, dq, dk, dv float; s_in, s_out, ds_in, ds_out F32 [S,H,dk,dv]
-//                  with the [dk,dv] plane contiguous; dk <= 128, dv <= 256, H <= 128.
+//                  (dv contiguous); dk <= 128, dv <= 256, H <= 128; slots I32 [B].
 //                  All three forms run the same chunked kernel (they agree to rounding); the
 //                  kernel's internal chunk is min(p.chunk, a size that fits shared memory).
 //  rmsnorm_gate    o, g, y, dy, d_o, dg float; w, dw float [dv]; rstd F32 [B,T,H] contiguous

@@ -36,10 +36,10 @@ struct HView {
   __device__ __forceinline__ int64_t at(int64_t b, int64_t t, int64_t h) const { return b * sb + t * st + h * sh; }
 };
 
-// [S,H,dk,dv] F32 state view, each [dk,dv] plane contiguous.
+// [S,H,dk,dv] F32 state view: element (s, h, i, e) at p + s·ss + h·sh + i·sk + e.
 struct SView {
   float* p = nullptr;
-  int64_t ss = 0, sh = 0;
+  int64_t ss = 0, sh = 0, sk = 0;
   __device__ __forceinline__ float* at(int64_t s, int64_t h) const { return p + s * ss + h * sh; }
 };
 
@@ -159,17 +159,17 @@ __device__ __forceinline__ void load_powers(float* pw, double lam, int L) {
   for (int m = threadIdx.x; m <= L; m += blockDim.x) pw[m] = static_cast<float>(pow(lam, static_cast<double>(m)));
 }
 
-// State plane [dk,dv] (global, contiguous) <-> shared [dk, dv+1]; src null gives zeros.
-__device__ __forceinline__ void load_state(float* Ss, int ldv, const float* src, int dk, int dv) {
+// State plane [dk,dv] (global, row stride sk) <-> shared [dk, dv+1]; src null gives zeros.
+__device__ __forceinline__ void load_state(float* Ss, int ldv, const float* src, int64_t sk, int dk, int dv) {
   for (int idx = threadIdx.x; idx < dk * dv; idx += blockDim.x) {
     const int i = idx / dv, e = idx - i * dv;
-    Ss[i * ldv + e] = src ? src[static_cast<int64_t>(idx)] : 0.f;
+    Ss[i * ldv + e] = src ? src[i * sk + e] : 0.f;
   }
 }
-__device__ __forceinline__ void store_state(float* dst, const float* Ss, int ldv, int dk, int dv) {
+__device__ __forceinline__ void store_state(float* dst, int64_t sk, const float* Ss, int ldv, int dk, int dv) {
   for (int idx = threadIdx.x; idx < dk * dv; idx += blockDim.x) {
     const int i = idx / dv, e = idx - i * dv;
-    dst[static_cast<int64_t>(idx)] = Ss[i * ldv + e];
+    dst[i * sk + e] = Ss[i * ldv + e];
   }
 }
 
@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kGlaThreads) gla_fwd_kernel(GlaArgs a, HView q
   float* pw = As + L * ldl;    // [L+1]      λ^m
   load_powers(pw, a.lam[h], L);
   const int64_t slot = slots ? slots[b] : b;
-  load_state(Ss, ldv, s_in.p ? s_in.at(slot, h) : nullptr, dk, dv);
+  load_state(Ss, ldv, s_in.p ? s_in.at(slot, h) : nullptr, s_in.sk, dk, dv);
   __syncthreads();
   for (int n0 = 0; n0 < a.T; n0 += L) {
     const int Le = min(L, a.T - n0);
@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(kGlaThreads) gla_fwd_kernel(GlaArgs a, HView q
         [=](int c, int e, float x) { Ss[c * ldv + e] = pw[Le] * Ss[c * ldv + e] + x; });
     __syncthreads();
   }
-  if (s_out.p) store_state(s_out.at(slot, h), Ss, ldv, dk, dv);
+  if (s_out.p) store_state(s_out.at(slot, h), s_out.sk, Ss, ldv, dk, dv);
 }
 
 // ---- backward: dq (forward sweep) ------------------------------------------------------------------
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(kGlaThreads) gla_bwd_dq_kernel(GlaArgs a, HVie
   float* Ps = Ss + dk * ldv;   // [L, L+1]   λ^{i−j} dO_i·v_j for j ≤ i, else 0
   float* pw = Ps + L * ldl;    // [L+1]
   load_powers(pw, a.lam[h], L);
-  load_state(Ss, ldv, s_in.p ? s_in.at(b, h) : nullptr, dk, dv);
+  load_state(Ss, ldv, s_in.p ? s_in.at(b, h) : nullptr, s_in.sk, dk, dv);
   __syncthreads();
   const float scale = a.scale;
   for (int n0 = 0; n0 < a.T; n0 += L) {
@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(kGlaThreads) gla_bwd_dkv_kernel(GlaArgs a, HVi
   float* Ms = Gs + dk * ldv;   // [L, L+1]   M[i][t], t ≥ i (two uses, see below)
   float* pw = Ms + L * ldl;    // [L+1]
   load_powers(pw, a.lam[h], L);
-  load_state(Gs, ldv, ds_out.p ? ds_out.at(b, h) : nullptr, dk, dv);
+  load_state(Gs, ldv, ds_out.p ? ds_out.at(b, h) : nullptr, ds_out.sk, dk, dv);
   __syncthreads();
   const int nchunks = (a.T + L - 1) / L;
   for (int ch = nchunks - 1; ch >= 0; --ch) {
@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(kGlaThreads) gla_bwd_dkv_kernel(GlaArgs a, HVi
         [=](int c, int e, float x) { Gs[c * ldv + e] = pw[Le] * Gs[c * ldv + e] + x; });
     __syncthreads();
   }
-  if (ds_in.p) store_state(ds_in.at(b, h), Gs, ldv, dk, dv);
+  if (ds_in.p) store_state(ds_in.at(b, h), ds_in.sk, Gs, ldv, dk, dv);
 }
 
 // ---- host side ----------------------------------------------------------------------------------
@@ -369,15 +369,16 @@ SView state_view(const Tensor& t, int64_t min_entries, int64_t H, int64_t dk, in
   check_device(t, what);
   check_f32(t, what);
   if (t.ndim != 4 || t.shape[0] < min_entries || t.shape[1] != H || t.shape[2] != dk || t.shape[3] != dv ||
-      t.stride[3] != 1 || t.stride[2] != dv)
+      (dv > 1 && t.stride[3] != 1))
     check_failed(__FILE__, __LINE__, what,
                  ("expected an F32 state [S>=" + std::to_string(min_entries) + ", " + std::to_string(H) + ", " +
-                  std::to_string(dk) + ", " + std::to_string(dv) + "] with contiguous [dk,dv] planes, got " +
+                  std::to_string(dk) + ", " + std::to_string(dv) + "] with dv contiguous, got " +
                   t.shape_str())
                      .c_str());
   v.p = static_cast<float*>(t.data);
   v.ss = t.stride[0];
   v.sh = t.stride[1];
+  v.sk = t.stride[2];
   return v;
 }
 

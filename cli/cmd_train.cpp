@@ -1,0 +1,132 @@
+// Training subcommands: train, eval.
+#include <cmath>
+#include <cstdio>
+
+#include "cli/common.h"
+#include "text/data_loader.h"
+#include "train/trainer.h"
+
+namespace laplace::cli {
+
+namespace {
+
+struct TrainArgs {
+  TrainOptions o;
+  std::string dtype = "f32";
+  std::string schedule = "cosine";
+  std::string muon_scale = "rms";
+  double lr = 3e-3;
+  int64_t warmup = 0;
+  double min_lr_frac = 0.1, decay_frac = 0.2;
+  bool no_shuffle = false;
+  double peak_tflops = 0;
+};
+
+Status run_train(TrainArgs& a) {
+  LAPLACE_RETURN_IF_ERROR(parse_dtype(a.dtype, &a.o.dtype));
+  LAPLACE_RETURN_IF_ERROR(schedule_kind_from_name(a.schedule, &a.o.schedule.kind));
+  LAPLACE_RETURN_IF_ERROR(muon_scale_from_name(a.muon_scale, &a.o.optim.scale));
+  a.o.schedule.lr = a.lr;
+  a.o.optim.lr = a.lr;
+  a.o.schedule.warmup_steps = a.warmup;
+  a.o.schedule.min_lr_frac = a.min_lr_frac;
+  a.o.schedule.decay_frac = a.decay_frac;
+  a.o.shuffle = !a.no_shuffle;
+  a.o.peak_flops = a.peak_tflops * 1e12;
+  Trainer t(a.o);
+  LAPLACE_RETURN_IF_ERROR(t.setup());
+  return t.run();
+}
+
+struct EvalArgs {
+  ModelArgs m;
+  std::vector<std::string> data;
+  int64_t batch = 4, seq = 256, max_batches = 0;
+};
+
+Status run_eval(const EvalArgs& a) {
+  LoadedModel lm;
+  LAPLACE_RETURN_IF_ERROR(load_model(a.m, &lm));
+  const Config& c = lm.model.config();
+  DataLoaderOptions dl;
+  LAPLACE_RETURN_IF_ERROR(expand_shard_patterns(a.data, &dl.shards));
+  dl.batch_size = a.batch;
+  dl.seq_len = a.seq;
+  dl.vocab_size = c.vocab_size;
+  DataLoader loader;
+  LAPLACE_RETURN_IF_ERROR(DataLoader::open(dl, &loader));
+  int64_t n = loader.batches_per_epoch();
+  if (a.max_batches > 0) n = std::min(n, a.max_batches);
+  if (n < 1) return Status::invalid_argument("the data holds fewer than batch·seq+1 tokens");
+  LAPLACE_RETURN_IF_ERROR(lm.model.plan({a.batch, a.seq, false, false}));
+  std::vector<int32_t> x(a.batch * a.seq), y(a.batch * a.seq);
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    loader.next(x.data(), y.data());
+    lm.model.forward(x.data(), a.batch, a.seq, ForwardOptions{});
+    sum += lm.model.loss(y.data());
+  }
+  const double loss = sum / static_cast<double>(n);
+  std::printf("batches=%lld\ntokens=%lld\nloss=%.6f\nperplexity=%.4f\n", (long long)n,
+              (long long)(n * a.batch * a.seq), loss, std::exp(loss));
+  return Status::ok();
+}
+
+}  // namespace
+
+void add_train(CLI::App& app) {
+  auto* cmd = app.add_subcommand("train", "train a model (Muon for body matrices, AdamW for the rest)");
+  auto a = std::make_shared<TrainArgs>();
+  TrainOptions& o = a->o;
+  cmd->add_option("--config", o.config_path, "config.json")->required();
+  cmd->add_option("--data", o.train_data, "training shards (paths or globs)")->required();
+  cmd->add_option("--val-data", o.val_data, "validation shards (paths or globs)");
+  cmd->add_option("--out", o.out_dir, "output directory (checkpoint, model, metrics.jsonl)");
+  cmd->add_option("--init", o.init_ckpt, "start from these weights instead of a seeded init");
+  cmd->add_option("--resume", o.resume, "resume from a checkpoint.safetensors ('auto': --out's, if present)");
+  cmd->add_option("--tokenizer", o.tokenizer, "tokenizer.model to copy into --out");
+  cmd->add_option("--batch", o.batch, "sequences per micro-batch")->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--seq", o.seq, "tokens per sequence")->check(CLI::Range(1, 1 << 24));
+  cmd->add_option("--grad-accum", o.grad_accum, "micro-batches per step")->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--steps", o.steps, "optimizer steps")->check(CLI::Range(1, 1 << 30));
+  cmd->add_option("--lr", a->lr, "peak learning rate (Muon and AdamW)")->check(CLI::Range(0.0, 10.0));
+  cmd->add_option("--warmup", a->warmup, "linear warm-up steps")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--schedule", a->schedule, "cosine, wsd or constant");
+  cmd->add_option("--min-lr-frac", a->min_lr_frac, "final lr as a fraction of --lr")->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--decay-frac", a->decay_frac, "wsd: fraction of steps spent decaying")->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--wd", o.optim.weight_decay, "decoupled weight decay")->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--max-grad-norm", o.optim.max_grad_norm, "global-norm clipping (0 = off)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--momentum", o.optim.momentum, "Muon momentum")->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--muon-scale", a->muon_scale, "rms (0.2·√max(r,c)) or shape (√max(1,r/c))");
+  cmd->add_flag("--muon-fused", o.muon_fused, "orthogonalise W_qkvg and W_12 whole");
+  cmd->add_option("--seed", o.seed, "initialisation seed");
+  cmd->add_option("--data-seed", o.data_seed, "shuffle seed");
+  cmd->add_flag("--no-shuffle", a->no_shuffle, "read the data in order (llm.c's sequential loader)");
+  cmd->add_flag("--recompute-mixer", o.recompute_mixer, "recompute the GLA output in the backward");
+  cmd->add_option("--eval-every", o.eval_every, "validate every N steps (0 = never)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--eval-batches", o.eval_batches, "validation batches")->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--ckpt-every", o.ckpt_every, "checkpoint every N steps (0 = at the end)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--log-every", o.log_every, "print every N steps")->check(CLI::Range(1, 1 << 30));
+  cmd->add_option("--peak-tflops", a->peak_tflops, "device peak for MFU (e.g. 989 for an H200 in bf16)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--dtype", a->dtype, "f32 or f64 (CPU)");
+  cmd->add_flag("--quiet", o.quiet, "no progress lines");
+  cmd->callback([a] { g_exit_code = report(run_train(*a)); });
+}
+
+void add_eval(CLI::App& app) {
+  auto* cmd = app.add_subcommand("eval", "loss and perplexity over token shards");
+  auto a = std::make_shared<EvalArgs>();
+  a->m.add_to(cmd);
+  cmd->add_option("--data", a->data, "token shards (paths or globs)")->required();
+  cmd->add_option("--batch", a->batch, "sequences per batch")->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--seq", a->seq, "tokens per sequence")->check(CLI::Range(1, 1 << 24));
+  cmd->add_option("--max-batches", a->max_batches, "stop after N batches (0 = one pass)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->callback([a] { g_exit_code = report(run_eval(*a)); });
+}
+
+}  // namespace laplace::cli

@@ -1,0 +1,665 @@
+// CUDA backend vs the CPU backend on the same inputs, at the real shapes of laplace-3b
+// (D = 3072, the 9216-row projection, H = 16, dk = 96, dv = 192, V = 92160).
+//
+// Every test skips when make_cuda_backend() finds no usable GPU. Inputs are drawn once,
+// rounded to the GPU dtype, and the CPU reference gets the same (rounded) values in F32
+// (or F64 for GLA). Errors are max|a−b| / max|b| (testing::max_rel_error) unless noted:
+//   F32 ops                 ≤ 1e-5 (element-wise, norms, losses), ≤ 1e-4 (long sums: gemm
+//                           K=3072, parameter gradients summed over rows)
+//   BF16 outputs            ≤ 1e-2 (one bf16 rounding of the output, 2^-8 relative)
+//   F32 outputs of BF16 inputs (dw/db, states, losses, gemm C F32)  ≤ 1e-4
+//   GLA vs F64 CPU, relative RMS (testing::rms_rel_error): BF16 o ≤ 2.5e-3, dq/dk/dv/ds_in ≤ 5e-3;
+//                           F32 ≤ 1e-5 (o, states) and ≤ 2e-5 (gradients)
+//   sum_squares             relative ≤ 1e-10 (both accumulate in F64)
+// Determinism: ops with reductions run twice and their outputs are compared bytewise.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ops/backend.h"
+#include "tests/test_util.h"
+
+namespace laplace {
+namespace {
+
+using laplace::testing::max_rel_error;
+using laplace::testing::OwnedTensor;
+using laplace::testing::rms_rel_error;
+
+// ---- helpers -------------------------------------------------------------------------
+
+double round_to(DType dt, double x) {
+  if (dt == DType::kBF16) return bf16_to_float(float_to_bf16(static_cast<float>(x)));
+  if (dt == DType::kF32) return static_cast<float>(x);
+  return x;
+}
+
+// Flat index into a contiguous host tensor.
+void set_flat(const Tensor& t, int64_t i, double x) {
+  switch (t.dtype) {
+    case DType::kF32: static_cast<float*>(t.data)[i] = static_cast<float>(x); break;
+    case DType::kF64: static_cast<double*>(t.data)[i] = x; break;
+    case DType::kBF16: static_cast<uint16_t*>(t.data)[i] = float_to_bf16(static_cast<float>(x)); break;
+    case DType::kI32: static_cast<int32_t*>(t.data)[i] = static_cast<int32_t>(x); break;
+    default: FAIL() << "set_flat: unsupported dtype";
+  }
+}
+
+// GPU memory owned by a test (freed through the backend's allocator).
+struct DevTensor {
+  Backend* be = nullptr;
+  void* p = nullptr;
+  Tensor t;
+  DevTensor(Backend& b, DType dt, const std::vector<int64_t>& shape) : be(&b) {
+    t = Tensor::make(nullptr, dt, shape.data(), static_cast<int>(shape.size()), Device::kCUDA);
+    p = b.allocator().allocate(std::max<size_t>(t.nbytes(), 1));
+    LAPLACE_CHECK(p != nullptr, "test: device allocation failed");
+    t.data = p;
+  }
+  ~DevTensor() { be->allocator().deallocate(p); }
+  DevTensor(const DevTensor&) = delete;
+  DevTensor& operator=(const DevTensor&) = delete;
+};
+
+std::unique_ptr<OwnedTensor> host_tensor(DType dt, const std::vector<int64_t>& shape) {
+  auto h = std::make_unique<OwnedTensor>();
+  h->t = Tensor::make(nullptr, dt, shape.data(), static_cast<int>(shape.size()));
+  h->storage.assign((h->t.nbytes() + 7) / 8 + 1, 0.0);
+  h->t.data = h->storage.data();
+  return h;
+}
+
+// One logical quantity on both sides: `ref` on the CPU (reference dtype), `dev` on the GPU.
+struct Buf {
+  std::unique_ptr<OwnedTensor> ref;
+  std::unique_ptr<DevTensor> dev;
+  Tensor r() const { return ref->t; }
+  Tensor d() const { return dev->t; }
+};
+
+class CudaOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    cuda_ = make_cuda_backend(&why);
+    if (!cuda_) GTEST_SKIP() << "no CUDA device: " << why;
+    cpu_ = make_cpu_backend();
+  }
+
+  // Same values (rounded to dev_dt) on both sides; uniform in [lo, hi).
+  Buf input(const std::vector<int64_t>& shape, DType dev_dt, DType ref_dt, uint64_t seed, double lo = -1,
+            double hi = 1) {
+    Buf b;
+    b.ref = host_tensor(ref_dt, shape);
+    auto stage = host_tensor(dev_dt, shape);
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<double> dist(lo, hi);
+    const int64_t n = b.ref->t.numel();
+    for (int64_t i = 0; i < n; ++i) {
+      const double x = round_to(dev_dt, dist(rng));
+      set_flat(stage->t, i, x);
+      set_flat(b.ref->t, i, x);
+    }
+    b.dev = std::make_unique<DevTensor>(*cuda_, dev_dt, shape);
+    cuda_->copy(b.dev->t, stage->t);
+    return b;
+  }
+  Buf zeros(const std::vector<int64_t>& shape, DType dev_dt, DType ref_dt) {
+    Buf b;
+    b.ref = host_tensor(ref_dt, shape);  // zero-filled storage
+    auto stage = host_tensor(dev_dt, shape);
+    b.dev = std::make_unique<DevTensor>(*cuda_, dev_dt, shape);
+    cuda_->copy(b.dev->t, stage->t);
+    return b;
+  }
+  // Makes the CPU side hold the GPU side's values (e.g. a bf16 pre-activation that both
+  // backwards should then read).
+  void adopt(Buf& b) {
+    auto h = down(b.d());
+    const int64_t n = b.r().numel();
+    for (int64_t i = 0; i < n; ++i) {
+      double x = 0;
+      switch (h->t.dtype) {
+        case DType::kF32: x = static_cast<const float*>(h->t.data)[i]; break;
+        case DType::kBF16: x = bf16_to_float(static_cast<const uint16_t*>(h->t.data)[i]); break;
+        default: FAIL() << "adopt: unsupported dtype";
+      }
+      set_flat(b.r(), i, x);
+    }
+  }
+  Buf ints(const std::vector<int32_t>& v) {
+    Buf b;
+    const std::vector<int64_t> shape = {static_cast<int64_t>(v.size())};
+    b.ref = host_tensor(DType::kI32, shape);
+    std::memcpy(b.ref->t.data, v.data(), v.size() * 4);
+    b.dev = std::make_unique<DevTensor>(*cuda_, DType::kI32, shape);
+    cuda_->copy(b.dev->t, b.ref->t);
+    return b;
+  }
+  // Host copy (in the device dtype) of a device tensor.
+  std::unique_ptr<OwnedTensor> down(const Tensor& d) {
+    std::vector<int64_t> shape(d.shape.begin(), d.shape.begin() + d.ndim);
+    auto h = host_tensor(d.dtype, shape);
+    cuda_->copy(h->t, d);
+    return h;
+  }
+  // max relative error of the GPU side against the CPU side.
+  double err(const Buf& b) { return max_rel_error(down(b.d())->t, b.r()); }
+  double rms(const Buf& b) { return rms_rel_error(down(b.d())->t, b.r()); }
+  bool same_bytes(const Tensor& a, const Tensor& b) {
+    auto ha = down(a), hb = down(b);
+    return ha->t.nbytes() == hb->t.nbytes() && std::memcmp(ha->t.data, hb->t.data, ha->t.nbytes()) == 0;
+  }
+
+  std::unique_ptr<Backend> cuda_, cpu_;
+};
+
+// [B,T,H,d] view at column offset `off` of a [B,T,W] tensor.
+Tensor head_view(const Tensor& base, int64_t off, int64_t H, int64_t d) {
+  Tensor v = base;
+  v.data = static_cast<char*>(base.data) + off * static_cast<int64_t>(dtype_size(base.dtype));
+  v.ndim = 4;
+  v.shape = {base.shape[0], base.shape[1], H, d};
+  v.stride = {base.stride[0], base.stride[1], d, 1};
+  return v;
+}
+
+constexpr DType kF32 = DType::kF32, kBF16 = DType::kBF16, kF64 = DType::kF64;
+
+// ---- memory ------------------------------------------------------------------------------
+
+TEST_F(CudaOps, CopyRoundTripsAndStridedViews) {
+  // H2D, D2D, D2H of a contiguous tensor are exact.
+  Buf a = input({4, 6, 10}, kF32, kF32, 1);
+  auto back = down(a.d());
+  EXPECT_EQ(std::memcmp(back->t.data, a.r().data, a.r().nbytes()), 0);
+  // D2D copy of a strided slice into a contiguous tensor, and H2D into a strided view.
+  Tensor sl = a.d().slice(2, 2, 8);                   // [4,6,6], row stride 10
+  DevTensor c(*cuda_, kF32, {4, 6, 6});
+  cuda_->copy(c.t, sl);
+  auto hc = down(c.t);
+  Tensor ref_sl = a.r().slice(2, 2, 8);
+  EXPECT_EQ(max_rel_error(hc->t, ref_sl), 0.0);
+  DevTensor big(*cuda_, kF32, {4, 6, 10});
+  cuda_->fill(big.t, 7.0);
+  cuda_->copy(big.t.slice(2, 2, 8), ref_sl);         // H2D into a view
+  auto hb = down(big.t);
+  EXPECT_EQ(max_rel_error(hb->t.slice(2, 2, 8), ref_sl), 0.0);
+  EXPECT_EQ(static_cast<float*>(hb->t.data)[0], 7.0f);
+  EXPECT_EQ(static_cast<float*>(hb->t.data)[9], 7.0f);
+  // 4-D strided view with a non-mergeable outer dim (loops of 2-D copies).
+  Buf q = input({2, 5, 3, 8}, kBF16, kF32, 2);
+  DevTensor fused(*cuda_, kBF16, {2, 5, 40});
+  Tensor qv = head_view(fused.t, 8, 3, 8);           // [2,5,3,8] inside [2,5,40]
+  cuda_->copy(qv, q.d());
+  DevTensor q2(*cuda_, kBF16, {2, 5, 3, 8});
+  cuda_->copy(q2.t, qv);
+  EXPECT_TRUE(same_bytes(q2.t, q.d()));
+  // F32 <-> BF16 conversion: D2D, H2D and D2H.
+  DevTensor cb(*cuda_, kBF16, {4, 6, 10});
+  cuda_->copy(cb.t, a.d());
+  auto hcb = down(cb.t);
+  const float* src = static_cast<const float*>(a.r().data);
+  const uint16_t* dst = static_cast<const uint16_t*>(hcb->t.data);
+  for (int64_t i = 0; i < a.r().numel(); ++i) ASSERT_EQ(dst[i], float_to_bf16(src[i])) << i;
+  DevTensor cb2(*cuda_, kBF16, {4, 6, 10});
+  cuda_->copy(cb2.t, a.r());                          // H2D with conversion
+  EXPECT_TRUE(same_bytes(cb2.t, cb.t));
+  auto hf = host_tensor(kF32, {4, 6, 10});
+  cuda_->copy(hf->t, cb.t);                           // D2H with conversion
+  for (int64_t i = 0; i < a.r().numel(); ++i)
+    ASSERT_EQ(static_cast<float*>(hf->t.data)[i], bf16_to_float(dst[i])) << i;
+}
+
+TEST_F(CudaOps, FillAxpyScaleF32) {
+  const int64_t R = 1024, C = 3072;
+  Buf x = input({R, C}, kF32, kF32, 3), y = input({R, C}, kF32, kF32, 4);
+  cpu_->axpy(0.37, x.r(), y.r());
+  cuda_->axpy(0.37, x.d(), y.d());
+  EXPECT_LE(err(y), 1e-6);
+  cpu_->scale(y.r(), -1.7);
+  cuda_->scale(y.d(), -1.7);
+  EXPECT_LE(err(y), 1e-6);
+  cpu_->fill(y.r(), 0.25);
+  cuda_->fill(y.d(), 0.25);
+  EXPECT_EQ(err(y), 0.0);
+}
+
+TEST_F(CudaOps, FillAxpyScaleBF16) {
+  const int64_t R = 1024, C = 3072;
+  Buf x = input({R, C}, kBF16, kF32, 3), y = input({R, C}, kBF16, kF32, 4);
+  cpu_->axpy(0.37, x.r(), y.r());
+  cuda_->axpy(0.37, x.d(), y.d());
+  EXPECT_LE(err(y), 1e-2);
+  // F32 accumulator += BF16 gradient (mixed dtypes).
+  Buf acc = input({R, C}, kF32, kF32, 5);
+  cpu_->axpy(1.0, x.r(), acc.r());
+  cuda_->axpy(1.0, x.d(), acc.d());
+  EXPECT_LE(err(acc), 1e-6);
+  cpu_->scale(x.r(), 0.5);
+  cuda_->scale(x.d(), 0.5);
+  EXPECT_LE(err(x), 1e-6);  // exact: a power of two
+}
+
+// ---- gemm ------------------------------------------------------------------------------------
+
+// The three products of a 9216×3072 projection over 300 token rows: y = x·Wᵀ, dx = dy·W,
+// dW += dyᵀ·x; then transposed/strided operand variants.
+TEST_F(CudaOps, GemmProjectionShapesF32) {
+  const int64_t N = 300, D = 3072, O = 9216;
+  Buf x = input({N, D}, kF32, kF32, 10), w = input({O, D}, kF32, kF32, 11);
+  Buf y = zeros({N, O}, kF32, kF32);
+  cpu_->gemm(x.r(), false, w.r(), true, y.r(), 1.0, 0.0);  // y = x·Wᵀ
+  cuda_->gemm(x.d(), false, w.d(), true, y.d(), 1.0, 0.0);
+  EXPECT_LE(err(y), 1e-5);
+  Buf dy = input({N, O}, kF32, kF32, 12), dx = zeros({N, D}, kF32, kF32);
+  cpu_->gemm(dy.r(), false, w.r(), false, dx.r(), 1.0, 0.0);  // dx = dy·W
+  cuda_->gemm(dy.d(), false, w.d(), false, dx.d(), 1.0, 0.0);
+  EXPECT_LE(err(dx), 1e-5);
+  Buf dw = input({O, D}, kF32, kF32, 13);
+  cpu_->gemm(dy.r(), true, x.r(), false, dw.r(), 0.5, 1.0);  // dW = 0.5·dyᵀ·x + dW
+  cuda_->gemm(dy.d(), true, x.d(), false, dw.d(), 0.5, 1.0);
+  EXPECT_LE(err(dw), 1e-5);
+  // both transposed, and a strided (column-sliced) operand
+  Buf xt = input({D, N}, kF32, kF32, 14), z = zeros({N, 2000}, kF32, kF32);
+  Tensor w_sl_r = w.r().slice(0, 0, 2000).slice(1, 0, D), w_sl_d = w.d().slice(0, 0, 2000);
+  cpu_->gemm(xt.r(), true, w_sl_r, true, z.r(), 1.0, 0.0);
+  cuda_->gemm(xt.d(), true, w_sl_d, true, z.d(), 1.0, 0.0);
+  EXPECT_LE(err(z), 1e-5);
+  Buf big = zeros({N, 4000}, kF32, kF32);  // c as a column slice (ldc = 4000)
+  cpu_->gemm(x.r(), false, w_sl_r, true, big.r().slice(1, 1000, 3000), 1.0, 0.0);
+  cuda_->gemm(x.d(), false, w_sl_d, true, big.d().slice(1, 1000, 3000), 1.0, 0.0);
+  EXPECT_LE(err(big), 1e-5);
+  // determinism
+  DevTensor y2(*cuda_, kF32, {N, O});
+  cuda_->gemm(x.d(), false, w.d(), true, y2.t, 1.0, 0.0);
+  EXPECT_TRUE(same_bytes(y2.t, y.d()));
+}
+
+TEST_F(CudaOps, GemmProjectionShapesBF16) {
+  const int64_t N = 300, D = 3072, O = 9216;
+  Buf x = input({N, D}, kBF16, kF32, 20), w = input({O, D}, kBF16, kF32, 21);
+  Buf y32 = zeros({N, O}, kF32, kF32), y16 = zeros({N, O}, kBF16, kF32);
+  cpu_->gemm(x.r(), false, w.r(), true, y32.r(), 1.0, 0.0);
+  cuda_->gemm(x.d(), false, w.d(), true, y32.d(), 1.0, 0.0);
+  EXPECT_LE(err(y32), 1e-4);
+  cpu_->gemm(x.r(), false, w.r(), true, y16.r(), 1.0, 0.0);
+  cuda_->gemm(x.d(), false, w.d(), true, y16.d(), 1.0, 0.0);
+  EXPECT_LE(err(y16), 1e-2);
+  Buf dy = input({N, O}, kBF16, kF32, 22), dx = zeros({N, D}, kBF16, kF32);
+  cpu_->gemm(dy.r(), false, w.r(), false, dx.r(), 1.0, 0.0);
+  cuda_->gemm(dy.d(), false, w.d(), false, dx.d(), 1.0, 0.0);
+  EXPECT_LE(err(dx), 1e-2);
+  Buf dw = input({O, D}, kF32, kF32, 23);  // F32 gradient accumulator
+  cpu_->gemm(dy.r(), true, x.r(), false, dw.r(), 1.0, 1.0);
+  cuda_->gemm(dy.d(), true, x.d(), false, dw.d(), 1.0, 1.0);
+  EXPECT_LE(err(dw), 1e-4);
+  DevTensor y2(*cuda_, kBF16, {N, O});
+  cuda_->gemm(x.d(), false, w.d(), true, y2.t, 1.0, 0.0);
+  EXPECT_TRUE(same_bytes(y2.t, y16.d()));
+}
+
+// ---- embedding -------------------------------------------------------------------------------
+
+TEST_F(CudaOps, EmbeddingForwardBackward) {
+  const int64_t V = 8192, D = 3072, N = 300;
+  std::vector<int32_t> idv(N);
+  std::mt19937 rng(5);
+  for (int64_t i = 0; i < N; ++i) idv[i] = (i % 7 == 0) ? 42 : static_cast<int32_t>(rng() % V);  // repeats
+  idv[N - 1] = static_cast<int32_t>(V - 1);
+  Buf ids = ints(idv);
+  for (DType dt : {kF32, kBF16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    Buf table = input({V, D}, dt, kF32, 30), out = zeros({N, D}, dt, kF32);
+    cpu_->embedding_forward(ids.r(), table.r(), out.r());
+    cuda_->embedding_forward(ids.d(), table.d(), out.d());
+    EXPECT_EQ(err(out), 0.0);
+    Buf dout = input({N, D}, dt, kF32, 31), dtab = input({V, D}, kF32, kF32, 32);
+    cpu_->embedding_backward(ids.r(), dout.r(), dtab.r());
+    cuda_->embedding_backward(ids.d(), dout.d(), dtab.d());
+    EXPECT_LE(err(dtab), 1e-6);
+    Buf dtab2 = input({V, D}, kF32, kF32, 32);
+    cuda_->embedding_backward(ids.d(), dout.d(), dtab2.d());
+    EXPECT_TRUE(same_bytes(dtab2.d(), dtab.d()));
+  }
+}
+
+// ---- layernorm -------------------------------------------------------------------------------
+
+TEST_F(CudaOps, LayerNormF32AndBF16) {
+  const int64_t N = 300, D = 3072;
+  for (DType dt : {kF32, kBF16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    const double tol_act = dt == kF32 ? 1e-5 : 1e-2;
+    Buf x = input({N, D}, dt, kF32, 40, -2, 3), w = input({D}, dt, kF32, 41, 0.5, 1.5), b = input({D}, dt, kF32, 42);
+    Buf y = zeros({N, D}, dt, kF32), mean = zeros({N}, kF32, kF32), rstd = zeros({N}, kF32, kF32);
+    cpu_->layernorm_forward(x.r(), w.r(), b.r(), 1e-5, y.r(), mean.r(), rstd.r());
+    cuda_->layernorm_forward(x.d(), w.d(), b.d(), 1e-5, y.d(), mean.d(), rstd.d());
+    EXPECT_LE(err(y), tol_act);
+    EXPECT_LE(err(mean), 1e-5);
+    EXPECT_LE(err(rstd), 1e-5);
+    Buf dy = input({N, D}, dt, kF32, 43), dx = input({N, D}, dt, kF32, 44);
+    Buf dw = input({D}, kF32, kF32, 45), db = input({D}, kF32, kF32, 46);
+    cpu_->layernorm_backward(dy.r(), x.r(), w.r(), mean.r(), rstd.r(), dx.r(), true, dw.r(), db.r());
+    cuda_->layernorm_backward(dy.d(), x.d(), w.d(), mean.d(), rstd.d(), dx.d(), true, dw.d(), db.d());
+    EXPECT_LE(err(dx), dt == kF32 ? 1e-5 : 1e-2);
+    EXPECT_LE(err(dw), 1e-4);
+    EXPECT_LE(err(db), 1e-4);
+    // overwrite mode, and determinism of the column reductions
+    Buf dx2 = zeros({N, D}, dt, kF32), dw2 = input({D}, kF32, kF32, 45), db2 = input({D}, kF32, kF32, 46);
+    cpu_->layernorm_backward(dy.r(), x.r(), w.r(), mean.r(), rstd.r(), dx2.r(), false, Tensor{}, Tensor{});
+    cuda_->layernorm_backward(dy.d(), x.d(), w.d(), mean.d(), rstd.d(), dx2.d(), false, dw2.d(), db2.d());
+    EXPECT_LE(err(dx2), dt == kF32 ? 1e-5 : 1e-2);
+    EXPECT_TRUE(same_bytes(dw2.d(), dw.d()));
+    EXPECT_TRUE(same_bytes(db2.d(), db.d()));
+  }
+}
+
+// ---- conv + SiLU -----------------------------------------------------------------------------
+
+TEST_F(CudaOps, ConvSiluWindowsSlotsAndBackward) {
+  const int64_t B = 2, T = 150, D = 3072, K = 4, S = 3;
+  Buf slots = ints({2, 0});
+  for (DType dt : {kF32, kBF16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    const double tol_act = dt == kF32 ? 1e-5 : 1e-2;
+    Buf u = input({B, T, D}, dt, kF32, 50), w = input({D, K}, dt, kF32, 51, -0.7, 0.7);
+    Buf c = zeros({B, T, D}, dt, kF32), pre = zeros({B, T, D}, dt, kF32);
+    Buf win = input({S, K, D}, kF32, kF32, 52);  // pool; win_out aliases win_in
+    cpu_->conv_silu_forward(u.r(), w.r(), c.r(), pre.r(), win.r(), win.r(), slots.r());
+    cuda_->conv_silu_forward(u.d(), w.d(), c.d(), pre.d(), win.d(), win.d(), slots.d());
+    EXPECT_LE(err(c), tol_act);
+    EXPECT_LE(err(pre), tol_act);
+    EXPECT_EQ(err(win), 0.0);  // copies of inputs (slot 1 untouched)
+    // decode-sized call (T = 2 < K) continuing from the pool
+    Buf u2 = input({B, 2, D}, dt, kF32, 53), c2 = zeros({B, 2, D}, dt, kF32);
+    cpu_->conv_silu_forward(u2.r(), w.r(), c2.r(), Tensor{}, win.r(), win.r(), slots.r());
+    cuda_->conv_silu_forward(u2.d(), w.d(), c2.d(), Tensor{}, win.d(), win.d(), slots.d());
+    EXPECT_LE(err(c2), tol_act);
+    EXPECT_EQ(err(win), 0.0);
+    // no input window, window output by batch row
+    Buf wo = zeros({B, K, D}, kF32, kF32);
+    cpu_->conv_silu_forward(u.r(), w.r(), c.r(), pre.r(), Tensor{}, wo.r(), Tensor{});
+    cuda_->conv_silu_forward(u.d(), w.d(), c.d(), pre.d(), Tensor{}, wo.d(), Tensor{});
+    EXPECT_LE(err(c), tol_act);
+    EXPECT_EQ(err(wo), 0.0);
+    // backward (zero initial window), with and without pre; both sides read the GPU's pre
+    adopt(pre);
+    Buf dc = input({B, T, D}, dt, kF32, 54), du = zeros({B, T, D}, dt, kF32), dw = input({D, K}, kF32, kF32, 55);
+    Buf dw_ref32 = input({D, K}, kF32, kF32, 55);
+    cpu_->conv_silu_backward(dc.r(), u.r(), w.r(), pre.r(), du.r(), dw.r());
+    cuda_->conv_silu_backward(dc.d(), u.d(), w.d(), pre.d(), du.d(), dw.d());
+    EXPECT_LE(err(du), tol_act);
+    EXPECT_LE(err(dw), 1e-4);
+    Buf du2 = zeros({B, T, D}, dt, kF32);
+    cuda_->conv_silu_backward(dc.d(), u.d(), w.d(), Tensor{}, du2.d(), dw_ref32.d());
+    EXPECT_LE(max_rel_error(down(du2.d())->t, du.r()), tol_act);
+    if (dt == kF32) {
+      EXPECT_LE(max_rel_error(down(dw_ref32.d())->t, dw.r()), 1e-4);
+    }
+    Buf dw3 = input({D, K}, kF32, kF32, 55);
+    cuda_->conv_silu_backward(dc.d(), u.d(), w.d(), pre.d(), Tensor{}, dw3.d());
+    EXPECT_TRUE(same_bytes(dw3.d(), dw.d()));
+  }
+}
+
+// ---- RMSNorm × gate ---------------------------------------------------------------------------
+
+TEST_F(CudaOps, RmsNormGateStridedGate) {
+  const int64_t B = 2, T = 150, H = 16, dv = 192;
+  for (DType dt : {kF32, kBF16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    const double tol_act = dt == kF32 ? 1e-5 : 1e-2;
+    Buf o = input({B, T, H, dv}, dt, kF32, 60, -2, 2), g = input({B, T, H, dv}, dt, kF32, 61, -3, 3);
+    Buf w = input({dv}, dt, kF32, 62, 0.5, 1.5);
+    // on the GPU, g is a view into a fused [B, T, 2·H·dv] buffer (like the qkvg projection)
+    DevTensor fused(*cuda_, dt, {B, T, 2 * H * dv});
+    Tensor gv = head_view(fused.t, H * dv, H, dv);
+    cuda_->copy(gv, g.d());
+    Buf y = zeros({B, T, H, dv}, dt, kF32), rstd = zeros({B, T, H}, kF32, kF32);
+    cpu_->rmsnorm_gate_forward(o.r(), g.r(), w.r(), 1e-5, y.r(), rstd.r());
+    cuda_->rmsnorm_gate_forward(o.d(), gv, w.d(), 1e-5, y.d(), rstd.d());
+    EXPECT_LE(err(y), tol_act);
+    EXPECT_LE(err(rstd), 1e-5);
+    Buf dy = input({B, T, H, dv}, dt, kF32, 63), d_o = zeros({B, T, H, dv}, dt, kF32),
+        dg = zeros({B, T, H, dv}, dt, kF32), dw = input({dv}, kF32, kF32, 64);
+    cpu_->rmsnorm_gate_backward(dy.r(), o.r(), g.r(), w.r(), rstd.r(), d_o.r(), dg.r(), dw.r());
+    cuda_->rmsnorm_gate_backward(dy.d(), o.d(), gv, w.d(), rstd.d(), d_o.d(), dg.d(), dw.d());
+    EXPECT_LE(err(d_o), tol_act);
+    EXPECT_LE(err(dg), tol_act);
+    EXPECT_LE(err(dw), 1e-4);
+    Buf dw2 = input({dv}, kF32, kF32, 64);
+    cuda_->rmsnorm_gate_backward(dy.d(), o.d(), gv, w.d(), rstd.d(), Tensor{}, Tensor{}, dw2.d());
+    EXPECT_TRUE(same_bytes(dw2.d(), dw.d()));
+  }
+}
+
+// ---- SwiGLU ---------------------------------------------------------------------------------------
+
+TEST_F(CudaOps, SwiGlu) {
+  const int64_t N = 300, F = 8192;
+  for (DType dt : {kF32, kBF16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    const double tol = dt == kF32 ? 1e-5 : 1e-2;
+    Buf ab = input({N, 2 * F}, dt, kF32, 70, -4, 4), h = zeros({N, F}, dt, kF32);
+    cpu_->swiglu_forward(ab.r(), h.r());
+    cuda_->swiglu_forward(ab.d(), h.d());
+    EXPECT_LE(err(h), tol);
+    Buf dh = input({N, F}, dt, kF32, 71), dab = zeros({N, 2 * F}, dt, kF32);
+    cpu_->swiglu_backward(dh.r(), ab.r(), dab.r());
+    cuda_->swiglu_backward(dh.d(), ab.d(), dab.d());
+    EXPECT_LE(err(dab), tol);
+    cuda_->swiglu_backward(dh.d(), ab.d(), ab.d());  // in place
+    EXPECT_TRUE(same_bytes(ab.d(), dab.d()));
+  }
+}
+
+// ---- cross-entropy ------------------------------------------------------------------------------
+
+TEST_F(CudaOps, CrossEntropyFullVocab) {
+  const int64_t N = 4, V = 92160;
+  Buf targets = ints({5, static_cast<int32_t>(V - 1), -1, 777});
+  for (DType dt : {kF32, kBF16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    Buf logits = input({N, V}, dt, kF32, 80, -8, 8), losses = zeros({N}, kF32, kF32);
+    cpu_->cross_entropy_forward(logits.r(), targets.r(), losses.r());
+    cuda_->cross_entropy_forward(logits.d(), targets.d(), losses.d());
+    EXPECT_LE(err(losses), 1e-5);
+    Buf dl = zeros({N, V}, dt, kF32);
+    cpu_->cross_entropy_backward(logits.r(), targets.r(), 0.25, dl.r());
+    cuda_->cross_entropy_backward(logits.d(), targets.d(), 0.25, dl.d());
+    EXPECT_LE(err(dl), dt == kF32 ? 1e-5 : 1e-2);
+    Buf losses2 = zeros({N}, kF32, kF32);
+    cuda_->cross_entropy_forward(logits.d(), targets.d(), losses2.d());
+    EXPECT_TRUE(same_bytes(losses2.d(), losses.d()));
+    cuda_->cross_entropy_backward(logits.d(), targets.d(), 0.25, logits.d());  // in place
+    EXPECT_TRUE(same_bytes(logits.d(), dl.d()));
+  }
+}
+
+// ---- optimizer ---------------------------------------------------------------------------------
+
+TEST_F(CudaOps, SumSquares) {
+  for (DType dt : {kF32, kBF16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    Buf x = input({1024, 3072}, dt, kF32, 90);
+    const double ref = cpu_->sum_squares(x.r());
+    const double a = cuda_->sum_squares(x.d()), b = cuda_->sum_squares(x.d());
+    EXPECT_LE(std::fabs(a - ref) / ref, 1e-10);
+    EXPECT_EQ(a, b);
+    // a strided view
+    Tensor sl = x.d().slice(1, 100, 2100);
+    const double rs = cpu_->sum_squares(x.r().slice(1, 100, 2100));
+    EXPECT_LE(std::fabs(cuda_->sum_squares(sl) - rs) / rs, 1e-10);
+  }
+}
+
+TEST_F(CudaOps, AdamWAndMuon) {
+  const int64_t R = 1024, C = 3072;
+  for (DType gdt : {kF32, kBF16}) {
+    SCOPED_TRACE(dtype_name(gdt));
+    Buf w = input({R, C}, kF32, kF32, 100), g = input({R, C}, gdt, kF32, 101, -0.01, 0.01);
+    Buf m = input({R, C}, kF32, kF32, 102, -0.01, 0.01), v = input({R, C}, kF32, kF32, 103, 0, 1e-4);
+    AdamWParams p;
+    p.lr = 3e-4;
+    p.wd = 0.1;
+    p.step = 7;
+    cpu_->adamw_update(w.r(), g.r(), m.r(), v.r(), p);
+    cuda_->adamw_update(w.d(), g.d(), m.d(), v.d(), p);
+    EXPECT_LE(err(w), 1e-6);
+    EXPECT_LE(err(m), 1e-6);
+    EXPECT_LE(err(v), 1e-6);
+    for (bool nesterov : {true, false}) {
+      Buf mm = input({R, C}, kF32, kF32, 104), u = zeros({R, C}, kF32, kF32);
+      cpu_->muon_momentum(g.r(), mm.r(), u.r(), 0.95, nesterov);
+      cuda_->muon_momentum(g.d(), mm.d(), u.d(), 0.95, nesterov);
+      EXPECT_LE(err(mm), 1e-6);
+      EXPECT_LE(err(u), 1e-6);
+    }
+    Buf o = input({R, C}, gdt, kF32, 105);
+    cpu_->muon_apply(w.r(), o.r(), 0.02, 0.1, 0.2 * std::sqrt(3072.0));
+    cuda_->muon_apply(w.d(), o.d(), 0.02, 0.1, 0.2 * std::sqrt(3072.0));
+    EXPECT_LE(err(w), 1e-6);
+  }
+}
+
+// ---- GLA ----------------------------------------------------------------------------------------
+
+GlaParams gla_params(int64_t H, int64_t dk, int64_t chunk, GlaForm form = GlaForm::kChunked) {
+  GlaParams p;
+  p.form = form;
+  p.chunk = chunk;
+  p.scale = 1.0 / std::sqrt(static_cast<double>(dk));
+  for (int64_t h = 0; h < H; ++h) p.decay.push_back(1.0 - std::ldexp(1.0, -5 - static_cast<int>(h)));
+  return p;
+}
+
+// laplace-3b mixer shapes: BF16 q/k/v (views into a fused qkvg buffer on the GPU), F32
+// states, vs the F64 CPU evaluation of the same bf16-rounded inputs.
+TEST_F(CudaOps, GlaForwardBackwardBF16VsF64) {
+  const int64_t B = 2, T = 300, H = 16, dk = 96, dv = 192, W = H * (2 * dk + 2 * dv);
+  const GlaParams p = gla_params(H, dk, 128);
+  Buf q = input({B, T, H, dk}, kBF16, kF64, 110), k = input({B, T, H, dk}, kBF16, kF64, 111),
+      v = input({B, T, H, dv}, kBF16, kF64, 112);
+  DevTensor qkvg(*cuda_, kBF16, {B, T, W});
+  const Tensor qd = head_view(qkvg.t, 0, H, dk), kd = head_view(qkvg.t, H * dk, H, dk),
+               vd = head_view(qkvg.t, 2 * H * dk, H, dv);
+  cuda_->copy(qd, q.d());
+  cuda_->copy(kd, k.d());
+  cuda_->copy(vd, v.d());
+  // state pool of 3 slots, batch rows in slots {2, 0}; s_out aliases s_in
+  Buf pool = input({3, H, dk, dv}, kF32, kF64, 113);
+  Buf slots = ints({2, 0});
+  Buf o = zeros({B, T, H, dv}, kBF16, kF64);
+  auto pool0 = down(pool.d());  // the initial states, for the backward
+  cpu_->gla_forward(p, q.r(), k.r(), v.r(), o.r(), pool.r(), pool.r(), slots.r());
+  cuda_->gla_forward(p, qd, kd, vd, o.d(), pool.d(), pool.d(), slots.d());
+  EXPECT_LE(rms(o), 2.5e-3);
+  EXPECT_LE(rms(pool), 1e-5);
+  // backward, states by batch row: s_in[b] = initial pool[slots[b]]
+  Buf s_in = zeros({B, H, dk, dv}, kF32, kF64);
+  {
+    auto h = host_tensor(kF32, {B, H, dk, dv});
+    const int64_t plane = H * dk * dv;
+    const int sl[2] = {2, 0};
+    for (int64_t b = 0; b < B; ++b) {
+      std::memcpy(static_cast<float*>(h->t.data) + b * plane, static_cast<float*>(pool0->t.data) + sl[b] * plane,
+                  plane * 4);
+      for (int64_t i = 0; i < plane; ++i)
+        static_cast<double*>(s_in.r().data)[b * plane + i] = static_cast<float*>(h->t.data)[b * plane + i];
+    }
+    cuda_->copy(s_in.d(), h->t);
+  }
+  Buf d_o = input({B, T, H, dv}, kBF16, kF64, 114), ds_out = input({B, H, dk, dv}, kF32, kF64, 115);
+  Buf dq = zeros({B, T, H, dk}, kBF16, kF64), dk_ = zeros({B, T, H, dk}, kBF16, kF64),
+      dv_ = zeros({B, T, H, dv}, kBF16, kF64), ds_in = zeros({B, H, dk, dv}, kF32, kF64);
+  cpu_->gla_backward(p, q.r(), k.r(), v.r(), s_in.r(), d_o.r(), ds_out.r(), dq.r(), dk_.r(), dv_.r(), ds_in.r());
+  cuda_->gla_backward(p, qd, kd, vd, s_in.d(), d_o.d(), ds_out.d(), dq.d(), dk_.d(), dv_.d(), ds_in.d());
+  EXPECT_LE(rms(dq), 5e-3);
+  EXPECT_LE(rms(dk_), 5e-3);
+  EXPECT_LE(rms(dv_), 5e-3);
+  EXPECT_LE(rms(ds_in), 5e-3);
+  // determinism
+  DevTensor o2(*cuda_, kBF16, {B, T, H, dv}), dq2(*cuda_, kBF16, {B, T, H, dk}), dk2(*cuda_, kBF16, {B, T, H, dk}),
+      dv2(*cuda_, kBF16, {B, T, H, dv}), dsi2(*cuda_, kF32, {B, H, dk, dv}), so2(*cuda_, kF32, {B, H, dk, dv});
+  cuda_->gla_forward(p, qd, kd, vd, o2.t, s_in.d(), so2.t, Tensor{});
+  EXPECT_TRUE(same_bytes(o2.t, o.d()));
+  cuda_->gla_backward(p, qd, kd, vd, s_in.d(), d_o.d(), ds_out.d(), dq2.t, dk2.t, dv2.t, dsi2.t);
+  EXPECT_TRUE(same_bytes(dq2.t, dq.d()));
+  EXPECT_TRUE(same_bytes(dk2.t, dk_.d()));
+  EXPECT_TRUE(same_bytes(dv2.t, dv_.d()));
+  EXPECT_TRUE(same_bytes(dsi2.t, ds_in.d()));
+}
+
+// F32 inputs, small and maximal head dims, short tail chunks, every form, optional states.
+TEST_F(CudaOps, GlaF32ShapesAndForms) {
+  struct Case {
+    int64_t B, T, H, dk, dv, chunk;
+    GlaForm form;
+    bool states;
+  };
+  const Case cases[] = {
+      {3, 37, 2, 16, 32, 8, GlaForm::kChunked, true},   {2, 37, 2, 16, 32, 128, GlaForm::kRecurrent, false},
+      {1, 20, 3, 32, 64, 5, GlaForm::kQuadratic, true}, {1, 70, 2, 128, 256, 128, GlaForm::kChunked, true},
+      {2, 1, 4, 96, 192, 128, GlaForm::kRecurrent, true},
+  };
+  uint64_t seed = 200;
+  for (const Case& c : cases) {
+    SCOPED_TRACE("B" + std::to_string(c.B) + " T" + std::to_string(c.T) + " dk" + std::to_string(c.dk) + " dv" +
+                 std::to_string(c.dv) + " chunk" + std::to_string(c.chunk));
+    const GlaParams p = gla_params(c.H, c.dk, c.chunk, c.form);
+    Buf q = input({c.B, c.T, c.H, c.dk}, kF32, kF64, seed++), k = input({c.B, c.T, c.H, c.dk}, kF32, kF64, seed++),
+        v = input({c.B, c.T, c.H, c.dv}, kF32, kF64, seed++);
+    Buf o = zeros({c.B, c.T, c.H, c.dv}, kF32, kF64);
+    Buf s_in = input({c.B, c.H, c.dk, c.dv}, kF32, kF64, seed++), s_out = zeros({c.B, c.H, c.dk, c.dv}, kF32, kF64);
+    const Tensor si_r = c.states ? s_in.r() : Tensor{}, si_d = c.states ? s_in.d() : Tensor{};
+    cpu_->gla_forward(p, q.r(), k.r(), v.r(), o.r(), si_r, s_out.r(), Tensor{});
+    cuda_->gla_forward(p, q.d(), k.d(), v.d(), o.d(), si_d, s_out.d(), Tensor{});
+    EXPECT_LE(rms(o), 1e-5);
+    EXPECT_LE(rms(s_out), 1e-5);
+    Buf d_o = input({c.B, c.T, c.H, c.dv}, kF32, kF64, seed++), ds_out = input({c.B, c.H, c.dk, c.dv}, kF32, kF64, seed++);
+    Buf dq = zeros({c.B, c.T, c.H, c.dk}, kF32, kF64), dk_ = zeros({c.B, c.T, c.H, c.dk}, kF32, kF64),
+        dv_ = zeros({c.B, c.T, c.H, c.dv}, kF32, kF64), ds_in = zeros({c.B, c.H, c.dk, c.dv}, kF32, kF64);
+    const Tensor dso_r = c.states ? ds_out.r() : Tensor{}, dso_d = c.states ? ds_out.d() : Tensor{};
+    GlaParams pc = p;
+    pc.form = GlaForm::kChunked;  // the CPU backward is chunk-wise
+    cpu_->gla_backward(pc, q.r(), k.r(), v.r(), si_r, d_o.r(), dso_r, dq.r(), dk_.r(), dv_.r(), ds_in.r());
+    cuda_->gla_backward(p, q.d(), k.d(), v.d(), si_d, d_o.d(), dso_d, dq.d(), dk_.d(), dv_.d(), ds_in.d());
+    EXPECT_LE(rms(dq), 2e-5);
+    EXPECT_LE(rms(dk_), 2e-5);
+    EXPECT_LE(rms(dv_), 2e-5);
+    EXPECT_LE(rms(ds_in), 2e-5);
+  }
+}
+
+// Prefill T tokens, then decode one token in place on the slots: the last output equals
+// that of one forward over T+1 tokens.
+TEST_F(CudaOps, GlaDecodeContinuesPrefill) {
+  const int64_t B = 2, T = 200, H = 16, dk = 96, dv = 192;
+  const GlaParams p = gla_params(H, dk, 128);
+  GlaParams pr = p;
+  pr.form = GlaForm::kRecurrent;
+  Buf q = input({B, T + 1, H, dk}, kF32, kF32, 300), k = input({B, T + 1, H, dk}, kF32, kF32, 301),
+      v = input({B, T + 1, H, dv}, kF32, kF32, 302);
+  DevTensor o_full(*cuda_, kF32, {B, T + 1, H, dv}), o_pre(*cuda_, kF32, {B, T, H, dv}), o_dec(*cuda_, kF32, {B, 1, H, dv});
+  DevTensor pool(*cuda_, kF32, {4, H, dk, dv});
+  Buf slots = ints({3, 1});
+  cuda_->fill(pool.t, 0.0);
+  cuda_->gla_forward(p, q.d(), k.d(), v.d(), o_full.t, Tensor{}, Tensor{}, Tensor{});
+  cuda_->gla_forward(p, q.d().slice(1, 0, T), k.d().slice(1, 0, T), v.d().slice(1, 0, T), o_pre.t, Tensor{}, pool.t,
+                     slots.d());
+  cuda_->gla_forward(pr, q.d().slice(1, T, T + 1), k.d().slice(1, T, T + 1), v.d().slice(1, T, T + 1), o_dec.t,
+                     pool.t, pool.t, slots.d());
+  auto full = down(o_full.t), dec = down(o_dec.t), pre = down(o_pre.t);
+  EXPECT_LE(max_rel_error(dec->t, full->t.slice(1, T, T + 1)), 1e-5);
+  EXPECT_LE(max_rel_error(pre->t, full->t.slice(1, 0, T)), 1e-5);
+}
+
+}  // namespace
+}  // namespace laplace

@@ -1,0 +1,249 @@
+#include "train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/file_util.h"
+
+namespace laplace {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+double now_s() {
+  using namespace std::chrono;
+  return duration<double>(steady_clock::now().time_since_epoch()).count();
+}
+
+std::string fmt_duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  char buf[64];
+  const int64_t t = static_cast<int64_t>(s + 0.5);
+  if (t >= 3600) std::snprintf(buf, sizeof buf, "%lldh%02lldm", (long long)(t / 3600), (long long)(t % 3600 / 60));
+  else if (t >= 60) std::snprintf(buf, sizeof buf, "%lldm%02llds", (long long)(t / 60), (long long)(t % 60));
+  else std::snprintf(buf, sizeof buf, "%llds", (long long)t);
+  return buf;
+}
+
+Status make_backend(const std::string& device, std::unique_ptr<Backend>* out) {
+  if (device == "cpu") {
+    *out = make_cpu_backend();
+    return Status::ok();
+  }
+  std::string why;
+  *out = make_cuda_backend(&why);
+  if (!*out) return Status::unsupported("no CUDA backend: " + why);
+  return Status::ok();
+}
+
+}  // namespace
+
+std::vector<Param> Trainer::make_params() {
+  std::vector<Param> ps;
+  const Arena& w = model_.weight_arena();
+  for (size_t i = 0; i < w.size(); ++i) {
+    Param p;
+    p.name = w.spec(i).name;
+    p.w = w.tensor(i);
+    p.g = grads_.tensor(i);
+    p.muon = is_body_matrix(p.name);
+    if (p.muon) p.blocks = opt_.muon_fused ? std::vector<int64_t>{p.w.shape[0]} : muon_blocks(cfg_, p.name);
+    p.decay = p.muon || is_decayed_by_adamw(p.name);
+    ps.push_back(std::move(p));
+  }
+  return ps;
+}
+
+Status Trainer::setup() {
+  LAPLACE_RETURN_IF_ERROR(config_load(opt_.config_path, &cfg_));
+  if (opt_.batch < 1 || opt_.seq < 1 || opt_.grad_accum < 1 || opt_.steps < 1)
+    return Status::invalid_argument("batch, seq, grad-accum and steps must all be ≥ 1");
+  if (opt_.dtype != DType::kF32 && opt_.dtype != DType::kF64)
+    return Status::unsupported("training keeps its master weights in the model dtype: use f32 or f64");
+  opt_.schedule.total_steps = opt_.steps;
+  LAPLACE_RETURN_IF_ERROR(opt_.schedule.validate());
+  LAPLACE_RETURN_IF_ERROR(opt_.optim.validate());
+  LAPLACE_RETURN_IF_ERROR(make_backend(opt_.device, &be_));
+  LAPLACE_RETURN_IF_ERROR(model_.create(cfg_, *be_, opt_.dtype));
+  if (!opt_.init_ckpt.empty()) LAPLACE_RETURN_IF_ERROR(model_.load(opt_.init_ckpt));
+  else model_.init_weights(opt_.seed);
+  LAPLACE_RETURN_IF_ERROR(model_.plan({opt_.batch, opt_.seq, true, opt_.recompute_mixer}));
+  LAPLACE_RETURN_IF_ERROR(grads_.create(weight_specs(cfg_, opt_.dtype), be_->allocator(), "gradients"));
+  LAPLACE_RETURN_IF_ERROR(optimizer_.init(*be_, make_params(), opt_.optim));
+
+  DataLoaderOptions dl;
+  LAPLACE_RETURN_IF_ERROR(expand_shard_patterns(opt_.train_data, &dl.shards));
+  dl.batch_size = opt_.batch;
+  dl.seq_len = opt_.seq;
+  dl.shuffle = opt_.shuffle;
+  dl.seed = opt_.data_seed;
+  dl.vocab_size = cfg_.vocab_size;
+  LAPLACE_RETURN_IF_ERROR(DataLoader::open(dl, &train_loader_).with_context("training data"));
+  if (!opt_.val_data.empty()) {
+    DataLoaderOptions vl = dl;
+    vl.shards.clear();
+    LAPLACE_RETURN_IF_ERROR(expand_shard_patterns(opt_.val_data, &vl.shards));
+    vl.shuffle = false;
+    LAPLACE_RETURN_IF_ERROR(DataLoader::open(vl, &val_loader_).with_context("validation data"));
+    has_val_ = true;
+  }
+  progress_ = TrainProgress{};
+  progress_.seed = opt_.seed;
+
+  if (!opt_.out_dir.empty()) {
+    std::error_code ec;
+    fs::create_directories(opt_.out_dir, ec);
+    if (ec) return Status::io_error("cannot create " + opt_.out_dir + ": " + ec.message());
+  }
+  std::string resume = opt_.resume;
+  if (resume == "auto") {
+    const std::string p = opt_.out_dir + "/checkpoint.safetensors";
+    resume = fs::exists(p) ? p : "";
+  }
+  if (!resume.empty()) {
+    LAPLACE_RETURN_IF_ERROR(checkpoint_load(resume, cfg_, *be_, model_.weight_arena(), &optimizer_, &progress_));
+    LoaderPosition pos;
+    LAPLACE_RETURN_IF_ERROR(LoaderPosition::from_json(progress_.loader_position, &pos).with_context(resume));
+    LAPLACE_RETURN_IF_ERROR(train_loader_.seek(pos).with_context(resume));
+    if (!opt_.quiet) std::printf("resumed from %s at step %lld\n", resume.c_str(), (long long)progress_.step);
+  }
+  x_.resize(opt_.batch * opt_.seq);
+  y_.resize(opt_.batch * opt_.seq);
+  if (!opt_.quiet) {
+    std::printf("model: %lld parameters (%lld in Muon matrices), %s %s\n", (long long)cfg_.total_params(),
+                (long long)cfg_.body_params(), be_->name(), dtype_name(opt_.dtype));
+    std::printf("memory: weights %.1f MB, gradients %.1f MB, optimizer %.1f MB, activations %.1f MB\n",
+                model_.weight_arena().bytes() / 1e6, grads_.bytes() / 1e6, optimizer_.state_bytes() / 1e6,
+                model_.activation_bytes() / 1e6);
+    std::printf("data: %lld tokens in %lld shards; %lld tokens per step (batch %lld × seq %lld × accum %lld)\n",
+                (long long)train_loader_.total_tokens(), (long long)train_loader_.num_shards(),
+                (long long)(opt_.batch * opt_.seq * opt_.grad_accum), (long long)opt_.batch, (long long)opt_.seq,
+                (long long)opt_.grad_accum);
+    std::fflush(stdout);
+  }
+  return Status::ok();
+}
+
+Status Trainer::validate(int64_t batches, double* loss) {
+  if (!has_val_) return Status::invalid_argument("no validation data");
+  val_loader_.reset();
+  double sum = 0;
+  for (int64_t i = 0; i < batches; ++i) {
+    val_loader_.next(x_.data(), y_.data());
+    model_.forward(x_.data(), opt_.batch, opt_.seq, ForwardOptions{});
+    sum += model_.loss(y_.data());
+  }
+  *loss = sum / static_cast<double>(batches);
+  return Status::ok();
+}
+
+Status Trainer::save_checkpoint() {
+  if (opt_.out_dir.empty()) return Status::ok();
+  progress_.loader_position = train_loader_.position().to_json();
+  progress_.optimizer_steps = optimizer_.step_count();
+  LAPLACE_RETURN_IF_ERROR(checkpoint_save(opt_.out_dir + "/checkpoint.safetensors", cfg_, *be_,
+                                          model_.weight_arena(), optimizer_, progress_));
+  // A complete model directory for generate/eval/serve beside it.
+  const std::string cfg_text = cfg_.to_json();
+  LAPLACE_RETURN_IF_ERROR(write_file_atomic(opt_.out_dir + "/config.json", cfg_text.data(), cfg_text.size()));
+  LAPLACE_RETURN_IF_ERROR(model_.save(opt_.out_dir + "/model.safetensors"));
+  if (!opt_.tokenizer.empty()) {
+    std::string tok;
+    LAPLACE_RETURN_IF_ERROR(read_file(opt_.tokenizer, &tok));
+    LAPLACE_RETURN_IF_ERROR(write_file_atomic(opt_.out_dir + "/tokenizer.model", tok.data(), tok.size()));
+  }
+  return Status::ok();
+}
+
+void Trainer::append_metrics(const std::string& line) {
+  if (opt_.out_dir.empty()) return;
+  std::ofstream f(opt_.out_dir + "/metrics.jsonl", std::ios::app);
+  f << line << "\n";
+}
+
+void Trainer::log_line(const StepLog& s) {
+  nlohmann::ordered_json j;
+  j["step"] = s.step;
+  j["loss"] = s.loss;
+  j["lr"] = s.lr;
+  j["grad_norm"] = s.grad_norm;
+  j["tokens_per_s"] = s.tokens_per_s;
+  j["flops_per_s"] = s.flops_per_s;
+  if (opt_.peak_flops > 0) j["mfu"] = s.mfu;
+  j["elapsed_s"] = s.elapsed_s;
+  j["skipped"] = s.skipped;
+  append_metrics(j.dump());
+  if (opt_.quiet || (s.step % opt_.log_every != 0 && s.step + 1 != opt_.steps)) return;
+  const double per_step = s.elapsed_s / static_cast<double>(s.step + 1 - first_step_);
+  char mfu[32] = "";
+  if (opt_.peak_flops > 0) std::snprintf(mfu, sizeof mfu, " | mfu %.1f%%", 100.0 * s.mfu);
+  std::printf("step %5lld/%lld | loss %.4f | lr %.3e | grad norm %.4f | %.0f tok/s | %.2f GFLOP/s%s | eta %s%s\n",
+              (long long)(s.step + 1), (long long)opt_.steps, s.loss, s.lr, s.grad_norm, s.tokens_per_s,
+              s.flops_per_s / 1e9, mfu, fmt_duration(per_step * static_cast<double>(opt_.steps - s.step - 1)).c_str(),
+              s.skipped ? " | SKIPPED (non-finite gradient)" : "");
+  std::fflush(stdout);
+}
+
+Status Trainer::run(const std::function<void(const StepLog&)>& on_step) {
+  const double t_start = now_s();
+  first_step_ = progress_.step;
+  const int64_t tokens_per_step = opt_.batch * opt_.seq * opt_.grad_accum;
+  const double flops_per_token = cfg_.train_flops_per_token();
+  for (int64_t step = progress_.step; step < opt_.steps; ++step) {
+    const double t0 = now_s();
+    grads_.zero();
+    double loss = 0;
+    for (int64_t micro = 0; micro < opt_.grad_accum; ++micro) {
+      train_loader_.next(x_.data(), y_.data());
+      model_.forward(x_.data(), opt_.batch, opt_.seq, ForwardOptions{});
+      loss += model_.loss(y_.data());
+      model_.backward(y_.data(), grads_, 1.0 / static_cast<double>(opt_.grad_accum));
+    }
+    loss /= static_cast<double>(opt_.grad_accum);
+    const double lr = lr_at(opt_.schedule, step);
+    const StepResult r = optimizer_.step(lr);
+    be_->synchronize();
+    const double dt = now_s() - t0;
+
+    progress_.step = step + 1;
+    progress_.optimizer_steps = optimizer_.step_count();
+    progress_.tokens_seen += static_cast<double>(tokens_per_step);
+    StepLog s;
+    s.step = step;
+    s.loss = loss;
+    s.lr = lr;
+    s.grad_norm = r.grad_norm;
+    s.skipped = r.skipped;
+    s.tokens_per_s = static_cast<double>(tokens_per_step) / dt;
+    s.flops_per_s = s.tokens_per_s * flops_per_token;
+    s.mfu = opt_.peak_flops > 0 ? s.flops_per_s / opt_.peak_flops : 0;
+    s.elapsed_s = now_s() - t_start;
+    if (r.skipped && !opt_.quiet)
+      std::fprintf(stderr, "laplace: step %lld: gradient norm is not finite; step skipped, optimizer state untouched\n",
+                   (long long)(step + 1));
+    log_line(s);
+    if (on_step) on_step(s);
+
+    if (opt_.eval_every > 0 && has_val_ && (step + 1) % opt_.eval_every == 0) {
+      double vl;
+      LAPLACE_RETURN_IF_ERROR(validate(opt_.eval_batches, &vl));
+      if (!opt_.quiet) std::printf("step %5lld/%lld | val loss %.4f | val ppl %.2f\n", (long long)(step + 1),
+                                   (long long)opt_.steps, vl, std::exp(vl));
+      nlohmann::ordered_json j;
+      j["step"] = step;
+      j["val_loss"] = vl;
+      append_metrics(j.dump());
+    }
+    if (opt_.ckpt_every > 0 && (step + 1) % opt_.ckpt_every == 0 && step + 1 < opt_.steps)
+      LAPLACE_RETURN_IF_ERROR(save_checkpoint());
+  }
+  return save_checkpoint();
+}
+
+}  // namespace laplace
