@@ -162,6 +162,8 @@ void Model::forward(const int32_t* tokens, int64_t B, int64_t T, const ForwardOp
   be.copy(ids_.slice(0, 0, N), Tensor(const_cast<int32_t*>(tokens), DType::kI32, {N}));
   Tensor slot_ids;
   if (pool) {
+    LAPLACE_CHECK(pool->dtype() == (dtype_ == DType::kF64 ? DType::kF64 : DType::kF32),
+                  "forward: state pool dtype must be F32 (F64 for F64 models)");
     std::vector<int32_t> identity;
     if (!slots) {
       identity.resize(B);

@@ -15,12 +15,15 @@ namespace laplace {
 
 class StatePool {
  public:
-  // Allocates `slots` zeroed slots on the backend's device.
-  Status create(const Config& c, Backend& be, int64_t slots);
+  // Allocates `slots` zeroed slots on the backend's device. States are F32 (SPEC
+  // §1); F64 exists for the CPU backend's verification runs of F64 models.
+  Status create(const Config& c, Backend& be, int64_t slots, DType dtype = DType::kF32);
 
   int64_t slots() const { return slots_; }
-  int64_t slot_elems() const { return slot_elems_; }          // F32 values per slot
-  int64_t slot_bytes() const { return slot_elems_ * 4; }      // == state_bytes_per_sequence
+  DType dtype() const { return dtype_; }
+  int64_t slot_elems() const { return slot_elems_; }  // values per slot
+  // == Config::state_bytes_per_sequence() for F32 states.
+  int64_t slot_bytes() const { return slot_elems_ * static_cast<int64_t>(dtype_size(dtype_)); }
   // Layer l's GLA states of every slot: [S, H, dk, dv], dim-0 stride = slot_elems.
   Tensor gla(int64_t layer) const;
   // Layer l's conv windows of every slot: [S, K, D], dim-0 stride = slot_elems.
@@ -35,7 +38,8 @@ class StatePool {
  private:
   Config cfg_;
   Arena arena_;
-  Tensor all_;  // [S, slot_elems] F32
+  DType dtype_ = DType::kF32;
+  Tensor all_;  // [S, slot_elems]
   int64_t slots_ = 0, slot_elems_ = 0, layer_elems_ = 0;
 };
 

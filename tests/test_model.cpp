@@ -71,8 +71,8 @@ TEST_P(ModelTest, PrefillThenStepEqualsForward) {
     auto full_prev = logits_of(m, T - 1);
 
     StatePool pool;
-    ASSERT_TRUE(pool.create(c, *be, 3).is_ok());
-    EXPECT_EQ(pool.slot_bytes(), c.state_bytes_per_sequence());
+    ASSERT_TRUE(pool.create(c, *be, 3, dt).is_ok());
+    EXPECT_EQ(pool.slot_bytes(), c.state_bytes_per_sequence() * static_cast<int64_t>(dtype_size(dt)) / 4);
     int32_t slot = 2;
     ForwardOptions pre;
     pre.last_logits_only = true;
@@ -100,7 +100,7 @@ TEST_P(ModelTest, PiecewisePrefillAndSlots) {
   auto a = random_tokens(37, c.vocab_size, 5);
   auto b = random_tokens(37, c.vocab_size, 6);
   StatePool pool;
-  ASSERT_TRUE(pool.create(c, *be, 4).is_ok());
+  ASSERT_TRUE(pool.create(c, *be, 4, dt).is_ok());
   ForwardOptions fo;
   fo.last_logits_only = true;
   int32_t s0 = 0;
@@ -120,7 +120,8 @@ TEST_P(ModelTest, PiecewisePrefillAndSlots) {
   // Slot 3 holds exactly slot 0's state (same tokens); slot 2 was never touched.
   Tensor s3 = pool.slot(3), sz = pool.slot(0), s2 = pool.slot(2);
   EXPECT_LE(testing::max_rel_error(s3, sz), tol);
-  for (int64_t i = 0; i < s2.numel(); ++i) ASSERT_EQ(static_cast<float*>(s2.data)[i], 0.0f);
+  const char* z = static_cast<const char*>(s2.data);
+  for (size_t i = 0; i < s2.nbytes(); ++i) ASSERT_EQ(z[i], 0);
 }
 
 // The whole model's gradient vs central finite differences (fp64).

@@ -64,16 +64,16 @@ std::string make_corpus(uint32_t seed, int lines) {
 
 // One tokenizer (vocab 300) trained once and shared by the tests.
 const std::string& shared_model() {
-  static TempDir* dir = new TempDir("tok_shared");  // leaked on purpose: lives for the whole run
+  static TempDir dir("tok_shared");  // removed at exit
   static std::string model = [] {
-    write_text(dir->file("corpus.txt"), make_corpus(7, 400));
+    write_text(dir.file("corpus.txt"), make_corpus(7, 400));
     TokenizerTrainOptions o;
-    o.inputs = {dir->file("corpus.txt")};
-    o.model_prefix = dir->file("tok");
+    o.inputs = {dir.file("corpus.txt")};
+    o.model_prefix = dir.file("tok");
     o.vocab_size = 300;
     Status st = tokenizer_train(o);
     EXPECT_TRUE(st.is_ok()) << st.to_string();
-    return dir->file("tok.model");
+    return dir.file("tok.model");
   }();
   return model;
 }

@@ -132,7 +132,7 @@ void CudaBackend::copy(Tensor dst, const Tensor& src) {
   const size_t es = dtype_size(dst.dtype);
   // Merge dims that are contiguous in both views (size-1 dims dropped).
   int nd = 0;
-  int64_t shp[kMaxDims], sdst[kMaxDims], ssrc[kMaxDims];
+  int64_t shp[kMaxDims + 1], sdst[kMaxDims + 1], ssrc[kMaxDims + 1];
   for (int i = 0; i < dst.ndim; ++i) {
     if (dst.shape[i] == 1) continue;
     if (nd > 0 && sdst[nd - 1] == dst.stride[i] * dst.shape[i] && ssrc[nd - 1] == src.stride[i] * dst.shape[i]) {
@@ -151,7 +151,12 @@ void CudaBackend::copy(Tensor dst, const Tensor& src) {
     sdst[0] = ssrc[0] = 1;
     nd = 1;
   }
-  LAPLACE_CHECK(sdst[nd - 1] == 1 && ssrc[nd - 1] == 1, "copy: the innermost dim must be contiguous");
+  if (sdst[nd - 1] != 1 || ssrc[nd - 1] != 1) {
+    // e.g. a column slice [N, 1]: copy single elements as rows of a 2-D copy
+    shp[nd] = 1;
+    sdst[nd] = ssrc[nd] = 1;
+    ++nd;
+  }
   cudaMemcpyKind kind = dd ? (sd ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice)
                            : (sd ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost);
   char* pd = static_cast<char*>(dst.data);

@@ -21,18 +21,19 @@
 //  embedding       ids I32 [N]; table, out, dout float; dtable float (F32 advised: it
 //                  accumulates). Ids outside [0, V) give a zero row / no gradient.
 //  layernorm       x, y, dy, dx float; w, b float [D] (b may be undefined); mean, rstd F32
-//                  [N] contiguous (optional: recomputed by the backward when undefined);
-//                  dw, db float [D] (accumulate).
+//                  [N] contiguous (optional: recomputed by the backward when undefined,
+//                  with eps = 1e-5, the model's norm_eps); dw, db float [D] (accumulate).
 //  conv_silu       u, c, pre, dc, du float [B,T,D]; w, dw float [D,K], K <= 8; win_in/win_out
 //                  F32 [S,K,D] with win[s,j] = u_{T-K+j} (j = K-1 the newest input, oldest
 //                  first); slots I32 [B] or undefined. pre may be undefined in the backward
 //                  (recomputed from u and w with a zero window).
 //  gla             q, k, v, o, d_o, dq, dk, dv float; s_in, s_out, ds_in, ds_out F32 [S,H,dk,dv]
-//                  (dv contiguous); dk <= 128, dv <= 256, H <= 128; slots I32 [B].
+//                  (dv contiguous); dk <= 128, dv <= 256, H <= 128; slots I32 [B] (not
+//                  range-checked on the device).
 //                  All three forms run the same chunked kernel (they agree to rounding); the
 //                  kernel's internal chunk is min(p.chunk, a size that fits shared memory).
 //  rmsnorm_gate    o, g, y, dy, d_o, dg float; w, dw float [dv]; rstd F32 [B,T,H] contiguous
-//                  (optional: recomputed by the backward when undefined).
+//                  (optional: recomputed by the backward when undefined, eps = 1e-5).
 //  swiglu          ab, h, dh, dab float. dab may alias ab.
 //  cross_entropy   logits, dlogits float [N,V] (dlogits may alias logits); targets I32 [N]
 //                  contiguous; losses F32 [N] contiguous. A target >= V gives a NaN loss.
@@ -40,6 +41,10 @@
 //  adamw_update    w F32 (master), g float, m F32, v F32.
 //  muon_momentum   g float, m F32, u float.
 //  muon_apply      w F32, o float.
+//
+// Aliasing: as in ops/backend.h (s_out/s_in, win_out/win_in, dlogits/logits); besides,
+// dx may alias dy (layernorm), d_o/dg may alias dy (rmsnorm_gate) and dab may alias ab.
+// conv_silu's c must not alias u and du must not alias dc (neighbouring rows are read).
 //
 // Determinism: no atomics anywhere; every reduction has a fixed order that depends only on
 // the shapes; gemm algorithms are chosen once per (shape, layout, dtype, alignment) and

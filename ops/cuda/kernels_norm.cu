@@ -328,16 +328,17 @@ void CudaBackend::layernorm_backward(const Tensor& dy, const Tensor& x, const Te
     pm = sc;
     pr = sc + N;
   }
-  if (dx.defined()) {
-    layernorm_bwd_dx_kernel<<<rows_grid, 32 * kWarpsPerBlock, 0, stream_>>>(vdy, vx, vw, pm, pr, vdx,
-                                                                             accumulate_dx ? 1 : 0);
-    CUDA_CHECK_LAUNCH();
-  }
+  // dw/db first: dx may alias dy.
   if (need_w) {
     ColOuts outs;  // a missing dw or db keeps p == nullptr and is skipped by the finalize pass
     if (dw.defined()) outs.o[0] = col_out(dw, 0, 1, "layernorm: dw");
     if (db.defined()) outs.o[1] = col_out(db, 0, 1, "layernorm: db");
     colreduce(LnDwDbTerms{vdy, vx, pm, pr}, N, D, 2, outs, sc + stat_floats, stream_);
+  }
+  if (dx.defined()) {
+    layernorm_bwd_dx_kernel<<<rows_grid, 32 * kWarpsPerBlock, 0, stream_>>>(vdy, vx, vw, pm, pr, vdx,
+                                                                             accumulate_dx ? 1 : 0);
+    CUDA_CHECK_LAUNCH();
   }
 }
 
@@ -456,15 +457,16 @@ void CudaBackend::rmsnorm_gate_backward(const Tensor& dy, const Tensor& o, const
     CUDA_CHECK_LAUNCH();
     pr = sc;
   }
-  if (d_o.defined() || dg.defined()) {
-    rmsnorm_gate_bwd_kernel<<<grid, 32 * kWarpsPerBlock, 0, stream_>>>(vdy, vo, vg, vw, pr, vdo, vdg);
-    CUDA_CHECK_LAUNCH();
-  }
+  // dw first: d_o / dg may alias dy, o or g.
   if (dw.defined()) {
     LAPLACE_CHECK(dw.numel() == dv && dw.is_contiguous(), "rmsnorm_gate_backward: dw must be contiguous [dv]");
     ColOuts outs;
     outs.o[0] = col_out(dw, 0, 1, "rmsnorm_gate: dw");
     colreduce(RmsDwTerms{vdy, vo, vg, pr}, R, dv, 1, outs, sc + stat_floats, stream_);
+  }
+  if (d_o.defined() || dg.defined()) {
+    rmsnorm_gate_bwd_kernel<<<grid, 32 * kWarpsPerBlock, 0, stream_>>>(vdy, vo, vg, vw, pr, vdo, vdg);
+    CUDA_CHECK_LAUNCH();
   }
 }
 
