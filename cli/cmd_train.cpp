@@ -89,6 +89,8 @@ void add_train(CLI::App& app) {
   cmd->add_option("--seq", o.seq, "tokens per sequence")->check(CLI::Range(1, 1 << 24));
   cmd->add_option("--grad-accum", o.grad_accum, "micro-batches per step")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--steps", o.steps, "optimizer steps")->check(CLI::Range(1, 1 << 30));
+  cmd->add_option("--stop-after", o.stop_after, "stop after this step (checkpointed); the schedule still spans --steps")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--lr", a->lr, "peak learning rate (Muon and AdamW)")->check(CLI::Range(0.0, 10.0));
   cmd->add_option("--warmup", a->warmup, "linear warm-up steps")->check(CLI::NonNegativeNumber);
   cmd->add_option("--schedule", a->schedule, "cosine, wsd or constant");

@@ -240,6 +240,10 @@ Status Trainer::run(const std::function<void(const StepLog&)>& on_step) {
       j["val_loss"] = vl;
       append_metrics(j.dump());
     }
+    if (opt_.stop_after > 0 && step + 1 >= opt_.stop_after && step + 1 < opt_.steps) {
+      if (!opt_.quiet) std::printf("stopping after step %lld as asked; resume with --resume\n", (long long)(step + 1));
+      break;
+    }
     if (opt_.ckpt_every > 0 && (step + 1) % opt_.ckpt_every == 0 && step + 1 < opt_.steps)
       LAPLACE_RETURN_IF_ERROR(save_checkpoint());
   }

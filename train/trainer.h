@@ -28,6 +28,7 @@ struct TrainOptions {
   std::string tokenizer;              // copied into out_dir so it is a complete model directory
 
   int64_t batch = 8, seq = 256, grad_accum = 1, steps = 100;
+  int64_t stop_after = 0;             // stop (with a checkpoint) after this step; the schedule still spans `steps`
   ScheduleConfig schedule;            // lr, warmup, kind, min_lr_frac, decay_frac (total_steps = steps)
   OptimizerConfig optim;              // weight decay, betas, momentum, clipping, Muon scale
   bool muon_fused = false;            // orthogonalise W_qkvg and W_12 whole
