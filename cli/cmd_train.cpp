@@ -3,7 +3,10 @@
 #include <cstdio>
 
 #include "cli/common.h"
+#include "core/file_util.h"
 #include "text/data_loader.h"
+#include "text/prepare.h"
+#include "text/tokenizer.h"
 #include "train/trainer.h"
 
 namespace laplace::cli {
@@ -41,12 +44,52 @@ Status run_train(TrainArgs& a) {
 struct EvalArgs {
   ModelArgs m;
   std::vector<std::string> data;
+  std::string text;  // a text file instead of shards
   int64_t batch = 4, seq = 256, max_batches = 0;
 };
+
+// Loss over a text file: encoded with the model's tokenizer, a separator before it
+// (as data prepare does), cut into windows of seq+1 tokens with stride seq.
+Status eval_text(LoadedModel& lm, const EvalArgs& a, double* loss, int64_t* tokens) {
+  ModelArgs paths = a.m;
+  LAPLACE_RETURN_IF_ERROR(paths.resolve());
+  if (paths.tokenizer.empty()) return Status::invalid_argument("--text needs a tokenizer (--tokenizer or --model DIR)");
+  Tokenizer tok;
+  LAPLACE_RETURN_IF_ERROR(Tokenizer::load(paths.tokenizer, &tok));
+  std::string text;
+  LAPLACE_RETURN_IF_ERROR(read_file(a.text, &text));
+  std::vector<int32_t> ids = {document_separator_id(tok)};
+  std::vector<int32_t> body;
+  LAPLACE_RETURN_IF_ERROR(tok.encode(text, &body));
+  ids.insert(ids.end(), body.begin(), body.end());
+  const int64_t T = a.seq;
+  const int64_t windows = (static_cast<int64_t>(ids.size()) - 1) / T;
+  if (windows < 1) return Status::invalid_argument(a.text + " encodes to fewer than seq+1 tokens; lower --seq");
+  LAPLACE_RETURN_IF_ERROR(lm.model.plan({1, T, false, false}));
+  std::vector<int32_t> x(T), y(T);
+  double sum = 0;
+  for (int64_t w = 0; w < windows; ++w) {
+    std::copy(ids.begin() + w * T, ids.begin() + w * T + T, x.begin());
+    std::copy(ids.begin() + w * T + 1, ids.begin() + w * T + T + 1, y.begin());
+    lm.model.forward(x.data(), 1, T, ForwardOptions{});
+    sum += lm.model.loss(y.data());
+  }
+  *loss = sum / static_cast<double>(windows);
+  *tokens = windows * T;
+  return Status::ok();
+}
 
 Status run_eval(const EvalArgs& a) {
   LoadedModel lm;
   LAPLACE_RETURN_IF_ERROR(load_model(a.m, &lm));
+  if (a.data.empty() == a.text.empty()) return Status::invalid_argument("give exactly one of --data or --text");
+  if (!a.text.empty()) {
+    double loss;
+    int64_t tokens;
+    LAPLACE_RETURN_IF_ERROR(eval_text(lm, a, &loss, &tokens));
+    std::printf("tokens=%lld\nloss=%.6f\nperplexity=%.4f\n", (long long)tokens, loss, std::exp(loss));
+    return Status::ok();
+  }
   const Config& c = lm.model.config();
   DataLoaderOptions dl;
   LAPLACE_RETURN_IF_ERROR(expand_shard_patterns(a.data, &dl.shards));
@@ -123,7 +166,8 @@ void add_eval(CLI::App& app) {
   auto* cmd = app.add_subcommand("eval", "loss and perplexity over token shards");
   auto a = std::make_shared<EvalArgs>();
   a->m.add_to(cmd);
-  cmd->add_option("--data", a->data, "token shards (paths or globs)")->required();
+  cmd->add_option("--data", a->data, "token shards (paths or globs)");
+  cmd->add_option("--text", a->text, "a text file, encoded with the model's tokenizer");
   cmd->add_option("--batch", a->batch, "sequences per batch")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--seq", a->seq, "tokens per sequence")->check(CLI::Range(1, 1 << 24));
   cmd->add_option("--max-batches", a->max_batches, "stop after N batches (0 = one pass)")

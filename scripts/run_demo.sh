@@ -47,4 +47,5 @@ for prompt in "The meaning of life is" "Q: Why did the programmer" "A fortune"; 
     --top-k 40 --seed 1 | sed -n 's/^text=//p'
   echo "--"
 done
+echo "== held-out loss"
 "$LAPLACE" eval --model "$OUT/model" --data "$OUT/data/val_*.bin" --batch 8 --seq 128

@@ -117,5 +117,37 @@ TEST(Cli, BadArgumentsFailCleanly) {
   }
 }
 
+// generate and eval take text through the model directory's tokenizer.
+TEST(Cli, GenerateAndEvalAcceptText) {
+  std::string dir = testing::make_temp_dir("cli_text");
+  std::string corpus;
+  const char* words[] = {"alpha", "beta", "gamma", "delta", "stone", "river", "cloud", "light"};
+  for (int i = 0; i < 400; ++i)
+    corpus += std::string(words[i % 8]) + " " + words[(i * 5 + 3) % 8] + " " + words[(i * 3 + 1) % 8] + ".\n";
+  write(dir + "/corpus.txt", corpus);
+  CmdResult tok = run("tokenizer train --input " + dir + "/corpus.txt --model-prefix " + dir + "/tok --vocab-size 300");
+  ASSERT_EQ(tok.exit_code, 0) << tok.output;
+  write(dir + "/config.json", R"({"model_type": "laplace", "vocab_size": 300, "hidden_size": 32, "num_layers": 2,
+      "num_heads": 2, "head_k_dim": 8, "head_v_dim": 16, "ffn_size": 64, "chunk_size": 16})");
+  ASSERT_EQ(run("init --config " + dir + "/config.json --out " + dir + "/m").exit_code, 0);
+  ASSERT_EQ(std::system(("cp " + dir + "/tok.model " + dir + "/m/tokenizer.model").c_str()), 0);
+  CmdResult gen = run("generate --model " + dir + "/m --prompt 'alpha beta' --max-tokens 5");
+  ASSERT_EQ(gen.exit_code, 0) << gen.output;
+  EXPECT_NE(gen.output.find("text=alpha beta"), std::string::npos) << gen.output;
+  CmdResult ev = run("eval --model " + dir + "/m --text " + dir + "/corpus.txt --seq 32");
+  ASSERT_EQ(ev.exit_code, 0) << ev.output;
+  EXPECT_NE(ev.output.find("perplexity="), std::string::npos) << ev.output;
+  CmdResult enc = run("tokenizer encode --tokenizer " + dir + "/tok.model --text 'river light'");
+  ASSERT_EQ(enc.exit_code, 0) << enc.output;
+  CmdResult dec = run("tokenizer decode --tokenizer " + dir + "/tok.model --ids " + enc.output.substr(0, enc.output.size() - 1));
+  ASSERT_EQ(dec.exit_code, 0) << dec.output;
+  EXPECT_EQ(dec.output, "river light\n");
+  // Without a tokenizer, text is refused with a clear message.
+  std::remove((dir + "/m/tokenizer.model").c_str());
+  CmdResult no = run("generate --model " + dir + "/m --prompt 'alpha'");
+  EXPECT_EQ(no.exit_code, 1);
+  EXPECT_NE(no.output.find("tokenizer"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace laplace
