@@ -84,8 +84,8 @@ Status run_eval(const EvalArgs& a) {
   LAPLACE_RETURN_IF_ERROR(load_model(a.m, &lm));
   if (a.data.empty() == a.text.empty()) return Status::invalid_argument("give exactly one of --data or --text");
   if (!a.text.empty()) {
-    double loss;
-    int64_t tokens;
+    double loss = 0;
+    int64_t tokens = 0;
     LAPLACE_RETURN_IF_ERROR(eval_text(lm, a, &loss, &tokens));
     std::printf("tokens=%lld\nloss=%.6f\nperplexity=%.4f\n", (long long)tokens, loss, std::exp(loss));
     return Status::ok();
@@ -157,7 +157,7 @@ void add_train(CLI::App& app) {
   cmd->add_option("--peak-tflops", a->peak_tflops, "device peak for MFU (e.g. 989 for an H200 in bf16)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  cmd->add_option("--dtype", a->dtype, "f32 or f64 (CPU)");
+  cmd->add_option("--dtype", a->dtype, "f32 or f64 (CPU), bf16 (CUDA: bf16 compute, f32 master weights)");
   cmd->add_flag("--quiet", o.quiet, "no progress lines");
   cmd->callback([a] { g_exit_code = report(run_train(*a)); });
 }

@@ -50,6 +50,7 @@ void add_train(CLI::App& app);
 void add_tokenizer(CLI::App& app);
 void add_data(CLI::App& app);
 void add_debug(CLI::App& app);
+void add_bench(CLI::App& app);
 
 // Set by subcommand callbacks; main returns it.
 extern int g_exit_code;

@@ -75,7 +75,11 @@ Status Model::plan(const PlanOptions& opt) {
   s.push_back({"lnf_mean", st, {N}});
   s.push_back({"lnf_rstd", st, {N}});
   s.push_back({"zf", dtype_, {N, D}});
-  s.push_back({"logits", dtype_, {N, V}});
+  // BF16 models: inference plans keep F32 logits (gemm BF16·BF16 → F32) so sampling and
+  // greedy decoding see unrounded scores; training plans keep BF16 logits, which the
+  // backward turns into dlogits in place (no F32 [N, V] buffer for the whole batch).
+  const DType logits_dt = (dtype_ == DType::kBF16 && !opt.training) ? DType::kF32 : dtype_;
+  s.push_back({"logits", logits_dt, {N, V}});
   s.push_back({"losses", st, {N}});
   LAPLACE_RETURN_IF_ERROR(acts_.create(std::move(s), be_->allocator(), "activations"));
 

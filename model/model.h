@@ -56,7 +56,8 @@ class Model {
   void forward(const int32_t* tokens, int64_t B, int64_t T, const ForwardOptions& opt,
                StatePool* pool = nullptr, const int32_t* slots = nullptr);
 
-  // Logits of the last forward: [B·T, V], or [B, V] with last_logits_only.
+  // Logits of the last forward: [B·T, V], or [B, V] with last_logits_only. In the
+  // model dtype, except BF16 models in inference plans, whose logits are F32.
   Tensor logits() const { return logits_; }
 
   // Mean cross-entropy of the last forward's logits against host targets [B·T]
@@ -64,7 +65,8 @@ class Model {
   double loss(const int32_t* targets);
 
   // Gradient of the mean loss of the last (training) forward. Accumulates into a
-  // gradient arena created from weight_specs(config, F32-or-compute dtype); the
+  // gradient arena created from weight_specs(config, F32-or-compute dtype; F32 for
+  // BF16 models, whose optimizer updates F32 master weights); the
   // caller zeroes it once per optimizer step. `loss_scale` multiplies the gradient
   // (1/accumulation steps when micro-batches are averaged). Overwrites the logits.
   void backward(const int32_t* targets, const Arena& grads, double loss_scale = 1.0);

@@ -140,7 +140,7 @@ Status Optimizer::init(Backend& be, std::vector<Param> params, const OptimizerCo
   const size_t update_idx = specs.size();
   if (max_muon > 0) {
     specs.push_back({"optim.scratch.muon_update", muon_dtype, {max_muon}});
-    ns.dtype = muon_dtype;
+    ns.dtype = cfg.ns_bf16 ? DType::kBF16 : muon_dtype;
     ns.add_specs(&specs, "optim.scratch.ns.");
   }
 

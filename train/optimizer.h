@@ -54,6 +54,9 @@ struct OptimizerConfig {
   MuonScale scale = MuonScale::kRms;
   // Global gradient-norm clipping; 0 = off.
   double max_grad_norm = 1.0;
+  // Newton–Schulz in bf16 (SPEC §2; the CUDA trainer's choice). Off: in the master dtype
+  // (the CPU path, which the F32 PyTorch reference checks).
+  bool ns_bf16 = false;
 
   Status validate() const;
 };

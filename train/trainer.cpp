@@ -44,37 +44,63 @@ Status make_backend(const std::string& device, std::unique_ptr<Backend>* out) {
 
 }  // namespace
 
-std::vector<Param> Trainer::make_params() {
+bool needs_master_weights(DType model_dtype) { return model_dtype == DType::kBF16; }
+
+std::vector<Param> make_optimizer_params(const Config& c, const Arena& w, const Arena& grads, bool muon_fused) {
+  LAPLACE_CHECK(w.size() == grads.size(), "make_optimizer_params: parameter and gradient tables differ");
   std::vector<Param> ps;
-  const Arena& w = model_.weight_arena();
   for (size_t i = 0; i < w.size(); ++i) {
     Param p;
     p.name = w.spec(i).name;
     p.w = w.tensor(i);
-    p.g = grads_.tensor(i);
+    p.g = grads.tensor(i);
     p.muon = is_body_matrix(p.name);
-    if (p.muon) p.blocks = opt_.muon_fused ? std::vector<int64_t>{p.w.shape[0]} : muon_blocks(cfg_, p.name);
+    if (p.muon) p.blocks = muon_fused ? std::vector<int64_t>{p.w.shape[0]} : muon_blocks(c, p.name);
     p.decay = p.muon || is_decayed_by_adamw(p.name);
     ps.push_back(std::move(p));
   }
   return ps;
 }
 
+void copy_masters_to_weights(Backend& be, const Arena& masters, const Arena& weights) {
+  LAPLACE_CHECK(masters.size() == weights.size(), "copy_masters_to_weights: tables differ");
+  for (size_t i = 0; i < weights.size(); ++i) be.copy(weights.tensor(i), masters.tensor(i));
+}
+
+std::vector<Param> Trainer::make_params() {
+  return make_optimizer_params(cfg_, param_arena(), grads_, opt_.muon_fused);
+}
+
 Status Trainer::setup() {
   LAPLACE_RETURN_IF_ERROR(config_load(opt_.config_path, &cfg_));
   if (opt_.batch < 1 || opt_.seq < 1 || opt_.grad_accum < 1 || opt_.steps < 1)
     return Status::invalid_argument("batch, seq, grad-accum and steps must all be ≥ 1");
-  if (opt_.dtype != DType::kF32 && opt_.dtype != DType::kF64)
-    return Status::unsupported("training keeps its master weights in the model dtype: use f32 or f64");
+  if (opt_.dtype != DType::kF32 && opt_.dtype != DType::kF64 && opt_.dtype != DType::kBF16)
+    return Status::unsupported(std::string("cannot train in ") + dtype_name(opt_.dtype) + ": use f32, f64 or bf16");
+  if (opt_.dtype == DType::kBF16 && opt_.device == "cpu")
+    return Status::unsupported("bf16 training needs --device cuda (the CPU backend computes in f32 or f64)");
   opt_.schedule.total_steps = opt_.steps;
   LAPLACE_RETURN_IF_ERROR(opt_.schedule.validate());
   LAPLACE_RETURN_IF_ERROR(opt_.optim.validate());
   LAPLACE_RETURN_IF_ERROR(make_backend(opt_.device, &be_));
   LAPLACE_RETURN_IF_ERROR(model_.create(cfg_, *be_, opt_.dtype));
-  if (!opt_.init_ckpt.empty()) LAPLACE_RETURN_IF_ERROR(model_.load(opt_.init_ckpt));
-  else model_.init_weights(opt_.seed);
+  mixed_ = needs_master_weights(opt_.dtype);
+  const DType param_dtype = mixed_ ? DType::kF32 : opt_.dtype;
+  if (mixed_) {
+    // Initialised (or loaded) in F32 exactly as an F32 model would be, then rounded once
+    // into the BF16 weights at the end of setup().
+    LAPLACE_RETURN_IF_ERROR(masters_.create(weight_specs(cfg_, DType::kF32), be_->allocator(), "master weights"));
+    if (!opt_.init_ckpt.empty()) LAPLACE_RETURN_IF_ERROR(weights_load(opt_.init_ckpt, *be_, masters_));
+    else weights_init(cfg_, *be_, masters_, opt_.seed);
+  } else {
+    if (!opt_.init_ckpt.empty()) LAPLACE_RETURN_IF_ERROR(model_.load(opt_.init_ckpt));
+    else model_.init_weights(opt_.seed);
+  }
   LAPLACE_RETURN_IF_ERROR(model_.plan({opt_.batch, opt_.seq, true, opt_.recompute_mixer}));
-  LAPLACE_RETURN_IF_ERROR(grads_.create(weight_specs(cfg_, opt_.dtype), be_->allocator(), "gradients"));
+  LAPLACE_RETURN_IF_ERROR(grads_.create(weight_specs(cfg_, param_dtype), be_->allocator(), "gradients"));
+  // On the GPU, Newton–Schulz runs in bf16 as SPEC §2 has it; the CPU keeps the master
+  // dtype so the F32 reference can check it.
+  opt_.optim.ns_bf16 = be_->device() == Device::kCUDA;
   LAPLACE_RETURN_IF_ERROR(optimizer_.init(*be_, make_params(), opt_.optim));
 
   DataLoaderOptions dl;
@@ -107,20 +133,27 @@ Status Trainer::setup() {
     resume = fs::exists(p) ? p : "";
   }
   if (!resume.empty()) {
-    LAPLACE_RETURN_IF_ERROR(checkpoint_load(resume, cfg_, *be_, model_.weight_arena(), &optimizer_, &progress_));
+    LAPLACE_RETURN_IF_ERROR(checkpoint_load(resume, cfg_, *be_, param_arena(), &optimizer_, &progress_));
     LoaderPosition pos;
     LAPLACE_RETURN_IF_ERROR(LoaderPosition::from_json(progress_.loader_position, &pos).with_context(resume));
     LAPLACE_RETURN_IF_ERROR(train_loader_.seek(pos).with_context(resume));
     if (!opt_.quiet) std::printf("resumed from %s at step %lld\n", resume.c_str(), (long long)progress_.step);
   }
+  if (mixed_) copy_masters_to_weights(*be_, masters_, model_.weight_arena());
   x_.resize(opt_.batch * opt_.seq);
   y_.resize(opt_.batch * opt_.seq);
   if (!opt_.quiet) {
     std::printf("model: %lld parameters (%lld in Muon matrices), %s %s\n", (long long)cfg_.total_params(),
                 (long long)cfg_.body_params(), be_->name(), dtype_name(opt_.dtype));
-    std::printf("memory: weights %.1f MB, gradients %.1f MB, optimizer %.1f MB, activations %.1f MB\n",
-                model_.weight_arena().bytes() / 1e6, grads_.bytes() / 1e6, optimizer_.state_bytes() / 1e6,
-                model_.activation_bytes() / 1e6);
+    if (mixed_)
+      std::printf("memory: weights %.1f MB (%s), F32 masters %.1f MB, gradients %.1f MB, optimizer %.1f MB, "
+                  "activations %.1f MB\n",
+                  model_.weight_arena().bytes() / 1e6, dtype_name(opt_.dtype), masters_.bytes() / 1e6,
+                  grads_.bytes() / 1e6, optimizer_.state_bytes() / 1e6, model_.activation_bytes() / 1e6);
+    else
+      std::printf("memory: weights %.1f MB, gradients %.1f MB, optimizer %.1f MB, activations %.1f MB\n",
+                  model_.weight_arena().bytes() / 1e6, grads_.bytes() / 1e6, optimizer_.state_bytes() / 1e6,
+                  model_.activation_bytes() / 1e6);
     std::printf("data: %lld tokens in %lld shards; %lld tokens per step (batch %lld × seq %lld × accum %lld)\n",
                 (long long)train_loader_.total_tokens(), (long long)train_loader_.num_shards(),
                 (long long)(opt_.batch * opt_.seq * opt_.grad_accum), (long long)opt_.batch, (long long)opt_.seq,
@@ -147,12 +180,13 @@ Status Trainer::save_checkpoint() {
   if (opt_.out_dir.empty()) return Status::ok();
   progress_.loader_position = train_loader_.position().to_json();
   progress_.optimizer_steps = optimizer_.step_count();
-  LAPLACE_RETURN_IF_ERROR(checkpoint_save(opt_.out_dir + "/checkpoint.safetensors", cfg_, *be_,
-                                          model_.weight_arena(), optimizer_, progress_));
+  LAPLACE_RETURN_IF_ERROR(checkpoint_save(opt_.out_dir + "/checkpoint.safetensors", cfg_, *be_, param_arena(),
+                                          optimizer_, progress_));
   // A complete model directory for generate/eval/serve beside it.
   const std::string cfg_text = cfg_.to_json();
   LAPLACE_RETURN_IF_ERROR(write_file_atomic(opt_.out_dir + "/config.json", cfg_text.data(), cfg_text.size()));
-  LAPLACE_RETURN_IF_ERROR(model_.save(opt_.out_dir + "/model.safetensors"));
+  if (mixed_) LAPLACE_RETURN_IF_ERROR(weights_save(opt_.out_dir + "/model.safetensors", cfg_, *be_, masters_));
+  else LAPLACE_RETURN_IF_ERROR(model_.save(opt_.out_dir + "/model.safetensors"));
   if (!opt_.tokenizer.empty()) {
     std::string tok;
     LAPLACE_RETURN_IF_ERROR(read_file(opt_.tokenizer, &tok));
@@ -208,6 +242,7 @@ Status Trainer::run(const std::function<void(const StepLog&)>& on_step) {
     loss /= static_cast<double>(opt_.grad_accum);
     const double lr = lr_at(opt_.schedule, step);
     const StepResult r = optimizer_.step(lr);
+    if (mixed_ && !r.skipped) copy_masters_to_weights(*be_, masters_, model_.weight_arena());
     be_->synchronize();
     const double dt = now_s() - t0;
 

@@ -1,6 +1,14 @@
 // The training loop behind `laplace train`: data → forward → backward → clip →
 // Muon/AdamW, with a progress line per step, a JSONL metrics log, periodic
 // validation, atomic checkpoints and exact resume.
+//
+// Precision (SPEC §2): F32/F64 models train their own weights (master = compute dtype).
+// BF16 models (CUDA) train F32 master weights: an F32 master arena and an F32 gradient
+// arena, both from weight_specs(cfg, F32); the optimizer (and its state) works on the
+// masters; after every step that is not skipped the masters are copied into the BF16
+// weights (one rounding, the backend's copy conversion). Initialisation, --init and
+// checkpoints (save and resume) all go through the masters, so a checkpoint holds F32
+// weights, and model.safetensors is written from the masters too.
 #pragma once
 
 #include <cstdint>
@@ -46,6 +54,17 @@ struct TrainOptions {
   bool quiet = false;
 };
 
+// True for model dtypes that train F32 master copies of their weights (BF16).
+bool needs_master_weights(DType model_dtype);
+// The optimizer's parameter list over `params` (the model's weights, or its F32 masters)
+// and `grads`, both created from weight_specs(c, ·): Muon for the body matrices (split
+// per block unless muon_fused), AdamW for the rest; decay for Muon, embedding and head.
+std::vector<Param> make_optimizer_params(const Config& c, const Arena& params, const Arena& grads,
+                                         bool muon_fused);
+// weights ← masters (same table), converting to the weights' dtype with the backend's
+// copy. Queued on the device; no synchronisation.
+void copy_masters_to_weights(Backend& be, const Arena& masters, const Arena& weights);
+
 struct StepLog {
   int64_t step = 0;
   double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, flops_per_s = 0, mfu = 0, elapsed_s = 0;
@@ -64,6 +83,8 @@ class Trainer {
   Status save_checkpoint();
 
   const Model& model() const { return model_; }
+  // The arena the optimizer updates: the F32 masters of a BF16 model, else the weights.
+  const Arena& param_arena() const { return mixed_ ? masters_ : model_.weight_arena(); }
   const TrainProgress& progress() const { return progress_; }
 
  private:
@@ -75,6 +96,8 @@ class Trainer {
   Config cfg_;
   std::unique_ptr<Backend> be_;
   Model model_;
+  bool mixed_ = false;  // BF16 model trained through F32 masters
+  Arena masters_;       // F32 master weights (mixed precision only)
   Arena grads_;
   Optimizer optimizer_;
   DataLoader train_loader_;

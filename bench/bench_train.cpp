@@ -1,0 +1,389 @@
+// bench_train: whole training steps of laplace-3b (SPEC §2) on one GPU: BF16 weights and
+// compute, F32 master weights, F32 gradients, Muon (body matrices) + AdamW (the rest),
+// gradient-norm clipping, then masters → BF16 weights. The same pieces as `laplace train`
+// (train/trainer.h: make_optimizer_params, copy_masters_to_weights), driven directly so
+// that no data files are needed and the 3.3B weights are initialised fast (a tiled block of
+// N(0,1) values scaled per tensor as weights_init scales them, instead of 3.3B serial draws).
+//
+// One step = grad_accum micro-batches of B×T random tokens (forward, loss, backward), then
+// the optimizer step. The micro-batch B is the largest of 8, 4, 2, 1 whose plan (full
+// per-layer activations, or --recompute-mixer) leaves --reserve-gib free on the device,
+// unless --batch is given. The memory plan is printed before the first step.
+//
+// Reported (median over --steps timed steps after --warmup untimed ones):
+//   train_tok_s_laplace3b_t2048      tokens/s of whole steps (optimizer included)
+//   train_mfu_laplace3b_t2048        that × Config::train_flops_per_token() / (--peak-tflops, 989)
+//   train_fwdbwd_tok_s_laplace3b_t2048  tokens/s of forward+loss+backward alone
+//   train_optstep_ms_laplace3b       the optimizer step (+ masters → bf16 copy)
+//   train_tok_s_laplace3b_t2048_524k_projected  the seed's 524,288-token step from the two
+//                                    measured parts (micro-batches × fwd+bwd + one optimizer step)
+//
+// Usage: bench_train [--config configs/laplace-3b.json] [--seq 2048] [--batch N] [--accum 2]
+//                    [--steps 2] [--warmup 1] [--recompute-mixer] [--reserve-gib 3]
+//                    [--peak-tflops 989] [--lr 3e-4] [--results bench/results.jsonl] [--commit HASH]
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/model.h"
+#include "train/trainer.h"
+
+#ifdef LAPLACE_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "ops/cuda/cuda_backend.h"
+#endif
+
+namespace {
+
+using namespace laplace;
+
+struct Args {
+  std::string config = "configs/laplace-3b.json";
+  int64_t seq = 2048, batch = 0, accum = 2;
+  int steps = 2, warmup = 1;
+  bool recompute = false;
+  double reserve_gib = 3.0, peak_tflops = 989.0, lr = 3e-4;
+  std::string results = "bench/results.jsonl";
+  std::string commit;
+};
+
+bool parse_args(int argc, char** argv, Args* a) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    if (k == "--help" || k == "-h") return false;
+    if (k == "--recompute-mixer") {
+      a->recompute = true;
+      continue;
+    }
+    if (i + 1 >= argc) return false;
+    const char* v = argv[++i];
+    if (k == "--config") a->config = v;
+    else if (k == "--seq") a->seq = std::atoll(v);
+    else if (k == "--batch") a->batch = std::atoll(v);
+    else if (k == "--accum") a->accum = std::atoll(v);
+    else if (k == "--steps") a->steps = std::atoi(v);
+    else if (k == "--warmup") a->warmup = std::atoi(v);
+    else if (k == "--reserve-gib") a->reserve_gib = std::atof(v);
+    else if (k == "--peak-tflops") a->peak_tflops = std::atof(v);
+    else if (k == "--lr") a->lr = std::atof(v);
+    else if (k == "--results") a->results = v;
+    else if (k == "--commit") a->commit = v;
+    else return false;
+  }
+  return a->seq >= 1 && a->batch >= 0 && a->accum >= 1 && a->steps >= 1 && a->warmup >= 0;
+}
+
+#ifdef LAPLACE_HAVE_CUDA
+
+std::string iso_date() {
+  std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+std::string commit_hash(const std::string& given) {
+  if (!given.empty()) return given;
+  if (const char* e = std::getenv("LAPLACE_COMMIT"); e && *e) return e;
+  std::string out;
+  if (FILE* p = popen("git rev-parse --short HEAD 2>/dev/null", "r")) {
+    char buf[64];
+    while (std::fgets(buf, sizeof buf, p)) out += buf;
+    pclose(p);
+  }
+  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
+  return out.empty() ? "unknown" : out;
+}
+
+std::string json_escape(const std::string& s) {
+  std::string r;
+  for (char c : s) {
+    if (c == '"' || c == '\\') r += '\\';
+    if (static_cast<unsigned char>(c) >= 0x20) r += c;
+  }
+  return r;
+}
+
+struct Results {
+  std::string path, device, commit, date;
+  void add(const std::string& name, double value, const std::string& unit, const std::string& note) {
+    char num[64];
+    std::snprintf(num, sizeof num, "%.6g", value);
+    const std::string line = "{\"bench\": \"" + json_escape(name) + "\", \"value\": " + num + ", \"unit\": \"" +
+                             json_escape(unit) + "\", \"device\": \"" + json_escape(device) + "\", \"commit\": \"" +
+                             json_escape(commit) + "\", \"date\": \"" + date + "\", \"note\": \"" +
+                             json_escape(note) + "\"}";
+    std::printf("%s\n", line.c_str());
+    std::ofstream f(path, std::ios::app);
+    if (!f) std::fprintf(stderr, "bench_train: cannot append to %s\n", path.c_str());
+    f << line << "\n";
+  }
+};
+
+double now_s() {
+  using namespace std::chrono;
+  return duration<double>(steady_clock::now().time_since_epoch()).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+bool ends_with(const std::string& s, const std::string& suf) {
+  return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
+}
+
+struct Rng {
+  uint64_t s;
+  explicit Rng(uint64_t seed) : s(seed) {}
+  uint64_t next() {
+    uint64_t z = (s += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+  double uniform() { return (static_cast<double>(next() >> 11) + 0.5) * 0x1.0p-53; }  // (0, 1)
+};
+
+// The distributions of weights_init (model/weights.h), drawn from a tiled block of N(0,1)
+// values: constants for norms/biases, N(0, 1/√K) for the conv, N(0, 0.02/√(2L)) for W_o and
+// W_3, N(0, 0.02) for every other matrix.
+void fast_init(Backend& be, const Config& c, const Arena& masters) {
+  const int64_t kTile = int64_t{1} << 24, kPool = int64_t{1} << 25;
+  std::vector<float> pool(static_cast<size_t>(kPool));
+  Rng rng(12345);
+  for (int64_t i = 0; i + 1 < kPool; i += 2) {  // Box–Muller
+    const double r = std::sqrt(-2.0 * std::log(rng.uniform())), t = 6.283185307179586 * rng.uniform();
+    pool[i] = static_cast<float>(r * std::cos(t));
+    pool[i + 1] = static_cast<float>(r * std::sin(t));
+  }
+  const double out_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(c.num_layers));
+  for (size_t i = 0; i < masters.size(); ++i) {
+    const std::string& n = masters.spec(i).name;
+    Tensor t = masters.tensor(i);
+    int64_t numel = t.numel();
+    Tensor flat = Tensor::make(t.data, t.dtype, &numel, 1, t.device);
+    if (ends_with(n, "norm1.weight") || ends_with(n, "norm2.weight") || n == "model.norm.weight" ||
+        ends_with(n, "onorm.weight")) {
+      be.fill(flat, 1.0);
+      continue;
+    }
+    if (ends_with(n, ".bias")) {
+      be.fill(flat, 0.0);
+      continue;
+    }
+    double sd = 0.02;
+    if (ends_with(n, "conv.weight")) sd = 1.0 / std::sqrt(static_cast<double>(c.conv_size));
+    else if (ends_with(n, "wo.weight") || ends_with(n, "w3.weight")) sd = 0.02 * out_scale;
+    for (int64_t c0 = 0, chunk = 0; c0 < numel; c0 += kTile, ++chunk) {
+      const int64_t len = std::min(kTile, numel - c0);
+      const int64_t off = static_cast<int64_t>((i * 7919 + static_cast<size_t>(chunk) * 104729) % (kPool - kTile));
+      be.copy(flat.slice(0, c0, c0 + len), Tensor(pool.data() + off, DType::kF32, {len}));
+    }
+    be.scale(flat, sd);
+  }
+  be.synchronize();
+}
+
+double gb(size_t bytes) { return static_cast<double>(bytes) / 1e9; }
+
+bool is_laplace_3b(const Config& c) {
+  return c.vocab_size == 92160 && c.hidden_size == 3072 && c.num_layers == 24 && c.num_heads == 16 &&
+         c.head_k_dim == 96 && c.head_v_dim == 192 && c.ffn_size == 8192;
+}
+
+int run(const Args& a) {
+  Config cfg;
+  Status st = config_load(a.config, &cfg);
+  if (!st.is_ok()) {
+    std::fprintf(stderr, "bench_train: %s\n", st.to_string().c_str());
+    return 1;
+  }
+  std::string why;
+  std::unique_ptr<Backend> be = make_cuda_backend(&why);
+  if (!be) {
+    std::fprintf(stderr, "bench_train: skipped: no CUDA device: %s\n", why.c_str());
+    return 0;
+  }
+  auto* cb = dynamic_cast<CudaBackend*>(be.get());
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, cb->device_id());
+  size_t free0 = 0, total_mem = 0;
+  cudaMemGetInfo(&free0, &total_mem);
+  const std::string tag = (is_laplace_3b(cfg) ? std::string("laplace3b") : "L" + std::to_string(cfg.num_layers) + "D" +
+                                                                              std::to_string(cfg.hidden_size));
+  const std::string tag_t = tag + "_t" + std::to_string(a.seq);
+  std::printf("bench_train: %s (%.1f GB, %.1f GB free), %s: %lld parameters (%lld in Muon matrices)\n", prop.name,
+              gb(total_mem), gb(free0), a.config.c_str(), (long long)cfg.total_params(), (long long)cfg.body_params());
+
+  double t0 = now_s();
+  Model model;
+  Arena masters, grads;
+  Optimizer opt;
+  {
+    st = model.create(cfg, *be, DType::kBF16);
+    if (st.is_ok()) st = masters.create(weight_specs(cfg, DType::kF32), be->allocator(), "master weights");
+    if (st.is_ok()) st = grads.create(weight_specs(cfg, DType::kF32), be->allocator(), "gradients");
+    OptimizerConfig oc;
+    oc.ns_bf16 = true;  // SPEC §2: Newton–Schulz in bf16 on the GPU
+    oc.lr = a.lr;
+    oc.weight_decay = 0.1;
+    if (st.is_ok()) st = opt.init(*be, make_optimizer_params(cfg, masters, grads, false), oc);
+    if (!st.is_ok()) {
+      std::fprintf(stderr, "bench_train: %s\n", st.to_string().c_str());
+      return 1;
+    }
+  }
+  fast_init(*be, cfg, masters);
+  copy_masters_to_weights(*be, masters, model.weight_arena());
+  be->synchronize();
+  std::printf("weights, masters, gradients, optimizer allocated and initialised in %.1f s\n", now_s() - t0);
+
+  // Micro-batch: the largest candidate whose plan leaves the reserve free.
+  std::vector<int64_t> cands = a.batch > 0 ? std::vector<int64_t>{a.batch} : std::vector<int64_t>{8, 4, 2, 1};
+  int64_t B = 0;
+  size_t free_after = 0;
+  for (int64_t cand : cands) {
+    st = model.plan({cand, a.seq, true, a.recompute});
+    size_t fr = 0, tot = 0;
+    cudaMemGetInfo(&fr, &tot);
+    if (st.is_ok() && static_cast<double>(fr) >= a.reserve_gib * 1073741824.0) {
+      B = cand;
+      free_after = fr;
+      break;
+    }
+    std::printf("  micro-batch %lld: %s\n", (long long)cand,
+                st.is_ok() ? "fits, but leaves less than the reserve free" : st.to_string().c_str());
+  }
+  if (B == 0) {
+    std::fprintf(stderr, "bench_train: no micro-batch fits (try --recompute-mixer or a smaller --seq)\n");
+    return 1;
+  }
+  const int64_t T = a.seq, N = B * T, tokens_per_step = N * a.accum;
+  const size_t planned = model.weight_arena().bytes() + masters.bytes() + grads.bytes() + opt.state_bytes() +
+                         model.activation_bytes();
+  std::printf("memory plan: T=%lld, micro-batch B=%lld (%lld tokens), grad accumulation %lld (%lld tokens/step), "
+              "recompute_mixer %s\n",
+              (long long)T, (long long)B, (long long)N, (long long)a.accum, (long long)tokens_per_step,
+              a.recompute ? "on" : "off");
+  std::printf("  weights (bf16)                        %8.2f GB\n", gb(model.weight_arena().bytes()));
+  std::printf("  master weights (f32)                  %8.2f GB\n", gb(masters.bytes()));
+  std::printf("  gradients (f32)                       %8.2f GB\n", gb(grads.bytes()));
+  std::printf("  optimizer state (f32: Muon momentum, AdamW m/v, Muon update + Newton-Schulz scratch) %8.2f GB\n",
+              gb(opt.state_bytes()));
+  std::printf("  activations (per layer%s, logits bf16 [N,V]) + backward scratch %8.2f GB\n",
+              a.recompute ? ", GLA output recomputed" : "", gb(model.activation_bytes()));
+  std::printf("  total planned                         %8.2f GB of %.2f GB; %.2f GB left free\n", gb(planned),
+              gb(total_mem), gb(free_after));
+
+  // Data: random tokens (loss ≈ ln V), a fresh micro-batch each time.
+  Rng drng(7);
+  std::vector<int32_t> x(static_cast<size_t>(N)), y(static_cast<size_t>(N));
+  auto next_batch = [&]() {
+    for (int64_t i = 0; i < N; ++i) {
+      x[i] = static_cast<int32_t>(drng.next() % static_cast<uint64_t>(cfg.vocab_size));
+      y[i] = static_cast<int32_t>(drng.next() % static_cast<uint64_t>(cfg.vocab_size));
+    }
+  };
+
+  std::vector<double> t_step, t_fb, t_opt;
+  for (int s = 0; s < a.warmup + a.steps; ++s) {
+    const double s0 = now_s();
+    grads.zero();
+    double loss = 0;
+    for (int64_t m = 0; m < a.accum; ++m) {
+      next_batch();
+      model.forward(x.data(), B, T, ForwardOptions{});
+      loss += model.loss(y.data());
+      model.backward(y.data(), grads, 1.0 / static_cast<double>(a.accum));
+    }
+    be->synchronize();
+    const double s1 = now_s();
+    const StepResult r = opt.step(a.lr);
+    if (!r.skipped) copy_masters_to_weights(*be, masters, model.weight_arena());
+    be->synchronize();
+    const double s2 = now_s();
+    const bool timed = s >= a.warmup;
+    std::printf("step %d%s: loss %.4f | grad norm %.4f%s | fwd+bwd %.3f s (%lld micro-batches) | optimizer %.3f s | "
+                "step %.3f s | %.0f tok/s\n",
+                s, timed ? "" : " (warm-up)", loss / static_cast<double>(a.accum), r.grad_norm,
+                r.skipped ? " SKIPPED" : "", s1 - s0, (long long)a.accum, s2 - s1, s2 - s0,
+                static_cast<double>(tokens_per_step) / (s2 - s0));
+    std::fflush(stdout);
+    if (timed) {
+      t_step.push_back(s2 - s0);
+      t_fb.push_back(s1 - s0);
+      t_opt.push_back(s2 - s1);
+    }
+  }
+  size_t free_end = 0;
+  cudaMemGetInfo(&free_end, &total_mem);
+  std::printf("device memory in use after the steps: %.2f GB of %.2f GB\n", gb(total_mem - free_end), gb(total_mem));
+
+  const double step_s = median(t_step), fb_s = median(t_fb), opt_s = median(t_opt);
+  const double tok_s = static_cast<double>(tokens_per_step) / step_s;
+  const double fb_tok_s = static_cast<double>(tokens_per_step) / fb_s;
+  const double fpt = cfg.train_flops_per_token();
+  const double mfu = tok_s * fpt / (a.peak_tflops * 1e12);
+  const double micro_per_seed_step = 524288.0 / static_cast<double>(N);
+  const double proj = 524288.0 / (micro_per_seed_step * fb_s / static_cast<double>(a.accum) + opt_s);
+  std::printf("\nresult: %.0f tokens/s whole steps (%.3f s per %lld-token step), MFU %.2f%% of %.0f TFLOP/s "
+              "(%.4g FLOP/token)\n",
+              tok_s, step_s, (long long)tokens_per_step, 100.0 * mfu, a.peak_tflops, fpt);
+  std::printf("        forward+backward alone %.0f tokens/s (MFU %.2f%%); optimizer step %.3f s\n", fb_tok_s,
+              100.0 * fb_tok_s * fpt / (a.peak_tflops * 1e12), opt_s);
+  std::printf("        projected 524,288-token step (%.0f micro-batches + 1 optimizer step): %.0f tokens/s\n",
+              micro_per_seed_step, proj);
+
+  Results res;
+  res.path = a.results;
+  res.device = prop.name;
+  res.commit = commit_hash(a.commit);
+  res.date = iso_date();
+  char note[256];
+  std::snprintf(note, sizeof note,
+                "bf16 + f32 masters, B=%lld x T=%lld, accum %lld (%lld tokens/step), recompute_mixer %s, "
+                "optimizer included, median of %d steps",
+                (long long)B, (long long)T, (long long)a.accum, (long long)tokens_per_step, a.recompute ? "on" : "off",
+                a.steps);
+  res.add("train_tok_s_" + tag_t, tok_s, "tokens/s", note);
+  res.add("train_mfu_" + tag_t, mfu, "fraction of " + std::to_string(static_cast<int>(a.peak_tflops)) + " TFLOP/s",
+          note);
+  res.add("train_fwdbwd_tok_s_" + tag_t, fb_tok_s, "tokens/s", std::string(note) + "; forward+loss+backward only");
+  res.add("train_optstep_ms_" + tag, 1e3 * opt_s, "ms", "Muon (Newton-Schulz in f32) + AdamW + clip + masters->bf16");
+  res.add("train_tok_s_" + tag_t + "_524k_projected", proj, "tokens/s",
+          "projected from the measured fwd+bwd per micro-batch and optimizer step, not measured whole");
+  return 0;
+}
+
+#endif  // LAPLACE_HAVE_CUDA
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  if (!parse_args(argc, argv, &a)) {
+    std::fprintf(stderr,
+                 "usage: bench_train [--config configs/laplace-3b.json] [--seq 2048] [--batch N] [--accum 2]\n"
+                 "                   [--steps 2] [--warmup 1] [--recompute-mixer] [--reserve-gib 3]\n"
+                 "                   [--peak-tflops 989] [--lr 3e-4] [--results bench/results.jsonl] [--commit HASH]\n");
+    return 2;
+  }
+#ifdef LAPLACE_HAVE_CUDA
+  return run(a);
+#else
+  std::fprintf(stderr, "bench_train: skipped: this build has no CUDA backend\n");
+  return 0;
+#endif
+}

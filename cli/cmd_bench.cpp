@@ -1,0 +1,469 @@
+// `laplace bench decode` and `laplace bench serve`: the engine's throughput and latency.
+//
+//   laplace bench decode --config F | --model DIR [--device cpu|cuda] [--dtype f32|bf16]
+//                        --batch N --steps S --prompt-len P [--layers-sweep]
+//   laplace bench serve  --config F | --model DIR --rate R --count N --prompt-len P
+//                        --output-len O [--max-slots S | --memory-budget B]
+//
+// Without a checkpoint the weights are random (--seed). Every figure is printed and
+// appended as one JSON line to --results (default bench/results.jsonl):
+//   {"bench": NAME, "value": X, "unit": U, "device": ..., "commit": ..., "date": ISO, "note": ...}
+// Names get "_" + --tag appended when a tag is given (e.g. --tag 3b_1280_fp32state gives
+// decode_tok_s_3b_1280_fp32state).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/common.h"
+#include "model/config.h"
+#include "serve/engine.h"
+
+#ifdef LAPLACE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace laplace::cli {
+
+namespace {
+
+// ---- results -----------------------------------------------------------------------------
+
+std::string iso_date() {
+  std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+std::string commit_hash() {
+  if (const char* e = std::getenv("LAPLACE_COMMIT"); e && *e) return e;
+  std::string out;
+  if (FILE* p = popen("git rev-parse --short HEAD 2>/dev/null", "r")) {
+    char buf[64];
+    while (std::fgets(buf, sizeof buf, p)) out += buf;
+    pclose(p);
+  }
+  while (!out.empty() && (out.back() == '\n' || out.back() == '\r' || out.back() == ' ')) out.pop_back();
+  return out.empty() ? "unknown" : out;
+}
+
+std::string device_description(const std::string& device) {
+#ifdef LAPLACE_HAVE_CUDA
+  if (device == "cuda") {
+    cudaDeviceProp prop{};
+    int dev = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess && cudaGetDeviceProperties(&prop, dev) == cudaSuccess) return prop.name;
+    return "cuda";
+  }
+#endif
+  std::string model = "cpu";
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      auto c = line.find(':');
+      if (c != std::string::npos) model = line.substr(c + 2);
+      break;
+    }
+  }
+  return model + " x" + std::to_string(std::thread::hardware_concurrency());
+}
+
+struct Results {
+  std::string path, device, commit, date, tag, note;
+
+  void add(const std::string& name, double value, const std::string& unit) {
+    const std::string full = tag.empty() ? name : name + "_" + tag;
+    nlohmann::ordered_json j;
+    j["bench"] = full;
+    j["value"] = std::isfinite(value) ? value : 0.0;
+    j["unit"] = unit;
+    j["device"] = device;
+    j["commit"] = commit;
+    j["date"] = date;
+    j["note"] = note;
+    const std::string line = j.dump();
+    std::printf("%s\n", line.c_str());
+    if (path.empty()) return;
+    std::error_code ec;
+    const auto parent = std::filesystem::path(path).parent_path();
+    if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+    std::ofstream f(path, std::ios::app);
+    if (!f) {
+      std::fprintf(stderr, "laplace bench: cannot append to %s\n", path.c_str());
+      return;
+    }
+    f << line << "\n";
+  }
+};
+
+// "123", "64k", "512M", "2G" (binary multiples) → bytes.
+Status parse_bytes(const std::string& s, int64_t* out) {
+  if (s.empty()) return Status::invalid_argument("empty byte count");
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  std::string suf(end);
+  for (auto& ch : suf) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  double mul = 1;
+  if (suf.empty() || suf == "b") mul = 1;
+  else if (suf == "k" || suf == "kib" || suf == "kb") mul = 1024.0;
+  else if (suf == "m" || suf == "mib" || suf == "mb") mul = 1024.0 * 1024;
+  else if (suf == "g" || suf == "gib" || suf == "gb") mul = 1024.0 * 1024 * 1024;
+  else return Status::invalid_argument("bad byte count '" + s + "' (use e.g. 512M, 4G)");
+  if (!(v >= 0) || end == s.c_str()) return Status::invalid_argument("bad byte count '" + s + "'");
+  *out = static_cast<int64_t>(v * mul);
+  return Status::ok();
+}
+
+// Free device memory minus a reserve (CUDA), for deriving the slot count.
+Status device_state_budget(const std::string& device, int64_t reserve, int64_t* budget) {
+#ifdef LAPLACE_HAVE_CUDA
+  if (device == "cuda") {
+    size_t free_b = 0, total_b = 0;
+    if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) return Status::unsupported("cudaMemGetInfo failed");
+    *budget = std::max<int64_t>(static_cast<int64_t>(free_b) - reserve, 0);
+    std::printf("device memory: %.2f GiB free of %.2f GiB; %.2f GiB reserved; %.2f GiB for states\n",
+                free_b / 1073741824.0, total_b / 1073741824.0, reserve / 1073741824.0, *budget / 1073741824.0);
+    return Status::ok();
+  }
+#endif
+  (void)reserve;
+  return Status::invalid_argument("on " + device + " give --max-slots or --memory-budget");
+}
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  // Nearest rank.
+  size_t k = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(v.size())));
+  k = std::clamp<size_t>(k, 1, v.size());
+  return v[k - 1];
+}
+
+std::vector<int32_t> random_prompt(Rng& rng, int64_t n, int64_t V) {
+  std::vector<int32_t> p(static_cast<size_t>(n));
+  for (auto& t : p) t = static_cast<int32_t>(rng.next() % static_cast<uint64_t>(V));
+  return p;
+}
+
+// A model from the args; `layers` > 0 overrides num_layers (random weights then).
+Status make_model(const ModelArgs& a, uint64_t seed, int64_t layers, LoadedModel* out, bool* random_weights) {
+  ModelArgs r = a;
+  LAPLACE_RETURN_IF_ERROR(r.resolve());
+  Config cfg;
+  LAPLACE_RETURN_IF_ERROR(config_load(r.config, &cfg));
+  if (layers > 0) cfg.num_layers = layers;
+  DType dt;
+  LAPLACE_RETURN_IF_ERROR(parse_dtype(r.dtype, &dt));
+  LAPLACE_RETURN_IF_ERROR(make_backend(r.device, &out->backend));
+  LAPLACE_RETURN_IF_ERROR(out->model.create(cfg, *out->backend, dt));
+  *random_weights = r.ckpt.empty() || layers > 0;
+  if (*random_weights) out->model.init_weights(seed);
+  else LAPLACE_RETURN_IF_ERROR(out->model.load(r.ckpt));
+  return Status::ok();
+}
+
+std::string shape_note(const Config& c, const std::string& dtype, bool random) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "L%lld D%lld H%lld dk%lld dv%lld F%lld V%lld %s%s", (long long)c.num_layers,
+                (long long)c.hidden_size, (long long)c.num_heads, (long long)c.head_k_dim, (long long)c.head_v_dim,
+                (long long)c.ffn_size, (long long)c.vocab_size, dtype.c_str(), random ? " random weights" : "");
+  return buf;
+}
+
+// ---- bench decode ------------------------------------------------------------------------
+
+struct DecodeArgs {
+  ModelArgs model;
+  int64_t batch = 8, steps = 32, prompt_len = 64, warmup = 2;
+  int64_t prefill_chunk = 256, max_batch_tokens = 0;
+  uint64_t seed = 1234;
+  bool layers_sweep = false;
+  int64_t sweep_max_layers = 0;
+  std::string results = "bench/results.jsonl", tag;
+};
+
+struct DecodeFigures {
+  double ms_per_step = 0, tok_s = 0, prefill_tok_s = 0;
+};
+
+// Prefills `batch` sequences through the engine, then times `steps` engine steps in
+// which all of them decode (one batched forward each, sampling included).
+Status measure_decode(Model& m, const DecodeArgs& a, bool print_summary, DecodeFigures* f) {
+  EngineOptions o;
+  o.max_slots = a.batch;
+  o.prefill_chunk = std::min(a.prefill_chunk, a.prompt_len);
+  o.max_batch_tokens = a.max_batch_tokens > 0 ? a.max_batch_tokens : a.batch + 4 * o.prefill_chunk;
+  std::unique_ptr<Engine> eng;
+  LAPLACE_RETURN_IF_ERROR(Engine::create(m, o, &eng));
+  if (print_summary) std::printf("%s\n", eng->summary().c_str());
+  Rng rng(a.seed);
+  for (int64_t i = 0; i < a.batch; ++i) {
+    Request r;
+    r.prompt = random_prompt(rng, a.prompt_len, m.config().vocab_size);
+    r.sampling.temperature = 0;
+    r.max_tokens = a.warmup + a.steps + 2;
+    r.eos_id = -1;
+    RequestId id;
+    LAPLACE_RETURN_IF_ERROR(eng->submit(std::move(r), &id));
+  }
+  const int64_t prompt_total = a.batch * a.prompt_len;
+  const double p0 = eng->now();
+  while (eng->stats().prefill_tokens < prompt_total) eng->step();
+  const double prefill_s = eng->now() - p0;
+  for (int64_t i = 0; i < a.warmup; ++i) eng->step();
+  const EngineStats before = eng->stats();
+  const double t0 = eng->now();
+  for (int64_t i = 0; i < a.steps; ++i) eng->step();
+  m.backend().synchronize();
+  const double secs = eng->now() - t0;
+  const EngineStats after = eng->stats();
+  if (after.decode_forwards - before.decode_forwards != a.steps ||
+      after.decode_tokens - before.decode_tokens != a.steps * a.batch)
+    return Status::invalid_argument("bench decode: timed steps were not all full decode steps");
+  f->ms_per_step = 1e3 * secs / static_cast<double>(a.steps);
+  f->tok_s = static_cast<double>(a.steps * a.batch) / secs;
+  f->prefill_tok_s = static_cast<double>(prompt_total) / prefill_s;
+  return Status::ok();
+}
+
+Status run_bench_decode(const DecodeArgs& a) {
+  LoadedModel lm;
+  bool random = false;
+  LAPLACE_RETURN_IF_ERROR(make_model(a.model, a.seed, 0, &lm, &random));
+  const Config& c = lm.model.config();
+  Results res{a.results, device_description(a.model.device), commit_hash(), iso_date(), a.tag, ""};
+  char note[512];
+  std::snprintf(note, sizeof note, "bench decode: %s, batch %lld, prompt %lld, %lld steps",
+                shape_note(c, a.model.dtype, random).c_str(), (long long)a.batch, (long long)a.prompt_len,
+                (long long)a.steps);
+  res.note = note;
+  DecodeFigures f;
+  LAPLACE_RETURN_IF_ERROR(measure_decode(lm.model, a, true, &f));
+  std::printf("decode: batch %lld after %lld-token prompts: %.3f ms/step, %.1f tokens/s (prefill %.1f tokens/s)\n",
+              (long long)a.batch, (long long)a.prompt_len, f.ms_per_step, f.tok_s, f.prefill_tok_s);
+  res.add("decode_tok_s", f.tok_s, "tok/s");
+  res.add("decode_ms_per_step", f.ms_per_step, "ms");
+  res.add("decode_prefill_tok_s", f.prefill_tok_s, "tok/s");
+
+  if (!a.layers_sweep) return Status::ok();
+  // Time per step over num_layers ∈ {1, 2, 4, ...}, then ms = intercept + slope·L.
+  const int64_t lmax = a.sweep_max_layers > 0 ? a.sweep_max_layers : c.num_layers;
+  std::vector<int64_t> ls;
+  for (int64_t l = 1; l <= lmax; l *= 2) ls.push_back(l);
+  if (ls.back() != lmax) ls.push_back(lmax);
+  if (ls.size() < 2) return Status::invalid_argument("--layers-sweep needs at least 2 layer counts (max layers ≥ 2)");
+  std::vector<double> xs, ys;
+  for (int64_t l : ls) {
+    LoadedModel sm;
+    bool r2 = false;
+    LAPLACE_RETURN_IF_ERROR(make_model(a.model, a.seed, l, &sm, &r2));
+    DecodeFigures g;
+    LAPLACE_RETURN_IF_ERROR(measure_decode(sm.model, a, false, &g));
+    std::printf("  layers %3lld: %.3f ms/step, %.1f tokens/s\n", (long long)l, g.ms_per_step, g.tok_s);
+    res.add("decode_ms_per_step_L" + std::to_string(l), g.ms_per_step, "ms");
+    xs.push_back(static_cast<double>(l));
+    ys.push_back(g.ms_per_step);
+  }
+  const double n = static_cast<double>(xs.size());
+  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  for (size_t i = 0; i < xs.size(); ++i) sx += xs[i], sy += ys[i], sxx += xs[i] * xs[i], sxy += xs[i] * ys[i];
+  const double slope = (n * sxy - sx * sy) / (n * sxx - sx * sx);
+  const double intercept = (sy - slope * sx) / n;
+  double ss_res = 0, ss_tot = 0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const double e = ys[i] - (intercept + slope * xs[i]);
+    ss_res += e * e;
+    ss_tot += (ys[i] - sy / n) * (ys[i] - sy / n);
+  }
+  const double r2 = ss_tot > 0 ? 1 - ss_res / ss_tot : 1;
+  std::printf("layers sweep fit: ms/step = %.4f + %.4f x layers (R^2 %.4f): fixed per-step overhead %.4f ms, "
+              "per-layer cost %.4f ms\n",
+              intercept, slope, r2, intercept, slope);
+  res.add("decode_step_overhead_ms", intercept, "ms");
+  res.add("decode_per_layer_ms", slope, "ms");
+  return Status::ok();
+}
+
+// ---- bench serve -------------------------------------------------------------------------
+
+struct ServeArgs {
+  ModelArgs model;
+  double rate = 4.0;  // requests per second
+  int64_t count = 32;
+  int64_t prompt_len = 64, prompt_len_max = 0;  // uniform in [min, max] when max > min
+  int64_t output_len = 32, output_len_max = 0;
+  int64_t max_slots = 0;
+  std::string memory_budget, memory_reserve = "4G";
+  int64_t max_batch_tokens = 2048, prefill_chunk = 256;
+  uint64_t seed = 1234;
+  std::string results = "bench/results.jsonl", tag;
+};
+
+Status run_bench_serve(const ServeArgs& a) {
+  LoadedModel lm;
+  bool random = false;
+  LAPLACE_RETURN_IF_ERROR(make_model(a.model, a.seed, 0, &lm, &random));
+  const Config& c = lm.model.config();
+  EngineOptions o;
+  o.max_slots = a.max_slots;
+  o.max_batch_tokens = a.max_batch_tokens;
+  o.prefill_chunk = a.prefill_chunk;
+  if (o.max_slots == 0) {
+    if (!a.memory_budget.empty()) {
+      LAPLACE_RETURN_IF_ERROR(parse_bytes(a.memory_budget, &o.memory_budget));
+    } else {
+      int64_t reserve = 0;
+      LAPLACE_RETURN_IF_ERROR(parse_bytes(a.memory_reserve, &reserve));
+      LAPLACE_RETURN_IF_ERROR(device_state_budget(a.model.device, reserve, &o.memory_budget));
+    }
+  }
+  std::unique_ptr<Engine> eng;
+  LAPLACE_RETURN_IF_ERROR(Engine::create(lm.model, o, &eng));
+  std::printf("%s\n", eng->summary().c_str());
+
+  // Arrivals: exponential gaps (Poisson process), lengths uniform, all from one seed.
+  Rng rng(a.seed);
+  const int64_t pmax = std::max(a.prompt_len, a.prompt_len_max), omax = std::max(a.output_len, a.output_len_max);
+  struct Arrival {
+    double at;
+    std::vector<int32_t> prompt;
+    int64_t out;
+  };
+  std::vector<Arrival> arr;
+  double t = 0;
+  for (int64_t i = 0; i < a.count; ++i) {
+    t += -std::log(1.0 - rng.uniform()) / a.rate;
+    const int64_t pl = a.prompt_len + static_cast<int64_t>(rng.next() % static_cast<uint64_t>(pmax - a.prompt_len + 1));
+    const int64_t ol = a.output_len + static_cast<int64_t>(rng.next() % static_cast<uint64_t>(omax - a.output_len + 1));
+    arr.push_back({t, random_prompt(rng, pl, c.vocab_size), ol});
+  }
+
+  std::vector<FinishInfo> done(static_cast<size_t>(a.count));
+  std::vector<double> arrival_abs(static_cast<size_t>(a.count));
+  const double start = eng->now();
+  size_t next = 0;
+  int64_t max_running = 0, max_queued = 0;
+  while (next < arr.size() || !eng->idle()) {
+    const double now = eng->now() - start;
+    while (next < arr.size() && arr[next].at <= now) {
+      Request r;
+      r.prompt = arr[next].prompt;
+      r.max_tokens = arr[next].out;
+      r.sampling.temperature = 0;
+      r.eos_id = -1;
+      const size_t k = next;
+      r.on_finish = [&done, k](const FinishInfo& f) { done[k] = f; };
+      RequestId id;
+      LAPLACE_RETURN_IF_ERROR(eng->submit(std::move(r), &id));
+      arrival_abs[k] = start + arr[k].at;
+      ++next;
+    }
+    if (eng->idle()) {
+      if (next < arr.size()) {
+        const double wait = arr[next].at - (eng->now() - start);
+        if (wait > 0) std::this_thread::sleep_for(std::chrono::duration<double>(wait));
+      }
+      continue;
+    }
+    eng->step();
+    const EngineStats s = eng->stats();
+    max_running = std::max(max_running, s.running);
+    max_queued = std::max(max_queued, s.queued);
+  }
+  const double end = eng->now();
+
+  std::vector<double> ttft, tpot;
+  int64_t out_tokens = 0;
+  double last_finish = start;
+  for (size_t i = 0; i < done.size(); ++i) {
+    const FinishInfo& f = done[i];
+    out_tokens += f.generated_tokens;
+    last_finish = std::max(last_finish, f.finish_time);
+    if (f.first_token_time >= 0) ttft.push_back(1e3 * (f.first_token_time - arrival_abs[i]));
+    if (f.tpot() >= 0) tpot.push_back(1e3 * f.tpot());
+  }
+  const double span = std::max(last_finish, end) - start;
+  const EngineStats s = eng->stats();
+  Results res{a.results, device_description(a.model.device), commit_hash(), iso_date(), a.tag, ""};
+  char note[512];
+  std::snprintf(note, sizeof note,
+                "bench serve: %s, %lld requests at %.3g/s, prompts %lld-%lld, outputs %lld-%lld, %lld slots, "
+                "max_batch_tokens %lld, prefill_chunk %lld",
+                shape_note(c, a.model.dtype, random).c_str(), (long long)a.count, a.rate, (long long)a.prompt_len,
+                (long long)pmax, (long long)a.output_len, (long long)omax, (long long)eng->num_slots(),
+                (long long)a.max_batch_tokens, (long long)a.prefill_chunk);
+  res.note = note;
+  std::printf("serve: %lld requests in %.3f s (max %lld running, %lld queued); %lld steps, %lld prefill tokens, "
+              "%lld decode tokens\n",
+              (long long)a.count, span, (long long)max_running, (long long)max_queued, (long long)s.steps,
+              (long long)s.prefill_tokens, (long long)s.decode_tokens);
+  std::printf("serve: %.1f output tokens/s, %.3f requests/s; TTFT p50 %.3f ms p99 %.3f ms; TPOT p50 %.3f ms "
+              "p99 %.3f ms\n",
+              out_tokens / span, a.count / span, percentile(ttft, 50), percentile(ttft, 99), percentile(tpot, 50),
+              percentile(tpot, 99));
+  res.add("serve_poisson_tok_s", out_tokens / span, "tok/s");
+  res.add("serve_poisson_req_s", static_cast<double>(a.count) / span, "req/s");
+  res.add("serve_poisson_ttft_p50_ms", percentile(ttft, 50), "ms");
+  res.add("serve_poisson_ttft_p99_ms", percentile(ttft, 99), "ms");
+  res.add("serve_poisson_tpot_p50_ms", percentile(tpot, 50), "ms");
+  res.add("serve_poisson_tpot_p99_ms", percentile(tpot, 99), "ms");
+  return Status::ok();
+}
+
+}  // namespace
+
+void add_bench(CLI::App& app) {
+  auto* bench = app.add_subcommand("bench", "engine benchmarks: batched decode, Poisson serving");
+  bench->require_subcommand(1);
+
+  auto* dec = bench->add_subcommand("decode", "batched decode throughput (tokens/s, ms/step) after prefilling N sequences");
+  auto d = std::make_shared<DecodeArgs>();
+  d->model.add_to(dec);
+  dec->add_option("--batch", d->batch, "sequences decoding together")->check(CLI::Range(1, 1 << 20));
+  dec->add_option("--steps", d->steps, "timed decode steps")->check(CLI::Range(1, 1 << 20));
+  dec->add_option("--prompt-len", d->prompt_len, "prompt tokens per sequence")->check(CLI::Range(1, 1 << 24));
+  dec->add_option("--warmup", d->warmup, "untimed decode steps first")->check(CLI::Range(0, 1 << 20));
+  dec->add_option("--prefill-chunk", d->prefill_chunk, "engine prefill piece (tokens)")->check(CLI::Range(1, 1 << 20));
+  dec->add_option("--max-batch-tokens", d->max_batch_tokens, "engine per-step token budget (0: batch + 4 pieces)")
+      ->check(CLI::NonNegativeNumber);
+  dec->add_option("--seed", d->seed, "seed of the random weights (no checkpoint) and prompts");
+  dec->add_flag("--layers-sweep", d->layers_sweep,
+                "also time num_layers = 1, 2, 4, ... (random weights) and fit ms/step = overhead + slope x layers");
+  dec->add_option("--sweep-max-layers", d->sweep_max_layers, "largest layer count of the sweep (default: config's)")
+      ->check(CLI::NonNegativeNumber);
+  dec->add_option("--results", d->results, "append JSON lines here (empty: don't)");
+  dec->add_option("--tag", d->tag, "suffix for the figure names (e.g. 3b_1280_fp32state)");
+  dec->callback([d] { g_exit_code = report(run_bench_decode(*d)); });
+
+  auto* srv = bench->add_subcommand("serve", "Poisson arrivals against the engine: throughput, TTFT and TPOT p50/p99");
+  auto s = std::make_shared<ServeArgs>();
+  s->model.add_to(srv);
+  srv->add_option("--rate", s->rate, "mean arrivals per second")->check(CLI::PositiveNumber);
+  srv->add_option("--count", s->count, "requests")->check(CLI::Range(1, 1 << 24));
+  srv->add_option("--prompt-len", s->prompt_len, "prompt tokens (the minimum with --prompt-len-max)")
+      ->check(CLI::Range(1, 1 << 24));
+  srv->add_option("--prompt-len-max", s->prompt_len_max, "prompt lengths uniform in [prompt-len, this]");
+  srv->add_option("--output-len", s->output_len, "output tokens (the minimum with --output-len-max)")
+      ->check(CLI::Range(1, 1 << 24));
+  srv->add_option("--output-len-max", s->output_len_max, "output lengths uniform in [output-len, this]");
+  srv->add_option("--max-slots", s->max_slots, "state slots (0: from --memory-budget, or free GPU memory)")
+      ->check(CLI::NonNegativeNumber);
+  srv->add_option("--memory-budget", s->memory_budget, "bytes for the state pool, e.g. 64M (with --max-slots 0)");
+  srv->add_option("--memory-reserve", s->memory_reserve, "CUDA: free memory left unused when deriving slots");
+  srv->add_option("--max-batch-tokens", s->max_batch_tokens, "per-step token budget")->check(CLI::Range(1, 1 << 24));
+  srv->add_option("--prefill-chunk", s->prefill_chunk, "prefill piece (tokens)")->check(CLI::Range(1, 1 << 20));
+  srv->add_option("--seed", s->seed, "seed of the random weights (no checkpoint), arrivals and prompts");
+  srv->add_option("--results", s->results, "append JSON lines here (empty: don't)");
+  srv->add_option("--tag", s->tag, "suffix for the figure names");
+  srv->callback([s] { g_exit_code = report(run_bench_serve(*s)); });
+}
+
+}  // namespace laplace::cli

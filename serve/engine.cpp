@@ -1,0 +1,430 @@
+#include "serve/engine.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+
+namespace laplace {
+
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::kLength: return "length";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kEos: return "eos";
+    case FinishReason::kCancelled: return "cancelled";
+  }
+  return "?";
+}
+
+int64_t slots_for_memory(const Config& c, int64_t budget_bytes, DType state_dtype) {
+  const int64_t elems = c.state_bytes_per_sequence() / 4;  // values per slot
+  const int64_t bytes = elems * static_cast<int64_t>(dtype_size(state_dtype));
+  if (bytes <= 0 || budget_bytes <= 0) return 0;
+  int64_t s = budget_bytes / bytes;  // pool slots, scratch included
+  while (s >= 1 &&
+         Arena::planned_bytes({{"states", state_dtype, {s, elems}}}) > static_cast<size_t>(budget_bytes))
+    --s;
+  return std::max<int64_t>(s - 1, 0);
+}
+
+// ---- executor ------------------------------------------------------------------------
+
+void logits_rows_to_host(const Model& m, int64_t rows, std::vector<float>* out) {
+  const Tensor all = m.logits();
+  LAPLACE_CHECK(rows >= 0 && rows <= all.shape[0], "logits_rows_to_host: too many rows");
+  const int64_t V = all.shape[1];
+  out->resize(static_cast<size_t>(rows * V));
+  if (rows == 0) return;
+  const Tensor src = all.slice(0, 0, rows);
+  Backend& be = m.backend();
+  if (src.dtype == DType::kF32) {
+    be.copy(Tensor(out->data(), DType::kF32, {rows, V}), src);
+  } else if (src.dtype == DType::kF64) {
+    std::vector<double> d(static_cast<size_t>(rows * V));
+    be.copy(Tensor(d.data(), DType::kF64, {rows, V}), src);
+    be.synchronize();
+    std::copy(d.begin(), d.end(), out->begin());
+  } else {
+    LAPLACE_CHECK(src.dtype == DType::kBF16, "logits_rows_to_host: unsupported dtype");
+    std::vector<uint16_t> h(static_cast<size_t>(rows * V));
+    be.copy(Tensor(h.data(), DType::kBF16, {rows, V}), src);
+    be.synchronize();
+    for (size_t i = 0; i < h.size(); ++i) (*out)[i] = bf16_to_float(h[i]);
+  }
+  be.synchronize();
+}
+
+void EagerExecutor::prefill(const PrefillPiece& piece, std::vector<float>* logits) {
+  ForwardOptions fo;
+  fo.form = GlaForm::kChunked;
+  fo.last_logits_only = true;
+  m_.forward(piece.tokens, 1, piece.n, fo, &pool_, &piece.slot);
+  if (logits) logits_rows_to_host(m_, 1, logits);
+}
+
+void EagerExecutor::decode(const DecodeBatch& batch, std::vector<float>* logits) {
+  ForwardOptions fo;
+  fo.form = GlaForm::kRecurrent;
+  fo.last_logits_only = true;
+  m_.forward(batch.tokens.data(), batch.width(), 1, fo, &pool_, batch.slots.data());
+  logits_rows_to_host(m_, batch.live, logits);
+}
+
+// ---- engine --------------------------------------------------------------------------
+
+struct Engine::Seq {
+  Seq(Request r, int32_t eos) : req(std::move(r)), sampler(req.sampling), eos(eos) {
+    sampler.observe_prompt(req.prompt);
+  }
+  Request req;
+  Sampler sampler;
+  int32_t eos = -1;
+  int32_t slot = -1;
+  int64_t prefilled = 0;    // prompt tokens fed so far
+  bool decoding = false;    // prefill done; `next` is fed by the next decode
+  int32_t next = 0;
+  bool done = false;        // finished or cancelled (set under mu_)
+  std::atomic<bool> cancelled{false};
+  FinishInfo info;
+};
+
+Engine::Engine(Model& m, const EngineOptions& opt) : model_(m), opt_(opt), t0_(std::chrono::steady_clock::now()) {}
+
+Engine::~Engine() = default;
+
+double Engine::now() const {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+}
+
+Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engine>* out) {
+  EngineOptions opt = o;
+  const Config& c = model.config();
+  if (opt.max_batch_tokens < 1) return Status::invalid_argument("engine: max_batch_tokens must be ≥ 1");
+  if (opt.prefill_chunk < 1) return Status::invalid_argument("engine: prefill_chunk must be ≥ 1");
+  if (opt.max_slots < 0) return Status::invalid_argument("engine: max_slots must be ≥ 0");
+  const DType st = model.dtype() == DType::kF64 ? DType::kF64 : DType::kF32;
+  if (opt.max_slots == 0) {
+    if (opt.memory_budget <= 0)
+      return Status::invalid_argument("engine: give max_slots or a memory budget to derive it from");
+    opt.max_slots = slots_for_memory(c, opt.memory_budget, st);
+    if (opt.max_slots < 1)
+      return Status::out_of_memory("engine: a memory budget of " + std::to_string(opt.memory_budget) +
+                                   " bytes holds no state slot (one slot is " +
+                                   std::to_string(c.state_bytes_per_sequence() * dtype_size(st) / 4) +
+                                   " bytes, plus one scratch slot)");
+  }
+  if (opt.max_slots >= INT32_MAX) return Status::invalid_argument("engine: max_slots too large");
+  std::sort(opt.decode_widths.begin(), opt.decode_widths.end());
+  opt.decode_widths.erase(std::unique(opt.decode_widths.begin(), opt.decode_widths.end()), opt.decode_widths.end());
+  for (int64_t w : opt.decode_widths)
+    if (w < 1) return Status::invalid_argument("engine: decode widths must be ≥ 1");
+  if (!opt.decode_widths.empty() && opt.decode_widths.back() < opt.max_slots) opt.decode_widths.push_back(opt.max_slots);
+  const int64_t max_width = opt.decode_widths.empty() ? opt.max_slots : opt.decode_widths.back();
+
+  std::unique_ptr<Engine> e(new Engine(model, opt));
+  e->max_slots_ = opt.max_slots;
+  e->vocab_ = c.vocab_size;
+  e->default_eos_ = c.eos_token_id >= 0 && c.eos_token_id < c.vocab_size ? static_cast<int32_t>(c.eos_token_id) : -1;
+  LAPLACE_RETURN_IF_ERROR(e->pool_.create(c, model.backend(), opt.max_slots + 1, st).with_context("engine"));
+  if (opt.plan_model) {
+    LAPLACE_RETURN_IF_ERROR(model.plan({max_width, opt.prefill_chunk, false, false}).with_context("engine: plan"));
+  } else {
+    const PlanOptions& p = model.plan_options();
+    if (p.training || p.max_batch < max_width || p.max_seq < opt.prefill_chunk)
+      return Status::invalid_argument("engine: the model's plan is smaller than the engine needs (batch " +
+                                      std::to_string(max_width) + ", sequence " +
+                                      std::to_string(opt.prefill_chunk) + ", inference)");
+  }
+  e->exec_ = std::make_unique<EagerExecutor>(model, e->pool_);
+  e->by_slot_.resize(static_cast<size_t>(opt.max_slots));
+  for (int64_t s = 0; s < opt.max_slots; ++s) e->free_slots_.insert(static_cast<int32_t>(s));
+  *out = std::move(e);
+  return Status::ok();
+}
+
+std::string Engine::summary() const {
+  char buf[512];
+  const double mib = static_cast<double>(pool_bytes()) / (1024.0 * 1024.0);
+  std::string widths;
+  for (int64_t w : opt_.decode_widths) {
+    if (!widths.empty()) widths += ',';
+    widths += std::to_string(w);
+  }
+  std::snprintf(buf, sizeof buf,
+                "engine: %lld slots (+1 scratch) x %lld bytes/slot = %.1f MiB of state; max_batch_tokens %lld, "
+                "prefill_chunk %lld, decode widths %s",
+                (long long)max_slots_, (long long)slot_bytes(), mib, (long long)opt_.max_batch_tokens,
+                (long long)opt_.prefill_chunk, widths.empty() ? "exact (eager)" : widths.c_str());
+  return buf;
+}
+
+Status Engine::submit(Request req, RequestId* id) {
+  if (req.prompt.empty()) return Status::invalid_argument("request: empty prompt");
+  for (int32_t t : req.prompt)
+    if (t < 0 || t >= vocab_)
+      return Status::invalid_argument("request: prompt token id " + std::to_string(t) + " outside [0, " +
+                                      std::to_string(vocab_) + ")");
+  if (req.max_tokens < 1) return Status::invalid_argument("request: max_tokens must be ≥ 1");
+  const SamplingOptions& so = req.sampling;
+  if (!(so.temperature >= 0)) return Status::invalid_argument("request: temperature must be ≥ 0");
+  if (so.top_k < 0) return Status::invalid_argument("request: top_k must be ≥ 0");
+  if (!(so.top_p > 0 && so.top_p <= 1)) return Status::invalid_argument("request: top_p must be in (0, 1]");
+  if (!(so.min_p >= 0 && so.min_p <= 1)) return Status::invalid_argument("request: min_p must be in [0, 1]");
+  if (!(so.repetition_penalty > 0)) return Status::invalid_argument("request: repetition_penalty must be > 0");
+  const int32_t eos = req.eos_id.has_value() ? *req.eos_id : default_eos_;
+  auto s = std::make_unique<Seq>(std::move(req), eos);
+  s->info.prompt_tokens = static_cast<int64_t>(s->req.prompt.size());
+  std::lock_guard<std::mutex> lk(mu_);
+  s->info.id = next_id_++;
+  s->info.submit_time = now();
+  if (id) *id = s->info.id;
+  live_[s->info.id] = s.get();
+  queue_.push_back(std::move(s));
+  ++stats_.submitted;
+  return Status::ok();
+}
+
+void Engine::release_slot_locked(Seq* s) {
+  // Caller holds mu_; s is running (has a slot) and not done.
+  s->done = true;
+  live_.erase(s->info.id);
+  const int32_t slot = s->slot;
+  auto it = std::find(prefilling_.begin(), prefilling_.end(), s);
+  if (it != prefilling_.end()) prefilling_.erase(it);
+  free_slots_.insert(slot);
+  --running_;
+  ++stats_.finished;
+}
+
+bool Engine::cancel(RequestId id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = live_.find(id);
+  if (it == live_.end()) return false;
+  Seq* s = it->second;
+  if (s->cancelled.exchange(true)) return false;
+  if (s->slot < 0) {  // still queued
+    auto q = std::find_if(queue_.begin(), queue_.end(), [&](const auto& p) { return p.get() == s; });
+    LAPLACE_CHECK(q != queue_.end(), "cancel: queued request not in the queue");
+    s->done = true;
+    s->info.reason = FinishReason::kCancelled;
+    s->info.finish_time = now();
+    live_.erase(it);
+    pending_finish_.push_back(std::move(*q));
+    queue_.erase(q);
+    ++stats_.finished;
+    ++stats_.cancelled;
+    return true;
+  }
+  if (in_step_) {  // the step thread owns the slot now; released at the end of the step
+    cancel_in_step_.push_back(s);
+    return true;
+  }
+  s->info.reason = FinishReason::kCancelled;
+  s->info.finish_time = now();
+  const int32_t slot = s->slot;
+  release_slot_locked(s);
+  ++stats_.cancelled;
+  pending_finish_.push_back(std::move(by_slot_[slot]));
+  return true;
+}
+
+void Engine::admit_locked() {
+  while (!queue_.empty() && !free_slots_.empty()) {
+    std::unique_ptr<Seq> s = std::move(queue_.front());
+    queue_.pop_front();
+    const int32_t slot = *free_slots_.begin();
+    free_slots_.erase(free_slots_.begin());
+    s->slot = slot;
+    s->info.slot = slot;
+    s->info.admit_time = now();
+    pool_.reset(model_.backend(), slot);  // a new, empty context
+    prefilling_.push_back(s.get());
+    by_slot_[slot] = std::move(s);
+    ++running_;
+  }
+}
+
+int64_t Engine::width_for(int64_t n) const {
+  if (opt_.decode_widths.empty()) return n;
+  auto it = std::lower_bound(opt_.decode_widths.begin(), opt_.decode_widths.end(), n);
+  LAPLACE_CHECK(it != opt_.decode_widths.end(), "engine: no decode width holds the batch");
+  return *it;
+}
+
+Engine::StepPlan Engine::plan_step() {
+  StepPlan p;
+  // One decode batch: every sequence past its prefill, in slot order.
+  for (const auto& up : by_slot_) {
+    Seq* s = up.get();
+    if (s && s->decoding && !s->done && !s->cancelled.load()) p.decode.push_back(s);
+  }
+  const int64_t n = static_cast<int64_t>(p.decode.size());
+  if (n > 0) {
+    const int64_t w = width_for(n);
+    p.batch.tokens.assign(static_cast<size_t>(w), 0);
+    p.batch.slots.assign(static_cast<size_t>(w), scratch_slot());
+    p.batch.live = n;
+    for (int64_t b = 0; b < n; ++b) {
+      p.batch.tokens[b] = p.decode[b]->next;
+      p.batch.slots[b] = p.decode[b]->slot;
+    }
+  }
+  // Prefill pieces in admission order under what the decode rows leave of the budget;
+  // the first piece always runs (progress). Pieces are fixed by the prompt alone.
+  int64_t budget = opt_.max_batch_tokens - n;
+  for (Seq* s : prefilling_) {
+    if (s->cancelled.load()) continue;  // cancelled during this step: released at its end
+    const int64_t len = static_cast<int64_t>(s->req.prompt.size());
+    int64_t pos = s->prefilled;
+    bool stop = false;
+    while (pos < len) {
+      const int64_t piece = std::min(opt_.prefill_chunk, len - pos);
+      if (!p.pieces.empty() && piece > budget) {
+        stop = true;
+        break;
+      }
+      p.pieces.push_back({s->req.prompt.data() + pos, piece, s->slot, pos + piece == len});
+      p.prefill.push_back(s);
+      budget -= piece;
+      pos += piece;
+    }
+    if (stop) break;
+  }
+  return p;
+}
+
+void Engine::finish(Seq* s, FinishReason r) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    s->info.reason = r;
+    s->info.finish_time = now();
+    const int32_t slot = s->slot;
+    release_slot_locked(s);
+    done_.push_back(std::move(by_slot_[slot]));
+  }
+  if (s->req.on_finish) s->req.on_finish(s->info);
+}
+
+void Engine::emit(Seq* s, const float* logits) {
+  const int32_t tok = s->sampler.sample(logits, vocab_);
+  const double t = now();
+  FinishInfo& info = s->info;
+  if (info.first_token_time < 0) info.first_token_time = t;
+  info.token_times.push_back(t);
+  ++info.generated_tokens;
+  if (s->req.on_token && !s->cancelled.load()) s->req.on_token(info.id, tok);
+  FinishReason r;
+  if (s->eos >= 0 && tok == s->eos) {
+    r = FinishReason::kEos;
+  } else if (std::find(s->req.stop_ids.begin(), s->req.stop_ids.end(), tok) != s->req.stop_ids.end()) {
+    r = FinishReason::kStop;
+  } else if (info.generated_tokens >= s->req.max_tokens) {
+    r = FinishReason::kLength;
+  } else {
+    s->next = tok;
+    return;
+  }
+  finish(s, r);
+}
+
+bool Engine::step() {
+  std::vector<std::unique_ptr<Seq>> notify;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    LAPLACE_CHECK(!in_step_, "engine: step() is not reentrant (one engine thread)");
+    in_step_ = true;
+    notify.swap(pending_finish_);
+    admit_locked();
+  }
+  for (auto& s : notify)
+    if (s->req.on_finish) s->req.on_finish(s->info);
+
+  StepPlan plan = plan_step();
+  const bool work = !notify.empty() || !plan.pieces.empty() || !plan.decode.empty();
+  EngineStats d;  // this step's counters
+
+  // Decode first: running sequences get their token before new prompts are prefilled.
+  if (!plan.decode.empty()) {
+    const double t = now();
+    exec_->decode(plan.batch, &logits_);
+    d.decode_seconds += now() - t;
+    ++d.decode_forwards;
+    d.decode_tokens += plan.batch.live;
+    d.padded_rows += plan.batch.width() - plan.batch.live;
+    const double ts = now();
+    for (int64_t b = 0; b < plan.batch.live; ++b) {
+      Seq* s = plan.decode[b];
+      if (s->cancelled.load()) continue;
+      emit(s, logits_.data() + b * vocab_);
+      ++d.generated_tokens;
+    }
+    d.sample_seconds += now() - ts;
+  }
+  for (size_t i = 0; i < plan.pieces.size(); ++i) {
+    Seq* s = plan.prefill[i];
+    if (s->cancelled.load()) continue;
+    const PrefillPiece& piece = plan.pieces[i];
+    const double t = now();
+    exec_->prefill(piece, piece.last ? &logits_ : nullptr);
+    d.prefill_seconds += now() - t;
+    ++d.prefill_forwards;
+    d.prefill_tokens += piece.n;
+    s->prefilled += piece.n;
+    if (piece.last) {
+      auto it = std::find(prefilling_.begin(), prefilling_.end(), s);
+      if (it != prefilling_.end()) prefilling_.erase(it);
+      s->decoding = true;
+      const double ts = now();
+      emit(s, logits_.data());
+      ++d.generated_tokens;
+      d.sample_seconds += now() - ts;
+    }
+  }
+
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (Seq* s : cancel_in_step_) {
+      if (s->done) continue;  // finished on its own during the step
+      s->info.reason = FinishReason::kCancelled;
+      s->info.finish_time = now();
+      const int32_t slot = s->slot;
+      release_slot_locked(s);
+      ++stats_.cancelled;
+      pending_finish_.push_back(std::move(by_slot_[slot]));
+    }
+    cancel_in_step_.clear();
+    if (work) ++stats_.steps;
+    stats_.prefill_tokens += d.prefill_tokens;
+    stats_.prefill_forwards += d.prefill_forwards;
+    stats_.decode_tokens += d.decode_tokens;
+    stats_.decode_forwards += d.decode_forwards;
+    stats_.padded_rows += d.padded_rows;
+    stats_.generated_tokens += d.generated_tokens;
+    stats_.prefill_seconds += d.prefill_seconds;
+    stats_.decode_seconds += d.decode_seconds;
+    stats_.sample_seconds += d.sample_seconds;
+    in_step_ = false;
+  }
+  done_.clear();
+  return work;
+}
+
+bool Engine::idle() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return queue_.empty() && running_ == 0 && pending_finish_.empty();
+}
+
+void Engine::run_until_idle() {
+  while (!idle()) step();
+}
+
+EngineStats Engine::stats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  EngineStats s = stats_;
+  s.queued = static_cast<int64_t>(queue_.size());
+  s.running = running_;
+  s.free_slots = static_cast<int64_t>(free_slots_.size());
+  return s;
+}
+
+}  // namespace laplace

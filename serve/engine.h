@@ -1,0 +1,219 @@
+// The inference engine (SPEC §3): many sequences served at once from a pool of fixed-size
+// state slots, with continuous batching.
+//
+//   submit(Request) ──► FIFO queue ──admission──► slot s (zeroed) ──► chunked prefill,
+//   one piece of ≤ prefill_chunk prompt tokens per step, under max_batch_tokens ──►
+//   the last piece's logits give the first token ──► decoding: every decoding sequence
+//   feeds its last token in ONE batched recurrent forward per step, its state updated
+//   in place in its slot ──► sample ──► on_token ──► stop (eos / stop id / max_tokens)
+//   or cancel ──► slot released ──► the next queued request is admitted.
+//
+// One step() = admit, then assemble a StepPlan (prefill pieces + one decode batch), then
+// run it through a StepExecutor, then sample and emit. Assembly is separate from
+// execution so that a CUDA-graph executor (decode widths padded to a fixed set captured
+// at start-up, padded rows writing to the scratch slot) can replace the eager one
+// without touching the scheduler. Everything the executor sees is slot-indexed.
+//
+// Threads: submit(), cancel(), stats() and the queries may be called from any thread;
+// step() / run_until_idle() from one thread at a time (the engine thread). Callbacks run
+// on the engine thread, outside the engine's lock (they may submit or cancel).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/status.h"
+#include "model/model.h"
+#include "model/state.h"
+#include "serve/request.h"
+
+namespace laplace {
+
+struct EngineOptions {
+  // Sequences served at once (state slots, the scratch slot not counted). 0 = derive
+  // from memory_budget with slots_for_memory().
+  int64_t max_slots = 0;
+  // Bytes the state pool may take (scratch slot included) when max_slots = 0. On the CPU
+  // the caller gives it (--memory-budget); on CUDA the caller passes free device memory
+  // minus a reserve for weights/activations (the CLI does, from cudaMemGetInfo).
+  int64_t memory_budget = 0;
+  // Token budget of one step: decode rows (1 token each) + prefill piece tokens. One
+  // prefill piece always runs when any prefill is pending, so prefills progress even when
+  // decodes fill the budget.
+  int64_t max_batch_tokens = 2048;
+  // Longest prefill piece (tokens of one request per step). Pieces of a prompt are
+  // [0, c), [c, 2c), ...: a function of the prompt alone, never of the batch, so a
+  // request's prefill is the same whatever else runs (batch invariance).
+  int64_t prefill_chunk = 256;
+  // Allowed decode batch widths (sorted on create). Empty: the exact number of decoding
+  // sequences (eager). Otherwise a batch of n rows is padded to the smallest width ≥ n;
+  // padded rows feed token 0 into the scratch slot. max_slots is added if larger than all.
+  std::vector<int64_t> decode_widths;
+  // Plan the model for the engine's largest forward: plan({max decode width,
+  // prefill_chunk}). NOTE: Model has one plan sized B·T rows, so this is
+  // max_width × prefill_chunk rows of activations (see docs/serving.md). With false,
+  // the model must already be planned at least that large.
+  bool plan_model = true;
+};
+
+struct EngineStats {
+  int64_t steps = 0;              // step() calls that did work
+  int64_t prefill_tokens = 0;     // prompt tokens fed through prefill forwards
+  int64_t prefill_forwards = 0;
+  int64_t decode_tokens = 0;      // live rows fed through decode forwards
+  int64_t decode_forwards = 0;
+  int64_t padded_rows = 0;        // padding rows run (decode_widths)
+  int64_t generated_tokens = 0;   // tokens emitted through on_token
+  int64_t submitted = 0, finished = 0, cancelled = 0;  // finished includes cancelled
+  int64_t queued = 0, running = 0, free_slots = 0;     // now
+  double prefill_seconds = 0, decode_seconds = 0, sample_seconds = 0;  // executor / host sampling time
+};
+
+// Usable slots (the scratch slot not counted) whose pool fits in budget_bytes, as
+// StatePool allocates it (one arena block of (slots + 1) × slot bytes). 0 if none fit.
+int64_t slots_for_memory(const Config& c, int64_t budget_bytes, DType state_dtype = DType::kF32);
+
+// One decode forward: row b feeds tokens[b] into slots[b]. Rows [0, live) are sequences,
+// rows [live, width) padding (their slot is the scratch slot).
+struct DecodeBatch {
+  std::vector<int32_t> tokens;
+  std::vector<int32_t> slots;
+  int64_t live = 0;
+  int64_t width() const { return static_cast<int64_t>(tokens.size()); }
+};
+
+// One prefill forward: tokens[0, n) of a prompt into `slot`.
+struct PrefillPiece {
+  const int32_t* tokens = nullptr;
+  int64_t n = 0;
+  int32_t slot = -1;
+  bool last = false;  // the prompt's last piece: its last-token logits are needed
+};
+
+// Runs the forwards a step needs. The eager executor calls Model::forward.
+class StepExecutor {
+ public:
+  virtual ~StepExecutor() = default;
+  // Chunked-form forward of one piece into its slot (state read and updated in place).
+  // With logits non-null, leaves the last token's logits there as F32 [V].
+  virtual void prefill(const PrefillPiece& piece, std::vector<float>* logits) = 0;
+  // Recurrent-form forward of one decode batch (states updated in place in their slots);
+  // leaves the F32 logits of rows [0, live) in logits, [live × V] row-major.
+  virtual void decode(const DecodeBatch& batch, std::vector<float>* logits) = 0;
+};
+
+// Model::forward for every piece and batch (works on any backend).
+class EagerExecutor : public StepExecutor {
+ public:
+  EagerExecutor(Model& m, StatePool& pool) : m_(m), pool_(pool) {}
+  void prefill(const PrefillPiece& piece, std::vector<float>* logits) override;
+  void decode(const DecodeBatch& batch, std::vector<float>* logits) override;
+
+ private:
+  Model& m_;
+  StatePool& pool_;
+};
+
+// The first `rows` rows of the model's last logits, as host F32 [rows × V].
+void logits_rows_to_host(const Model& m, int64_t rows, std::vector<float>* out);
+
+class Engine {
+ public:
+  // Creates the pool (max_slots + 1 scratch slot, F32 states; F64 for F64 models) and
+  // plans the model. `model` must outlive the engine. Errors: invalid_argument (options),
+  // out_of_memory (pool or activations).
+  static Status create(Model& model, const EngineOptions& opt, std::unique_ptr<Engine>* out);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Queues a request (it never fails for lack of slots: it waits). Errors:
+  // invalid_argument (empty prompt, id ≥ vocab_size, max_tokens < 1, bad sampling).
+  Status submit(Request req, RequestId* id);
+  // Cancels a queued or running request: a queued one leaves the queue; a running one's
+  // slot is freed at once (between steps; when called during a step from another thread,
+  // at the end of that step), so a queued request takes it at the next step. No tokens
+  // are emitted for it after cancel() returns (except one being delivered concurrently);
+  // on_finish(kCancelled) follows on the engine thread at the next step. False if the id
+  // is unknown or already finished.
+  bool cancel(RequestId id);
+
+  // One iteration: deliver pending cancellations, admit, prefill pieces, one batched
+  // decode, sample, emit, finish. Returns false if there was nothing to do.
+  bool step();
+  // step() until nothing is queued or running.
+  void run_until_idle();
+  bool idle() const;
+
+  EngineStats stats() const;
+  int64_t num_slots() const { return max_slots_; }  // usable slots
+  int32_t scratch_slot() const { return static_cast<int32_t>(max_slots_); }
+  int64_t slot_bytes() const { return pool_.slot_bytes(); }
+  int64_t pool_bytes() const { return static_cast<int64_t>(pool_.slots()) * pool_.slot_bytes(); }
+  const EngineOptions& options() const { return opt_; }  // as resolved by create()
+  // "engine: 8 slots (+1 scratch) × 139264 B/slot = ... ; prefill_chunk ...; decode widths ..."
+  std::string summary() const;
+  // Seconds on the engine's steady clock (the times in FinishInfo).
+  double now() const;
+
+  Model& model() { return model_; }
+  StatePool& pool() { return pool_; }
+  // Replaces the executor (before the first step), e.g. by a CUDA-graph one.
+  void set_executor(std::unique_ptr<StepExecutor> ex) { exec_ = std::move(ex); }
+
+  // The padded decode widths (empty: exact), for executors that capture them at start-up.
+  const std::vector<int64_t>& decode_widths() const { return opt_.decode_widths; }
+
+ private:
+  struct Seq;
+  struct StepPlan {
+    std::vector<Seq*> prefill;        // admission order
+    std::vector<PrefillPiece> pieces;
+    std::vector<Seq*> decode;         // slot order; row b = decode[b]
+    DecodeBatch batch;
+  };
+
+  Engine(Model& m, const EngineOptions& opt);
+  void admit_locked();
+  StepPlan plan_step();
+  int64_t width_for(int64_t n) const;
+  // Emits a token for seq (sampled from logits row) and finishes it when a stop rule hits.
+  void emit(Seq* s, const float* logits);
+  void finish(Seq* s, FinishReason r);
+  void release_slot_locked(Seq* s);
+
+  Model& model_;
+  EngineOptions opt_;
+  int64_t max_slots_ = 0;
+  int64_t vocab_ = 0;
+  int32_t default_eos_ = -1;
+  StatePool pool_;
+  std::unique_ptr<StepExecutor> exec_;
+  std::chrono::steady_clock::time_point t0_;
+
+  mutable std::mutex mu_;  // guards everything below up to the engine-thread section
+  RequestId next_id_ = 1;
+  std::deque<std::unique_ptr<Seq>> queue_;
+  std::unordered_map<RequestId, Seq*> live_;        // queued or running
+  std::vector<std::unique_ptr<Seq>> pending_finish_;  // cancelled outside a step
+  std::vector<Seq*> cancel_in_step_;                // cancelled during a step
+  bool in_step_ = false;
+  EngineStats stats_;
+
+  // Engine-thread state; cancel() touches it only under mu_ while !in_step_.
+  std::vector<std::unique_ptr<Seq>> by_slot_;  // [max_slots]
+  std::set<int32_t> free_slots_;
+  std::vector<Seq*> prefilling_;               // admission order
+  int64_t running_ = 0;
+  std::vector<std::unique_ptr<Seq>> done_;     // finished this step, destroyed at its end
+  std::vector<float> logits_;
+};
+
+}  // namespace laplace

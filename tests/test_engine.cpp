@@ -1,0 +1,750 @@
+// The inference engine (serve/engine.h) on the CPU backend with a small random F32
+// model: greedy tokens equal generate() (mixed batches, prompts longer than the prefill
+// chunk, staggered submissions), batch invariance, queueing on a full pool, cancel,
+// stop rules, seeded sampling, slot accounting, the per-step token budget, threads.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <random>
+#include <thread>
+
+#include "model/model.h"
+#include "serve/engine.h"
+#include "serve/generate.h"
+#include "tests/test_util.h"
+
+namespace laplace {
+namespace {
+
+Config small_config() {
+  Config c;
+  c.vocab_size = 53;
+  c.hidden_size = 24;
+  c.num_layers = 2;
+  c.num_heads = 2;
+  c.head_k_dim = 8;
+  c.head_v_dim = 12;
+  c.ffn_size = 40;
+  c.chunk_size = 8;
+  return c;
+}
+
+std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (auto& x : t) x = static_cast<int32_t>(rng() % V);
+  return t;
+}
+
+SamplingOptions greedy() {
+  SamplingOptions s;
+  s.temperature = 0;
+  return s;
+}
+
+SamplingOptions sampled(uint64_t seed) {
+  SamplingOptions s;
+  s.temperature = 0.9;
+  s.top_k = 20;
+  s.top_p = 0.95;
+  s.min_p = 0.02;
+  s.presence_penalty = 0.3;
+  s.frequency_penalty = 0.2;
+  s.repetition_penalty = 1.1;
+  s.seed = seed;
+  return s;
+}
+
+std::vector<char> bytes_of(const Tensor& t) {
+  const char* p = static_cast<const char*>(t.data);
+  return std::vector<char>(p, p + t.nbytes());
+}
+
+// The CPU backend with a gemm made row-invariant by construction (one BLAS call per row
+// of op(a)): every op of the model is then batch-invariant, so a sequence's decode bits
+// can be checked exactly across batch compositions. Used to show that the engine itself
+// (scheduling, slot indexing, padding) is batch-invariant and only the BLAS is not.
+class RowGemmBackend : public Backend {
+ public:
+  RowGemmBackend() : cpu_(make_cpu_backend()) {}
+  Device device() const override { return cpu_->device(); }
+  const char* name() const override { return "cpu-rowgemm"; }
+  Allocator& allocator() override { return cpu_->allocator(); }
+  void copy(Tensor dst, const Tensor& src) override { cpu_->copy(dst, src); }
+  void fill(Tensor dst, double v) override { cpu_->fill(dst, v); }
+  void axpy(double a, const Tensor& x, Tensor y) override { cpu_->axpy(a, x, y); }
+  void synchronize() override { cpu_->synchronize(); }
+  void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor c, double alpha, double beta) override {
+    if (ta) return cpu_->gemm(a, ta, b, tb, c, alpha, beta);
+    for (int64_t m = 0; m < c.shape[0]; ++m) cpu_->gemm(a.slice(0, m, m + 1), ta, b, tb, c.slice(0, m, m + 1), alpha, beta);
+  }
+  void embedding_forward(const Tensor& i, const Tensor& t, Tensor o) override { cpu_->embedding_forward(i, t, o); }
+  void embedding_backward(const Tensor& i, const Tensor& d, Tensor t) override { cpu_->embedding_backward(i, d, t); }
+  void layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tensor y, Tensor mean,
+                         Tensor rstd) override {
+    cpu_->layernorm_forward(x, w, b, eps, y, mean, rstd);
+  }
+  void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& mean, const Tensor& rstd,
+                          Tensor dx, bool acc, Tensor dw, Tensor db) override {
+    cpu_->layernorm_backward(dy, x, w, mean, rstd, dx, acc, dw, db);
+  }
+  void conv_silu_forward(const Tensor& u, const Tensor& w, Tensor c, Tensor pre, const Tensor& wi, Tensor wo,
+                         const Tensor& slots) override {
+    cpu_->conv_silu_forward(u, w, c, pre, wi, wo, slots);
+  }
+  void conv_silu_backward(const Tensor& dc, const Tensor& u, const Tensor& w, const Tensor& pre, Tensor du,
+                          Tensor dw) override {
+    cpu_->conv_silu_backward(dc, u, w, pre, du, dw);
+  }
+  void gla_forward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor o, const Tensor& si,
+                   Tensor so, const Tensor& slots) override {
+    cpu_->gla_forward(p, q, k, v, o, si, so, slots);
+  }
+  void gla_backward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& si,
+                    const Tensor& d_o, const Tensor& dso, Tensor dq, Tensor dk, Tensor dv, Tensor dsi) override {
+    cpu_->gla_backward(p, q, k, v, si, d_o, dso, dq, dk, dv, dsi);
+  }
+  void rmsnorm_gate_forward(const Tensor& o, const Tensor& g, const Tensor& w, double eps, Tensor y,
+                            Tensor rstd) override {
+    cpu_->rmsnorm_gate_forward(o, g, w, eps, y, rstd);
+  }
+  void rmsnorm_gate_backward(const Tensor& dy, const Tensor& o, const Tensor& g, const Tensor& w, const Tensor& rstd,
+                             Tensor d_o, Tensor dg, Tensor dw) override {
+    cpu_->rmsnorm_gate_backward(dy, o, g, w, rstd, d_o, dg, dw);
+  }
+  void swiglu_forward(const Tensor& ab, Tensor h) override { cpu_->swiglu_forward(ab, h); }
+  void swiglu_backward(const Tensor& dh, const Tensor& ab, Tensor dab) override { cpu_->swiglu_backward(dh, ab, dab); }
+  void cross_entropy_forward(const Tensor& l, const Tensor& t, Tensor out) override {
+    cpu_->cross_entropy_forward(l, t, out);
+  }
+  void cross_entropy_backward(const Tensor& l, const Tensor& t, double s, Tensor d) override {
+    cpu_->cross_entropy_backward(l, t, s, d);
+  }
+  double sum_squares(const Tensor& x) override { return cpu_->sum_squares(x); }
+  void scale(Tensor x, double a) override { cpu_->scale(x, a); }
+  void adamw_update(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p) override {
+    cpu_->adamw_update(w, g, m, v, p);
+  }
+  void muon_momentum(const Tensor& g, Tensor m, Tensor u, double mu, bool n) override {
+    cpu_->muon_momentum(g, m, u, mu, n);
+  }
+  void muon_apply(Tensor w, const Tensor& o, double lr, double wd, double s) override {
+    cpu_->muon_apply(w, o, lr, wd, s);
+  }
+
+ private:
+  std::unique_ptr<Backend> cpu_;
+};
+
+// What the engine reported for one request.
+struct Outcome {
+  std::vector<int32_t> tokens;
+  FinishInfo info;
+  int finishes = 0;
+  std::vector<char> state;  // the slot's state when it finished
+};
+
+// A model, an engine on it, and the outcomes of requests submitted through add().
+struct Rig {
+  std::unique_ptr<Backend> be = make_cpu_backend();
+  Config c = small_config();
+  Model m;
+  std::unique_ptr<Engine> eng;
+  std::map<RequestId, Outcome> out;
+
+  explicit Rig(EngineOptions o, uint64_t weight_seed = 7, Config cfg = small_config(), bool row_gemm = false)
+      : c(cfg) {
+    if (row_gemm) be = std::make_unique<RowGemmBackend>();
+    EXPECT_TRUE(m.create(c, *be, DType::kF32).is_ok());
+    m.init_weights(weight_seed);
+    Status st = Engine::create(m, o, &eng);
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+  }
+
+  Request make(const std::vector<int32_t>& prompt, int64_t max_tokens, SamplingOptions so = greedy()) {
+    Request r;
+    r.prompt = prompt;
+    r.max_tokens = max_tokens;
+    r.sampling = so;
+    r.on_token = [this](RequestId id, int32_t t) { out[id].tokens.push_back(t); };
+    r.on_finish = [this](const FinishInfo& f) {
+      Outcome& o = out[f.id];
+      o.info = f;
+      ++o.finishes;
+      if (f.slot >= 0 && f.reason != FinishReason::kCancelled) o.state = bytes_of(eng->pool().slot(f.slot));
+    };
+    return r;
+  }
+  RequestId add(Request r) {
+    RequestId id = 0;
+    Status st = eng->submit(std::move(r), &id);
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+    return id;
+  }
+  RequestId add(const std::vector<int32_t>& prompt, int64_t max_tokens, SamplingOptions so = greedy()) {
+    return add(make(prompt, max_tokens, so));
+  }
+
+  // generate() on the same model (its plan's max_seq = the engine's prefill_chunk, so
+  // the prompt is prefilled in the same pieces). Returns tokens and the final state.
+  std::pair<std::vector<int32_t>, std::vector<char>> reference(const std::vector<int32_t>& prompt,
+                                                               int64_t max_tokens, SamplingOptions so = greedy(),
+                                                               std::vector<int32_t> stop = {}) {
+    StatePool pool;
+    EXPECT_TRUE(pool.create(c, *be, 1).is_ok());
+    GenerateOptions g;
+    g.max_tokens = max_tokens;
+    g.sampling = so;
+    g.stop_ids = std::move(stop);
+    auto toks = generate(m, pool, 0, prompt, g);
+    return {toks, bytes_of(pool.slot(0))};
+  }
+};
+
+// Does the backend's gemm give a row the same bits whatever the number of rows (M) and
+// the row's position? Batch invariance of decode needs it; OpenBLAS does not promise it.
+bool gemm_rows_invariant(Backend& be, const Config& c) {
+  const int64_t shapes[][2] = {{c.qkvg_rows(), c.hidden_size}, {c.hidden_size, c.v_dim()},
+                               {2 * c.ffn_size, c.hidden_size}, {c.hidden_size, c.ffn_size},
+                               {c.vocab_size, c.hidden_size}};
+  for (const auto& s : shapes) {
+    const int64_t N = s[0], K = s[1], M = 12;
+    testing::OwnedTensor w(DType::kF32, {N, K}), a(DType::kF32, {M, K}), cm(DType::kF32, {M, N}),
+        c1(DType::kF32, {1, N});
+    testing::fill_uniform(w, 1);
+    testing::fill_uniform(a, 2);
+    be.gemm(a, false, w, true, cm, 1.0, 0.0);
+    for (int64_t r = 0; r < M; ++r) {
+      Tensor row = static_cast<Tensor>(a).slice(0, r, r + 1);
+      be.gemm(row, false, w, true, c1, 1.0, 0.0);
+      if (std::memcmp(static_cast<Tensor>(cm).select(r).data, static_cast<Tensor>(c1).data, N * sizeof(float)))
+        return false;
+    }
+  }
+  return true;
+}
+
+EngineOptions opts(int64_t slots, int64_t chunk = 8, int64_t budget = 64) {
+  EngineOptions o;
+  o.max_slots = slots;
+  o.prefill_chunk = chunk;
+  o.max_batch_tokens = budget;
+  return o;
+}
+
+// ---- correctness against generate() ----------------------------------------------------
+
+// Prompts of several lengths (1 token, shorter and longer than the prefill chunk) in
+// mixed batches, more requests than slots, staggered submissions: every greedy token
+// equals generate()'s.
+// With the row-invariant gemm the final states are bitwise generate()'s too.
+class EngineGreedy : public ::testing::TestWithParam<bool> {};
+
+TEST_P(EngineGreedy, MatchesGenerateTokenForToken) {
+  Rig r(opts(3, 8, 20), 7, small_config(), GetParam());
+  const int64_t lens[] = {1, 5, 8, 17, 30, 9, 40};
+  const int64_t maxt[] = {12, 20, 7, 15, 25, 9, 18};
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 7; ++i) prompts.push_back(random_tokens(lens[i], r.c.vocab_size, 100 + i));
+  std::vector<RequestId> ids;
+  for (int i = 0; i < 4; ++i) ids.push_back(r.add(prompts[i], maxt[i]));
+  // Stagger: the rest arrive while the first ones run.
+  for (int s = 0; s < 3; ++s) r.eng->step();
+  ids.push_back(r.add(prompts[4], maxt[4]));
+  for (int s = 0; s < 5; ++s) r.eng->step();
+  ids.push_back(r.add(prompts[5], maxt[5]));
+  ids.push_back(r.add(prompts[6], maxt[6]));
+  r.eng->run_until_idle();
+
+  const bool gemm_ok = gemm_rows_invariant(*r.be, r.c);
+  if (GetParam()) {
+    EXPECT_TRUE(gemm_ok);
+  }
+  for (int i = 0; i < 7; ++i) {
+    auto [ref, ref_state] = r.reference(prompts[i], maxt[i]);
+    const Outcome& o = r.out[ids[i]];
+    EXPECT_EQ(o.tokens, ref) << "request " << i << " (prompt " << lens[i] << ")";
+    EXPECT_EQ(o.finishes, 1);
+    EXPECT_EQ(o.info.reason, FinishReason::kLength);
+    EXPECT_EQ(o.info.generated_tokens, maxt[i]);
+    EXPECT_EQ(o.info.prompt_tokens, lens[i]);
+    ASSERT_EQ(o.state.size(), ref_state.size());
+    if (gemm_ok) {
+      EXPECT_EQ(o.state, ref_state) << "request " << i;
+    }
+    // With maxt ≥ 2 the state went through batched decode steps; it stays within F32
+    // rounding of generate()'s even when the gemm is not batch-invariant.
+    Tensor a(const_cast<char*>(o.state.data()), DType::kF32, {static_cast<int64_t>(o.state.size() / 4)});
+    Tensor b(const_cast<char*>(ref_state.data()), DType::kF32, {static_cast<int64_t>(ref_state.size() / 4)});
+    EXPECT_LE(testing::max_rel_error(a, b), 1e-5) << "request " << i;
+  }
+  const EngineStats s = r.eng->stats();
+  int64_t prompt_total = 0, gen_total = 0;
+  for (int i = 0; i < 7; ++i) prompt_total += lens[i], gen_total += maxt[i];
+  EXPECT_EQ(s.prefill_tokens, prompt_total);
+  EXPECT_EQ(s.generated_tokens, gen_total);
+  EXPECT_EQ(s.decode_tokens, gen_total - 7);  // the first token of each comes from its prefill
+  EXPECT_EQ(s.submitted, 7);
+  EXPECT_EQ(s.finished, 7);
+  EXPECT_EQ(s.running, 0);
+  EXPECT_EQ(s.free_slots, 3);
+}
+
+INSTANTIATE_TEST_SUITE_P(Engine, EngineGreedy, ::testing::Values(false, true),
+                         [](const auto& info) { return std::string(info.param ? "RowInvariant" : "OpenBlas"); });
+
+// ---- batch invariance ---------------------------------------------------------------------
+
+// Prefill pieces depend on the prompt alone, so the state after prefill (and the first
+// token) are bitwise identical whatever else is in the batch.
+TEST(EngineBatchInvariance, PrefillStateBitwiseAcrossCompositions) {
+  Config c = small_config();
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 5; ++i) prompts.push_back(random_tokens(3 + 9 * i, c.vocab_size, 200 + i));
+  std::vector<std::vector<char>> alone;
+  std::vector<int32_t> alone_tok;
+  for (int i = 0; i < 5; ++i) {
+    Rig r(opts(1, 8, 16));
+    RequestId id = r.add(prompts[i], 1);
+    r.eng->run_until_idle();
+    alone.push_back(r.out[id].state);
+    alone_tok.push_back(r.out[id].tokens.at(0));
+  }
+  // All together (reverse order, other slots), under a tighter budget.
+  Rig r(opts(4, 8, 12));
+  std::vector<RequestId> ids;
+  for (int i = 4; i >= 0; --i) ids.insert(ids.begin(), r.add(prompts[i], 1));
+  r.eng->run_until_idle();
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(r.out[ids[i]].state, alone[i]) << "prompt " << i;
+    EXPECT_EQ(r.out[ids[i]].tokens.at(0), alone_tok[i]);
+  }
+}
+
+// Decode: a sequence's tokens and final state do not depend on which sequences share its
+// batch, nor on the padded width. Tokens are checked always; the states bitwise when the
+// backend's gemm is row-invariant (always with RowGemmBackend; with OpenBLAS see
+// CpuGemmRowInvariance), else within F32 rounding.
+class EngineDecodeInvariance : public ::testing::TestWithParam<bool> {};
+
+TEST_P(EngineDecodeInvariance, TokensAndStatesAcrossCompositions) {
+  const bool row_gemm = GetParam();
+  Config c = small_config();
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 6; ++i) prompts.push_back(random_tokens(2 + 7 * i, c.vocab_size, 300 + i));
+  const int64_t T = 24;
+  struct Run {
+    std::vector<int32_t> tokens;
+    std::vector<char> state;
+  };
+  auto run = [&](const std::vector<int>& which, EngineOptions o, int stagger) {
+    Rig r(o, 7, c, row_gemm);
+    std::map<int, RequestId> ids;
+    for (int i : which) {
+      ids[i] = r.add(prompts[i], T);
+      for (int s = 0; s < stagger; ++s) r.eng->step();
+    }
+    r.eng->run_until_idle();
+    std::map<int, Run> res;
+    for (auto [i, id] : ids) res[i] = {r.out[id].tokens, r.out[id].state};
+    return res;
+  };
+  std::map<int, Run> alone;
+  for (int i = 0; i < 6; ++i) alone[i] = run({i}, opts(1), 0)[i];
+  EngineOptions padded = opts(6);
+  padded.decode_widths = {2, 4, 8};
+  const std::vector<std::pair<std::vector<int>, EngineOptions>> mixes = {
+      {{0, 1, 2, 3, 4, 5}, opts(6)},   // all at once
+      {{5, 3, 1}, opts(2)},            // queued behind a 2-slot pool
+      {{2, 0, 4, 1}, padded},          // padded widths 2/4/8
+      {{1, 5, 0, 2, 4, 3}, opts(3, 8, 9)},
+  };
+  std::unique_ptr<Backend> be = row_gemm ? std::make_unique<RowGemmBackend>() : make_cpu_backend();
+  const bool gemm_ok = gemm_rows_invariant(*be, c);
+  if (row_gemm) {
+    EXPECT_TRUE(gemm_ok);
+  }
+  double worst = 0;
+  int differing = 0, total = 0;
+  for (size_t m = 0; m < mixes.size(); ++m) {
+    for (int stagger : {0, 3}) {
+      auto res = run(mixes[m].first, mixes[m].second, stagger);
+      for (auto& [i, got] : res) {
+        EXPECT_EQ(got.tokens, alone[i].tokens) << "mix " << m << " stagger " << stagger << " prompt " << i;
+        ++total;
+        differing += got.state != alone[i].state;
+        if (gemm_ok) {
+          EXPECT_EQ(got.state, alone[i].state) << "mix " << m << " stagger " << stagger << " prompt " << i;
+        } else {
+          Tensor a(got.state.data(), DType::kF32, {static_cast<int64_t>(got.state.size() / 4)});
+          Tensor b(alone[i].state.data(), DType::kF32, {static_cast<int64_t>(alone[i].state.size() / 4)});
+          const double err = testing::max_rel_error(a, b);
+          worst = std::max(worst, err);
+          EXPECT_LE(err, 1e-5) << "mix " << m << " prompt " << i;
+        }
+      }
+    }
+  }
+  RecordProperty("states_not_bitwise", std::to_string(differing) + "/" + std::to_string(total));
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3g", worst);
+  RecordProperty("worst_state_rel_error", buf);
+}
+
+INSTANTIATE_TEST_SUITE_P(Engine, EngineDecodeInvariance, ::testing::Values(false, true),
+                         [](const auto& info) { return std::string(info.param ? "RowInvariant" : "OpenBlas"); });
+
+// The property decode batch invariance rests on: a gemm row's bits do not depend on how
+// many rows the call has. Skipped (not failed) where the BLAS breaks it, with the reason.
+TEST(EngineBatchInvariance, CpuGemmRowInvariance) {
+  auto be = make_cpu_backend();
+  if (!gemm_rows_invariant(*be, small_config()))
+    GTEST_SKIP() << "the CPU gemm is not batch-invariant: OpenBLAS picks different micro-kernels by the "
+                    "number of rows and by a row's position in its register tile, so a row's bits depend on "
+                    "the decode batch (see docs/serving.md, 'Batch invariance'). Tokens still match; states "
+                    "agree to F32 rounding.";
+  SUCCEED();
+}
+
+// ---- queueing, cancel, stop rules -----------------------------------------------------------
+
+TEST(EngineQueue, FullPoolQueuesAndAllComplete) {
+  Rig r(opts(2, 8, 32));
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<RequestId> ids;
+  for (int i = 0; i < 7; ++i) {
+    prompts.push_back(random_tokens(4 + 3 * i, r.c.vocab_size, 400 + i));
+    ids.push_back(r.add(prompts.back(), 6 + i));
+  }
+  EXPECT_EQ(r.eng->stats().queued, 7);
+  int64_t max_running = 0;
+  while (!r.eng->idle()) {
+    r.eng->step();
+    const EngineStats s = r.eng->stats();
+    max_running = std::max(max_running, s.running);
+    EXPECT_EQ(s.running + s.free_slots, 2);
+    EXPECT_EQ(s.queued + s.running + s.finished, 7);
+  }
+  EXPECT_EQ(max_running, 2);
+  for (int i = 0; i < 7; ++i) {
+    EXPECT_EQ(r.out[ids[i]].tokens, r.reference(prompts[i], 6 + i).first) << "request " << i;
+    EXPECT_EQ(r.out[ids[i]].finishes, 1);
+    EXPECT_GE(r.out[ids[i]].info.admit_time, r.out[ids[i]].info.submit_time);
+    EXPECT_GE(r.out[ids[i]].info.ttft(), 0);
+  }
+}
+
+TEST(EngineCancel, FreesSlotAtOnceAndQueuedRequestTakesIt) {
+  Rig r(opts(2, 8, 32));
+  auto p0 = random_tokens(10, r.c.vocab_size, 1), p1 = random_tokens(12, r.c.vocab_size, 2),
+       p2 = random_tokens(7, r.c.vocab_size, 3), p3 = random_tokens(5, r.c.vocab_size, 4);
+  RequestId a = r.add(p0, 50), b = r.add(p1, 50), q = r.add(p2, 10), gone = r.add(p3, 10);
+  for (int s = 0; s < 4; ++s) r.eng->step();
+  EngineStats s = r.eng->stats();
+  EXPECT_EQ(s.running, 2);
+  EXPECT_EQ(s.queued, 2);
+  EXPECT_EQ(s.free_slots, 0);
+
+  // A queued request leaves the queue at once and is never admitted.
+  EXPECT_TRUE(r.eng->cancel(gone));
+  EXPECT_EQ(r.eng->stats().queued, 1);
+  // A running one frees its slot at once.
+  const size_t a_tokens = r.out[a].tokens.size();
+  EXPECT_TRUE(r.eng->cancel(a));
+  s = r.eng->stats();
+  EXPECT_EQ(s.free_slots, 1);
+  EXPECT_EQ(s.running, 1);
+  EXPECT_FALSE(r.eng->cancel(a));        // already cancelled
+  EXPECT_FALSE(r.eng->cancel(987654));   // unknown
+  // The next step admits the queued request into the freed slot and delivers on_finish.
+  r.eng->step();
+  s = r.eng->stats();
+  EXPECT_EQ(s.queued, 0);
+  EXPECT_EQ(s.running, 2);
+  EXPECT_EQ(r.out[a].finishes, 1);
+  EXPECT_EQ(r.out[a].info.reason, FinishReason::kCancelled);
+  EXPECT_EQ(r.out[a].tokens.size(), a_tokens);  // nothing after cancel
+  EXPECT_EQ(r.out[gone].finishes, 1);
+  EXPECT_EQ(r.out[gone].info.reason, FinishReason::kCancelled);
+  EXPECT_EQ(r.out[gone].info.slot, -1);
+  EXPECT_TRUE(r.out[gone].tokens.empty());
+  EXPECT_EQ(r.out[q].info.slot, -1);  // not finished yet
+  // Cancel from inside a callback (during a step): freed at the end of that step.
+  int seen = 0;
+  r.eng->step();
+  Request cb = r.make(p3, 40);
+  RequestId self = 0;
+  auto inner = cb.on_token;
+  cb.on_token = [&, inner](RequestId id, int32_t t) {
+    inner(id, t);
+    if (++seen == 3) {
+      EXPECT_TRUE(r.eng->cancel(id));
+    }
+  };
+  self = r.add(std::move(cb));
+  r.eng->run_until_idle();
+  EXPECT_EQ(r.out[self].info.reason, FinishReason::kCancelled);
+  EXPECT_EQ(r.out[self].tokens.size(), 3u);
+  // The queued request reused a cancelled sequence's slot (reset on admission) and is exact.
+  EXPECT_EQ(r.out[q].tokens, r.reference(p2, 10).first);
+  EXPECT_EQ(r.out[b].tokens, r.reference(p1, 50).first);
+  s = r.eng->stats();
+  EXPECT_EQ(s.cancelled, 3);
+  EXPECT_EQ(s.finished, 5);
+  EXPECT_EQ(s.free_slots, 2);
+}
+
+TEST(EngineStop, StopIdsEosAndMaxTokens) {
+  Config c = small_config();
+  c.eos_token_id = -1;
+  Rig r(opts(3), 7, c);
+  auto prompt = random_tokens(9, c.vocab_size, 11);
+  auto ref = r.reference(prompt, 30).first;
+  // A token that first appears at position k > 0 of the greedy continuation.
+  size_t k = 1;
+  while (k < ref.size() && std::find(ref.begin(), ref.begin() + k, ref[k]) != ref.begin() + k) ++k;
+  ASSERT_LT(k, ref.size()) << "no repeated-free token to stop on";
+  const int32_t stop = ref[k];
+  const size_t first = std::find(ref.begin(), ref.end(), stop) - ref.begin();
+  const std::vector<int32_t> upto(ref.begin(), ref.begin() + first + 1);
+
+  Request rs = r.make(prompt, 30);
+  rs.stop_ids = {999, stop};
+  RequestId s_id = r.add(std::move(rs));
+  Request re = r.make(prompt, 30);
+  re.eos_id = stop;
+  RequestId e_id = r.add(std::move(re));
+  RequestId l_id = r.add(prompt, 3);
+  r.eng->run_until_idle();
+  EXPECT_EQ(r.out[s_id].tokens, upto);
+  EXPECT_EQ(r.out[s_id].info.reason, FinishReason::kStop);
+  EXPECT_EQ(r.out[e_id].tokens, upto);
+  EXPECT_EQ(r.out[e_id].info.reason, FinishReason::kEos);
+  EXPECT_EQ(r.out[l_id].tokens, std::vector<int32_t>(ref.begin(), ref.begin() + 3));
+  EXPECT_EQ(r.out[l_id].info.reason, FinishReason::kLength);
+  EXPECT_EQ(r.out[l_id].info.generated_tokens, 3);
+
+  // The config's eos_token_id is the default; eos_id = -1 turns it off.
+  Config ce = small_config();
+  ce.eos_token_id = stop;
+  Rig r2(opts(2), 7, ce);
+  RequestId d_id = r2.add(prompt, 30);
+  Request off = r2.make(prompt, 30);
+  off.eos_id = -1;
+  RequestId o_id = r2.add(std::move(off));
+  r2.eng->run_until_idle();
+  EXPECT_EQ(r2.out[d_id].tokens, upto);
+  EXPECT_EQ(r2.out[d_id].info.reason, FinishReason::kEos);
+  EXPECT_EQ(r2.out[o_id].tokens, ref);
+  EXPECT_EQ(r2.out[o_id].info.reason, FinishReason::kLength);
+}
+
+TEST(EngineRequest, InvalidRequestsAreRejected) {
+  Rig r(opts(1));
+  RequestId id = 0;
+  Request empty;
+  EXPECT_EQ(r.eng->submit(empty, &id).code(), Status::Code::kInvalidArgument);
+  Request big;
+  big.prompt = {1, static_cast<int32_t>(r.c.vocab_size)};
+  EXPECT_EQ(r.eng->submit(big, &id).code(), Status::Code::kInvalidArgument);
+  Request zero;
+  zero.prompt = {1};
+  zero.max_tokens = 0;
+  EXPECT_EQ(r.eng->submit(zero, &id).code(), Status::Code::kInvalidArgument);
+  Request badp;
+  badp.prompt = {1};
+  badp.sampling.top_p = 0;
+  EXPECT_EQ(r.eng->submit(badp, &id).code(), Status::Code::kInvalidArgument);
+  EXPECT_TRUE(r.eng->idle());
+  EXPECT_EQ(r.eng->stats().submitted, 0);
+}
+
+// ---- sampling ---------------------------------------------------------------------------
+
+// Seeded sampling is reproducible, equals generate() with the same options (one Sampler
+// per request, its own generator), and does not depend on the batch composition.
+TEST(EngineSampling, SeededReproducibleAndIndependentOfBatch) {
+  Config c = small_config();
+  auto p0 = random_tokens(6, c.vocab_size, 21), p1 = random_tokens(19, c.vocab_size, 22);
+  auto p2 = random_tokens(3, c.vocab_size, 23);
+  std::vector<int32_t> alone;
+  {
+    Rig r(opts(1));
+    RequestId id = r.add(p0, 30, sampled(5));
+    r.eng->run_until_idle();
+    alone = r.out[id].tokens;
+    EXPECT_EQ(alone, r.reference(p0, 30, sampled(5)).first);
+  }
+  Rig r(opts(3));
+  RequestId x = r.add(p1, 25, sampled(5));   // same seed, other prompt
+  RequestId y = r.add(p0, 30, sampled(5));
+  RequestId z = r.add(p2, 30, greedy());
+  RequestId w = r.add(p0, 30, sampled(6));   // other seed
+  r.eng->run_until_idle();
+  EXPECT_EQ(r.out[y].tokens, alone);
+  EXPECT_NE(r.out[w].tokens, alone);
+  EXPECT_EQ(r.out[x].tokens, r.reference(p1, 25, sampled(5)).first);
+  EXPECT_EQ(r.out[z].tokens, r.reference(p2, 30).first);
+}
+
+// ---- slots, memory, budget ------------------------------------------------------------
+
+TEST(EngineSlots, BytesPerSlotAndSlotsFromMemory) {
+  Rig r(opts(5));
+  const int64_t bytes = r.c.state_bytes_per_sequence();
+  EXPECT_EQ(r.eng->slot_bytes(), bytes);
+  EXPECT_EQ(r.eng->num_slots(), 5);
+  EXPECT_EQ(r.eng->pool().slots(), 6);  // + scratch
+  EXPECT_EQ(r.eng->scratch_slot(), 5);
+  EXPECT_EQ(r.eng->pool_bytes(), 6 * bytes);
+  EXPECT_EQ(r.eng->stats().free_slots, 5);
+  EXPECT_NE(r.eng->summary().find("5 slots"), std::string::npos);
+
+  // Slots from a byte budget: the scratch slot and the arena's rounding count.
+  EXPECT_EQ(slots_for_memory(r.c, 0), 0);
+  EXPECT_EQ(slots_for_memory(r.c, bytes), 0);
+  EXPECT_EQ(slots_for_memory(r.c, 2 * bytes + 256), 1);
+  EXPECT_EQ(slots_for_memory(r.c, 11 * bytes + 256), 10);
+  EXPECT_EQ(slots_for_memory(r.c, 11 * bytes + 256, DType::kF64), 4);
+  for (int64_t budget : {int64_t{100000}, int64_t{1} << 20, int64_t{3} << 20}) {
+    const int64_t s = slots_for_memory(r.c, budget);
+    EXPECT_LE(static_cast<int64_t>(Arena::planned_bytes({{"s", DType::kF32, {s + 1, bytes / 4}}})), budget);
+    EXPECT_GT(static_cast<int64_t>(Arena::planned_bytes({{"s", DType::kF32, {s + 2, bytes / 4}}})), budget);
+  }
+  // laplace-3b: 29,491,200 bytes per slot (SPEC §1); 80 GiB hold 2,911 slots + scratch.
+  Config big;
+  big.vocab_size = 92160, big.hidden_size = 3072, big.num_layers = 24, big.num_heads = 16;
+  big.head_k_dim = 96, big.head_v_dim = 192, big.ffn_size = 8192;
+  EXPECT_EQ(big.state_bytes_per_sequence(), 29491200);
+  EXPECT_EQ(slots_for_memory(big, int64_t{80} << 30), (int64_t{80} << 30) / 29491200 - 1);
+
+  // The engine derives its slot count from a budget when max_slots = 0.
+  auto be = make_cpu_backend();
+  Model m;
+  ASSERT_TRUE(m.create(r.c, *be, DType::kF32).is_ok());
+  EngineOptions o = opts(0);
+  o.memory_budget = 4 * bytes + 256;
+  std::unique_ptr<Engine> e;
+  ASSERT_TRUE(Engine::create(m, o, &e).is_ok());
+  EXPECT_EQ(e->num_slots(), 3);
+  o.memory_budget = bytes;
+  EXPECT_EQ(Engine::create(m, o, &e).code(), Status::Code::kOutOfMemory);
+  o.memory_budget = 0;
+  EXPECT_EQ(Engine::create(m, o, &e).code(), Status::Code::kInvalidArgument);
+}
+
+// A long prompt is prefilled in pieces of prefill_chunk, as many per step as the token
+// budget leaves after the decode rows; one piece always runs.
+TEST(EngineBudget, ChunkedPrefillUnderTheStepBudget) {
+  Rig r(opts(2, 8, 10));
+  auto longp = random_tokens(30, r.c.vocab_size, 31);
+  RequestId a = r.add(longp, 5);
+  // Pieces 8, 8, 8, 6: one per step (8 + 8 > 10).
+  const int64_t expect_tokens[] = {8, 16, 24, 30};
+  for (int s = 0; s < 4; ++s) {
+    r.eng->step();
+    EXPECT_EQ(r.eng->stats().prefill_tokens, expect_tokens[s]) << "step " << s;
+  }
+  EXPECT_EQ(r.out[a].tokens.size(), 1u);  // first token from the last piece
+  // Now `a` decodes (1 row), leaving 9 tokens of budget for a second prompt's pieces.
+  auto p2 = random_tokens(17, r.c.vocab_size, 32);
+  RequestId b = r.add(p2, 3);
+  r.eng->step();
+  EngineStats s = r.eng->stats();
+  EXPECT_EQ(s.prefill_tokens, 38);
+  EXPECT_EQ(s.decode_tokens, 1);
+  r.eng->step();  // 1 decode row + pieces 8 and 1 = 10 tokens: b's prefill ends
+  EXPECT_EQ(r.eng->stats().prefill_tokens, 47);
+  EXPECT_EQ(r.out[b].tokens.size(), 1u);
+  r.eng->run_until_idle();
+  s = r.eng->stats();
+  EXPECT_EQ(s.prefill_tokens, 47);
+  EXPECT_EQ(s.prefill_forwards, 4 + 3);
+  EXPECT_EQ(r.out[a].tokens, r.reference(longp, 5).first);
+  EXPECT_EQ(r.out[b].tokens, r.reference(p2, 3).first);
+
+  // A big budget runs several pieces of one prompt in a single step.
+  Rig big(opts(1, 8, 100));
+  big.add(longp, 1);
+  big.eng->step();
+  EXPECT_EQ(big.eng->stats().prefill_tokens, 30);
+  EXPECT_EQ(big.eng->stats().prefill_forwards, 4);
+  EXPECT_TRUE(big.eng->idle());
+}
+
+// Padded decode widths: padded rows go to the scratch slot and are counted; tokens equal.
+TEST(EngineBudget, PaddedDecodeWidths) {
+  EngineOptions o = opts(5);
+  o.decode_widths = {4, 2};
+  Rig r(o);
+  EXPECT_EQ(r.eng->decode_widths(), (std::vector<int64_t>{2, 4, 5}));
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<RequestId> ids;
+  for (int i = 0; i < 3; ++i) {
+    prompts.push_back(random_tokens(3 + i, r.c.vocab_size, 40 + i));
+    ids.push_back(r.add(prompts[i], 6));
+  }
+  r.eng->run_until_idle();
+  const EngineStats s = r.eng->stats();
+  EXPECT_EQ(s.decode_forwards, 5);
+  EXPECT_EQ(s.padded_rows, 5);  // 3 live rows padded to 4, five times
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(r.out[ids[i]].tokens, r.reference(prompts[i], 6).first);
+}
+
+// ---- threads ----------------------------------------------------------------------------
+
+// submit() and cancel() from other threads while the engine thread steps: every request
+// finishes exactly once and the accounting adds up.
+TEST(EngineThreads, SubmitAndCancelFromOtherThreads) {
+  auto be = make_cpu_backend();
+  Config c = small_config();
+  Model m;
+  ASSERT_TRUE(m.create(c, *be, DType::kF32).is_ok());
+  m.init_weights(3);
+  std::unique_ptr<Engine> eng;
+  ASSERT_TRUE(Engine::create(m, opts(3, 8, 24), &eng).is_ok());
+  std::mutex mu;
+  std::map<RequestId, int> finishes;
+  std::atomic<int> submitted{0};
+  std::atomic<bool> producers_done{false};
+  auto producer = [&](int t) {
+    for (int i = 0; i < 12; ++i) {
+      Request r;
+      r.prompt = random_tokens(1 + (i * 7 + t) % 20, c.vocab_size, t * 100 + i);
+      r.max_tokens = 3 + i % 5;
+      r.sampling = greedy();
+      r.on_finish = [&](const FinishInfo& f) {
+        std::lock_guard<std::mutex> lk(mu);
+        ++finishes[f.id];
+      };
+      RequestId id = 0;
+      ASSERT_TRUE(eng->submit(std::move(r), &id).is_ok());
+      ++submitted;
+      if (i % 4 == 3) eng->cancel(id);
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  };
+  std::thread p1(producer, 1), p2(producer, 2);
+  std::thread stepper([&] {
+    while (!producers_done.load() || !eng->idle()) {
+      if (!eng->step()) std::this_thread::yield();
+    }
+  });
+  p1.join();
+  p2.join();
+  producers_done = true;
+  stepper.join();
+  EXPECT_EQ(submitted.load(), 24);
+  EXPECT_EQ(finishes.size(), 24u);
+  for (auto& [id, n] : finishes) EXPECT_EQ(n, 1) << "request " << id;
+  const EngineStats s = eng->stats();
+  EXPECT_EQ(s.finished, 24);
+  EXPECT_EQ(s.running, 0);
+  EXPECT_EQ(s.free_slots, 3);
+}
+
+}  // namespace
+}  // namespace laplace
