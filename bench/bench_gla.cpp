@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "core/bench_log.h"
 #include "core/arena.h"
 #include "ops/backend.h"
 
@@ -73,51 +74,6 @@ bool parse_args(int argc, char** argv, Args* a) {
 
 #ifdef LAPLACE_HAVE_CUDA
 
-std::string iso_date() {
-  std::time_t t = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
-  return buf;
-}
-
-std::string commit_hash(const std::string& given) {
-  if (!given.empty()) return given;
-  if (const char* e = std::getenv("LAPLACE_COMMIT"); e && *e) return e;
-  std::string out;
-  if (FILE* p = popen("git rev-parse --short HEAD 2>/dev/null", "r")) {
-    char buf[64];
-    while (std::fgets(buf, sizeof buf, p)) out += buf;
-    pclose(p);
-  }
-  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
-  return out.empty() ? "unknown" : out;
-}
-
-std::string json_escape(const std::string& s) {
-  std::string r;
-  for (char c : s) {
-    if (c == '"' || c == '\\') r += '\\';
-    if (static_cast<unsigned char>(c) >= 0x20) r += c;
-  }
-  return r;
-}
-
-struct Results {
-  std::string path, device, commit, date;
-  std::string note;
-  void add(const std::string& name, double value, const std::string& unit) {
-    char num[64];
-    std::snprintf(num, sizeof num, "%.6g", value);
-    const std::string line = "{\"bench\": \"" + json_escape(name) + "\", \"value\": " + num + ", \"unit\": \"" +
-                             json_escape(unit) + "\", \"device\": \"" + json_escape(device) + "\", \"commit\": \"" +
-                             json_escape(commit) + "\", \"date\": \"" + date + "\", \"note\": \"" +
-                             json_escape(note) + "\"}";
-    std::printf("%s\n", line.c_str());
-    std::ofstream f(path, std::ios::app);
-    if (!f) std::fprintf(stderr, "bench_gla: cannot append to %s\n", path.c_str());
-    f << line << "\n";
-  }
-};
 
 // SplitMix64 → uniform [-1, 1), rounded to bf16 (fast: ~150M values).
 struct Rng {
@@ -181,11 +137,11 @@ int main(int argc, char** argv) {
   auto* cb = dynamic_cast<CudaBackend*>(be.get());
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, cb->device_id());
-  Results res;
+  BenchLog res;
   res.path = a.results;
   res.device = prop.name;
-  res.commit = commit_hash(a.commit);
-  res.date = iso_date();
+  res.commit = BenchLog::commit_hash(a.commit);
+  res.date = BenchLog::iso_date_utc();
 
   const int64_t B = a.B, T = a.T, H = a.H, dk = a.dk, dv = a.dv;
   const int64_t nk = B * T * H * dk, nv = B * T * H * dv;

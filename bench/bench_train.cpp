@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "core/bench_log.h"
 #include "model/model.h"
 #include "train/trainer.h"
 
@@ -84,50 +85,6 @@ bool parse_args(int argc, char** argv, Args* a) {
 
 #ifdef LAPLACE_HAVE_CUDA
 
-std::string iso_date() {
-  std::time_t t = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
-  return buf;
-}
-
-std::string commit_hash(const std::string& given) {
-  if (!given.empty()) return given;
-  if (const char* e = std::getenv("LAPLACE_COMMIT"); e && *e) return e;
-  std::string out;
-  if (FILE* p = popen("git rev-parse --short HEAD 2>/dev/null", "r")) {
-    char buf[64];
-    while (std::fgets(buf, sizeof buf, p)) out += buf;
-    pclose(p);
-  }
-  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
-  return out.empty() ? "unknown" : out;
-}
-
-std::string json_escape(const std::string& s) {
-  std::string r;
-  for (char c : s) {
-    if (c == '"' || c == '\\') r += '\\';
-    if (static_cast<unsigned char>(c) >= 0x20) r += c;
-  }
-  return r;
-}
-
-struct Results {
-  std::string path, device, commit, date;
-  void add(const std::string& name, double value, const std::string& unit, const std::string& note) {
-    char num[64];
-    std::snprintf(num, sizeof num, "%.6g", value);
-    const std::string line = "{\"bench\": \"" + json_escape(name) + "\", \"value\": " + num + ", \"unit\": \"" +
-                             json_escape(unit) + "\", \"device\": \"" + json_escape(device) + "\", \"commit\": \"" +
-                             json_escape(commit) + "\", \"date\": \"" + date + "\", \"note\": \"" +
-                             json_escape(note) + "\"}";
-    std::printf("%s\n", line.c_str());
-    std::ofstream f(path, std::ios::app);
-    if (!f) std::fprintf(stderr, "bench_train: cannot append to %s\n", path.c_str());
-    f << line << "\n";
-  }
-};
 
 double now_s() {
   using namespace std::chrono;
@@ -346,11 +303,11 @@ int run(const Args& a) {
   std::printf("        projected 524,288-token step (%.0f micro-batches + 1 optimizer step): %.0f tokens/s\n",
               micro_per_seed_step, proj);
 
-  Results res;
+  BenchLog res;
   res.path = a.results;
   res.device = prop.name;
-  res.commit = commit_hash(a.commit);
-  res.date = iso_date();
+  res.commit = BenchLog::commit_hash(a.commit);
+  res.date = BenchLog::iso_date_utc();
   char note[256];
   std::snprintf(note, sizeof note,
                 "bf16 + f32 masters, B=%lld x T=%lld, accum %lld (%lld tokens/step), recompute_mixer %s, "
@@ -361,7 +318,7 @@ int run(const Args& a) {
   res.add("train_mfu_" + tag_t, mfu, "fraction of " + std::to_string(static_cast<int>(a.peak_tflops)) + " TFLOP/s",
           note);
   res.add("train_fwdbwd_tok_s_" + tag_t, fb_tok_s, "tokens/s", std::string(note) + "; forward+loss+backward only");
-  res.add("train_optstep_ms_" + tag, 1e3 * opt_s, "ms", "Muon (Newton-Schulz in f32) + AdamW + clip + masters->bf16");
+  res.add("train_optstep_ms_" + tag, 1e3 * opt_s, "ms", "Muon (Newton-Schulz in bf16) + AdamW + clip + masters->bf16");
   res.add("train_tok_s_" + tag_t + "_524k_projected", proj, "tokens/s",
           "projected from the measured fwd+bwd per micro-batch and optimizer step, not measured whole");
   return 0;

@@ -21,6 +21,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/bench_log.h"
 #include "cli/common.h"
 #include "model/config.h"
 #include "serve/engine.h"
@@ -34,25 +35,6 @@ namespace laplace::cli {
 namespace {
 
 // ---- results -----------------------------------------------------------------------------
-
-std::string iso_date() {
-  std::time_t t = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
-  return buf;
-}
-
-std::string commit_hash() {
-  if (const char* e = std::getenv("LAPLACE_COMMIT"); e && *e) return e;
-  std::string out;
-  if (FILE* p = popen("git rev-parse --short HEAD 2>/dev/null", "r")) {
-    char buf[64];
-    while (std::fgets(buf, sizeof buf, p)) out += buf;
-    pclose(p);
-  }
-  while (!out.empty() && (out.back() == '\n' || out.back() == '\r' || out.back() == ' ')) out.pop_back();
-  return out.empty() ? "unknown" : out;
-}
 
 std::string device_description(const std::string& device) {
 #ifdef LAPLACE_HAVE_CUDA
@@ -76,33 +58,6 @@ std::string device_description(const std::string& device) {
   return model + " x" + std::to_string(std::thread::hardware_concurrency());
 }
 
-struct Results {
-  std::string path, device, commit, date, tag, note;
-
-  void add(const std::string& name, double value, const std::string& unit) {
-    const std::string full = tag.empty() ? name : name + "_" + tag;
-    nlohmann::ordered_json j;
-    j["bench"] = full;
-    j["value"] = std::isfinite(value) ? value : 0.0;
-    j["unit"] = unit;
-    j["device"] = device;
-    j["commit"] = commit;
-    j["date"] = date;
-    j["note"] = note;
-    const std::string line = j.dump();
-    std::printf("%s\n", line.c_str());
-    if (path.empty()) return;
-    std::error_code ec;
-    const auto parent = std::filesystem::path(path).parent_path();
-    if (!parent.empty()) std::filesystem::create_directories(parent, ec);
-    std::ofstream f(path, std::ios::app);
-    if (!f) {
-      std::fprintf(stderr, "laplace bench: cannot append to %s\n", path.c_str());
-      return;
-    }
-    f << line << "\n";
-  }
-};
 
 // "123", "64k", "512M", "2G" (binary multiples) → bytes.
 Status parse_bytes(const std::string& s, int64_t* out) {
@@ -239,7 +194,7 @@ Status run_bench_decode(const DecodeArgs& a) {
   bool random = false;
   LAPLACE_RETURN_IF_ERROR(make_model(a.model, a.seed, 0, &lm, &random));
   const Config& c = lm.model.config();
-  Results res{a.results, device_description(a.model.device), commit_hash(), iso_date(), a.tag, ""};
+  BenchLog res{a.results, device_description(a.model.device), BenchLog::commit_hash(), BenchLog::iso_date_utc(), a.tag, ""};
   char note[512];
   std::snprintf(note, sizeof note, "bench decode: %s, batch %lld, prompt %lld, %lld steps",
                 shape_note(c, a.model.dtype, random).c_str(), (long long)a.batch, (long long)a.prompt_len,
@@ -392,7 +347,7 @@ Status run_bench_serve(const ServeArgs& a) {
   }
   const double span = std::max(last_finish, end) - start;
   const EngineStats s = eng->stats();
-  Results res{a.results, device_description(a.model.device), commit_hash(), iso_date(), a.tag, ""};
+  BenchLog res{a.results, device_description(a.model.device), BenchLog::commit_hash(), BenchLog::iso_date_utc(), a.tag, ""};
   char note[512];
   std::snprintf(note, sizeof note,
                 "bench serve: %s, %lld requests at %.3g/s, prompts %lld-%lld, outputs %lld-%lld, %lld slots, "

@@ -32,17 +32,6 @@ Status ModelArgs::resolve() {
   return Status::ok();
 }
 
-Status make_backend(const std::string& device, std::unique_ptr<Backend>* out) {
-  if (device == "cpu") {
-    *out = make_cpu_backend();
-    return Status::ok();
-  }
-  std::string why;
-  *out = make_cuda_backend(&why);
-  if (!*out) return Status::unsupported("no CUDA backend: " + why);
-  return Status::ok();
-}
-
 Status parse_dtype(const std::string& s, DType* out) {
   if (s == "f32") *out = DType::kF32;
   else if (s == "f64") *out = DType::kF64;

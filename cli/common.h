@@ -28,7 +28,6 @@ struct LoadedModel {
   Model model;
 };
 
-Status make_backend(const std::string& device, std::unique_ptr<Backend>* out);
 Status parse_dtype(const std::string& s, DType* out);
 // Creates the backend and the model, and loads the checkpoint when one is named.
 Status load_model(const ModelArgs& a, LoadedModel* out);

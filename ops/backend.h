@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "core/arena.h"
+#include "core/status.h"
 #include "core/tensor.h"
 
 namespace laplace {
@@ -132,6 +133,8 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_cpu_backend();
+// "cpu" or "cuda"; an unsupported error says why CUDA is unavailable.
+Status make_backend(const std::string& device, std::unique_ptr<Backend>* out);
 // nullptr with a reason in *why when CUDA is not compiled in or no GPU is present.
 std::unique_ptr<Backend> make_cuda_backend(std::string* why);
 

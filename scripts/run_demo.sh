@@ -44,7 +44,7 @@ fi
 echo "== generation (temperature 0.8, top-k 40, seed 1)"
 for prompt in "The meaning of life is" "Q: Why did the programmer" "A fortune"; do
   "$LAPLACE" generate --model "$OUT/model" --prompt "$prompt" --max-tokens 60 --temperature 0.8 \
-    --top-k 40 --seed 1 | sed -n 's/^text=//p'
+    --top-k 40 --seed 1 | sed -n '/^text=/,$p' | sed 's/^text=//'
   echo "--"
 done
 echo "== held-out loss"

@@ -31,17 +31,6 @@ std::string fmt_duration(double s) {
   return buf;
 }
 
-Status make_backend(const std::string& device, std::unique_ptr<Backend>* out) {
-  if (device == "cpu") {
-    *out = make_cpu_backend();
-    return Status::ok();
-  }
-  std::string why;
-  *out = make_cuda_backend(&why);
-  if (!*out) return Status::unsupported("no CUDA backend: " + why);
-  return Status::ok();
-}
-
 }  // namespace
 
 bool needs_master_weights(DType model_dtype) { return model_dtype == DType::kBF16; }

@@ -1,0 +1,57 @@
+#include "core/bench_log.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+namespace laplace {
+
+void BenchLog::add(const std::string& name, double value, const std::string& unit, const std::string& how) const {
+  nlohmann::ordered_json j;
+  j["bench"] = tag.empty() ? name : name + "_" + tag;
+  j["value"] = std::isfinite(value) ? value : 0.0;
+  j["unit"] = unit;
+  j["device"] = device;
+  j["commit"] = commit;
+  j["date"] = date;
+  j["note"] = how;
+  const std::string line = j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  std::printf("%s\n", line.c_str());
+  if (path.empty()) return;
+  std::error_code ec;
+  const auto parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  std::ofstream f(path, std::ios::app);
+  if (!f) {
+    std::fprintf(stderr, "laplace: cannot append benchmark results to %s\n", path.c_str());
+    return;
+  }
+  f << line << "\n";
+}
+
+std::string BenchLog::iso_date_utc() {
+  std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+std::string BenchLog::commit_hash(const std::string& given) {
+  if (!given.empty()) return given;
+  if (const char* e = std::getenv("LAPLACE_COMMIT"); e && *e) return e;
+  std::string out;
+  if (FILE* p = popen("git rev-parse --short HEAD 2>/dev/null", "r")) {
+    char buf[64];
+    while (std::fgets(buf, sizeof buf, p)) out += buf;
+    pclose(p);
+  }
+  while (!out.empty() && (out.back() == '\n' || out.back() == '\r' || out.back() == ' ')) out.pop_back();
+  return out.empty() ? "unknown" : out;
+}
+
+}  // namespace laplace

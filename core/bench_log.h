@@ -1,0 +1,27 @@
+// BenchLog: one JSON line per benchmark figure, printed and appended to a results
+// file (bench/results.jsonl), in the form BENCHMARKS.md's tables are built from:
+// {"bench": NAME, "value": X, "unit": U, "device": …, "commit": …, "date": …, "note": …}
+#pragma once
+
+#include <string>
+
+namespace laplace {
+
+struct BenchLog {
+  std::string path;    // results file; empty = print only
+  std::string device;  // e.g. "NVIDIA H200"
+  std::string commit;  // see commit_hash()
+  std::string date;    // see iso_date_utc()
+  std::string tag;     // appended to every name as "_tag" when not empty
+  std::string note;    // how the figure was measured
+
+  void add(const std::string& name, double value, const std::string& unit) const { add(name, value, unit, note); }
+  void add(const std::string& name, double value, const std::string& unit, const std::string& note) const;
+
+  // "2026-11-30T14:02:41Z"
+  static std::string iso_date_utc();
+  // `given` if set, else $LAPLACE_COMMIT, else `git rev-parse --short HEAD`, else "unknown".
+  static std::string commit_hash(const std::string& given = "");
+};
+
+}  // namespace laplace
