@@ -46,6 +46,8 @@
 namespace laplace {
 namespace {
 
+using testing::random_tokens;
+
 #define LAPLACE_REQUIRE_CUDA(be)                                      \
   std::string be##_why;                                               \
   std::unique_ptr<Backend> be = make_cuda_backend(&be##_why);         \
@@ -77,13 +79,6 @@ Config three_b_two_layers() {
   c.ffn_size = 8192;
   c.chunk_size = 128;
   return c;
-}
-
-std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = static_cast<int32_t>(rng() % V);
-  return t;
 }
 
 // Rounds every weight of a CPU F32 arena to the nearest bf16 value.

@@ -19,25 +19,8 @@
 namespace laplace {
 namespace {
 
-Config small_config() {
-  Config c;
-  c.vocab_size = 53;
-  c.hidden_size = 24;
-  c.num_layers = 2;
-  c.num_heads = 2;
-  c.head_k_dim = 8;
-  c.head_v_dim = 12;
-  c.ffn_size = 40;
-  c.chunk_size = 8;
-  return c;
-}
-
-std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (auto& x : t) x = static_cast<int32_t>(rng() % V);
-  return t;
-}
+using testing::random_tokens;
+using testing::small_config;
 
 SamplingOptions greedy() {
   SamplingOptions s;

@@ -14,25 +14,8 @@
 namespace laplace {
 namespace {
 
-Config small_config(int64_t dk = 8, int64_t dv = 12, int64_t H = 2) {
-  Config c;
-  c.vocab_size = 53;
-  c.hidden_size = 24;
-  c.num_layers = 2;
-  c.num_heads = H;
-  c.head_k_dim = dk;
-  c.head_v_dim = dv;
-  c.ffn_size = 40;
-  c.chunk_size = 8;
-  return c;
-}
-
-std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = static_cast<int32_t>(rng() % V);
-  return t;
-}
+using testing::random_tokens;
+using testing::small_config;
 
 std::vector<double> logits_of(const Model& m, int64_t row) {
   Tensor t = m.logits().select(row);

@@ -66,6 +66,26 @@ double rms_rel_error(const Tensor& a, const Tensor& b) {
   return std::sqrt(num / den);
 }
 
+Config small_config(int64_t dk, int64_t dv, int64_t H) {
+  Config c;
+  c.vocab_size = 53;
+  c.hidden_size = 24;
+  c.num_layers = 2;
+  c.num_heads = H;
+  c.head_k_dim = dk;
+  c.head_v_dim = dv;
+  c.ffn_size = 40;
+  c.chunk_size = 8;
+  return c;
+}
+
+std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (auto& x : t) x = static_cast<int32_t>(rng() % static_cast<uint64_t>(V));
+  return t;
+}
+
 std::string make_temp_dir(const std::string& tag) {
   std::string tmpl = (std::filesystem::temp_directory_path() / ("laplace_" + tag + "_XXXXXX")).string();
   char* p = mkdtemp(tmpl.data());

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "model/config.h"
 
 namespace laplace::testing {
 
@@ -29,6 +30,12 @@ void fill_uniform(Tensor t, uint64_t seed, double lo = -1.0, double hi = 1.0);
 double max_rel_error(const Tensor& a, const Tensor& b);
 // sqrt(Σ(a−b)²) / sqrt(Σb²).
 double rms_rel_error(const Tensor& a, const Tensor& b);
+
+// A small model for fast tests: V=53, D=24, L=2, F=40, C=8 and the given head shape.
+Config small_config(int64_t dk = 8, int64_t dv = 12, int64_t H = 2);
+
+// n token ids uniform in [0, V) from a seeded generator.
+std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint64_t seed);
 
 // A fresh empty directory under the system temp dir.
 std::string make_temp_dir(const std::string& tag);
