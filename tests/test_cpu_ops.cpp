@@ -24,35 +24,11 @@ using laplace::testing::OwnedTensor;
 
 // ---- helpers ---------------------------------------------------------------------------
 
-int64_t offset_of(const Tensor& t, int64_t flat) {
-  int64_t off = 0;
-  for (int d = t.ndim - 1; d >= 0; --d) {
-    off += (flat % t.shape[d]) * t.stride[d];
-    flat /= t.shape[d];
-  }
-  return off;
-}
-double get(const Tensor& t, int64_t flat) {
-  const int64_t o = offset_of(t, flat);
-  switch (t.dtype) {
-    case DType::kF32: return static_cast<const float*>(t.data)[o];
-    case DType::kF64: return static_cast<const double*>(t.data)[o];
-    case DType::kI32: return static_cast<const int32_t*>(t.data)[o];
-    default: ADD_FAILURE() << "get: dtype"; return 0;
-  }
-}
-void put(const Tensor& t, int64_t flat, double v) {
-  const int64_t o = offset_of(t, flat);
-  switch (t.dtype) {
-    case DType::kF32: static_cast<float*>(t.data)[o] = static_cast<float>(v); break;
-    case DType::kF64: static_cast<double*>(t.data)[o] = v; break;
-    case DType::kI32: static_cast<int32_t*>(t.data)[o] = static_cast<int32_t>(v); break;
-    default: ADD_FAILURE() << "put: dtype";
-  }
-}
+using testing::element_get;
+using testing::element_set;
 std::vector<double> vals(const Tensor& t) {
   std::vector<double> r(t.numel());
-  for (int64_t i = 0; i < t.numel(); ++i) r[i] = get(t, i);
+  for (int64_t i = 0; i < t.numel(); ++i) r[i] = element_get(t, i);
   return r;
 }
 // max|a − ref| / max|ref|
@@ -90,7 +66,7 @@ Tensor view(const Tensor& base, std::initializer_list<int64_t> shape, std::initi
 // Σ a ⊙ r
 double dot(const Tensor& a, const Tensor& r) {
   double s = 0;
-  for (int64_t i = 0; i < a.numel(); ++i) s += get(a, i) * get(r, i);
+  for (int64_t i = 0; i < a.numel(); ++i) s += element_get(a, i) * element_get(r, i);
   return s;
 }
 
@@ -98,12 +74,12 @@ double dot(const Tensor& a, const Tensor& r) {
 std::vector<double> fd_grad(const Tensor& t, const std::function<double()>& loss, double h = 1e-6) {
   std::vector<double> g(t.numel());
   for (int64_t i = 0; i < t.numel(); ++i) {
-    const double x = get(t, i);
-    put(t, i, x + h);
+    const double x = element_get(t, i);
+    element_set(t, i, x + h);
     const double lp = loss();
-    put(t, i, x - h);
+    element_set(t, i, x - h);
     const double lm = loss();
-    put(t, i, x);
+    element_set(t, i, x);
     g[i] = (lp - lm) / (2 * h);
   }
   return g;
@@ -131,7 +107,7 @@ TEST_F(CpuOps, MemoryOpsStrided) {
   be->copy(d, s);
   EXPECT_EQ(vals(d), vals(s));
   for (int64_t r = 0; r < 5; ++r)  // columns outside the view untouched
-    for (int64_t c : {0, 1, 2, 10, 11}) EXPECT_EQ(get(dst, r * 12 + c), dst0[r * 12 + c]);
+    for (int64_t c : {0, 1, 2, 10, 11}) EXPECT_EQ(element_get(dst, r * 12 + c), dst0[r * 12 + c]);
   be->copy(d64, s);  // F32 -> F64
   EXPECT_EQ(vals(d64), vals(s));
   be->fill(d, 2.5);
@@ -147,10 +123,10 @@ TEST_F(CpuOps, MemoryOpsStrided) {
   EXPECT_LE(rel(y, ref), 1e-15);
   std::vector<double> before = vals(d);
   be->scale(d, 3.0);
-  for (int64_t i = 0; i < d.numel(); ++i) EXPECT_EQ(get(d, i), static_cast<float>(before[i] * 3.0));
+  for (int64_t i = 0; i < d.numel(); ++i) EXPECT_EQ(element_get(d, i), static_cast<float>(before[i] * 3.0));
   // I32 copy
   OwnedTensor a(DType::kI32, {3, 4}), b(DType::kI32, {3, 4});
-  for (int64_t i = 0; i < 12; ++i) put(a, i, i * 7 - 20);
+  for (int64_t i = 0; i < 12; ++i) element_set(a, i, i * 7 - 20);
   be->copy(b, a);
   EXPECT_EQ(vals(b), vals(a));
 }
@@ -232,9 +208,9 @@ TEST_F(CpuOps, GemmBetaZeroIgnoresNaNAndEmptyK) {
   OwnedTensor a0(DType::kF64, {3, 0}), b0(DType::kF64, {0, 5});
   std::vector<double> c0 = vals(c);
   be->gemm(a0, false, b0, false, c, 1.0, 2.0);
-  for (int64_t i = 0; i < 15; ++i) EXPECT_EQ(get(c, i), 2.0 * c0[i]);
+  for (int64_t i = 0; i < 15; ++i) EXPECT_EQ(element_get(c, i), 2.0 * c0[i]);
   be->gemm(a0, false, b0, false, c, 1.0, 0.0);
-  for (int64_t i = 0; i < 15; ++i) EXPECT_EQ(get(c, i), 0.0);
+  for (int64_t i = 0; i < 15; ++i) EXPECT_EQ(element_get(c, i), 0.0);
 }
 
 // Linear layer Y = X·Wᵀ: dX = dY·W, dW += dYᵀ·X, via gemm.
@@ -265,10 +241,10 @@ TEST_F(CpuOps, EmbeddingForward) {
     OwnedTensor table(dt, {V, D}), ids(DType::kI32, {2, 5}), out(dt, {10, D});
     fill_uniform(table, 1);
     const int ii[10] = {3, 0, 10, 3, 7, 7, 1, 10, 2, 5};
-    for (int i = 0; i < 10; ++i) put(ids, i, ii[i]);
+    for (int i = 0; i < 10; ++i) element_set(ids, i, ii[i]);
     be->embedding_forward(ids, table, out);
     for (int64_t n = 0; n < 10; ++n)
-      for (int64_t d = 0; d < D; ++d) EXPECT_EQ(get(out, n * D + d), get(table, ii[n] * D + d));
+      for (int64_t d = 0; d < D; ++d) EXPECT_EQ(element_get(out, n * D + d), element_get(table, ii[n] * D + d));
   }
 }
 
@@ -280,7 +256,7 @@ TEST_F(CpuOps, EmbeddingBackwardFiniteDiff) {
   fill_uniform(r, 2);
   fill_uniform(dtable, 3);
   const int ii[N] = {2, 0, 2, 5, 2, 0, 1, 5, 3};  // id 4 unused, 2 repeated
-  for (int64_t i = 0; i < N; ++i) put(ids, i, ii[i]);
+  for (int64_t i = 0; i < N; ++i) element_set(ids, i, ii[i]);
   auto loss = [&] {
     be->embedding_forward(ids, table, out);
     return dot(out, r);
@@ -293,10 +269,10 @@ TEST_F(CpuOps, EmbeddingBackwardFiniteDiff) {
 TEST_F(CpuOps, EmbeddingIdOutOfRangeDies) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   OwnedTensor table(DType::kF32, {4, 3}), ids(DType::kI32, {2}), out(DType::kF32, {2, 3});
-  put(ids, 0, 1);
-  put(ids, 1, 4);
+  element_set(ids, 0, 1);
+  element_set(ids, 1, 4);
   EXPECT_DEATH(be->embedding_forward(ids, table, out), "out of range");
-  put(ids, 1, -1);
+  element_set(ids, 1, -1);
   EXPECT_DEATH(be->embedding_backward(ids, out, table), "out of range");
 }
 
@@ -493,7 +469,7 @@ TEST_F(CpuOps, ConvWindowSlotsTouchOnlyNamedSlots) {
   fill_uniform(u, 2);
   fill_uniform(w, 3);
   const int slot_of[B] = {3, 0};
-  for (int64_t b = 0; b < B; ++b) put(slots, b, slot_of[b]);
+  for (int64_t b = 0; b < B; ++b) element_set(slots, b, slot_of[b]);
   Tensor pool = view(poolbuf, {S, K, D}, {P, D, 1});
   const std::vector<double> before = vals(poolbuf);
   // The windows of the named slots as a dense [B,K,D] for the reference.
@@ -582,7 +558,7 @@ TEST_F(CpuOps, RmsNormGateBackwardFiniteDiff) {
     for (int64_t i = 0; i < dfused.t.numel(); ++i) {
       const int64_t col = i % F;
       if (col < s.goff() || col >= s.goff() + s.H * s.dv) {
-        ASSERT_EQ(get(dfused, i), 123.0) << i;
+        ASSERT_EQ(element_get(dfused, i), 123.0) << i;
       }
     }
   }
@@ -634,7 +610,7 @@ TEST_F(CpuOps, CrossEntropyForward) {
         OwnedTensor logits(dt, {N, V}), targets(DType::kI32, {N}), losses(dt, {N}), losses32(DType::kF32, {N});
         fill_uniform(logits, V, shift - 5.0, shift + 5.0);
         const int tt[N] = {3, -1, 0, 12, -100, 7};
-        for (int64_t n = 0; n < N; ++n) put(targets, n, tt[n]);
+        for (int64_t n = 0; n < N; ++n) element_set(targets, n, tt[n]);
         be->cross_entropy_forward(logits, targets, losses);
         be->cross_entropy_forward(logits, targets, losses32);
         std::vector<double> L = vals(logits), ref(N, 0.0);
@@ -647,8 +623,8 @@ TEST_F(CpuOps, CrossEntropyForward) {
         }
         EXPECT_LE(rel(losses, ref), tol(dt)) << dname(dt) << " V" << V << " shift " << shift;
         EXPECT_LE(rel(losses32, ref), 1e-6);
-        EXPECT_EQ(get(losses, 1), 0.0);
-        EXPECT_EQ(get(losses, 4), 0.0);
+        EXPECT_EQ(element_get(losses, 1), 0.0);
+        EXPECT_EQ(element_get(losses, 4), 0.0);
       }
 }
 
@@ -659,17 +635,17 @@ TEST_F(CpuOps, CrossEntropyBackwardFiniteDiff) {
       dl(DType::kF64, {N, V});
   fill_uniform(logits, 1, -3.0, 3.0);
   const int tt[N] = {2, -1, 6, 0};
-  for (int64_t n = 0; n < N; ++n) put(targets, n, tt[n]);
+  for (int64_t n = 0; n < N; ++n) element_set(targets, n, tt[n]);
   auto loss = [&] {
     be->cross_entropy_forward(logits, targets, losses);
     double s = 0;
-    for (int64_t n = 0; n < N; ++n) s += get(losses, n);
+    for (int64_t n = 0; n < N; ++n) s += element_get(losses, n);
     return scale * s;
   };
   be->fill(dl, 99.0);
   be->cross_entropy_backward(logits, targets, scale, dl);
   EXPECT_LE(rel(dl, fd_grad(logits, loss)), kFdTol);
-  for (int64_t v = 0; v < V; ++v) EXPECT_EQ(get(dl, 1 * V + v), 0.0);  // ignored row
+  for (int64_t v = 0; v < V; ++v) EXPECT_EQ(element_get(dl, 1 * V + v), 0.0);  // ignored row
   // In place (dlogits aliasing logits) gives the same bytes.
   OwnedTensor l2(DType::kF64, {N, V});
   be->copy(l2, logits);
@@ -704,9 +680,9 @@ TEST_F(CpuOps, GlaForwardsToKernels) {
           for (int64_t s2 = 0; s2 <= t; ++s2) {
             double qk = 0;
             for (int64_t i = 0; i < dk; ++i)
-              qk += get(q, ((b * T + t) * H + h) * dk + i) * get(k, ((b * T + s2) * H + h) * dk + i);
+              qk += element_get(q, ((b * T + t) * H + h) * dk + i) * element_get(k, ((b * T + s2) * H + h) * dk + i);
             acc += std::pow(p.decay[h], static_cast<double>(t - s2)) * p.scale * qk *
-                   get(v, ((b * T + s2) * H + h) * dv + e);
+                   element_get(v, ((b * T + s2) * H + h) * dv + e);
           }
           ref[((b * T + t) * H + h) * dv + e] = acc;
         }
@@ -729,11 +705,11 @@ TEST_F(CpuOps, SumSquaresExactOnSmallIntegers) {
     OwnedTensor x(dt, {R, C + 4});
     std::mt19937 rng(5);
     std::uniform_int_distribution<int> dist(-8, 8);
-    for (int64_t i = 0; i < x.t.numel(); ++i) put(x, i, dist(rng));
+    for (int64_t i = 0; i < x.t.numel(); ++i) element_set(x, i, dist(rng));
     int64_t whole = 0, sub = 0;
     for (int64_t r = 0; r < R; ++r)
       for (int64_t c = 0; c < C + 4; ++c) {
-        const int64_t v = static_cast<int64_t>(get(x, r * (C + 4) + c));
+        const int64_t v = static_cast<int64_t>(element_get(x, r * (C + 4) + c));
         whole += v * v;
         if (c >= 1 && c < 1 + C) sub += v * v;
       }
@@ -830,7 +806,7 @@ TEST_F(CpuOps, DeterministicAcrossThreadCounts) {
   be->conv_silu_forward(cu, cw, cc, cpre, Tensor{}, Tensor{}, Tensor{});
   const int64_t EN = 512, EV = 50, ED = 256;
   OwnedTensor ids(DType::kI32, {EN}), edout(dt, {EN, ED});
-  for (int64_t i = 0; i < EN; ++i) put(ids, i, (i * 7919) % EV);
+  for (int64_t i = 0; i < EN; ++i) element_set(ids, i, (i * 7919) % EV);
   fill_uniform(edout, 10);
   OwnedTensor big(dt, {1 << 20});
   fill_uniform(big, 11);

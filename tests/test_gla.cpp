@@ -58,31 +58,13 @@ GlaParams make_params(GlaForm form, int64_t chunk, std::vector<double> decay, in
 }
 
 // Element (flat logical index) access of an F32/F64 tensor, honouring strides.
-int64_t offset_of(const Tensor& t, int64_t flat) {
-  int64_t off = 0;
-  for (int d = t.ndim - 1; d >= 0; --d) {
-    off += (flat % t.shape[d]) * t.stride[d];
-    flat /= t.shape[d];
-  }
-  return off;
-}
-double get(const Tensor& t, int64_t flat) {
-  const int64_t off = offset_of(t, flat);
-  return t.dtype == DType::kF64 ? static_cast<const double*>(t.data)[off]
-                                : static_cast<const float*>(t.data)[off];
-}
-void set(const Tensor& t, int64_t flat, double x) {
-  const int64_t off = offset_of(t, flat);
-  if (t.dtype == DType::kF64)
-    static_cast<double*>(t.data)[off] = x;
-  else
-    static_cast<float*>(t.data)[off] = static_cast<float>(x);
-}
+using testing::element_get;
+using testing::element_set;
 
 // dst = src elementwise (any strides, dtype converted).
 void copy_into(const Tensor& src, const Tensor& dst) {
   ASSERT_EQ(src.numel(), dst.numel());
-  for (int64_t i = 0; i < src.numel(); ++i) set(dst, i, get(src, i));
+  for (int64_t i = 0; i < src.numel(); ++i) element_set(dst, i, element_get(src, i));
 }
 
 // A contiguous copy of src with dtype dt.

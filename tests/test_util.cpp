@@ -7,21 +7,37 @@
 namespace laplace::testing {
 
 namespace {
-double get(const Tensor& t, int64_t flat) {
-  // Flat index in logical row-major order, honouring strides.
+int64_t offset_of(const Tensor& t, int64_t flat) {
   int64_t off = 0;
   for (int d = t.ndim - 1; d >= 0; --d) {
-    int64_t i = flat % t.shape[d];
+    off += (flat % t.shape[d]) * t.stride[d];
     flat /= t.shape[d];
-    off += i * t.stride[d];
   }
-  if (t.dtype == DType::kF32) return static_cast<const float*>(t.data)[off];
-  if (t.dtype == DType::kF64) return static_cast<const double*>(t.data)[off];
-  if (t.dtype == DType::kBF16) return bf16_to_float(static_cast<const uint16_t*>(t.data)[off]);
-  LAPLACE_CHECK(false, "test_util: unsupported dtype");
-  return 0;
+  return off;
 }
 }  // namespace
+
+double element_get(const Tensor& t, int64_t flat) {
+  const int64_t off = offset_of(t, flat);
+  switch (t.dtype) {
+    case DType::kF32: return static_cast<const float*>(t.data)[off];
+    case DType::kF64: return static_cast<const double*>(t.data)[off];
+    case DType::kBF16: return bf16_to_float(static_cast<const uint16_t*>(t.data)[off]);
+    case DType::kI32: return static_cast<const int32_t*>(t.data)[off];
+    default: LAPLACE_CHECK(false, "element_get: unsupported dtype"); return 0;
+  }
+}
+
+void element_set(const Tensor& t, int64_t flat, double v) {
+  const int64_t off = offset_of(t, flat);
+  switch (t.dtype) {
+    case DType::kF32: static_cast<float*>(t.data)[off] = static_cast<float>(v); break;
+    case DType::kF64: static_cast<double*>(t.data)[off] = v; break;
+    case DType::kBF16: static_cast<uint16_t*>(t.data)[off] = float_to_bf16(static_cast<float>(v)); break;
+    case DType::kI32: static_cast<int32_t*>(t.data)[off] = static_cast<int32_t>(v); break;
+    default: LAPLACE_CHECK(false, "element_set: unsupported dtype");
+  }
+}
 
 OwnedTensor::OwnedTensor(DType dt, std::initializer_list<int64_t> shape) {
   t = Tensor(nullptr, dt, shape);
@@ -47,7 +63,7 @@ double max_rel_error(const Tensor& a, const Tensor& b) {
   LAPLACE_CHECK(a.numel() == b.numel(), "max_rel_error: sizes differ");
   double num = 0, den = 1e-30;
   for (int64_t i = 0; i < a.numel(); ++i) {
-    double x = get(a, i), y = get(b, i);
+    double x = element_get(a, i), y = element_get(b, i);
     if (std::isnan(x) || std::isnan(y)) return INFINITY;
     num = std::max(num, std::fabs(x - y));
     den = std::max(den, std::fabs(y));
@@ -59,7 +75,7 @@ double rms_rel_error(const Tensor& a, const Tensor& b) {
   LAPLACE_CHECK(a.numel() == b.numel(), "rms_rel_error: sizes differ");
   double num = 0, den = 1e-300;
   for (int64_t i = 0; i < a.numel(); ++i) {
-    double x = get(a, i), y = get(b, i);
+    double x = element_get(a, i), y = element_get(b, i);
     num += (x - y) * (x - y);
     den += y * y;
   }

@@ -23,6 +23,10 @@ struct OwnedTensor {
   template <class T> T* ptr() { return t.ptr<T>(); }
 };
 
+// Element at a flat logical (row-major) index, honouring strides: F32, F64, BF16, I32.
+double element_get(const Tensor& t, int64_t flat);
+void element_set(const Tensor& t, int64_t flat, double v);
+
 // Fills with uniform values in [lo, hi) from a seeded generator (F32/F64).
 void fill_uniform(Tensor t, uint64_t seed, double lo = -1.0, double hi = 1.0);
 
