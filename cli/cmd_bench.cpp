@@ -164,7 +164,9 @@ Status measure_decode(Model& m, const DecodeArgs& a, bool print_summary, DecodeF
     Request r;
     r.prompt = random_prompt(rng, a.prompt_len, m.config().vocab_size);
     r.sampling.temperature = 0;
-    r.max_tokens = a.warmup + a.steps + 2;
+    // Sequences prefilled early decode while later ones still prefill (at least one
+    // prefill piece runs per step), so the token allowance covers that phase too.
+    r.max_tokens = a.warmup + a.steps + 2 + (a.batch * a.prompt_len + o.prefill_chunk - 1) / o.prefill_chunk;
     r.eos_id = -1;
     RequestId id;
     LAPLACE_RETURN_IF_ERROR(eng->submit(std::move(r), &id));
