@@ -77,22 +77,29 @@ std::string parent_dir(const std::string& path) {
   return dir.empty() ? std::string(".") : dir;
 }
 
-}  // namespace
-
-Status read_file(const std::string& path, std::string* out) {
-  out->clear();
+// Opens `path` read-only and stats it; on failure nothing is left open.
+Status open_for_reading(const std::string& path, int* fd_out, struct stat* st) {
   int fd = open_retry(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return errno_status(path, "cannot open for reading", errno);
-
-  // Size hint: read a regular file straight into a buffer of its size. Reading
-  // continues to EOF regardless, so pipes, /proc files and files that grow
-  // while we read are still read whole.
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
+  if (::fstat(fd, st) != 0) {
     int e = errno;
     ::close(fd);
     return errno_status(path, "cannot stat", e);
   }
+  *fd_out = fd;
+  return Status::ok();
+}
+
+}  // namespace
+
+Status read_file(const std::string& path, std::string* out) {
+  out->clear();
+  // Size hint: read a regular file straight into a buffer of its size. Reading
+  // continues to EOF regardless, so pipes, /proc files and files that grow
+  // while we read are still read whole.
+  int fd;
+  struct stat st;
+  LAPLACE_RETURN_IF_ERROR(open_for_reading(path, &fd, &st));
   // A directory opens fine with O_RDONLY; report it clearly instead of EISDIR on read.
   if (S_ISDIR(st.st_mode)) {
     ::close(fd);
@@ -244,14 +251,9 @@ void MappedFile::reset() {
 }
 
 Status MappedFile::open(const std::string& path, MappedFile* out) {
-  int fd = open_retry(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return errno_status(path, "cannot open for reading", errno);
+  int fd;
   struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    int e = errno;
-    ::close(fd);
-    return errno_status(path, "cannot stat", e);
-  }
+  LAPLACE_RETURN_IF_ERROR(open_for_reading(path, &fd, &st));
   // mmap of a directory, pipe or device either fails obscurely or has no fixed size.
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
