@@ -30,8 +30,10 @@
 //  gla             q, k, v, o, d_o, dq, dk, dv float; s_in, s_out, ds_in, ds_out F32 [S,H,dk,dv]
 //                  (dv contiguous); dk <= 128, dv <= 256, H <= 128; slots I32 [B] (not
 //                  range-checked on the device).
-//                  All three forms run the same chunked kernel (they agree to rounding); the
-//                  kernel's internal chunk is min(p.chunk, a size that fits shared memory).
+//                  All three forms run the same chunked kernels (they agree to rounding). At
+//                  dk = 96, dv = 192 with bf16 q/k/v (and dO), T >= 32, the tensor-core kernels
+//                  (chunk 128, fp32 states) run; otherwise the generic FP32-FMA kernels, whose
+//                  internal chunk is min(p.chunk, a size that fits shared memory).
 //  rmsnorm_gate    o, g, y, dy, d_o, dg float; w, dw float [dv]; rstd F32 [B,T,H] contiguous
 //                  (optional: recomputed by the backward when undefined, eps = 1e-5).
 //  swiglu          ab, h, dh, dab float. dab may alias ab.
@@ -175,6 +177,14 @@ namespace cuda {
 void convert_copy(Tensor dst, const Tensor& src, cudaStream_t stream);
 // cudaSuccess when this binary has a kernel image the current device can run.
 cudaError_t probe_kernel_image();
+// GLA tensor-core fast path (ops/cuda/kernels_gla_tc.cu): dk = 96, dv = 192, bf16 q/k/v/dO,
+// T >= 32, 16-byte aligned rows. Returns false (having queued nothing) when the arguments are
+// outside it; the caller then runs the generic kernels (ops/cuda/kernels_gla.cu).
+bool gla_tc_forward(CudaBackend& be, const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor o,
+                    const Tensor& s_in, Tensor s_out, const Tensor& slots);
+bool gla_tc_backward(CudaBackend& be, const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                     const Tensor& s_in, const Tensor& d_o, const Tensor& ds_out, Tensor dq, Tensor dk, Tensor dv,
+                     Tensor ds_in);
 }  // namespace cuda
 
 }  // namespace laplace

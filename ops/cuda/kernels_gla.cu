@@ -1,5 +1,7 @@
-// GLA mixer on CUDA (SPEC §1), first correct version: one 256-thread block per (b, h)
-// walks the chunks in order with the fp32 state in shared memory. All matrix products are
+// GLA mixer on CUDA (SPEC §1), generic path: one 256-thread block per (b, h) walks the chunks
+// in order with the fp32 state in shared memory. The model's shapes (dk = 96, dv = 192, bf16)
+// take the tensor-core path of kernels_gla_tc.cu instead (tried first by gla_forward /
+// gla_backward below); this one serves every other shape, F32 inputs and decode steps. All matrix products are
 // register-tiled 4×4 FFMA products over shared-memory tiles (tile_mm); tensor cores and
 // sequence splitting come later.
 //
@@ -440,6 +442,7 @@ void CudaBackend::gla_forward(const GlaParams& p, const Tensor& q, const Tensor&
   SView si = state_view(s_in, min_entries, a.H, a.dk, a.dv, "gla_forward: s_in");
   SView so = state_view(s_out, min_entries, a.H, a.dk, a.dv, "gla_forward: s_out");
   if (a.B == 0) return;
+  if (gla_tc_forward(*this, p, q, k, v, o, s_in, s_out, slots)) return;  // tensor-core path
   a.L = gla_chunk(p, kGlaFwd, a.T, a.dk, a.dv, max_smem_optin());
   const size_t bytes = gla_smem_floats(kGlaFwd, a.L, a.dk, a.dv) * sizeof(float);
   set_smem(gla_fwd_kernel, bytes);
@@ -463,6 +466,7 @@ void CudaBackend::gla_backward(const GlaParams& p, const Tensor& q, const Tensor
   SView sgo = state_view(ds_out, a.B, a.H, a.dk, a.dv, "gla_backward: ds_out");
   SView sgi = state_view(ds_in, a.B, a.H, a.dk, a.dv, "gla_backward: ds_in");
   if (a.B == 0) return;
+  if (gla_tc_backward(*this, p, q, k, v, s_in, d_o, ds_out, dq, dk, dv, ds_in)) return;  // tensor-core path
   const unsigned grid = static_cast<unsigned>(a.B * a.H);
   if (vdq.p) {
     GlaArgs a1 = a;
