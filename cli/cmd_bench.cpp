@@ -59,23 +59,6 @@ std::string device_description(const std::string& device) {
 }
 
 
-// "123", "64k", "512M", "2G" (binary multiples) → bytes.
-Status parse_bytes(const std::string& s, int64_t* out) {
-  if (s.empty()) return Status::invalid_argument("empty byte count");
-  char* end = nullptr;
-  const double v = std::strtod(s.c_str(), &end);
-  std::string suf(end);
-  for (auto& ch : suf) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-  double mul = 1;
-  if (suf.empty() || suf == "b") mul = 1;
-  else if (suf == "k" || suf == "kib" || suf == "kb") mul = 1024.0;
-  else if (suf == "m" || suf == "mib" || suf == "mb") mul = 1024.0 * 1024;
-  else if (suf == "g" || suf == "gib" || suf == "gb") mul = 1024.0 * 1024 * 1024;
-  else return Status::invalid_argument("bad byte count '" + s + "' (use e.g. 512M, 4G)");
-  if (!(v >= 0) || end == s.c_str()) return Status::invalid_argument("bad byte count '" + s + "'");
-  *out = static_cast<int64_t>(v * mul);
-  return Status::ok();
-}
 
 // Free device memory minus a reserve (CUDA), for deriving the slot count.
 Status device_state_budget(const std::string& device, int64_t reserve, int64_t* budget) {

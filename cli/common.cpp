@@ -1,6 +1,8 @@
 #include "cli/common.h"
 
+#include <cctype>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 
 #include "model/config.h"
@@ -92,6 +94,24 @@ int report(const Status& st) {
   if (st.is_ok()) return 0;
   std::fprintf(stderr, "laplace: error: %s\n", st.to_string().c_str());
   return 1;
+}
+
+// "123", "64k", "512M", "2G" (binary multiples) → bytes.
+Status parse_bytes(const std::string& s, int64_t* out) {
+  if (s.empty()) return Status::invalid_argument("empty byte count");
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  std::string suf(end);
+  for (auto& ch : suf) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  double mul = 1;
+  if (suf.empty() || suf == "b") mul = 1;
+  else if (suf == "k" || suf == "kib" || suf == "kb") mul = 1024.0;
+  else if (suf == "m" || suf == "mib" || suf == "mb") mul = 1024.0 * 1024;
+  else if (suf == "g" || suf == "gib" || suf == "gb") mul = 1024.0 * 1024 * 1024;
+  else return Status::invalid_argument("bad byte count '" + s + "' (use e.g. 512M, 4G)");
+  if (!(v >= 0) || end == s.c_str()) return Status::invalid_argument("bad byte count '" + s + "'");
+  *out = static_cast<int64_t>(v * mul);
+  return Status::ok();
 }
 
 }  // namespace laplace::cli

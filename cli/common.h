@@ -36,6 +36,9 @@ Status load_model(const ModelArgs& a, LoadedModel* out);
 Status parse_ids(const std::string& s, std::vector<int32_t>* out);
 Status parse_id_rows(const std::string& s, std::vector<std::vector<int32_t>>* out);
 
+// "123", "64k", "512M", "2G" (binary multiples) → bytes.
+Status parse_bytes(const std::string& s, int64_t* out);
+
 // Prints "laplace: error: <status>" and returns the exit code 1 (0 when ok).
 int report(const Status& st);
 
@@ -50,6 +53,7 @@ void add_tokenizer(CLI::App& app);
 void add_data(CLI::App& app);
 void add_debug(CLI::App& app);
 void add_bench(CLI::App& app);
+void add_serve(CLI::App& app);
 
 // Set by subcommand callbacks; main returns it.
 extern int g_exit_code;

@@ -38,4 +38,14 @@ void StatePool::copy_slot(Backend& be, int64_t dst, int64_t src) {
   if (dst != src) be.copy(slot(dst), slot(src));
 }
 
+void StatePool::read_slot(Backend& be, int64_t s, void* host) const {
+  be.copy(Tensor(host, dtype_, {slot_elems_}), slot(s));
+  be.synchronize();
+}
+
+void StatePool::write_slot(Backend& be, int64_t s, const void* host) {
+  be.copy(slot(s), Tensor(const_cast<void*>(host), dtype_, {slot_elems_}));
+  be.synchronize();
+}
+
 }  // namespace laplace

@@ -34,6 +34,10 @@ class StatePool {
   void reset(Backend& be, int64_t s);
   // dst slot = src slot (fork / restore).
   void copy_slot(Backend& be, int64_t dst, int64_t src);
+  // Host copies of one slot (snapshots): `host` holds slot_bytes() bytes in the pool's
+  // dtype. Both wait for the device (the bytes are usable / reusable on return).
+  void read_slot(Backend& be, int64_t s, void* host) const;
+  void write_slot(Backend& be, int64_t s, const void* host);
 
  private:
   Config cfg_;

@@ -74,7 +74,16 @@ void EagerExecutor::decode(const DecodeBatch& batch, std::vector<float>* logits)
 
 struct Engine::Seq {
   Seq(Request r, int32_t eos) : req(std::move(r)), sampler(req.sampling), eos(eos) {
+    // Penalties see the whole context, as they would had it been fed as one prompt.
+    if (req.initial_state) sampler.observe_prompt(req.initial_state->tokens);
     sampler.observe_prompt(req.prompt);
+  }
+  // The context fed so far for snapshots: initial tokens + prompt (+ generated).
+  std::vector<int32_t> context_tokens() const {
+    std::vector<int32_t> t;
+    if (req.initial_state) t = req.initial_state->tokens;
+    t.insert(t.end(), req.prompt.begin(), req.prompt.end());
+    return t;
   }
   Request req;
   Sampler sampler;
@@ -83,6 +92,7 @@ struct Engine::Seq {
   int64_t prefilled = 0;    // prompt tokens fed so far
   bool decoding = false;    // prefill done; `next` is fed by the next decode
   int32_t next = 0;
+  std::vector<int32_t> generated;  // kept only for capture_final_state
   bool done = false;        // finished or cancelled (set under mu_)
   std::atomic<bool> cancelled{false};
   FinishInfo info;
@@ -159,7 +169,18 @@ std::string Engine::summary() const {
 }
 
 Status Engine::submit(Request req, RequestId* id) {
-  if (req.prompt.empty()) return Status::invalid_argument("request: empty prompt");
+  if (req.prompt.empty() && !req.initial_state) return Status::invalid_argument("request: empty prompt");
+  if (const StateSnapshot* st = req.initial_state.get()) {
+    if (st->state_dtype != pool_.dtype() || static_cast<int64_t>(st->state.size()) != pool_.slot_bytes())
+      return Status::invalid_argument("request: the initial state is not a state of this engine's pool (" +
+                                      std::to_string(st->state.size()) + " bytes of " + dtype_name(st->state_dtype) +
+                                      ", the pool's slots are " + std::to_string(pool_.slot_bytes()) + " bytes of " +
+                                      dtype_name(pool_.dtype()) + ")");
+    if (static_cast<int64_t>(st->logits.size()) != vocab_ || st->tokens.empty())
+      return Status::invalid_argument("request: the initial state needs its logits and tokens");
+  }
+  if (req.top_logprobs < -1 || req.top_logprobs > 20)
+    return Status::invalid_argument("request: top_logprobs must be in [0, 20] (or -1 for none)");
   for (int32_t t : req.prompt)
     if (t < 0 || t >= vocab_)
       return Status::invalid_argument("request: prompt token id " + std::to_string(t) + " outside [0, " +
@@ -173,7 +194,7 @@ Status Engine::submit(Request req, RequestId* id) {
   if (!(so.repetition_penalty > 0)) return Status::invalid_argument("request: repetition_penalty must be > 0");
   const int32_t eos = req.eos_id.has_value() ? *req.eos_id : default_eos_;
   auto s = std::make_unique<Seq>(std::move(req), eos);
-  s->info.prompt_tokens = static_cast<int64_t>(s->req.prompt.size());
+  s->info.prompt_tokens = static_cast<int64_t>(s->req.prompt.size());  // tokens actually fed
   std::lock_guard<std::mutex> lk(mu_);
   s->info.id = next_id_++;
   s->info.submit_time = now();
@@ -237,7 +258,10 @@ void Engine::admit_locked() {
     s->slot = slot;
     s->info.slot = slot;
     s->info.admit_time = now();
-    pool_.reset(model_.backend(), slot);  // a new, empty context
+    if (s->req.initial_state)
+      pool_.write_slot(model_.backend(), slot, s->req.initial_state->state.data());  // continue a context
+    else
+      pool_.reset(model_.backend(), slot);  // a new, empty context
     prefilling_.push_back(s.get());
     by_slot_[slot] = std::move(s);
     ++running_;
@@ -293,7 +317,21 @@ Engine::StepPlan Engine::plan_step() {
   return p;
 }
 
-void Engine::finish(Seq* s, FinishReason r) {
+SnapshotPtr Engine::snapshot(Seq* s, const float* logits, bool with_generated) {
+  auto st = std::make_shared<StateSnapshot>();
+  st->state_dtype = pool_.dtype();
+  st->state.resize(static_cast<size_t>(pool_.slot_bytes()));
+  pool_.read_slot(model_.backend(), s->slot, st->state.data());
+  st->logits.assign(logits, logits + vocab_);
+  st->tokens = s->context_tokens();
+  // The last generated token was sampled from `logits` but never fed.
+  if (with_generated && !s->generated.empty())
+    st->tokens.insert(st->tokens.end(), s->generated.begin(), s->generated.end() - 1);
+  return st;
+}
+
+void Engine::finish(Seq* s, FinishReason r, const float* logits) {
+  if (logits && s->req.capture_final_state) s->info.final_state = snapshot(s, logits, true);
   {
     std::lock_guard<std::mutex> lk(mu_);
     s->info.reason = r;
@@ -312,6 +350,9 @@ void Engine::emit(Seq* s, const float* logits) {
   if (info.first_token_time < 0) info.first_token_time = t;
   info.token_times.push_back(t);
   ++info.generated_tokens;
+  if (s->req.capture_final_state) s->generated.push_back(tok);
+  if (s->req.top_logprobs >= 0 && s->req.on_logprobs && !s->cancelled.load())
+    s->req.on_logprobs(info.id, token_logprobs(logits, vocab_, tok, s->req.top_logprobs));
   if (s->req.on_token && !s->cancelled.load()) s->req.on_token(info.id, tok);
   FinishReason r;
   if (s->eos >= 0 && tok == s->eos) {
@@ -324,7 +365,20 @@ void Engine::emit(Seq* s, const float* logits) {
     s->next = tok;
     return;
   }
-  finish(s, r);
+  finish(s, r, logits);
+}
+
+// Prompt done (its last piece fed, or nothing to feed after an initial state): offer the
+// prompt snapshot, then emit the first token from `logits`.
+void Engine::start_decoding(Seq* s, const float* logits) {
+  auto it = std::find(prefilling_.begin(), prefilling_.end(), s);
+  if (it != prefilling_.end()) prefilling_.erase(it);
+  s->decoding = true;
+  if (s->req.capture_prompt_state && s->req.on_prompt_state && !s->cancelled.load()) {
+    const SnapshotPtr st = s->req.prompt.empty() ? s->req.initial_state : snapshot(s, logits, false);
+    s->req.on_prompt_state(s->info.id, st);
+  }
+  emit(s, logits);
 }
 
 bool Engine::step() {
@@ -339,9 +393,22 @@ bool Engine::step() {
   for (auto& s : notify)
     if (s->req.on_finish) s->req.on_finish(s->info);
 
-  StepPlan plan = plan_step();
-  const bool work = !notify.empty() || !plan.pieces.empty() || !plan.decode.empty();
+  // Requests whose whole prompt is already in their initial state: their first token
+  // comes from the snapshot's logits (no forward), and they decode in this step.
   EngineStats d;  // this step's counters
+  bool instant = false;
+  const std::vector<Seq*> waiting = prefilling_;
+  for (Seq* s : waiting) {
+    if (!s->req.prompt.empty() || s->cancelled.load()) continue;
+    const double ts = now();
+    start_decoding(s, s->req.initial_state->logits.data());
+    ++d.generated_tokens;
+    d.sample_seconds += now() - ts;
+    instant = true;
+  }
+
+  StepPlan plan = plan_step();
+  const bool work = instant || !notify.empty() || !plan.pieces.empty() || !plan.decode.empty();
 
   // Decode first: running sequences get their token before new prompts are prefilled.
   if (!plan.decode.empty()) {
@@ -371,11 +438,8 @@ bool Engine::step() {
     d.prefill_tokens += piece.n;
     s->prefilled += piece.n;
     if (piece.last) {
-      auto it = std::find(prefilling_.begin(), prefilling_.end(), s);
-      if (it != prefilling_.end()) prefilling_.erase(it);
-      s->decoding = true;
       const double ts = now();
-      emit(s, logits_.data());
+      start_decoding(s, logits_.data());
       ++d.generated_tokens;
       d.sample_seconds += now() - ts;
     }

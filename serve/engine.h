@@ -186,7 +186,10 @@ class Engine {
   int64_t width_for(int64_t n) const;
   // Emits a token for seq (sampled from logits row) and finishes it when a stop rule hits.
   void emit(Seq* s, const float* logits);
-  void finish(Seq* s, FinishReason r);
+  void start_decoding(Seq* s, const float* logits);
+  // logits: the row that gave the last token (final snapshot); null when cancelled.
+  void finish(Seq* s, FinishReason r, const float* logits);
+  SnapshotPtr snapshot(Seq* s, const float* logits, bool with_generated);
   void release_slot_locked(Seq* s);
 
   Model& model_;

@@ -4,9 +4,11 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <vector>
 
+#include "core/dtype.h"
 #include "serve/sampler.h"
 
 namespace laplace {
@@ -21,6 +23,30 @@ enum class FinishReason : uint8_t {
 };
 const char* finish_reason_name(FinishReason r);  // "length", "stop", "eos", "cancelled"
 
+// A sequence's whole context as one fixed-size value (SPEC §1): the bytes of its state
+// slot after `tokens`, and the logits those tokens leave for the next one. A request
+// that starts from a snapshot continues that context exactly as if its tokens had been
+// fed again; one snapshot may seed many requests (forks) since it is never modified.
+struct StateSnapshot {
+  std::vector<uint8_t> state;   // one slot, as StatePool stores it (state_dtype)
+  DType state_dtype = DType::kF32;
+  std::vector<float> logits;    // [V]: the model's logits after the last of `tokens`
+  std::vector<int32_t> tokens;  // the context the state covers, in order (non-empty)
+  // Host bytes this snapshot holds (what a cache budget counts).
+  int64_t bytes() const {
+    return static_cast<int64_t>(state.size() + logits.size() * sizeof(float) + tokens.size() * sizeof(int32_t));
+  }
+};
+using SnapshotPtr = std::shared_ptr<const StateSnapshot>;
+
+// Log-probabilities of one generated token under the model's distribution (log-softmax of
+// the raw logits, before temperature and penalties), with the most likely alternatives.
+struct TokenLogprobs {
+  int32_t token = 0;
+  float logprob = 0;
+  std::vector<std::pair<int32_t, float>> top;  // best first, ties by lower id; top_logprobs entries
+};
+
 // What on_finish receives. Times are seconds on the engine's steady clock.
 struct FinishInfo {
   RequestId id = 0;
@@ -34,6 +60,10 @@ struct FinishInfo {
   double first_token_time = -1;  // when its first token was emitted (-1: none)
   double finish_time = 0;
   std::vector<double> token_times;  // emission time of each generated token
+  // Request::capture_final_state: the context after the request (initial tokens, prompt and
+  // every generated token but the last, which was never fed), with the logits that gave
+  // the last token. Null when not asked for, or when cancelled.
+  SnapshotPtr final_state;
 
   // Time to first token (from submit); -1 without tokens.
   double ttft() const { return first_token_time < 0 ? -1 : first_token_time - submit_time; }
@@ -44,18 +74,33 @@ struct FinishInfo {
 };
 
 struct Request {
-  std::vector<int32_t> prompt;  // non-empty, ids < vocab_size
+  // Tokens to feed, ids < vocab_size. Non-empty unless initial_state is given; then they
+  // continue its context and may be empty (the first token comes from its logits).
+  std::vector<int32_t> prompt;
+  // Start from this context instead of an empty one (prefix cache, fork, session). Its
+  // state dtype and size must be the pool's. Penalties see its tokens as prompt tokens.
+  SnapshotPtr initial_state;
   SamplingOptions sampling;     // temperature 0 = greedy; seed makes sampling reproducible
   int64_t max_tokens = 64;      // ≥ 1
   std::vector<int32_t> stop_ids;  // finish (reason kStop) after emitting one of these
   // End-of-sequence id: unset = the model config's eos_token_id (none when < 0);
   // -1 = none. Emitting it finishes with kEos (checked before stop_ids).
   std::optional<int32_t> eos_id;
+  // Log-probabilities: -1 = none; k ≥ 0 = the chosen token's and the k best (k ≤ 20).
+  int top_logprobs = -1;
+  // Snapshots (copied off the slot on the engine thread; costs one slot copy each).
+  bool capture_prompt_state = false;  // after the prompt: on_prompt_state
+  bool capture_final_state = false;   // at the end: FinishInfo::final_state
 
   // Called on the thread running Engine::step(), never under the engine's lock, so
   // they may call submit() and cancel(). on_token gets every generated token in order
   // (a stop/eos token included); on_finish is called exactly once per accepted request.
   std::function<void(RequestId, int32_t token)> on_token;
+  // Called just before on_token for the same token when top_logprobs ≥ 0.
+  std::function<void(RequestId, const TokenLogprobs&)> on_logprobs;
+  // capture_prompt_state: the context after initial_state + prompt, before the first
+  // generated token is emitted (so a callback may fork it into more requests at once).
+  std::function<void(RequestId, const SnapshotPtr&)> on_prompt_state;
   std::function<void(const FinishInfo&)> on_finish;
 };
 

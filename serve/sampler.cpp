@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
+
+#include "serve/request.h"
 
 namespace laplace {
 
@@ -84,6 +87,28 @@ int32_t Sampler::sample(const float* logits, int64_t V) {
   ++generated_counts_[token];
   seen_[token] = true;
   return token;
+}
+
+TokenLogprobs token_logprobs(const float* logits, int64_t V, int32_t token, int k) {
+  double mx = -std::numeric_limits<double>::infinity();
+  for (int64_t i = 0; i < V; ++i) mx = std::max(mx, static_cast<double>(logits[i]));
+  double sum = 0;  // fixed order: the same logits give the same bits
+  for (int64_t i = 0; i < V; ++i) sum += std::exp(static_cast<double>(logits[i]) - mx);
+  const double lse = mx + std::log(sum);
+  TokenLogprobs r;
+  r.token = token;
+  r.logprob = static_cast<float>(static_cast<double>(logits[token]) - lse);
+  const int64_t n = std::min<int64_t>(k, V);
+  if (n > 0) {
+    std::vector<int32_t> idx(static_cast<size_t>(V));
+    for (int64_t i = 0; i < V; ++i) idx[i] = static_cast<int32_t>(i);
+    std::partial_sort(idx.begin(), idx.begin() + n, idx.end(), [&](int32_t a, int32_t b) {
+      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    });
+    for (int64_t i = 0; i < n; ++i)
+      r.top.emplace_back(idx[i], static_cast<float>(static_cast<double>(logits[idx[i]]) - lse));
+  }
+  return r;
 }
 
 }  // namespace laplace

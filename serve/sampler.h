@@ -59,6 +59,10 @@ class Sampler {
   std::vector<int32_t> order_;
 };
 
+struct TokenLogprobs;  // serve/request.h
+// log-softmax of logits[0..V) at `token`, and the k most likely tokens (ties: lower id).
+TokenLogprobs token_logprobs(const float* logits, int64_t V, int32_t token, int k);
+
 // Index of the largest value; ties go to the lowest index.
 int32_t argmax(const float* x, int64_t n);
 

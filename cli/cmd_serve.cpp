@@ -1,0 +1,117 @@
+// `laplace serve`: the OpenAI-compatible HTTP server (serve/server.h).
+#include <csignal>
+#include <cstdio>
+#include <thread>
+
+#include "cli/common.h"
+#include "core/file_util.h"
+
+#ifdef LAPLACE_HAVE_HTTPLIB
+#include "serve/server.h"
+#endif
+
+namespace laplace::cli {
+
+namespace {
+
+#ifdef LAPLACE_HAVE_HTTPLIB
+volatile std::sig_atomic_t g_stop = 0;
+void on_signal(int) { g_stop = 1; }
+#endif
+
+struct ServeArgs {
+  std::string model_dir, name, host = "127.0.0.1", api_key, api_key_file, device = "cpu", dtype = "f32";
+  std::string session_dir;
+  int port = 8000, threads = 16, read_timeout = 10;
+  int64_t max_slots = 0, max_queue = 64, max_batch_tokens = 2048, prefill_chunk = 256;
+  int64_t max_tokens = 4096, max_prompt_tokens = 32768, max_request_kb = 1024, cache_mb = 256, max_n = 16;
+  std::string memory_budget = "1G";
+};
+
+Status run_serve(const ServeArgs& a) {
+#ifndef LAPLACE_HAVE_HTTPLIB
+  (void)a;
+  return Status::unsupported("this laplace was built without cpp-httplib (apt-get install libcpp-httplib-dev)");
+#else
+  ServerOptions o;
+  o.model_dir = a.model_dir;
+  o.model_name = a.name;
+  o.host = a.host;
+  o.port = a.port;
+  o.api_key = a.api_key;
+  if (!a.api_key_file.empty()) {
+    LAPLACE_RETURN_IF_ERROR(read_file(a.api_key_file, &o.api_key));
+    while (!o.api_key.empty() && (o.api_key.back() == '\n' || o.api_key.back() == '\r')) o.api_key.pop_back();
+    if (o.api_key.empty()) return Status::invalid_argument("the API key file is empty");
+  }
+  o.device = a.device;
+  LAPLACE_RETURN_IF_ERROR(parse_dtype(a.dtype, &o.dtype));
+  o.engine.max_slots = a.max_slots;
+  if (a.max_slots == 0) LAPLACE_RETURN_IF_ERROR(parse_bytes(a.memory_budget, &o.engine.memory_budget));
+  o.engine.max_batch_tokens = a.max_batch_tokens;
+  o.engine.prefill_chunk = a.prefill_chunk;
+  o.max_queue = a.max_queue;
+  o.max_request_bytes = a.max_request_kb * 1024;
+  o.max_prompt_tokens = a.max_prompt_tokens;
+  o.limits.max_tokens = a.max_tokens;
+  o.limits.max_n = a.max_n;
+  o.cache_bytes = a.cache_mb << 20;
+  o.session_dir = a.session_dir;
+  o.threads = a.threads;
+  o.read_timeout_s = a.read_timeout;
+  Server server(o);
+  LAPLACE_RETURN_IF_ERROR(server.start());
+  std::printf("laplace serve: listening on http://%s:%d (model %s loading)\n", a.host.c_str(), server.port(),
+              a.model_dir.c_str());
+  std::fflush(stdout);
+  Status st = server.wait_ready();
+  if (!st.is_ok()) {
+    server.stop();
+    return st;
+  }
+  std::printf("laplace serve: ready\n");
+  std::fflush(stdout);
+  std::signal(SIGINT, on_signal);
+  std::signal(SIGTERM, on_signal);
+  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::printf("laplace serve: stopping\n");
+  server.stop();
+  return Status::ok();
+#endif
+}
+
+}  // namespace
+
+void add_serve(CLI::App& app) {
+  auto* cmd = app.add_subcommand("serve", "OpenAI-compatible HTTP server (completions, chat, sessions, metrics)");
+  auto a = std::make_shared<ServeArgs>();
+  cmd->add_option("--model", a->model_dir, "model directory (config.json, model.safetensors, tokenizer.model)")
+      ->required();
+  cmd->add_option("--name", a->name, "model id clients use (default: the directory's name)");
+  cmd->add_option("--host", a->host, "address to bind (default 127.0.0.1: this machine only)");
+  cmd->add_option("--port", a->port, "port (0 = any free port)")->check(CLI::Range(0, 65535));
+  cmd->add_option("--api-key", a->api_key, "require 'Authorization: Bearer KEY' on every route");
+  cmd->add_option("--api-key-file", a->api_key_file, "read the API key from a file (keeps it out of ps)");
+  cmd->add_option("--device", a->device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--dtype", a->dtype, "f32 (CPU) or bf16 (CUDA)");
+  cmd->add_option("--max-slots", a->max_slots, "sequences served at once (0 = from --memory-budget)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--memory-budget", a->memory_budget, "bytes for state slots when --max-slots is 0 (e.g. 512M)");
+  cmd->add_option("--max-queue", a->max_queue, "requests that may wait for a slot before 429")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--max-batch-tokens", a->max_batch_tokens, "tokens per engine step")->check(CLI::PositiveNumber);
+  cmd->add_option("--prefill-chunk", a->prefill_chunk, "longest prefill piece")->check(CLI::PositiveNumber);
+  cmd->add_option("--max-tokens", a->max_tokens, "largest max_tokens a request may ask for")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--max-prompt-tokens", a->max_prompt_tokens, "longest prompt accepted")->check(CLI::PositiveNumber);
+  cmd->add_option("--max-request-kb", a->max_request_kb, "largest request body (KiB)")->check(CLI::PositiveNumber);
+  cmd->add_option("--max-n", a->max_n, "largest n")->check(CLI::PositiveNumber);
+  cmd->add_option("--cache-mb", a->cache_mb, "host RAM for the exact state cache (0 = off)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--session-dir", a->session_dir, "directory for sessions saved to disk");
+  cmd->add_option("--threads", a->threads, "HTTP worker threads")->check(CLI::Range(2, 1024));
+  cmd->add_option("--read-timeout", a->read_timeout, "seconds a silent client is kept")->check(CLI::Range(1, 3600));
+  cmd->callback([a] { g_exit_code = report(run_serve(*a)); });
+}
+
+}  // namespace laplace::cli

@@ -1,0 +1,71 @@
+// The OpenAI-compatible request format (/v1/completions, /v1/chat/completions): parsing
+// and validation into a plain struct, and the error object. Pure functions, no I/O, so
+// every rule is unit-tested without a socket.
+//
+// Unknown fields are ignored (clients send many); a known field with a wrong type or an
+// out-of-range value is an ApiError (HTTP 400, type "invalid_request_error", `param`
+// naming the field), as OpenAI answers.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "serve/chat_template.h"
+#include "serve/sampler.h"
+
+namespace laplace {
+
+struct ApiError {
+  int http_status = 400;
+  std::string message;
+  std::string type = "invalid_request_error";
+  std::string param;  // "" = null
+  std::string code;   // "" = null
+  nlohmann::json to_json() const;
+};
+
+// Server limits the parser enforces.
+struct ApiLimits {
+  int64_t max_tokens = 4096;         // largest max_tokens a request may ask for
+  int64_t default_max_tokens = 16;   // /v1/completions default (OpenAI's)
+  int64_t default_chat_max_tokens = 256;
+  int64_t max_n = 16;
+  int64_t max_stop = 4;              // stop strings per request
+  int64_t max_stop_bytes = 256;
+};
+
+struct CompletionParams {
+  bool chat = false;
+  std::string model;                // "" = not given
+  // /v1/completions: text, or token ids when the prompt is an array of integers.
+  std::string prompt_text;
+  std::vector<int32_t> prompt_ids;
+  bool prompt_is_ids = false;
+  std::vector<ChatMessage> messages;  // chat
+  int64_t max_tokens = 16;
+  SamplingOptions sampling;
+  bool seed_given = false;
+  std::vector<std::string> stop;
+  int64_t n = 1;
+  bool stream = false;
+  bool include_usage = false;
+  int logprobs = -1;  // -1 = none; else the number of top alternatives (0..20)
+  // Extensions (named sessions, SPEC §3): start from a session's context, and/or save the
+  // context after this request under a name. cache=false bypasses the prefix cache.
+  std::string session;
+  std::string save_session;
+  bool cache = true;
+};
+
+// Parses a request body (already JSON-parsed). chat selects the endpoint's rules.
+std::optional<ApiError> parse_completion_params(const nlohmann::json& body, bool chat, const ApiLimits& lim,
+                                                CompletionParams* out);
+
+// A session name: 1–64 of [A-Za-z0-9_.-], not starting with '.' (used as a file name).
+bool valid_session_name(const std::string& name);
+
+}  // namespace laplace
