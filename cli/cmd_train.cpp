@@ -4,6 +4,8 @@
 
 #include "cli/common.h"
 #include "core/file_util.h"
+#include "dist/comm.h"
+#include "dist/fsdp_trainer.h"
 #include "text/data_loader.h"
 #include "text/prepare.h"
 #include "text/tokenizer.h"
@@ -23,6 +25,8 @@ struct TrainArgs {
   double min_lr_frac = 0.1, decay_frac = 0.2;
   bool no_shuffle = false;
   double peak_tflops = 0;
+  bool distributed = false;
+  std::string muon_comm = "all_to_all";
 };
 
 Status run_train(TrainArgs& a) {
@@ -36,6 +40,21 @@ Status run_train(TrainArgs& a) {
   a.o.schedule.decay_frac = a.decay_frac;
   a.o.shuffle = !a.no_shuffle;
   a.o.peak_flops = a.peak_tflops * 1e12;
+  MuonComm mc;
+  LAPLACE_RETURN_IF_ERROR(muon_comm_from_name(a.muon_comm, &mc));
+  if (a.distributed || launched_by_mpi()) {
+    // FSDP-style data parallel over MPI (one rank per process; P = 1 without mpirun).
+    std::unique_ptr<Communicator> comm;
+    LAPLACE_RETURN_IF_ERROR(make_communicator(&comm));
+    if (comm->rank() != 0) a.o.quiet = true;
+    Status st;
+    {
+      FsdpTrainer t(a.o, mc, *comm);
+      st = t.setup();
+      if (st.is_ok()) st = t.run();
+    }
+    return st;
+  }
   Trainer t(a.o);
   LAPLACE_RETURN_IF_ERROR(t.setup());
   return t.run();
@@ -159,6 +178,11 @@ void add_train(CLI::App& app) {
   cmd->add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_option("--dtype", a->dtype, "f32 or f64 (CPU), bf16 (CUDA: bf16 compute, f32 master weights)");
   cmd->add_flag("--quiet", o.quiet, "no progress lines");
+  cmd->add_flag("--distributed", a->distributed,
+                "FSDP-style sharded training (implied under mpirun; one process = 1 rank)");
+  cmd->add_option("--muon-comm", a->muon_comm,
+                  "distributed Muon: all_to_all (owners get whole matrices in one exchange) or gather")
+      ->check(CLI::IsMember({"gather", "all_to_all"}));
   cmd->callback([a] { g_exit_code = report(run_train(*a)); });
 }
 

@@ -53,6 +53,7 @@ void add_tokenizer(CLI::App& app);
 void add_data(CLI::App& app);
 void add_debug(CLI::App& app);
 void add_bench(CLI::App& app);
+void add_dist(CLI::App& app);
 void add_serve(CLI::App& app);
 
 // Set by subcommand callbacks; main returns it.

@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   laplace::cli::add_data(app);
   laplace::cli::add_debug(app);
   laplace::cli::add_bench(app);
+  laplace::cli::add_dist(app);
   laplace::cli::add_serve(app);
   try {
     app.parse(argc, argv);

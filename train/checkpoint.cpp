@@ -36,13 +36,8 @@ Status read_tensor(const SafeTensorsReader& r, Backend& be, const std::string& n
 
 }  // namespace
 
-Status checkpoint_save(const std::string& path, const Config& c, Backend& be, const Arena& weights,
-                       const Optimizer& opt, const TrainProgress& p) {
-  Staging s;
-  for (size_t i = 0; i < weights.size(); ++i) s.add(be, weights.spec(i).name, weights.tensor(i));
-  for (const auto& [name, t] : opt.state_tensors()) s.add(be, name, t);
-  be.synchronize();
-  std::map<std::string, std::string> meta = {
+std::map<std::string, std::string> checkpoint_metadata(const Config& c, const TrainProgress& p) {
+  return {
       {"format", "pt"},
       {"kind", kKind},
       {"version", kVersion},
@@ -53,13 +48,10 @@ Status checkpoint_save(const std::string& path, const Config& c, Backend& be, co
       {"seed", std::to_string(p.seed)},
       {"tokens_seen", std::to_string(static_cast<int64_t>(p.tokens_seen))},
   };
-  return safetensors_write(path, s.named, meta);
 }
 
-Status checkpoint_load(const std::string& path, const Config& c, Backend& be, const Arena& weights, Optimizer* opt,
-                       TrainProgress* p) {
-  SafeTensorsReader r;
-  LAPLACE_RETURN_IF_ERROR(SafeTensorsReader::open(path, &r));
+Status checkpoint_read_progress(const SafeTensorsReader& r, const Config& c, TrainProgress* p) {
+  const std::string& path = r.path();
   const auto& meta = r.metadata();
   auto get = [&](const char* key, std::string* out) -> Status {
     auto it = meta.find(key);
@@ -92,6 +84,24 @@ Status checkpoint_load(const std::string& path, const Config& c, Backend& be, co
   }
   if (p->step < 0 || p->optimizer_steps < 0 || p->optimizer_steps > p->step)
     return Status::corrupt(path + ": inconsistent step counters in the metadata");
+
+  return Status::ok();
+}
+
+Status checkpoint_save(const std::string& path, const Config& c, Backend& be, const Arena& weights,
+                       const Optimizer& opt, const TrainProgress& p) {
+  Staging s;
+  for (size_t i = 0; i < weights.size(); ++i) s.add(be, weights.spec(i).name, weights.tensor(i));
+  for (const auto& [name, t] : opt.state_tensors()) s.add(be, name, t);
+  be.synchronize();
+  return safetensors_write(path, s.named, checkpoint_metadata(c, p));
+}
+
+Status checkpoint_load(const std::string& path, const Config& c, Backend& be, const Arena& weights, Optimizer* opt,
+                       TrainProgress* p) {
+  SafeTensorsReader r;
+  LAPLACE_RETURN_IF_ERROR(SafeTensorsReader::open(path, &r));
+  LAPLACE_RETURN_IF_ERROR(checkpoint_read_progress(r, c, p));
 
   for (size_t i = 0; i < weights.size(); ++i)
     LAPLACE_RETURN_IF_ERROR(read_tensor(r, be, weights.spec(i).name, weights.tensor(i)).with_context(path));

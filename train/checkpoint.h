@@ -7,7 +7,10 @@
 
 #include <string>
 
+#include <map>
+
 #include "core/arena.h"
+#include "core/safetensors.h"
 #include "model/config.h"
 #include "ops/backend.h"
 #include "train/optimizer.h"
@@ -21,6 +24,13 @@ struct TrainProgress {
   uint64_t seed = 0;              // init seed of the run
   double tokens_seen = 0;
 };
+
+// The metadata every training checkpoint carries (kind, version, config, counters,
+// loader position); the distributed trainer writes the same keys (dist/fsdp_trainer.h).
+std::map<std::string, std::string> checkpoint_metadata(const Config& c, const TrainProgress& p);
+// Checks an open checkpoint's metadata (kind, version, config equal to `c`, consistent
+// counters) and reads the progress from it.
+Status checkpoint_read_progress(const SafeTensorsReader& r, const Config& c, TrainProgress* p);
 
 Status checkpoint_save(const std::string& path, const Config& c, Backend& be, const Arena& weights,
                        const Optimizer& opt, const TrainProgress& p);

@@ -1,0 +1,225 @@
+// `laplace dist plan`: what FSDP-style training with distributed Muon costs per rank,
+// from global shapes only (dist/plan.h), without starting anything.
+#include <algorithm>
+#include <cstdio>
+
+#include "cli/common.h"
+#include "core/dtype.h"
+#include "dist/comm.h"
+#include "dist/plan.h"
+#include "model/config.h"
+
+namespace laplace::cli {
+
+namespace {
+
+struct PlanArgs {
+  std::string config;
+  int ranks = 64;
+  bool muon_fused = false;
+  std::string dtype = "bf16";
+  int show_ranks = 4;
+};
+
+std::string gb(double b) {
+  char buf[48];
+  if (b >= 1e9) std::snprintf(buf, sizeof buf, "%.3f GB", b / 1e9);
+  else if (b >= 1e6) std::snprintf(buf, sizeof buf, "%.3f MB", b / 1e6);
+  else std::snprintf(buf, sizeof buf, "%.1f kB", b / 1e3);
+  return buf;
+}
+
+Status run_plan(const PlanArgs& a) {
+  Config c;
+  LAPLACE_RETURN_IF_ERROR(config_load(a.config, &c));
+  if (a.ranks < 1) return Status::invalid_argument("--ranks must be ≥ 1");
+  int64_t e = 0;
+  if (a.dtype == "bf16") e = 2;
+  else if (a.dtype == "f32") e = 4;
+  else if (a.dtype == "f64") e = 8;
+  else return Status::invalid_argument("--dtype must be bf16, f32 or f64");
+  const int P = a.ranks;
+  const auto params = sharded_params(c, a.muon_fused);
+  const auto units = assign_muon_owners(params, P);
+  double muon_elems = 0, all_elems = 0;
+  for (const auto& p : params) {
+    all_elems += static_cast<double>(p.rows * p.cols);
+    if (p.muon) muon_elems += static_cast<double>(p.rows * p.cols);
+  }
+  const double M = muon_elems * static_cast<double>(e);
+  std::printf("config %s: %zu parameter tensors, %.0f parameters, %.0f in %zu Muon units (%s)\n",
+              a.config.c_str(), params.size(), all_elems, muon_elems, units.size(),
+              a.muon_fused ? "fused matrices" : "per row block");
+  std::printf("ranks P = %d; update communicated as %s (e = %lld bytes/element); M = e·Σ Muon elements = %s\n\n", P,
+              a.dtype.c_str(), (long long)e, gb(M).c_str());
+
+  std::printf("Muon traffic per rank per optimizer step (payload to/from other ranks):\n");
+  std::printf("  %-11s %14s %14s %14s %14s\n", "strategy", "max sent", "max received", "max sent+recv",
+              "mean sent+recv");
+  double tot[2] = {0, 0};
+  for (MuonComm m : {MuonComm::kGather, MuonComm::kAllToAll}) {
+    const auto t = muon_traffic(params, units, P, m, e);
+    int64_t ms = 0, mr = 0, mt = 0;
+    double mean = 0;
+    for (const auto& x : t) {
+      ms = std::max(ms, x.sent);
+      mr = std::max(mr, x.received);
+      mt = std::max(mt, x.sent + x.received);
+      mean += static_cast<double>(x.sent + x.received) / P;
+    }
+    tot[m == MuonComm::kGather ? 0 : 1] = static_cast<double>(mt);
+    std::printf("  %-11s %14s %14s %14s %14s\n", muon_comm_name(m), gb(ms).c_str(), gb(mr).c_str(), gb(mt).c_str(),
+                gb(mean).c_str());
+    if (a.show_ranks > 0) {
+      std::printf("    ");
+      for (int r = 0; r < std::min(P, a.show_ranks); ++r)
+        std::printf("rank %d: %s/%s  ", r, gb(t[r].sent).c_str(), gb(t[r].received).c_str());
+      std::printf("%s\n", P > a.show_ranks ? "…" : "");
+    }
+  }
+  if (tot[1] > 0) std::printf("  gather / all_to_all (max sent+recv) = %.1f×\n", tot[0] / tot[1]);
+
+  const auto cost = owner_costs(units, P);
+  std::vector<int> nunits(P, 0);
+  for (const auto& u : units) nunits[u.owner]++;
+  const double cmax = *std::max_element(cost.begin(), cost.end());
+  const double cmin = *std::min_element(cost.begin(), cost.end());
+  double csum = 0;
+  for (double x : cost) csum += x;
+  std::printf("\nowner assignment (%zu units, cost rows·cols·min(rows,cols), greedy largest-first, ties → lowest "
+              "rank; hash %016llx):\n",
+              units.size(), (unsigned long long)muon_plan_hash(units, P));
+  std::printf("  Newton–Schulz cost per rank: max %.4g, min %.4g, mean %.4g → max/mean %.3f\n", cmax, cmin, csum / P,
+              csum > 0 ? cmax / (csum / P) : 1.0);
+  std::printf("  units per rank: max %d, min %d%s\n", *std::max_element(nunits.begin(), nunits.end()),
+              *std::min_element(nunits.begin(), nunits.end()),
+              static_cast<int64_t>(units.size()) < P ? " (fewer units than ranks: some ranks own none)" : "");
+
+  double fsdp = 0;  // weight all-gather + gradient reduce-scatter per rank per micro-step, at e bytes
+  for (const auto& p : params) {
+    const RowRange mine = shard_rows(p.rows, 0, P);
+    fsdp += 2.0 * static_cast<double>((p.rows - mine.rows()) * p.cols + mine.rows() * p.cols * (P - 1)) * e;
+  }
+  std::printf("\nfor scale: FSDP weight all-gather + gradient reduce-scatter ≈ %s per rank per micro-step (rank 0, "
+              "sent+received, at e bytes)\n",
+              gb(fsdp).c_str());
+  std::printf(
+      "\nformula (ov_r(u) = rows of unit u in rank r's shard ⌈rows/P⌉, c = cols):\n"
+      "  all_to_all: sent = received = e·[Σ_{owner(u)≠r} ov_r(u)·c + Σ_{owner(u)=r} (rows_u − ov_r(u))·c]\n"
+      "              (exchange 1: shard rows → owners; exchange 2: orthogonalised rows back) ≈ 2M/P each way\n"
+      "  gather:     per unit the owner collects the rows, orthogonalises and broadcasts the whole unit:\n"
+      "              sent = e·[Σ_{owner≠r} ov_r(u)·c + Σ_{owner=r} (P−1)·rows_u·c]\n"
+      "              received = e·[Σ_{owner=r} (rows_u − ov_r(u))·c + Σ_{owner≠r} rows_u·c] ≈ M\n"
+      "  see docs/distributed.md\n");
+  return Status::ok();
+}
+
+// Every collective of the Communicator, on every type, checked against values each rank
+// computes on its own (including the rank-order sums of the reductions). Run it under
+// mpirun to check an MPI installation; without mpirun it checks the P = 1 path.
+Status run_selftest() {
+  std::unique_ptr<Communicator> comm;
+  LAPLACE_RETURN_IF_ERROR(make_communicator(&comm));
+  const int P = comm->size(), me = comm->rank();
+  std::string failed;
+  auto expect = [&](bool ok, const std::string& what) {
+    if (!ok && failed.empty()) failed = what;
+  };
+  // all_gather, uneven counts (rank q contributes q % 3 elements: some contribute none).
+  {
+    std::vector<int64_t> counts(P), displs(P);
+    int64_t total = 0;
+    for (int q = 0; q < P; ++q) counts[q] = q % 3, displs[q] = total, total += counts[q];
+    std::vector<int64_t> mine(counts[me]), all(total, -1);
+    for (int64_t i = 0; i < counts[me]; ++i) mine[i] = 100 * me + i;
+    comm->all_gather(mine.data(), all.data(), counts, displs, CommType::kI64);
+    for (int q = 0; q < P; ++q)
+      for (int64_t i = 0; i < counts[q]; ++i) expect(all[displs[q] + i] == 100 * q + i, "all_gather i64");
+  }
+  // all_to_all f64, per-peer counts (q + t) % 3, and its byte accounting.
+  {
+    auto cnt = [](int q, int t) { return static_cast<int64_t>((q + t) % 3); };
+    std::vector<int64_t> sc(P), sd(P), rc(P), rd(P);
+    int64_t so = 0, ro = 0, sent = 0, recv = 0;
+    for (int t = 0; t < P; ++t) {
+      sc[t] = cnt(me, t), sd[t] = so, so += sc[t];
+      rc[t] = cnt(t, me), rd[t] = ro, ro += rc[t];
+      if (t != me) sent += sc[t] * 8, recv += rc[t] * 8;
+    }
+    std::vector<double> s(so), r(ro, -1);
+    for (int t = 0; t < P; ++t)
+      for (int64_t i = 0; i < sc[t]; ++i) s[sd[t] + i] = me * 1000.0 + t * 10.0 + i;
+    const CommStats before = comm->stats();
+    comm->all_to_all(s.data(), sc, sd, r.data(), rc, rd, CommType::kF64);
+    expect(comm->stats().bytes_sent - before.bytes_sent == sent, "all_to_all bytes sent");
+    expect(comm->stats().bytes_received - before.bytes_received == recv, "all_to_all bytes received");
+    for (int q = 0; q < P; ++q)
+      for (int64_t i = 0; i < rc[q]; ++i) expect(r[rd[q] + i] == q * 1000.0 + me * 10.0 + i, "all_to_all f64");
+  }
+  // broadcast bf16 from the last rank.
+  {
+    std::vector<uint16_t> b(5);
+    for (int i = 0; i < 5; ++i) b[i] = me == P - 1 ? float_to_bf16(0.5f * i + 1) : 0;
+    comm->broadcast(b.data(), 5, P - 1, CommType::kBF16);
+    for (int i = 0; i < 5; ++i) expect(b[i] == float_to_bf16(0.5f * i + 1), "broadcast bf16");
+  }
+  // reduce_scatter f32 with values whose sum depends on the order: the result must be the
+  // left-to-right sum over ranks 0..P−1 (counts t % 2 + 1).
+  auto val = [](int q, int64_t i) { return q == 0 ? 1e8f + static_cast<float>(i) : 1.0f + 0.25f * q; };
+  {
+    std::vector<int64_t> counts(P);
+    int64_t total = 0;
+    for (int t = 0; t < P; ++t) counts[t] = t % 2 + 1, total += counts[t];
+    std::vector<float> s(total), r(counts[me]);
+    for (int64_t i = 0; i < total; ++i) s[i] = val(me, i);
+    comm->reduce_scatter(s.data(), r.data(), counts, CommType::kF32);
+    int64_t off = 0;
+    for (int t = 0; t < me; ++t) off += counts[t];
+    for (int64_t i = 0; i < counts[me]; ++i) {
+      float e = val(0, off + i);
+      for (int q = 1; q < P; ++q) e = e + val(q, off + i);
+      expect(r[i] == e, "reduce_scatter f32 (rank order)");
+    }
+  }
+  // all_reduce f64, i64, bf16: identical on every rank, rank-order sums.
+  {
+    double d[2] = {me == 0 ? 1e16 : 1.0, static_cast<double>(me)};
+    comm->all_reduce(d, 2, CommType::kF64);
+    double e0 = 1e16, e1 = 0;
+    for (int q = 1; q < P; ++q) e0 = e0 + 1.0, e1 += q;
+    expect(d[0] == e0 && d[1] == e1, "all_reduce f64 (rank order)");
+    int64_t i = me + 1;
+    comm->all_reduce(&i, 1, CommType::kI64);
+    expect(i == static_cast<int64_t>(P) * (P + 1) / 2, "all_reduce i64");
+    uint16_t h = float_to_bf16(1.0f);
+    comm->all_reduce(&h, 1, CommType::kBF16);
+    expect(h == float_to_bf16(static_cast<float>(P)), "all_reduce bf16");
+  }
+  comm->barrier();
+  Status st = failed.empty() ? Status::ok()
+                             : Status::invalid_argument("rank " + std::to_string(me) + ": " + failed + " is wrong");
+  st = agree_status(*comm, st);
+  if (st.is_ok()) std::printf("rank %d/%d (%s): communicator selftest ok\n", me, P, comm->name());
+  return st;
+}
+
+}  // namespace
+
+void add_dist(CLI::App& app) {
+  auto* dist = app.add_subcommand("dist", "distributed training tools");
+  dist->require_subcommand(1);
+  auto* plan = dist->add_subcommand("plan", "per-rank Muon traffic of both --muon-comm strategies and owner balance");
+  auto a = std::make_shared<PlanArgs>();
+  plan->add_option("--config", a->config, "config.json")->required();
+  plan->add_option("--ranks", a->ranks, "number of ranks P")->check(CLI::Range(1, 1 << 20));
+  plan->add_flag("--muon-fused", a->muon_fused, "orthogonalise W_qkvg and W_12 whole");
+  plan->add_option("--dtype", a->dtype, "dtype of the communicated update: bf16 (GPU), f32 or f64 (CPU)")
+      ->check(CLI::IsMember({"bf16", "f32", "f64"}));
+  plan->add_option("--show-ranks", a->show_ranks, "print sent/received of the first N ranks")
+      ->check(CLI::NonNegativeNumber);
+  plan->callback([a] { g_exit_code = report(run_plan(*a)); });
+  auto* self = dist->add_subcommand("selftest", "check every collective (run under mpirun -np P)");
+  self->callback([] { g_exit_code = report(run_selftest()); });
+}
+
+}  // namespace laplace::cli

@@ -1,0 +1,743 @@
+#include "dist/fsdp_trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/check.h"
+#include "core/file_util.h"
+#include "core/safetensors.h"
+
+namespace laplace {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+double now_s() {
+  using namespace std::chrono;
+  return duration<double>(steady_clock::now().time_since_epoch()).count();
+}
+
+std::string fmt_bytes(double b) {
+  char buf[32];
+  if (b >= 1e9) std::snprintf(buf, sizeof buf, "%.2f GB", b / 1e9);
+  else if (b >= 1e6) std::snprintf(buf, sizeof buf, "%.2f MB", b / 1e6);
+  else if (b >= 1e3) std::snprintf(buf, sizeof buf, "%.1f kB", b / 1e3);
+  else std::snprintf(buf, sizeof buf, "%.0f B", b);
+  return buf;
+}
+
+uint64_t fnv1a(const std::string& s, uint64_t h) {
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+// a = a + b element-wise in the element type (the same expression as the reduction).
+void add_into(void* a, const void* b, int64_t n, DType t) {
+  if (t == DType::kF32) {
+    float* x = static_cast<float*>(a);
+    const float* y = static_cast<const float*>(b);
+    for (int64_t i = 0; i < n; ++i) x[i] = x[i] + y[i];
+  } else {
+    double* x = static_cast<double*>(a);
+    const double* y = static_cast<const double*>(b);
+    for (int64_t i = 0; i < n; ++i) x[i] = x[i] + y[i];
+  }
+}
+
+// Σ x² of one row, in double, left to right.
+double row_sumsq(const char* p, int64_t n, DType t) {
+  double s = 0.0;
+  if (t == DType::kF32) {
+    const float* x = reinterpret_cast<const float*>(p);
+    for (int64_t i = 0; i < n; ++i) s += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  } else {
+    const double* x = reinterpret_cast<const double*>(p);
+    for (int64_t i = 0; i < n; ++i) s += x[i] * x[i];
+  }
+  return s;
+}
+
+std::vector<int64_t> prefix(const std::vector<int64_t>& counts) {
+  std::vector<int64_t> d(counts.size());
+  int64_t off = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    d[i] = off;
+    off += counts[i];
+  }
+  return d;
+}
+
+}  // namespace
+
+FsdpTrainer::FsdpTrainer(TrainOptions o, MuonComm muon_comm, Communicator& comm)
+    : opt_(std::move(o)), muon_comm_(muon_comm), comm_(comm), P_(comm.size()), me_(comm.rank()) {}
+
+std::vector<int64_t> FsdpTrainer::counts_of(size_t i) const {
+  std::vector<int64_t> c(P_);
+  for (int q = 0; q < P_; ++q) c[q] = local_[i].all[q].rows() * params_[i].cols;
+  return c;
+}
+
+Tensor FsdpTrainer::shard_view(void* base, int64_t elem_off, const ShardedParam& p, int64_t rows) const {
+  std::vector<int64_t> shape = p.shape;
+  if (shape.empty()) shape = {1};
+  shape[0] = rows;
+  return Tensor::make(static_cast<char*>(base) + elem_off * static_cast<int64_t>(dtype_size(dtype_)), dtype_,
+                      shape.data(), static_cast<int>(shape.size()), Device::kCPU);
+}
+
+Status FsdpTrainer::setup_local() {
+  LAPLACE_RETURN_IF_ERROR(config_load(opt_.config_path, &cfg_));
+  if (opt_.batch < 1 || opt_.seq < 1 || opt_.grad_accum < 1 || opt_.steps < 1)
+    return Status::invalid_argument("batch, seq, grad-accum and steps must all be ≥ 1");
+  if (opt_.device != "cpu")
+    return Status::unsupported("distributed training runs on the CPU (MPI) for now; the NCCL communicator for "
+                               "--device cuda is not built yet");
+  if (opt_.dtype != DType::kF32 && opt_.dtype != DType::kF64)
+    return Status::unsupported(std::string("distributed training on the CPU computes in f32 or f64, not ") +
+                               dtype_name(opt_.dtype));
+  dtype_ = opt_.dtype;
+  ctype_ = dtype_ == DType::kF32 ? CommType::kF32 : CommType::kF64;
+  opt_.schedule.total_steps = opt_.steps;
+  LAPLACE_RETURN_IF_ERROR(opt_.schedule.validate());
+  LAPLACE_RETURN_IF_ERROR(opt_.optim.validate());
+  LAPLACE_RETURN_IF_ERROR(make_backend(opt_.device, &be_));
+  LAPLACE_RETURN_IF_ERROR(model_.create(cfg_, *be_, dtype_));
+  // Every rank builds the same full initial weights (seeded, or --init), then keeps its rows.
+  if (!opt_.init_ckpt.empty()) LAPLACE_RETURN_IF_ERROR(model_.load(opt_.init_ckpt));
+  else model_.init_weights(opt_.seed);
+  LAPLACE_RETURN_IF_ERROR(model_.plan({opt_.batch, opt_.seq, true, opt_.recompute_mixer}));
+  LAPLACE_RETURN_IF_ERROR(grads_.create(weight_specs(cfg_, dtype_), be_->allocator(), "gradients"));
+
+  // ---- the plan: shards, groups, Muon owners --------------------------------------------
+  params_ = sharded_params(cfg_, opt_.muon_fused);
+  units_ = assign_muon_owners(params_, P_);
+  const Arena& W = model_.weight_arena();
+  LAPLACE_CHECK(W.size() == params_.size(), "FsdpTrainer: weight table and plan differ");
+  local_.assign(params_.size(), Local{});
+  std::vector<TensorSpec> specs;
+  int64_t u_total = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Local& l = local_[i];
+    for (int q = 0; q < P_; ++q) l.all.push_back(shard_rows(params_[i].rows, q, P_));
+    l.mine = l.all[me_];
+    l.full_w = W.tensor(i);
+    l.full_g = grads_.tensor(i);
+    const int64_t n = l.mine.rows() * params_[i].cols;
+    specs.push_back({"master." + params_[i].name, dtype_, {n}});
+    specs.push_back({"grad." + params_[i].name, dtype_, {n}});
+    if (params_[i].muon) {
+      specs.push_back({"optim." + params_[i].name + ".momentum", dtype_, {n}});
+      l.u_off = u_total;
+      u_total += n;
+    } else {
+      specs.push_back({"optim." + params_[i].name + ".adam_m", dtype_, {n}});
+      specs.push_back({"optim." + params_[i].name + ".adam_v", dtype_, {n}});
+    }
+  }
+  LAPLACE_RETURN_IF_ERROR(shards_.create(std::move(specs), be_->allocator(), "shards"));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Local& l = local_[i];
+    const int64_t rows = l.mine.rows();
+    auto view = [&](const std::string& name) {
+      return rows > 0 ? shard_view(shards_.tensor(shards_.find(name)).data, 0, params_[i], rows) : Tensor{};
+    };
+    l.w = view("master." + params_[i].name);
+    l.g = view("grad." + params_[i].name);
+    l.s0 = view(params_[i].muon ? "optim." + params_[i].name + ".momentum" : "optim." + params_[i].name + ".adam_m");
+    if (!params_[i].muon) l.s1 = view("optim." + params_[i].name + ".adam_v");
+    if (rows > 0) {  // initial masters = my rows of the (identical) full weights
+      const size_t es = dtype_size(dtype_);
+      std::memcpy(l.w.data, static_cast<char*>(l.full_w.data) + l.mine.begin * params_[i].cols * es,
+                  static_cast<size_t>(rows * params_[i].cols) * es);
+    }
+  }
+  // Groups: embedding, each layer, the rest (final norm, head), in forward order.
+  groups_.assign(static_cast<size_t>(cfg_.num_layers) + 2, {});
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const std::string& n = params_[i].name;
+    size_t g = groups_.size() - 1;
+    if (n.rfind("model.embed", 0) == 0) g = 0;
+    else if (n.rfind("model.layers.", 0) == 0) g = 1 + static_cast<size_t>(std::stoll(n.substr(13)));
+    groups_[g].push_back(i);
+  }
+  // Muon buffers.
+  unit_ov_.assign(units_.size(), {});
+  owned_off_.assign(units_.size(), -1);
+  int64_t owned_total = 0, max_unit = 0;
+  for (size_t k = 0; k < units_.size(); ++k) {
+    const MuonUnit& u = units_[k];
+    for (int q = 0; q < P_; ++q) unit_ov_[k].push_back(overlap(local_[u.param].all[q], {u.row_begin, u.row_begin + u.rows}));
+    if (u.owner == me_) {
+      owned_off_[k] = owned_total;
+      owned_total += u.rows * u.cols;
+    }
+    max_unit = std::max(max_unit, u.rows * u.cols);
+    ns_.plan(u.rows, u.cols);
+  }
+  ns_.dtype = dtype_;
+  std::vector<TensorSpec> ms = {{"muon.u", dtype_, {u_total}},
+                                {"muon.o", dtype_, {u_total}},
+                                {"muon.owned", dtype_, {owned_total}},
+                                {"muon.bcast", dtype_, {max_unit}}};
+  ns_.add_specs(&ms, "muon.ns.");
+  LAPLACE_RETURN_IF_ERROR(muon_.create(std::move(ms), be_->allocator(), "Muon buffers"));
+  ushard_ = muon_.tensor(0);
+  oshard_ = muon_.tensor(1);
+  owned_ = muon_.tensor(2);
+  bcast_ = muon_.tensor(3);
+  LAPLACE_RETURN_IF_ERROR(ns_.bind(muon_, "muon.ns."));
+
+  // The plan hash covers the owner assignment, the config and the flags that shape it.
+  plan_hash_ = muon_plan_hash(units_, P_);
+  plan_hash_ = fnv1a(cfg_.to_json(), plan_hash_);
+  plan_hash_ = fnv1a(std::string(muon_comm_name(muon_comm_)) + (opt_.muon_fused ? "/fused" : "/blocks") + "/" +
+                         std::to_string(opt_.batch) + "/" + std::to_string(opt_.seq) + "/" +
+                         std::to_string(opt_.grad_accum) + "/" + dtype_name(dtype_),
+                     plan_hash_);
+
+  // ---- data ---------------------------------------------------------------------------------
+  DataLoaderOptions dl;
+  LAPLACE_RETURN_IF_ERROR(expand_shard_patterns(opt_.train_data, &dl.shards));
+  dl.batch_size = opt_.batch;
+  dl.seq_len = opt_.seq;
+  dl.shuffle = opt_.shuffle;
+  dl.seed = opt_.data_seed;
+  dl.vocab_size = cfg_.vocab_size;
+  dl.rank = me_;
+  dl.world = P_;
+  LAPLACE_RETURN_IF_ERROR(DataLoader::open(dl, &train_loader_).with_context("training data"));
+  if (!opt_.val_data.empty()) {
+    DataLoaderOptions vl = dl;
+    vl.shards.clear();
+    LAPLACE_RETURN_IF_ERROR(expand_shard_patterns(opt_.val_data, &vl.shards));
+    vl.shuffle = false;
+    LAPLACE_RETURN_IF_ERROR(DataLoader::open(vl, &val_loader_).with_context("validation data"));
+    has_val_ = true;
+  }
+  progress_ = TrainProgress{};
+  progress_.seed = opt_.seed;
+  if (!opt_.out_dir.empty() && me_ == 0) {
+    std::error_code ec;
+    fs::create_directories(opt_.out_dir, ec);
+    if (ec) return Status::io_error("cannot create " + opt_.out_dir + ": " + ec.message());
+  }
+  x_.resize(opt_.batch * opt_.seq);
+  y_.resize(opt_.batch * opt_.seq);
+  return Status::ok();
+}
+
+Status FsdpTrainer::setup() {
+  LAPLACE_RETURN_IF_ERROR(agree_status(comm_, setup_local()));
+  // Every rank must have derived the same plan (config, flags, owners).
+  std::vector<int64_t> hashes(P_), ones(P_, 1), displs(P_);
+  for (int q = 0; q < P_; ++q) displs[q] = q;
+  const int64_t mine = static_cast<int64_t>(plan_hash_);
+  comm_.all_gather(&mine, hashes.data(), ones, displs, CommType::kI64);
+  for (int q = 0; q < P_; ++q)
+    if (hashes[q] != mine)
+      return Status::invalid_argument("rank " + std::to_string(q) + " derived a different sharding/Muon owner plan " +
+                                      "(hash mismatch): every rank must get the same config and flags");
+
+  std::string resume = opt_.resume;
+  if (resume == "auto") {
+    const std::string p = opt_.out_dir + "/checkpoint.safetensors";
+    resume = fs::exists(p) ? p : "";
+  }
+  if (!resume.empty()) {
+    LAPLACE_RETURN_IF_ERROR(agree_status(comm_, load_checkpoint(resume)));
+    if (!opt_.quiet && me_ == 0)
+      std::printf("resumed from %s at step %lld\n", resume.c_str(), (long long)progress_.step);
+  }
+  gather_weights();
+  if (!opt_.quiet && me_ == 0) {
+    const std::vector<double> cost = owner_costs(units_, P_);
+    double mx = 0, sum = 0;
+    for (double c : cost) {
+      mx = std::max(mx, c);
+      sum += c;
+    }
+    const auto tr = muon_traffic(params_, units_, P_, muon_comm_, static_cast<int64_t>(dtype_size(dtype_)));
+    int64_t tmax = 0;
+    for (const auto& t : tr) tmax = std::max(tmax, t.sent + t.received);
+    std::printf("model: %lld parameters (%lld in Muon matrices), %s %s\n", (long long)cfg_.total_params(),
+                (long long)cfg_.body_params(), be_->name(), dtype_name(dtype_));
+    std::printf("dist: %d rank(s) over %s; FSDP row shards; Muon %zu units, --muon-comm %s, owner plan %016llx, "
+                "Newton–Schulz cost max/mean %.3f; predicted Muon traffic ≤ %s per rank per step\n",
+                P_, comm_.name(), units_.size(), muon_comm_name(muon_comm_), (unsigned long long)plan_hash_,
+                sum > 0 ? mx / (sum / P_) : 1.0, fmt_bytes(static_cast<double>(tmax)).c_str());
+    std::printf("memory per rank: full weights %.1f MB, full gradient %.1f MB, shards %.1f MB, Muon buffers %.1f MB, "
+                "activations %.1f MB\n",
+                model_.weight_arena().bytes() / 1e6, grads_.bytes() / 1e6, shards_.bytes() / 1e6,
+                muon_.bytes() / 1e6, model_.activation_bytes() / 1e6);
+    std::printf("data: %lld tokens in %lld shards; %lld tokens per step (ranks %d × batch %lld × seq %lld × accum "
+                "%lld)\n",
+                (long long)train_loader_.total_tokens(), (long long)train_loader_.num_shards(),
+                (long long)(P_ * opt_.batch * opt_.seq * opt_.grad_accum), P_, (long long)opt_.batch,
+                (long long)opt_.seq, (long long)opt_.grad_accum);
+    std::fflush(stdout);
+  }
+  return Status::ok();
+}
+
+// ---- collectives over the parameter table --------------------------------------------------
+
+void FsdpTrainer::gather_weights() {
+  for (const auto& group : groups_)  // a GPU version prefetches group g+1 here
+    for (size_t i : group) {
+      const std::vector<int64_t> counts = counts_of(i);
+      comm_.all_gather(local_[i].w.data, local_[i].full_w.data, counts, prefix(counts), ctype_);
+    }
+}
+
+void FsdpTrainer::reduce_scatter_grads(bool first) {
+  std::vector<char> tmp;
+  for (size_t g = groups_.size(); g-- > 0;)  // backward order; a GPU version overlaps this with the backward
+    for (size_t i : groups_[g]) {
+      const std::vector<int64_t> counts = counts_of(i);
+      Local& l = local_[i];
+      const int64_t n = counts[me_];
+      if (first) {
+        comm_.reduce_scatter(l.full_g.data, l.g.data, counts, ctype_);
+      } else {
+        tmp.resize(static_cast<size_t>(n) * dtype_size(dtype_));
+        comm_.reduce_scatter(l.full_g.data, tmp.data(), counts, ctype_);
+        if (n > 0) add_into(l.g.data, tmp.data(), n, dtype_);
+      }
+    }
+}
+
+double FsdpTrainer::grad_norm() {
+  // Per-row partial sums of squares, in double; gathered from every rank and added in
+  // (param, row) order, which is the same sequence for every P.
+  std::vector<double> mine;
+  std::vector<int64_t> counts(P_, 0);
+  const size_t es = dtype_size(dtype_);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int64_t cols = params_[i].cols;
+    for (int q = 0; q < P_; ++q) counts[q] += local_[i].all[q].rows();
+    for (int64_t r = 0; r < local_[i].mine.rows(); ++r)
+      mine.push_back(row_sumsq(static_cast<const char*>(local_[i].g.data) + r * cols * es, cols, dtype_));
+  }
+  const std::vector<int64_t> displs = prefix(counts);
+  std::vector<double> all(static_cast<size_t>(displs.back() + counts.back()));
+  comm_.all_gather(mine.data(), all.data(), counts, displs, CommType::kF64);
+  std::vector<int64_t> cursor = displs;
+  double ss = 0.0;
+  for (size_t i = 0; i < params_.size(); ++i)
+    for (int q = 0; q < P_; ++q)
+      for (int64_t r = 0; r < local_[i].all[q].rows(); ++r) ss += all[static_cast<size_t>(cursor[q]++)];
+  return std::sqrt(ss);
+}
+
+// ---- Muon exchanges ----------------------------------------------------------------------------
+
+void FsdpTrainer::muon_exchange_all_to_all() {
+  const size_t es = dtype_size(dtype_);
+  char* u = static_cast<char*>(ushard_.data);
+  char* o = static_cast<char*>(oshard_.data);
+  char* owned = static_cast<char*>(owned_.data);
+  auto my_rows_of = [&](size_t k, char* base) {  // this rank's rows of unit k in a shard buffer
+    const MuonUnit& un = units_[k];
+    const Local& l = local_[un.param];
+    return base + (l.u_off + (unit_ov_[k][me_].begin - l.mine.begin) * un.cols) * static_cast<int64_t>(es);
+  };
+  auto rows_in_block = [&](size_t k, int q) {  // rank q's rows of unit k inside the owned block
+    const MuonUnit& un = units_[k];
+    return owned + (owned_off_[k] + (unit_ov_[k][q].begin - un.row_begin) * un.cols) * static_cast<int64_t>(es);
+  };
+  // Counts from global shapes: to owner q, my rows of q's units; from q, q's rows of mine.
+  std::vector<int64_t> to(P_, 0), from(P_, 0);
+  for (size_t k = 0; k < units_.size(); ++k) {
+    const MuonUnit& un = units_[k];
+    to[un.owner] += unit_ov_[k][me_].rows() * un.cols;
+    if (un.owner == me_)
+      for (int q = 0; q < P_; ++q) from[q] += unit_ov_[k][q].rows() * un.cols;
+  }
+  const std::vector<int64_t> to_d = prefix(to), from_d = prefix(from);
+  std::vector<char> sendbuf(static_cast<size_t>(to_d.back() + to.back()) * es);
+  std::vector<char> recvbuf(static_cast<size_t>(from_d.back() + from.back()) * es);
+
+  // Exchange 1: shard rows → owners.
+  std::vector<int64_t> cur = to_d;
+  for (size_t k = 0; k < units_.size(); ++k) {
+    const int64_t n = unit_ov_[k][me_].rows() * units_[k].cols;
+    if (n == 0) continue;
+    std::memcpy(sendbuf.data() + cur[units_[k].owner] * es, my_rows_of(k, u), static_cast<size_t>(n) * es);
+    cur[units_[k].owner] += n;
+  }
+  comm_.all_to_all(sendbuf.data(), to, to_d, recvbuf.data(), from, from_d, ctype_);
+  cur = from_d;
+  for (int q = 0; q < P_; ++q)
+    for (size_t k = 0; k < units_.size(); ++k) {
+      if (units_[k].owner != me_) continue;
+      const int64_t n = unit_ov_[k][q].rows() * units_[k].cols;
+      if (n == 0) continue;
+      std::memcpy(rows_in_block(k, q), recvbuf.data() + cur[q] * es, static_cast<size_t>(n) * es);
+      cur[q] += n;
+    }
+  // Every rank orthogonalises its units, in unit order.
+  for (size_t k = 0; k < units_.size(); ++k) {
+    if (units_[k].owner != me_) continue;
+    const int64_t shape[2] = {units_[k].rows, units_[k].cols};
+    Tensor blk = Tensor::make(owned + owned_off_[k] * static_cast<int64_t>(es), dtype_, shape, 2, Device::kCPU);
+    newton_schulz(*be_, blk, blk, ns_, opt_.optim.ns_steps);
+  }
+  // Exchange 2: the mirror image, orthogonalised rows → row owners.
+  cur = from_d;
+  for (int q = 0; q < P_; ++q)
+    for (size_t k = 0; k < units_.size(); ++k) {
+      if (units_[k].owner != me_) continue;
+      const int64_t n = unit_ov_[k][q].rows() * units_[k].cols;
+      if (n == 0) continue;
+      std::memcpy(recvbuf.data() + cur[q] * es, rows_in_block(k, q), static_cast<size_t>(n) * es);
+      cur[q] += n;
+    }
+  comm_.all_to_all(recvbuf.data(), from, from_d, sendbuf.data(), to, to_d, ctype_);
+  cur = to_d;
+  for (size_t k = 0; k < units_.size(); ++k) {
+    const int64_t n = unit_ov_[k][me_].rows() * units_[k].cols;
+    if (n == 0) continue;
+    std::memcpy(my_rows_of(k, o), sendbuf.data() + cur[units_[k].owner] * es, static_cast<size_t>(n) * es);
+    cur[units_[k].owner] += n;
+  }
+}
+
+void FsdpTrainer::muon_exchange_gather() {
+  const size_t es = dtype_size(dtype_);
+  char* u = static_cast<char*>(ushard_.data);
+  char* o = static_cast<char*>(oshard_.data);
+  char* owned = static_cast<char*>(owned_.data);
+  for (size_t k = 0; k < units_.size(); ++k) {
+    const MuonUnit& un = units_[k];
+    const Local& l = local_[un.param];
+    const int owner = un.owner;
+    const int64_t my_off = l.u_off + (unit_ov_[k][me_].begin - l.mine.begin) * un.cols;
+    // Collect the unit on its owner, straight into the owned block (rows in rank order).
+    std::vector<int64_t> sc(P_, 0), sd(P_, 0), rc(P_, 0), rd(P_, 0);
+    sc[owner] = unit_ov_[k][me_].rows() * un.cols;
+    if (owner == me_)
+      for (int q = 0; q < P_; ++q) {
+        rc[q] = unit_ov_[k][q].rows() * un.cols;
+        rd[q] = (unit_ov_[k][q].begin - un.row_begin) * un.cols;
+      }
+    char* block = owner == me_ ? owned + owned_off_[k] * static_cast<int64_t>(es) : static_cast<char*>(bcast_.data);
+    comm_.all_to_all(u + my_off * static_cast<int64_t>(es), sc, sd, block, rc, rd, ctype_);
+    if (owner == me_) {
+      const int64_t shape[2] = {un.rows, un.cols};
+      Tensor blk = Tensor::make(block, dtype_, shape, 2, Device::kCPU);
+      newton_schulz(*be_, blk, blk, ns_, opt_.optim.ns_steps);
+    }
+    comm_.broadcast(block, un.rows * un.cols, owner, ctype_);
+    const int64_t n = unit_ov_[k][me_].rows() * un.cols;
+    if (n > 0)
+      std::memcpy(o + my_off * static_cast<int64_t>(es),
+                  block + (unit_ov_[k][me_].begin - un.row_begin) * un.cols * static_cast<int64_t>(es),
+                  static_cast<size_t>(n) * es);
+  }
+}
+
+StepResult FsdpTrainer::optimizer_step(double lr, DistStepTraffic* traffic) {
+  Backend& be = *be_;
+  const OptimizerConfig& cfg = opt_.optim;
+  StepResult r;
+  r.grad_norm = grad_norm();
+  if (!std::isfinite(r.grad_norm)) {  // before any state changes (SPEC §5)
+    r.skipped = true;
+    return r;
+  }
+  if (cfg.max_grad_norm > 0 && r.grad_norm > cfg.max_grad_norm) {
+    r.clip_coef = cfg.max_grad_norm / (r.grad_norm + 1e-6);
+    for (Local& l : local_)
+      if (l.g.defined()) be.scale(l.g, r.clip_coef);
+  }
+  ++t_;
+  AdamWParams ap;
+  ap.lr = lr;
+  ap.beta1 = cfg.beta1;
+  ap.beta2 = cfg.beta2;
+  ap.eps = cfg.eps;
+  ap.step = t_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Local& l = local_[i];
+    if (params_[i].muon || !l.w.defined()) continue;
+    ap.wd = params_[i].decay ? cfg.weight_decay : 0.0;
+    be.adamw_update(l.w, l.g, l.s0, l.s1, ap);
+  }
+  auto buf_view = [&](const Tensor& flat, size_t i) {
+    return shard_view(flat.data, local_[i].u_off, params_[i], local_[i].mine.rows());
+  };
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Local& l = local_[i];
+    if (!params_[i].muon || !l.w.defined()) continue;
+    muon_prepare(be, l.g, l.s0, buf_view(ushard_, i), cfg.momentum, cfg.nesterov);
+  }
+  const CommStats before = comm_.stats();
+  if (muon_comm_ == MuonComm::kAllToAll) muon_exchange_all_to_all();
+  else muon_exchange_gather();
+  traffic->muon_sent = comm_.stats().bytes_sent - before.bytes_sent;
+  traffic->muon_received = comm_.stats().bytes_received - before.bytes_received;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Local& l = local_[i];
+    if (!params_[i].muon || !l.w.defined()) continue;
+    muon_finish(be, l.w, buf_view(oshard_, i), params_[i].blocks, l.mine.begin, lr, cfg.weight_decay, cfg.scale);
+  }
+  return r;
+}
+
+// ---- checkpoints -----------------------------------------------------------------------------------
+
+void FsdpTrainer::gather_rows_to_root(const Tensor& shard, const ShardedParam& p, const Local& l, void* full) {
+  std::vector<int64_t> sc(P_, 0), sd(P_, 0), rc(P_, 0), rd(P_, 0);
+  sc[0] = l.mine.rows() * p.cols;
+  if (me_ == 0)
+    for (int q = 0; q < P_; ++q) {
+      rc[q] = l.all[q].rows() * p.cols;
+      rd[q] = l.all[q].begin * p.cols;
+    }
+  comm_.all_to_all(shard.data, sc, sd, full, rc, rd, ctype_);
+}
+
+Status FsdpTrainer::save_checkpoint() {
+  if (opt_.out_dir.empty()) return Status::ok();
+  progress_.loader_position = train_loader_.position().to_json();
+  progress_.optimizer_steps = t_;
+  // Collective part: gather masters and optimizer state onto rank 0.
+  std::vector<std::vector<char>> bufs;
+  std::vector<NamedTensor> named;
+  const size_t es = dtype_size(dtype_);
+  auto add = [&](const std::string& name, const Tensor& shard, size_t i) {
+    std::vector<int64_t> shape = params_[i].shape;
+    bufs.emplace_back(me_ == 0 ? static_cast<size_t>(params_[i].rows * params_[i].cols) * es : 0);
+    gather_rows_to_root(shard, params_[i], local_[i], bufs.back().data());
+    if (me_ == 0)
+      named.push_back({name, Tensor::make(bufs.back().data(), dtype_, shape.data(), static_cast<int>(shape.size()))});
+  };
+  bufs.reserve(params_.size() * 3);
+  for (size_t i = 0; i < params_.size(); ++i) add(params_[i].name, local_[i].w, i);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].muon) {
+      add("optim." + params_[i].name + ".momentum", local_[i].s0, i);
+    } else {
+      add("optim." + params_[i].name + ".adam_m", local_[i].s0, i);
+      add("optim." + params_[i].name + ".adam_v", local_[i].s1, i);
+    }
+  }
+  Status st;
+  if (me_ == 0) {
+    auto meta = checkpoint_metadata(cfg_, progress_);
+    meta["dist_world"] = std::to_string(P_);
+    meta["muon_comm"] = muon_comm_name(muon_comm_);
+    st = safetensors_write(opt_.out_dir + "/checkpoint.safetensors", named, meta);
+    if (st.is_ok()) {
+      const std::string cfg_text = cfg_.to_json();
+      st = write_file_atomic(opt_.out_dir + "/config.json", cfg_text.data(), cfg_text.size());
+    }
+    if (st.is_ok()) st = model_.save(opt_.out_dir + "/model.safetensors");  // gathered = current masters
+    if (st.is_ok() && !opt_.tokenizer.empty()) {
+      std::string tok;
+      st = read_file(opt_.tokenizer, &tok);
+      if (st.is_ok()) st = write_file_atomic(opt_.out_dir + "/tokenizer.model", tok.data(), tok.size());
+    }
+  }
+  return agree_status(comm_, st);
+}
+
+Status FsdpTrainer::load_checkpoint(const std::string& path) {
+  SafeTensorsReader r;
+  LAPLACE_RETURN_IF_ERROR(SafeTensorsReader::open(path, &r));
+  TrainProgress p;
+  LAPLACE_RETURN_IF_ERROR(checkpoint_read_progress(r, cfg_, &p));
+  // Every tensor this run needs, full shape; nothing else named optim.* may be present.
+  std::vector<std::pair<std::string, std::pair<size_t, Tensor*>>> want;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    want.push_back({params_[i].name, {i, &local_[i].w}});
+    if (params_[i].muon) {
+      want.push_back({"optim." + params_[i].name + ".momentum", {i, &local_[i].s0}});
+    } else {
+      want.push_back({"optim." + params_[i].name + ".adam_m", {i, &local_[i].s0}});
+      want.push_back({"optim." + params_[i].name + ".adam_v", {i, &local_[i].s1}});
+    }
+  }
+  for (const SafeTensorInfo& info : r.tensors()) {
+    if (info.name.rfind("optim.", 0) != 0) continue;
+    bool known = false;
+    for (const auto& w : want) known |= w.first == info.name;
+    if (!known)
+      return Status::invalid_argument(path + ": unexpected optimizer tensor '" + info.name +
+                                      "' (no such parameter or state in this run; written with other Muon/AdamW "
+                                      "settings?)");
+  }
+  // Read everything before changing anything.
+  const size_t es = dtype_size(dtype_);
+  std::vector<std::vector<char>> rows(want.size());
+  for (size_t j = 0; j < want.size(); ++j) {
+    const auto& [name, slot] = want[j];
+    const ShardedParam& sp = params_[slot.first];
+    if (!r.find(name)) return Status::invalid_argument(path + ": missing tensor " + name);
+    std::vector<char> full(static_cast<size_t>(sp.rows * sp.cols) * es);
+    std::vector<int64_t> shape = sp.shape;
+    Tensor h = Tensor::make(full.data(), dtype_, shape.data(), static_cast<int>(shape.size()));
+    LAPLACE_RETURN_IF_ERROR(r.read_into(name, h).with_context(path));
+    const RowRange& m = local_[slot.first].mine;
+    rows[j].assign(full.begin() + m.begin * sp.cols * static_cast<int64_t>(es),
+                   full.begin() + m.end * sp.cols * static_cast<int64_t>(es));
+  }
+  LoaderPosition pos;
+  LAPLACE_RETURN_IF_ERROR(LoaderPosition::from_json(p.loader_position, &pos).with_context(path));
+  LAPLACE_RETURN_IF_ERROR(train_loader_.seek(pos).with_context(path));
+  for (size_t j = 0; j < want.size(); ++j)
+    if (!rows[j].empty()) std::memcpy(want[j].second.second->data, rows[j].data(), rows[j].size());
+  progress_ = p;
+  t_ = p.optimizer_steps;
+  return Status::ok();
+}
+
+// ---- the loop ----------------------------------------------------------------------------------------
+
+Status FsdpTrainer::validate(int64_t batches, double* loss) {
+  if (!has_val_) return Status::invalid_argument("no validation data");
+  val_loader_.reset();
+  double sum = 0;
+  std::vector<double> all(P_);
+  std::vector<int64_t> ones(P_, 1), displs(P_);
+  for (int q = 0; q < P_; ++q) displs[q] = q;
+  for (int64_t i = 0; i < batches; ++i) {
+    val_loader_.next(x_.data(), y_.data());
+    model_.forward(x_.data(), opt_.batch, opt_.seq, ForwardOptions{});
+    const double l = model_.loss(y_.data());
+    comm_.all_gather(&l, all.data(), ones, displs, CommType::kF64);
+    for (int q = 0; q < P_; ++q) sum += all[q];
+  }
+  *loss = sum / static_cast<double>(batches * P_);
+  return Status::ok();
+}
+
+void FsdpTrainer::append_metrics(const std::string& line) {
+  if (opt_.out_dir.empty() || me_ != 0) return;
+  std::ofstream f(opt_.out_dir + "/metrics.jsonl", std::ios::app);
+  f << line << "\n";
+}
+
+void FsdpTrainer::log_line(const StepLog& s, const DistStepTraffic& t) {
+  if (me_ != 0) return;
+  nlohmann::ordered_json j;
+  j["step"] = s.step;
+  j["loss"] = s.loss;
+  j["lr"] = s.lr;
+  j["grad_norm"] = s.grad_norm;
+  j["tokens_per_s"] = s.tokens_per_s;
+  j["flops_per_s"] = s.flops_per_s;
+  if (opt_.peak_flops > 0) j["mfu"] = s.mfu;
+  j["elapsed_s"] = s.elapsed_s;
+  j["skipped"] = s.skipped;
+  j["ranks"] = P_;
+  j["muon_comm"] = muon_comm_name(muon_comm_);
+  j["muon_bytes_sent"] = t.muon_sent_per_rank;
+  j["muon_bytes_received"] = t.muon_received_per_rank;
+  j["fsdp_bytes_sent"] = t.fsdp_sent;
+  j["fsdp_bytes_received"] = t.fsdp_received;
+  append_metrics(j.dump());
+  if (opt_.quiet || (s.step % opt_.log_every != 0 && s.step + 1 != opt_.steps)) return;
+  int64_t mx = 0;
+  for (int q = 0; q < P_; ++q) mx = std::max(mx, t.muon_sent_per_rank[q] + t.muon_received_per_rank[q]);
+  char mfu[32] = "";
+  if (opt_.peak_flops > 0) std::snprintf(mfu, sizeof mfu, " | mfu %.1f%%", 100.0 * s.mfu);
+  std::printf("step %5lld/%lld | loss %.4f | lr %.3e | grad norm %.4f | %.0f tok/s | %.2f GFLOP/s%s | muon %s %s/rank "
+              "(max sent+recv) | fsdp %s/rank%s\n",
+              (long long)(s.step + 1), (long long)opt_.steps, s.loss, s.lr, s.grad_norm, s.tokens_per_s,
+              s.flops_per_s / 1e9, mfu, muon_comm_name(muon_comm_), fmt_bytes(static_cast<double>(mx)).c_str(),
+              fmt_bytes(static_cast<double>(t.fsdp_sent + t.fsdp_received)).c_str(),
+              s.skipped ? " | SKIPPED (non-finite gradient)" : "");
+  std::fflush(stdout);
+}
+
+Status FsdpTrainer::run(const std::function<void(const StepLog&, const DistStepTraffic&)>& on_step) {
+  const double t_start = now_s();
+  first_step_ = progress_.step;
+  const int64_t A = opt_.grad_accum;
+  const int64_t tokens_per_step = static_cast<int64_t>(P_) * opt_.batch * opt_.seq * A;
+  const double flops_per_token = cfg_.train_flops_per_token();
+  std::vector<double> losses(P_);
+  std::vector<int64_t> ones(P_, 1), displs(P_);
+  for (int q = 0; q < P_; ++q) displs[q] = q;
+  for (int64_t step = progress_.step; step < opt_.steps; ++step) {
+    const double t0 = now_s();
+    const CommStats at_start = comm_.stats();
+    double loss = 0;
+    for (int64_t a = 0; a < A; ++a) {
+      grads_.zero();
+      train_loader_.next(x_.data(), y_.data());
+      model_.forward(x_.data(), opt_.batch, opt_.seq, ForwardOptions{});
+      const double l = model_.loss(y_.data());
+      model_.backward(y_.data(), grads_, 1.0 / static_cast<double>(A * P_));
+      comm_.all_gather(&l, losses.data(), ones, displs, CommType::kF64);
+      for (int q = 0; q < P_; ++q) loss += losses[q];  // micro-batch order (a, r)
+      reduce_scatter_grads(a == 0);
+    }
+    loss /= static_cast<double>(A * P_);
+    const double lr = lr_at(opt_.schedule, step);
+    DistStepTraffic tr;
+    const StepResult r = optimizer_step(lr, &tr);
+    if (!r.skipped) gather_weights();
+    tr.fsdp_sent = comm_.stats().bytes_sent - at_start.bytes_sent - tr.muon_sent;
+    tr.fsdp_received = comm_.stats().bytes_received - at_start.bytes_received - tr.muon_received;
+    // Everybody's Muon counters, for the log (not part of any measured window).
+    tr.muon_sent_per_rank.resize(P_);
+    tr.muon_received_per_rank.resize(P_);
+    comm_.all_gather(&tr.muon_sent, tr.muon_sent_per_rank.data(), ones, displs, CommType::kI64);
+    comm_.all_gather(&tr.muon_received, tr.muon_received_per_rank.data(), ones, displs, CommType::kI64);
+    const double dt = now_s() - t0;
+
+    progress_.step = step + 1;
+    progress_.optimizer_steps = t_;
+    progress_.tokens_seen += static_cast<double>(tokens_per_step);
+    StepLog s;
+    s.step = step;
+    s.loss = loss;
+    s.lr = lr;
+    s.grad_norm = r.grad_norm;
+    s.skipped = r.skipped;
+    s.tokens_per_s = static_cast<double>(tokens_per_step) / dt;
+    s.flops_per_s = s.tokens_per_s * flops_per_token;
+    s.mfu = opt_.peak_flops > 0 ? s.flops_per_s / opt_.peak_flops : 0;
+    s.elapsed_s = now_s() - t_start;
+    if (r.skipped && !opt_.quiet && me_ == 0)
+      std::fprintf(stderr, "laplace: step %lld: gradient norm is not finite; step skipped, optimizer state untouched\n",
+                   (long long)(step + 1));
+    log_line(s, tr);
+    if (on_step) on_step(s, tr);
+
+    if (opt_.eval_every > 0 && has_val_ && (step + 1) % opt_.eval_every == 0) {
+      double vl;
+      LAPLACE_RETURN_IF_ERROR(validate(opt_.eval_batches, &vl));
+      if (!opt_.quiet && me_ == 0)
+        std::printf("step %5lld/%lld | val loss %.4f | val ppl %.2f\n", (long long)(step + 1), (long long)opt_.steps,
+                    vl, std::exp(vl));
+      nlohmann::ordered_json j;
+      j["step"] = step;
+      j["val_loss"] = vl;
+      append_metrics(j.dump());
+    }
+    if (opt_.stop_after > 0 && step + 1 >= opt_.stop_after && step + 1 < opt_.steps) {
+      if (!opt_.quiet && me_ == 0)
+        std::printf("stopping after step %lld as asked; resume with --resume\n", (long long)(step + 1));
+      break;
+    }
+    if (opt_.ckpt_every > 0 && (step + 1) % opt_.ckpt_every == 0 && step + 1 < opt_.steps)
+      LAPLACE_RETURN_IF_ERROR(save_checkpoint());
+  }
+  return save_checkpoint();
+}
+
+}  // namespace laplace

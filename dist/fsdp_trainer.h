@@ -1,0 +1,126 @@
+// FSDP-style data-parallel training (SPEC §2 "Distributed") behind
+// `mpirun -np P laplace train …` (or `laplace train --distributed` in one process).
+//
+// Every rank holds, for every parameter, the rows shard_rows(rows, rank, P) (dist/plan.h)
+// of its fp32/fp64 master weights, gradient and optimizer state (Muon momentum or
+// AdamW m, v). A step:
+//   for each of the A = grad-accum micro-steps:
+//     zero the local full-size gradient; forward + backward on this rank's B sequences
+//     (loss scale 1/(A·P)); reduce-scatter the gradient into the shards (sum over ranks
+//     in rank order); the first micro-step copies, later ones add (shard = shard + part).
+//   optimizer on the shards: global norm from per-row partial sums gathered from every
+//   rank and added in (param, row) order (so the norm does not depend on P); skip when
+//   non-finite; clip; AdamW element-wise on the shards; Muon: momentum on the shards,
+//   whole units orthogonalised by their owners via --muon-comm gather|all_to_all
+//   (identical bytes into one newton_schulz call per unit, so the two are bitwise equal),
+//   update applied on the shards; then all-gather the shards into the full weights.
+// Parameters are gathered and gradients reduce-scattered per parameter, walked in
+// per-layer groups (embedding; layer 0 … L−1; final norm + head). On the CPU the whole
+// model is gathered before the forward and all gradients are reduce-scattered after
+// the backward; the per-group walk is where a GPU version will prefetch layer l+1 while
+// computing layer l and overlap the reduce-scatter with the backward.
+//
+// Equivalence: with P ranks of batch B and grad-accum A, the micro-batches of a step
+// are, in order, (a = 0, r = 0), (0, 1), …, (0, P−1), (1, 0), … and read exactly the
+// windows that one rank with batch B and grad-accum A·P reads in its A·P micro-steps.
+// Every gradient and loss sum follows that order, so P ranks with grad-accum 1 are
+// bitwise identical to 1 rank with grad-accum P (tests/test_dist.cpp). One rank with
+// batch B·P is NOT bitwise identical: its gemms sum all B·P·T token rows inside one
+// BLAS call, in an order the library chooses; it agrees to rounding.
+//
+// Checkpoints: rank 0 gathers the shards and writes ONE full checkpoint in the
+// single-process format (train/checkpoint.h; atomic temp + rename) plus the metadata
+// "dist_world" and "muon_comm"; every rank loads its own rows from it, so a checkpoint
+// written on P ranks resumes on any P′ (or in a single-process run, and vice versa).
+//
+// CPU only for now (F32/F64 masters = compute dtype); the collectives go through the
+// Communicator (dist/comm.h).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dist/comm.h"
+#include "dist/plan.h"
+#include "model/model.h"
+#include "text/data_loader.h"
+#include "train/checkpoint.h"
+#include "train/trainer.h"
+
+namespace laplace {
+
+struct DistStepTraffic {
+  int64_t muon_sent = 0, muon_received = 0;  // this rank, this step, Muon exchanges only
+  int64_t fsdp_sent = 0, fsdp_received = 0;  // weight all-gather + gradient reduce-scatter + norm
+  std::vector<int64_t> muon_sent_per_rank, muon_received_per_rank;
+};
+
+class FsdpTrainer {
+ public:
+  FsdpTrainer(TrainOptions o, MuonComm muon_comm, Communicator& comm);
+  // Collective: every rank must call it; a failure on one rank fails all.
+  Status setup();
+  Status run(const std::function<void(const StepLog&, const DistStepTraffic&)>& on_step = nullptr);
+  Status save_checkpoint();
+  Status validate(int64_t batches, double* loss);
+
+  const Model& model() const { return model_; }
+  const std::vector<MuonUnit>& muon_units() const { return units_; }
+  uint64_t plan_hash() const { return plan_hash_; }
+
+ private:
+  struct Local {
+    RowRange mine;
+    std::vector<RowRange> all;  // every rank's rows
+    Tensor full_w, full_g;       // the model's full weights / local micro-batch gradient
+    Tensor w, g, s0, s1;         // shards: master, gradient, momentum or adam_m, adam_v
+    int64_t u_off = -1;          // Muon: offset of this rank's rows in the update buffers
+  };
+
+  Status setup_local();
+  Status load_checkpoint(const std::string& path);
+  void gather_weights();
+  void reduce_scatter_grads(bool first);
+  double grad_norm();
+  StepResult optimizer_step(double lr, DistStepTraffic* traffic);
+  void muon_exchange_all_to_all();
+  void muon_exchange_gather();
+  void gather_rows_to_root(const Tensor& shard, const ShardedParam& p, const Local& l, void* full);
+  std::vector<int64_t> counts_of(size_t param) const;
+  Tensor shard_view(void* base, int64_t elem_off, const ShardedParam& p, int64_t rows) const;
+  void log_line(const StepLog& s, const DistStepTraffic& t);
+  void append_metrics(const std::string& line);
+
+  TrainOptions opt_;
+  MuonComm muon_comm_;
+  Communicator& comm_;
+  int P_ = 1, me_ = 0;
+  Config cfg_;
+  std::unique_ptr<Backend> be_;
+  Model model_;
+  Arena grads_;   // full-size local gradient of one micro-batch
+  Arena shards_;  // masters, gradients, optimizer state: this rank's rows
+  Arena muon_;    // update shard, orthogonalised shard, owned units, broadcast buffer, NS scratch
+  DType dtype_ = DType::kF32;
+  CommType ctype_ = CommType::kF32;
+  std::vector<ShardedParam> params_;
+  std::vector<Local> local_;
+  std::vector<std::vector<size_t>> groups_;  // per-layer parameter groups, in forward order
+  std::vector<MuonUnit> units_;
+  std::vector<std::vector<RowRange>> unit_ov_;  // [unit][rank] rows of the unit in that rank's shard
+  std::vector<int64_t> owned_off_;              // [unit] offset in owned buffer, -1 if not mine
+  Tensor ushard_, oshard_, owned_, bcast_;
+  NsScratch ns_;
+  uint64_t plan_hash_ = 0;
+  int64_t t_ = 0;  // AdamW bias-correction step counter
+  DataLoader train_loader_, val_loader_;
+  bool has_val_ = false;
+  TrainProgress progress_;
+  int64_t first_step_ = 0;
+  std::vector<int32_t> x_, y_;
+};
+
+}  // namespace laplace

@@ -1,0 +1,344 @@
+// Distributed training (SPEC §2, issue 7): the Communicator, the global-shape plan, and
+// `mpirun -np P laplace train` end to end on a model small enough that some Muon units
+// have fewer rows than ranks and some ranks hold empty shards.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include <nlohmann/json.hpp>
+
+#include "core/file_util.h"
+#include "dist/comm.h"
+#include "dist/plan.h"
+#include "model/config.h"
+#include "tests/test_util.h"
+#include "text/shard.h"
+
+namespace laplace {
+namespace {
+
+namespace fs = std::filesystem;
+
+// ---- Communicator (P = 1) and the plan: in process ---------------------------------------------
+
+TEST(DistComm, SingleProcessCollectivesAreCopiesAndCountNothing) {
+  SingleCommunicator c;
+  float a[3] = {1.5f, -2.f, 3.f}, b[3] = {};
+  c.all_gather(a, b, {3}, {0}, CommType::kF32);
+  EXPECT_EQ(0, std::memcmp(a, b, sizeof a));
+  double d[2] = {0.25, 4.0}, e[2] = {};
+  c.reduce_scatter(d, e, {2}, CommType::kF64);
+  EXPECT_EQ(e[0], 0.25);
+  EXPECT_EQ(e[1], 4.0);
+  int64_t i[2] = {7, -9};
+  c.all_reduce(i, 2, CommType::kI64);
+  EXPECT_EQ(i[0], 7);
+  EXPECT_EQ(i[1], -9);
+  uint16_t h[2] = {0x3f80, 0x4000}, g[2] = {};
+  c.all_to_all(h, {2}, {0}, g, {2}, {0}, CommType::kBF16);
+  EXPECT_EQ(g[0], 0x3f80);
+  EXPECT_EQ(g[1], 0x4000);
+  EXPECT_EQ(c.stats().bytes_sent, 0);
+  EXPECT_EQ(c.stats().bytes_received, 0);
+  EXPECT_EQ(c.stats().calls, 4);  // reduce_scatter is one all_to_all, all_reduce one all_gather
+}
+
+TEST(DistPlan, RowShardsCoverRowsWithoutPaddingLastRanksShortOrEmpty) {
+  for (int64_t rows : {0, 1, 2, 3, 5, 6, 7, 64, 97})
+    for (int P : {1, 2, 3, 4, 7}) {
+      const int64_t chunk = (rows + P - 1) / P;
+      int64_t next = 0;
+      for (int r = 0; r < P; ++r) {
+        RowRange s = shard_rows(rows, r, P);
+        EXPECT_EQ(s.begin, std::min(rows, next)) << rows << " rows, P " << P << ", rank " << r;
+        EXPECT_LE(s.rows(), chunk);
+        EXPECT_GE(s.rows(), 0);
+        if (r > 0 && s.rows() > 0) EXPECT_EQ(shard_rows(rows, r - 1, P).rows(), chunk);
+        next = s.end;
+      }
+      EXPECT_EQ(next, rows);
+    }
+  EXPECT_EQ(shard_rows(5, 3, 4), (RowRange{5, 5}));  // ⌈5/4⌉ = 2: [0,2) [2,4) [4,5) [5,5)
+}
+
+TEST(DistPlan, OwnersAreDeterministicBalancedAndHashed) {
+  Config c;
+  ASSERT_TRUE(config_load(std::string(LAPLACE_SOURCE_DIR) + "/configs/laplace-3b.json", &c).is_ok());
+  const auto params = sharded_params(c, false);
+  const auto u64 = assign_muon_owners(params, 64);
+  ASSERT_EQ(u64.size(), 24u * 8u);  // q k v g | W_o | a b | W_3 per layer
+  EXPECT_EQ(muon_plan_hash(u64, 64), muon_plan_hash(assign_muon_owners(params, 64), 64));
+  EXPECT_NE(muon_plan_hash(u64, 64), muon_plan_hash(assign_muon_owners(params, 63), 63));
+  auto cost = owner_costs(u64, 64);
+  double mx = 0, sum = 0;
+  for (double x : cost) mx = std::max(mx, x), sum += x;
+  EXPECT_LT(mx / (sum / 64), 1.3);  // greedy largest-first keeps every rank near the mean
+  // The formula's headline: gather moves ≈ 2M per rank, all_to_all ≈ 4M/P.
+  const auto g = muon_traffic(params, u64, 64, MuonComm::kGather, 2);
+  const auto a = muon_traffic(params, u64, 64, MuonComm::kAllToAll, 2);
+  double M = 0;
+  for (const auto& p : params)
+    if (p.muon) M += 2.0 * static_cast<double>(p.rows * p.cols);
+  double gmean = 0, amean = 0;
+  for (int r = 0; r < 64; ++r) {
+    gmean += static_cast<double>(g[r].sent + g[r].received) / 64;
+    amean += static_cast<double>(a[r].sent + a[r].received) / 64;
+    EXPECT_EQ(a[r].sent, a[r].received);
+  }
+  EXPECT_NEAR(gmean / (2 * M), 1.0, 0.02);
+  EXPECT_NEAR(amean / (4 * M / 64), 1.0, 0.05);
+}
+
+// ---- end to end under mpirun -----------------------------------------------------------------
+
+// V37 D6 L1 H1 dk2 dv3 F5: Muon units q,k (2 rows), v,g (3), W_o (6), a,b (5), W_3 (6);
+// at P = 4 the D = 6-row params shard as 2,2,2,0 and onorm [3] as 1,1,1,0.
+const char* kConfig = R"({"model_type": "laplace", "vocab_size": 37, "hidden_size": 6, "num_layers": 1,
+  "num_heads": 1, "head_k_dim": 2, "head_v_dim": 3, "ffn_size": 5, "conv_size": 4, "chunk_size": 8})";
+
+struct DistFixture {
+  std::string dir, config, shard;
+  DistFixture() {
+    dir = testing::make_temp_dir("dist");
+    config = dir + "/config.json";
+    std::ofstream(config) << kConfig;
+    std::vector<uint32_t> toks(4000);
+    std::mt19937 rng(3);
+    uint32_t t = 0;
+    for (auto& x : toks) x = t = (t * 7 + rng() % 5) % 37;
+    shard = dir + "/train_000000.bin";
+    EXPECT_TRUE(shard_write(shard, toks, 37).is_ok());
+  }
+  // P = 0: one process, `--distributed` (SingleCommunicator); P ≥ 1: mpirun -np P.
+  std::string command(int P, const std::string& out, const std::string& extra, int steps = 10) const {
+    std::string launch = P == 0 ? "OMP_NUM_THREADS=1 " + std::string(LAPLACE_BINARY) + " train --distributed"
+                                : "OMP_NUM_THREADS=1 mpirun --allow-run-as-root --oversubscribe -x OMP_NUM_THREADS=1 "
+                                  "-np " + std::to_string(P) + " " + LAPLACE_BINARY + " train";
+    return launch + " --config " + config + " --data " + shard + " --out " + dir + "/" + out + " --seq 16 --steps " +
+           std::to_string(steps) + " --lr 0.02 --warmup 2 --wd 0.1 --quiet " + extra + " 2>&1";
+  }
+  // Runs, returns the exit code and the output.
+  int run(int P, const std::string& out, const std::string& extra, std::string* output = nullptr,
+          int steps = 10) const {
+    FILE* p = popen(command(P, out, extra, steps).c_str(), "r");
+    std::string s;
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, p)) > 0) s.append(buf, n);
+    int st = pclose(p);
+    if (output) *output = s;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  }
+  void must_run(int P, const std::string& out, const std::string& extra, int steps = 10) const {
+    std::string o;
+    ASSERT_EQ(run(P, out, extra, &o, steps), 0) << command(P, out, extra, steps) << "\n" << o;
+  }
+  std::vector<nlohmann::json> metrics(const std::string& out) const {
+    std::vector<nlohmann::json> r;
+    std::ifstream in(dir + "/" + out + "/metrics.jsonl");
+    std::string line;
+    while (std::getline(in, line)) {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains("loss")) r.push_back(j);
+    }
+    return r;
+  }
+  std::vector<double> losses(const std::string& out) const {
+    std::vector<double> l;
+    for (const auto& j : metrics(out)) l.push_back(j["loss"].get<double>());
+    return l;
+  }
+  std::string bytes(const std::string& rel) const {
+    std::string s;
+    EXPECT_TRUE(read_file(dir + "/" + rel, &s).is_ok()) << rel;
+    return s;
+  }
+};
+
+void expect_bitwise_equal(const std::vector<double>& a, const std::vector<double>& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_EQ(0, std::memcmp(&a[i], &b[i], sizeof(double))) << what << " step " << i << ": " << a[i] << " vs " << b[i];
+}
+
+// P ranks × batch 2 read the same windows as 1 rank × batch 2 × grad-accum P, and every
+// sum runs in the same (micro-step, rank) order: bitwise equal losses and weights.
+TEST(DistTrain, PRanksBitwiseEqualToOneRank) {
+  DistFixture f;
+  for (int P : {1, 2, 3, 4}) {
+    const std::string ref = "ref" + std::to_string(P), run = "p" + std::to_string(P);
+    f.must_run(0, ref, "--batch 2 --grad-accum " + std::to_string(P));
+    f.must_run(P, run, "--batch 2");
+    const auto a = f.losses(ref), b = f.losses(run);
+    ASSERT_EQ(a.size(), 10u);
+    EXPECT_LT(a.back(), a.front());
+    expect_bitwise_equal(a, b, "P=" + std::to_string(P));
+    EXPECT_EQ(f.bytes(ref + "/model.safetensors"), f.bytes(run + "/model.safetensors")) << "P=" << P;
+    // The optimizer state too (the checkpoint's tensors; metadata differs only in dist_world).
+    EXPECT_EQ(f.metrics(run).back()["ranks"].get<int>(), P);
+  }
+  // One rank with batch 8 sums the 8 sequences inside single gemms: equal to rounding only.
+  f.must_run(0, "batch8", "--batch 8");
+  const auto a = f.losses("batch8"), b = f.losses("p4");
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5 * std::abs(b[i])) << "step " << i;
+}
+
+// gather and all_to_all feed identical bytes into one newton_schulz per unit: identical
+// weights; the per-rank bytes each logs equal the formula of dist/plan.h.
+TEST(DistTrain, GatherEqualsAllToAllAndBytesEqualFormula) {
+  DistFixture f;
+  Config c;
+  ASSERT_TRUE(config_from_json(kConfig, &c).is_ok());
+  const auto params = sharded_params(c, false);
+  for (int P : {3, 4}) {
+    const auto units = assign_muon_owners(params, P);
+    // The shapes this test is about: units with fewer rows than ranks; empty shards at P = 4.
+    bool small_unit = false, empty_shard = false;
+    for (const auto& u : units) small_unit |= u.rows < P;
+    for (const auto& p : params) empty_shard |= shard_rows(p.rows, P - 1, P).rows() == 0;
+    EXPECT_TRUE(small_unit);
+    if (P == 4) EXPECT_TRUE(empty_shard);
+
+    const std::string g = "gather" + std::to_string(P), a = "a2a" + std::to_string(P);
+    f.must_run(P, g, "--batch 2 --muon-comm gather");
+    f.must_run(P, a, "--batch 2 --muon-comm all_to_all");
+    expect_bitwise_equal(f.losses(g), f.losses(a), "gather vs all_to_all P=" + std::to_string(P));
+    EXPECT_EQ(f.bytes(g + "/model.safetensors"), f.bytes(a + "/model.safetensors")) << "P=" << P;
+
+    for (MuonComm m : {MuonComm::kGather, MuonComm::kAllToAll}) {
+      const auto predicted = muon_traffic(params, units, P, m, 4);  // f32 on the CPU
+      const auto rows = f.metrics(m == MuonComm::kGather ? g : a);
+      ASSERT_EQ(rows.size(), 10u);
+      int64_t total = 0;
+      for (const auto& j : rows) {
+        const auto sent = j["muon_bytes_sent"].get<std::vector<int64_t>>();
+        const auto recv = j["muon_bytes_received"].get<std::vector<int64_t>>();
+        ASSERT_EQ(sent.size(), static_cast<size_t>(P));
+        for (int r = 0; r < P; ++r) {
+          EXPECT_EQ(sent[r], predicted[r].sent) << muon_comm_name(m) << " P=" << P << " rank " << r;
+          EXPECT_EQ(recv[r], predicted[r].received) << muon_comm_name(m) << " P=" << P << " rank " << r;
+          total += sent[r];
+        }
+      }
+      EXPECT_GT(total, 0);
+    }
+  }
+}
+
+// A checkpoint written on 4 ranks resumes on 2 and on 3 (other grad-accum, same global
+// batch of 12 windows): the next step's loss equals the uninterrupted 4-rank run's.
+TEST(DistCheckpoint, SaveOnFourRanksResumeOnTwoAndThree) {
+  DistFixture f;
+  f.must_run(4, "straight", "--batch 1 --grad-accum 3", 6);
+  f.must_run(4, "saved", "--batch 1 --grad-accum 3 --stop-after 3", 6);
+  const auto straight = f.losses("straight");
+  ASSERT_EQ(straight.size(), 6u);
+  struct Case { int P; int accum; };
+  for (Case cs : {Case{2, 6}, Case{3, 4}, Case{4, 3}}) {
+    const std::string out = "resumed" + std::to_string(cs.P);
+    fs::create_directories(f.dir + "/" + out);
+    fs::copy_file(f.dir + "/saved/checkpoint.safetensors", f.dir + "/" + out + "/checkpoint.safetensors");
+    f.must_run(cs.P, out, "--batch 1 --grad-accum " + std::to_string(cs.accum) + " --resume auto", 6);
+    const auto rows = f.metrics(out);
+    ASSERT_FALSE(rows.empty());
+    EXPECT_EQ(rows.front()["step"].get<int>(), 3);
+    const double next = rows.front()["loss"].get<double>();
+    EXPECT_EQ(0, std::memcmp(&next, &straight[3], sizeof(double)))
+        << "P=" << cs.P << ": " << next << " vs " << straight[3];
+  }
+  // P = 4 resumed on P = 4 is the straight run, to the byte.
+  EXPECT_EQ(f.bytes("resumed4/model.safetensors"), f.bytes("straight/model.safetensors"));
+}
+
+TEST(DistCheckpoint, CorruptOrMismatchedCheckpointGivesClearError) {
+  DistFixture f;
+  f.must_run(2, "good", "--batch 1", 2);
+  std::string ck = f.bytes("good/checkpoint.safetensors");
+  // Truncated: every rank refuses it with the file's name, nobody hangs.
+  fs::create_directories(f.dir + "/trunc");
+  ASSERT_TRUE(write_file_atomic(f.dir + "/trunc/checkpoint.safetensors", ck.data(), ck.size() / 2).is_ok());
+  std::string out;
+  EXPECT_EQ(f.run(3, "trunc", "--batch 1 --resume auto", &out, 4), 1) << out;
+  EXPECT_NE(out.find("laplace: error: corrupt"), std::string::npos) << out;
+  EXPECT_NE(out.find("trunc/checkpoint.safetensors"), std::string::npos) << out;
+  // Written for another model.
+  const std::string other = f.dir + "/other.json";
+  std::ofstream(other) << R"({"model_type": "laplace", "vocab_size": 37, "hidden_size": 8, "num_layers": 1,
+    "num_heads": 1, "head_k_dim": 2, "head_v_dim": 3, "ffn_size": 5, "conv_size": 4, "chunk_size": 8})";
+  std::string cmd = "mpirun --allow-run-as-root --oversubscribe -x OMP_NUM_THREADS=1 -np 2 " +
+                    std::string(LAPLACE_BINARY) + " train --config " + other + " --data " + f.shard +
+                    " --seq 16 --steps 4 --batch 1 --quiet --resume " + f.dir + "/good/checkpoint.safetensors 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  char buf[4096];
+  size_t n;
+  out.clear();
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  int st = pclose(p);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1) << out;
+  EXPECT_NE(out.find("written for a different config"), std::string::npos) << out;
+  // A checkpoint whose optimizer state does not fit the run (a tensor renamed away).
+  std::string bad = ck;
+  const size_t pos = bad.find("optim.model.norm.weight.adam_v");
+  ASSERT_NE(pos, std::string::npos);
+  bad.replace(pos, 6, "optiX.");  // same length: the header stays valid, the state goes missing
+  fs::create_directories(f.dir + "/renamed");
+  ASSERT_TRUE(write_file_atomic(f.dir + "/renamed/checkpoint.safetensors", bad.data(), bad.size()).is_ok());
+  EXPECT_EQ(f.run(2, "renamed", "--batch 1 --resume auto", &out, 4), 1) << out;
+  EXPECT_NE(out.find("missing tensor optim.model.norm.weight.adam_v"), std::string::npos) << out;
+}
+
+// The distributed checkpoint is the single-process format: a plain run resumes from it.
+TEST(DistCheckpoint, SingleProcessTrainerResumesADistributedCheckpoint) {
+  DistFixture f;
+  f.must_run(3, "d", "--batch 1 --stop-after 2", 4);
+  const std::string cmd = std::string(LAPLACE_BINARY) + " train --config " + f.config + " --data " + f.shard +
+                          " --out " + f.dir + "/d --seq 16 --steps 4 --batch 3 --lr 0.02 --warmup 2 --wd 0.1 "
+                          "--quiet --resume auto";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  const auto l = f.losses("d");
+  ASSERT_EQ(l.size(), 4u);
+  EXPECT_TRUE(std::isfinite(l.back()));
+}
+
+// Every collective and type over Open MPI, checked on every rank (cli/cmd_dist.cpp).
+TEST(DistComm, MpiSelftestOnThreeAndFourRanks) {
+  for (int P : {3, 4}) {
+    const std::string cmd = "mpirun --allow-run-as-root --oversubscribe -np " + std::to_string(P) + " " +
+                            LAPLACE_BINARY + " dist selftest 2>&1";
+    FILE* p = popen(cmd.c_str(), "r");
+    std::string out;
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+    ASSERT_EQ(pclose(p), 0) << out;
+    for (int r = 0; r < P; ++r)
+      EXPECT_NE(out.find("rank " + std::to_string(r) + "/" + std::to_string(P) + " (mpi): communicator selftest ok"),
+                std::string::npos)
+          << out;
+  }
+}
+
+TEST(DistCli, PlanPrintsBothStrategiesAndBalance) {
+  const std::string cmd = std::string(LAPLACE_BINARY) + " dist plan --config " + LAPLACE_SOURCE_DIR +
+                          "/configs/laplace-3b.json --ranks 64 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  ASSERT_EQ(pclose(p), 0) << out;
+  EXPECT_NE(out.find("gather"), std::string::npos) << out;
+  EXPECT_NE(out.find("all_to_all"), std::string::npos) << out;
+  EXPECT_NE(out.find("max/mean"), std::string::npos) << out;
+  EXPECT_NE(out.find("10.869 GB"), std::string::npos) << out;  // mean gather sent+recv, bf16
+}
+
+}  // namespace
+}  // namespace laplace
