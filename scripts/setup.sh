@@ -10,7 +10,13 @@ PACKAGES=(
   libopenmpi-dev openmpi-bin
   python3 python3-numpy python3-torch
   fortunes fortunes-min
+  curl
 )
+# The server tests drive `laplace serve` with the official openai client (npm).
+if [ "${LAPLACE_SETUP_NODE:-0}" = 1 ]; then
+  command -v node > /dev/null || PACKAGES+=(nodejs)
+  command -v npm > /dev/null || PACKAGES+=(npm)
+fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -25,4 +31,16 @@ if ((${#missing[@]})); then
   $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
 else
   echo "setup: all Debian packages present"
+fi
+
+if [ "${LAPLACE_SETUP_NODE:-0}" = 1 ]; then
+  # Exact versions from tests/openai_client/package-lock.json (npm registry).
+  dir="$(dirname "$0")/../tests/openai_client"
+  if ! cmp -s "$dir/package-lock.json" "$dir/node_modules/.laplace-installed-lock" 2>/dev/null; then
+    echo "setup: npm ci in tests/openai_client"
+    npm ci --prefix "$dir" --no-audit --no-fund --loglevel=error
+    cp "$dir/package-lock.json" "$dir/node_modules/.laplace-installed-lock"
+  else
+    echo "setup: tests/openai_client up to date"
+  fi
 fi

@@ -5,7 +5,7 @@
 # no GPU is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup.sh
+LAPLACE_SETUP_NODE=1 ./scripts/setup.sh
 JOBS=${JOBS:-$(nproc)}
 
 echo "== build (Release) =="

@@ -234,6 +234,7 @@ std::optional<ApiError> parse_completion_params(const json& b, bool chat, const 
     return bad("save_session", "session names are 1-64 characters of [A-Za-z0-9_.-], not starting with '.'");
   if (!p.save_session.empty() && p.n > 1) return bad("save_session", "'save_session' needs n = 1");
   LAPLACE_API_TRY(get_bool(b, "cache", &p.cache));
+  LAPLACE_API_TRY(get_bool(b, "ignore_eos", &p.ignore_eos));
   *out = std::move(p);
   return std::nullopt;
 }

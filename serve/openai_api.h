@@ -59,6 +59,7 @@ struct CompletionParams {
   std::string session;
   std::string save_session;
   bool cache = true;
+  bool ignore_eos = false;  // keep generating past the end-of-sequence token (vLLM's field)
 };
 
 // Parses a request body (already JSON-parsed). chat selects the endpoint's rules.

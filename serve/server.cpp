@@ -531,7 +531,7 @@ struct Server::Impl {
       return send_error(res, api_error(404, "The model '" + job->p.model + "' does not exist (this server serves '" +
                                                 name + "')",
                                        "invalid_request_error", "model_not_found", "model"));
-    job->eos = tok.eos_id() >= 0 ? tok.eos_id() : -1;
+    job->eos = tok.eos_id() >= 0 && !job->p.ignore_eos ? tok.eos_id() : -1;
     if (auto e = tokenize(*job)) return send_error(res, *e);
     const int64_t n = job->p.n;
     // A bounded queue: the slots plus max_queue waiting requests, then 429.
@@ -813,6 +813,7 @@ struct Server::Impl {
       json out = session_json(n, it->second);
       std::string text;
       if (tok.decode(it->second.context, &text).is_ok()) out["text"] = text;
+      out["token_ids"] = it->second.context;
       return send_json(res, 200, out);
     }
     if (req.method == "DELETE") {

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Real clients against `laplace serve` on 127.0.0.1: curl (streaming and not) and the
+# official `openai` npm package (tests/openai_client, node --test). Builds a small model
+# directory (a 400-piece tokenizer and laplace-tiny's shapes, random weights) first.
+# Usage: tests/server_clients.sh LAPLACE_BINARY
+set -euo pipefail
+LAPLACE=${1:?usage: server_clients.sh LAPLACE_BINARY}
+HERE=$(cd "$(dirname "$0")" && pwd)
+WORK=$(mktemp -d)
+SERVER_PID=
+cleanup() {
+  if [ -n "$SERVER_PID" ]; then kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true; fi
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+# A small corpus, a tokenizer and a model directory.
+for i in $(seq 1 300); do
+  echo "the quick brown fox $i jumps over the lazy dog; a fortune a day keeps the doctor away."
+  echo "Why did the programmer quit? Because he did not get arrays. The meaning of life is $((i % 7))."
+done > "$WORK/corpus.txt"
+"$LAPLACE" tokenizer train --input "$WORK/corpus.txt" --model-prefix "$WORK/tok" --vocab-size 400 > /dev/null
+"$LAPLACE" init --config "$HERE/../configs/laplace-tiny.json" --out "$WORK/model" --seed 5 > /dev/null
+cp "$WORK/tok.model" "$WORK/model/tokenizer.model"
+KEY=test-key-123
+
+"$LAPLACE" serve --model "$WORK/model" --name tiny --port 0 --max-slots 4 --api-key "$KEY" > "$WORK/server.log" 2>&1 &
+SERVER_PID=$!
+for _ in $(seq 1 200); do
+  grep -q "ready" "$WORK/server.log" 2>/dev/null && break
+  kill -0 "$SERVER_PID" 2>/dev/null || { cat "$WORK/server.log"; fail "server exited"; }
+  sleep 0.1
+done
+PORT=$(sed -n 's/.*listening on http:\/\/127.0.0.1:\([0-9]*\).*/\1/p' "$WORK/server.log")
+[ -n "$PORT" ] || { cat "$WORK/server.log"; fail "no port"; }
+URL="http://127.0.0.1:$PORT"
+AUTH=(-H "Authorization: Bearer $KEY")
+echo "server on $URL"
+
+passed=0
+check() { passed=$((passed + 1)); echo "ok $passed - $1"; }
+
+# --- curl ---
+code=$(curl -s -o /dev/null -w '%{http_code}' "$URL/v1/models")
+[ "$code" = 401 ] || fail "no key: got $code, want 401"; check "curl: missing key is 401"
+body=$(curl -sf "${AUTH[@]}" "$URL/v1/models")
+echo "$body" | grep -q '"id":"tiny"' || fail "models: $body"; check "curl: /v1/models"
+body=$(curl -sf "${AUTH[@]}" "$URL/v1/completions" -H 'Content-Type: application/json' \
+  -d '{"model":"tiny","prompt":"The quick","max_tokens":8,"temperature":0}')
+echo "$body" | grep -q '"completion_tokens":8' || fail "completion: $body"; check "curl: completion"
+text=$(echo "$body" | /usr/bin/python3 -c 'import json,sys; print(json.load(sys.stdin)["choices"][0]["text"], end="")')
+streamed=$(curl -sfN "${AUTH[@]}" "$URL/v1/completions" -d '{"model":"tiny","prompt":"The quick","max_tokens":8,"temperature":0,"stream":true}' |
+  /usr/bin/python3 -c '
+import json, sys
+out = ""
+done = False
+for line in sys.stdin:
+    line = line.strip()
+    if not line.startswith("data: "): continue
+    if line == "data: [DONE]": done = True; continue
+    for c in json.loads(line[6:])["choices"]: out += c["text"]
+assert done, "no [DONE]"
+print(out, end="")')
+[ "$streamed" = "$text" ] || fail "streamed '$streamed' != '$text'"; check "curl: streaming equals non-streaming"
+code=$(curl -s -o "$WORK/err.json" -w '%{http_code}' "${AUTH[@]}" "$URL/v1/completions" -d '{"prompt": 5}')
+[ "$code" = 400 ] && grep -q '"param":"prompt"' "$WORK/err.json" || fail "bad prompt: $code $(cat "$WORK/err.json")"
+check "curl: wrong prompt type is 400 with param"
+metrics=$(curl -sf "${AUTH[@]}" "$URL/metrics")
+grep -q '^laplace_time_to_first_token_seconds_count [1-9]' <<< "$metrics" || fail "metrics: $metrics"
+check "curl: /metrics in Prometheus format"
+
+# --- the official openai package ---
+if ! command -v node > /dev/null; then fail "node is not installed (apt-get install nodejs)"; fi
+if [ ! -d "$HERE/openai_client/node_modules/openai" ]; then
+  fail "tests/openai_client/node_modules is missing: run scripts/setup.sh (npm ci there)"
+fi
+LAPLACE_URL=$URL LAPLACE_MODEL=tiny LAPLACE_API_KEY=$KEY node --test "$HERE/openai_client/test.mjs"
+echo "$passed passed, 0 failed"

@@ -1,0 +1,656 @@
+// The HTTP server (serve/server.h) over real sockets on 127.0.0.1, CPU backend, a small
+// random-weight model with a trained 400-piece tokenizer. Hostile input, the exact state
+// cache, forks, sessions, the bounded queue and a bounded load test.
+#ifdef LAPLACE_HAVE_HTTPLIB
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <httplib.h>
+
+#include <nlohmann/json.hpp>
+
+#include "core/file_util.h"
+#include "model/model.h"
+#include "serve/metrics.h"
+#include "serve/server.h"
+#include "tests/test_util.h"
+#include "text/tokenizer.h"
+
+namespace laplace {
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+const char* kKey = "secret-key";
+
+// A model directory: config (small shapes, V = 400), random weights, a tokenizer.
+std::string make_model_dir() {
+  const std::string dir = testing::make_temp_dir("server_model");
+  std::string corpus;
+  for (int i = 0; i < 300; ++i)
+    corpus += "the quick brown fox " + std::to_string(i) +
+              " jumps over the lazy dog; a fortune a day keeps the doctor away.\nWhy did the programmer quit? "
+              "Because he did not get arrays.\n";
+  EXPECT_TRUE(write_file_atomic(dir + "/corpus.txt", corpus.data(), corpus.size()).is_ok());
+  TokenizerTrainOptions to;
+  to.inputs = {dir + "/corpus.txt"};
+  to.model_prefix = dir + "/tokenizer";
+  to.vocab_size = 400;
+  Status st = tokenizer_train(to);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  Config c = testing::small_config(8, 12, 2);
+  c.vocab_size = 400;
+  c.eos_token_id = 2;
+  const std::string cj = c.to_json();
+  EXPECT_TRUE(write_file_atomic(dir + "/config.json", cj.data(), cj.size()).is_ok());
+  auto be = make_cpu_backend();
+  Model m;
+  EXPECT_TRUE(m.create(c, *be, DType::kF32).is_ok());
+  m.init_weights(77);
+  EXPECT_TRUE(m.save(dir + "/model.safetensors").is_ok());
+  return dir;
+}
+
+class ServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new std::string(make_model_dir());
+    ServerOptions o;
+    o.model_dir = *dir_;
+    o.model_name = "tiny";
+    o.port = 0;
+    o.api_key = kKey;
+    o.engine.max_slots = 2;
+    o.engine.prefill_chunk = 16;  // several pieces per prompt: prefill splits are exercised
+    o.max_queue = 4;
+    o.max_request_bytes = 64 * 1024;
+    o.max_prompt_tokens = 2000;
+    o.limits.max_tokens = 100000;
+    o.limits.max_n = 8;
+    o.cache_bytes = 8 << 20;
+    o.session_dir = *dir_ + "/sessions";
+    o.read_timeout_s = 1;
+    o.write_timeout_s = 2;
+    o.threads = 24;
+    server_ = new Server(o);
+    ASSERT_TRUE(server_->start().is_ok());
+    Status st = server_->wait_ready();
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    tok_ = new Tokenizer();
+    ASSERT_TRUE(Tokenizer::load(*dir_ + "/tokenizer.model", tok_).is_ok());
+  }
+  static void TearDownTestSuite() {
+    server_->stop();
+    delete server_;
+    delete tok_;
+    std::error_code ec;
+    fs::remove_all(*dir_, ec);
+    delete dir_;
+  }
+
+  static httplib::Client client(bool key = true) {
+    httplib::Client c("127.0.0.1", server_->port());
+    c.set_read_timeout(60, 0);
+    if (key) c.set_bearer_token_auth(kKey);
+    return c;
+  }
+  struct Reply {
+    int status = 0;
+    json body;
+    std::string raw;
+    std::string retry_after;
+  };
+  static Reply post(const std::string& path, const std::string& body, bool key = true) {
+    auto c = client(key);
+    auto r = c.Post(path, body, "application/json");
+    Reply out;
+    if (!r) return out;
+    out.status = r->status;
+    out.raw = r->body;
+    out.retry_after = r->get_header_value("Retry-After");
+    out.body = json::parse(r->body, nullptr, false);
+    return out;
+  }
+  static Reply post(const std::string& path, const json& body) { return post(path, body.dump()); }
+  static Reply post(const std::string& path, const char* body, bool key = true) {
+    return post(path, std::string(body), key);
+  }
+  static Reply get(const std::string& path) {
+    auto c = client();
+    auto r = c.Get(path);
+    Reply out;
+    if (!r) return out;
+    out.status = r->status;
+    out.raw = r->body;
+    out.body = json::parse(r->body, nullptr, false);
+    return out;
+  }
+  static std::string text_of(const Reply& r, size_t i = 0) {
+    const json& c = r.body["choices"][i];
+    return c.contains("text") ? c["text"].get<std::string>() : c["message"]["content"].get<std::string>();
+  }
+  static std::vector<int32_t> encode(const std::string& s) {
+    std::vector<int32_t> ids;
+    EXPECT_TRUE(tok_->encode(s, &ids).is_ok());
+    return ids;
+  }
+  static bool healthy() { return get("/health").status == 200; }
+  // Waits (bounded) until no request is running or queued.
+  static void wait_idle() {
+    for (int i = 0; i < 200; ++i) {
+      ServerCounters c = server_->counters();
+      if (c.outstanding == 0 && c.engine.running == 0 && c.engine.queued == 0) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+    ADD_FAILURE() << "the server did not become idle";
+  }
+
+  static std::string* dir_;
+  static Server* server_;
+  static Tokenizer* tok_;
+};
+std::string* ServerTest::dir_ = nullptr;
+Server* ServerTest::server_ = nullptr;
+Tokenizer* ServerTest::tok_ = nullptr;
+
+// ---- raw sockets ------------------------------------------------------------------------------
+
+int connect_local(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    close(fd);
+    return -1;
+  }
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  return fd;
+}
+
+std::string raw_exchange(int port, const std::string& bytes) {
+  int fd = connect_local(port);
+  if (fd < 0) return "";
+  (void)!write(fd, bytes.data(), bytes.size());
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
+  close(fd);
+  return out;
+}
+
+int status_of(const std::string& http) {
+  if (http.size() < 12 || http.compare(0, 5, "HTTP/") != 0) return 0;
+  return std::atoi(http.c_str() + 9);
+}
+
+// ---- hostile and malformed requests -------------------------------------------------------------
+
+TEST_F(ServerTest, MalformedRequestsGetTheRight4xxAndTheServerKeepsServing) {
+  struct Case {
+    const char* what;
+    std::string path, body;
+    int status;
+    const char* param;  // expected error.param, or nullptr
+  };
+  const std::string huge_prompt = [] {
+    std::string s;
+    for (int i = 0; i < 5000; ++i) s += "fox ";
+    return s;
+  }();
+  const std::string C = "/v1/completions", H = "/v1/chat/completions";
+  const std::vector<Case> cases = {
+      {"bad JSON", C, "{\"prompt\": ", 400, nullptr},
+      {"JSON array body", C, "[]", 400, nullptr},
+      {"JSON null body", C, "null", 400, nullptr},
+      {"empty body", C, "", 400, nullptr},
+      {"prompt missing", C, R"({"max_tokens": 4})", 400, "prompt"},
+      {"prompt a number", C, R"({"prompt": 5})", 400, "prompt"},
+      {"prompt an object", C, R"({"prompt": {"a": 1}})", 400, "prompt"},
+      {"negative token id", C, R"({"prompt": [1, -1]})", 400, "prompt"},
+      {"token id outside vocab", C, R"({"prompt": [1, 99999]})", 400, "prompt"},
+      {"batched prompts", C, R"({"prompt": ["a", "b"]})", 400, "prompt"},
+      {"max_tokens negative", C, R"({"prompt": "a", "max_tokens": -1})", 400, "max_tokens"},
+      {"max_tokens zero", C, R"({"prompt": "a", "max_tokens": 0})", 400, "max_tokens"},
+      {"max_tokens huge", C, R"({"prompt": "a", "max_tokens": 1000000000000})", 400, "max_tokens"},
+      {"max_tokens past uint64", C, R"({"prompt": "a", "max_tokens": 99999999999999999999})", 400, "max_tokens"},
+      {"max_tokens a string", C, R"({"prompt": "a", "max_tokens": "10"})", 400, "max_tokens"},
+      {"max_tokens fractional", C, R"({"prompt": "a", "max_tokens": 1.5})", 400, "max_tokens"},
+      {"max_completion_tokens negative", H,
+       R"({"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": -3})", 400,
+       "max_completion_tokens"},
+      {"n a million", C, R"({"prompt": "a", "n": 1000000})", 400, "n"},
+      {"n zero", C, R"({"prompt": "a", "n": 0})", 400, "n"},
+      {"temperature negative", C, R"({"prompt": "a", "temperature": -1})", 400, "temperature"},
+      {"temperature a string", C, R"({"prompt": "a", "temperature": "hot"})", 400, "temperature"},
+      {"top_p zero", C, R"({"prompt": "a", "top_p": 0})", 400, "top_p"},
+      {"top_p above one", C, R"({"prompt": "a", "top_p": 2})", 400, "top_p"},
+      {"presence_penalty out of range", C, R"({"prompt": "a", "presence_penalty": 5})", 400, "presence_penalty"},
+      {"seed a string", C, R"({"prompt": "a", "seed": "x"})", 400, "seed"},
+      {"stop a number", C, R"({"prompt": "a", "stop": 5})", 400, "stop"},
+      {"five stop strings", C, R"({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]})", 400, "stop"},
+      {"empty stop string", C, R"({"prompt": "a", "stop": [""]})", 400, "stop"},
+      {"stream a string", C, R"({"prompt": "a", "stream": "yes"})", 400, "stream"},
+      {"stream_options without stream", C, R"({"prompt": "a", "stream_options": {"include_usage": true}})", 400,
+       "stream_options"},
+      {"logprobs too many", C, R"({"prompt": "a", "logprobs": 99})", 400, "logprobs"},
+      {"messages missing", H, R"({"max_tokens": 3})", 400, "messages"},
+      {"messages empty", H, R"({"messages": []})", 400, "messages"},
+      {"unknown role", H, R"({"messages": [{"role": "wizard", "content": "a"}]})", 400, "messages"},
+      {"content a number", H, R"({"messages": [{"role": "user", "content": 5}]})", 400, "messages"},
+      {"image content part", H,
+       R"({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})", 400,
+       "messages"},
+      {"top_logprobs without logprobs", H, R"({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2})",
+       400, "top_logprobs"},
+      {"invalid UTF-8 in the prompt", C, std::string("{\"prompt\": \"a\xff\xfe b\"}"), 400, nullptr},
+      {"lone surrogate escape", C, R"({"prompt": "\ud800"})", 400, nullptr},
+      {"prompt too many tokens", C, json{{"prompt", huge_prompt}}.dump(), 400, "prompt"},
+      {"unknown model", C, R"({"model": "gpt-9", "prompt": "a"})", 404, "model"},
+      {"session name with a path", C, R"({"prompt": "a", "session": "../../etc/passwd"})", 400, "session"},
+      {"unknown session", C, R"({"prompt": "a", "session": "nobody"})", 404, "session"},
+      {"save_session with n > 1", C, R"({"prompt": "a", "n": 2, "save_session": "x"})", 400, "save_session"},
+  };
+  ASSERT_GE(cases.size(), 30u);
+  for (const Case& c : cases) {
+    Reply r = post(c.path, c.body);
+    EXPECT_EQ(r.status, c.status) << c.what << ": " << r.raw;
+    ASSERT_TRUE(r.body.is_object() && r.body.contains("error")) << c.what << ": " << r.raw;
+    EXPECT_TRUE(r.body["error"]["message"].is_string()) << c.what;
+    EXPECT_TRUE(r.body["error"]["type"].is_string()) << c.what;
+    if (c.param) {
+      EXPECT_EQ(r.body["error"]["param"], c.param) << c.what << ": " << r.raw;
+    }
+  }
+  // Unknown fields are ignored.
+  Reply ok = post(C, R"({"prompt": "the quick", "max_tokens": 2, "user": "me", "frobnicate": [1, 2]})");
+  EXPECT_EQ(ok.status, 200) << ok.raw;
+  EXPECT_EQ(ok.body["usage"]["completion_tokens"], 2);
+  EXPECT_TRUE(healthy());
+  wait_idle();
+}
+
+TEST_F(ServerTest, KeyIsRequiredOnEveryRoute) {
+  for (const char* path : {"/health", "/metrics", "/v1/models", "/v1/sessions"}) {
+    auto c = client(false);
+    auto r = c.Get(path);
+    ASSERT_TRUE(r) << path;
+    EXPECT_EQ(r->status, 401) << path;
+    EXPECT_NE(r->body.find("invalid_api_key"), std::string::npos) << path;
+  }
+  Reply r = post("/v1/completions", R"({"prompt": "a"})", /*key=*/false);
+  EXPECT_EQ(r.status, 401);
+  httplib::Client wrong("127.0.0.1", server_->port());
+  wrong.set_bearer_token_auth("secret-kez");
+  auto w = wrong.Get("/v1/models");
+  ASSERT_TRUE(w);
+  EXPECT_EQ(w->status, 401);
+}
+
+TEST_F(ServerTest, OversizedBodyIs413AndUnknownRouteIs404) {
+  std::string big = "{\"prompt\": \"" + std::string(100 * 1024, 'a') + "\"}";
+  Reply r = post("/v1/completions", big);
+  EXPECT_EQ(r.status, 413);
+  Reply nf = get("/v1/nothing-here");
+  EXPECT_EQ(nf.status, 404);
+  EXPECT_TRUE(nf.body.contains("error")) << nf.raw;
+  EXPECT_TRUE(healthy());
+}
+
+TEST_F(ServerTest, GarbageSlowAndVanishingClientsDoNotHurtTheServer) {
+  const int port = server_->port();
+  // Not HTTP at all.
+  std::string a = raw_exchange(port, "\x16\x03\x01 hello? \r\n\r\n");
+  EXPECT_TRUE(a.empty() || status_of(a) == 400) << a.substr(0, 80);
+  // A header line without end, then silence past the read timeout: dropped, no answer needed.
+  {
+    int fd = connect_local(port);
+    ASSERT_GE(fd, 0);
+    const std::string part = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le";
+    (void)!write(fd, part.data(), part.size());
+    char buf[256];
+    const auto t0 = std::chrono::steady_clock::now();
+    const ssize_t n = read(fd, buf, sizeof buf);  // the server closes the connection
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_LE(n, static_cast<ssize_t>(sizeof buf));
+    EXPECT_LT(waited, 4.5) << "a silent client must be dropped after the read timeout";
+    close(fd);
+  }
+  // A body shorter than its Content-Length, then the client vanishes.
+  {
+    int fd = connect_local(port);
+    ASSERT_GE(fd, 0);
+    const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + std::string(kKey) +
+                            "\r\nContent-Length: 500\r\n\r\n{\"prompt\": \"a";
+    (void)!write(fd, req.data(), req.size());
+    close(fd);
+  }
+  // A bad Content-Length.
+  std::string b = raw_exchange(port, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n");
+  EXPECT_TRUE(b.empty() || status_of(b) >= 400) << b.substr(0, 80);
+  EXPECT_TRUE(healthy());
+  Reply ok = post("/v1/completions", R"({"prompt": "the lazy dog", "max_tokens": 3})");
+  EXPECT_EQ(ok.status, 200);
+  wait_idle();
+}
+
+TEST_F(ServerTest, ClientThatLeavesMidStreamHasItsGenerationCancelled) {
+  const int64_t before = server_->counters().client_disconnects;
+  const int64_t cancelled_before = server_->counters().engine.cancelled;
+  int fd = connect_local(server_->port());
+  ASSERT_GE(fd, 0);
+  const std::string body = R"({"prompt": "the quick", "max_tokens": 90000, "ignore_eos": true, "stream": true})";
+  const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + std::string(kKey) +
+                          "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+                          "\r\n\r\n" + body;
+  (void)!write(fd, req.data(), req.size());
+  char buf[512];
+  ASSERT_GT(read(fd, buf, sizeof buf), 0);  // the stream has started
+  close(fd);
+  bool freed = false;
+  for (int i = 0; i < 200 && !freed; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    const ServerCounters c = server_->counters();
+    freed = c.engine.running == 0 && c.client_disconnects > before;
+  }
+  EXPECT_TRUE(freed) << "the slot was not freed after the client left";
+  EXPECT_GT(server_->counters().engine.cancelled, cancelled_before);
+  wait_idle();
+}
+
+TEST_F(ServerTest, NonStreamingClientThatTimesOutIsCancelledToo) {
+  const int64_t before = server_->counters().client_disconnects;
+  {
+    httplib::Client c("127.0.0.1", server_->port());
+    c.set_bearer_token_auth(kKey);
+    c.set_read_timeout(0, 300000);  // gives up after 0.3 s
+    auto r = c.Post("/v1/completions", R"({"prompt": "a", "max_tokens": 90000, "ignore_eos": true})",
+                    "application/json");
+    EXPECT_FALSE(r && r->status == 200 && r->body.find("choices") != std::string::npos);
+  }
+  bool freed = false;
+  for (int i = 0; i < 200 && !freed; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    const ServerCounters c = server_->counters();
+    freed = c.engine.running == 0 && c.client_disconnects > before;
+  }
+  EXPECT_TRUE(freed);
+  wait_idle();
+}
+
+// ---- the exact state cache ----------------------------------------------------------------------
+
+TEST_F(ServerTest, PrefixCacheHitIsByteIdenticalAndPrefillsOnlyNewTokens) {
+  const json base = {{"prompt", "Why did the programmer quit? Because the quick brown fox"},
+                     {"max_tokens", 24},
+                     {"temperature", 0}};
+  json cold_req = base;
+  cold_req["cache"] = false;
+  Reply cold = post("/v1/completions", cold_req);
+  ASSERT_EQ(cold.status, 200) << cold.raw;
+  EXPECT_EQ(cold.body["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+
+  Reply first = post("/v1/completions", base);  // fills the cache
+  ASSERT_EQ(first.status, 200);
+  const int64_t prompt_tokens = first.body["usage"]["prompt_tokens"];
+  const int64_t prefill_before = server_->counters().engine.prefill_tokens;
+  Reply second = post("/v1/completions", base);
+  ASSERT_EQ(second.status, 200);
+  EXPECT_EQ(text_of(second), text_of(cold));
+  EXPECT_EQ(text_of(first), text_of(cold));
+  EXPECT_EQ(second.body["usage"]["prompt_tokens_details"]["cached_tokens"], prompt_tokens);
+  EXPECT_EQ(server_->counters().engine.prefill_tokens - prefill_before, 0) << "a full hit prefills nothing";
+
+  // A longer prompt continues the cached one: only the new tokens are prefilled.
+  std::vector<int32_t> ids = encode(base["prompt"].get<std::string>());
+  const std::vector<int32_t> more = encode(" jumps over the lazy dog");
+  std::vector<int32_t> longer = ids;
+  longer.insert(longer.end(), more.begin(), more.end());
+  json cold2 = {{"prompt", longer}, {"max_tokens", 16}, {"temperature", 0}, {"cache", false}};
+  Reply c2 = post("/v1/completions", cold2);
+  const int64_t p0 = server_->counters().engine.prefill_tokens;
+  json warm2 = cold2;
+  warm2.erase("cache");
+  Reply w2 = post("/v1/completions", warm2);
+  ASSERT_EQ(w2.status, 200);
+  EXPECT_EQ(text_of(w2), text_of(c2));
+  EXPECT_EQ(w2.body["usage"]["prompt_tokens_details"]["cached_tokens"], static_cast<int64_t>(ids.size()));
+  EXPECT_EQ(server_->counters().engine.prefill_tokens - p0, static_cast<int64_t>(more.size()));
+  wait_idle();
+}
+
+TEST_F(ServerTest, ChatNextTurnPrefillsOnlyItsNewTokensAndMatchesAColdRun) {
+  json turn1 = {{"messages", {{{"role", "system"}, {"content", "You are terse."}},
+                              {{"role", "user"}, {"content", "Tell me about the fox."}}}},
+                {"max_tokens", 12},
+                {"temperature", 0},
+                {"ignore_eos", true}};
+  Reply r1 = post("/v1/chat/completions", turn1);
+  ASSERT_EQ(r1.status, 200) << r1.raw;
+  const std::string reply = text_of(r1);
+  const int64_t p1 = r1.body["usage"]["prompt_tokens"];
+  json turn2 = turn1;
+  turn2["messages"].push_back({{"role", "assistant"}, {"content", reply}});
+  turn2["messages"].push_back({{"role", "user"}, {"content", "And the dog?"}});
+  json cold = turn2;
+  cold["cache"] = false;
+  Reply rc = post("/v1/chat/completions", cold);
+  ASSERT_EQ(rc.status, 200);
+  const int64_t before = server_->counters().engine.prefill_tokens;
+  Reply r2 = post("/v1/chat/completions", turn2);
+  ASSERT_EQ(r2.status, 200);
+  const int64_t prefilled = server_->counters().engine.prefill_tokens - before;
+  const int64_t p2 = r2.body["usage"]["prompt_tokens"];
+  const int64_t cached = r2.body["usage"]["prompt_tokens_details"]["cached_tokens"];
+  EXPECT_EQ(text_of(r2), text_of(rc));
+  // The cached state covers turn 1's prompt and all of its reply but the last token (which
+  // was sampled, never fed): everything before the new message.
+  EXPECT_EQ(cached, p1 + 12 - 1);
+  EXPECT_EQ(prefilled, p2 - cached);
+  wait_idle();
+}
+
+TEST_F(ServerTest, NForksOnePrefillAndEachChoiceEqualsItsOwnRun) {
+  const json req = {{"prompt", "a fortune a day keeps"}, {"max_tokens", 10}, {"temperature", 1.0},
+                    {"seed", 11},   {"n", 3},          {"cache", false},   {"ignore_eos", true}};
+  const int64_t before = server_->counters().engine.prefill_tokens;
+  Reply r = post("/v1/completions", req);
+  ASSERT_EQ(r.status, 200) << r.raw;
+  const int64_t prompt = r.body["usage"]["prompt_tokens"];
+  EXPECT_EQ(server_->counters().engine.prefill_tokens - before, prompt) << "one prefill for all choices";
+  ASSERT_EQ(r.body["choices"].size(), 3u);
+  EXPECT_EQ(r.body["usage"]["completion_tokens"], 30);
+  for (int i = 0; i < 3; ++i) {
+    json one = req;
+    one["n"] = 1;
+    one["seed"] = 11 + i;
+    Reply s = post("/v1/completions", one);
+    ASSERT_EQ(s.status, 200);
+    EXPECT_EQ(text_of(r, i), text_of(s)) << "choice " << i;
+  }
+  wait_idle();
+}
+
+// ---- sessions ------------------------------------------------------------------------------------
+
+TEST_F(ServerTest, SessionsSaveRestoreForkAndDeleteExactly) {
+  Reply c = post("/v1/sessions", json{{"name", "story"}, {"prompt", "the quick brown fox"}});
+  ASSERT_EQ(c.status, 200) << c.raw;
+  const std::vector<int32_t> ctx0 = encode("the quick brown fox");
+  EXPECT_EQ(c.body["tokens"], ctx0.size());
+
+  // Continue the session and save the result as "story2".
+  json cont = {{"prompt", " jumps"}, {"session", "story"}, {"save_session", "story2"}, {"max_tokens", 8},
+               {"temperature", 0},  {"ignore_eos", true}};
+  Reply r = post("/v1/completions", cont);
+  ASSERT_EQ(r.status, 200) << r.raw;
+  std::vector<int32_t> full = ctx0;
+  const std::vector<int32_t> jumps = encode(" jumps");
+  full.insert(full.end(), jumps.begin(), jumps.end());
+  Reply cold = post("/v1/completions", json{{"prompt", full}, {"max_tokens", 8}, {"temperature", 0},
+                                            {"cache", false}, {"ignore_eos", true}});
+  EXPECT_EQ(text_of(r), text_of(cold)) << "a session continuation equals recomputing its context";
+  EXPECT_EQ(r.body["usage"]["prompt_tokens_details"]["cached_tokens"], ctx0.size());
+
+  Reply s2 = get("/v1/sessions/story2");
+  ASSERT_EQ(s2.status, 200) << s2.raw;
+  std::vector<int32_t> ctx2 = s2.body["token_ids"].get<std::vector<int32_t>>();
+  ASSERT_EQ(ctx2.size(), full.size() + 8);
+  EXPECT_TRUE(std::equal(full.begin(), full.end(), ctx2.begin()));
+
+  // Fork, delete the original, continue the fork: equals a cold run over its tokens.
+  ASSERT_EQ(post("/v1/sessions/story2/fork", json{{"name", "story3"}}).status, 200);
+  auto cl = client();
+  auto del = cl.Delete("/v1/sessions/story2");
+  ASSERT_TRUE(del);
+  EXPECT_EQ(del->status, 200);
+  EXPECT_EQ(get("/v1/sessions/story2").status, 404);
+  const json next = {{"prompt", " over"}, {"session", "story3"}, {"max_tokens", 6}, {"temperature", 0},
+                     {"ignore_eos", true}};
+  Reply f = post("/v1/completions", next);
+  ASSERT_EQ(f.status, 200) << f.raw;
+  std::vector<int32_t> full3 = ctx2;
+  const std::vector<int32_t> over = encode(" over");
+  full3.insert(full3.end(), over.begin(), over.end());
+  Reply cold3 = post("/v1/completions", json{{"prompt", full3}, {"max_tokens", 6}, {"temperature", 0},
+                                             {"cache", false}, {"ignore_eos", true}});
+  EXPECT_EQ(text_of(f), text_of(cold3));
+
+  // To disk and back.
+  Reply saved = post("/v1/sessions/story3/save", std::string("{}"));
+  ASSERT_EQ(saved.status, 200) << saved.raw;
+  const std::string path = saved.body["path"];
+  ASSERT_TRUE(fs::exists(path));
+  ASSERT_EQ(cl.Delete("/v1/sessions/story3")->status, 200);
+  Reply restored = post("/v1/sessions/story3/restore", std::string("{}"));
+  ASSERT_EQ(restored.status, 200) << restored.raw;
+  Reply again = post("/v1/completions", next);
+  EXPECT_EQ(text_of(again), text_of(f)) << "a restored session continues exactly";
+
+  // A damaged file is refused with a clear error; the server goes on.
+  std::string bytes;
+  ASSERT_TRUE(read_file(path, &bytes).is_ok());
+  for (size_t cut : {bytes.size() / 2, size_t(10), size_t(0)}) {
+    std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(cut));
+    Reply bad = post("/v1/sessions/story3/restore", std::string("{}"));
+    EXPECT_EQ(bad.status, 400) << "cut at " << cut << ": " << bad.raw;
+  }
+  std::string flipped = bytes;
+  flipped[flipped.size() - 3] ^= 0x5a;  // inside the context tokens: an id outside the vocabulary
+  std::ofstream(path, std::ios::binary | std::ios::trunc).write(flipped.data(), static_cast<std::streamsize>(flipped.size()));
+  Reply bad2 = post("/v1/sessions/story3/restore", std::string("{}"));
+  EXPECT_EQ(bad2.status, 400) << bad2.raw;
+  EXPECT_EQ(post("/v1/sessions/nothing/restore", std::string("{}")).status, 404);
+  EXPECT_EQ(text_of(post("/v1/completions", next)), text_of(f)) << "the in-memory session is untouched";
+  Reply list = get("/v1/sessions");
+  EXPECT_EQ(list.status, 200);
+  EXPECT_GE(list.body["data"].size(), 2u);
+  wait_idle();
+}
+
+// ---- queueing and load -----------------------------------------------------------------------------
+
+TEST_F(ServerTest, FullQueueAnswers429WithRetryAfterAndLosesNothing) {
+  wait_idle();
+  const int clients = 12;  // 2 slots + 4 queued can be outstanding; the rest must get 429
+  std::vector<Reply> replies(clients);
+  std::vector<std::thread> th;
+  for (int i = 0; i < clients; ++i)
+    th.emplace_back([&, i] {
+      replies[i] = post("/v1/completions", json{{"prompt", "the lazy dog " + std::to_string(i)},
+                                                {"max_tokens", 400},
+                                                {"ignore_eos", true},
+                                                {"temperature", 0}});
+    });
+  for (auto& t : th) t.join();
+  int ok = 0, busy = 0;
+  for (const Reply& r : replies) {
+    if (r.status == 200) {
+      ++ok;
+      EXPECT_EQ(r.body["usage"]["completion_tokens"], 400);
+    } else {
+      EXPECT_EQ(r.status, 429) << r.raw;
+      EXPECT_EQ(r.retry_after, "1");
+      ++busy;
+    }
+  }
+  EXPECT_EQ(ok + busy, clients);
+  EXPECT_GE(ok, 6);
+  EXPECT_GE(busy, 1);
+  wait_idle();
+}
+
+TEST_F(ServerTest, BoundedLoadEveryRequestCompletesOr429AndMemoryReturns) {
+  wait_idle();
+  // Warm-up (thread stacks, allocator pools) before the baseline.
+  for (int i = 0; i < 4; ++i) post("/v1/completions", json{{"prompt", "warm"}, {"max_tokens", 8}});
+  wait_idle();
+  const int64_t rss0 = process_resident_bytes();
+  const int clients = 16, each = 4;
+  std::atomic<int> ok{0}, busy{0}, other{0};
+  std::vector<std::thread> th;
+  for (int c = 0; c < clients; ++c)
+    th.emplace_back([&, c] {
+      for (int k = 0; k < each; ++k) {
+        json req = {{"prompt", "client " + std::to_string(c) + " request " + std::to_string(k)},
+                    {"max_tokens", 20 + (c * 7 + k) % 30}};
+        if ((c + k) % 2) req["stream"] = true;
+        if (k == 3) req["n"] = 2;
+        auto cl = client();
+        auto r = cl.Post("/v1/completions", req.dump(), "application/json");
+        if (r && r->status == 200 && (r->body.find("[DONE]") != std::string::npos || r->body.find("usage") != std::string::npos))
+          ++ok;
+        else if (r && r->status == 429)
+          ++busy;
+        else
+          ++other;
+      }
+    });
+  for (auto& t : th) t.join();
+  EXPECT_EQ(other.load(), 0);
+  EXPECT_EQ(ok + busy, clients * each);
+  EXPECT_GT(ok.load(), 0);
+  wait_idle();
+  const ServerCounters c = server_->counters();
+  EXPECT_EQ(c.outstanding, 0);
+  EXPECT_EQ(c.engine.free_slots, 2);
+  const int64_t rss1 = process_resident_bytes();
+  // Back to the baseline, up to the cache budget (8 MiB) and allocator slack.
+  EXPECT_LT(rss1 - rss0, int64_t(48) << 20) << "rss " << rss0 << " -> " << rss1;
+}
+
+TEST(ServerLoading, HealthIs503AndRequestsAre503WhenTheModelCannotLoad) {
+  ServerOptions o;
+  o.model_dir = testing::make_temp_dir("server_empty");  // no config.json
+  o.port = 0;
+  Server s(o);
+  ASSERT_TRUE(s.start().is_ok());
+  EXPECT_FALSE(s.wait_ready().is_ok());
+  httplib::Client c("127.0.0.1", s.port());
+  auto h = c.Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 503);
+  auto r = c.Post("/v1/completions", R"({"prompt": "a"})", "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 503);
+  EXPECT_NE(r->body.find("failed to load"), std::string::npos) << r->body;
+  s.stop();
+}
+
+}  // namespace
+}  // namespace laplace
+
+#endif  // LAPLACE_HAVE_HTTPLIB
