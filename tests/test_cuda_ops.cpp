@@ -8,7 +8,8 @@
 //                           K=3072, parameter gradients summed over rows)
 //   BF16 outputs            ≤ 1e-2 (one bf16 rounding of the output, 2^-8 relative)
 //   F32 outputs of BF16 inputs (dw/db, states, losses, gemm C F32)  ≤ 1e-4
-//   GLA vs F64 CPU, relative RMS (testing::rms_rel_error): BF16 o ≤ 2.5e-3, dq/dk/dv/ds_in ≤ 5e-3;
+//   GLA vs F64 CPU, relative RMS (testing::rms_rel_error): BF16 o ≤ 2.5e-3, dq/dk/dv/ds_in ≤ 5e-3
+//                           (bf16 inputs at dk = 96, dv = 192 take the tensor-core path);
 //                           F32 ≤ 1e-5 (o, states) and ≤ 2e-5 (gradients)
 //   sum_squares             relative ≤ 1e-10 (both accumulate in F64)
 // Determinism: ops with reductions run twice and their outputs are compared bytewise.
@@ -639,6 +640,58 @@ TEST_F(CudaOps, GlaF32ShapesAndForms) {
     EXPECT_LE(rms(dk_), 2e-5);
     EXPECT_LE(rms(dv_), 2e-5);
     EXPECT_LE(rms(ds_in), 2e-5);
+  }
+}
+
+// The tensor-core path (dk = 96, dv = 192, bf16): sequences shorter than one chunk, a whole
+// number of chunks and a short tail chunk, with and without states, F32 outputs, and partial
+// gradient requests (each must equal the same gradient of a full request, bytewise).
+TEST_F(CudaOps, GlaTensorCorePathShapes) {
+  struct Case {
+    int64_t B, T, H;
+    bool states;
+    DType out;
+  };
+  const Case cases[] = {{1, 32, 2, true, kBF16}, {3, 129, 3, false, kBF16}, {2, 256, 2, true, kF32},
+                        {1, 383, 4, true, kBF16}};
+  const int64_t dk = 96, dv = 192;
+  uint64_t seed = 400;
+  for (const Case& c : cases) {
+    char trace[96];
+    std::snprintf(trace, sizeof(trace), "B%lld T%lld H%lld states %d", static_cast<long long>(c.B),
+                  static_cast<long long>(c.T), static_cast<long long>(c.H), c.states ? 1 : 0);
+    SCOPED_TRACE(trace);
+    const GlaParams p = gla_params(c.H, dk, 128);
+    Buf q = input({c.B, c.T, c.H, dk}, kBF16, kF64, seed++), k = input({c.B, c.T, c.H, dk}, kBF16, kF64, seed++),
+        v = input({c.B, c.T, c.H, dv}, kBF16, kF64, seed++);
+    Buf o = zeros({c.B, c.T, c.H, dv}, c.out, kF64);
+    Buf s_in = input({c.B, c.H, dk, dv}, kF32, kF64, seed++), s_out = zeros({c.B, c.H, dk, dv}, kF32, kF64);
+    const Tensor si_r = c.states ? s_in.r() : Tensor{}, si_d = c.states ? s_in.d() : Tensor{};
+    cpu_->gla_forward(p, q.r(), k.r(), v.r(), o.r(), si_r, s_out.r(), Tensor{});
+    cuda_->gla_forward(p, q.d(), k.d(), v.d(), o.d(), si_d, s_out.d(), Tensor{});
+    EXPECT_LE(rms(o), 2.5e-3);
+    EXPECT_LE(rms(s_out), 1e-5);
+    Buf d_o = input({c.B, c.T, c.H, dv}, kBF16, kF64, seed++), ds_out = input({c.B, c.H, dk, dv}, kF32, kF64, seed++);
+    Buf dq = zeros({c.B, c.T, c.H, dk}, c.out, kF64), dk_ = zeros({c.B, c.T, c.H, dk}, c.out, kF64),
+        dv_ = zeros({c.B, c.T, c.H, dv}, c.out, kF64), ds_in = zeros({c.B, c.H, dk, dv}, kF32, kF64);
+    const Tensor dso_r = c.states ? ds_out.r() : Tensor{}, dso_d = c.states ? ds_out.d() : Tensor{};
+    cpu_->gla_backward(p, q.r(), k.r(), v.r(), si_r, d_o.r(), dso_r, dq.r(), dk_.r(), dv_.r(), ds_in.r());
+    cuda_->gla_backward(p, q.d(), k.d(), v.d(), si_d, d_o.d(), dso_d, dq.d(), dk_.d(), dv_.d(), ds_in.d());
+    EXPECT_LE(rms(dq), 5e-3);
+    EXPECT_LE(rms(dk_), 5e-3);
+    EXPECT_LE(rms(dv_), 5e-3);
+    EXPECT_LE(rms(ds_in), 5e-3);
+    // one gradient at a time
+    DevTensor dq2(*cuda_, c.out, {c.B, c.T, c.H, dk}), dk2(*cuda_, c.out, {c.B, c.T, c.H, dk}),
+        dv2(*cuda_, c.out, {c.B, c.T, c.H, dv}), dsi2(*cuda_, kF32, {c.B, c.H, dk, dv});
+    cuda_->gla_backward(p, q.d(), k.d(), v.d(), si_d, d_o.d(), dso_d, dq2.t, Tensor{}, Tensor{}, Tensor{});
+    cuda_->gla_backward(p, q.d(), k.d(), v.d(), si_d, d_o.d(), dso_d, Tensor{}, dk2.t, Tensor{}, Tensor{});
+    cuda_->gla_backward(p, q.d(), k.d(), v.d(), si_d, d_o.d(), dso_d, Tensor{}, Tensor{}, dv2.t, Tensor{});
+    cuda_->gla_backward(p, q.d(), k.d(), v.d(), si_d, d_o.d(), dso_d, Tensor{}, Tensor{}, Tensor{}, dsi2.t);
+    EXPECT_TRUE(same_bytes(dq2.t, dq.d()));
+    EXPECT_TRUE(same_bytes(dk2.t, dk_.d()));
+    EXPECT_TRUE(same_bytes(dv2.t, dv_.d()));
+    EXPECT_TRUE(same_bytes(dsi2.t, ds_in.d()));
   }
 }
 

@@ -1,7 +1,7 @@
 // lab/gla driver: validates a kernel version against an fp64 per-token recurrence on the CPU
 // and times it (CUDA events, median). Standalone: nvcc only, no project libraries.
 //
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o lab/gla/gla_lab lab/gla/gla_lab.cu
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a [-DGLA_V=1] -o gla_lab lab/gla/gla_lab.cu
 //   ./lab/gla/gla_lab [--B 8] [--T 2048] [--H 16] [--check 1] [--reps 20] [--states 0|1]
 //
 // Reports relative RMS errors (o, final state, dq, dk, dv, d initial state) over the first
@@ -15,7 +15,16 @@
 #include <thread>
 #include <vector>
 
+#ifndef GLA_V
+#define GLA_V 3
+#endif
+#if GLA_V == 1
 #include "gla_tc_v1.cuh"
+#elif GLA_V == 2
+#include "gla_tc_v2.cuh"
+#else
+#include "gla_tc_v3.cuh"
+#endif
 
 #define CK(x)                                                                                        \
   do {                                                                                               \
@@ -93,7 +102,7 @@ int main(int argc, char** argv) {
   const int N = (T + gla_tc::kC - 1) / gla_tc::kC;
   const size_t nk = static_cast<size_t>(B) * T * H * DK, nv = static_cast<size_t>(B) * T * H * DV;
   const size_t ns = static_cast<size_t>(B) * H * DK * DV;
-  std::printf("gla_lab v1: B=%d T=%d H=%d dk=%d dv=%d, chunks %d, states %d\n", B, T, H, DK, DV, N, use_states);
+  std::printf("gla_lab v%d: B=%d T=%d H=%d dk=%d dv=%d, chunks %d, states %d\n", GLA_V, B, T, H, DK, DV, N, use_states);
 
   gla_tc::Args a{};
   a.B = B;
@@ -158,9 +167,19 @@ int main(int argc, char** argv) {
   const gla_tc::StV none{};
   const int st_smem = gla_tc::state_smem_bytes<DK, DV>(), fo_smem = gla_tc::fwd_smem_bytes<DK, DV>(),
             dv_smem = gla_tc::bwd_dv_smem_bytes<DK, DV>(), dqk_smem = gla_tc::bwd_dqk_smem_bytes<DK, DV>();
-  CK(cudaFuncSetAttribute(gla_tc::state_kernel<DK, DV, false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, st_smem));
-  CK(cudaFuncSetAttribute(gla_tc::state_kernel<DK, DV, false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, st_smem));
-  CK(cudaFuncSetAttribute(gla_tc::state_kernel<DK, DV, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, st_smem));
+#if GLA_V == 1
+  // v1: OUT_BF16 flag, fp32 forward states
+  constexpr auto kFwdOut = false, kBwdOut = true;
+  using StPtr = void*;
+  using FoPtr = const float*;
+#else
+  constexpr int kFwdOut = gla_tc::kOutHiLo, kBwdOut = gla_tc::kOutHi;
+  using StPtr = __nv_bfloat16*;
+  using FoPtr = const __nv_bfloat16*;
+#endif
+  CK(cudaFuncSetAttribute(gla_tc::state_kernel<DK, DV, false, kFwdOut>, cudaFuncAttributeMaxDynamicSharedMemorySize, st_smem));
+  CK(cudaFuncSetAttribute(gla_tc::state_kernel<DK, DV, false, kBwdOut>, cudaFuncAttributeMaxDynamicSharedMemorySize, st_smem));
+  CK(cudaFuncSetAttribute(gla_tc::state_kernel<DK, DV, true, kBwdOut>, cudaFuncAttributeMaxDynamicSharedMemorySize, st_smem));
   CK(cudaFuncSetAttribute(gla_tc::fwd_o_kernel<DK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, fo_smem));
   CK(cudaFuncSetAttribute(gla_tc::bwd_dv_kernel<DK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, dv_smem));
   CK(cudaFuncSetAttribute(gla_tc::bwd_dqk_kernel<DK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, dqk_smem));
@@ -171,22 +190,22 @@ int main(int argc, char** argv) {
   __nv_bfloat16* sst = reinterpret_cast<__nv_bfloat16*>(scratch);
   __nv_bfloat16* gst = sst + nstate;
   auto k_state_fwd = [&](bool st) {
-    gla_tc::state_kernel<DK, DV, false, false><<<sgrid, gla_tc::kStateThreads, st_smem>>>(
-        a, act(k, DK), act(v, DV), st ? stv(s0) : none, nullptr, st ? stv(s1) : none, scratch);
+    gla_tc::state_kernel<DK, DV, false, kFwdOut><<<sgrid, gla_tc::kStateThreads, st_smem>>>(
+        a, act(k, DK), act(v, DV), st ? stv(s0) : none, nullptr, st ? stv(s1) : none, reinterpret_cast<StPtr>(scratch));
     CK(cudaGetLastError());
   };
   auto k_fwd_o = [&]() {
     gla_tc::fwd_o_kernel<DK, DV><<<cgrid, gla_tc::kThreads, fo_smem>>>(a, act(q, DK), act(k, DK), act(v, DV),
-                                                                       outv(o, DV), scratch);
+                                                                       outv(o, DV), reinterpret_cast<FoPtr>(scratch));
     CK(cudaGetLastError());
   };
   auto k_state_s = [&](bool st) {
-    gla_tc::state_kernel<DK, DV, false, true><<<sgrid, gla_tc::kStateThreads, st_smem>>>(
+    gla_tc::state_kernel<DK, DV, false, kBwdOut><<<sgrid, gla_tc::kStateThreads, st_smem>>>(
         a, act(k, DK), act(v, DV), st ? stv(s0) : none, nullptr, none, sst);
     CK(cudaGetLastError());
   };
   auto k_state_g = [&](bool st) {
-    gla_tc::state_kernel<DK, DV, true, true><<<sgrid, gla_tc::kStateThreads, st_smem>>>(
+    gla_tc::state_kernel<DK, DV, true, kBwdOut><<<sgrid, gla_tc::kStateThreads, st_smem>>>(
         a, act(q, DK), act(dO, DV), st ? stv(go) : none, nullptr, st ? stv(gi) : none, gst);
     CK(cudaGetLastError());
   };

@@ -1,6 +1,6 @@
-// GENERATED from lab/gla/gla_tc_v1.cuh by lab/gla/promote.sh: edit the lab version, then re-run the script.
+// GENERATED from lab/gla/gla_tc_v3.cuh by lab/gla/promote.sh: edit the lab version, then re-run the script.
 //
-// lab/gla v1: chunked GLA forward/backward on tensor cores (mma.sync m16n8k16, bf16 operands,
+// lab/gla v3: chunked GLA forward/backward on tensor cores (mma.sync m16n8k16, bf16 operands,
 // fp32 accumulators), templated on the head dims and written for dk = 96, dv = 192 without
 // padding (96 = 6·16, 192 = 12·16: every tile is a whole number of 16-wide mma steps).
 //
@@ -14,10 +14,12 @@
 //   dv           dv_i = λ^{Le−1−i} k_i G_n + Σ_{t≥i} λ^{t−i} (q̃_t·k_i) dO_t
 //
 // Kernels (the chunk-parallel structure of flash-linear-attention):
-//   state_kernel  one block per (b, h, 64-column slice of dv) walks the chunks in order and
+//   state_kernel  one block per (b, h, 96-column slice of dv) walks the chunks in order and
 //                 writes every S_n (or G_n in reverse) to scratch; the per-chunk K̃ᵀV product
-//                 runs on tensor cores, the [dk × 64] fp32 state stays in registers.
-//   fwd_o_kernel  one block per (b, h, chunk): warp w owns rows 16w..16w+15; the decayed
+//                 runs on tensor cores, the [dk × 96] fp32 state stays in registers, and the
+//                 next chunk's tiles load (cp.async, double-buffered) while this one multiplies.
+//   fwd_o_kernel  one block per (b, h, chunk): warp w owns rows 16w..16w+15 (the QKᵀ block
+//                 starts while V and the state still load); the decayed
 //                 causal QKᵀ block never leaves registers (its accumulator fragments are
 //                 re-packed as the A operand of the next product, as in flash attention).
 //   bwd_dqk_kernel, bwd_dv_kernel   the same pattern for the gradients.
@@ -36,6 +38,16 @@
 #include <cstdint>
 
 namespace laplace::cuda::gla_tc {
+
+// Forward precision switches. Measured (H200, B8 T2048, o vs fp64): both on 1.66e-3 (the bf16
+// rounding of o alone), A single-rounded 1.73e-3 (fwd_o 3% faster), S single-rounded 2.29e-3
+// (10% faster, too close to the 2.5e-3 bound). Both stay on.
+#ifndef GLA_A_LO
+#define GLA_A_LO 1
+#endif
+#ifndef GLA_S_LO
+#define GLA_S_LO 1
+#endif
 
 constexpr int kC = 128;          // rows per chunk (fixed: the kernels' tiling assumes 8 warps × 16 rows)
 constexpr int kMaxHeads = 128;
@@ -147,22 +159,6 @@ __device__ __forceinline__ void load_rows_async(__nv_bfloat16* s, int ld, const 
     cp_async16(su32(s + r * ld + c), src, in ? 16 : 0);
   }
 }
-// fp32 [D1][D2] contiguous plane -> bf16 hi (and lo) smem planes [D1][ld].
-template <int D1, int D2>
-__device__ __forceinline__ void load_plane_split(__nv_bfloat16* sh, __nv_bfloat16* sl, int ld, const float* g) {
-  for (int idx = threadIdx.x; idx < D1 * D2 / 8; idx += blockDim.x) {
-    const int r = idx / (D2 / 8), c = (idx - r * (D2 / 8)) * 8;
-    const float4 x0 = *reinterpret_cast<const float4*>(g + r * D2 + c);
-    const float4 x1 = *reinterpret_cast<const float4*>(g + r * D2 + c + 4);
-    uint4 h, lo;
-    split2(x0.x, x0.y, h.x, lo.x);
-    split2(x0.z, x0.w, h.y, lo.y);
-    split2(x1.x, x1.y, h.z, lo.z);
-    split2(x1.z, x1.w, h.w, lo.w);
-    *reinterpret_cast<uint4*>(sh + r * ld + c) = h;
-    if (sl) *reinterpret_cast<uint4*>(sl + r * ld + c) = lo;
-  }
-}
 // bf16 [D1][D2] contiguous plane -> smem [D1][ld] (cp.async).
 template <int D1, int D2>
 __device__ __forceinline__ void load_plane_async(__nv_bfloat16* s, int ld, const __nv_bfloat16* g) {
@@ -185,128 +181,148 @@ __device__ __forceinline__ void store2(void* p, int dt, int64_t off, float x0, f
 }
 
 // ---- state scan -------------------------------------------------------------------------------
-// grid (DV/64, B·H), 128 threads. Forward (REV = false): X = k with row weights λ^{Le−1−j},
-// Y = v; the state starts at s0 (slot-mapped rows, or zero), states[bh][n] = S_n, final state
-// to sfin. Reverse: X = q with weights scale·λ^{t+1}, Y = dO; starts at s0 = ds_out (by batch
-// row), states[bh][n] = G_n, final to sfin = ds_in. States are stored fp32 or bf16 (OUT_BF16).
-constexpr int kStateThreads = 128;
-constexpr int kSlice = 64;  // dv columns per block: 4 warps × 16
+// grid (DV/96, B·H), 192 threads = 6 warps as 2 (row halves of dk) × 3 (32-column groups of the
+// 96-column slice). Forward (REV = false): X = k with row weights λ^{Le−1−j}, Y = v; the state
+// starts at s0 (slot-mapped rows, or zero); states[bh][n] = S_n; final state to sfin. Reverse:
+// X = q with weights scale·λ^{t+1}, Y = dO; starts at s0 = ds_out (by batch row); states[bh][n]
+// = G_n; final to sfin = ds_in. OUT = kOutHiLo stores each state as two bf16 planes (hi, lo:
+// fp32-exact for the forward's output kernel), kOutHi as one bf16 plane (the backward's).
+//
+// v2 vs v1: v1 converted the decayed X rows to hi/lo in shared memory through registers, one
+// serial global load at a time, and ran 16 dependent steps per block at 0.22 ms per scan. v2
+// copies raw bf16 tiles with cp.async, double-buffered (the next chunk loads while this one
+// multiplies), and applies the row weights and the hi/lo split to the A fragments in registers
+// right after ldmatrix. 256 blocks of 107 KB: two per SM, one wave on 132 SMs.
+constexpr int kStateThreads = 192;
+constexpr int kSlice = 96;  // dv columns per block
+constexpr int kOutHiLo = 0, kOutHi = 1;
 template <int DK, int DV>
 constexpr int state_smem_bytes() {
-  return 2 * kC * (DK + 8) * 2 + kC * (kSlice + 8) * 2 + (kC + 4) * 4;
+  return 2 * (kC * (DK + 8) + kC * (kSlice + 8)) * 2 + (kC + 4) * 4;
 }
 
-template <int DK, int DV, bool REV, bool OUT_BF16>
+// bf16 pair × (w0, w1) in fp32, split into hi/lo bf16 pairs.
+__device__ __forceinline__ void weigh_split(uint32_t raw, float w0, float w1, uint32_t& hi, uint32_t& lo) {
+  const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw));
+  split2(f.x * w0, f.y * w1, hi, lo);
+}
+
+template <int DK, int DV, bool REV, int OUT>
 __global__ void __launch_bounds__(kStateThreads) state_kernel(Args a, Act X, Act Y, StV s0, const int32_t* slots,
-                                                              StV sfin, void* states) {
-  static_assert(DK % 16 == 0 && DV % kSlice == 0, "state_kernel tiling");
-  constexpr int LDX = DK + 8, LDY = kSlice + 8, MT = DK / 16;
+                                                              StV sfin, __nv_bfloat16* states) {
+  static_assert(DK % 32 == 0 && DV % kSlice == 0, "state_kernel tiling");
+  constexpr int LDX = DK + 8, LDY = kSlice + 8, MT = DK / 32;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __nv_bfloat16* Xh = reinterpret_cast<__nv_bfloat16*>(smem_raw);
-  __nv_bfloat16* Xl = Xh + kC * LDX;
-  __nv_bfloat16* Ys = Xl + kC * LDX;
-  float* pw = reinterpret_cast<float*>(Ys + kC * LDY);
+  __nv_bfloat16* Xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [2][kC][LDX]
+  __nv_bfloat16* Ys = Xs + 2 * kC * LDX;                              // [2][kC][LDY]
+  float* pw = reinterpret_cast<float*>(Ys + 2 * kC * LDY);
 
   const int bh = blockIdx.y, b = bh / a.H, h = bh - b * a.H;
   const int e0 = blockIdx.x * kSlice;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
-  const int ew = e0 + warp * 16;  // this warp's 16 state columns
+  const int mrow = (warp / 3) * (DK / 2);  // this warp's first state row
+  const int ncol = (warp % 3) * 32;        // its first column inside the slice
   load_powers(pw, a.lam[h]);
 
-  float acc[MT][2][4];
+  auto issue = [&](int step, int buf) {
+    const int n = REV ? a.N - 1 - step : step;
+    const int t0 = n * kC, Le = min(kC, a.T - t0);
+    load_rows_async<DK>(Xs + buf * kC * LDX, LDX, X, b, t0, Le, h);
+    load_rows_async<DV>(Ys + buf * kC * LDY, LDY, Y, b, t0, Le, h, e0, kSlice);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  };
+  issue(0, 0);
+
+  float acc[MT][4][4];
   {
     const int64_t srow = slots ? slots[b] : b;
     const float* src = s0.p ? s0.p + srow * s0.ss + h * s0.sh : nullptr;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-          const int c = mt * 16 + g + hr * 8, e = ew + nt * 8 + 2 * q4;
+          const int c = mrow + mt * 16 + g + hr * 8, e = e0 + ncol + nt * 8 + 2 * q4;
           float2 x = make_float2(0.f, 0.f);
           if (src) x = *reinterpret_cast<const float2*>(src + c * s0.sk + e);
           acc[mt][nt][2 * hr] = x.x;
           acc[mt][nt][2 * hr + 1] = x.y;
         }
   }
-  __syncthreads();
 
   for (int step = 0; step < a.N; ++step) {
     const int n = REV ? a.N - 1 - step : step;
     const int t0 = n * kC, Le = min(kC, a.T - t0);
+    const int buf = step & 1;
+    if (step + 1 < a.N) {
+      issue(step + 1, buf ^ 1);  // that buffer was released by the barrier ending the last step
+      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    }
+    __syncthreads();
     // 1. store the state this chunk sees
     {
-      const int64_t base = (static_cast<int64_t>(bh) * a.N + n) * DK * DV;
+      const int64_t base = (static_cast<int64_t>(bh) * a.N + n) * (OUT == kOutHiLo ? 2 : 1) * DK * DV;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
           for (int hr = 0; hr < 2; ++hr) {
-            const int c = mt * 16 + g + hr * 8, e = ew + nt * 8 + 2 * q4;
+            const int c = mrow + mt * 16 + g + hr * 8, e = e0 + ncol + nt * 8 + 2 * q4;
             const int64_t off = base + c * DV + e;
-            if (OUT_BF16)
-              *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(states) + off) =
+            if (OUT == kOutHiLo) {
+              uint32_t hi, lo;
+              split2(acc[mt][nt][2 * hr], acc[mt][nt][2 * hr + 1], hi, lo);
+              *reinterpret_cast<uint32_t*>(states + off) = hi;
+              *reinterpret_cast<uint32_t*>(states + off + DK * DV) = lo;
+            } else {
+              *reinterpret_cast<__nv_bfloat162*>(states + off) =
                   __floats2bfloat162_rn(acc[mt][nt][2 * hr], acc[mt][nt][2 * hr + 1]);
-            else
-              *reinterpret_cast<float2*>(static_cast<float*>(states) + off) =
-                  make_float2(acc[mt][nt][2 * hr], acc[mt][nt][2 * hr + 1]);
+            }
           }
     }
-    // 2. Y slice (async), X rows weighted and split into hi/lo
-    load_rows_async<DV>(Ys, LDY, Y, b, t0, Le, h, e0, kSlice);
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-    {
-      const __nv_bfloat16* xb = static_cast<const __nv_bfloat16*>(X.p);
-      constexpr int VPR = DK / 8;
-      for (int idx = threadIdx.x; idx < kC * VPR; idx += blockDim.x) {
-        const int r = idx / VPR, c = (idx - r * VPR) * 8;
-        uint4 hv = make_uint4(0, 0, 0, 0), lv = make_uint4(0, 0, 0, 0);
-        if (r < Le) {
-          const float w = REV ? a.scale * pw[r + 1] : pw[Le - 1 - r];
-          const uint4 raw = *reinterpret_cast<const uint4*>(xb + X.at(b, t0 + r, h) + c);
-          const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
-          float2 f;
-          f = __bfloat1622float2(x2[0]);
-          split2(w * f.x, w * f.y, hv.x, lv.x);
-          f = __bfloat1622float2(x2[1]);
-          split2(w * f.x, w * f.y, hv.y, lv.y);
-          f = __bfloat1622float2(x2[2]);
-          split2(w * f.x, w * f.y, hv.z, lv.z);
-          f = __bfloat1622float2(x2[3]);
-          split2(w * f.x, w * f.y, hv.w, lv.w);
-        }
-        *reinterpret_cast<uint4*>(Xh + r * LDX + c) = hv;
-        *reinterpret_cast<uint4*>(Xl + r * LDX + c) = lv;
-      }
-    }
-    cp_async_wait_all();
-    __syncthreads();
-    // 3. state ← λ^{Le}·state + X̃ᵀ Y
+    // 2. state ← λ^{Le}·state + X̃ᵀ Y, X̃ = diag(w) X made fragment by fragment
     const float decay = pw[Le];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[mt][nt][r] *= decay;
+    const __nv_bfloat16* xb = Xs + buf * kC * LDX;
+    const __nv_bfloat16* yb = Ys + buf * kC * LDY;
     const int ksteps = (Le + 15) / 16;
     for (int ks = 0; ks < ksteps; ++ks) {
-      uint32_t bf[4];
-      ldb_kn(bf, Ys, LDY, ks * 16, warp * 16);
+      // weights of the k indices this thread holds: j0, j0+1 (regs 0, 1), j0+8, j0+9 (regs 2, 3)
+      const int j0 = ks * 16 + 2 * q4;
+      float w[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int j = j0 + (u & 1) + (u >> 1) * 8;
+        w[u] = REV ? a.scale * pw[j + 1] : (j < Le ? pw[Le - 1 - j] : 0.f);
+      }
+      uint32_t bf[2][4];
+      ldb_kn(bf[0], yb, LDY, ks * 16, ncol);
+      ldb_kn(bf[1], yb, LDY, ks * 16, ncol + 16);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        uint32_t ah[4], al[4];
-        lda_t(ah, Xh, LDX, mt * 16, ks * 16);
-        lda_t(al, Xl, LDX, mt * 16, ks * 16);
-        mma(acc[mt][0], ah, bf[0], bf[1]);
-        mma(acc[mt][1], ah, bf[2], bf[3]);
-        mma(acc[mt][0], al, bf[0], bf[1]);
-        mma(acc[mt][1], al, bf[2], bf[3]);
+        uint32_t raw[4], ah[4], al[4];
+        lda_t(raw, xb, LDX, mrow + mt * 16, ks * 16);
+        weigh_split(raw[0], w[0], w[1], ah[0], al[0]);
+        weigh_split(raw[1], w[0], w[1], ah[1], al[1]);
+        weigh_split(raw[2], w[2], w[3], ah[2], al[2]);
+        weigh_split(raw[3], w[2], w[3], ah[3], al[3]);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          mma(acc[mt][nt], ah, bf[nt >> 1][(nt & 1) * 2], bf[nt >> 1][(nt & 1) * 2 + 1]);
+          mma(acc[mt][nt], al, bf[nt >> 1][(nt & 1) * 2], bf[nt >> 1][(nt & 1) * 2 + 1]);
+        }
       }
     }
-    __syncthreads();  // the tiles are overwritten by the next chunk
+    __syncthreads();  // buffer `buf` is refilled by the next step's issue
   }
   if (sfin.p) {
     const int64_t srow = slots ? slots[b] : b;
@@ -314,13 +330,24 @@ __global__ void __launch_bounds__(kStateThreads) state_kernel(Args a, Act X, Act
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-          const int c = mt * 16 + g + hr * 8, e = ew + nt * 8 + 2 * q4;
+          const int c = mrow + mt * 16 + g + hr * 8, e = e0 + ncol + nt * 8 + 2 * q4;
           *reinterpret_cast<float2*>(dst + c * sfin.sk + e) = make_float2(acc[mt][nt][2 * hr], acc[mt][nt][2 * hr + 1]);
         }
   }
+}
+
+// ---- row tiles ------------------------------------------------------------------------------------
+// The chunk kernels give each warp one 16-row tile; causal work grows with the tile index
+// (j ≤ i) or shrinks with it (t ≥ i). Warps w and w+4 share one of the SM's four tensor-core
+// partitions, so tiles are paired (r, 7 − r) on a partition: warp w < 4 takes tile w, warp
+// w ≥ 4 takes tile 11 − w. Every partition then gets the same amount of causal work (v2 gave
+// partition 3 tiles 3 and 7: 1.4× the work of partition 0).
+__device__ __forceinline__ int row_tile() {
+  const int w = threadIdx.x >> 5;
+  return w < 4 ? w : 11 - w;
 }
 
 // ---- causal decayed block in registers -------------------------------------------------------
@@ -331,8 +358,8 @@ __global__ void __launch_bounds__(kStateThreads) state_kernel(Args a, Act X, Act
 template <int KD, bool LOWER, bool SPLIT>
 __device__ __forceinline__ void decayed_block(uint32_t (&ph)[8][4], uint32_t (&pl)[8][4], const __nv_bfloat16* Xs,
                                               const __nv_bfloat16* Ys, int ld, const float* pw, float mul) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
-  const int r0 = warp * 16;
+  const int rt = row_tile(), lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
+  const int r0 = rt * 16;
   float s[16][4];
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt)
@@ -344,7 +371,7 @@ __device__ __forceinline__ void decayed_block(uint32_t (&ph)[8][4], uint32_t (&p
     lda(xa, Xs, ld, r0, ks * 16);
 #pragma unroll
     for (int np = 0; np < 8; ++np) {
-      if (LOWER ? np <= warp : np >= warp) {
+      if (LOWER ? np <= rt : np >= rt) {
         uint32_t bf[4];
         ldb_nk(bf, Ys, ld, np * 16, ks * 16);
         mma(s[2 * np], xa, bf[0], bf[1]);
@@ -398,10 +425,10 @@ __device__ __forceinline__ void zero(float (&acc)[NT][4]) {
 template <int NT>
 __device__ __forceinline__ void store_rows(const float (&acc)[NT][4], const OutV& o, int b, int t0, int Le, int h,
                                            int c0) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
+  const int rt = row_tile(), lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
-    const int i = warp * 16 + g + hr * 8;
+    const int i = rt * 16 + g + hr * 8;
     if (i >= Le) continue;
     const int64_t row = o.at(b, t0 + i, h) + c0 + 2 * q4;
 #pragma unroll
@@ -410,7 +437,7 @@ __device__ __forceinline__ void store_rows(const float (&acc)[NT][4], const OutV
 }
 
 // ---- forward output ----------------------------------------------------------------------------
-// grid B·H·N (block = bh·N + n), 256 threads; states fp32 [B·H][N][DK][DV].
+// grid B·H·N (block = bh·N + n), 256 threads; states bf16 hi/lo planes [B·H][N][2][DK][DV].
 constexpr int kThreads = 256;
 template <int DK, int DV>
 constexpr int fwd_smem_bytes() {
@@ -418,7 +445,8 @@ constexpr int fwd_smem_bytes() {
 }
 
 template <int DK, int DV>
-__global__ void __launch_bounds__(kThreads, 1) fwd_o_kernel(Args a, Act Q, Act K, Act V, OutV O, const float* states) {
+__global__ void __launch_bounds__(kThreads, 1) fwd_o_kernel(Args a, Act Q, Act K, Act V, OutV O,
+                                                            const __nv_bfloat16* states) {
   static_assert(DK % 16 == 0 && DV % 32 == 0, "fwd_o_kernel tiling");
   constexpr int LDK = DK + 8, LDV = DV + 8, HALF = DV / 2, NT = HALF / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -432,21 +460,28 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_o_kernel(Args a, Act Q, Act K
   const int bh = blockIdx.x / a.N, n = blockIdx.x - bh * a.N;
   const int b = bh / a.H, h = bh - b * a.H;
   const int t0 = n * kC, Le = min(kC, a.T - t0);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-  const int r0 = warp * 16;
+  const int rt = row_tile(), lane = threadIdx.x & 31, g = lane >> 2;
+  const int r0 = rt * 16;
 
+  // two cp.async groups: Q, K first (the QKᵀ block starts as soon as they land), then V and
+  // the state's hi/lo planes, which load while the block is computed
   load_rows_async<DK>(Qs, LDK, Q, b, t0, Le, h);
   load_rows_async<DK>(Ks, LDK, K, b, t0, Le, h);
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
   load_rows_async<DV>(Vs, LDV, V, b, t0, Le, h);
+  const __nv_bfloat16* sp = states + (static_cast<int64_t>(bh) * a.N + n) * 2 * DK * DV;
+  load_plane_async<DK, DV>(Sh, LDV, sp);
+  load_plane_async<DK, DV>(Sl, LDV, sp + DK * DV);
   asm volatile("cp.async.commit_group;\n" ::: "memory");
   load_powers(pw, a.lam[h]);
-  load_plane_split<DK, DV>(Sh, Sl, LDV, states + (static_cast<int64_t>(bh) * a.N + n) * DK * DV);
-  cp_async_wait_all();
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
   __syncthreads();
 
   // A = scale·λ^{i−j}·(q_i·k_j), j ≤ i, split hi/lo (see the precision note at the top).
   uint32_t ah[8][4], al[8][4];
-  decayed_block<DK, true, true>(ah, al, Qs, Ks, LDK, pw, a.scale);
+  decayed_block<DK, true, GLA_A_LO>(ah, al, Qs, Ks, LDK, pw, a.scale);
+  cp_async_wait_all();
+  __syncthreads();
 
   const int i0 = r0 + g, i1 = i0 + 8;
   const float f0 = a.scale * pw[i0 + 1], f1 = a.scale * pw[i1 + 1];
@@ -465,24 +500,28 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_o_kernel(Args a, Act Q, Act K
         ldb_kn(bf, Sh, LDV, ks * 16, hf * HALF + np * 16);
         mma(acc[2 * np], qa, bf[0], bf[1]);
         mma(acc[2 * np + 1], qa, bf[2], bf[3]);
-        ldb_kn(bf, Sl, LDV, ks * 16, hf * HALF + np * 16);
-        mma(acc[2 * np], qa, bf[0], bf[1]);
-        mma(acc[2 * np + 1], qa, bf[2], bf[3]);
+        if (GLA_S_LO) {
+          ldb_kn(bf, Sl, LDV, ks * 16, hf * HALF + np * 16);
+          mma(acc[2 * np], qa, bf[0], bf[1]);
+          mma(acc[2 * np + 1], qa, bf[2], bf[3]);
+        }
       }
     }
     scale_rows(acc, f0, f1);
     // intra-chunk: A · V over the column blocks j ≤ this warp's rows
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
-      if (ks <= warp) {
+      if (ks <= rt) {
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
           uint32_t bf[4];
           ldb_kn(bf, Vs, LDV, ks * 16, hf * HALF + np * 16);
           mma(acc[2 * np], ah[ks], bf[0], bf[1]);
           mma(acc[2 * np + 1], ah[ks], bf[2], bf[3]);
-          mma(acc[2 * np], al[ks], bf[0], bf[1]);
-          mma(acc[2 * np + 1], al[ks], bf[2], bf[3]);
+          if (GLA_A_LO) {
+            mma(acc[2 * np], al[ks], bf[0], bf[1]);
+            mma(acc[2 * np + 1], al[ks], bf[2], bf[3]);
+          }
         }
       }
     }
@@ -510,21 +549,24 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dv_kernel(Args a, Act Q, Act 
   const int bh = blockIdx.x / a.N, n = blockIdx.x - bh * a.N;
   const int b = bh / a.H, h = bh - b * a.H;
   const int t0 = n * kC, Le = min(kC, a.T - t0);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-  const int r0 = warp * 16;
+  const int rt = row_tile(), lane = threadIdx.x & 31, g = lane >> 2;
+  const int r0 = rt * 16;
 
   load_rows_async<DK>(Qs, LDK, Q, b, t0, Le, h);
   load_rows_async<DK>(Ks, LDK, K, b, t0, Le, h);
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
   load_rows_async<DV>(Os, LDV, dO, b, t0, Le, h);
   load_plane_async<DK, DV>(Gs, LDV, gstates + (static_cast<int64_t>(bh) * a.N + n) * DK * DV);
   asm volatile("cp.async.commit_group;\n" ::: "memory");
   load_powers(pw, a.lam[h]);
-  cp_async_wait_all();
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
   __syncthreads();
 
-  // Aᵀ[i][t] = scale·λ^{t−i}·(k_i·q_t), t ≥ i
+  // Aᵀ[i][t] = scale·λ^{t−i}·(k_i·q_t), t ≥ i   (while dO and G_n load)
   uint32_t ph[8][4], pl[8][4];
   decayed_block<DK, false, false>(ph, pl, Ks, Qs, LDK, pw, a.scale);
+  cp_async_wait_all();
+  __syncthreads();
   const int i0 = r0 + g, i1 = i0 + 8;
   const float f0 = i0 < Le ? pw[Le - 1 - i0] : 0.f, f1 = i1 < Le ? pw[Le - 1 - i1] : 0.f;
 #pragma unroll
@@ -546,7 +588,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dv_kernel(Args a, Act Q, Act 
     scale_rows(acc, f0, f1);
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
-      if (ks >= warp) {
+      if (ks >= rt) {
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
           uint32_t bf[4];
@@ -583,25 +625,28 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqk_kernel(Args a, Act Q, Act
   const int bh = blockIdx.x / a.N, n = blockIdx.x - bh * a.N;
   const int b = bh / a.H, h = bh - b * a.H;
   const int t0 = n * kC, Le = min(kC, a.T - t0);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-  const int r0 = warp * 16;
+  const int rt = row_tile(), lane = threadIdx.x & 31, g = lane >> 2;
+  const int r0 = rt * 16;
   const int64_t plane = (static_cast<int64_t>(bh) * a.N + n) * DK * DV;
 
-  load_rows_async<DK>(Qs, LDK, Q, b, t0, Le, h);
-  load_rows_async<DK>(Ks, LDK, K, b, t0, Le, h);
   load_rows_async<DV>(Vs, LDV, V, b, t0, Le, h);
   load_rows_async<DV>(Os, LDV, dO, b, t0, Le, h);
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  load_rows_async<DK>(Qs, LDK, Q, b, t0, Le, h);
+  load_rows_async<DK>(Ks, LDK, K, b, t0, Le, h);
   if (dQ.p) load_plane_async<DK, DV>(SG, LDV, sstates + plane);
   asm volatile("cp.async.commit_group;\n" ::: "memory");
   load_powers(pw, a.lam[h]);
-  cp_async_wait_all();
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
   __syncthreads();
 
   const int i0 = r0 + g, i1 = i0 + 8;
   uint32_t ph[8][4], pl[8][4];
   if (dQ.p) {
-    // P[i][j] = scale·λ^{i−j}·(dO_i·v_j), j ≤ i
+    // P[i][j] = scale·λ^{i−j}·(dO_i·v_j), j ≤ i   (while Q, K and S_n load)
     decayed_block<DV, true, false>(ph, pl, Os, Vs, LDV, pw, a.scale);
+    cp_async_wait_all();
+    __syncthreads();
     float acc[NT][4];
     zero(acc);
     // dO_i · S_nᵀ: B[e][c] = S[c][e], i.e. S is the [n][k] layout
@@ -620,7 +665,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqk_kernel(Args a, Act Q, Act
     scale_rows(acc, a.scale * pw[i0 + 1], a.scale * pw[i1 + 1]);
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
-      if (ks <= warp) {
+      if (ks <= rt) {
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
           uint32_t bf[4];
@@ -633,7 +678,8 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqk_kernel(Args a, Act Q, Act
     store_rows(acc, dQ, b, t0, Le, h, 0);
   }
   if (dK.p) {
-    __syncthreads();  // every warp is done with S_n
+    cp_async_wait_all();  // Q, K when dQ was not requested
+    __syncthreads();      // every warp is done with S_n
     load_plane_async<DK, DV>(SG, LDV, gstates + plane);
     asm volatile("cp.async.commit_group;\n" ::: "memory");
     // Pᵀ[i][t] = scale·λ^{t−i}·(v_i·dO_t), t ≥ i   (computed while G_n loads)
@@ -657,7 +703,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqk_kernel(Args a, Act Q, Act
     scale_rows(acc, i0 < Le ? pw[Le - 1 - i0] : 0.f, i1 < Le ? pw[Le - 1 - i1] : 0.f);
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
-      if (ks >= warp) {
+      if (ks >= rt) {
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
           uint32_t bf[4];
@@ -758,15 +804,16 @@ bool gla_tc_forward(CudaBackend& be, const GlaParams& p, const Tensor& q, const 
   const gla_tc::Args a = tc_args(p, q);
   if (a.B == 0) return true;
   const int64_t nstate = static_cast<int64_t>(a.B) * a.H * a.N * DK * DV;
-  float* states = static_cast<float*>(be.scratch(static_cast<size_t>(nstate) * sizeof(float)));
+  // S_n as bf16 hi/lo planes (fp32-exact; see the precision note at the top)
+  __nv_bfloat16* states = static_cast<__nv_bfloat16*>(be.scratch(static_cast<size_t>(2 * nstate) * 2));
   const int32_t* ps = slots.defined() ? static_cast<const int32_t*>(slots.data) : nullptr;
   cudaStream_t stream = be.stream();
 
   constexpr int st_smem = gla_tc::state_smem_bytes<DK, DV>(), fo_smem = gla_tc::fwd_smem_bytes<DK, DV>();
-  tc_smem(gla_tc::state_kernel<DK, DV, false, false>, st_smem);
+  tc_smem(gla_tc::state_kernel<DK, DV, false, gla_tc::kOutHiLo>, st_smem);
   tc_smem(gla_tc::fwd_o_kernel<DK, DV>, fo_smem);
   const dim3 sgrid(DV / gla_tc::kSlice, a.B * a.H);
-  gla_tc::state_kernel<DK, DV, false, false><<<sgrid, gla_tc::kStateThreads, st_smem, stream>>>(
+  gla_tc::state_kernel<DK, DV, false, gla_tc::kOutHiLo><<<sgrid, gla_tc::kStateThreads, st_smem, stream>>>(
       a, tc_act(k), tc_act(v), tc_state(s_in), ps, tc_state(s_out), states);
   CUDA_CHECK_LAUNCH();
   const unsigned cgrid = static_cast<unsigned>(static_cast<int64_t>(a.B) * a.H * a.N);
@@ -796,14 +843,14 @@ bool gla_tc_backward(CudaBackend& be, const GlaParams& p, const Tensor& q, const
   const dim3 sgrid(DV / gla_tc::kSlice, a.B * a.H);
   const unsigned cgrid = static_cast<unsigned>(static_cast<int64_t>(a.B) * a.H * a.N);
   if (dq.defined()) {
-    tc_smem(gla_tc::state_kernel<DK, DV, false, true>, st_smem);
-    gla_tc::state_kernel<DK, DV, false, true><<<sgrid, gla_tc::kStateThreads, st_smem, stream>>>(
+    tc_smem(gla_tc::state_kernel<DK, DV, false, gla_tc::kOutHi>, st_smem);
+    gla_tc::state_kernel<DK, DV, false, gla_tc::kOutHi><<<sgrid, gla_tc::kStateThreads, st_smem, stream>>>(
         a, tc_act(k), tc_act(v), tc_state(s_in), nullptr, gla_tc::StV{}, sst);
     CUDA_CHECK_LAUNCH();
   }
   if (dk.defined() || dv.defined() || ds_in.defined()) {
-    tc_smem(gla_tc::state_kernel<DK, DV, true, true>, st_smem);
-    gla_tc::state_kernel<DK, DV, true, true><<<sgrid, gla_tc::kStateThreads, st_smem, stream>>>(
+    tc_smem(gla_tc::state_kernel<DK, DV, true, gla_tc::kOutHi>, st_smem);
+    gla_tc::state_kernel<DK, DV, true, gla_tc::kOutHi><<<sgrid, gla_tc::kStateThreads, st_smem, stream>>>(
         a, tc_act(q), tc_act(d_o), tc_state(ds_out), nullptr, tc_state(ds_in), gst);
     CUDA_CHECK_LAUNCH();
   }
