@@ -95,6 +95,13 @@ TEST(DistPlan, OwnersAreDeterministicBalancedAndHashed) {
   EXPECT_NEAR(amean / (4 * M / 64), 1.0, 0.05);
 }
 
+// The end-to-end tests need this build's MPI communicator and an mpirun on the PATH.
+#define REQUIRE_MPIRUN()                                                                   \
+  do {                                                                                     \
+    if (!mpi_available()) GTEST_SKIP() << "built without MPI (install libopenmpi-dev)";   \
+    if (std::system("command -v mpirun >/dev/null 2>&1") != 0) GTEST_SKIP() << "no mpirun"; \
+  } while (0)
+
 // ---- end to end under mpirun -----------------------------------------------------------------
 
 // V37 D6 L1 H1 dk2 dv3 F5: Muon units q,k (2 rows), v,g (3), W_o (6), a,b (5), W_3 (6);
@@ -170,6 +177,7 @@ void expect_bitwise_equal(const std::vector<double>& a, const std::vector<double
 // P ranks × batch 2 read the same windows as 1 rank × batch 2 × grad-accum P, and every
 // sum runs in the same (micro-step, rank) order: bitwise equal losses and weights.
 TEST(DistTrain, PRanksBitwiseEqualToOneRank) {
+  REQUIRE_MPIRUN();
   DistFixture f;
   for (int P : {1, 2, 3, 4}) {
     const std::string ref = "ref" + std::to_string(P), run = "p" + std::to_string(P);
@@ -193,6 +201,7 @@ TEST(DistTrain, PRanksBitwiseEqualToOneRank) {
 // gather and all_to_all feed identical bytes into one newton_schulz per unit: identical
 // weights; the per-rank bytes each logs equal the formula of dist/plan.h.
 TEST(DistTrain, GatherEqualsAllToAllAndBytesEqualFormula) {
+  REQUIRE_MPIRUN();
   DistFixture f;
   Config c;
   ASSERT_TRUE(config_from_json(kConfig, &c).is_ok());
@@ -235,6 +244,7 @@ TEST(DistTrain, GatherEqualsAllToAllAndBytesEqualFormula) {
 // A checkpoint written on 4 ranks resumes on 2 and on 3 (other grad-accum, same global
 // batch of 12 windows): the next step's loss equals the uninterrupted 4-rank run's.
 TEST(DistCheckpoint, SaveOnFourRanksResumeOnTwoAndThree) {
+  REQUIRE_MPIRUN();
   DistFixture f;
   f.must_run(4, "straight", "--batch 1 --grad-accum 3", 6);
   f.must_run(4, "saved", "--batch 1 --grad-accum 3 --stop-after 3", 6);
@@ -258,6 +268,7 @@ TEST(DistCheckpoint, SaveOnFourRanksResumeOnTwoAndThree) {
 }
 
 TEST(DistCheckpoint, CorruptOrMismatchedCheckpointGivesClearError) {
+  REQUIRE_MPIRUN();
   DistFixture f;
   f.must_run(2, "good", "--batch 1", 2);
   std::string ck = f.bytes("good/checkpoint.safetensors");
@@ -296,6 +307,7 @@ TEST(DistCheckpoint, CorruptOrMismatchedCheckpointGivesClearError) {
 
 // The distributed checkpoint is the single-process format: a plain run resumes from it.
 TEST(DistCheckpoint, SingleProcessTrainerResumesADistributedCheckpoint) {
+  REQUIRE_MPIRUN();
   DistFixture f;
   f.must_run(3, "d", "--batch 1 --stop-after 2", 4);
   const std::string cmd = std::string(LAPLACE_BINARY) + " train --config " + f.config + " --data " + f.shard +
@@ -309,6 +321,7 @@ TEST(DistCheckpoint, SingleProcessTrainerResumesADistributedCheckpoint) {
 
 // Every collective and type over Open MPI, checked on every rank (cli/cmd_dist.cpp).
 TEST(DistComm, MpiSelftestOnThreeAndFourRanks) {
+  REQUIRE_MPIRUN();
   for (int P : {3, 4}) {
     const std::string cmd = "mpirun --allow-run-as-root --oversubscribe -np " + std::to_string(P) + " " +
                             LAPLACE_BINARY + " dist selftest 2>&1";
