@@ -16,14 +16,16 @@
 #include <vector>
 
 #ifndef GLA_V
-#define GLA_V 3
+#define GLA_V 4
 #endif
 #if GLA_V == 1
 #include "gla_tc_v1.cuh"
 #elif GLA_V == 2
 #include "gla_tc_v2.cuh"
-#else
+#elif GLA_V == 3
 #include "gla_tc_v3.cuh"
+#else
+#include "gla_tc_v4.cuh"
 #endif
 
 #define CK(x)                                                                                        \

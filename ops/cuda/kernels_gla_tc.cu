@@ -1,6 +1,6 @@
-// GENERATED from lab/gla/gla_tc_v3.cuh by lab/gla/promote.sh: edit the lab version, then re-run the script.
+// GENERATED from lab/gla/gla_tc_v4.cuh by lab/gla/promote.sh: edit the lab version, then re-run the script.
 //
-// lab/gla v3: chunked GLA forward/backward on tensor cores (mma.sync m16n8k16, bf16 operands,
+// lab/gla v4: chunked GLA forward/backward on tensor cores (mma.sync m16n8k16, bf16 operands,
 // fp32 accumulators), templated on the head dims and written for dk = 96, dv = 192 without
 // padding (96 = 6·16, 192 = 12·16: every tile is a whole number of 16-wide mma steps).
 //
@@ -193,6 +193,7 @@ __device__ __forceinline__ void store2(void* p, int dt, int64_t off, float x0, f
 // copies raw bf16 tiles with cp.async, double-buffered (the next chunk loads while this one
 // multiplies), and applies the row weights and the hi/lo split to the A fragments in registers
 // right after ldmatrix. 256 blocks of 107 KB: two per SM, one wave on 132 SMs.
+// v4: states leave through shared memory as 16-byte row pieces (see step 3).
 constexpr int kStateThreads = 192;
 constexpr int kSlice = 96;  // dv columns per block
 constexpr int kOutHiLo = 0, kOutHi = 1;
@@ -205,6 +206,32 @@ constexpr int state_smem_bytes() {
 __device__ __forceinline__ void weigh_split(uint32_t raw, float w0, float w1, uint32_t& hi, uint32_t& lo) {
   const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw));
   split2(f.x * w0, f.y * w1, hi, lo);
+}
+
+// Direct store of a state held in fragments (4-byte pairs; used for the first state only).
+template <int DK, int DV, int OUT, int MT>
+__device__ __forceinline__ void store_state_direct(const float (&acc)[MT][4][4], __nv_bfloat16* states, int bh, int N,
+                                                   int n, int mrow, int ecol) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
+  const int64_t base = (static_cast<int64_t>(bh) * N + n) * (OUT == kOutHiLo ? 2 : 1) * DK * DV;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int c = mrow + mt * 16 + g + hr * 8, e = ecol + nt * 8 + 2 * q4;
+        const int64_t off = base + c * DV + e;
+        if (OUT == kOutHiLo) {
+          uint32_t hi, lo;
+          split2(acc[mt][nt][2 * hr], acc[mt][nt][2 * hr + 1], hi, lo);
+          *reinterpret_cast<uint32_t*>(states + off) = hi;
+          *reinterpret_cast<uint32_t*>(states + off + DK * DV) = lo;
+        } else {
+          *reinterpret_cast<__nv_bfloat162*>(states + off) =
+              __floats2bfloat162_rn(acc[mt][nt][2 * hr], acc[mt][nt][2 * hr + 1]);
+        }
+      }
 }
 
 template <int DK, int DV, bool REV, int OUT>
@@ -262,28 +289,7 @@ __global__ void __launch_bounds__(kStateThreads) state_kernel(Args a, Act X, Act
       asm volatile("cp.async.wait_group 0;\n" ::: "memory");
     }
     __syncthreads();
-    // 1. store the state this chunk sees
-    {
-      const int64_t base = (static_cast<int64_t>(bh) * a.N + n) * (OUT == kOutHiLo ? 2 : 1) * DK * DV;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-          for (int hr = 0; hr < 2; ++hr) {
-            const int c = mrow + mt * 16 + g + hr * 8, e = e0 + ncol + nt * 8 + 2 * q4;
-            const int64_t off = base + c * DV + e;
-            if (OUT == kOutHiLo) {
-              uint32_t hi, lo;
-              split2(acc[mt][nt][2 * hr], acc[mt][nt][2 * hr + 1], hi, lo);
-              *reinterpret_cast<uint32_t*>(states + off) = hi;
-              *reinterpret_cast<uint32_t*>(states + off + DK * DV) = lo;
-            } else {
-              *reinterpret_cast<__nv_bfloat162*>(states + off) =
-                  __floats2bfloat162_rn(acc[mt][nt][2 * hr], acc[mt][nt][2 * hr + 1]);
-            }
-          }
-    }
+    if (step == 0) store_state_direct<DK, DV, OUT>(acc, states, bh, a.N, n, mrow, e0 + ncol);
     // 2. state ← λ^{Le}·state + X̃ᵀ Y, X̃ = diag(w) X made fragment by fragment
     const float decay = pw[Le];
 #pragma unroll
@@ -322,7 +328,41 @@ __global__ void __launch_bounds__(kStateThreads) state_kernel(Args a, Act X, Act
         }
       }
     }
-    __syncthreads();  // buffer `buf` is refilled by the next step's issue
+    __syncthreads();  // every warp is done reading buffer `buf`
+    if (step + 1 < a.N) {
+      // 3. store the next chunk's state through buffer `buf` (free until the next step's issue
+      // refills it), so that global stores are whole 16-byte rows pieces instead of the
+      // fragments' 4-byte pairs (v3: 8 half-used sectors per warp store)
+      const int nn = REV ? n - 1 : n + 1;
+      __nv_bfloat16* stage_h = Xs + buf * kC * LDX;  // [DK][kSlice + 8] hi (fits: DK ≤ kC)
+      __nv_bfloat16* stage_l = Ys + buf * kC * LDY;  // [DK][kSlice + 8] lo
+      constexpr int LDS = kSlice + 8;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const int c = mrow + mt * 16 + g + hr * 8, e = ncol + nt * 8 + 2 * q4;
+            uint32_t hi, lo;
+            if (OUT == kOutHiLo) {
+              split2(acc[mt][nt][2 * hr], acc[mt][nt][2 * hr + 1], hi, lo);
+              *reinterpret_cast<uint32_t*>(stage_l + c * LDS + e) = lo;
+            } else {
+              hi = pack_bf16(acc[mt][nt][2 * hr], acc[mt][nt][2 * hr + 1]);
+            }
+            *reinterpret_cast<uint32_t*>(stage_h + c * LDS + e) = hi;
+          }
+      __syncthreads();
+      const int64_t base = (static_cast<int64_t>(bh) * a.N + nn) * (OUT == kOutHiLo ? 2 : 1) * DK * DV;
+      constexpr int VPR = kSlice / 8, PLANES = OUT == kOutHiLo ? 2 : 1;
+      for (int idx = threadIdx.x; idx < PLANES * DK * VPR; idx += blockDim.x) {
+        const int pl = idx / (DK * VPR), rem = idx - pl * DK * VPR, r = rem / VPR, cc = (rem - r * VPR) * 8;
+        const __nv_bfloat16* src = (pl ? stage_l : stage_h) + r * LDS + cc;
+        *reinterpret_cast<uint4*>(states + base + pl * DK * DV + r * DV + e0 + cc) = *reinterpret_cast<const uint4*>(src);
+      }
+      __syncthreads();
+    }
   }
   if (sfin.p) {
     const int64_t srow = slots ? slots[b] : b;
