@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -727,6 +728,140 @@ TEST(EngineThreads, SubmitAndCancelFromOtherThreads) {
   EXPECT_EQ(s.finished, 24);
   EXPECT_EQ(s.running, 0);
   EXPECT_EQ(s.free_slots, 3);
+}
+
+
+// ---- state snapshots (the server's cache, forks and sessions) ------------------------------------
+
+namespace {
+SnapshotPtr run_capturing(Rig& r, const std::vector<int32_t>& prompt, int64_t max_tokens, SnapshotPtr initial,
+                          SnapshotPtr* prompt_state, SnapshotPtr* final_state, RequestId* id_out = nullptr) {
+  Request q = r.make(prompt, max_tokens);
+  q.initial_state = std::move(initial);
+  q.capture_prompt_state = true;
+  q.capture_final_state = true;
+  q.on_prompt_state = [prompt_state](RequestId, const SnapshotPtr& s) { *prompt_state = s; };
+  auto prev = q.on_finish;
+  q.on_finish = [prev, final_state](const FinishInfo& f) {
+    prev(f);
+    *final_state = f.final_state;
+  };
+  RequestId id = r.add(std::move(q));
+  if (id_out) *id_out = id;
+  r.eng->run_until_idle();
+  return *final_state;
+}
+}  // namespace
+
+// Continuing from a snapshot equals feeding the whole context again: the same tokens, the
+// state within F32 rounding (the prefill pieces differ, so not bitwise), and only the new
+// tokens are prefilled.
+TEST(EngineSnapshot, ContinuationEqualsRecomputingTheContext) {
+  Rig r(opts(2, 8, 64));
+  const std::vector<int32_t> p = random_tokens(21, r.c.vocab_size, 901);
+  const std::vector<int32_t> q = random_tokens(13, r.c.vocab_size, 902);
+  SnapshotPtr ps, fs;
+  RequestId a;
+  run_capturing(r, p, 9, nullptr, &ps, &fs, &a);
+  ASSERT_TRUE(ps && fs);
+  EXPECT_EQ(ps->tokens, p);
+  const std::vector<int32_t>& gen = r.out[a].tokens;
+  ASSERT_EQ(gen.size(), 9u);
+  std::vector<int32_t> covered = p;
+  covered.insert(covered.end(), gen.begin(), gen.end() - 1);  // the last token was never fed
+  EXPECT_EQ(fs->tokens, covered);
+  EXPECT_EQ(static_cast<int64_t>(fs->state.size()), r.eng->slot_bytes());
+  EXPECT_EQ(static_cast<int64_t>(fs->logits.size()), r.c.vocab_size);
+
+  // Warm: from the final snapshot, feed the last generated token and q.
+  std::vector<int32_t> rest = {gen.back()};
+  rest.insert(rest.end(), q.begin(), q.end());
+  const int64_t before = r.eng->stats().prefill_tokens;
+  SnapshotPtr ps2, fs2;
+  RequestId b;
+  run_capturing(r, rest, 12, fs, &ps2, &fs2, &b);
+  EXPECT_EQ(r.eng->stats().prefill_tokens - before, static_cast<int64_t>(rest.size()));
+  // Cold: the whole context as one prompt.
+  std::vector<int32_t> whole = covered;
+  whole.insert(whole.end(), rest.begin(), rest.end());
+  SnapshotPtr ps3, fs3;
+  RequestId c;
+  run_capturing(r, whole, 12, nullptr, &ps3, &fs3, &c);
+  EXPECT_EQ(r.out[b].tokens, r.out[c].tokens);
+  ASSERT_TRUE(fs2 && fs3);
+  EXPECT_EQ(fs2->tokens, fs3->tokens);
+  Tensor x(const_cast<uint8_t*>(fs2->state.data()), DType::kF32, {static_cast<int64_t>(fs2->state.size() / 4)});
+  Tensor y(const_cast<uint8_t*>(fs3->state.data()), DType::kF32, {static_cast<int64_t>(fs3->state.size() / 4)});
+  EXPECT_LE(testing::max_rel_error(x, y), 1e-5);
+}
+
+// A fork (the prompt snapshot, nothing to prefill) emits its first token from the
+// snapshot's logits and then decodes exactly as the original did: bitwise the same state.
+TEST(EngineSnapshot, ForkFromPromptStateReproducesTheOriginalBitwise) {
+  Rig r(opts(3, 8, 64));
+  const std::vector<int32_t> p = random_tokens(17, r.c.vocab_size, 903);
+  SnapshotPtr ps, fs;
+  RequestId a;
+  run_capturing(r, p, 11, nullptr, &ps, &fs, &a);
+  const int64_t before = r.eng->stats().prefill_tokens;
+  SnapshotPtr ps2, fs2;
+  RequestId b;
+  run_capturing(r, {}, 11, ps, &ps2, &fs2, &b);
+  EXPECT_EQ(r.eng->stats().prefill_tokens, before) << "a fork prefills nothing";
+  EXPECT_EQ(ps2, ps) << "with nothing to feed, the prompt state is the initial state itself";
+  EXPECT_EQ(r.out[b].tokens, r.out[a].tokens);
+  ASSERT_TRUE(fs2);
+  EXPECT_EQ(fs2->state, fs->state);
+  EXPECT_EQ(fs2->logits, fs->logits);
+  EXPECT_EQ(fs2->tokens, fs->tokens);
+  EXPECT_EQ(r.out[b].info.prompt_tokens, 0);
+}
+
+TEST(EngineSnapshot, RejectsStatesOfAnotherShapeAndEmptyPromptsWithoutOne) {
+  Rig r(opts(1));
+  Request q = r.make({}, 4);
+  RequestId id;
+  EXPECT_EQ(r.eng->submit(q, &id).code(), Status::Code::kInvalidArgument);
+  auto bad = std::make_shared<StateSnapshot>();
+  bad->state.resize(16);
+  bad->logits.resize(static_cast<size_t>(r.c.vocab_size));
+  bad->tokens = {1};
+  q.initial_state = bad;
+  Status st = r.eng->submit(q, &id);
+  EXPECT_EQ(st.code(), Status::Code::kInvalidArgument);
+  EXPECT_NE(st.message().find("initial state"), std::string::npos) << st.message();
+  Request l = r.make({1, 2}, 2);
+  l.top_logprobs = 21;
+  EXPECT_EQ(r.eng->submit(l, &id).code(), Status::Code::kInvalidArgument);
+}
+
+TEST(EngineLogprobs, ChosenTokenAndAlternativesAreTheLogSoftmax) {
+  Rig r(opts(1));
+  std::vector<TokenLogprobs> lps;
+  Request q = r.make(random_tokens(9, r.c.vocab_size, 904), 6);
+  q.top_logprobs = 4;
+  q.on_logprobs = [&](RequestId, const TokenLogprobs& lp) { lps.push_back(lp); };
+  RequestId id = r.add(std::move(q));
+  r.eng->run_until_idle();
+  ASSERT_EQ(lps.size(), 6u);
+  for (size_t i = 0; i < lps.size(); ++i) {
+    const TokenLogprobs& lp = lps[i];
+    EXPECT_EQ(lp.token, r.out[id].tokens[i]);
+    ASSERT_EQ(lp.top.size(), 4u);
+    EXPECT_EQ(lp.top[0].first, lp.token) << "greedy takes the most likely token";
+    EXPECT_FLOAT_EQ(lp.top[0].second, lp.logprob);
+    EXPECT_LT(lp.logprob, 0.f);
+    for (size_t k = 1; k < lp.top.size(); ++k) EXPECT_LE(lp.top[k].second, lp.top[k - 1].second);
+    double mass = 0;
+    for (const auto& [t, v] : lp.top) mass += std::exp(static_cast<double>(v));
+    EXPECT_LT(mass, 1.0 + 1e-6);
+  }
+  // token_logprobs itself on a known row: log-softmax of {0, ln 3} = {ln .25, ln .75}.
+  const float row[2] = {0.f, static_cast<float>(std::log(3.0))};
+  TokenLogprobs t = token_logprobs(row, 2, 0, 2);
+  EXPECT_NEAR(t.logprob, std::log(0.25), 1e-6);
+  EXPECT_EQ(t.top[0].first, 1);
+  EXPECT_NEAR(t.top[0].second, std::log(0.75), 1e-6);
 }
 
 }  // namespace
