@@ -16,7 +16,7 @@
 #include <vector>
 
 #ifndef GLA_V
-#define GLA_V 4
+#define GLA_V 5
 #endif
 #if GLA_V == 1
 #include "gla_tc_v1.cuh"
@@ -24,8 +24,10 @@
 #include "gla_tc_v2.cuh"
 #elif GLA_V == 3
 #include "gla_tc_v3.cuh"
-#else
+#elif GLA_V == 4
 #include "gla_tc_v4.cuh"
+#else
+#include "gla_tc_v5.cuh"
 #endif
 
 #define CK(x)                                                                                        \
@@ -176,12 +178,22 @@ int main(int argc, char** argv) {
   using FoPtr = const float*;
 #else
   constexpr int kFwdOut = gla_tc::kOutHiLo, kBwdOut = gla_tc::kOutHi;
+#endif
+#if GLA_V >= 5
+#define BWD_SPLIT , GLA_BWD_SPLIT
+#ifndef GLA_BWD_SPLIT
+#define GLA_BWD_SPLIT false
+#endif
+#else
+#define BWD_SPLIT
+#endif
+#if GLA_V >= 2
   using StPtr = __nv_bfloat16*;
   using FoPtr = const __nv_bfloat16*;
 #endif
   CK(cudaFuncSetAttribute(gla_tc::state_kernel<DK, DV, false, kFwdOut>, cudaFuncAttributeMaxDynamicSharedMemorySize, st_smem));
-  CK(cudaFuncSetAttribute(gla_tc::state_kernel<DK, DV, false, kBwdOut>, cudaFuncAttributeMaxDynamicSharedMemorySize, st_smem));
-  CK(cudaFuncSetAttribute(gla_tc::state_kernel<DK, DV, true, kBwdOut>, cudaFuncAttributeMaxDynamicSharedMemorySize, st_smem));
+  CK(cudaFuncSetAttribute(gla_tc::state_kernel<DK, DV, false, kBwdOut BWD_SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize, st_smem));
+  CK(cudaFuncSetAttribute(gla_tc::state_kernel<DK, DV, true, kBwdOut BWD_SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize, st_smem));
   CK(cudaFuncSetAttribute(gla_tc::fwd_o_kernel<DK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, fo_smem));
   CK(cudaFuncSetAttribute(gla_tc::bwd_dv_kernel<DK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, dv_smem));
   CK(cudaFuncSetAttribute(gla_tc::bwd_dqk_kernel<DK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, dqk_smem));
@@ -202,12 +214,12 @@ int main(int argc, char** argv) {
     CK(cudaGetLastError());
   };
   auto k_state_s = [&](bool st) {
-    gla_tc::state_kernel<DK, DV, false, kBwdOut><<<sgrid, gla_tc::kStateThreads, st_smem>>>(
+    gla_tc::state_kernel<DK, DV, false, kBwdOut BWD_SPLIT><<<sgrid, gla_tc::kStateThreads, st_smem>>>(
         a, act(k, DK), act(v, DV), st ? stv(s0) : none, nullptr, none, sst);
     CK(cudaGetLastError());
   };
   auto k_state_g = [&](bool st) {
-    gla_tc::state_kernel<DK, DV, true, kBwdOut><<<sgrid, gla_tc::kStateThreads, st_smem>>>(
+    gla_tc::state_kernel<DK, DV, true, kBwdOut BWD_SPLIT><<<sgrid, gla_tc::kStateThreads, st_smem>>>(
         a, act(q, DK), act(dO, DV), st ? stv(go) : none, nullptr, st ? stv(gi) : none, gst);
     CK(cudaGetLastError());
   };
