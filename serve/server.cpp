@@ -279,6 +279,15 @@ struct Server::Impl {
   }
 
   // ---- engine requests ------------------------------------------------------------------
+  // r continues `start` (a snapshot of a prefix of `tokens`, or null) and feeds the rest.
+  // Returns the number of tokens the snapshot covers.
+  static int64_t start_from(const SnapshotPtr& start, const std::vector<int32_t>& tokens, Request* r) {
+    const size_t covered = start ? start->tokens.size() : 0;
+    r->initial_state = start;
+    r->prompt.assign(tokens.begin() + static_cast<ptrdiff_t>(covered), tokens.end());
+    return static_cast<int64_t>(covered);
+  }
+
   Request make_request(const std::shared_ptr<Job>& job, size_t i) {
     const CompletionParams& p = job->p;
     Request r;
@@ -330,7 +339,6 @@ struct Server::Impl {
     generation_tokens_total.fetch_add(f.generated_tokens);
     if (f.final_state && opt.cache_bytes > 0 && (!j || j->p.cache)) cache.insert(f.final_state);
     if (!j) return;
-    std::vector<RequestId> to_cancel;
     {
       std::lock_guard<std::mutex> lk(j->mu);
       Choice& c = j->choices[i];
@@ -562,13 +570,7 @@ struct Server::Impl {
       start = job->prompt_state;
     job->prompt_state = nullptr;
     Request r = make_request(job, 0);
-    if (start) {
-      r.initial_state = start;
-      job->cached_tokens = static_cast<int64_t>(start->tokens.size());
-      r.prompt.assign(job->prompt.begin() + static_cast<ptrdiff_t>(start->tokens.size()), job->prompt.end());
-    } else {
-      r.prompt = job->prompt;
-    }
+    job->cached_tokens = start_from(start, job->prompt, &r);
     const bool want_prompt_state = n > 1 || (opt.cache_bytes > 0 && job->p.cache) || !job->p.save_session.empty();
     if (want_prompt_state) {
       r.capture_prompt_state = true;
@@ -739,13 +741,7 @@ struct Server::Impl {
     SnapshotPtr snap;
     bool finished = false;
     Request r;
-    SnapshotPtr start = opt.cache_bytes > 0 ? cache.lookup(job->prompt) : nullptr;
-    if (start) {
-      r.initial_state = start;
-      r.prompt.assign(job->prompt.begin() + static_cast<ptrdiff_t>(start->tokens.size()), job->prompt.end());
-    } else {
-      r.prompt = job->prompt;
-    }
+    start_from(opt.cache_bytes > 0 ? cache.lookup(job->prompt) : nullptr, job->prompt, &r);
     r.max_tokens = 1;
     r.sampling.temperature = 0;
     r.eos_id = -1;
