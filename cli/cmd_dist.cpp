@@ -8,6 +8,7 @@
 #include "dist/comm.h"
 #include "dist/plan.h"
 #include "model/config.h"
+#include "ops/backend.h"
 
 namespace laplace::cli {
 
@@ -114,14 +115,81 @@ Status run_plan(const PlanArgs& a) {
   return Status::ok();
 }
 
+// Where the selftest's buffers live: the host vectors themselves, or device copies made
+// through a backend (for the NCCL communicator's device path).
+class Place {
+ public:
+  explicit Place(Backend* be) : be_(be) {}
+  ~Place() {
+    for (void* p : owned_) be_->allocator().deallocate(p);
+  }
+  Place(const Place&) = delete;
+  Place& operator=(const Place&) = delete;
+  // The buffer a collective gets for v (a device copy of it on a device place).
+  template <class T> T* put(std::vector<T>& v) {
+    if (!be_) return v.data();
+    if (v.empty()) return nullptr;
+    void* d = be_->allocator().allocate(v.size() * sizeof(T));
+    LAPLACE_CHECK(d != nullptr, "selftest: device allocation failed");
+    owned_.push_back(d);
+    be_->copy(bytes(d, v.size() * sizeof(T), be_->device()), bytes(v.data(), v.size() * sizeof(T), Device::kCPU));
+    return static_cast<T*>(d);
+  }
+  // v ← the buffer put() gave for it.
+  template <class T> void get(std::vector<T>& v, const T* p) {
+    if (!be_ || v.empty()) return;
+    be_->synchronize();
+    be_->copy(bytes(v.data(), v.size() * sizeof(T), Device::kCPU), bytes(const_cast<T*>(p), v.size() * sizeof(T),
+                                                                           be_->device()));
+  }
+
+ private:
+  static Tensor bytes(void* p, size_t n, Device d) {
+    const int64_t shape[1] = {static_cast<int64_t>(n)};
+    return Tensor::make(p, DType::kU8, shape, 1, d);
+  }
+  Backend* be_;
+  std::vector<void*> owned_;
+};
+
+Status selftest_collectives(Communicator& c, Place& place, std::string* failed_out);
+
 // Every collective of the Communicator, on every type, checked against values each rank
 // computes on its own (including the rank-order sums of the reductions). Run it under
-// mpirun to check an MPI installation; without mpirun it checks the P = 1 path.
-Status run_selftest() {
+// mpirun to check an MPI installation; without mpirun it checks the P = 1 path. With
+// --device cuda it checks the NCCL communicator on device buffers (one GPU per rank),
+// then its host path.
+Status run_selftest(const std::string& device) {
   std::unique_ptr<Communicator> comm;
-  LAPLACE_RETURN_IF_ERROR(make_communicator(&comm));
-  const int P = comm->size(), me = comm->rank();
+  std::unique_ptr<Backend> be;
+  if (device == "cpu") {
+    LAPLACE_RETURN_IF_ERROR(make_communicator(&comm));
+  } else {
+    LAPLACE_RETURN_IF_ERROR(make_nccl_communicator(&comm));  // picks this rank's GPU first
+    LAPLACE_RETURN_IF_ERROR(make_backend(device, &be));
+    comm->use_stream(be->native_stream());
+  }
   std::string failed;
+  for (Backend* where : {be.get(), static_cast<Backend*>(nullptr)}) {
+    Place place(where);
+    LAPLACE_RETURN_IF_ERROR(selftest_collectives(*comm, place, &failed));
+    if (!be) break;  // the host pass was the only one
+  }
+  comm->barrier();
+  const int P = comm->size(), me = comm->rank();
+  Status st = failed.empty() ? Status::ok()
+                             : Status::invalid_argument("rank " + std::to_string(me) + ": " + failed + " is wrong");
+  st = agree_status(*comm, st);
+  if (st.is_ok())
+    std::printf("rank %d/%d (%s): communicator selftest ok (%s buffers)\n", me, P, comm->name(),
+                be ? "device and host" : "host");
+  return st;
+}
+
+Status selftest_collectives(Communicator& c, Place& place, std::string* failed_out) {
+  Communicator* comm = &c;
+  const int P = comm->size(), me = comm->rank();
+  std::string& failed = *failed_out;
   auto expect = [&](bool ok, const std::string& what) {
     if (!ok && failed.empty()) failed = what;
   };
@@ -132,7 +200,9 @@ Status run_selftest() {
     for (int q = 0; q < P; ++q) counts[q] = q % 3, displs[q] = total, total += counts[q];
     std::vector<int64_t> mine(counts[me]), all(total, -1);
     for (int64_t i = 0; i < counts[me]; ++i) mine[i] = 100 * me + i;
-    comm->all_gather(mine.data(), all.data(), counts, displs, CommType::kI64);
+    int64_t* ap = place.put(all);
+    comm->all_gather(place.put(mine), ap, counts, displs, CommType::kI64);
+    place.get(all, ap);
     for (int q = 0; q < P; ++q)
       for (int64_t i = 0; i < counts[q]; ++i) expect(all[displs[q] + i] == 100 * q + i, "all_gather i64");
   }
@@ -150,7 +220,9 @@ Status run_selftest() {
     for (int t = 0; t < P; ++t)
       for (int64_t i = 0; i < sc[t]; ++i) s[sd[t] + i] = me * 1000.0 + t * 10.0 + i;
     const CommStats before = comm->stats();
-    comm->all_to_all(s.data(), sc, sd, r.data(), rc, rd, CommType::kF64);
+    double* rp = place.put(r);
+    comm->all_to_all(place.put(s), sc, sd, rp, rc, rd, CommType::kF64);
+    place.get(r, rp);
     expect(comm->stats().bytes_sent - before.bytes_sent == sent, "all_to_all bytes sent");
     expect(comm->stats().bytes_received - before.bytes_received == recv, "all_to_all bytes received");
     for (int q = 0; q < P; ++q)
@@ -160,7 +232,9 @@ Status run_selftest() {
   {
     std::vector<uint16_t> b(5);
     for (int i = 0; i < 5; ++i) b[i] = me == P - 1 ? float_to_bf16(0.5f * i + 1) : 0;
-    comm->broadcast(b.data(), 5, P - 1, CommType::kBF16);
+    uint16_t* bp = place.put(b);
+    comm->broadcast(bp, 5, P - 1, CommType::kBF16);
+    place.get(b, bp);
     for (int i = 0; i < 5; ++i) expect(b[i] == float_to_bf16(0.5f * i + 1), "broadcast bf16");
   }
   // reduce_scatter f32 with values whose sum depends on the order: the result must be the
@@ -172,7 +246,9 @@ Status run_selftest() {
     for (int t = 0; t < P; ++t) counts[t] = t % 2 + 1, total += counts[t];
     std::vector<float> s(total), r(counts[me]);
     for (int64_t i = 0; i < total; ++i) s[i] = val(me, i);
-    comm->reduce_scatter(s.data(), r.data(), counts, CommType::kF32);
+    float* rp = place.put(r);
+    comm->reduce_scatter(place.put(s), rp, counts, CommType::kF32);
+    place.get(r, rp);
     int64_t off = 0;
     for (int t = 0; t < me; ++t) off += counts[t];
     for (int64_t i = 0; i < counts[me]; ++i) {
@@ -183,24 +259,27 @@ Status run_selftest() {
   }
   // all_reduce f64, i64, bf16: identical on every rank, rank-order sums.
   {
-    double d[2] = {me == 0 ? 1e16 : 1.0, static_cast<double>(me)};
-    comm->all_reduce(d, 2, CommType::kF64);
+    std::vector<double> d = {me == 0 ? 1e16 : 1.0, static_cast<double>(me)};
+    double* dp = place.put(d);
+    comm->all_reduce(dp, 2, CommType::kF64);
+    place.get(d, dp);
     double e0 = 1e16, e1 = 0;
     for (int q = 1; q < P; ++q) e0 = e0 + 1.0, e1 += q;
     expect(d[0] == e0 && d[1] == e1, "all_reduce f64 (rank order)");
-    int64_t i = me + 1;
-    comm->all_reduce(&i, 1, CommType::kI64);
-    expect(i == static_cast<int64_t>(P) * (P + 1) / 2, "all_reduce i64");
-    uint16_t h = float_to_bf16(1.0f);
-    comm->all_reduce(&h, 1, CommType::kBF16);
-    expect(h == float_to_bf16(static_cast<float>(P)), "all_reduce bf16");
+    std::vector<int64_t> i = {me + 1};
+    int64_t* ip = place.put(i);
+    comm->all_reduce(ip, 1, CommType::kI64);
+    place.get(i, ip);
+    expect(i[0] == static_cast<int64_t>(P) * (P + 1) / 2, "all_reduce i64");
+    std::vector<uint16_t> h = {float_to_bf16(1.0f), float_to_bf16(me == 0 ? 256.0f : 1.0f)};
+    uint16_t* hp = place.put(h);
+    comm->all_reduce(hp, 2, CommType::kBF16);
+    place.get(h, hp);
+    float e2 = 256.0f;  // bf16 sums run in f32 and round once: 256 + (P−1)·1 is exact there
+    for (int q = 1; q < P; ++q) e2 += 1.0f;
+    expect(h[0] == float_to_bf16(static_cast<float>(P)) && h[1] == float_to_bf16(e2), "all_reduce bf16");
   }
-  comm->barrier();
-  Status st = failed.empty() ? Status::ok()
-                             : Status::invalid_argument("rank " + std::to_string(me) + ": " + failed + " is wrong");
-  st = agree_status(*comm, st);
-  if (st.is_ok()) std::printf("rank %d/%d (%s): communicator selftest ok\n", me, P, comm->name());
-  return st;
+  return Status::ok();
 }
 
 }  // namespace
@@ -219,7 +298,11 @@ void add_dist(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   plan->callback([a] { g_exit_code = report(run_plan(*a)); });
   auto* self = dist->add_subcommand("selftest", "check every collective (run under mpirun -np P)");
-  self->callback([] { g_exit_code = report(run_selftest()); });
+  auto device = std::make_shared<std::string>("cpu");
+  self->add_option("--device", *device, "cpu (MPI, host buffers) or cuda (NCCL, one GPU per rank: device and host "
+                                        "buffers)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  self->callback([device] { g_exit_code = report(run_selftest(*device)); });
 }
 
 }  // namespace laplace::cli

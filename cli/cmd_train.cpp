@@ -43,9 +43,11 @@ Status run_train(TrainArgs& a) {
   MuonComm mc;
   LAPLACE_RETURN_IF_ERROR(muon_comm_from_name(a.muon_comm, &mc));
   if (a.distributed || launched_by_mpi()) {
-    // FSDP-style data parallel over MPI (one rank per process; P = 1 without mpirun).
+    // FSDP-style data parallel, one rank per process (P = 1 without mpirun): over MPI on
+    // CPUs, over NCCL on GPUs (one GPU per rank; this picks it, so it comes first).
     std::unique_ptr<Communicator> comm;
-    LAPLACE_RETURN_IF_ERROR(make_communicator(&comm));
+    if (a.o.device == "cpu") LAPLACE_RETURN_IF_ERROR(make_communicator(&comm));
+    else LAPLACE_RETURN_IF_ERROR(make_nccl_communicator(&comm));
     if (comm->rank() != 0) a.o.quiet = true;
     Status st;
     {

@@ -132,18 +132,27 @@ void Communicator::reduce_scatter(const void* send, void* recv, const std::vecto
     off += counts[q];
     rdispl[q] = q * n;
   }
-  std::vector<char> parts(static_cast<size_t>(n * P) * comm_type_size(t));
-  all_to_all(send, counts, sdispl, parts.data(), rcounts, rdispl, t);
-  if (n > 0) sum_in_rank_order(parts.data(), P, n, recv, t);
+  void* parts = reduction_scratch(static_cast<size_t>(n * P) * comm_type_size(t), send);
+  all_to_all(send, counts, sdispl, parts, rcounts, rdispl, t);
+  if (n > 0) sum_parts(parts, P, n, recv, t);
 }
 
 void Communicator::all_reduce(void* buf, int64_t count, CommType t) {
   const int P = size();
   std::vector<int64_t> counts(P, count), displs(P);
   for (int q = 0; q < P; ++q) displs[q] = q * count;
-  std::vector<char> parts(static_cast<size_t>(count * P) * comm_type_size(t));
-  all_gather(buf, parts.data(), counts, displs, t);
-  if (count > 0) sum_in_rank_order(parts.data(), P, count, buf, t);
+  void* parts = reduction_scratch(static_cast<size_t>(count * P) * comm_type_size(t), buf);
+  all_gather(buf, parts, counts, displs, t);
+  if (count > 0) sum_parts(parts, P, count, buf, t);
+}
+
+void* Communicator::reduction_scratch(size_t bytes, const void*) {
+  if (host_scratch_.size() < bytes) host_scratch_.resize(bytes);
+  return host_scratch_.data();
+}
+
+void Communicator::sum_parts(const void* parts, int P, int64_t n, void* out, CommType t) {
+  sum_in_rank_order(static_cast<const char*>(parts), P, n, out, t);
 }
 
 // ---- single process ------------------------------------------------------------------

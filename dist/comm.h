@@ -16,7 +16,10 @@
 // Σ_{q≠me} recv_counts[q]; broadcast sends count·(P−1) at the root and receives count
 // elsewhere. These are the quantities the Muon traffic formula (dist/plan.h) predicts.
 //
-// Counts and offsets are in ELEMENTS of the given type. All buffers are host memory.
+// Counts and offsets are in ELEMENTS of the given type. Buffers are host memory, except
+// for the NCCL communicator (dist/nccl/), which also takes device memory: device
+// buffers go through NCCL on the stream given to use_stream(), host buffers through
+// MPI. One call's buffers are all on the same side.
 // Every rank must call every collective in the same order with consistent counts
 // (derive them from global shapes, never from a rank's own possibly empty shard).
 #pragma once
@@ -68,6 +71,10 @@ class Communicator {
   // buf ← Σ_q rank q's buf, summed in rank order; identical bits on every rank.
   void all_reduce(void* buf, int64_t count, CommType t);
 
+  // Device collectives are queued on this CUDA stream (the backend's, so they order
+  // with compute without host synchronisation). Host-only communicators ignore it.
+  virtual void use_stream(void* cuda_stream) {}
+
   const CommStats& stats() const { return stats_; }
   void reset_stats() { stats_ = CommStats{}; }
 
@@ -80,9 +87,16 @@ class Communicator {
                              CommType t) = 0;
   virtual void do_broadcast(void* buf, int64_t count, int root, CommType t) = 0;
   virtual void do_barrier() = 0;
+  // The reductions' staging: a buffer for P parts on the same side as `like` (the
+  // caller's buffer), and their rank-order sum into `out`. Host by default; the NCCL
+  // communicator stages device buffers on the device and sums them with a kernel that
+  // follows the same order and rounding.
+  virtual void* reduction_scratch(size_t bytes, const void* like);
+  virtual void sum_parts(const void* parts, int P, int64_t n, void* out, CommType t);
 
  private:
   CommStats stats_;
+  std::vector<char> host_scratch_;
 };
 
 // P = 1: every collective is a local copy.
@@ -114,6 +128,15 @@ Status make_mpi_communicator(std::unique_ptr<Communicator>* out);
 Status make_communicator(std::unique_ptr<Communicator>* out);
 // True when this build has the MPI implementation.
 bool mpi_available();
+
+// NCCL communicator for one rank per GPU (dist/nccl/comm_nccl.cpp): under an MPI launcher
+// it selects GPU (local rank mod visible GPUs) — call it BEFORE creating the CUDA
+// backend — and bootstraps NCCL over MPI, which also carries host-buffer collectives;
+// without a launcher it is a one-rank NCCL communicator. Unsupported (with the reason)
+// in builds without CUDA or NCCL, or when no GPU is visible.
+Status make_nccl_communicator(std::unique_ptr<Communicator>* out);
+// True when this build has the NCCL implementation.
+bool nccl_available();
 
 // Every rank passes its own status; returns ok only if all are ok, else the first
 // failing rank's status on that rank and "rank k failed" on the others. Collective.

@@ -41,32 +41,6 @@ uint64_t fnv1a(const std::string& s, uint64_t h) {
   return h;
 }
 
-// a = a + b element-wise in the element type (the same expression as the reduction).
-void add_into(void* a, const void* b, int64_t n, DType t) {
-  if (t == DType::kF32) {
-    float* x = static_cast<float*>(a);
-    const float* y = static_cast<const float*>(b);
-    for (int64_t i = 0; i < n; ++i) x[i] = x[i] + y[i];
-  } else {
-    double* x = static_cast<double*>(a);
-    const double* y = static_cast<const double*>(b);
-    for (int64_t i = 0; i < n; ++i) x[i] = x[i] + y[i];
-  }
-}
-
-// Σ x² of one row, in double, left to right.
-double row_sumsq(const char* p, int64_t n, DType t) {
-  double s = 0.0;
-  if (t == DType::kF32) {
-    const float* x = reinterpret_cast<const float*>(p);
-    for (int64_t i = 0; i < n; ++i) s += static_cast<double>(x[i]) * static_cast<double>(x[i]);
-  } else {
-    const double* x = reinterpret_cast<const double*>(p);
-    for (int64_t i = 0; i < n; ++i) s += x[i] * x[i];
-  }
-  return s;
-}
-
 std::vector<int64_t> prefix(const std::vector<int64_t>& counts) {
   std::vector<int64_t> d(counts.size());
   int64_t off = 0;
@@ -93,29 +67,66 @@ Tensor FsdpTrainer::shard_view(void* base, int64_t elem_off, const ShardedParam&
   if (shape.empty()) shape = {1};
   shape[0] = rows;
   return Tensor::make(static_cast<char*>(base) + elem_off * static_cast<int64_t>(dtype_size(dtype_)), dtype_,
-                      shape.data(), static_cast<int>(shape.size()), Device::kCPU);
+                      shape.data(), static_cast<int>(shape.size()), dev_);
+}
+
+void FsdpTrainer::copy_elems(void* dst, Device dd, const void* src, Device sd, int64_t n, DType t) {
+  if (n == 0) return;
+  const int64_t shape[1] = {n};
+  be_->copy(Tensor::make(dst, t, shape, 1, dd), Tensor::make(const_cast<void*>(src), t, shape, 1, sd));
+}
+
+// Every rank builds the same full initial weights (seeded, or --init) and keeps its rows.
+// BF16 models initialise in F32 exactly as the single-GPU trainer's masters, in a
+// temporary full F32 table that is freed afterwards.
+Status FsdpTrainer::init_masters() {
+  Arena tmp;
+  const Arena* full = &model_.weight_arena();
+  if (wdtype_ != dtype_) {
+    LAPLACE_RETURN_IF_ERROR(tmp.create(weight_specs(cfg_, dtype_), be_->allocator(), "initial F32 weights"));
+    if (!opt_.init_ckpt.empty()) LAPLACE_RETURN_IF_ERROR(weights_load(opt_.init_ckpt, *be_, tmp));
+    else weights_init(cfg_, *be_, tmp, opt_.seed);
+    full = &tmp;
+  } else {
+    if (!opt_.init_ckpt.empty()) LAPLACE_RETURN_IF_ERROR(model_.load(opt_.init_ckpt));
+    else model_.init_weights(opt_.seed);
+  }
+  const size_t es = dtype_size(dtype_);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Local& l = local_[i];
+    copy_elems(l.w.data, dev_, static_cast<const char*>(full->tensor(i).data) + l.mine.begin * params_[i].cols * es,
+               dev_, l.mine.rows() * params_[i].cols, dtype_);
+  }
+  be_->synchronize();  // before tmp is freed
+  return Status::ok();
 }
 
 Status FsdpTrainer::setup_local() {
   LAPLACE_RETURN_IF_ERROR(config_load(opt_.config_path, &cfg_));
   if (opt_.batch < 1 || opt_.seq < 1 || opt_.grad_accum < 1 || opt_.steps < 1)
     return Status::invalid_argument("batch, seq, grad-accum and steps must all be ≥ 1");
-  if (opt_.device != "cpu")
-    return Status::unsupported("distributed training runs on the CPU (MPI) for now; the NCCL communicator for "
-                               "--device cuda is not built yet");
-  if (opt_.dtype != DType::kF32 && opt_.dtype != DType::kF64)
-    return Status::unsupported(std::string("distributed training on the CPU computes in f32 or f64, not ") +
-                               dtype_name(opt_.dtype));
-  dtype_ = opt_.dtype;
+  if (opt_.device == "cpu") {
+    if (opt_.dtype != DType::kF32 && opt_.dtype != DType::kF64)
+      return Status::unsupported(std::string("distributed training on the CPU computes in f32 or f64, not ") +
+                                 dtype_name(opt_.dtype));
+    dtype_ = wdtype_ = opt_.dtype;
+  } else {
+    if (opt_.dtype != DType::kBF16)
+      return Status::unsupported(std::string("distributed training on CUDA computes in bf16 (with f32 masters), "
+                                             "not ") + dtype_name(opt_.dtype) + ": pass --dtype bf16");
+    if (std::string(comm_.name()).rfind("nccl", 0) != 0)
+      return Status::unsupported(std::string("--device cuda needs the NCCL communicator, not ") + comm_.name());
+    dtype_ = DType::kF32;
+    wdtype_ = DType::kBF16;
+  }
   ctype_ = dtype_ == DType::kF32 ? CommType::kF32 : CommType::kF64;
   opt_.schedule.total_steps = opt_.steps;
   LAPLACE_RETURN_IF_ERROR(opt_.schedule.validate());
   LAPLACE_RETURN_IF_ERROR(opt_.optim.validate());
   LAPLACE_RETURN_IF_ERROR(make_backend(opt_.device, &be_));
-  LAPLACE_RETURN_IF_ERROR(model_.create(cfg_, *be_, dtype_));
-  // Every rank builds the same full initial weights (seeded, or --init), then keeps its rows.
-  if (!opt_.init_ckpt.empty()) LAPLACE_RETURN_IF_ERROR(model_.load(opt_.init_ckpt));
-  else model_.init_weights(opt_.seed);
+  dev_ = be_->device();
+  comm_.use_stream(be_->native_stream());
+  LAPLACE_RETURN_IF_ERROR(model_.create(cfg_, *be_, wdtype_));
   LAPLACE_RETURN_IF_ERROR(model_.plan({opt_.batch, opt_.seq, true, opt_.recompute_mixer}));
   LAPLACE_RETURN_IF_ERROR(grads_.create(weight_specs(cfg_, dtype_), be_->allocator(), "gradients"));
 
@@ -156,12 +167,8 @@ Status FsdpTrainer::setup_local() {
     l.g = view("grad." + params_[i].name);
     l.s0 = view(params_[i].muon ? "optim." + params_[i].name + ".momentum" : "optim." + params_[i].name + ".adam_m");
     if (!params_[i].muon) l.s1 = view("optim." + params_[i].name + ".adam_v");
-    if (rows > 0) {  // initial masters = my rows of the (identical) full weights
-      const size_t es = dtype_size(dtype_);
-      std::memcpy(l.w.data, static_cast<char*>(l.full_w.data) + l.mine.begin * params_[i].cols * es,
-                  static_cast<size_t>(rows * params_[i].cols) * es);
-    }
   }
+  LAPLACE_RETURN_IF_ERROR(init_masters());
   // Groups: embedding, each layer, the rest (final norm, head), in forward order.
   groups_.assign(static_cast<size_t>(cfg_.num_layers) + 2, {});
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -185,7 +192,9 @@ Status FsdpTrainer::setup_local() {
     max_unit = std::max(max_unit, u.rows * u.cols);
     ns_.plan(u.rows, u.cols);
   }
-  ns_.dtype = dtype_;
+  // SPEC §2: Newton–Schulz in BF16 on the GPU (as the single-GPU trainer); the CPU keeps
+  // the master dtype so the F32 reference can check it.
+  ns_.dtype = dev_ == Device::kCUDA ? DType::kBF16 : dtype_;
   std::vector<TensorSpec> ms = {{"muon.u", dtype_, {u_total}},
                                 {"muon.o", dtype_, {u_total}},
                                 {"muon.owned", dtype_, {owned_total}},
@@ -198,12 +207,43 @@ Status FsdpTrainer::setup_local() {
   bcast_ = muon_.tensor(3);
   LAPLACE_RETURN_IF_ERROR(ns_.bind(muon_, "muon.ns."));
 
+  // Collective staging. Muon all_to_all: to owner q go my rows of q's units; from rank
+  // q come q's rows of the units I own (counts from global shapes, fixed per plan).
+  a2a_to_.assign(P_, 0);
+  a2a_from_.assign(P_, 0);
+  for (size_t k = 0; k < units_.size(); ++k) {
+    const MuonUnit& un = units_[k];
+    a2a_to_[un.owner] += unit_ov_[k][me_].rows() * un.cols;
+    if (un.owner == me_)
+      for (int q = 0; q < P_; ++q) a2a_from_[q] += unit_ov_[k][q].rows() * un.cols;
+  }
+  int64_t to_total = 0, from_total = 0, max_shard = 0, max_param = 0, my_rows = 0;
+  for (int q = 0; q < P_; ++q) to_total += a2a_to_[q], from_total += a2a_from_[q];
+  for (size_t i = 0; i < params_.size(); ++i) {
+    max_shard = std::max(max_shard, local_[i].mine.rows() * params_[i].cols);
+    max_param = std::max(max_param, params_[i].rows * params_[i].cols);
+    my_rows += local_[i].mine.rows();
+  }
+  std::vector<TensorSpec> st = {{"dist.wshard", wdtype_, {max_shard}},     // masters → weight dtype
+                                {"dist.gpart", dtype_, {max_shard}},       // later micro-steps' gradient
+                                {"dist.rowsq", DType::kF64, {my_rows}},    // per-row Σg²
+                                {"dist.full", dtype_, {max_param}},        // checkpoint gather
+                                {"dist.a2a_send", dtype_, {to_total}},     // Muon exchange 1 out / 2 in
+                                {"dist.a2a_recv", dtype_, {from_total}}};  // Muon exchange 1 in / 2 out
+  LAPLACE_RETURN_IF_ERROR(stage_.create(std::move(st), be_->allocator(), "collective staging"));
+  wshard_ = stage_.tensor(0);
+  gpart_ = stage_.tensor(1);
+  rowsq_ = stage_.tensor(2);
+  full_ = stage_.tensor(3);
+  a2a_send_ = stage_.tensor(4);
+  a2a_recv_ = stage_.tensor(5);
+
   // The plan hash covers the owner assignment, the config and the flags that shape it.
   plan_hash_ = muon_plan_hash(units_, P_);
   plan_hash_ = fnv1a(cfg_.to_json(), plan_hash_);
   plan_hash_ = fnv1a(std::string(muon_comm_name(muon_comm_)) + (opt_.muon_fused ? "/fused" : "/blocks") + "/" +
                          std::to_string(opt_.batch) + "/" + std::to_string(opt_.seq) + "/" +
-                         std::to_string(opt_.grad_accum) + "/" + dtype_name(dtype_),
+                         std::to_string(opt_.grad_accum) + "/" + dtype_name(dtype_) + "/" + dtype_name(wdtype_),
                      plan_hash_);
 
   // ---- data ---------------------------------------------------------------------------------
@@ -270,16 +310,17 @@ Status FsdpTrainer::setup() {
     const auto tr = muon_traffic(params_, units_, P_, muon_comm_, static_cast<int64_t>(dtype_size(dtype_)));
     int64_t tmax = 0;
     for (const auto& t : tr) tmax = std::max(tmax, t.sent + t.received);
-    std::printf("model: %lld parameters (%lld in Muon matrices), %s %s\n", (long long)cfg_.total_params(),
-                (long long)cfg_.body_params(), be_->name(), dtype_name(dtype_));
+    std::printf("model: %lld parameters (%lld in Muon matrices), %s %s (masters %s)\n",
+                (long long)cfg_.total_params(), (long long)cfg_.body_params(), be_->name(), dtype_name(wdtype_),
+                dtype_name(dtype_));
     std::printf("dist: %d rank(s) over %s; FSDP row shards; Muon %zu units, --muon-comm %s, owner plan %016llx, "
                 "Newton–Schulz cost max/mean %.3f; predicted Muon traffic ≤ %s per rank per step\n",
                 P_, comm_.name(), units_.size(), muon_comm_name(muon_comm_), (unsigned long long)plan_hash_,
                 sum > 0 ? mx / (sum / P_) : 1.0, fmt_bytes(static_cast<double>(tmax)).c_str());
     std::printf("memory per rank: full weights %.1f MB, full gradient %.1f MB, shards %.1f MB, Muon buffers %.1f MB, "
-                "activations %.1f MB\n",
+                "staging %.1f MB, activations %.1f MB\n",
                 model_.weight_arena().bytes() / 1e6, grads_.bytes() / 1e6, shards_.bytes() / 1e6,
-                muon_.bytes() / 1e6, model_.activation_bytes() / 1e6);
+                muon_.bytes() / 1e6, stage_.bytes() / 1e6, model_.activation_bytes() / 1e6);
     std::printf("data: %lld tokens in %lld shards; %lld tokens per step (ranks %d × batch %lld × seq %lld × accum "
                 "%lld)\n",
                 (long long)train_loader_.total_tokens(), (long long)train_loader_.num_shards(),
@@ -293,26 +334,34 @@ Status FsdpTrainer::setup() {
 // ---- collectives over the parameter table --------------------------------------------------
 
 void FsdpTrainer::gather_weights() {
-  for (const auto& group : groups_)  // a GPU version prefetches group g+1 here
+  for (const auto& group : groups_)  // a prefetching version gathers group g+1 while g computes
     for (size_t i : group) {
       const std::vector<int64_t> counts = counts_of(i);
-      comm_.all_gather(local_[i].w.data, local_[i].full_w.data, counts, prefix(counts), ctype_);
+      const Local& l = local_[i];
+      if (wdtype_ == dtype_) {
+        comm_.all_gather(l.w.data, l.full_w.data, counts, prefix(counts), ctype_);
+        continue;
+      }
+      // Round my rows once, gather the rounded rows: every rank gets bf16(master) bits.
+      void* mine = nullptr;
+      if (l.w.defined()) {
+        be_->copy(Tensor::make(wshard_.data, wdtype_, l.w.shape.data(), l.w.ndim, dev_), l.w);
+        mine = wshard_.data;
+      }
+      comm_.all_gather(mine, l.full_w.data, counts, prefix(counts), CommType::kBF16);
     }
 }
 
 void FsdpTrainer::reduce_scatter_grads(bool first) {
-  std::vector<char> tmp;
-  for (size_t g = groups_.size(); g-- > 0;)  // backward order; a GPU version overlaps this with the backward
+  for (size_t g = groups_.size(); g-- > 0;)  // backward order; an overlapping version runs it during the backward
     for (size_t i : groups_[g]) {
       const std::vector<int64_t> counts = counts_of(i);
       Local& l = local_[i];
-      const int64_t n = counts[me_];
       if (first) {
         comm_.reduce_scatter(l.full_g.data, l.g.data, counts, ctype_);
-      } else {
-        tmp.resize(static_cast<size_t>(n) * dtype_size(dtype_));
-        comm_.reduce_scatter(l.full_g.data, tmp.data(), counts, ctype_);
-        if (n > 0) add_into(l.g.data, tmp.data(), n, dtype_);
+      } else {  // shard = shard + part (1·part is exact: the same sum as a rank-order add)
+        comm_.reduce_scatter(l.full_g.data, gpart_.data, counts, ctype_);
+        if (l.g.defined()) be_->axpy(1.0, shard_view(gpart_.data, 0, params_[i], l.mine.rows()), l.g);
       }
     }
 }
@@ -320,15 +369,19 @@ void FsdpTrainer::reduce_scatter_grads(bool first) {
 double FsdpTrainer::grad_norm() {
   // Per-row partial sums of squares, in double; gathered from every rank and added in
   // (param, row) order, which is the same sequence for every P.
-  std::vector<double> mine;
   std::vector<int64_t> counts(P_, 0);
-  const size_t es = dtype_size(dtype_);
+  int64_t off = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
-    const int64_t cols = params_[i].cols;
-    for (int q = 0; q < P_; ++q) counts[q] += local_[i].all[q].rows();
-    for (int64_t r = 0; r < local_[i].mine.rows(); ++r)
-      mine.push_back(row_sumsq(static_cast<const char*>(local_[i].g.data) + r * cols * es, cols, dtype_));
+    const Local& l = local_[i];
+    for (int q = 0; q < P_; ++q) counts[q] += l.all[q].rows();
+    if (!l.g.defined()) continue;
+    const int64_t rows = l.mine.rows(), g_shape[2] = {rows, params_[i].cols}, o_shape[1] = {rows};
+    be_->row_sum_squares(Tensor::make(l.g.data, dtype_, g_shape, 2, dev_),
+                         Tensor::make(static_cast<double*>(rowsq_.data) + off, DType::kF64, o_shape, 1, dev_));
+    off += rows;
   }
+  std::vector<double> mine(static_cast<size_t>(off));
+  copy_elems(mine.data(), Device::kCPU, rowsq_.data, dev_, off, DType::kF64);  // waits for the backward
   const std::vector<int64_t> displs = prefix(counts);
   std::vector<double> all(static_cast<size_t>(displs.back() + counts.back()));
   comm_.all_gather(mine.data(), all.data(), counts, displs, CommType::kF64);
@@ -356,41 +409,37 @@ void FsdpTrainer::muon_exchange_all_to_all() {
     const MuonUnit& un = units_[k];
     return owned + (owned_off_[k] + (unit_ov_[k][q].begin - un.row_begin) * un.cols) * static_cast<int64_t>(es);
   };
-  // Counts from global shapes: to owner q, my rows of q's units; from q, q's rows of mine.
-  std::vector<int64_t> to(P_, 0), from(P_, 0);
-  for (size_t k = 0; k < units_.size(); ++k) {
-    const MuonUnit& un = units_[k];
-    to[un.owner] += unit_ov_[k][me_].rows() * un.cols;
-    if (un.owner == me_)
-      for (int q = 0; q < P_; ++q) from[q] += unit_ov_[k][q].rows() * un.cols;
-  }
+  // Counts from global shapes (setup_local): to owner q, my rows of q's units; from q, q's rows of mine.
+  const std::vector<int64_t>& to = a2a_to_;
+  const std::vector<int64_t>& from = a2a_from_;
   const std::vector<int64_t> to_d = prefix(to), from_d = prefix(from);
-  std::vector<char> sendbuf(static_cast<size_t>(to_d.back() + to.back()) * es);
-  std::vector<char> recvbuf(static_cast<size_t>(from_d.back() + from.back()) * es);
+  char* sendbuf = static_cast<char*>(a2a_send_.data);
+  char* recvbuf = static_cast<char*>(a2a_recv_.data);
+  auto move = [&](void* dst, const void* src, int64_t n) { copy_elems(dst, dev_, src, dev_, n, dtype_); };
 
   // Exchange 1: shard rows → owners.
   std::vector<int64_t> cur = to_d;
   for (size_t k = 0; k < units_.size(); ++k) {
     const int64_t n = unit_ov_[k][me_].rows() * units_[k].cols;
     if (n == 0) continue;
-    std::memcpy(sendbuf.data() + cur[units_[k].owner] * es, my_rows_of(k, u), static_cast<size_t>(n) * es);
+    move(sendbuf + cur[units_[k].owner] * es, my_rows_of(k, u), n);
     cur[units_[k].owner] += n;
   }
-  comm_.all_to_all(sendbuf.data(), to, to_d, recvbuf.data(), from, from_d, ctype_);
+  comm_.all_to_all(sendbuf, to, to_d, recvbuf, from, from_d, ctype_);
   cur = from_d;
   for (int q = 0; q < P_; ++q)
     for (size_t k = 0; k < units_.size(); ++k) {
       if (units_[k].owner != me_) continue;
       const int64_t n = unit_ov_[k][q].rows() * units_[k].cols;
       if (n == 0) continue;
-      std::memcpy(rows_in_block(k, q), recvbuf.data() + cur[q] * es, static_cast<size_t>(n) * es);
+      move(rows_in_block(k, q), recvbuf + cur[q] * es, n);
       cur[q] += n;
     }
   // Every rank orthogonalises its units, in unit order.
   for (size_t k = 0; k < units_.size(); ++k) {
     if (units_[k].owner != me_) continue;
     const int64_t shape[2] = {units_[k].rows, units_[k].cols};
-    Tensor blk = Tensor::make(owned + owned_off_[k] * static_cast<int64_t>(es), dtype_, shape, 2, Device::kCPU);
+    Tensor blk = Tensor::make(owned + owned_off_[k] * static_cast<int64_t>(es), dtype_, shape, 2, dev_);
     newton_schulz(*be_, blk, blk, ns_, opt_.optim.ns_steps);
   }
   // Exchange 2: the mirror image, orthogonalised rows → row owners.
@@ -400,15 +449,15 @@ void FsdpTrainer::muon_exchange_all_to_all() {
       if (units_[k].owner != me_) continue;
       const int64_t n = unit_ov_[k][q].rows() * units_[k].cols;
       if (n == 0) continue;
-      std::memcpy(recvbuf.data() + cur[q] * es, rows_in_block(k, q), static_cast<size_t>(n) * es);
+      move(recvbuf + cur[q] * es, rows_in_block(k, q), n);
       cur[q] += n;
     }
-  comm_.all_to_all(recvbuf.data(), from, from_d, sendbuf.data(), to, to_d, ctype_);
+  comm_.all_to_all(recvbuf, from, from_d, sendbuf, to, to_d, ctype_);
   cur = to_d;
   for (size_t k = 0; k < units_.size(); ++k) {
     const int64_t n = unit_ov_[k][me_].rows() * units_[k].cols;
     if (n == 0) continue;
-    std::memcpy(my_rows_of(k, o), sendbuf.data() + cur[units_[k].owner] * es, static_cast<size_t>(n) * es);
+    move(my_rows_of(k, o), sendbuf + cur[units_[k].owner] * es, n);
     cur[units_[k].owner] += n;
   }
 }
@@ -435,15 +484,13 @@ void FsdpTrainer::muon_exchange_gather() {
     comm_.all_to_all(u + my_off * static_cast<int64_t>(es), sc, sd, block, rc, rd, ctype_);
     if (owner == me_) {
       const int64_t shape[2] = {un.rows, un.cols};
-      Tensor blk = Tensor::make(block, dtype_, shape, 2, Device::kCPU);
+      Tensor blk = Tensor::make(block, dtype_, shape, 2, dev_);
       newton_schulz(*be_, blk, blk, ns_, opt_.optim.ns_steps);
     }
     comm_.broadcast(block, un.rows * un.cols, owner, ctype_);
     const int64_t n = unit_ov_[k][me_].rows() * un.cols;
-    if (n > 0)
-      std::memcpy(o + my_off * static_cast<int64_t>(es),
-                  block + (unit_ov_[k][me_].begin - un.row_begin) * un.cols * static_cast<int64_t>(es),
-                  static_cast<size_t>(n) * es);
+    copy_elems(o + my_off * static_cast<int64_t>(es), dev_,
+               block + (unit_ov_[k][me_].begin - un.row_begin) * un.cols * static_cast<int64_t>(es), dev_, n, dtype_);
   }
 }
 
@@ -497,6 +544,8 @@ StepResult FsdpTrainer::optimizer_step(double lr, DistStepTraffic* traffic) {
 
 // ---- checkpoints -----------------------------------------------------------------------------------
 
+// Rank 0's host `full` (rows·cols elements) ← every rank's rows, through the staging
+// buffer on the backend's device.
 void FsdpTrainer::gather_rows_to_root(const Tensor& shard, const ShardedParam& p, const Local& l, void* full) {
   std::vector<int64_t> sc(P_, 0), sd(P_, 0), rc(P_, 0), rd(P_, 0);
   sc[0] = l.mine.rows() * p.cols;
@@ -505,7 +554,8 @@ void FsdpTrainer::gather_rows_to_root(const Tensor& shard, const ShardedParam& p
       rc[q] = l.all[q].rows() * p.cols;
       rd[q] = l.all[q].begin * p.cols;
     }
-  comm_.all_to_all(shard.data, sc, sd, full, rc, rd, ctype_);
+  comm_.all_to_all(shard.data, sc, sd, me_ == 0 ? full_.data : nullptr, rc, rd, ctype_);
+  if (me_ == 0) copy_elems(full, Device::kCPU, full_.data, dev_, p.rows * p.cols, dtype_);
 }
 
 Status FsdpTrainer::save_checkpoint() {
@@ -543,7 +593,13 @@ Status FsdpTrainer::save_checkpoint() {
       const std::string cfg_text = cfg_.to_json();
       st = write_file_atomic(opt_.out_dir + "/config.json", cfg_text.data(), cfg_text.size());
     }
-    if (st.is_ok()) st = model_.save(opt_.out_dir + "/model.safetensors");  // gathered = current masters
+    // The masters (as the single-process trainer writes them; for F32/F64 models they
+    // are the weights), with weights_save's metadata.
+    if (st.is_ok()) {
+      const std::vector<NamedTensor> masters(named.begin(), named.begin() + static_cast<int64_t>(params_.size()));
+      st = safetensors_write(opt_.out_dir + "/model.safetensors", masters,
+                             {{"format", "pt"}, {"laplace_config", cfg_.to_json()}});
+    }
     if (st.is_ok() && !opt_.tokenizer.empty()) {
       std::string tok;
       st = read_file(opt_.tokenizer, &tok);
@@ -597,7 +653,8 @@ Status FsdpTrainer::load_checkpoint(const std::string& path) {
   LAPLACE_RETURN_IF_ERROR(LoaderPosition::from_json(p.loader_position, &pos).with_context(path));
   LAPLACE_RETURN_IF_ERROR(train_loader_.seek(pos).with_context(path));
   for (size_t j = 0; j < want.size(); ++j)
-    if (!rows[j].empty()) std::memcpy(want[j].second.second->data, rows[j].data(), rows[j].size());
+    copy_elems(want[j].second.second->data, dev_, rows[j].data(), Device::kCPU,
+               static_cast<int64_t>(rows[j].size() / es), dtype_);
   progress_ = p;
   t_ = p.optimizer_steps;
   return Status::ok();

@@ -33,8 +33,13 @@
 // "dist_world" and "muon_comm"; every rank loads its own rows from it, so a checkpoint
 // written on P ranks resumes on any P′ (or in a single-process run, and vice versa).
 //
-// CPU only for now (F32/F64 masters = compute dtype); the collectives go through the
-// Communicator (dist/comm.h).
+// Precision and devices: on the CPU the masters are the compute dtype (F32/F64). On
+// CUDA (with the NCCL communicator, one rank per GPU) the model computes in BF16 and the
+// shards hold F32 masters, F32 gradients and F32 optimizer state, exactly as the
+// single-GPU trainer does (train/trainer.h): each shard's masters are rounded to BF16 on
+// their own rank and the BF16 rows are all-gathered (half the bytes); gradients are
+// reduce-scattered in F32; Newton–Schulz runs in BF16. Every buffer the collectives touch
+// lives on the backend's device, and the collectives are queued on the backend's stream.
 #pragma once
 
 #include <cstdint>
@@ -91,6 +96,9 @@ class FsdpTrainer {
   void gather_rows_to_root(const Tensor& shard, const ShardedParam& p, const Local& l, void* full);
   std::vector<int64_t> counts_of(size_t param) const;
   Tensor shard_view(void* base, int64_t elem_off, const ShardedParam& p, int64_t rows) const;
+  // dst[0, n) = src[0, n) (elements of type t) on the backend, either side on the host.
+  void copy_elems(void* dst, Device dd, const void* src, Device sd, int64_t n, DType t);
+  Status init_masters();
   void log_line(const StepLog& s, const DistStepTraffic& t);
   void append_metrics(const std::string& line);
 
@@ -104,7 +112,10 @@ class FsdpTrainer {
   Arena grads_;   // full-size local gradient of one micro-batch
   Arena shards_;  // masters, gradients, optimizer state: this rank's rows
   Arena muon_;    // update shard, orthogonalised shard, owned units, broadcast buffer, NS scratch
-  DType dtype_ = DType::kF32;
+  Arena stage_;   // collective staging (see setup_local), on the backend's device
+  DType dtype_ = DType::kF32;   // masters, gradients, optimizer state (F32/F64)
+  DType wdtype_ = DType::kF32;  // the model's weights (BF16 on CUDA, else dtype_)
+  Device dev_ = Device::kCPU;
   CommType ctype_ = CommType::kF32;
   std::vector<ShardedParam> params_;
   std::vector<Local> local_;
@@ -113,6 +124,12 @@ class FsdpTrainer {
   std::vector<std::vector<RowRange>> unit_ov_;  // [unit][rank] rows of the unit in that rank's shard
   std::vector<int64_t> owned_off_;              // [unit] offset in owned buffer, -1 if not mine
   Tensor ushard_, oshard_, owned_, bcast_;
+  Tensor wshard_;  // [max shard] wdtype_: a shard's masters rounded for the weight all-gather
+  Tensor gpart_;   // [max shard] dtype_: a later micro-step's reduce-scattered gradient
+  Tensor rowsq_;   // [my rows, all params] F64: per-row Σg² for the global norm
+  Tensor full_;    // [max param] dtype_: one parameter gathered for a checkpoint
+  Tensor a2a_send_, a2a_recv_;  // Muon all_to_all exchange buffers (dtype_)
+  std::vector<int64_t> a2a_to_, a2a_from_;  // elements to / from each rank per exchange
   NsScratch ns_;
   uint64_t plan_hash_ = 0;
   int64_t t_ = 0;  // AdamW bias-correction step counter

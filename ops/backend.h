@@ -49,6 +49,9 @@ class Backend {
   virtual Device device() const = 0;
   virtual const char* name() const = 0;
   virtual Allocator& allocator() = 0;
+  // The CUDA stream (cudaStream_t) every op is queued on; nullptr on the CPU. Lets other
+  // device work (NCCL collectives) order itself with the backend's without host syncs.
+  virtual void* native_stream() { return nullptr; }
 
   // ---- memory -------------------------------------------------------------------
   // dst = src; shapes equal; either may live on the host (H2D/D2H on CUDA).
@@ -121,6 +124,12 @@ class Backend {
   // ---- optimizer (element-wise, so they work unchanged on a row shard) ------------
   // Σ x² accumulated in double in a fixed order (for norms and clipping).
   virtual double sum_squares(const Tensor& x) = 0;
+  // out[r] = Σ_c x[r][c]², accumulated in F64; x [R, C] (any float dtype), out [R] F64 on
+  // this backend's device. Each row's sum depends on that row alone (a fixed order for a
+  // given C), so a row shard gives the same per-row bits as the whole matrix: the
+  // distributed global norm adds these in (param, row) order for any rank count.
+  // Queued; no synchronisation.
+  virtual void row_sum_squares(const Tensor& x, Tensor out) = 0;
   // x *= alpha.
   virtual void scale(Tensor x, double alpha) = 0;
   // AdamW (SPEC §2): m ← β1 m + (1−β1) g; v ← β2 v + (1−β2) g²;

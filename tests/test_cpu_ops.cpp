@@ -718,6 +718,33 @@ TEST_F(CpuOps, SumSquaresExactOnSmallIntegers) {
   }
 }
 
+// One F64 sum per row, exact on small integers, for a strided view too; a row shard's
+// sums are the whole matrix's rows' sums.
+TEST_F(CpuOps, RowSumSquaresPerRowAndStrided) {
+  for (DType dt : kFloatTypes) {
+    const int64_t R = 37, C = 331;
+    OwnedTensor x(dt, {R, C + 4});
+    std::mt19937 rng(6);
+    std::uniform_int_distribution<int> dist(-8, 8);
+    for (int64_t i = 0; i < x.t.numel(); ++i) element_set(x, i, dist(rng));
+    OwnedTensor whole(DType::kF64, {R}), sub(DType::kF64, {R}), shard(DType::kF64, {10});
+    be->row_sum_squares(x, whole);
+    be->row_sum_squares(x.t.slice(1, 1, 1 + C), sub);
+    be->row_sum_squares(x.t.slice(0, 20, 30), shard);
+    for (int64_t r = 0; r < R; ++r) {
+      int64_t w = 0, s = 0;
+      for (int64_t c = 0; c < C + 4; ++c) {
+        const int64_t v = static_cast<int64_t>(element_get(x, r * (C + 4) + c));
+        w += v * v;
+        if (c >= 1 && c < 1 + C) s += v * v;
+      }
+      EXPECT_EQ(static_cast<const double*>(whole.t.data)[r], static_cast<double>(w)) << dname(dt) << " row " << r;
+      EXPECT_EQ(static_cast<const double*>(sub.t.data)[r], static_cast<double>(s)) << dname(dt) << " strided";
+    }
+    EXPECT_EQ(0, std::memcmp(static_cast<const double*>(whole.t.data) + 20, shard.t.data, 10 * sizeof(double)));
+  }
+}
+
 TEST_F(CpuOps, AdamWUpdateMatchesFormula) {
   for (DType dt : kFloatTypes) {
     OwnedTensor w(dt, {5, 7}), g(dt, {5, 7}), m(dt, {5, 7}), v(dt, {5, 7});

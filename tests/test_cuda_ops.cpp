@@ -11,7 +11,7 @@
 //   GLA vs F64 CPU, relative RMS (testing::rms_rel_error): BF16 o ≤ 2.5e-3, dq/dk/dv/ds_in ≤ 5e-3
 //                           (bf16 inputs at dk = 96, dv = 192 take the tensor-core path);
 //                           F32 ≤ 1e-5 (o, states) and ≤ 2e-5 (gradients)
-//   sum_squares             relative ≤ 1e-10 (both accumulate in F64)
+//   sum_squares             relative ≤ 1e-10 (both accumulate in F64); row_sum_squares ≤ 1e-12 per row
 // Determinism: ops with reductions run twice and their outputs are compared bytewise.
 #include <gtest/gtest.h>
 
@@ -499,6 +499,24 @@ TEST_F(CudaOps, SumSquares) {
     Tensor sl = x.d().slice(1, 100, 2100);
     const double rs = cpu_->sum_squares(x.r().slice(1, 100, 2100));
     EXPECT_LE(std::fabs(cuda_->sum_squares(sl) - rs) / rs, 1e-10);
+  }
+}
+
+// Per-row Σx² (the distributed global norm's partials): each row vs the CPU's left-to-right
+// F64 sum, and a row shard gives the same bits as those rows of the whole matrix.
+TEST_F(CudaOps, RowSumSquaresRowsAndShards) {
+  for (DType dt : {kF32, kBF16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    Buf x = input({777, 3072}, dt, kF32, 91);
+    Buf whole = zeros({777}, kF64, kF64), shard = zeros({200}, kF64, kF64);
+    cpu_->row_sum_squares(x.r(), whole.r());
+    cuda_->row_sum_squares(x.d(), whole.d());
+    cuda_->row_sum_squares(x.d().slice(0, 300, 500), shard.d());
+    auto w = down(whole.d()), s = down(shard.d());
+    const double* wd = static_cast<const double*>(w->t.data);
+    const double* ref = static_cast<const double*>(whole.r().data);
+    for (int64_t r = 0; r < 777; ++r) EXPECT_LE(std::fabs(wd[r] - ref[r]) / ref[r], 1e-12) << "row " << r;
+    EXPECT_EQ(0, std::memcmp(wd + 300, s->t.data, 200 * sizeof(double)));
   }
 }
 

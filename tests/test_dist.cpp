@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -110,17 +111,18 @@ const char* kConfig = R"({"model_type": "laplace", "vocab_size": 37, "hidden_siz
   "num_heads": 1, "head_k_dim": 2, "head_v_dim": 3, "ffn_size": 5, "conv_size": 4, "chunk_size": 8})";
 
 struct DistFixture {
-  std::string dir, config, shard;
-  DistFixture() {
+  std::string dir, config, shard, flags;
+  explicit DistFixture(const char* config_json = kConfig, uint32_t vocab = 37, std::string common_flags = "") {
+    flags = std::move(common_flags);
     dir = testing::make_temp_dir("dist");
     config = dir + "/config.json";
-    std::ofstream(config) << kConfig;
+    std::ofstream(config) << config_json;
     std::vector<uint32_t> toks(4000);
     std::mt19937 rng(3);
     uint32_t t = 0;
-    for (auto& x : toks) x = t = (t * 7 + rng() % 5) % 37;
+    for (auto& x : toks) x = t = (t * 7 + rng() % 5) % vocab;
     shard = dir + "/train_000000.bin";
-    EXPECT_TRUE(shard_write(shard, toks, 37).is_ok());
+    EXPECT_TRUE(shard_write(shard, toks, vocab).is_ok());
   }
   // P = 0: one process, `--distributed` (SingleCommunicator); P ≥ 1: mpirun -np P.
   std::string command(int P, const std::string& out, const std::string& extra, int steps = 10) const {
@@ -128,7 +130,7 @@ struct DistFixture {
                                 : "OMP_NUM_THREADS=1 mpirun --allow-run-as-root --oversubscribe -x OMP_NUM_THREADS=1 "
                                   "-np " + std::to_string(P) + " " + LAPLACE_BINARY + " train";
     return launch + " --config " + config + " --data " + shard + " --out " + dir + "/" + out + " --seq 16 --steps " +
-           std::to_string(steps) + " --lr 0.02 --warmup 2 --wd 0.1 --quiet " + extra + " 2>&1";
+           std::to_string(steps) + " --lr 0.02 --warmup 2 --wd 0.1 --quiet " + flags + " " + extra + " 2>&1";
   }
   // Runs, returns the exit code and the output.
   int run(int P, const std::string& out, const std::string& extra, std::string* output = nullptr,
@@ -351,6 +353,81 @@ TEST(DistCli, PlanPrintsBothStrategiesAndBalance) {
   EXPECT_NE(out.find("all_to_all"), std::string::npos) << out;
   EXPECT_NE(out.find("max/mean"), std::string::npos) << out;
   EXPECT_NE(out.find("10.869 GB"), std::string::npos) << out;  // mean gather sent+recv, bf16
+}
+
+
+// ---- NCCL on GPUs (issue 7's properties over NCCL; they run on a machine with GPUs) ----------
+
+int visible_gpus() {
+  FILE* p = popen("nvidia-smi -L 2>/dev/null | grep -c '^GPU'", "r");
+  if (!p) return 0;
+  int n = 0;
+  if (fscanf(p, "%d", &n) != 1) n = 0;
+  pclose(p);
+  return n;
+}
+
+#define REQUIRE_NCCL_GPUS(n)                                                                          \
+  do {                                                                                                \
+    if (!nccl_available()) GTEST_SKIP() << "built without NCCL (no CUDA or no nccl.h): GPU tests skipped"; \
+    const int gpus_ = visible_gpus();                                                                 \
+    if (gpus_ < (n)) GTEST_SKIP() << "needs " << (n) << " GPU(s), " << gpus_ << " visible";           \
+    if ((n) > 1) REQUIRE_MPIRUN();                                                                    \
+  } while (0)
+
+// A small model whose shapes suit the CUDA kernels (bf16 rows of 16-byte multiples);
+// at P = 2 every matrix splits into two non-empty shards.
+const char* kGpuConfig = R"({"model_type": "laplace", "vocab_size": 64, "hidden_size": 64, "num_layers": 2,
+  "num_heads": 2, "head_k_dim": 16, "head_v_dim": 32, "ffn_size": 96, "conv_size": 4, "chunk_size": 16})";
+
+TEST(DistNccl, SelftestDeviceAndHostBuffers) {
+  REQUIRE_NCCL_GPUS(1);
+  const int P = std::min(visible_gpus(), 8);
+  const std::string cmd = (P > 1 ? "mpirun --allow-run-as-root --oversubscribe -np " + std::to_string(P) + " " : "") +
+                          std::string(LAPLACE_BINARY) + " dist selftest --device cuda 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int st = pclose(p);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << cmd << "\n" << out;
+  for (int q = 0; q < P; ++q)
+    EXPECT_NE(out.find("rank " + std::to_string(q) + "/" + std::to_string(P) + " (nccl"), std::string::npos) << out;
+  EXPECT_NE(out.find("device and host buffers"), std::string::npos) << out;
+}
+
+// Two GPUs × batch 2 against one GPU × batch 2 × grad-accum 2 (a one-rank NCCL
+// communicator): bitwise equal losses and weights; gather and all_to_all Muon likewise.
+TEST(DistNccl, TwoGpusBitwiseEqualToOneGpuAndMuonStrategiesAgree) {
+  REQUIRE_NCCL_GPUS(2);
+  DistFixture f(kGpuConfig, 64, "--device cuda --dtype bf16");
+  f.must_run(0, "ref", "--batch 2 --grad-accum 2");
+  f.must_run(2, "a2a", "--batch 2 --muon-comm all_to_all");
+  f.must_run(2, "gather", "--batch 2 --muon-comm gather");
+  const auto ref = f.losses("ref"), a2a = f.losses("a2a"), gather = f.losses("gather");
+  ASSERT_EQ(ref.size(), 10u);
+  EXPECT_LT(ref.back(), ref.front());
+  expect_bitwise_equal(ref, a2a, "2 GPUs vs 1 GPU");
+  expect_bitwise_equal(a2a, gather, "gather vs all_to_all");
+  EXPECT_EQ(f.bytes("ref/model.safetensors"), f.bytes("a2a/model.safetensors"));
+  EXPECT_EQ(f.bytes("a2a/model.safetensors"), f.bytes("gather/model.safetensors"));
+  EXPECT_EQ(f.metrics("a2a").back()["ranks"].get<int>(), 2);
+}
+
+// Saved on two GPUs, resumed on one (grad-accum 2): the rest of the run is bitwise the
+// uninterrupted two-GPU run's.
+TEST(DistNccl, SaveOnTwoGpusResumeOnOne) {
+  REQUIRE_NCCL_GPUS(2);
+  DistFixture f(kGpuConfig, 64, "--device cuda --dtype bf16");
+  f.must_run(2, "straight", "--batch 2", 6);
+  f.must_run(2, "resumed", "--batch 2 --stop-after 3", 6);
+  f.must_run(0, "resumed", "--batch 2 --grad-accum 2 --resume auto", 6);
+  const auto a = f.losses("straight"), b = f.losses("resumed");
+  ASSERT_EQ(a.size(), 6u);
+  ASSERT_EQ(b.size(), 6u);  // 3 before the stop + 3 after the resume, in one metrics file
+  expect_bitwise_equal(a, b, "resume on one GPU");
+  EXPECT_EQ(f.bytes("straight/model.safetensors"), f.bytes("resumed/model.safetensors"));
 }
 
 }  // namespace

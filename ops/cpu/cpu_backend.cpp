@@ -903,6 +903,26 @@ double CpuBackend::sum_squares(const Tensor& x) {
   return r;
 }
 
+// Left to right per row, in double.
+void CpuBackend::row_sum_squares(const Tensor& x, Tensor out) {
+  LAPLACE_CHECK(out.dtype == DType::kF64 && out.numel() == (x.ndim >= 1 ? x.numel() / x.shape[x.ndim - 1] : 1),
+                "row_sum_squares: out must be F64 with one entry per row of x");
+  LAPLACE_CHECK(out.is_contiguous(), "row_sum_squares: out must be contiguous");
+  double* o = static_cast<double*>(out.data);
+  dispatch(x.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const Rows r = rows_of(x);  // one row per row of x (elem_rows would merge a contiguous x into one)
+    LAPLACE_CHECK(r.n == out.numel(), "row_sum_squares: out must have one entry per row of x");
+#pragma omp parallel for schedule(static) if (r.n * r.cols > kParallelMin)
+    for (int64_t row = 0; row < r.n; ++row) {
+      const T* p = row_ptr<T>(x, r, row);
+      double s = 0;
+      for (int64_t i = 0; i < r.cols; ++i) s += static_cast<double>(p[i]) * p[i];
+      o[row] = s;
+    }
+  });
+}
+
 // m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g²;
 // w ← w·(1 − lr·wd) − lr·(m/(1−β1^t)) / (√(v/(1−β2^t)) + eps)
 void CpuBackend::adamw_update(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p) {

@@ -59,6 +59,7 @@ class CpuBackend final : public Backend {
                               Tensor dlogits) override;
 
   double sum_squares(const Tensor& x) override;
+  void row_sum_squares(const Tensor& x, Tensor out) override;
   void scale(Tensor x, double alpha) override;
   void adamw_update(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p) override;
   void muon_momentum(const Tensor& g, Tensor m, Tensor u, double mu, bool nesterov) override;

@@ -134,6 +134,7 @@ class CudaBackend final : public Backend {
                               Tensor dlogits) override;
 
   double sum_squares(const Tensor& x) override;
+  void row_sum_squares(const Tensor& x, Tensor out) override;
   void scale(Tensor x, double alpha) override;
   void adamw_update(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p) override;
   void muon_momentum(const Tensor& g, Tensor m, Tensor u, double mu, bool nesterov) override;
@@ -141,6 +142,7 @@ class CudaBackend final : public Backend {
 
   // ---- CUDA specifics ----
   cudaStream_t stream() const { return stream_; }
+  void* native_stream() override { return stream_; }
   int device_id() const { return device_; }
   int num_sms() const { return num_sms_; }
   // Largest dynamic shared memory one block may opt into (bytes).

@@ -224,6 +224,38 @@ double CudaBackend::sum_squares(const Tensor& x) {
   return *host_f64_;
 }
 
+namespace cuda {
+
+// One warp per row: lane l sums x[r][l + 32·j] for j = 0, 1, … (F64), then a fixed
+// butterfly; the order depends on C only. out [R] F64.
+__global__ void row_ssq_kernel(RView x, double* out) {
+  const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= x.rows) return;
+  const int64_t base = x.row(row);
+  double acc = 0;
+  for (int64_t c = lane; c < x.cols; c += 32) {
+    const double v = ldf(x.p, base + c, x.dt);
+    acc += v * v;
+  }
+  for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (lane == 0) out[row] = acc;
+}
+
+}  // namespace cuda
+
+void CudaBackend::row_sum_squares(const Tensor& x, Tensor out) {
+  RView vx = make_rview(x, "row_sum_squares: x");
+  LAPLACE_CHECK(out.dtype == DType::kF64 && out.numel() == vx.rows && out.is_contiguous() &&
+                    out.device == Device::kCUDA,
+                "row_sum_squares: out must be a contiguous device F64 tensor with one entry per row of x");
+  if (vx.rows == 0) return;
+  constexpr int kRowsPerBlock = 8;
+  const unsigned grid = static_cast<unsigned>((vx.rows + kRowsPerBlock - 1) / kRowsPerBlock);
+  cuda::row_ssq_kernel<<<grid, 32 * kRowsPerBlock, 0, stream_>>>(vx, static_cast<double*>(out.data));
+  CUDA_CHECK_LAUNCH();
+}
+
 // ---- optimizers -----------------------------------------------------------------------------
 
 namespace cuda {
