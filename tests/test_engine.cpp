@@ -108,6 +108,7 @@ class RowGemmBackend : public Backend {
     cpu_->cross_entropy_backward(l, t, s, d);
   }
   double sum_squares(const Tensor& x) override { return cpu_->sum_squares(x); }
+  void row_sum_squares(const Tensor& x, Tensor out) override { cpu_->row_sum_squares(x, out); }
   void scale(Tensor x, double a) override { cpu_->scale(x, a); }
   void adamw_update(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p) override {
     cpu_->adamw_update(w, g, m, v, p);
