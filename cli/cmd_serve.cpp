@@ -25,6 +25,7 @@ struct ServeArgs {
   int port = 8000, threads = 16, read_timeout = 10;
   int64_t max_slots = 0, max_queue = 64, max_batch_tokens = 2048, prefill_chunk = 256;
   int64_t max_tokens = 4096, max_prompt_tokens = 32768, max_request_kb = 1024, cache_mb = 256, max_n = 16;
+  int64_t cache_slots = -1;  // the state cache's device tier; -1 = as many as the live slots
   std::string memory_budget = "1G";
 };
 
@@ -48,6 +49,7 @@ Status run_serve(const ServeArgs& a) {
   LAPLACE_RETURN_IF_ERROR(parse_dtype(a.dtype, &o.dtype));
   o.engine.max_slots = a.max_slots;
   if (a.max_slots == 0) LAPLACE_RETURN_IF_ERROR(parse_bytes(a.memory_budget, &o.engine.memory_budget));
+  o.engine.cache_slots = a.cache_slots;
   o.engine.max_batch_tokens = a.max_batch_tokens;
   o.engine.prefill_chunk = a.prefill_chunk;
   o.max_queue = a.max_queue;
@@ -106,8 +108,12 @@ void add_serve(CLI::App& app) {
   cmd->add_option("--max-prompt-tokens", a->max_prompt_tokens, "longest prompt accepted")->check(CLI::PositiveNumber);
   cmd->add_option("--max-request-kb", a->max_request_kb, "largest request body (KiB)")->check(CLI::PositiveNumber);
   cmd->add_option("--max-n", a->max_n, "largest n")->check(CLI::PositiveNumber);
-  cmd->add_option("--cache-mb", a->cache_mb, "host RAM for the exact state cache (0 = off)")
+  cmd->add_option("--cache-mb", a->cache_mb, "host RAM for the exact state cache's host tier (0 = none)")
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--cache-slots", a->cache_slots,
+                  "state slots on the device for the exact state cache's device tier (0 = none; default: as many "
+                  "as the live slots, taken from --memory-budget when --max-slots is 0)")
+      ->check(CLI::Range(int64_t{-1}, int64_t{1} << 30));
   cmd->add_option("--session-dir", a->session_dir, "directory for sessions saved to disk");
   cmd->add_option("--threads", a->threads, "HTTP worker threads")->check(CLI::Range(2, 1024));
   cmd->add_option("--read-timeout", a->read_timeout, "seconds a silent client is kept")->check(CLI::Range(1, 3600));

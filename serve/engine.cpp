@@ -16,6 +16,16 @@ const char* finish_reason_name(FinishReason r) {
   return "?";
 }
 
+const char* state_source_name(StateSource s) {
+  switch (s) {
+    case StateSource::kEmpty: return "empty";
+    case StateSource::kSnapshot: return "snapshot";
+    case StateSource::kDeviceCache: return "device_cache";
+    case StateSource::kHostCache: return "host_cache";
+  }
+  return "?";
+}
+
 int64_t slots_for_memory(const Config& c, int64_t budget_bytes, DType state_dtype) {
   const int64_t elems = c.state_bytes_per_sequence() / 4;  // values per slot
   const int64_t bytes = elems * static_cast<int64_t>(dtype_size(state_dtype));
@@ -25,6 +35,33 @@ int64_t slots_for_memory(const Config& c, int64_t budget_bytes, DType state_dtyp
          Arena::planned_bytes({{"states", state_dtype, {s, elems}}}) > static_cast<size_t>(budget_bytes))
     --s;
   return std::max<int64_t>(s - 1, 0);
+}
+
+Status resolve_slots(const Config& c, const EngineOptions& o, DType st, int64_t* live, int64_t* cache) {
+  if (o.max_slots < 0) return Status::invalid_argument("engine: max_slots must be ≥ 0");
+  if (o.cache_slots < -1) return Status::invalid_argument("engine: cache_slots must be ≥ 0 (or -1: as many as live slots)");
+  if (o.max_slots > 0) {
+    *live = o.max_slots;
+    *cache = o.cache_slots == -1 ? o.max_slots : o.cache_slots;
+    return Status::ok();
+  }
+  if (o.memory_budget <= 0) return Status::invalid_argument("engine: give max_slots or a memory budget to derive it from");
+  // Pool slots the budget holds (slots_for_memory leaves one out for the scratch slot).
+  const int64_t pool = slots_for_memory(c, o.memory_budget, st) + 1;
+  const int64_t slot_bytes = c.state_bytes_per_sequence() * static_cast<int64_t>(dtype_size(st)) / 4;
+  if (o.cache_slots == -1) {
+    *live = (pool - 1) / 2;  // split evenly: live + cache + scratch ≤ pool
+    *cache = *live;
+  } else {
+    *live = pool - 1 - o.cache_slots;
+    *cache = o.cache_slots;
+  }
+  if (pool < 2 || *live < 1)
+    return Status::out_of_memory("engine: a memory budget of " + std::to_string(o.memory_budget) +
+                                 " bytes holds no state slot (one slot is " + std::to_string(slot_bytes) +
+                                 " bytes, plus one scratch slot" +
+                                 (*cache > 0 ? " and " + std::to_string(*cache) + " cache slots" : std::string()) + ")");
+  return Status::ok();
 }
 
 // ---- executor ------------------------------------------------------------------------
@@ -92,7 +129,10 @@ struct Engine::Seq {
   int64_t prefilled = 0;    // prompt tokens fed so far
   bool decoding = false;    // prefill done; `next` is fed by the next decode
   int32_t next = 0;
-  std::vector<int32_t> generated;  // kept only for capture_final_state
+  std::vector<int32_t> generated;  // kept only for capture_final_state / cache_final_state
+  // The logits after the start state's tokens (a cache hit or the initial snapshot): the
+  // first token's when nothing is left to prefill.
+  std::shared_ptr<const std::vector<float>> start_logits;
   bool done = false;        // finished or cancelled (set under mu_)
   std::atomic<bool> cancelled{false};
   FinishInfo info;
@@ -111,19 +151,11 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
   const Config& c = model.config();
   if (opt.max_batch_tokens < 1) return Status::invalid_argument("engine: max_batch_tokens must be ≥ 1");
   if (opt.prefill_chunk < 1) return Status::invalid_argument("engine: prefill_chunk must be ≥ 1");
-  if (opt.max_slots < 0) return Status::invalid_argument("engine: max_slots must be ≥ 0");
+  if (opt.cache_host_bytes < 0) return Status::invalid_argument("engine: cache_host_bytes must be ≥ 0");
   const DType st = model.dtype() == DType::kF64 ? DType::kF64 : DType::kF32;
-  if (opt.max_slots == 0) {
-    if (opt.memory_budget <= 0)
-      return Status::invalid_argument("engine: give max_slots or a memory budget to derive it from");
-    opt.max_slots = slots_for_memory(c, opt.memory_budget, st);
-    if (opt.max_slots < 1)
-      return Status::out_of_memory("engine: a memory budget of " + std::to_string(opt.memory_budget) +
-                                   " bytes holds no state slot (one slot is " +
-                                   std::to_string(c.state_bytes_per_sequence() * dtype_size(st) / 4) +
-                                   " bytes, plus one scratch slot)");
-  }
-  if (opt.max_slots >= INT32_MAX) return Status::invalid_argument("engine: max_slots too large");
+  LAPLACE_RETURN_IF_ERROR(resolve_slots(c, opt, st, &opt.max_slots, &opt.cache_slots));
+  if (opt.max_slots + 1 + opt.cache_slots >= INT32_MAX)
+    return Status::invalid_argument("engine: max_slots + cache_slots too large");
   std::sort(opt.decode_widths.begin(), opt.decode_widths.end());
   opt.decode_widths.erase(std::unique(opt.decode_widths.begin(), opt.decode_widths.end()), opt.decode_widths.end());
   for (int64_t w : opt.decode_widths)
@@ -135,7 +167,11 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
   e->max_slots_ = opt.max_slots;
   e->vocab_ = c.vocab_size;
   e->default_eos_ = c.eos_token_id >= 0 && c.eos_token_id < c.vocab_size ? static_cast<int32_t>(c.eos_token_id) : -1;
-  LAPLACE_RETURN_IF_ERROR(e->pool_.create(c, model.backend(), opt.max_slots + 1, st).with_context("engine"));
+  LAPLACE_RETURN_IF_ERROR(
+      e->pool_.create(c, model.backend(), opt.max_slots + 1 + opt.cache_slots, st).with_context("engine"));
+  e->cache_ = std::make_unique<StateCache>(e->pool_, model.backend(), static_cast<int32_t>(opt.max_slots + 1),
+                                           opt.cache_slots, opt.cache_host_bytes);
+  e->cache_on_ = e->cache_->enabled();
   if (opt.plan_model) {
     LAPLACE_RETURN_IF_ERROR(model.plan({max_width, opt.prefill_chunk, false, false}).with_context("engine: plan"));
   } else {
@@ -161,11 +197,22 @@ std::string Engine::summary() const {
     widths += std::to_string(w);
   }
   std::snprintf(buf, sizeof buf,
-                "engine: %lld slots (+1 scratch) x %lld bytes/slot = %.1f MiB of state; max_batch_tokens %lld, "
-                "prefill_chunk %lld, decode widths %s",
-                (long long)max_slots_, (long long)slot_bytes(), mib, (long long)opt_.max_batch_tokens,
-                (long long)opt_.prefill_chunk, widths.empty() ? "exact (eager)" : widths.c_str());
-  return buf;
+                "engine: %lld slots (+1 scratch, +%lld cache) x %lld bytes/slot = %.1f MiB of state; "
+                "max_batch_tokens %lld, prefill_chunk %lld, decode widths %s",
+                (long long)max_slots_, (long long)opt_.cache_slots, (long long)slot_bytes(), mib,
+                (long long)opt_.max_batch_tokens, (long long)opt_.prefill_chunk,
+                widths.empty() ? "exact (eager)" : widths.c_str());
+  std::string out = buf;
+  if (cache_on_) {
+    std::snprintf(buf, sizeof buf, "\nstate cache: device tier %lld slots x %lld bytes/slot = %.1f MiB; host tier %.1f MiB",
+                  (long long)opt_.cache_slots, (long long)slot_bytes(),
+                  static_cast<double>(opt_.cache_slots * slot_bytes()) / (1024.0 * 1024.0),
+                  static_cast<double>(opt_.cache_host_bytes) / (1024.0 * 1024.0));
+    out += buf;
+  } else {
+    out += "\nstate cache: off";
+  }
+  return out;
 }
 
 Status Engine::submit(Request req, RequestId* id) {
@@ -249,7 +296,8 @@ bool Engine::cancel(RequestId id) {
   return true;
 }
 
-void Engine::admit_locked() {
+std::vector<Engine::Seq*> Engine::admit_locked() {
+  std::vector<Seq*> admitted;
   while (!queue_.empty() && !free_slots_.empty()) {
     std::unique_ptr<Seq> s = std::move(queue_.front());
     queue_.pop_front();
@@ -258,14 +306,35 @@ void Engine::admit_locked() {
     s->slot = slot;
     s->info.slot = slot;
     s->info.admit_time = now();
-    if (s->req.initial_state)
-      pool_.write_slot(model_.backend(), slot, s->req.initial_state->state.data());  // continue a context
-    else
-      pool_.reset(model_.backend(), slot);  // a new, empty context
+    admitted.push_back(s.get());
     prefilling_.push_back(s.get());
     by_slot_[slot] = std::move(s);
     ++running_;
   }
+  return admitted;
+}
+
+void Engine::start_context(Seq* s) {
+  Backend& be = model_.backend();
+  const SnapshotPtr& init = s->req.initial_state;
+  const size_t init_tokens = init ? init->tokens.size() : 0;
+  CacheHit hit;
+  if (s->req.use_cache && cache_on_) hit = cache_->restore(s->context_tokens(), init_tokens, s->slot);
+  FinishInfo& info = s->info;
+  if (hit.source != StateSource::kEmpty) {  // the slot holds the cached prefix now
+    info.start = hit.source;
+    info.cached_tokens = hit.tokens;
+    s->prefilled = hit.tokens - static_cast<int64_t>(init_tokens);
+    s->start_logits = std::move(hit.logits);
+  } else if (init) {  // continue a context
+    pool_.write_slot(be, s->slot, init->state.data());
+    info.start = StateSource::kSnapshot;
+    info.cached_tokens = static_cast<int64_t>(init_tokens);
+    s->start_logits = std::shared_ptr<const std::vector<float>>(init, &init->logits);
+  } else {
+    pool_.reset(be, s->slot);  // a new, empty context
+  }
+  info.prompt_tokens = static_cast<int64_t>(s->req.prompt.size()) - s->prefilled;
 }
 
 int64_t Engine::width_for(int64_t n) const {
@@ -317,21 +386,28 @@ Engine::StepPlan Engine::plan_step() {
   return p;
 }
 
+std::vector<int32_t> Engine::covered_tokens(const Seq* s, bool with_generated) const {
+  std::vector<int32_t> t = s->context_tokens();
+  // The last generated token was sampled from the current logits but never fed.
+  if (with_generated && !s->generated.empty()) t.insert(t.end(), s->generated.begin(), s->generated.end() - 1);
+  return t;
+}
+
 SnapshotPtr Engine::snapshot(Seq* s, const float* logits, bool with_generated) {
   auto st = std::make_shared<StateSnapshot>();
   st->state_dtype = pool_.dtype();
   st->state.resize(static_cast<size_t>(pool_.slot_bytes()));
   pool_.read_slot(model_.backend(), s->slot, st->state.data());
   st->logits.assign(logits, logits + vocab_);
-  st->tokens = s->context_tokens();
-  // The last generated token was sampled from `logits` but never fed.
-  if (with_generated && !s->generated.empty())
-    st->tokens.insert(st->tokens.end(), s->generated.begin(), s->generated.end() - 1);
+  st->tokens = covered_tokens(s, with_generated);
   return st;
 }
 
 void Engine::finish(Seq* s, FinishReason r, const float* logits) {
   if (logits && s->req.capture_final_state) s->info.final_state = snapshot(s, logits, true);
+  // Before the slot is released: the cache copies it (device tier: slot to slot).
+  if (logits && s->req.cache_final_state && cache_on_)
+    cache_->insert(s->slot, covered_tokens(s, true), std::make_shared<const std::vector<float>>(logits, logits + vocab_));
   {
     std::lock_guard<std::mutex> lk(mu_);
     s->info.reason = r;
@@ -350,7 +426,7 @@ void Engine::emit(Seq* s, const float* logits) {
   if (info.first_token_time < 0) info.first_token_time = t;
   info.token_times.push_back(t);
   ++info.generated_tokens;
-  if (s->req.capture_final_state) s->generated.push_back(tok);
+  if (s->req.capture_final_state || s->req.cache_final_state) s->generated.push_back(tok);
   if (s->req.top_logprobs >= 0 && s->req.on_logprobs && !s->cancelled.load())
     s->req.on_logprobs(info.id, token_logprobs(logits, vocab_, tok, s->req.top_logprobs));
   if (s->req.on_token && !s->cancelled.load()) s->req.on_token(info.id, tok);
@@ -374,8 +450,19 @@ void Engine::start_decoding(Seq* s, const float* logits) {
   auto it = std::find(prefilling_.begin(), prefilling_.end(), s);
   if (it != prefilling_.end()) prefilling_.erase(it);
   s->decoding = true;
+  // Nothing was fed after the start state: the prompt state IS that state.
+  const bool nothing_fed = s->info.prompt_tokens == 0;
+  const bool from_cache = s->info.start == StateSource::kDeviceCache || s->info.start == StateSource::kHostCache;
+  if (s->req.cache_prompt_state && cache_on_ && !s->cancelled.load() && !(nothing_fed && from_cache)) {
+    // (A full cache hit was refreshed by the lookup; anything else is a new context.)
+    auto lg = nothing_fed && s->start_logits ? s->start_logits
+                                              : std::make_shared<const std::vector<float>>(logits, logits + vocab_);
+    cache_->insert(s->slot, s->context_tokens(), std::move(lg));
+  }
   if (s->req.capture_prompt_state && s->req.on_prompt_state && !s->cancelled.load()) {
-    const SnapshotPtr st = s->req.prompt.empty() ? s->req.initial_state : snapshot(s, logits, false);
+    const SnapshotPtr st = s->req.prompt.empty() && s->info.start == StateSource::kSnapshot
+                               ? s->req.initial_state
+                               : snapshot(s, logits, false);
     s->req.on_prompt_state(s->info.id, st);
   }
   emit(s, logits);
@@ -383,25 +470,29 @@ void Engine::start_decoding(Seq* s, const float* logits) {
 
 bool Engine::step() {
   std::vector<std::unique_ptr<Seq>> notify;
+  std::vector<Seq*> admitted;
   {
     std::lock_guard<std::mutex> lk(mu_);
     LAPLACE_CHECK(!in_step_, "engine: step() is not reentrant (one engine thread)");
     in_step_ = true;
     notify.swap(pending_finish_);
-    admit_locked();
+    admitted = admit_locked();
   }
+  // Slot copies run here, on the engine thread, outside the lock (submit() need not wait
+  // for them). The slots are this thread's: cancel() during a step only marks them.
+  for (Seq* s : admitted) start_context(s);
   for (auto& s : notify)
     if (s->req.on_finish) s->req.on_finish(s->info);
 
-  // Requests whose whole prompt is already in their initial state: their first token
-  // comes from the snapshot's logits (no forward), and they decode in this step.
+  // Requests whose whole prompt is already in their start state (initial snapshot or a
+  // cache hit): their first token comes from its logits (no forward); they decode in this step.
   EngineStats d;  // this step's counters
   bool instant = false;
   const std::vector<Seq*> waiting = prefilling_;
   for (Seq* s : waiting) {
-    if (!s->req.prompt.empty() || s->cancelled.load()) continue;
+    if (s->prefilled < static_cast<int64_t>(s->req.prompt.size()) || s->cancelled.load()) continue;
     const double ts = now();
-    start_decoding(s, s->req.initial_state->logits.data());
+    start_decoding(s, s->start_logits->data());
     ++d.generated_tokens;
     d.sample_seconds += now() - ts;
     instant = true;

@@ -33,6 +33,7 @@
 #include "model/model.h"
 #include "model/state.h"
 #include "serve/request.h"
+#include "serve/state_cache.h"
 
 namespace laplace {
 
@@ -40,10 +41,18 @@ struct EngineOptions {
   // Sequences served at once (state slots, the scratch slot not counted). 0 = derive
   // from memory_budget with slots_for_memory().
   int64_t max_slots = 0;
-  // Bytes the state pool may take (scratch slot included) when max_slots = 0. On the CPU
-  // the caller gives it (--memory-budget); on CUDA the caller passes free device memory
-  // minus a reserve for weights/activations (the CLI does, from cudaMemGetInfo).
+  // Bytes the state pool may take (scratch and cache slots included) when max_slots = 0.
+  // On the CPU the caller gives it (--memory-budget); on CUDA the caller passes free
+  // device memory minus a reserve for weights/activations.
   int64_t memory_budget = 0;
+  // The state cache's device tier (serve/state_cache.h): spare pool slots beyond the live
+  // ones and the scratch slot, each holding one cached context. 0 = no device tier;
+  // -1 = as many as the live slots (with a memory budget, the budget is then split
+  // evenly between live and cache slots).
+  int64_t cache_slots = 0;
+  // The state cache's host tier: bytes of host RAM for snapshots (0 = none). With both
+  // this and cache_slots 0 the cache is off and Request::use_cache etc. do nothing.
+  int64_t cache_host_bytes = 0;
   // Token budget of one step: decode rows (1 token each) + prefill piece tokens. One
   // prefill piece always runs when any prefill is pending, so prefills progress even when
   // decodes fill the budget.
@@ -79,6 +88,12 @@ struct EngineStats {
 // Usable slots (the scratch slot not counted) whose pool fits in budget_bytes, as
 // StatePool allocates it (one arena block of (slots + 1) × slot bytes). 0 if none fit.
 int64_t slots_for_memory(const Config& c, int64_t budget_bytes, DType state_dtype = DType::kF32);
+
+// The live and cache slot counts an engine gets from its options (what Engine::create
+// uses): max_slots or the memory budget, and cache_slots (-1 resolved). Errors:
+// invalid_argument (neither a count nor a budget, cache_slots < -1), out_of_memory (the
+// budget holds no live slot).
+Status resolve_slots(const Config& c, const EngineOptions& o, DType state_dtype, int64_t* live, int64_t* cache);
 
 // One decode forward: row b feeds tokens[b] into slots[b]. Rows [0, live) are sequences,
 // rows [live, width) padding (their slot is the scratch slot).
@@ -126,8 +141,8 @@ void logits_rows_to_host(const Model& m, int64_t rows, std::vector<float>* out);
 
 class Engine {
  public:
-  // Creates the pool (max_slots + 1 scratch slot, F32 states; F64 for F64 models) and
-  // plans the model. `model` must outlive the engine. Errors: invalid_argument (options),
+  // Creates the pool (max_slots live slots, 1 scratch slot, cache_slots cache slots, in
+  // that order; F32 states, F64 for F64 models) and plans the model. `model` must outlive the engine. Errors: invalid_argument (options),
   // out_of_memory (pool or activations).
   static Status create(Model& model, const EngineOptions& opt, std::unique_ptr<Engine>* out);
   ~Engine();
@@ -155,6 +170,10 @@ class Engine {
   EngineStats stats() const;
   int64_t num_slots() const { return max_slots_; }  // usable slots
   int32_t scratch_slot() const { return static_cast<int32_t>(max_slots_); }
+  // The state cache (any thread): its device tier is pool slots [max_slots + 1, ...).
+  int64_t cache_slots() const { return opt_.cache_slots; }
+  bool cache_enabled() const { return cache_on_; }
+  StateCacheStats cache_stats() const { return cache_->stats(); }
   int64_t slot_bytes() const { return pool_.slot_bytes(); }
   int64_t pool_bytes() const { return static_cast<int64_t>(pool_.slots()) * pool_.slot_bytes(); }
   const EngineOptions& options() const { return opt_; }  // as resolved by create()
@@ -181,7 +200,13 @@ class Engine {
   };
 
   Engine(Model& m, const EngineOptions& opt);
-  void admit_locked();
+  // Gives queued requests free slots; returns them (their slots are not written yet).
+  std::vector<Seq*> admit_locked();
+  // Engine thread, outside the lock: the admitted request's slot gets its start state
+  // (a cache hit, its initial snapshot, or zeros).
+  void start_context(Seq* s);
+  // The context a snapshot / cache entry of s covers now (see FinishInfo::final_state).
+  std::vector<int32_t> covered_tokens(const Seq* s, bool with_generated) const;
   StepPlan plan_step();
   int64_t width_for(int64_t n) const;
   // Emits a token for seq (sampled from logits row) and finishes it when a stop rule hits.
@@ -198,6 +223,8 @@ class Engine {
   int64_t vocab_ = 0;
   int32_t default_eos_ = -1;
   StatePool pool_;
+  std::unique_ptr<StateCache> cache_;  // owns the slots after the scratch slot
+  bool cache_on_ = false;
   std::unique_ptr<StepExecutor> exec_;
   std::chrono::steady_clock::time_point t0_;
 

@@ -20,15 +20,15 @@ std::vector<uint64_t> PrefixCache::prefix_hashes(const std::vector<int32_t>& tok
   return h;
 }
 
-void PrefixCache::insert(SnapshotPtr s) {
-  if (!s || s->tokens.empty() || s->bytes() > budget_) return;
+bool PrefixCache::insert(SnapshotPtr s) {
+  if (!s || s->tokens.empty() || s->bytes() > budget_) return false;
   const uint64_t h = prefix_hashes(s->tokens).back();
   std::lock_guard<std::mutex> lk(mu_);
   auto range = index_.equal_range(h);
   for (auto it = range.first; it != range.second; ++it) {
     if (it->second->snap->tokens == s->tokens) {  // already cached: refresh
       lru_.splice(lru_.begin(), lru_, it->second);
-      return;
+      return true;
     }
   }
   lru_.push_front({h, std::move(s)});
@@ -37,28 +37,45 @@ void PrefixCache::insert(SnapshotPtr s) {
   ++stats_.entries;
   ++stats_.inserts;
   evict_locked();
+  return true;
+}
+
+void PrefixCache::drop_locked(std::list<Entry>::iterator e) {
+  auto range = index_.equal_range(e->hash);
+  for (auto it = range.first; it != range.second; ++it)
+    if (it->second == e) {
+      index_.erase(it);
+      break;
+    }
+  stats_.bytes -= e->snap->bytes();
+  --stats_.entries;
+  lru_.erase(e);
 }
 
 void PrefixCache::evict_locked() {
   while (stats_.bytes > budget_ && !lru_.empty()) {
-    auto last = std::prev(lru_.end());
-    auto range = index_.equal_range(last->hash);
-    for (auto it = range.first; it != range.second; ++it)
-      if (it->second == last) {
-        index_.erase(it);
-        break;
-      }
-    stats_.bytes -= last->snap->bytes();
-    --stats_.entries;
+    drop_locked(std::prev(lru_.end()));
     ++stats_.evictions;
-    lru_.erase(last);
   }
 }
 
-SnapshotPtr PrefixCache::lookup(const std::vector<int32_t>& tokens) {
+bool PrefixCache::erase(const std::vector<int32_t>& tokens) {
+  if (tokens.empty()) return false;
+  const uint64_t h = prefix_hashes(tokens).back();
+  std::lock_guard<std::mutex> lk(mu_);
+  auto range = index_.equal_range(h);
+  for (auto it = range.first; it != range.second; ++it)
+    if (it->second->snap->tokens == tokens) {
+      drop_locked(it->second);
+      return true;
+    }
+  return false;
+}
+
+SnapshotPtr PrefixCache::lookup(const std::vector<int32_t>& tokens, size_t min_tokens) {
   const std::vector<uint64_t> h = prefix_hashes(tokens);
   std::lock_guard<std::mutex> lk(mu_);
-  for (size_t n = tokens.size(); n >= 1; --n) {
+  for (size_t n = tokens.size(); n >= std::max<size_t>(min_tokens, 1); --n) {
     auto range = index_.equal_range(h[n]);
     for (auto it = range.first; it != range.second; ++it) {
       const std::vector<int32_t>& t = it->second->snap->tokens;

@@ -1,5 +1,7 @@
 // The exact state cache (issue 6, SPEC §5): a fixed-size state snapshot per cached token
-// prefix, so a request whose tokens start with a cached prefix feeds only the rest.
+// prefix, so a request whose tokens start with a cached prefix feeds only the rest. This
+// class is the host-RAM tier; serve/state_cache.h puts a device tier (spare pool slots)
+// in front of it.
 // Unlike block-aligned prefix caches, any token boundary works: an entry is the whole
 // context up to its last token.
 //
@@ -29,11 +31,13 @@ class PrefixCache {
   explicit PrefixCache(int64_t budget_bytes) : budget_(budget_bytes) {}
 
   // Adds (or refreshes) the snapshot of its tokens. Snapshots larger than the budget are
-  // not kept.
-  void insert(SnapshotPtr s);
-  // The longest entry whose tokens are a prefix of `tokens` (possibly all of them), or
-  // null. Counts a hit or a miss.
-  SnapshotPtr lookup(const std::vector<int32_t>& tokens);
+  // not kept (returns false).
+  bool insert(SnapshotPtr s);
+  // The longest entry whose tokens are a prefix of `tokens` (possibly all of them) and at
+  // least min_tokens long, or null. Counts a hit or a miss.
+  SnapshotPtr lookup(const std::vector<int32_t>& tokens, size_t min_tokens = 1);
+  // Drops the entry of exactly these tokens (not counted as an eviction). False if absent.
+  bool erase(const std::vector<int32_t>& tokens);
   void clear();
   PrefixCacheStats stats() const;
 
@@ -46,6 +50,7 @@ class PrefixCache {
     SnapshotPtr snap;
   };
   void evict_locked();
+  void drop_locked(std::list<Entry>::iterator e);
 
   const int64_t budget_;
   mutable std::mutex mu_;

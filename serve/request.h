@@ -23,6 +23,15 @@ enum class FinishReason : uint8_t {
 };
 const char* finish_reason_name(FinishReason r);  // "length", "stop", "eos", "cancelled"
 
+// Where a request's context started (FinishInfo::start).
+enum class StateSource : uint8_t {
+  kEmpty,        // a zeroed slot: the whole prompt was prefilled
+  kSnapshot,     // Request::initial_state, written from host memory
+  kDeviceCache,  // a device-tier hit of the engine's state cache: a slot-to-slot copy
+  kHostCache,    // a host-tier hit: written from host memory
+};
+const char* state_source_name(StateSource s);  // "empty", "snapshot", "device_cache", "host_cache"
+
 // A sequence's whole context as one fixed-size value (SPEC §1): the bytes of its state
 // slot after `tokens`, and the logits those tokens leave for the next one. A request
 // that starts from a snapshot continues that context exactly as if its tokens had been
@@ -51,7 +60,9 @@ struct TokenLogprobs {
 struct FinishInfo {
   RequestId id = 0;
   FinishReason reason = FinishReason::kLength;
-  int64_t prompt_tokens = 0;
+  int64_t prompt_tokens = 0;     // prompt tokens actually fed (prefilled)
+  int64_t cached_tokens = 0;     // context tokens the start state covered (not prefilled)
+  StateSource start = StateSource::kEmpty;
   int64_t generated_tokens = 0;  // tokens delivered through on_token (a stop/eos token included)
   int32_t slot = -1;             // the slot it ran in (-1: never admitted); its state is left there
                                  // until the slot is given to another request
@@ -91,6 +102,15 @@ struct Request {
   // Snapshots (copied off the slot on the engine thread; costs one slot copy each).
   bool capture_prompt_state = false;  // after the prompt: on_prompt_state
   bool capture_final_state = false;   // at the end: FinishInfo::final_state
+  // The engine's state cache (EngineOptions::cache_slots / cache_host_bytes; no effect
+  // when both are 0). use_cache: when the request gets its slot, start from the longest
+  // cached prefix of initial_state's tokens + prompt if it covers more than initial_state
+  // (device tier: a slot-to-slot copy; host tier: a write from host memory); only the
+  // rest is prefilled. cache_*_state: keep the prompt's / the final context in the cache
+  // (the device tier first; no host copy unless an entry is demoted).
+  bool use_cache = false;
+  bool cache_prompt_state = false;
+  bool cache_final_state = false;
 
   // Called on the thread running Engine::step(), never under the engine's lock, so
   // they may call submit() and cancel(). on_token gets every generated token in order

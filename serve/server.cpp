@@ -141,7 +141,6 @@ struct Server::Impl {
   std::mutex stop_mu;
   std::condition_variable stop_cv;
 
-  PrefixCache cache;
   std::mutex sessions_mu;
   std::map<std::string, Session> sessions;
   // Assistant message text → the tokens that produced it, so a chat's next turn feeds
@@ -158,7 +157,10 @@ struct Server::Impl {
   Histogram queue_time{"laplace_queue_time_seconds", "Time a request waited for a state slot.", latency_buckets()};
   std::atomic<int64_t> prompt_tokens_total{0}, generation_tokens_total{0}, requests_ok{0}, requests_error{0};
 
-  explicit Impl(ServerOptions o) : opt(std::move(o)), cache(opt.cache_bytes) {}
+  explicit Impl(ServerOptions o) : opt(std::move(o)) { opt.engine.cache_host_bytes = opt.cache_bytes; }
+
+  // The engine's state cache (either tier) is on, and this job may use it.
+  bool cache_on(const Job& j) const { return engine->cache_enabled() && j.p.cache; }
 
   // ---- loading ------------------------------------------------------------------------
   Status load() {
@@ -296,7 +298,11 @@ struct Server::Impl {
     r.max_tokens = p.max_tokens;
     r.top_logprobs = p.logprobs;
     r.eos_id = job->eos;
-    r.capture_final_state = (p.cache && opt.cache_bytes > 0) || !p.save_session.empty();
+    // The cache keeps the final context itself (device tier first); a host snapshot is
+    // made only when a session needs one.
+    r.use_cache = cache_on(*job);
+    r.cache_final_state = cache_on(*job);
+    r.capture_final_state = !p.save_session.empty();
     std::weak_ptr<Job> wj = job;
     r.on_logprobs = [wj, i](RequestId, const TokenLogprobs& lp) {
       if (auto j = wj.lock()) {
@@ -337,12 +343,12 @@ struct Server::Impl {
     }
     if (f.admit_time >= 0) queue_time.observe(f.admit_time - f.submit_time);
     generation_tokens_total.fetch_add(f.generated_tokens);
-    if (f.final_state && opt.cache_bytes > 0 && (!j || j->p.cache)) cache.insert(f.final_state);
     if (!j) return;
     {
       std::lock_guard<std::mutex> lk(j->mu);
       Choice& c = j->choices[i];
       c.info = f;
+      if (i == 0) j->cached_tokens = f.cached_tokens;
       c.finished = true;
       ++j->finished;
       if (!c.text_done) {
@@ -382,10 +388,9 @@ struct Server::Impl {
     j->cv.notify_all();
   }
 
-  // The prompt is in the state: cache it, and start choices 1..n-1 from it.
+  // The prompt is in the state (the engine has cached it): start choices 1..n-1 from it.
   void on_prompt_state(const std::shared_ptr<Job>& j, const SnapshotPtr& st) {
     if (!j) return;
-    if (opt.cache_bytes > 0 && j->p.cache) cache.insert(st);
     std::lock_guard<std::mutex> lk(j->mu);
     j->prompt_state = st;
     if (j->forked) return;
@@ -563,16 +568,15 @@ struct Server::Impl {
     for (auto& c : job->choices) c.text = std::make_unique<TextStream>(&tok, job->stops);
     prompt_tokens_total.fetch_add(static_cast<int64_t>(job->prompt.size()));
 
-    // Where to start: the longest cached prefix, or the session's own state.
-    SnapshotPtr start;
-    if (opt.cache_bytes > 0 && job->p.cache) start = cache.lookup(job->prompt);
-    if (job->prompt_state && (!start || job->prompt_state->tokens.size() > start->tokens.size()))
-      start = job->prompt_state;
+    // Where to start: the session's own state, or (chosen by the engine when the request
+    // gets its slot, r.use_cache) the longest cached prefix if that covers more.
+    const SnapshotPtr start = job->prompt_state;
     job->prompt_state = nullptr;
     Request r = make_request(job, 0);
-    job->cached_tokens = start_from(start, job->prompt, &r);
-    const bool want_prompt_state = n > 1 || (opt.cache_bytes > 0 && job->p.cache) || !job->p.save_session.empty();
-    if (want_prompt_state) {
+    start_from(start, job->prompt, &r);
+    r.cache_prompt_state = cache_on(*job);
+    // A host snapshot of the prompt only where one is needed: forks and sessions.
+    if (n > 1 || !job->p.save_session.empty()) {
       r.capture_prompt_state = true;
       std::weak_ptr<Job> wj = job;
       r.on_prompt_state = [this, wj](RequestId, const SnapshotPtr& st) { on_prompt_state(wj.lock(), st); };
@@ -741,7 +745,8 @@ struct Server::Impl {
     SnapshotPtr snap;
     bool finished = false;
     Request r;
-    start_from(opt.cache_bytes > 0 ? cache.lookup(job->prompt) : nullptr, job->prompt, &r);
+    start_from(nullptr, job->prompt, &r);
+    r.use_cache = r.cache_prompt_state = cache_on(*job);
     r.max_tokens = 1;
     r.sampling.temperature = 0;
     r.eos_id = -1;
@@ -771,7 +776,6 @@ struct Server::Impl {
       }
     }
     if (!snap) return send_error(res, api_error(500, "the prompt could not be prefilled", "server_error"));
-    if (opt.cache_bytes > 0) cache.insert(snap);
     Session s{job->prompt, snap};
     json out = session_json(n, s);
     {
@@ -860,13 +864,29 @@ struct Server::Impl {
       render_metric(&out, "laplace_decode_tokens_total", "counter", "Tokens fed through decode forwards.",
                     s.decode_tokens);
       render_metric(&out, "laplace_engine_steps_total", "counter", "Engine steps that did work.", s.steps);
-      const PrefixCacheStats c = cache.stats();
-      render_metric(&out, "laplace_cache_entries", "gauge", "State snapshots in the prefix cache.", c.entries);
-      render_metric(&out, "laplace_cache_bytes", "gauge", "Bytes held by the prefix cache.", c.bytes);
-      render_metric(&out, "laplace_cache_hits_total", "counter", "Prefix cache hits.", c.hits);
+      const StateCacheStats c = engine->cache_stats();
+      render_metric(&out, "laplace_cache_entries", "gauge", "Cached contexts (both tiers).", c.entries);
+      render_metric(&out, "laplace_cache_bytes", "gauge", "Bytes held by the cache's host tier.", c.bytes);
+      render_metric(&out, "laplace_cache_hits_total", "counter", "Prefix cache hits (both tiers).", c.hits);
       render_metric(&out, "laplace_cache_misses_total", "counter", "Prefix cache misses.", c.misses);
       render_metric(&out, "laplace_cache_hit_tokens_total", "counter", "Prompt tokens served from the cache.",
                     c.hit_tokens);
+      render_metric(&out, "laplace_cache_device_hits_total", "counter",
+                    "Cache hits served from the device tier (slot-to-slot copy).", c.device_hits);
+      render_metric(&out, "laplace_cache_host_hits_total", "counter",
+                    "Cache hits served from the host tier (host-to-device write).", c.host_hits);
+      render_metric(&out, "laplace_cache_device_slots", "gauge", "Cache slots of the device tier.", c.device_slots);
+      render_metric(&out, "laplace_cache_device_slots_used", "gauge", "Device-tier cache slots holding a context.",
+                    c.device_used);
+      render_metric(&out, "laplace_cache_device_slots_free", "gauge", "Free device-tier cache slots.",
+                    c.device_slots - c.device_used);
+      render_metric(&out, "laplace_cache_host_entries", "gauge", "Contexts in the host tier.", c.host_entries);
+      render_metric(&out, "laplace_cache_demotions_total", "counter",
+                    "Device-tier entries moved to the host tier (device tier full).", c.demotions);
+      render_metric(&out, "laplace_cache_promotions_total", "counter",
+                    "Host-tier entries moved to the device tier on a hit.", c.promotions);
+      render_metric(&out, "laplace_cache_evictions_total", "counter", "Cached contexts dropped (host tier full).",
+                    c.evictions);
     }
     render_metric(&out, "laplace_prompt_tokens_total", "counter", "Prompt tokens of accepted requests.",
                   prompt_tokens_total.load());
@@ -1051,7 +1071,7 @@ ServerCounters Server::counters() const {
   const Impl& m = *impl_;
   ServerCounters c;
   if (m.ready.load()) c.engine = m.engine->stats();
-  c.cache = m.cache.stats();
+  if (m.ready.load()) c.cache = m.engine->cache_stats();
   c.http_requests = m.http_requests.load();
   c.rejected_429 = m.rejected_429.load();
   c.client_disconnects = m.disconnects.load();

@@ -15,7 +15,7 @@
 #include "core/status.h"
 #include "serve/engine.h"
 #include "serve/openai_api.h"
-#include "serve/prefix_cache.h"
+#include "serve/state_cache.h"
 
 namespace laplace {
 
@@ -27,12 +27,14 @@ struct ServerOptions {
   std::string api_key;       // "" = no key; else "Authorization: Bearer KEY" on every route
   std::string device = "cpu";
   DType dtype = DType::kF32;
-  EngineOptions engine;      // max_slots (or memory_budget), max_batch_tokens, prefill_chunk
+  // max_slots (or memory_budget), max_batch_tokens, prefill_chunk, cache_slots (the state
+  // cache's device tier; engine.cache_host_bytes is set from cache_bytes)
+  EngineOptions engine;
   int64_t max_queue = 64;    // requests waiting for a slot; more get 429 + Retry-After
   int64_t max_request_bytes = 1 << 20;
   int64_t max_prompt_tokens = 32768;
   ApiLimits limits;
-  int64_t cache_bytes = int64_t(256) << 20;  // host-RAM state cache; 0 = off
+  int64_t cache_bytes = int64_t(256) << 20;  // the state cache's host-RAM tier; 0 = none
   std::string session_dir;   // where sessions are saved to disk; "" = memory only
   int64_t max_sessions = 1024;
   int threads = 16;          // HTTP worker threads
@@ -42,7 +44,7 @@ struct ServerOptions {
 
 struct ServerCounters {
   EngineStats engine;
-  PrefixCacheStats cache;
+  StateCacheStats cache;
   int64_t http_requests = 0, rejected_429 = 0, client_disconnects = 0, sessions = 0;
   int64_t outstanding = 0;  // engine requests submitted and not finished
 };

@@ -836,6 +836,281 @@ TEST(EngineSnapshot, RejectsStatesOfAnotherShapeAndEmptyPromptsWithoutOne) {
   EXPECT_EQ(r.eng->submit(l, &id).code(), Status::Code::kInvalidArgument);
 }
 
+// ---- the state cache: device tier (spare pool slots) in front of the host tier ------------------
+
+namespace {
+EngineOptions cache_opts(int64_t live, int64_t cache_slots, int64_t host_bytes) {
+  EngineOptions o = opts(live, 8, 64);
+  o.cache_slots = cache_slots;
+  o.cache_host_bytes = host_bytes;
+  return o;
+}
+
+// Runs one request alone; cached = use the cache and keep its prompt and final states.
+RequestId run_cached(Rig& r, const std::vector<int32_t>& prompt, int64_t max_tokens, bool cached,
+                     bool cache_final = true) {
+  Request q = r.make(prompt, max_tokens);
+  q.use_cache = cached;
+  q.cache_prompt_state = cached;
+  q.cache_final_state = cached && cache_final;
+  RequestId id = r.add(std::move(q));
+  r.eng->run_until_idle();
+  return id;
+}
+
+// Every live slot free, the device tier's used + free = its size and ≤ it, both tiers'
+// entries accounted for, and no cache slot ever handed to a request.
+void expect_baseline(Rig& r, int64_t live, int64_t cache_slots) {
+  const EngineStats s = r.eng->stats();
+  EXPECT_EQ(s.running, 0);
+  EXPECT_EQ(s.queued, 0);
+  EXPECT_EQ(s.free_slots, live);
+  const StateCacheStats c = r.eng->cache_stats();
+  EXPECT_EQ(c.device_slots, cache_slots);
+  EXPECT_LE(c.device_used, cache_slots);
+  EXPECT_GE(c.device_used, 0);
+  EXPECT_EQ(c.entries, c.device_used + c.host_entries);
+  for (const auto& [id, o] : r.out) EXPECT_LT(o.info.slot, live) << "request " << id << " ran in a non-live slot";
+}
+}  // namespace
+
+// A device-tier hit (slot-to-slot copy) continues the cached context exactly: a repeated
+// prompt prefills nothing and reproduces the first run bit for bit (same state, same
+// tokens); a longer prompt prefills only its new tokens and emits what a cold run emits.
+TEST(EngineCache, DeviceTierHitIsExactAndPrefillsOnlyNewTokens) {
+  Rig r(cache_opts(2, 4, 1 << 20));
+  EXPECT_EQ(r.eng->pool().slots(), 2 + 1 + 4);
+  EXPECT_NE(r.eng->summary().find("+4 cache"), std::string::npos) << r.eng->summary();
+  EXPECT_NE(r.eng->summary().find("device tier 4 slots"), std::string::npos) << r.eng->summary();
+  const std::vector<int32_t> p = random_tokens(21, r.c.vocab_size, 1101);
+  const std::vector<int32_t> q = random_tokens(11, r.c.vocab_size, 1102);
+
+  const RequestId cold = run_cached(r, p, 8, false);
+  EXPECT_EQ(r.eng->cache_stats().entries, 0) << "a request that does not ask keeps nothing";
+  const RequestId first = run_cached(r, p, 8, true);  // a miss; caches the prompt and final states
+  StateCacheStats c = r.eng->cache_stats();
+  EXPECT_EQ(c.misses, 1);
+  EXPECT_EQ(c.device_used, 2);
+  EXPECT_EQ(c.host_entries, 0) << "nothing goes to host memory while the device tier has room";
+  EXPECT_EQ(r.out[first].info.start, StateSource::kEmpty);
+
+  const int64_t before = r.eng->stats().prefill_tokens;
+  const RequestId again = run_cached(r, p, 8, true);
+  EXPECT_EQ(r.eng->stats().prefill_tokens, before) << "a full hit prefills nothing";
+  const FinishInfo& ai = r.out[again].info;
+  EXPECT_EQ(ai.start, StateSource::kDeviceCache);
+  EXPECT_EQ(ai.cached_tokens, 21);
+  EXPECT_EQ(ai.prompt_tokens, 0);
+  EXPECT_EQ(r.out[again].tokens, r.out[cold].tokens);
+  EXPECT_EQ(r.out[again].tokens, r.out[first].tokens);
+  EXPECT_EQ(r.out[again].state, r.out[first].state) << "bitwise the state the first run ended with";
+  c = r.eng->cache_stats();
+  EXPECT_EQ(c.device_hits, 1);
+  EXPECT_EQ(c.host_hits, 0);
+  EXPECT_EQ(c.device_hit_tokens, 21);
+
+  // p + q: the cached prompt state covers p; only q is prefilled.
+  std::vector<int32_t> pq = p;
+  pq.insert(pq.end(), q.begin(), q.end());
+  const RequestId cold2 = run_cached(r, pq, 8, false);
+  const int64_t b2 = r.eng->stats().prefill_tokens;
+  const RequestId warm2 = run_cached(r, pq, 8, true);
+  EXPECT_EQ(r.eng->stats().prefill_tokens - b2, static_cast<int64_t>(q.size()));
+  EXPECT_EQ(r.out[warm2].info.start, StateSource::kDeviceCache);
+  EXPECT_EQ(r.out[warm2].info.cached_tokens, 21);
+  EXPECT_EQ(r.out[warm2].tokens, r.out[cold2].tokens);
+  EXPECT_EQ(r.eng->cache_stats().device_hits, 2);
+  expect_baseline(r, 2, 4);
+}
+
+// One cache slot and several prefixes: inserting into the full device tier demotes its
+// least recently used entry to the host tier; a later hit on a demoted prefix is a
+// host-tier hit, exact, and promotes the entry back (demoting another). A load of mixed
+// requests never puts more than the configured entries on the device and leaves every
+// slot as it was.
+TEST(EngineCache, FullDeviceTierDemotesToHostAndHostHitsStayExact) {
+  Rig r(cache_opts(2, 1, 1 << 20));
+  std::vector<std::vector<int32_t>> ps;
+  std::vector<RequestId> firsts;
+  for (int k = 0; k < 3; ++k) {
+    ps.push_back(random_tokens(13 + k, r.c.vocab_size, 1200 + k));
+    firsts.push_back(run_cached(r, ps[k], 6, true, /*cache_final=*/false));
+  }
+  StateCacheStats c = r.eng->cache_stats();
+  EXPECT_EQ(c.device_used, 1);
+  EXPECT_EQ(c.demotions, 2);
+  EXPECT_EQ(c.host_entries, 2);
+  EXPECT_EQ(c.entries, 3);
+  EXPECT_EQ(c.hits, 0);
+
+  // ps[0] was demoted first: a host-tier hit, then promoted (ps[2] goes to the host).
+  const int64_t before = r.eng->stats().prefill_tokens;
+  const RequestId h = run_cached(r, ps[0], 6, true, false);
+  EXPECT_EQ(r.eng->stats().prefill_tokens, before);
+  EXPECT_EQ(r.out[h].info.start, StateSource::kHostCache);
+  EXPECT_EQ(r.out[h].info.cached_tokens, 13);
+  EXPECT_EQ(r.out[h].tokens, r.out[firsts[0]].tokens);
+  EXPECT_EQ(r.out[h].state, r.out[firsts[0]].state) << "the host copy is bit-exact";
+  c = r.eng->cache_stats();
+  EXPECT_EQ(c.host_hits, 1);
+  EXPECT_EQ(c.device_hits, 0);
+  EXPECT_EQ(c.promotions, 1);
+  EXPECT_EQ(c.demotions, 3);
+  EXPECT_EQ(c.device_used, 1);
+  EXPECT_EQ(c.host_entries, 2) << "exclusive tiers: the promoted entry left the host";
+
+  // Now ps[0] is the device entry: the next hit is a device hit.
+  const RequestId d = run_cached(r, ps[0], 6, true, false);
+  EXPECT_EQ(r.out[d].info.start, StateSource::kDeviceCache);
+  EXPECT_EQ(r.out[d].state, r.out[firsts[0]].state);
+  // ps[2] + more: a host hit of ps[2]'s 15 tokens, only the rest prefilled.
+  std::vector<int32_t> longer = ps[2];
+  const std::vector<int32_t> more = random_tokens(5, r.c.vocab_size, 1299);
+  longer.insert(longer.end(), more.begin(), more.end());
+  const RequestId cold = run_cached(r, longer, 6, false);
+  const int64_t b2 = r.eng->stats().prefill_tokens;
+  const RequestId w = run_cached(r, longer, 6, true, false);
+  EXPECT_EQ(r.eng->stats().prefill_tokens - b2, 5);
+  EXPECT_EQ(r.out[w].info.start, StateSource::kHostCache);
+  EXPECT_EQ(r.out[w].info.cached_tokens, 15);
+  EXPECT_EQ(r.out[w].tokens, r.out[cold].tokens);
+
+  // Load: 24 requests over 2 live slots, 6 prefixes (some repeated, some extended),
+  // submitted at once, stepped while the device tier's occupancy is watched.
+  std::vector<RequestId> ids;
+  for (int i = 0; i < 24; ++i) {
+    std::vector<int32_t> pr = random_tokens(9 + i % 6, r.c.vocab_size, 1300 + i % 6);
+    if (i % 4 == 3) pr.push_back(static_cast<int32_t>(i % r.c.vocab_size));
+    Request q = r.make(pr, 3 + i % 5);
+    q.use_cache = q.cache_prompt_state = q.cache_final_state = true;
+    ids.push_back(r.add(std::move(q)));
+  }
+  int64_t max_used = 0;
+  while (!r.eng->idle()) {
+    r.eng->step();
+    max_used = std::max(max_used, r.eng->cache_stats().device_used);
+  }
+  EXPECT_EQ(max_used, 1);
+  for (RequestId id : ids) EXPECT_EQ(r.out[id].finishes, 1);
+  c = r.eng->cache_stats();
+  EXPECT_GT(c.hits, 2);
+  EXPECT_GT(c.demotions, 3);
+  expect_baseline(r, 2, 1);
+}
+
+// Without a host tier a demoted entry is dropped; without a device tier every entry lives
+// in host memory (the cache as it was before the device tier). Both stay exact.
+TEST(EngineCache, EitherTierAlone) {
+  {
+    Rig r(cache_opts(1, 1, 0));
+    const std::vector<int32_t> a = random_tokens(10, r.c.vocab_size, 1401), b = random_tokens(10, r.c.vocab_size, 1402);
+    run_cached(r, a, 4, true, false);
+    run_cached(r, b, 4, true, false);  // a is demoted, and dropped
+    StateCacheStats c = r.eng->cache_stats();
+    EXPECT_EQ(c.demotions, 1);
+    EXPECT_EQ(c.evictions, 1);
+    EXPECT_EQ(c.entries, 1);
+    const RequestId m = run_cached(r, a, 4, true, false);
+    EXPECT_EQ(r.out[m].info.start, StateSource::kEmpty) << "gone: a miss";
+    expect_baseline(r, 1, 1);
+  }
+  {
+    Rig r(cache_opts(1, 0, 1 << 20));
+    const std::vector<int32_t> a = random_tokens(10, r.c.vocab_size, 1403);
+    const RequestId first = run_cached(r, a, 4, true);
+    const RequestId hit = run_cached(r, a, 4, true);
+    EXPECT_EQ(r.out[hit].info.start, StateSource::kHostCache);
+    EXPECT_EQ(r.out[hit].tokens, r.out[first].tokens);
+    EXPECT_EQ(r.out[hit].state, r.out[first].state);
+    const StateCacheStats c = r.eng->cache_stats();
+    EXPECT_EQ(c.device_slots, 0);
+    EXPECT_EQ(c.host_hits, 1);
+    EXPECT_EQ(c.promotions, 0);
+    EXPECT_EQ(r.eng->pool().slots(), 2);
+  }
+  {
+    Rig r(cache_opts(1, 0, 0));
+    EXPECT_FALSE(r.eng->cache_enabled());
+    const RequestId id = run_cached(r, random_tokens(5, r.c.vocab_size, 1404), 3, true);
+    EXPECT_EQ(r.out[id].tokens.size(), 3u);
+    EXPECT_EQ(r.eng->cache_stats().entries, 0);
+  }
+}
+
+// A session-style start (initial snapshot) and the cache together: the cache is used
+// only when it covers more than the snapshot; a longer cached prefix wins.
+TEST(EngineCache, InitialSnapshotAndLongerCachedPrefix) {
+  Rig r(cache_opts(2, 2, 1 << 20));
+  const std::vector<int32_t> p = random_tokens(12, r.c.vocab_size, 1501), q = random_tokens(6, r.c.vocab_size, 1502);
+  SnapshotPtr ps, fs;
+  run_capturing(r, p, 4, nullptr, &ps, &fs);
+  ASSERT_TRUE(ps);
+  // Cache p + q's prompt state.
+  std::vector<int32_t> pq = p;
+  pq.insert(pq.end(), q.begin(), q.end());
+  const RequestId seed = run_cached(r, pq, 4, true, false);
+  // From the snapshot of p with q to feed: the cached p + q covers more.
+  Request a = r.make(q, 4);
+  a.initial_state = ps;
+  a.use_cache = true;
+  const int64_t before = r.eng->stats().prefill_tokens;
+  const RequestId ia = r.add(std::move(a));
+  r.eng->run_until_idle();
+  EXPECT_EQ(r.eng->stats().prefill_tokens, before);
+  EXPECT_EQ(r.out[ia].info.start, StateSource::kDeviceCache);
+  EXPECT_EQ(r.out[ia].info.cached_tokens, 18);
+  EXPECT_EQ(r.out[ia].tokens, r.out[seed].tokens);
+  // Without the cache the snapshot starts it and q is prefilled.
+  Request b = r.make(q, 4);
+  b.initial_state = ps;
+  const RequestId ib = r.add(std::move(b));
+  r.eng->run_until_idle();
+  EXPECT_EQ(r.out[ib].info.start, StateSource::kSnapshot);
+  EXPECT_EQ(r.out[ib].info.cached_tokens, 12);
+  EXPECT_EQ(r.out[ib].info.prompt_tokens, 6);
+  EXPECT_EQ(r.out[ib].tokens, r.out[seed].tokens);
+}
+
+TEST(EngineCache, SlotCountsFromOptionsAndBudget) {
+  Config c = small_config();
+  const int64_t bytes = c.state_bytes_per_sequence();
+  int64_t live = 0, cache = 0;
+  EngineOptions o = opts(5);
+  o.cache_slots = -1;
+  ASSERT_TRUE(resolve_slots(c, o, DType::kF32, &live, &cache).is_ok());
+  EXPECT_EQ(live, 5);
+  EXPECT_EQ(cache, 5);
+  o.cache_slots = 3;
+  ASSERT_TRUE(resolve_slots(c, o, DType::kF32, &live, &cache).is_ok());
+  EXPECT_EQ(cache, 3);
+  // A budget of 11 slots (+ arena rounding): scratch + 5 live + 5 cache.
+  o = opts(0);
+  o.memory_budget = 11 * bytes + 256;
+  o.cache_slots = -1;
+  ASSERT_TRUE(resolve_slots(c, o, DType::kF32, &live, &cache).is_ok());
+  EXPECT_EQ(live, 5);
+  EXPECT_EQ(cache, 5);
+  o.cache_slots = 2;
+  ASSERT_TRUE(resolve_slots(c, o, DType::kF32, &live, &cache).is_ok());
+  EXPECT_EQ(live, 8);
+  EXPECT_EQ(cache, 2);
+  o.cache_slots = 10;  // leaves no live slot
+  EXPECT_EQ(resolve_slots(c, o, DType::kF32, &live, &cache).code(), Status::Code::kOutOfMemory);
+  o.cache_slots = -2;
+  EXPECT_EQ(resolve_slots(c, o, DType::kF32, &live, &cache).code(), Status::Code::kInvalidArgument);
+  // The engine allocates exactly that: live + scratch + cache, within the budget.
+  auto be = make_cpu_backend();
+  Model m;
+  ASSERT_TRUE(m.create(c, *be, DType::kF32).is_ok());
+  o.cache_slots = -1;
+  std::unique_ptr<Engine> e;
+  ASSERT_TRUE(Engine::create(m, o, &e).is_ok());
+  EXPECT_EQ(e->num_slots(), 5);
+  EXPECT_EQ(e->cache_slots(), 5);
+  EXPECT_EQ(e->pool().slots(), 11);
+  EXPECT_LE(e->pool_bytes(), o.memory_budget);
+}
+
 TEST(EngineLogprobs, ChosenTokenAndAlternativesAreTheLogSoftmax) {
   Rig r(opts(1));
   std::vector<TokenLogprobs> lps;

@@ -78,6 +78,7 @@ class ServerTest : public ::testing::Test {
     o.limits.max_tokens = 100000;
     o.limits.max_n = 8;
     o.cache_bytes = 8 << 20;
+    o.engine.cache_slots = 2;  // the device tier holds a request's prompt and final states
     o.session_dir = *dir_ + "/sessions";
     o.read_timeout_s = 1;
     o.write_timeout_s = 2;
@@ -190,6 +191,16 @@ std::string raw_exchange(int port, const std::string& bytes) {
   while ((n = read(fd, buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
   close(fd);
   return out;
+}
+
+// The value of an unlabelled Prometheus metric in /metrics text (-1 if absent).
+double metric(const std::string& text, const std::string& name) {
+  size_t at = 0;
+  while ((at = text.find(name + " ", at)) != std::string::npos) {
+    if (at == 0 || text[at - 1] == '\n') return std::atof(text.c_str() + at + name.size() + 1);
+    at += name.size();
+  }
+  return -1;
 }
 
 int status_of(const std::string& http) {
@@ -407,12 +418,16 @@ TEST_F(ServerTest, PrefixCacheHitIsByteIdenticalAndPrefillsOnlyNewTokens) {
   ASSERT_EQ(first.status, 200);
   const int64_t prompt_tokens = first.body["usage"]["prompt_tokens"];
   const int64_t prefill_before = server_->counters().engine.prefill_tokens;
+  const StateCacheStats c0 = server_->counters().cache;
   Reply second = post("/v1/completions", base);
   ASSERT_EQ(second.status, 200);
   EXPECT_EQ(text_of(second), text_of(cold));
   EXPECT_EQ(text_of(first), text_of(cold));
   EXPECT_EQ(second.body["usage"]["prompt_tokens_details"]["cached_tokens"], prompt_tokens);
   EXPECT_EQ(server_->counters().engine.prefill_tokens - prefill_before, 0) << "a full hit prefills nothing";
+  const StateCacheStats c1 = server_->counters().cache;
+  EXPECT_EQ(c1.device_hits - c0.device_hits, 1) << "the prompt state was still in a device cache slot";
+  EXPECT_EQ(c1.host_hits - c0.host_hits, 0);
 
   // A longer prompt continues the cached one: only the new tokens are prefilled.
   std::vector<int32_t> ids = encode(base["prompt"].get<std::string>());
@@ -429,7 +444,135 @@ TEST_F(ServerTest, PrefixCacheHitIsByteIdenticalAndPrefillsOnlyNewTokens) {
   EXPECT_EQ(text_of(w2), text_of(c2));
   EXPECT_EQ(w2.body["usage"]["prompt_tokens_details"]["cached_tokens"], static_cast<int64_t>(ids.size()));
   EXPECT_EQ(server_->counters().engine.prefill_tokens - p0, static_cast<int64_t>(more.size()));
+  EXPECT_EQ(server_->counters().cache.device_hits - c1.device_hits, 1);
+  const std::string m = get("/metrics").raw;
+  EXPECT_GE(metric(m, "laplace_cache_device_hits_total"), 2) << m;
+  EXPECT_EQ(metric(m, "laplace_cache_hits_total"),
+            metric(m, "laplace_cache_device_hits_total") + metric(m, "laplace_cache_host_hits_total"));
+  EXPECT_EQ(metric(m, "laplace_cache_device_slots"), 2);
+  EXPECT_EQ(metric(m, "laplace_cache_device_slots_used") + metric(m, "laplace_cache_device_slots_free"), 2);
   wait_idle();
+}
+
+// One device cache slot, 2 live slots, several prompts: each request's prompt state is
+// demoted to the host tier when its final state takes the slot. A repeated prompt is then
+// a host-tier hit, byte-identical to a cold run (and promoted, until the request's own
+// final state takes the slot). Under a concurrent load the device tier never holds more than its one
+// entry, and afterwards every slot is free and every entry accounted for.
+TEST_F(ServerTest, TinyDeviceTierDemotesToHostExactlyAndLeaksNoSlot) {
+  ServerOptions o;
+  o.model_dir = *dir_;
+  o.model_name = "tiny1";
+  o.port = 0;
+  o.engine.max_slots = 2;
+  o.engine.cache_slots = 1;
+  o.engine.prefill_chunk = 16;
+  o.cache_bytes = 8 << 20;
+  o.max_queue = 64;
+  o.threads = 16;
+  Server srv(o);
+  ASSERT_TRUE(srv.start().is_ok());
+  ASSERT_TRUE(srv.wait_ready().is_ok());
+  auto call = [&](const json& body) {
+    httplib::Client c("127.0.0.1", srv.port());
+    c.set_read_timeout(60, 0);
+    auto r = c.Post("/v1/completions", body.dump(), "application/json");
+    Reply out;
+    if (!r) return out;
+    out.status = r->status;
+    out.raw = r->body;
+    out.body = json::parse(r->body, nullptr, false);
+    return out;
+  };
+  // Seeded sampling at temperature 1: every token depends on the whole distribution, so a
+  // state that is off anywhere shows in the text (greedy on random weights may not).
+  auto req = [](int k, bool cache) {
+    return json{{"prompt", "the lazy dog number " + std::to_string(k) + " keeps the doctor away"},
+                {"max_tokens", 10}, {"temperature", 1.0}, {"seed", 5}, {"ignore_eos", true}, {"cache", cache}};
+  };
+  const int K = 4;
+  std::vector<std::string> cold(K);
+  for (int k = 0; k < K; ++k) {
+    Reply c = call(req(k, false));
+    ASSERT_EQ(c.status, 200) << c.raw;
+    cold[k] = text_of(c);
+    Reply w = call(req(k, true));  // a miss; caches the prompt state, then the final state
+    ASSERT_EQ(w.status, 200);
+    EXPECT_EQ(text_of(w), cold[k]);
+  }
+  StateCacheStats c = srv.counters().cache;
+  EXPECT_EQ(c.device_slots, 1);
+  EXPECT_EQ(c.device_used, 1);
+  EXPECT_EQ(c.hits, 0);
+  EXPECT_EQ(c.demotions, 2 * K - 1);
+  EXPECT_EQ(c.host_entries, 2 * K - 1);
+
+  const int64_t pf = srv.counters().engine.prefill_tokens;
+  Reply h = call(req(0, true));
+  ASSERT_EQ(h.status, 200);
+  EXPECT_EQ(text_of(h), cold[0]) << "a host-tier hit is exact";
+  EXPECT_EQ(h.body["usage"]["prompt_tokens_details"]["cached_tokens"], h.body["usage"]["prompt_tokens"]);
+  EXPECT_EQ(srv.counters().engine.prefill_tokens, pf);
+  StateCacheStats c2 = srv.counters().cache;
+  EXPECT_EQ(c2.host_hits, 1);
+  EXPECT_EQ(c2.device_hits, 0);
+  EXPECT_EQ(c2.promotions, 1);
+  // The promoted prompt state held the one slot only until h's final state took it (and
+  // demoted it again), so a repeat is again a host-tier hit, exact again.
+  Reply d = call(req(0, true));
+  EXPECT_EQ(text_of(d), cold[0]);
+  EXPECT_EQ(srv.counters().cache.host_hits, 2);
+  EXPECT_EQ(srv.counters().cache.device_used, 1);
+
+  // Load: 8 clients x 6 requests over the K prompts (repeats hit either tier), some
+  // streamed, some with n = 2, while the device tier's occupancy is watched.
+  std::atomic<bool> done{false};
+  std::atomic<int64_t> max_used{0};
+  std::thread watch([&] {
+    while (!done.load()) {
+      const int64_t u = srv.counters().cache.device_used;
+      if (u > max_used.load()) max_used.store(u);
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  });
+  std::atomic<int> ok{0}, bad{0};
+  std::vector<std::thread> th;
+  for (int t = 0; t < 8; ++t)
+    th.emplace_back([&, t] {
+      for (int i = 0; i < 6; ++i) {
+        json b = req((t + i) % K, true);
+        if (i % 3 == 1) b["stream"] = true;
+        if (i % 3 == 2) b["n"] = 2;
+        Reply r = call(b);
+        (r.status == 200 ? ok : bad)++;
+      }
+    });
+  for (auto& x : th) x.join();
+  for (int i = 0; i < 200 && (srv.counters().outstanding || srv.counters().engine.running); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  done = true;
+  watch.join();
+  EXPECT_EQ(ok.load(), 48);
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_LE(max_used.load(), 1);
+  const ServerCounters after = srv.counters();
+  EXPECT_EQ(after.outstanding, 0);
+  EXPECT_EQ(after.engine.running, 0);
+  EXPECT_EQ(after.engine.free_slots, 2) << "every live slot back";
+  EXPECT_EQ(after.cache.device_used, 1);
+  EXPECT_EQ(after.cache.entries, after.cache.device_used + after.cache.host_entries);
+  EXPECT_GT(after.cache.hits, c2.hits + 20);
+  // The cache is still exact after the load.
+  Reply again = call(req(1, true));
+  EXPECT_EQ(text_of(again), cold[1]);
+  httplib::Client mc("127.0.0.1", srv.port());
+  auto m = mc.Get("/metrics");
+  ASSERT_TRUE(m);
+  EXPECT_EQ(metric(m->body, "laplace_cache_device_slots"), 1);
+  EXPECT_LE(metric(m->body, "laplace_cache_device_slots_used"), 1);
+  EXPECT_GE(metric(m->body, "laplace_cache_host_hits_total"), 1);
+  EXPECT_GE(metric(m->body, "laplace_cache_demotions_total"), 2 * K - 1);
+  srv.stop();
 }
 
 TEST_F(ServerTest, ChatNextTurnPrefillsOnlyItsNewTokensAndMatchesAColdRun) {
