@@ -195,16 +195,17 @@ Status FsdpTrainer::setup_local() {
   // SPEC §2: Newton–Schulz in BF16 on the GPU (as the single-GPU trainer); the CPU keeps
   // the master dtype so the F32 reference can check it.
   ns_.dtype = dev_ == Device::kCUDA ? DType::kBF16 : dtype_;
+  // The orthogonalised update o overwrites u in place: both exchanges read a unit's u
+  // rows (into the send buffer or the owner's block) before they write its o rows.
   std::vector<TensorSpec> ms = {{"muon.u", dtype_, {u_total}},
-                                {"muon.o", dtype_, {u_total}},
                                 {"muon.owned", dtype_, {owned_total}},
                                 {"muon.bcast", dtype_, {max_unit}}};
   ns_.add_specs(&ms, "muon.ns.");
   LAPLACE_RETURN_IF_ERROR(muon_.create(std::move(ms), be_->allocator(), "Muon buffers"));
   ushard_ = muon_.tensor(0);
-  oshard_ = muon_.tensor(1);
-  owned_ = muon_.tensor(2);
-  bcast_ = muon_.tensor(3);
+  oshard_ = ushard_;
+  owned_ = muon_.tensor(1);
+  bcast_ = muon_.tensor(2);
   LAPLACE_RETURN_IF_ERROR(ns_.bind(muon_, "muon.ns."));
 
   // Collective staging. Muon all_to_all: to owner q go my rows of q's units; from rank
@@ -524,6 +525,8 @@ StepResult FsdpTrainer::optimizer_step(double lr, DistStepTraffic* traffic) {
   auto buf_view = [&](const Tensor& flat, size_t i) {
     return shard_view(flat.data, local_[i].u_off, params_[i], local_[i].mine.rows());
   };
+  be.synchronize();  // the norm already waited for the backward; this only drains AdamW
+  const double t_muon = now_s();
   for (size_t i = 0; i < params_.size(); ++i) {
     Local& l = local_[i];
     if (!params_[i].muon || !l.w.defined()) continue;
@@ -539,6 +542,8 @@ StepResult FsdpTrainer::optimizer_step(double lr, DistStepTraffic* traffic) {
     if (!params_[i].muon || !l.w.defined()) continue;
     muon_finish(be, l.w, buf_view(oshard_, i), params_[i].blocks, l.mine.begin, lr, cfg.weight_decay, cfg.scale);
   }
+  be.synchronize();
+  traffic->muon_ms = 1e3 * (now_s() - t_muon);
   return r;
 }
 
@@ -704,6 +709,8 @@ void FsdpTrainer::log_line(const StepLog& s, const DistStepTraffic& t) {
   j["muon_bytes_received"] = t.muon_received_per_rank;
   j["fsdp_bytes_sent"] = t.fsdp_sent;
   j["fsdp_bytes_received"] = t.fsdp_received;
+  j["optimizer_ms"] = t.optimizer_ms;
+  j["muon_ms"] = t.muon_ms;
   append_metrics(j.dump());
   if (opt_.quiet || (s.step % opt_.log_every != 0 && s.step + 1 != opt_.steps)) return;
   int64_t mx = 0;
@@ -711,9 +718,9 @@ void FsdpTrainer::log_line(const StepLog& s, const DistStepTraffic& t) {
   char mfu[32] = "";
   if (opt_.peak_flops > 0) std::snprintf(mfu, sizeof mfu, " | mfu %.1f%%", 100.0 * s.mfu);
   std::printf("step %5lld/%lld | loss %.4f | lr %.3e | grad norm %.4f | %.0f tok/s | %.2f GFLOP/s%s | muon %s %s/rank "
-              "(max sent+recv) | fsdp %s/rank%s\n",
+              "(max sent+recv), %.0f ms | fsdp %s/rank%s\n",
               (long long)(s.step + 1), (long long)opt_.steps, s.loss, s.lr, s.grad_norm, s.tokens_per_s,
-              s.flops_per_s / 1e9, mfu, muon_comm_name(muon_comm_), fmt_bytes(static_cast<double>(mx)).c_str(),
+              s.flops_per_s / 1e9, mfu, muon_comm_name(muon_comm_), fmt_bytes(static_cast<double>(mx)).c_str(), t.muon_ms,
               fmt_bytes(static_cast<double>(t.fsdp_sent + t.fsdp_received)).c_str(),
               s.skipped ? " | SKIPPED (non-finite gradient)" : "");
   std::fflush(stdout);
@@ -745,7 +752,9 @@ Status FsdpTrainer::run(const std::function<void(const StepLog&, const DistStepT
     loss /= static_cast<double>(A * P_);
     const double lr = lr_at(opt_.schedule, step);
     DistStepTraffic tr;
+    const double t_opt = now_s();
     const StepResult r = optimizer_step(lr, &tr);
+    tr.optimizer_ms = 1e3 * (now_s() - t_opt);
     if (!r.skipped) gather_weights();
     tr.fsdp_sent = comm_.stats().bytes_sent - at_start.bytes_sent - tr.muon_sent;
     tr.fsdp_received = comm_.stats().bytes_received - at_start.bytes_received - tr.muon_received;

@@ -61,6 +61,9 @@ struct DistStepTraffic {
   int64_t muon_sent = 0, muon_received = 0;  // this rank, this step, Muon exchanges only
   int64_t fsdp_sent = 0, fsdp_received = 0;  // weight all-gather + gradient reduce-scatter + norm
   std::vector<int64_t> muon_sent_per_rank, muon_received_per_rank;
+  // Wall time of this rank's optimizer step (norm, AdamW, Muon) and of its Muon part
+  // (prepare, exchanges, Newton–Schulz, apply), each ended by a device synchronisation.
+  double optimizer_ms = 0, muon_ms = 0;
 };
 
 class FsdpTrainer {
@@ -123,7 +126,7 @@ class FsdpTrainer {
   std::vector<MuonUnit> units_;
   std::vector<std::vector<RowRange>> unit_ov_;  // [unit][rank] rows of the unit in that rank's shard
   std::vector<int64_t> owned_off_;              // [unit] offset in owned buffer, -1 if not mine
-  Tensor ushard_, oshard_, owned_, bcast_;
+  Tensor ushard_, oshard_, owned_, bcast_;  // oshard_ is ushard_ (o overwrites u in place)
   Tensor wshard_;  // [max shard] wdtype_: a shard's masters rounded for the weight all-gather
   Tensor gpart_;   // [max shard] dtype_: a later micro-step's reduce-scattered gradient
   Tensor rowsq_;   // [my rows, all params] F64: per-row Σg² for the global norm

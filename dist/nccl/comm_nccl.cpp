@@ -206,6 +206,9 @@ Status make_nccl_communicator(std::unique_ptr<Communicator>* out) {
   if (e != cudaSuccess || n == 0)
     return Status::unsupported(std::string("NCCL needs a GPU, and none is visible") +
                                (e != cudaSuccess ? std::string(" (") + cudaGetErrorString(e) + ")" : ""));
+  // NVLink multicast (NVLS) speeds up NCCL's all-reduce; we use only send/recv and
+  // broadcast, so it buys nothing and costs its buffers. Off unless the user says otherwise.
+  setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
   std::unique_ptr<Communicator> host;
   if (launched_by_mpi()) LAPLACE_RETURN_IF_ERROR(make_mpi_communicator(&host));
   else host = std::make_unique<SingleCommunicator>();
