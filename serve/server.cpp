@@ -186,7 +186,9 @@ struct Server::Impl {
     if (!fs::exists(dir / "model.safetensors")) return Status::not_found("the model directory has no model.safetensors");
     LAPLACE_RETURN_IF_ERROR(model.load((dir / "model.safetensors").string()));
     LAPLACE_RETURN_IF_ERROR(Engine::create(model, opt.engine, &engine));
-    std::fprintf(stderr, "laplace serve: %s\n", engine->summary().c_str());
+    std::string summary = engine->summary() + "\n";
+    for (size_t at = 0, nl; (nl = summary.find('\n', at)) != std::string::npos; at = nl + 1)
+      std::fprintf(stderr, "laplace serve: %s\n", summary.substr(at, nl - at).c_str());
     return Status::ok();
   }
 

@@ -69,6 +69,12 @@ check "curl: wrong prompt type is 400 with param"
 metrics=$(curl -sf "${AUTH[@]}" "$URL/metrics")
 grep -q '^laplace_time_to_first_token_seconds_count [1-9]' <<< "$metrics" || fail "metrics: $metrics"
 check "curl: /metrics in Prometheus format"
+# The streamed request repeated the first one's prompt: a hit in the state cache's device
+# tier (spare pool slots; on the CPU they are host memory like the rest of the pool).
+grep -q 'laplace serve: state cache: device tier 4 slots' "$WORK/server.log" || fail "no device tier: $(cat "$WORK/server.log")"
+grep -q '^laplace_cache_device_hits_total [1-9]' <<< "$metrics" || fail "no device-tier hit: $metrics"
+grep -q '^laplace_cache_device_slots 4$' <<< "$metrics" || fail "device slots: $metrics"
+check "curl: a repeated prompt is a device-tier cache hit (/metrics)"
 
 # --- the official openai package ---
 if ! command -v node > /dev/null; then fail "node is not installed (apt-get install nodejs)"; fi

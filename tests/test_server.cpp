@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -61,6 +62,14 @@ std::string make_model_dir() {
   return dir;
 }
 
+// The device the servers under test run on: the CPU, or LAPLACE_SERVER_TEST_DEVICE (e.g.
+// cuda, from scripts/device_serve_check.sh). The tests compare a server with itself (cold
+// runs, cache hits, forks), so they mean the same on any device.
+std::string server_device() {
+  const char* d = std::getenv("LAPLACE_SERVER_TEST_DEVICE");
+  return d && *d ? d : "cpu";
+}
+
 class ServerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -68,6 +77,7 @@ class ServerTest : public ::testing::Test {
     ServerOptions o;
     o.model_dir = *dir_;
     o.model_name = "tiny";
+    o.device = server_device();
     o.port = 0;
     o.api_key = kKey;
     o.engine.max_slots = 2;
@@ -463,6 +473,7 @@ TEST_F(ServerTest, TinyDeviceTierDemotesToHostExactlyAndLeaksNoSlot) {
   ServerOptions o;
   o.model_dir = *dir_;
   o.model_name = "tiny1";
+  o.device = server_device();
   o.port = 0;
   o.engine.max_slots = 2;
   o.engine.cache_slots = 1;
