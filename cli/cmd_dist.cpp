@@ -160,8 +160,8 @@ Status selftest_collectives(Communicator& c, Place& place, std::string* failed_o
 // --device cuda it checks the NCCL communicator on device buffers (one GPU per rank),
 // then its host path.
 Status run_selftest(const std::string& device) {
+  std::unique_ptr<Backend> be;  // declared first so that it outlives the communicator using its stream
   std::unique_ptr<Communicator> comm;
-  std::unique_ptr<Backend> be;
   if (device == "cpu") {
     LAPLACE_RETURN_IF_ERROR(make_communicator(&comm));
   } else {

@@ -56,6 +56,11 @@ std::vector<int64_t> prefix(const std::vector<int64_t>& counts) {
 FsdpTrainer::FsdpTrainer(TrainOptions o, MuonComm muon_comm, Communicator& comm)
     : opt_(std::move(o)), muon_comm_(muon_comm), comm_(comm), P_(comm.size()), me_(comm.rank()) {}
 
+FsdpTrainer::~FsdpTrainer() {
+  if (be_) be_->synchronize();
+  comm_.use_stream(nullptr);
+}
+
 std::vector<int64_t> FsdpTrainer::counts_of(size_t i) const {
   std::vector<int64_t> c(P_);
   for (int q = 0; q < P_; ++q) c[q] = local_[i].all[q].rows() * params_[i].cols;
@@ -776,7 +781,7 @@ Status FsdpTrainer::run(const std::function<void(const StepLog&, const DistStepT
     s.skipped = r.skipped;
     s.tokens_per_s = static_cast<double>(tokens_per_step) / dt;
     s.flops_per_s = s.tokens_per_s * flops_per_token;
-    s.mfu = opt_.peak_flops > 0 ? s.flops_per_s / opt_.peak_flops : 0;
+    s.mfu = opt_.peak_flops > 0 ? s.flops_per_s / (static_cast<double>(P_) * opt_.peak_flops) : 0;  // per device
     s.elapsed_s = now_s() - t_start;
     if (r.skipped && !opt_.quiet && me_ == 0)
       std::fprintf(stderr, "laplace: step %lld: gradient norm is not finite; step skipped, optimizer state untouched\n",

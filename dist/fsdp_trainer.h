@@ -69,6 +69,8 @@ struct DistStepTraffic {
 class FsdpTrainer {
  public:
   FsdpTrainer(TrainOptions o, MuonComm muon_comm, Communicator& comm);
+  // Detaches the communicator from the backend's stream, which goes with the backend.
+  ~FsdpTrainer();
   // Collective: every rank must call it; a failure on one rank fails all.
   Status setup();
   Status run(const std::function<void(const StepLog&, const DistStepTraffic&)>& on_step = nullptr);

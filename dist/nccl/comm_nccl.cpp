@@ -71,10 +71,9 @@ class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(std::unique_ptr<Communicator> host, int device) : host_(std::move(host)), device_(device) {}
   ~NcclCommunicator() override {
-    if (comm_) {
-      cudaStreamSynchronize(stream_);
-      ncclCommDestroy(comm_);
-    }
+    // The borrowed stream may already be gone with its backend: wait on the device instead.
+    cudaDeviceSynchronize();
+    if (comm_) ncclCommDestroy(comm_);
     if (scratch_) cudaFree(scratch_);
     if (own_stream_) cudaStreamDestroy(own_stream_);
   }
