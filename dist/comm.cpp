@@ -76,6 +76,29 @@ void sum_in_rank_order(const char* parts, int P, int64_t n, void* acc, CommType 
   }
 }
 
+// a = a + b element-wise in the type (BF16: in F32, rounded once).
+void add_in_place(void* a, const void* b, int64_t n, CommType t) {
+  switch (t) {
+    case CommType::kF32:
+      for (int64_t i = 0; i < n; ++i) static_cast<float*>(a)[i] = static_cast<float*>(a)[i] + static_cast<const float*>(b)[i];
+      break;
+    case CommType::kF64:
+      for (int64_t i = 0; i < n; ++i)
+        static_cast<double*>(a)[i] = static_cast<double*>(a)[i] + static_cast<const double*>(b)[i];
+      break;
+    case CommType::kI64:
+      for (int64_t i = 0; i < n; ++i)
+        static_cast<int64_t*>(a)[i] = static_cast<int64_t*>(a)[i] + static_cast<const int64_t*>(b)[i];
+      break;
+    case CommType::kBF16:
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t* x = static_cast<uint16_t*>(a) + i;
+        *x = float_to_bf16(bf16_to_float(*x) + bf16_to_float(static_cast<const uint16_t*>(b)[i]));
+      }
+      break;
+  }
+}
+
 }  // namespace
 
 void Communicator::all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
@@ -121,7 +144,8 @@ void Communicator::broadcast(void* buf, int64_t count, int root, CommType t) {
 
 void Communicator::barrier() { do_barrier(); }
 
-void Communicator::reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts, CommType t) {
+void Communicator::reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts, CommType t,
+                                  bool accumulate) {
   check_sizes(*this, counts, "reduce_scatter: counts need one non-negative entry per rank");
   const int P = size(), me = rank();
   const int64_t n = counts[me];
@@ -134,7 +158,7 @@ void Communicator::reduce_scatter(const void* send, void* recv, const std::vecto
   }
   void* parts = reduction_scratch(static_cast<size_t>(n * P) * comm_type_size(t), send);
   all_to_all(send, counts, sdispl, parts, rcounts, rdispl, t);
-  if (n > 0) sum_parts(parts, P, n, recv, t);
+  if (n > 0) sum_parts(parts, P, n, recv, t, accumulate);
 }
 
 void Communicator::all_reduce(void* buf, int64_t count, CommType t) {
@@ -143,7 +167,7 @@ void Communicator::all_reduce(void* buf, int64_t count, CommType t) {
   for (int q = 0; q < P; ++q) displs[q] = q * count;
   void* parts = reduction_scratch(static_cast<size_t>(count * P) * comm_type_size(t), buf);
   all_gather(buf, parts, counts, displs, t);
-  if (count > 0) sum_parts(parts, P, count, buf, t);
+  if (count > 0) sum_parts(parts, P, count, buf, t, false);
 }
 
 void* Communicator::reduction_scratch(size_t bytes, const void*) {
@@ -151,8 +175,11 @@ void* Communicator::reduction_scratch(size_t bytes, const void*) {
   return host_scratch_.data();
 }
 
-void Communicator::sum_parts(const void* parts, int P, int64_t n, void* out, CommType t) {
-  sum_in_rank_order(static_cast<const char*>(parts), P, n, out, t);
+void Communicator::sum_parts(const void* parts, int P, int64_t n, void* out, CommType t, bool accumulate) {
+  if (!accumulate) return sum_in_rank_order(static_cast<const char*>(parts), P, n, out, t);
+  std::vector<char> sum(static_cast<size_t>(n) * comm_type_size(t));
+  sum_in_rank_order(static_cast<const char*>(parts), P, n, sum.data(), t);
+  add_in_place(out, sum.data(), n, t);
 }
 
 // ---- single process ------------------------------------------------------------------

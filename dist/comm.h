@@ -67,13 +67,31 @@ class Communicator {
   // `send` holds Σ counts elements, rank q's part at the prefix offset of counts;
   // recv (counts[me] elements) = Σ_q (rank q's part for me), summed in rank order.
   // F32/F64/I64 add in their own type; BF16 accumulates in F32 and rounds once.
-  void reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts, CommType t);
+  // With accumulate, recv = recv + (that sum): the sum first, then one add.
+  void reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts, CommType t,
+                      bool accumulate = false);
   // buf ← Σ_q rank q's buf, summed in rank order; identical bits on every rank.
   void all_reduce(void* buf, int64_t count, CommType t);
 
   // Device collectives are queued on this CUDA stream (the backend's, so they order
   // with compute without host synchronisation). Host-only communicators ignore it.
   virtual void use_stream(void* cuda_stream) {}
+
+  // Overlap with compute (device communicators; no-ops for host ones, whose collectives
+  // finish before they return). Between overlap_begin() and overlap_end() device
+  // collectives run on the communicator's own stream, beside the compute stream given to
+  // use_stream(), and are ordered against it only by these calls:
+  //   overlap_begin()   collectives queued from now on start after all compute queued so far
+  //   after_compute()   the same, inside the region
+  //   mark()            names the collectives queued so far
+  //   compute_wait(m)   compute queued from now on waits for the collectives of mark m
+  //   overlap_end()     compute waits for every collective; back to the compute stream
+  // A mark is valid for the next 1024 marks.
+  virtual void overlap_begin() {}
+  virtual void after_compute() {}
+  virtual int64_t mark() { return 0; }
+  virtual void compute_wait(int64_t mark) {}
+  virtual void overlap_end() {}
 
   const CommStats& stats() const { return stats_; }
   void reset_stats() { stats_ = CommStats{}; }
@@ -92,7 +110,7 @@ class Communicator {
   // communicator stages device buffers on the device and sums them with a kernel that
   // follows the same order and rounding.
   virtual void* reduction_scratch(size_t bytes, const void* like);
-  virtual void sum_parts(const void* parts, int P, int64_t n, void* out, CommType t);
+  virtual void sum_parts(const void* parts, int P, int64_t n, void* out, CommType t, bool accumulate);
 
  private:
   CommStats stats_;

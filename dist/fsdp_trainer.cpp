@@ -57,6 +57,7 @@ FsdpTrainer::FsdpTrainer(TrainOptions o, MuonComm muon_comm, Communicator& comm)
     : opt_(std::move(o)), muon_comm_(muon_comm), comm_(comm), P_(comm.size()), me_(comm.rank()) {}
 
 FsdpTrainer::~FsdpTrainer() {
+  comm_.overlap_end();
   if (be_) be_->synchronize();
   comm_.use_stream(nullptr);
 }
@@ -223,26 +224,27 @@ Status FsdpTrainer::setup_local() {
     if (un.owner == me_)
       for (int q = 0; q < P_; ++q) a2a_from_[q] += unit_ov_[k][q].rows() * un.cols;
   }
-  int64_t to_total = 0, from_total = 0, max_shard = 0, max_param = 0, my_rows = 0;
+  int64_t to_total = 0, from_total = 0, my_elems = 0, max_param = 0, my_rows = 0;
   for (int q = 0; q < P_; ++q) to_total += a2a_to_[q], from_total += a2a_from_[q];
   for (size_t i = 0; i < params_.size(); ++i) {
-    max_shard = std::max(max_shard, local_[i].mine.rows() * params_[i].cols);
+    local_[i].ws_off = my_elems;
+    my_elems += local_[i].mine.rows() * params_[i].cols;
     max_param = std::max(max_param, params_[i].rows * params_[i].cols);
     my_rows += local_[i].mine.rows();
   }
-  std::vector<TensorSpec> st = {{"dist.wshard", wdtype_, {max_shard}},     // masters → weight dtype
-                                {"dist.gpart", dtype_, {max_shard}},       // later micro-steps' gradient
+  // wshard: every shard rounded at once, so one group's all-gather can still be reading
+  // its rows while the next ones are rounded (BF16 models; one element otherwise).
+  std::vector<TensorSpec> st = {{"dist.wshard", wdtype_, {wdtype_ != dtype_ ? my_elems : 1}},
                                 {"dist.rowsq", DType::kF64, {my_rows}},    // per-row Σg²
                                 {"dist.full", dtype_, {max_param}},        // checkpoint gather
                                 {"dist.a2a_send", dtype_, {to_total}},     // Muon exchange 1 out / 2 in
                                 {"dist.a2a_recv", dtype_, {from_total}}};  // Muon exchange 1 in / 2 out
   LAPLACE_RETURN_IF_ERROR(stage_.create(std::move(st), be_->allocator(), "collective staging"));
   wshard_ = stage_.tensor(0);
-  gpart_ = stage_.tensor(1);
-  rowsq_ = stage_.tensor(2);
-  full_ = stage_.tensor(3);
-  a2a_send_ = stage_.tensor(4);
-  a2a_recv_ = stage_.tensor(5);
+  rowsq_ = stage_.tensor(1);
+  full_ = stage_.tensor(2);
+  a2a_send_ = stage_.tensor(3);
+  a2a_recv_ = stage_.tensor(4);
 
   // The plan hash covers the owner assignment, the config and the flags that shape it.
   plan_hash_ = muon_plan_hash(units_, P_);
@@ -305,7 +307,7 @@ Status FsdpTrainer::setup() {
     if (!opt_.quiet && me_ == 0)
       std::printf("resumed from %s at step %lld\n", resume.c_str(), (long long)progress_.step);
   }
-  gather_weights();
+  gather_weights(true);
   if (!opt_.quiet && me_ == 0) {
     const std::vector<double> cost = owner_costs(units_, P_);
     double mx = 0, sum = 0;
@@ -339,37 +341,42 @@ Status FsdpTrainer::setup() {
 
 // ---- collectives over the parameter table --------------------------------------------------
 
-void FsdpTrainer::gather_weights() {
-  for (const auto& group : groups_)  // a prefetching version gathers group g+1 while g computes
-    for (size_t i : group) {
-      const std::vector<int64_t> counts = counts_of(i);
+// Opens the communicator's overlap region (dist/comm.h) and queues the all-gathers
+// of every group beside the compute, marking each group. `changed` false (a skipped
+// step): the weights are as they were; only the region and the marks are renewed.
+void FsdpTrainer::gather_weights(bool changed) {
+  const bool round = wdtype_ != dtype_;
+  if (changed && round)  // my rows rounded once: every rank gets the same bf16(master) bits
+    for (size_t i = 0; i < params_.size(); ++i) {
       const Local& l = local_[i];
-      if (wdtype_ == dtype_) {
-        comm_.all_gather(l.w.data, l.full_w.data, counts, prefix(counts), ctype_);
-        continue;
-      }
-      // Round my rows once, gather the rounded rows: every rank gets bf16(master) bits.
-      void* mine = nullptr;
-      if (l.w.defined()) {
-        be_->copy(Tensor::make(wshard_.data, wdtype_, l.w.shape.data(), l.w.ndim, dev_), l.w);
-        mine = wshard_.data;
-      }
-      comm_.all_gather(mine, l.full_w.data, counts, prefix(counts), CommType::kBF16);
+      if (!l.w.defined()) continue;
+      char* dst = static_cast<char*>(wshard_.data) + l.ws_off * static_cast<int64_t>(dtype_size(wdtype_));
+      be_->copy(Tensor::make(dst, wdtype_, l.w.shape.data(), l.w.ndim, dev_), l.w);
     }
+  comm_.overlap_begin();
+  gather_mark_.assign(groups_.size(), 0);
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (changed)
+      for (size_t i : groups_[g]) {
+        const std::vector<int64_t> counts = counts_of(i);
+        const Local& l = local_[i];
+        const void* mine =
+            !l.w.defined() ? nullptr
+            : round        ? static_cast<const char*>(wshard_.data) + l.ws_off * static_cast<int64_t>(dtype_size(wdtype_))
+                           : l.w.data;
+        comm_.all_gather(mine, l.full_w.data, counts, prefix(counts), round ? CommType::kBF16 : ctype_);
+      }
+    gather_mark_[g] = comm_.mark();
+  }
 }
 
-void FsdpTrainer::reduce_scatter_grads(bool first) {
-  for (size_t g = groups_.size(); g-- > 0;)  // backward order; an overlapping version runs it during the backward
-    for (size_t i : groups_[g]) {
-      const std::vector<int64_t> counts = counts_of(i);
-      Local& l = local_[i];
-      if (first) {
-        comm_.reduce_scatter(l.full_g.data, l.g.data, counts, ctype_);
-      } else {  // shard = shard + part (1·part is exact: the same sum as a rank-order add)
-        comm_.reduce_scatter(l.full_g.data, gpart_.data, counts, ctype_);
-        if (l.g.defined()) be_->axpy(1.0, shard_view(gpart_.data, 0, params_[i], l.mine.rows()), l.g);
-      }
-    }
+// Group g's gradients (complete on the compute stream) into the shards.
+void FsdpTrainer::reduce_scatter_group(size_t g, bool accumulate) {
+  comm_.after_compute();
+  for (size_t i : groups_[g]) {
+    const std::vector<int64_t> counts = counts_of(i);
+    comm_.reduce_scatter(local_[i].full_g.data, local_[i].g.data, counts, ctype_, accumulate);
+  }
 }
 
 double FsdpTrainer::grad_norm() {
@@ -570,6 +577,7 @@ void FsdpTrainer::gather_rows_to_root(const Tensor& shard, const ShardedParam& p
 
 Status FsdpTrainer::save_checkpoint() {
   if (opt_.out_dir.empty()) return Status::ok();
+  comm_.overlap_end();  // the shards' collectives below order with the compute stream
   progress_.loader_position = train_loader_.position().to_json();
   progress_.optimizer_steps = t_;
   // Collective part: gather masters and optimizer state onto rank 0.
@@ -674,6 +682,7 @@ Status FsdpTrainer::load_checkpoint(const std::string& path) {
 
 Status FsdpTrainer::validate(int64_t batches, double* loss) {
   if (!has_val_) return Status::invalid_argument("no validation data");
+  comm_.overlap_end();  // every all-gather done
   val_loader_.reset();
   double sum = 0;
   std::vector<double> all(P_);
@@ -744,23 +753,28 @@ Status FsdpTrainer::run(const std::function<void(const StepLog&, const DistStepT
     const double t0 = now_s();
     const CommStats at_start = comm_.stats();
     double loss = 0;
+    comm_.overlap_begin();  // no-op when the last gather left it open
+    ForwardOptions fo;
+    fo.before_group = [&](int64_t g) { comm_.compute_wait(gather_mark_[static_cast<size_t>(g)]); };
     for (int64_t a = 0; a < A; ++a) {
+      if (a > 0) comm_.compute_wait(comm_.mark());  // the last micro-step's reduce-scatters have read full_g
       grads_.zero();
       train_loader_.next(x_.data(), y_.data());
-      model_.forward(x_.data(), opt_.batch, opt_.seq, ForwardOptions{});
+      model_.forward(x_.data(), opt_.batch, opt_.seq, fo);
       const double l = model_.loss(y_.data());
-      model_.backward(y_.data(), grads_, 1.0 / static_cast<double>(A * P_));
+      model_.backward(y_.data(), grads_, 1.0 / static_cast<double>(A * P_),
+                      [&](int64_t g) { reduce_scatter_group(static_cast<size_t>(g), a > 0); });
       comm_.all_gather(&l, losses.data(), ones, displs, CommType::kF64);
       for (int q = 0; q < P_; ++q) loss += losses[q];  // micro-batch order (a, r)
-      reduce_scatter_grads(a == 0);
     }
+    comm_.overlap_end();  // the optimizer reads every reduced shard
     loss /= static_cast<double>(A * P_);
     const double lr = lr_at(opt_.schedule, step);
     DistStepTraffic tr;
     const double t_opt = now_s();
     const StepResult r = optimizer_step(lr, &tr);
     tr.optimizer_ms = 1e3 * (now_s() - t_opt);
-    if (!r.skipped) gather_weights();
+    gather_weights(!r.skipped);
     tr.fsdp_sent = comm_.stats().bytes_sent - at_start.bytes_sent - tr.muon_sent;
     tr.fsdp_received = comm_.stats().bytes_received - at_start.bytes_received - tr.muon_received;
     // Everybody's Muon counters, for the log (not part of any measured window).

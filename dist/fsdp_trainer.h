@@ -15,10 +15,14 @@
 //   (identical bytes into one newton_schulz call per unit, so the two are bitwise equal),
 //   update applied on the shards; then all-gather the shards into the full weights.
 // Parameters are gathered and gradients reduce-scattered per parameter, walked in
-// per-layer groups (embedding; layer 0 … L−1; final norm + head). On the CPU the whole
-// model is gathered before the forward and all gradients are reduce-scattered after
-// the backward; the per-group walk is where a GPU version will prefetch layer l+1 while
-// computing layer l and overlap the reduce-scatter with the backward.
+// per-layer groups (embedding; layer 0 … L−1; final norm + head; model/model.h's weight
+// groups). Overlap (dist/comm.h): after the optimizer every shard is rounded, then the
+// groups are all-gathered in forward order beside the compute, and the forward waits
+// for group g's all-gather only just before it reads group g; the backward hands each
+// group to the reduce-scatter as soon as its gradients are queued, so the reductions of
+// layer l run while layer l−1's backward computes. A later micro-step's reduce-scatter
+// adds into the shard (recv = recv + rank-order sum), the same sum as before. With a
+// host communicator (MPI) the same calls simply run in turn.
 //
 // Equivalence: with P ranks of batch B and grad-accum A, the micro-batches of a step
 // are, in order, (a = 0, r = 0), (0, 1), …, (0, P−1), (1, 0), … and read exactly the
@@ -88,12 +92,13 @@ class FsdpTrainer {
     Tensor full_w, full_g;       // the model's full weights / local micro-batch gradient
     Tensor w, g, s0, s1;         // shards: master, gradient, momentum or adam_m, adam_v
     int64_t u_off = -1;          // Muon: offset of this rank's rows in the update buffers
+    int64_t ws_off = 0;          // offset of this rank's rows in wshard_
   };
 
   Status setup_local();
   Status load_checkpoint(const std::string& path);
-  void gather_weights();
-  void reduce_scatter_grads(bool first);
+  void gather_weights(bool changed);
+  void reduce_scatter_group(size_t group, bool accumulate);
   double grad_norm();
   StepResult optimizer_step(double lr, DistStepTraffic* traffic);
   void muon_exchange_all_to_all();
@@ -129,8 +134,8 @@ class FsdpTrainer {
   std::vector<std::vector<RowRange>> unit_ov_;  // [unit][rank] rows of the unit in that rank's shard
   std::vector<int64_t> owned_off_;              // [unit] offset in owned buffer, -1 if not mine
   Tensor ushard_, oshard_, owned_, bcast_;  // oshard_ is ushard_ (o overwrites u in place)
-  Tensor wshard_;  // [max shard] wdtype_: a shard's masters rounded for the weight all-gather
-  Tensor gpart_;   // [max shard] dtype_: a later micro-step's reduce-scattered gradient
+  Tensor wshard_;  // [Σ my shard elements] wdtype_: every shard's masters rounded for the weight all-gather
+  std::vector<int64_t> gather_mark_;  // [group] the communicator's mark after the group's all-gather
   Tensor rowsq_;   // [my rows, all params] F64: per-row Σg² for the global norm
   Tensor full_;    // [max param] dtype_: one parameter gathered for a checkpoint
   Tensor a2a_send_, a2a_recv_;  // Muon all_to_all exchange buffers (dtype_)

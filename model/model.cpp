@@ -179,9 +179,15 @@ void Model::forward(const int32_t* tokens, int64_t B, int64_t T, const ForwardOp
     be.copy(slot_ids, Tensor(const_cast<int32_t*>(slots), DType::kI32, {B}));
   }
 
+  const int64_t L = cfg_.num_layers;
+  auto before = [&](int64_t group) {
+    if (opt.before_group) opt.before_group(group);
+  };
+  before(0);
   be.embedding_forward(ids_.slice(0, 0, N), w_.embed, rows(layer_[0].x_in, N));
   const GlaParams gp = gla_params(opt.form);
-  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+  for (int64_t l = 0; l < L; ++l) {
+    before(1 + l);
     const LayerActs& a = layer_[l];
     const LayerWeights& w = w_.layers[l];
     const Tensor x_in = rows(a.x_in, N), x_mid = rows(a.x_mid, N);
@@ -227,6 +233,7 @@ void Model::forward(const int32_t* tokens, int64_t B, int64_t T, const ForwardOp
     xf = last;
     M = B;
   }
+  before(L + 1);
   be.layernorm_forward(xf, w_.norm_w, w_.norm_b, cfg_.norm_eps, rows(zf_, M), rows(lnf_mean_, M),
                        rows(lnf_rstd_, M));
   logits_ = rows(logits_buf_, M);
@@ -255,7 +262,7 @@ double Model::loss(const int32_t* targets) {
   return count ? sum / static_cast<double>(count) : 0.0;
 }
 
-void Model::backward(const int32_t* targets, const Arena& grads, double loss_scale) {
+void Model::backward(const int32_t* targets, const Arena& grads, double loss_scale, const GroupHook& after_group) {
   LAPLACE_CHECK(plan_.training, "backward: the plan is not a training plan");
   LAPLACE_CHECK(!last_only_, "backward: needs the logits of every token");
   Backend& be = *be_;
@@ -276,6 +283,10 @@ void Model::backward(const int32_t* targets, const Arena& grads, double loss_sca
   be.gemm(logits_, true, rows(zf_, N), false, g.lm_head, 1.0, 1.0);
   be.layernorm_backward(dtmp, rows(x_final_, N), w_.norm_w, rows(lnf_mean_, N), rows(lnf_rstd_, N), dx, false,
                         g.norm_w, g.norm_b);
+  auto after = [&](int64_t group) {
+    if (after_group) after_group(group);
+  };
+  after(cfg_.num_layers + 1);
 
   const GlaParams gp = gla_params(GlaForm::kChunked);
   for (int64_t l = cfg_.num_layers - 1; l >= 0; --l) {
@@ -314,8 +325,10 @@ void Model::backward(const int32_t* targets, const Arena& grads, double loss_sca
                           btc(rows(a.conv_pre, N), B, T), btc(rows(du_, N), B, T), gw.conv_w);
     be.layernorm_backward(rows(du_, N), rows(a.x_in, N), w.norm1_w, rows(a.ln1_mean, N), rows(a.ln1_rstd, N), dx,
                           true, gw.norm1_w, gw.norm1_b);
+    after(1 + l);
   }
   be.embedding_backward(ids_.slice(0, 0, N), dx, g.embed);
+  after(0);
 }
 
 }  // namespace laplace

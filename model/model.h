@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -24,9 +25,15 @@ struct PlanOptions {
                                  // instead of storing it per layer
 };
 
+// Weight groups, in forward order: 0 = embedding, 1 + l = layer l, L + 1 = final norm
+// and head. A distributed trainer gathers group g's weights before the forward uses them
+// and reduce-scatters its gradients once the backward has finished them (dist/).
+using GroupHook = std::function<void(int64_t group)>;
+
 struct ForwardOptions {
   GlaForm form = GlaForm::kChunked;  // kRecurrent for decode
   bool last_logits_only = false;     // logits of each sequence's last token only
+  GroupHook before_group;            // optional: called before the first op that reads group g
 };
 
 class Model {
@@ -69,7 +76,10 @@ class Model {
   // BF16 models, whose optimizer updates F32 master weights); the
   // caller zeroes it once per optimizer step. `loss_scale` multiplies the gradient
   // (1/accumulation steps when micro-batches are averaged). Overwrites the logits.
-  void backward(const int32_t* targets, const Arena& grads, double loss_scale = 1.0);
+  // `after_group` (optional) is called once every op that writes group g's gradients
+  // has been queued, in backward order (L + 1, L, …, 0).
+  void backward(const int32_t* targets, const Arena& grads, double loss_scale = 1.0,
+                const GroupHook& after_group = nullptr);
 
  private:
   struct LayerActs {

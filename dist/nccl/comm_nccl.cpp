@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "core/check.h"
 #include "dist/comm.h"
@@ -75,13 +76,16 @@ class NcclCommunicator final : public Communicator {
     cudaDeviceSynchronize();
     if (comm_) ncclCommDestroy(comm_);
     if (scratch_) cudaFree(scratch_);
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
     if (own_stream_) cudaStreamDestroy(own_stream_);
   }
 
   Status init() {
     CUDART_CHECK(cudaSetDevice(device_));
     CUDART_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
-    stream_ = own_stream_;
+    stream_ = compute_ = own_stream_;
+    events_.resize(kEvents + 1);  // a ring for mark(), plus one for after_compute()
+    for (cudaEvent_t& e : events_) CUDART_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     ncclUniqueId id{};
     if (host_->rank() == 0) NCCL_CHECK(ncclGetUniqueId(&id));
     static_assert(sizeof(id) % 8 == 0, "ncclUniqueId is a whole number of 8-byte words");
@@ -98,7 +102,37 @@ class NcclCommunicator final : public Communicator {
   int rank() const override { return host_->rank(); }
   int size() const override { return host_->size(); }
   const char* name() const override { return host_->size() > 1 ? "nccl+mpi" : "nccl"; }
-  void use_stream(void* s) override { stream_ = s ? static_cast<cudaStream_t>(s) : own_stream_; }
+  void use_stream(void* s) override {
+    LAPLACE_CHECK(stream_ == compute_, "NCCL use_stream: inside an overlap region");
+    stream_ = compute_ = s ? static_cast<cudaStream_t>(s) : own_stream_;
+  }
+
+  // Overlap: collectives on own_stream_ beside the compute stream (dist/comm.h).
+  void overlap_begin() override {
+    if (stream_ != compute_ || compute_ == own_stream_) return;
+    stream_ = own_stream_;
+    after_compute();
+  }
+  void after_compute() override {
+    if (stream_ == compute_) return;
+    CUDART_CHECK(cudaEventRecord(events_[kEvents], compute_));
+    CUDART_CHECK(cudaStreamWaitEvent(stream_, events_[kEvents], 0));
+  }
+  int64_t mark() override {
+    const int64_t m = next_mark_++;
+    if (stream_ != compute_) CUDART_CHECK(cudaEventRecord(events_[m % kEvents], stream_));
+    return m;
+  }
+  void compute_wait(int64_t m) override {
+    if (stream_ == compute_) return;
+    LAPLACE_CHECK(m >= 0 && m < next_mark_ && next_mark_ - m <= kEvents, "NCCL compute_wait: stale or unknown mark");
+    CUDART_CHECK(cudaStreamWaitEvent(compute_, events_[m % kEvents], 0));
+  }
+  void overlap_end() override {
+    if (stream_ == compute_) return;
+    compute_wait(mark());
+    stream_ = compute_;
+  }
 
  protected:
   void do_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
@@ -157,8 +191,8 @@ class NcclCommunicator final : public Communicator {
   void* reduction_scratch(size_t bytes, const void* like) override {
     if (!is_device_ptr(like)) return Communicator::reduction_scratch(bytes, like);
     if (bytes > scratch_bytes_) {
-      // Growing waits for queued users of the old buffer; sized by the largest
-      // parameter, so this happens in the first step only.
+      // Growing waits for queued users of the old buffer (all on the current stream);
+      // sized by the largest parameter, so this happens in the first step only.
       if (scratch_) {
         CUDART_CHECK(cudaStreamSynchronize(stream_));
         CUDART_CHECK(cudaFree(scratch_));
@@ -169,9 +203,9 @@ class NcclCommunicator final : public Communicator {
     return scratch_;
   }
 
-  void sum_parts(const void* parts, int P, int64_t n, void* out, CommType t) override {
-    if (!is_device_ptr(parts)) return Communicator::sum_parts(parts, P, n, out, t);
-    const cudaError_t e = rank_sum_launch(parts, P, n, out, static_cast<int>(t), stream_);
+  void sum_parts(const void* parts, int P, int64_t n, void* out, CommType t, bool accumulate) override {
+    if (!is_device_ptr(parts)) return Communicator::sum_parts(parts, P, n, out, t, accumulate);
+    const cudaError_t e = rank_sum_launch(parts, P, n, out, static_cast<int>(t), accumulate, stream_);
     if (e != cudaSuccess) check_failed(__FILE__, __LINE__, "rank_sum_launch", cudaGetErrorString(e));
   }
 
@@ -189,8 +223,12 @@ class NcclCommunicator final : public Communicator {
   std::unique_ptr<Communicator> host_;
   int device_ = 0;
   ncclComm_t comm_ = nullptr;
-  cudaStream_t own_stream_ = nullptr;
-  cudaStream_t stream_ = nullptr;
+  static constexpr int64_t kEvents = 1024;
+  cudaStream_t own_stream_ = nullptr;  // the side stream (and the stream when no backend gave one)
+  cudaStream_t compute_ = nullptr;     // the backend's stream (use_stream)
+  cudaStream_t stream_ = nullptr;      // where collectives go now: compute_, or own_stream_ in an overlap region
+  std::vector<cudaEvent_t> events_;
+  int64_t next_mark_ = 0;
   void* scratch_ = nullptr;  // device staging of the reductions' parts [P, n]
   size_t scratch_bytes_ = 0;
 };

@@ -12,6 +12,8 @@ namespace laplace {
 // rounded once (to nearest even). `type` is a CommType value (0 F32, 1 F64, 2 BF16,
 // 3 I64; this .cu file is compiled as C++17 and does not include dist/comm.h). Queued
 // on `stream`. out may be parts itself (each element is read before it is written).
-cudaError_t rank_sum_launch(const void* parts, int P, int64_t n, void* out, int type, cudaStream_t stream);
+// With accumulate, out[i] = out[i] + sum (the sum rounded to the type first, as on the host).
+cudaError_t rank_sum_launch(const void* parts, int P, int64_t n, void* out, int type, bool accumulate,
+                            cudaStream_t stream);
 
 }  // namespace laplace
