@@ -256,6 +256,13 @@ Status selftest_collectives(Communicator& c, Place& place, std::string* failed_o
       for (int q = 1; q < P; ++q) e = e + val(q, off + i);
       expect(r[i] == e, "reduce_scatter f32 (rank order)");
     }
+    // accumulate: recv = recv + (the same rank-order sum), one add after the sum.
+    std::vector<float> acc(counts[me]);
+    for (int64_t i = 0; i < counts[me]; ++i) acc[i] = 0.5f + static_cast<float>(i);
+    float* ap = place.put(acc);
+    comm->reduce_scatter(place.put(s), ap, counts, CommType::kF32, /*accumulate=*/true);
+    place.get(acc, ap);
+    for (int64_t i = 0; i < counts[me]; ++i) expect(acc[i] == (0.5f + static_cast<float>(i)) + r[i], "reduce_scatter accumulate");
   }
   // all_reduce f64, i64, bf16: identical on every rank, rank-order sums.
   {
