@@ -61,6 +61,13 @@ class Backend {
   virtual void axpy(double alpha, const Tensor& x, Tensor y) = 0;
   // Waits for queued work (a no-op on the CPU).
   virtual void synchronize() = 0;
+  // Bytes free and in total on this backend's device (host RAM on the CPU), for memory
+  // planning; false when unknown.
+  virtual bool memory_info(size_t* free_bytes, size_t* total_bytes) {
+    (void)free_bytes;
+    (void)total_bytes;
+    return false;
+  }
 
   // ---- dense ---------------------------------------------------------------------
   // c = alpha · op(a) · op(b) + beta · c, 2-D; op(x) = xᵀ when trans_x.
@@ -139,6 +146,37 @@ class Backend {
   virtual void muon_momentum(const Tensor& g, Tensor m, Tensor u, double mu, bool nesterov) = 0;
   // w ← w·(1 − lr·wd) − lr·s·o (o the orthogonalised update).
   virtual void muon_apply(Tensor w, const Tensor& o, double lr, double wd, double s) = 0;
+
+  // ---- optimizer on device scalars (no host synchronisation) -------------------------
+  // A "device scalar" is a 1-element F64 tensor on this backend's device (host memory on
+  // the CPU). These ops let a whole optimizer step be queued without reading anything
+  // back: the norm, the clip coefficient and the skip decision stay on the device, and
+  // the host reads them only at the step boundary. Each gives the same bits as the
+  // host-scalar op it mirrors (same F64 arithmetic, same F32/compute-dtype rounding).
+  //
+  // acc = (accumulate ? acc : 0) + Σ x², the same order and F64 sum as sum_squares, so
+  // summing params one by one reproduces `ss += sum_squares(g)` bit for bit.
+  virtual void sum_squares_into(const Tensor& x, Tensor acc, bool accumulate) = 0;
+  // From ss = Σ g² (device scalar): out [3] F64 = {norm = √ss, coef, skip} with
+  // skip = 1 when norm is not finite (else 0), coef = max_norm / (norm + 1e−6) when
+  // max_norm > 0 and norm > max_norm and not skipped, else 1.
+  virtual void grad_clip_scalars(const Tensor& ss, double max_norm, Tensor out) = 0;
+  // x *= coef (device scalar, applied as scale(x, coef) would); nothing when coef == 1.
+  virtual void scale_by(Tensor x, const Tensor& coef) = 0;
+  // x *= 1 / (√ss + eps), ss a device scalar: Newton–Schulz's X = G / (‖G‖_F + eps).
+  virtual void scale_by_inv_norm(Tensor x, const Tensor& ss, double eps) = 0;
+  // adamw_update / muon_momentum / muon_apply that do nothing when the device scalar
+  // `skip` is non-zero (a non-finite gradient norm: SPEC §2, nothing is touched).
+  virtual void adamw_update_gated(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p,
+                                  const Tensor& skip) = 0;
+  virtual void muon_momentum_gated(const Tensor& g, Tensor m, Tensor u, double mu, bool nesterov,
+                                   const Tensor& skip) = 0;
+  virtual void muon_apply_gated(Tensor w, const Tensor& o, double lr, double wd, double s, const Tensor& skip) = 0;
+  // acc = (accumulate ? acc : 0) + (Σ_n losses[n]) / count, the sum in F64 in index order
+  // (the order Model::loss sums on the host, so the same bits). losses [N] (F32 or the
+  // compute dtype, entries of ignored targets are 0); acc a device scalar. Lets a trainer
+  // keep the step's loss on the device until the step boundary.
+  virtual void loss_sum_into(const Tensor& losses, double count, Tensor acc, bool accumulate) = 0;
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

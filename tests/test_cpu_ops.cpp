@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <random>
 #include <vector>
@@ -875,6 +876,111 @@ TEST_F(CpuOps, DeterministicAcrossThreadCounts) {
   EXPECT_TRUE(a.du == b2.du && a.cdw == b2.cdw) << "conv";
   EXPECT_TRUE(a.dtab == b2.dtab) << "embedding";
   EXPECT_EQ(std::memcmp(&a.ss, &b2.ss, sizeof(double)), 0) << "sum_squares";
+}
+
+// ---- device-scalar optimizer ops (host memory on the CPU) ---------------------------------
+
+TEST(CpuDeviceScalars, SumSquaresIntoAccumulatesLikeTheHostSum) {
+  CpuBackend be;
+  OwnedTensor a(DType::kF32, {37, 5}), b(DType::kF32, {1000});
+  fill_uniform(a, 1);
+  fill_uniform(b, 2);
+  double acc = -7;  // overwritten, not added to, when accumulate is false
+  Tensor s(&acc, DType::kF64, {1});
+  be.sum_squares_into(a, s, false);
+  be.sum_squares_into(b, s, true);
+  double want = 0;
+  want += be.sum_squares(a);
+  want += be.sum_squares(b);
+  EXPECT_EQ(acc, want);
+}
+
+TEST(CpuDeviceScalars, GradClipScalars) {
+  CpuBackend be;
+  struct Case { double ss, max_norm, norm, coef, skip; };
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::nan("");
+  const Case cases[] = {
+      {0.25, 1.0, 0.5, 1.0, 0},                          // below the threshold
+      {4.0, 1.0, 2.0, 1.0 / (2.0 + 1e-6), 0},            // clipped: max / (norm + 1e-6)
+      {4.0, 0.0, 2.0, 1.0, 0},                           // clipping off
+      {inf, 1.0, inf, 1.0, 1},                           // skipped
+      {nan, 1.0, nan, 1.0, 1},
+  };
+  for (const Case& c : cases) {
+    double ss = c.ss, out[3] = {-1, -1, -1};
+    be.grad_clip_scalars(Tensor(&ss, DType::kF64, {1}), c.max_norm, Tensor(out, DType::kF64, {3}));
+    if (std::isnan(c.norm)) EXPECT_TRUE(std::isnan(out[0]));
+    else EXPECT_EQ(out[0], c.norm) << c.ss;
+    EXPECT_EQ(out[1], c.coef) << c.ss;
+    EXPECT_EQ(out[2], c.skip) << c.ss;
+  }
+}
+
+TEST(CpuDeviceScalars, GatedOpsTouchNothingWhenSkipped) {
+  CpuBackend be;
+  OwnedTensor w(DType::kF32, {4, 6}), g(DType::kF32, {4, 6}), m(DType::kF32, {4, 6}), v(DType::kF32, {4, 6});
+  fill_uniform(w, 1);
+  fill_uniform(g, 2);
+  fill_uniform(m, 3);
+  fill_uniform(v, 4, 0.0, 1.0);
+  auto snap = [](const Tensor& t) {
+    std::vector<char> b(t.nbytes());
+    std::memcpy(b.data(), t.data, b.size());
+    return b;
+  };
+  const auto w0 = snap(w), m0 = snap(m), v0 = snap(v);
+  double skip = 1;
+  const Tensor sk(&skip, DType::kF64, {1});
+  AdamWParams p;
+  p.lr = 0.1;
+  p.wd = 0.1;
+  be.adamw_update_gated(w, g, m, v, p, sk);
+  be.muon_momentum_gated(g, m, v, 0.9, true, sk);
+  be.muon_apply_gated(w, g, 0.1, 0.1, 2.0, sk);
+  EXPECT_EQ(snap(w), w0);
+  EXPECT_EQ(snap(m), m0);
+  EXPECT_EQ(snap(v), v0);
+  skip = 0;  // not skipped: the ungated op's bits
+  OwnedTensor w2(DType::kF32, {4, 6}), m2(DType::kF32, {4, 6}), v2(DType::kF32, {4, 6});
+  std::memcpy(w2.t.data, w.t.data, w0.size());
+  std::memcpy(m2.t.data, m.t.data, m0.size());
+  std::memcpy(v2.t.data, v.t.data, v0.size());
+  be.adamw_update_gated(w, g, m, v, p, sk);
+  be.adamw_update(w2, g, m2, v2, p);
+  EXPECT_EQ(snap(w), snap(w2));
+  EXPECT_EQ(snap(m), snap(m2));
+  EXPECT_NE(snap(w), w0);
+}
+
+TEST(CpuDeviceScalars, ScaleByAndInvNorm) {
+  CpuBackend be;
+  OwnedTensor x(DType::kF32, {50}), y(DType::kF32, {50});
+  fill_uniform(x, 9);
+  std::memcpy(y.t.data, x.t.data, 200);
+  double c = 0.37;
+  be.scale_by(x, Tensor(&c, DType::kF64, {1}));
+  be.scale(y, 0.37);
+  EXPECT_EQ(std::memcmp(x.t.data, y.t.data, 200), 0);
+  double ss = 12.5;
+  be.scale_by_inv_norm(x, Tensor(&ss, DType::kF64, {1}), 1e-7);
+  be.scale(y, 1.0 / (std::sqrt(12.5) + 1e-7));
+  EXPECT_EQ(std::memcmp(x.t.data, y.t.data, 200), 0);
+}
+
+TEST(CpuDeviceScalars, LossSumIntoIsTheHostMean) {
+  CpuBackend be;
+  OwnedTensor l(DType::kF32, {33});
+  fill_uniform(l, 4, 0.0, 5.0);
+  double acc = 0;
+  Tensor a(&acc, DType::kF64, {1});
+  be.loss_sum_into(l, 33, a, false);
+  be.loss_sum_into(l, 11, a, true);
+  double s = 0;
+  for (int i = 0; i < 33; ++i) s += static_cast<const float*>(l.t.data)[i];
+  double want = 0;
+  want += s / 33;
+  want += s / 11;
+  EXPECT_EQ(acc, want);
 }
 
 }  // namespace

@@ -119,6 +119,19 @@ class RowGemmBackend : public Backend {
   void muon_apply(Tensor w, const Tensor& o, double lr, double wd, double s) override {
     cpu_->muon_apply(w, o, lr, wd, s);
   }
+  void sum_squares_into(const Tensor& x, Tensor acc, bool a) override { cpu_->sum_squares_into(x, acc, a); }
+  void grad_clip_scalars(const Tensor& ss, double mx, Tensor out) override { cpu_->grad_clip_scalars(ss, mx, out); }
+  void scale_by(Tensor x, const Tensor& c) override { cpu_->scale_by(x, c); }
+  void scale_by_inv_norm(Tensor x, const Tensor& ss, double eps) override { cpu_->scale_by_inv_norm(x, ss, eps); }
+  void adamw_update_gated(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p,
+                          const Tensor& skip) override { cpu_->adamw_update_gated(w, g, m, v, p, skip); }
+  void muon_momentum_gated(const Tensor& g, Tensor m, Tensor u, double mu, bool n, const Tensor& skip) override {
+    cpu_->muon_momentum_gated(g, m, u, mu, n, skip);
+  }
+  void muon_apply_gated(Tensor w, const Tensor& o, double lr, double wd, double s, const Tensor& skip) override {
+    cpu_->muon_apply_gated(w, o, lr, wd, s, skip);
+  }
+  void loss_sum_into(const Tensor& l, double count, Tensor acc, bool a) override { cpu_->loss_sum_into(l, count, acc, a); }
 
  private:
   std::unique_ptr<Backend> cpu_;

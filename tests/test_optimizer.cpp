@@ -775,5 +775,195 @@ TEST(Schedule, NamesAndValidation) {
   EXPECT_FALSE(c.validate().is_ok());
 }
 
+// ---- device scalars (enqueue_step / finish_step) -------------------------------------------
+//
+// The optimizer keeps the norm, the clip coefficient and the skip flag in device scalars
+// and gates every update on the flag. RefOptimizer below is the host-scalar step as it was
+// written before (global_grad_norm read back, the decision on the host, ungated ops,
+// Newton–Schulz normalised from a host norm): both must leave bitwise identical weights
+// and state after clipped, unclipped and skipped (NaN) steps.
+
+namespace {
+
+struct RefOptimizer {
+  OptimizerConfig cfg;
+  std::vector<std::unique_ptr<OwnedTensor>> state0, state1;
+  std::unique_ptr<OwnedTensor> update;
+  NsScratch ns;
+  Arena ns_arena;
+  int64_t t = 0;
+
+  void init(std::vector<Param>& ps, const OptimizerConfig& c) {
+    cfg = c;
+    for (Param& p : ps)
+      if (p.muon && p.blocks.empty()) p.blocks = {p.w.dim(0)};  // as Optimizer::init does
+    int64_t max_muon = 0;
+    ns.dtype = ps[0].w.dtype;
+    for (Param& p : ps) {
+      auto shape = [&] { return std::vector<int64_t>(p.w.shape.begin(), p.w.shape.begin() + p.w.ndim); };
+      auto zeros = [&] {
+        auto o = std::make_unique<OwnedTensor>();
+        const std::vector<int64_t> s = shape();
+        o->t = Tensor::make(nullptr, p.w.dtype, s.data(), p.w.ndim);
+        o->storage.assign(o->t.numel() + 1, 0.0);
+        o->t.data = o->storage.data();
+        return o;
+      };
+      state0.push_back(zeros());
+      state1.push_back(p.muon ? nullptr : zeros());
+      if (p.muon) {
+        for (int64_t b : p.blocks) ns.plan(b, p.w.dim(1));
+        max_muon = std::max(max_muon, p.w.numel());
+      }
+    }
+    update = std::make_unique<OwnedTensor>(ps[0].w.dtype, std::initializer_list<int64_t>{max_muon});
+    // Without the "ss" spec: newton_schulz takes the host-norm path (the old code).
+    std::vector<TensorSpec> specs;
+    ns.add_specs(&specs, "ns.");
+    specs.pop_back();
+    ASSERT_TRUE(ns_arena.create(std::move(specs), cpu().allocator(), "ref ns").is_ok());
+    ASSERT_TRUE(ns.bind(ns_arena, "ns.").is_ok());
+    ASSERT_FALSE(ns.ss.defined());
+  }
+
+  StepResult step(std::vector<Param>& ps, double lr) {
+    Backend& be = cpu();
+    StepResult r;
+    r.grad_norm = global_grad_norm(be, ps);
+    if (!std::isfinite(r.grad_norm)) {
+      r.skipped = true;
+      return r;
+    }
+    if (cfg.max_grad_norm > 0 && r.grad_norm > cfg.max_grad_norm) {
+      r.clip_coef = cfg.max_grad_norm / (r.grad_norm + 1e-6);
+      for (Param& p : ps) be.scale(p.g, r.clip_coef);
+    }
+    ++t;
+    AdamWParams ap;
+    ap.lr = lr;
+    ap.beta1 = cfg.beta1;
+    ap.beta2 = cfg.beta2;
+    ap.eps = cfg.eps;
+    ap.step = t;
+    for (size_t i = 0; i < ps.size(); ++i) {
+      if (ps[i].muon) continue;
+      ap.wd = ps[i].decay ? cfg.weight_decay : 0.0;
+      be.adamw_update(ps[i].w, ps[i].g, state0[i]->t, state1[i]->t, ap);
+    }
+    for (size_t i = 0; i < ps.size(); ++i) {
+      Param& p = ps[i];
+      if (!p.muon) continue;
+      Tensor u = Tensor::make(update->t.data, p.w.dtype, p.w.shape.data(), p.w.ndim);
+      muon_prepare(be, p.g, state0[i]->t, u, cfg.momentum, cfg.nesterov);
+      muon_orthogonalise(be, u, p.blocks, u, ns, cfg.ns_steps);
+      muon_finish(be, p.w, u, p.blocks, 0, lr, cfg.weight_decay, cfg.scale);
+    }
+    return r;
+  }
+};
+
+void scale_grads(Params& p, double f) {
+  for (Param& q : p.list) cpu().scale(q.g, f);
+}
+
+}  // namespace
+
+TEST(OptimizerDeviceScalars, BitwiseLikeHostScalarStepClippedUnclippedSkipped) {
+  for (DType dt : {DType::kF32, DType::kF64}) {
+    Params a = make_model(dt, 11), b = make_model(dt, 11);
+    OptimizerConfig cfg;
+    cfg.weight_decay = 0.1;
+    cfg.max_grad_norm = 1.0;
+    Optimizer opt;
+    ASSERT_TRUE(opt.init(cpu(), a.list, cfg).is_ok());
+    RefOptimizer ref;
+    ref.init(b.list, cfg);
+    // Per step: the factor the fresh gradients are scaled by, and whether a NaN goes in.
+    struct Case { double factor; bool nan; const char* what; };
+    const Case cases[] = {{0.1, false, "unclipped"}, {100.0, false, "clipped"}, {1.0, true, "skipped (NaN)"},
+                          {0.1, false, "unclipped after a skip"}, {50.0, false, "clipped again"}};
+    int64_t k = 0;
+    for (const Case& c : cases) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " step " + std::to_string(k) + ": " + c.what);
+      refill_grads(a, 100 + k);
+      refill_grads(b, 100 + k);
+      scale_grads(a, c.factor);
+      scale_grads(b, c.factor);
+      if (c.nan) {
+        const double nan = std::nan("");
+        for (Params* p : {&a, &b}) {
+          Tensor g = p->list[2].g;
+          if (dt == DType::kF32) static_cast<float*>(g.data)[3] = static_cast<float>(nan);
+          else static_cast<double*>(g.data)[3] = nan;
+        }
+      }
+      std::vector<std::vector<char>> grads_before;
+      for (const Param& p : a.list) grads_before.push_back(bytes_of(p.g));
+      const StepResult got = opt.step(0.01);
+      const StepResult want = ref.step(b.list, 0.01);
+      EXPECT_EQ(got.skipped, want.skipped);
+      EXPECT_EQ(got.skipped, c.nan);
+      if (!c.nan) {
+        EXPECT_EQ(got.grad_norm, want.grad_norm);
+        EXPECT_EQ(got.clip_coef, want.clip_coef);
+        EXPECT_EQ(got.clip_coef != 1.0, c.factor > 10) << "the case should " << (c.factor > 10 ? "" : "not ") << "clip";
+      } else {
+        EXPECT_TRUE(std::isnan(got.grad_norm));
+        EXPECT_EQ(got.clip_coef, 1.0);
+        for (size_t i = 0; i < a.list.size(); ++i)
+          EXPECT_EQ(bytes_of(a.list[i].g), grads_before[i]) << "a skipped step scaled gradient " << a.list[i].name;
+      }
+      EXPECT_EQ(opt.step_count(), ref.t);
+      for (size_t i = 0; i < a.list.size(); ++i)
+        EXPECT_EQ(bytes_of(a.list[i].w), bytes_of(b.list[i].w)) << a.list[i].name;
+      const auto st = opt.state_tensors();
+      size_t j = 0;
+      for (size_t i = 0; i < b.list.size(); ++i) {
+        EXPECT_EQ(bytes_of(st[j++].second), bytes_of(ref.state0[i]->t)) << b.list[i].name << " state 0";
+        if (ref.state1[i]) EXPECT_EQ(bytes_of(st[j++].second), bytes_of(ref.state1[i]->t)) << b.list[i].name;
+      }
+      ++k;
+    }
+    EXPECT_EQ(opt.step_count(), 4);
+  }
+}
+
+TEST(OptimizerDeviceScalars, EnqueueThenFinishIsStep) {
+  Params a = make_model(DType::kF32, 5), b = make_model(DType::kF32, 5);
+  OptimizerConfig cfg;
+  Optimizer oa, ob;
+  ASSERT_TRUE(oa.init(cpu(), a.list, cfg).is_ok());
+  ASSERT_TRUE(ob.init(cpu(), b.list, cfg).is_ok());
+  oa.enqueue_step(0.02);
+  EXPECT_EQ(oa.step_count(), 0) << "the step is counted at finish_step, once the skip flag is known";
+  const StepResult ra = oa.finish_step();
+  const StepResult rb = ob.step(0.02);
+  EXPECT_EQ(ra.grad_norm, rb.grad_norm);
+  EXPECT_EQ(oa.step_count(), 1);
+  for (size_t i = 0; i < a.list.size(); ++i) EXPECT_EQ(bytes_of(a.list[i].w), bytes_of(b.list[i].w));
+}
+
+TEST(OptimizerDeviceScalars, NewtonSchulzDeviceNormPathIsBitwiseHostPath) {
+  for (auto [r, c] : std::vector<std::pair<int64_t, int64_t>>{{8, 24}, {24, 8}, {16, 16}}) {
+    OwnedTensor g(DType::kF32, {r, c});
+    testing::fill_uniform(g, 7 + r, -1, 1);
+    NsScratch dev, host;
+    dev.plan(r, c);
+    host.plan(r, c);
+    ASSERT_TRUE(dev.allocate(cpu().allocator()).is_ok());
+    ASSERT_TRUE(dev.ss.defined());
+    std::vector<TensorSpec> specs;
+    host.add_specs(&specs, "h.");
+    specs.pop_back();  // no "ss": the host-norm path
+    Arena arena;
+    ASSERT_TRUE(arena.create(std::move(specs), cpu().allocator(), "host ns").is_ok());
+    ASSERT_TRUE(host.bind(arena, "h.").is_ok());
+    OwnedTensor o1(DType::kF32, {r, c}), o2(DType::kF32, {r, c});
+    newton_schulz(cpu(), g, o1, dev, 5);
+    newton_schulz(cpu(), g, o2, host, 5);
+    EXPECT_EQ(bytes_of(o1), bytes_of(o2)) << r << "x" << c;
+  }
+}
+
 }  // namespace
 }  // namespace laplace

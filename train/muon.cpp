@@ -45,6 +45,7 @@ void NsScratch::add_specs(std::vector<TensorSpec>* specs, const std::string& pre
   specs->push_back({prefix + "y", dtype, {max_elems}});
   specs->push_back({prefix + "a", dtype, {max_gram}});
   specs->push_back({prefix + "b", dtype, {max_gram}});
+  specs->push_back({prefix + "ss", DType::kF64, {1}});
 }
 
 Status NsScratch::bind(const Arena& arena, const std::string& prefix) {
@@ -60,6 +61,8 @@ Status NsScratch::bind(const Arena& arena, const std::string& prefix) {
                                       ", too small or of the wrong dtype");
     *dst[i] = t;
   }
+  const int64_t ss = arena.find(prefix + "ss");
+  this->ss = ss >= 0 ? arena.tensor(static_cast<size_t>(ss)) : Tensor{};
   return Status::ok();
 }
 
@@ -92,10 +95,17 @@ void newton_schulz(Backend& be, const Tensor& g, Tensor out, NsScratch& s, int s
   Tensor a = view2(s.a, m, m);
   Tensor b = view2(s.b, m, m);
 
-  // X = G / (‖G‖_F + eps). g is not read after this, so out may alias it.
-  const double norm = std::sqrt(be.sum_squares(g));
-  be.copy(x, g);
-  be.scale(x, 1.0 / (norm + kNsNormEps));
+  // X = G / (‖G‖_F + eps). g is not read after this, so out may alias it. With the ss
+  // scalar the norm stays on the device (no host sync); both paths give the same bits.
+  if (s.ss.defined()) {
+    be.sum_squares_into(g, s.ss, false);
+    be.copy(x, g);
+    be.scale_by_inv_norm(x, s.ss, kNsNormEps);
+  } else {
+    const double norm = std::sqrt(be.sum_squares(g));
+    be.copy(x, g);
+    be.scale(x, 1.0 / (norm + kNsNormEps));
+  }
 
   for (int it = 0; it < steps; ++it) {
     // A = X·Xᵀ (wide) or XᵀX (tall: the Gram of the transposed iterate).

@@ -2,7 +2,8 @@
 // in terms of Backend calls (gemm, sum_squares, scale, copy), so every backend runs it.
 //
 // Contract (a PyTorch reference reproduces it):
-//   X = G / (‖G‖_F + 1e−7)                 ‖G‖_F² from sum_squares (double)
+//   X = G / (‖G‖_F + 1e−7)                 ‖G‖_F² from sum_squares (double), kept on the
+//                                          device (sum_squares_into + scale_by_inv_norm)
 //   if rows > cols: work on Xᵀ              (the Gram matrix is min(rows, cols)²)
 //   repeat `steps` times (default 5):
 //     A = X·Xᵀ;  B = b·A + c·(A·A);  X = a·X + B·X     (a,b,c) = (3.4445, −4.7750, 2.0315)
@@ -42,18 +43,21 @@ const char* muon_scale_name(MuonScale mode);
 // Buffers (flat, viewed per call with the block's shape):
 //   x, y : min·max elements (the iterate and its ping-pong partner)
 //   a, b : min² elements     (Gram matrix and the polynomial in it)
+//   ss   : [1] F64 device scalar, ‖G‖_F² (so the normalisation needs no host read-back;
+//          an arena without it makes newton_schulz read the norm on the host, same bits)
 struct NsScratch {
   DType dtype = DType::kF32;
   int64_t max_elems = 0;  // max rows·cols over the planned blocks
   int64_t max_gram = 0;   // max min(rows, cols)² over the planned blocks
   Tensor x, y, a, b;      // 1-D views once bound
+  Tensor ss;              // [1] F64 once bound
 
   // Grows the plan to cover a [rows, cols] block.
   void plan(int64_t rows, int64_t cols);
   bool fits(int64_t rows, int64_t cols) const;
   bool bound() const { return x.defined() || max_elems == 0; }
 
-  // Appends the four buffer specs ("<prefix>x", "<prefix>y", "<prefix>a", "<prefix>b").
+  // Appends the buffer specs ("<prefix>x", "<prefix>y", "<prefix>a", "<prefix>b", "<prefix>ss").
   void add_specs(std::vector<TensorSpec>* specs, const std::string& prefix) const;
   // Points the buffers at an arena created with the specs of add_specs.
   Status bind(const Arena& arena, const std::string& prefix);

@@ -80,6 +80,15 @@ double global_grad_norm(Backend& be, const std::vector<Param>& params) {
   return std::sqrt(ss);
 }
 
+void global_grad_sum_squares_into(Backend& be, const std::vector<Param>& params, Tensor acc) {
+  bool first = true;
+  for (const Param& p : params) {
+    be.sum_squares_into(p.g, acc, !first);
+    first = false;
+  }
+  if (first) be.fill(acc, 0.0);
+}
+
 // ---- Optimizer ------------------------------------------------------------------------------
 
 Status Optimizer::init(Backend& be, std::vector<Param> params, const OptimizerConfig& cfg) {
@@ -137,6 +146,8 @@ Status Optimizer::init(Backend& be, std::vector<Param> params, const OptimizerCo
       specs.push_back({"optim." + p.name + ".adam_v", p.w.dtype, shape_vec(p.w)});
     }
   }
+  const size_t scalars_idx = specs.size();
+  specs.push_back({"optim.scratch.scalars", DType::kF64, {4}});
   const size_t update_idx = specs.size();
   if (max_muon > 0) {
     specs.push_back({"optim.scratch.muon_update", muon_dtype, {max_muon}});
@@ -158,46 +169,67 @@ Status Optimizer::init(Backend& be, std::vector<Param> params, const OptimizerCo
   slots_ = std::move(slots);
   arena_ = std::move(arena);
   update_ = update;
+  scalars_ = arena_.tensor(scalars_idx);
   ns_ = std::move(ns);
   t_ = 0;
+  pending_ = false;
   return Status::ok();
 }
 
-StepResult Optimizer::step(double lr) {
-  LAPLACE_CHECK(be_ != nullptr, "Optimizer::step before init");
+void Optimizer::enqueue_step(double lr) {
+  LAPLACE_CHECK(be_ != nullptr, "Optimizer::enqueue_step before init");
+  LAPLACE_CHECK(!pending_, "Optimizer::enqueue_step twice without finish_step");
   Backend& be = *be_;
-  StepResult r;
-  r.grad_norm = global_grad_norm(be, params_);
-  if (!std::isfinite(r.grad_norm)) {
-    r.skipped = true;
-    return r;
-  }
-  if (cfg_.max_grad_norm > 0 && r.grad_norm > cfg_.max_grad_norm) {
-    r.clip_coef = cfg_.max_grad_norm / (r.grad_norm + 1e-6);
-    for (Param& p : params_) be.scale(p.g, r.clip_coef);
-  }
-  ++t_;
+  pending_ = true;
+  const Tensor ss = scalars_.slice(0, 0, 1), clip = scalars_.slice(0, 1, 4);
+  const Tensor coef = scalars_.slice(0, 2, 3), skip = scalars_.slice(0, 3, 4);
+  // 1–2: norm, skip flag and clip coefficient on the device; g *= coef (a no-op at 1).
+  global_grad_sum_squares_into(be, params_, ss);
+  be.grad_clip_scalars(ss, cfg_.max_grad_norm, clip);
+  for (Param& p : params_) be.scale_by(p.g, coef);
 
+  // 3: AdamW at step t_ + 1, which finish_step makes the count unless the step is skipped.
   AdamWParams ap;
   ap.lr = lr;
   ap.beta1 = cfg_.beta1;
   ap.beta2 = cfg_.beta2;
   ap.eps = cfg_.eps;
-  ap.step = t_;
+  ap.step = t_ + 1;
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
     if (p.muon) continue;
     ap.wd = p.decay ? cfg_.weight_decay : 0.0;
-    be.adamw_update(p.w, p.g, arena_.tensor(slots_[i].state0), arena_.tensor(slots_[i].state1), ap);
+    be.adamw_update_gated(p.w, p.g, arena_.tensor(slots_[i].state0), arena_.tensor(slots_[i].state1), ap, skip);
   }
+  // 4: Muon. u and the Newton–Schulz scratch are scratch, so only the momentum and the
+  // weights need the gate.
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
     if (!p.muon) continue;
     Tensor u = view_as(update_, p.w);
-    muon_prepare(be, p.g, arena_.tensor(slots_[i].state0), u, cfg_.momentum, cfg_.nesterov);
+    LAPLACE_CHECK(same_shape(p.g, u), "muon_prepare: shapes differ");
+    be.muon_momentum_gated(p.g, arena_.tensor(slots_[i].state0), u, cfg_.momentum, cfg_.nesterov, skip);
     muon_orthogonalise(be, u, p.blocks, u, ns_, cfg_.ns_steps);
-    muon_finish(be, p.w, u, p.blocks, 0, lr, cfg_.weight_decay, cfg_.scale);
+    const int64_t cols = p.w.dim(1);
+    int64_t r0 = 0;
+    for (int64_t br : p.blocks) {  // muon_finish's per-block scale, gated
+      be.muon_apply_gated(p.w.slice(0, r0, r0 + br), u.slice(0, r0, r0 + br), lr, cfg_.weight_decay,
+                          muon_scale(br, cols, cfg_.scale), skip);
+      r0 += br;
+    }
   }
+}
+
+StepResult Optimizer::finish_step() {
+  LAPLACE_CHECK(pending_, "Optimizer::finish_step without enqueue_step");
+  pending_ = false;
+  double host[4] = {0, 0, 0, 0};
+  be_->copy(Tensor(host, DType::kF64, {4}), scalars_);  // the step boundary's one sync
+  StepResult r;
+  r.grad_norm = host[1];
+  r.clip_coef = host[2];
+  r.skipped = host[3] != 0.0;
+  if (!r.skipped) ++t_;
   return r;
 }
 

@@ -82,6 +82,8 @@ void muon_finish(Backend& be, Tensor w, const Tensor& o, const std::vector<int64
 
 // Global gradient norm: sqrt(Σ sum_squares(g)) in param order, in double.
 double global_grad_norm(Backend& be, const std::vector<Param>& params);
+// The same Σ sum_squares(g), in the same order, into a device scalar acc (no host sync).
+void global_grad_sum_squares_into(Backend& be, const std::vector<Param>& params, Tensor acc);
 
 class Optimizer {
  public:
@@ -93,7 +95,8 @@ class Optimizer {
   // backend's device; Muon params 2-D with blocks summing to rows) and the config,
   // then allocates every state tensor in ONE zeroed Arena on the backend's allocator:
   // "optim.<name>.momentum" (Muon) or "optim.<name>.adam_m"/".adam_v" (AdamW), in the
-  // dtype of w, plus the Muon update buffer and the Newton–Schulz scratch.
+  // dtype of w, plus the Muon update buffer, the Newton–Schulz scratch and the step's
+  // device scalars.
   Status init(Backend& be, std::vector<Param> params, const OptimizerConfig& cfg);
 
   // One step at learning rate lr (the schedule is the caller's):
@@ -101,7 +104,17 @@ class Optimizer {
   //  2. norm > max_grad_norm > 0 ⇒ every g *= max_grad_norm / (norm + 1e−6).
   //  3. t += 1; AdamW params: adamw_update(step t, wd = decay ? weight_decay : 0).
   //  4. Muon params: muon_prepare → muon_orthogonalise → muon_finish (wd = weight_decay).
-  StepResult step(double lr);
+  StepResult step(double lr) {
+    enqueue_step(lr);
+    return finish_step();
+  }
+  // step() in two halves, so a trainer can queue the whole step with no host sync:
+  // enqueue_step queues 1–4 with the norm, the clip coefficient and the skip flag kept in
+  // device scalars (every update op is gated on the flag, so a skipped step touches
+  // nothing); finish_step reads them back (the one sync, at the step boundary), counts the
+  // step unless it was skipped and returns the result. Exactly step()'s arithmetic.
+  void enqueue_step(double lr);
+  StepResult finish_step();
 
   // Checkpoint state: views of the persistent state ("optim.<name>.momentum",
   // "optim.<name>.adam_m", "optim.<name>.adam_v"), in param order.
@@ -130,6 +143,9 @@ class Optimizer {
   std::vector<Slot> slots_;
   Arena arena_;
   Tensor update_;  // flat buffer for the Muon update u / o, sized for the largest Muon param
+  // [4] F64 device scalars of the step: {Σ g², norm, clip coef, skip} (grad_clip_scalars).
+  Tensor scalars_;
+  bool pending_ = false;  // enqueue_step ran, finish_step not yet
   NsScratch ns_;
   int64_t t_ = 0;
 };

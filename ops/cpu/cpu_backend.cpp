@@ -18,6 +18,7 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
+#include <unistd.h>
 #include <vector>
 
 #include "ops/cpu/gla.h"
@@ -972,6 +973,78 @@ void CpuBackend::muon_apply(Tensor w, const Tensor& o, double lr, double wd, dou
       for (int64_t i = 0; i < n; ++i) q[0][i] = static_cast<T>(q[0][i] * decay - k * q[1][i]);
     });
   });
+}
+
+// ---- device scalars: host memory here, so each op is the host-scalar op it mirrors ----
+
+namespace {
+double& scalar_at(const Tensor& t, int64_t i, const char* what) {
+  check_cpu(t);
+  LAPLACE_CHECK(t.dtype == DType::kF64 && t.numel() > i, what);
+  return static_cast<double*>(t.data)[i * (t.ndim ? t.stride[0] : 1)];
+}
+bool skipped(const Tensor& skip) { return scalar_at(skip, 0, "skip must be an F64 scalar") != 0.0; }
+}  // namespace
+
+void CpuBackend::sum_squares_into(const Tensor& x, Tensor acc, bool accumulate) {
+  double& a = scalar_at(acc, 0, "sum_squares_into: acc must be an F64 scalar");
+  const double s = sum_squares(x);
+  a = accumulate ? a + s : s;
+}
+
+void CpuBackend::grad_clip_scalars(const Tensor& ss, double max_norm, Tensor out) {
+  const double norm = std::sqrt(scalar_at(ss, 0, "grad_clip_scalars: ss must be an F64 scalar"));
+  const bool skip = !std::isfinite(norm);
+  scalar_at(out, 2, "grad_clip_scalars: out must be F64 [3]") = skip ? 1.0 : 0.0;
+  scalar_at(out, 1, "grad_clip_scalars: out must be F64 [3]") =
+      (!skip && max_norm > 0 && norm > max_norm) ? max_norm / (norm + 1e-6) : 1.0;
+  scalar_at(out, 0, "grad_clip_scalars: out must be F64 [3]") = norm;
+}
+
+void CpuBackend::scale_by(Tensor x, const Tensor& coef) {
+  const double c = scalar_at(coef, 0, "scale_by: coef must be an F64 scalar");
+  if (c != 1.0) scale(x, c);
+}
+
+void CpuBackend::scale_by_inv_norm(Tensor x, const Tensor& ss, double eps) {
+  const double norm = std::sqrt(scalar_at(ss, 0, "scale_by_inv_norm: ss must be an F64 scalar"));
+  scale(x, 1.0 / (norm + eps));
+}
+
+void CpuBackend::adamw_update_gated(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p,
+                                    const Tensor& skip) {
+  if (!skipped(skip)) adamw_update(w, g, m, v, p);
+}
+
+void CpuBackend::muon_momentum_gated(const Tensor& g, Tensor m, Tensor u, double mu, bool nesterov,
+                                     const Tensor& skip) {
+  if (!skipped(skip)) muon_momentum(g, m, u, mu, nesterov);
+}
+
+void CpuBackend::muon_apply_gated(Tensor w, const Tensor& o, double lr, double wd, double s, const Tensor& skip) {
+  if (!skipped(skip)) muon_apply(w, o, lr, wd, s);
+}
+
+void CpuBackend::loss_sum_into(const Tensor& losses, double count, Tensor acc, bool accumulate) {
+  check_cpu(losses);
+  LAPLACE_CHECK(losses.ndim == 1 && losses.is_contiguous() &&
+                    (losses.dtype == DType::kF32 || losses.dtype == DType::kF64),
+                "loss_sum_into: losses must be a contiguous F32 or F64 vector");
+  double& a = scalar_at(acc, 0, "loss_sum_into: acc must be an F64 scalar");
+  double sum = 0;
+  for (int64_t i = 0; i < losses.numel(); ++i)
+    sum += losses.dtype == DType::kF64 ? static_cast<const double*>(losses.data)[i]
+                                       : static_cast<const float*>(losses.data)[i];
+  const double l = count > 0 ? sum / count : 0.0;
+  a = accumulate ? a + l : l;
+}
+
+bool CpuBackend::memory_info(size_t* free_bytes, size_t* total_bytes) {
+  const long page = sysconf(_SC_PAGESIZE), avail = sysconf(_SC_AVPHYS_PAGES), phys = sysconf(_SC_PHYS_PAGES);
+  if (page <= 0 || avail < 0 || phys <= 0) return false;
+  *free_bytes = static_cast<size_t>(avail) * static_cast<size_t>(page);
+  *total_bytes = static_cast<size_t>(phys) * static_cast<size_t>(page);
+  return true;
 }
 
 std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }

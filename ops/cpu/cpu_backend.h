@@ -64,6 +64,17 @@ class CpuBackend final : public Backend {
   void adamw_update(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p) override;
   void muon_momentum(const Tensor& g, Tensor m, Tensor u, double mu, bool nesterov) override;
   void muon_apply(Tensor w, const Tensor& o, double lr, double wd, double s) override;
+  bool memory_info(size_t* free_bytes, size_t* total_bytes) override;  // host RAM (sysconf)
+  void sum_squares_into(const Tensor& x, Tensor acc, bool accumulate) override;
+  void grad_clip_scalars(const Tensor& ss, double max_norm, Tensor out) override;
+  void scale_by(Tensor x, const Tensor& coef) override;
+  void scale_by_inv_norm(Tensor x, const Tensor& ss, double eps) override;
+  void adamw_update_gated(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p,
+                          const Tensor& skip) override;
+  void muon_momentum_gated(const Tensor& g, Tensor m, Tensor u, double mu, bool nesterov,
+                           const Tensor& skip) override;
+  void muon_apply_gated(Tensor w, const Tensor& o, double lr, double wd, double s, const Tensor& skip) override;
+  void loss_sum_into(const Tensor& losses, double count, Tensor acc, bool accumulate) override;
 };
 
 }  // namespace laplace

@@ -85,10 +85,22 @@ CudaBackend::~CudaBackend() {
   if (workspace_) cudaFree(workspace_);
   if (scratch_) cudaFree(scratch_);
   if (host_f64_) cudaFreeHost(host_f64_);
+  for (Staging& st : staging_) {
+    cudaEventDestroy(st.done);
+    cudaFreeHost(st.p);
+  }
   if (stream_) cudaStreamDestroy(stream_);
 }
 
-void CudaBackend::synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+void CudaBackend::synchronize() {
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  ++host_syncs_;
+}
+
+bool CudaBackend::memory_info(size_t* free_bytes, size_t* total_bytes) {
+  CUDA_CHECK(cudaSetDevice(device_));
+  return cudaMemGetInfo(free_bytes, total_bytes) == cudaSuccess;
+}
 
 void* CudaBackend::scratch(size_t bytes) {
   if (bytes <= scratch_bytes_) return scratch_;
@@ -96,6 +108,7 @@ void* CudaBackend::scratch(size_t bytes) {
   while (n < bytes) n *= 2;
   if (scratch_) {
     CUDA_CHECK(cudaStreamSynchronize(stream_));  // earlier ops may still use the old buffer
+    ++host_syncs_;
     CUDA_CHECK(cudaFree(scratch_));
   }
   scratch_ = nullptr;
@@ -105,6 +118,48 @@ void* CudaBackend::scratch(size_t bytes) {
 }
 
 // ---- copy ----------------------------------------------------------------------------------------
+
+bool CudaBackend::copy_h2d_staged(Tensor dst, const Tensor& src) {
+  // Small copies only (token ids, targets: B·T·4 bytes): large ones (weight loading) keep
+  // the synchronous path rather than pinning gigabytes.
+  constexpr size_t kMaxStagedBytes = 8u << 20;
+  // Enough buffers for every H2D copy a step queues before the device catches up (token
+  // ids and targets per micro-batch); past that, wait for one (counted as a sync).
+  constexpr size_t kMaxStaging = 64, kMinStagingBytes = 64u << 10;
+  const size_t bytes = src.nbytes();
+  if (dst.device != Device::kCUDA || src.device != Device::kCPU || dst.dtype != src.dtype ||
+      !dst.is_contiguous() || !src.is_contiguous() || bytes > kMaxStagedBytes)
+    return false;
+  Staging* slot = nullptr;
+  for (Staging& st : staging_) {
+    if (st.cap >= bytes && cudaEventQuery(st.done) == cudaSuccess) {
+      slot = &st;
+      break;
+    }
+  }
+  if (slot == nullptr && staging_.size() >= kMaxStaging) {
+    for (Staging& st : staging_) {
+      if (st.cap < bytes) continue;
+      CUDA_CHECK(cudaEventSynchronize(st.done));
+      ++host_syncs_;
+      slot = &st;
+      break;
+    }
+  }
+  if (slot == nullptr) {
+    Staging st;
+    st.cap = kMinStagingBytes;
+    while (st.cap < bytes) st.cap *= 2;
+    CUDA_CHECK(cudaMallocHost(&st.p, st.cap));
+    CUDA_CHECK(cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming));
+    staging_.push_back(st);
+    slot = &staging_.back();
+  }
+  std::memcpy(slot->p, src.data, bytes);
+  CUDA_CHECK(cudaMemcpyAsync(dst.data, slot->p, bytes, cudaMemcpyHostToDevice, stream_));
+  CUDA_CHECK(cudaEventRecord(slot->done, stream_));
+  return true;
+}
 
 void CudaBackend::copy(Tensor dst, const Tensor& src) {
   LAPLACE_CHECK(same_shape(dst, src),
@@ -120,7 +175,7 @@ void CudaBackend::copy(Tensor dst, const Tensor& src) {
       cuda::convert_copy(dst, src, stream_);
     } else if (dd) {
       Tensor stage = Tensor::make(scratch(src.nbytes()), src.dtype, src.shape.data(), src.ndim, Device::kCUDA);
-      copy(stage, src);  // same dtype, synchronous
+      copy(stage, src);  // same dtype (staged and queued when small, else synchronous)
       cuda::convert_copy(dst, stage, stream_);
     } else {
       Tensor stage = Tensor::make(scratch(dst.nbytes()), dst.dtype, dst.shape.data(), dst.ndim, Device::kCUDA);
@@ -129,6 +184,7 @@ void CudaBackend::copy(Tensor dst, const Tensor& src) {
     }
     return;
   }
+  if (copy_h2d_staged(dst, src)) return;
   const size_t es = dtype_size(dst.dtype);
   // Merge dims that are contiguous in both views (size-1 dims dropped).
   int nd = 0;
@@ -183,8 +239,11 @@ void CudaBackend::copy(Tensor dst, const Tensor& src) {
     }
   }
   // Copies that touch host memory complete before returning (the host may reuse or read
-  // the buffer at once, as with the CPU backend).
-  if (!dd || !sd) CUDA_CHECK(cudaStreamSynchronize(stream_));
+  // the buffer at once, as with the CPU backend); contiguous H2D copies were staged above.
+  if (!dd || !sd) {
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    ++host_syncs_;
+  }
 }
 
 // ---- gemm ----------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 // The CUDA backend: one device, one stream, a cuBLASLt handle with a fixed workspace.
-// Every op is queued on the backend's stream in call order; only copies that touch host
-// memory, sum_squares and synchronize() wait for the device.
+// Every op is queued on the backend's stream in call order; only copies that read device
+// memory into the host (D2H, H2H, non-contiguous H2D), sum_squares and synchronize() wait
+// for the device. Contiguous H2D copies are staged through pinned buffers and queued.
 //
 // Built for sm_90a (H100/H200). make_cuda_backend() probes the machine first and returns
 // nullptr with a reason (no driver, no device, no kernel image for the device) instead of
@@ -12,8 +13,9 @@
 // norm statistics and losses are F32 only. Index tensors are I32.
 //  copy            same dtype: any dtype, any direction (H2D/D2H/D2D/H2H), strided views
 //                  (innermost dim contiguous). F32<->BF16 conversion: D2D, H2D and D2H (the
-//                  host side staged through device scratch). Copies touching host memory
-//                  are synchronous.
+//                  host side staged through device scratch). Copies into host memory are
+//                  synchronous; contiguous H2D copies are queued (the host buffer is copied
+//                  into pinned staging first, so the caller may reuse it at once).
 //  fill            F32, BF16, F64, I32 (device).
 //  axpy, scale     float x, float y.
 //  gemm            (A, B, C) = (BF16, BF16, F32), (BF16, BF16, BF16) or (F32, F32, F32);
@@ -40,6 +42,9 @@
 //  cross_entropy   logits, dlogits float [N,V] (dlogits may alias logits); targets I32 [N]
 //                  contiguous; losses F32 [N] contiguous. A target >= V gives a NaN loss.
 //  sum_squares     float x; accumulated in F64 in a fixed order, returned to the host.
+//  sum_squares_into  the same sum into a device scalar (no sync); the *_gated optimizer ops,
+//                  scale_by, scale_by_inv_norm, grad_clip_scalars and loss_sum_into take F64
+//                  device scalars (ops/backend.h) and never synchronise.
 //  adamw_update    w F32 (master), g float, m F32, v F32.
 //  muon_momentum   g float, m F32, u float.
 //  muon_apply      w F32, o float.
@@ -63,6 +68,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "ops/backend.h"
 
@@ -97,6 +103,7 @@ class CudaBackend final : public Backend {
   void fill(Tensor dst, double value) override;
   void axpy(double alpha, const Tensor& x, Tensor y) override;
   void synchronize() override;
+  bool memory_info(size_t* free_bytes, size_t* total_bytes) override;  // cudaMemGetInfo
 
   void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor c, double alpha,
             double beta) override;
@@ -139,6 +146,16 @@ class CudaBackend final : public Backend {
   void adamw_update(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p) override;
   void muon_momentum(const Tensor& g, Tensor m, Tensor u, double mu, bool nesterov) override;
   void muon_apply(Tensor w, const Tensor& o, double lr, double wd, double s) override;
+  void sum_squares_into(const Tensor& x, Tensor acc, bool accumulate) override;
+  void grad_clip_scalars(const Tensor& ss, double max_norm, Tensor out) override;
+  void scale_by(Tensor x, const Tensor& coef) override;
+  void scale_by_inv_norm(Tensor x, const Tensor& ss, double eps) override;
+  void adamw_update_gated(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p,
+                          const Tensor& skip) override;
+  void muon_momentum_gated(const Tensor& g, Tensor m, Tensor u, double mu, bool nesterov,
+                           const Tensor& skip) override;
+  void muon_apply_gated(Tensor w, const Tensor& o, double lr, double wd, double s, const Tensor& skip) override;
+  void loss_sum_into(const Tensor& losses, double count, Tensor acc, bool accumulate) override;
 
   // ---- CUDA specifics ----
   cudaStream_t stream() const { return stream_; }
@@ -150,6 +167,11 @@ class CudaBackend final : public Backend {
   // Device scratch of at least `bytes`, reused by every op (stream-ordered, so an op may
   // use it freely between its own launches). Growing it synchronises the device.
   void* scratch(size_t bytes);
+  // Host synchronisations so far: stream syncs (synchronize(), copies that read device
+  // memory into the host, sum_squares, scratch growth) and waits for a busy H2D staging
+  // buffer. A training step queued between two readings that differ by 0 made the host
+  // wait for the device nowhere (tests assert this).
+  int64_t host_syncs() const { return host_syncs_; }
 
  private:
   struct GemmPlan {
@@ -172,6 +194,24 @@ class CudaBackend final : public Backend {
   size_t scratch_bytes_ = 0;
   double* host_f64_ = nullptr;  // pinned, one double: sum_squares' result
   std::map<GemmKey, GemmPlan> gemm_plans_;
+  int64_t host_syncs_ = 0;
+
+  // Host-to-device copies are staged through pinned buffers so they need no stream sync:
+  // the host data is copied into a free staging buffer at once (so the caller may reuse
+  // its buffer, as the copy contract says) and the DMA is queued; `done` is recorded after
+  // it, and a buffer is reused only once its event has completed (cudaEventQuery).
+  struct Staging {
+    void* p = nullptr;
+    size_t cap = 0;
+    cudaEvent_t done = nullptr;
+  };
+  std::vector<Staging> staging_;
+  // Queues dst ← src through a staging buffer; false (nothing queued) unless both are
+  // contiguous, of one dtype, src on the host and dst on the device.
+  bool copy_h2d_staged(Tensor dst, const Tensor& src);
+  void adamw_launch(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p, const double* skip);
+  void muon_momentum_launch(const Tensor& g, Tensor m, Tensor u, double mu, bool nesterov, const double* skip);
+  void muon_apply_launch(Tensor w, const Tensor& o, double lr, double wd, double s, const double* skip);
 };
 
 namespace cuda {

@@ -37,6 +37,18 @@ inline void check_f32(const Tensor& t, const char* what) {
     check_failed(__FILE__, __LINE__, what, (std::string("expected an F32 tensor, got ") + t.shape_str()).c_str());
 }
 
+// A device scalar block: `n` contiguous F64 values on the GPU (ops/backend.h's "device
+// scalars"); returns its address.
+inline double* device_scalar(const Tensor& t, int64_t n, const char* what) {
+  if (!t.defined() || t.device != Device::kCUDA || t.dtype != DType::kF64 || t.numel() < n ||
+      (t.ndim > 0 && t.stride[t.ndim - 1] != 1 && t.numel() > 1))
+    check_failed(__FILE__, __LINE__, what,
+                 (std::string("expected a contiguous F64 device scalar block of ") + std::to_string(n) +
+                  ", got " + t.shape_str())
+                     .c_str());
+  return static_cast<double*>(t.data);
+}
+
 __device__ __forceinline__ float ldf(const void* p, int64_t i, int dt) {
   if (dt == kBF16) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
   return static_cast<const float*>(p)[i];

@@ -221,7 +221,40 @@ double CudaBackend::sum_squares(const Tensor& x) {
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaMemcpyAsync(host_f64_, partial + g, sizeof(double), cudaMemcpyDeviceToHost, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
+  ++host_syncs_;
   return *host_f64_;
+}
+
+namespace cuda {
+
+// Pass 2 of sum_squares_into: the same fixed-order sum of the partials as ssq_final_kernel,
+// then acc = (accumulate ? acc : 0) + sum in F64 (the host's `ss += sum_squares(g)`).
+__global__ void ssq_final_into_kernel(const double* partial, int np, double* acc, int accumulate) {
+  __shared__ double sh[32];
+  double s = 0;
+  for (int i = threadIdx.x; i < np; i += blockDim.x) s += partial[i];
+  s = block_sum(s, sh);
+  if (threadIdx.x == 0) *acc = accumulate ? *acc + s : s;
+}
+
+}  // namespace cuda
+
+void CudaBackend::sum_squares_into(const Tensor& x, Tensor acc, bool accumulate) {
+  EView vx = make_eview(x, "sum_squares_into: x");
+  double* a = cuda::device_scalar(acc, 1, "sum_squares_into: acc");
+  const int64_t n = x.numel();
+  if (n == 0) {
+    if (!accumulate) fill(acc.numel() == 1 ? acc : acc.slice(0, 0, 1), 0.0);
+    return;
+  }
+  // The grid of sum_squares (n alone fixes it), so the partials have the same bits.
+  int64_t g = (n + kSsqThreads * 16 - 1) / (kSsqThreads * 16);
+  if (g > kSsqMaxBlocks) g = kSsqMaxBlocks;
+  double* partial = static_cast<double*>(scratch(g * sizeof(double)));
+  ssq_partial_kernel<<<static_cast<unsigned>(g), kSsqThreads, 0, stream_>>>(vx, n, partial);
+  CUDA_CHECK_LAUNCH();
+  ssq_final_into_kernel<<<1, 1024, 0, stream_>>>(partial, static_cast<int>(g), a, accumulate ? 1 : 0);
+  CUDA_CHECK_LAUNCH();
 }
 
 namespace cuda {
@@ -266,7 +299,9 @@ namespace cuda {
 struct AdamWArgs {
   float b1, omb1, b2, omb2, inv_bc1, inv_bc2, lr, decay, eps;
 };
-__global__ void adamw_kernel(EView w, EView g, EView m, EView v, int64_t n, AdamWArgs a) {
+// skip (nullable): a device scalar; non-zero leaves everything untouched.
+__global__ void adamw_kernel(EView w, EView g, EView m, EView v, int64_t n, AdamWArgs a, const double* skip) {
+  if (skip && *skip != 0.0) return;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t ow = w.off(i), om = m.off(i), ov = v.off(i);
     const float gi = ldf(g.p, g.off(i), g.dt);
@@ -280,7 +315,9 @@ __global__ void adamw_kernel(EView w, EView g, EView m, EView v, int64_t n, Adam
 }
 
 // Muon momentum: m ← μ m + g;  u = g + μ m (Nesterov, with the new m) or u = m.
-__global__ void muon_momentum_kernel(EView g, EView m, EView u, int64_t n, float mu, int nesterov) {
+__global__ void muon_momentum_kernel(EView g, EView m, EView u, int64_t n, float mu, int nesterov,
+                                     const double* skip) {
+  if (skip && *skip != 0.0) return;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t om = m.off(i);
     const float gi = ldf(g.p, g.off(i), g.dt);
@@ -291,7 +328,8 @@ __global__ void muon_momentum_kernel(EView g, EView m, EView u, int64_t n, float
 }
 
 // w ← w·(1 − lr·wd) − (lr·s)·o
-__global__ void muon_apply_kernel(EView w, EView o, int64_t n, float decay, float step) {
+__global__ void muon_apply_kernel(EView w, EView o, int64_t n, float decay, float step, const double* skip) {
+  if (skip && *skip != 0.0) return;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t ow = w.off(i);
     stf(w.p, ow, kF32, ldf(w.p, ow, kF32) * decay - step * ldf(o.p, o.off(i), o.dt));
@@ -301,6 +339,16 @@ __global__ void muon_apply_kernel(EView w, EView o, int64_t n, float decay, floa
 }  // namespace cuda
 
 void CudaBackend::adamw_update(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p) {
+  adamw_launch(w, g, m, v, p, nullptr);
+}
+
+void CudaBackend::adamw_update_gated(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p,
+                                     const Tensor& skip) {
+  adamw_launch(w, g, m, v, p, cuda::device_scalar(skip, 1, "adamw_update_gated: skip"));
+}
+
+void CudaBackend::adamw_launch(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p,
+                               const double* skip) {
   LAPLACE_CHECK(same_shape(w, g) && same_shape(w, m) && same_shape(w, v), "adamw_update: shapes differ");
   check_f32(w, "adamw_update: w must be F32 (master weights)");
   check_f32(m, "adamw_update: m must be F32");
@@ -320,11 +368,21 @@ void CudaBackend::adamw_update(Tensor w, const Tensor& g, Tensor m, Tensor v, co
   a.lr = static_cast<float>(p.lr);
   a.decay = static_cast<float>(1.0 - p.lr * p.wd);
   a.eps = static_cast<float>(p.eps);
-  adamw_kernel<<<grid_for(n, 256), 256, 0, stream_>>>(vw, vg, vm, vv, n, a);
+  adamw_kernel<<<grid_for(n, 256), 256, 0, stream_>>>(vw, vg, vm, vv, n, a, skip);
   CUDA_CHECK_LAUNCH();
 }
 
 void CudaBackend::muon_momentum(const Tensor& g, Tensor m, Tensor u, double mu, bool nesterov) {
+  muon_momentum_launch(g, m, u, mu, nesterov, nullptr);
+}
+
+void CudaBackend::muon_momentum_gated(const Tensor& g, Tensor m, Tensor u, double mu, bool nesterov,
+                                      const Tensor& skip) {
+  muon_momentum_launch(g, m, u, mu, nesterov, cuda::device_scalar(skip, 1, "muon_momentum_gated: skip"));
+}
+
+void CudaBackend::muon_momentum_launch(const Tensor& g, Tensor m, Tensor u, double mu, bool nesterov,
+                                       const double* skip) {
   LAPLACE_CHECK(same_shape(g, m), "muon_momentum: shapes differ");
   LAPLACE_CHECK(!u.defined() || same_shape(g, u), "muon_momentum: u has the wrong shape");
   check_f32(m, "muon_momentum: m must be F32");
@@ -333,18 +391,26 @@ void CudaBackend::muon_momentum(const Tensor& g, Tensor m, Tensor u, double mu, 
   const int64_t n = g.numel();
   if (n == 0) return;
   muon_momentum_kernel<<<grid_for(n, 256), 256, 0, stream_>>>(vg, vm, vu, n, static_cast<float>(mu),
-                                                                 nesterov ? 1 : 0);
+                                                                 nesterov ? 1 : 0, skip);
   CUDA_CHECK_LAUNCH();
 }
 
 void CudaBackend::muon_apply(Tensor w, const Tensor& o, double lr, double wd, double s) {
+  muon_apply_launch(w, o, lr, wd, s, nullptr);
+}
+
+void CudaBackend::muon_apply_gated(Tensor w, const Tensor& o, double lr, double wd, double s, const Tensor& skip) {
+  muon_apply_launch(w, o, lr, wd, s, cuda::device_scalar(skip, 1, "muon_apply_gated: skip"));
+}
+
+void CudaBackend::muon_apply_launch(Tensor w, const Tensor& o, double lr, double wd, double s, const double* skip) {
   LAPLACE_CHECK(same_shape(w, o), "muon_apply: shapes differ");
   check_f32(w, "muon_apply: w must be F32 (master weights)");
   EView vw = make_eview(w, "muon_apply: w"), vo = make_eview(o, "muon_apply: o");
   const int64_t n = w.numel();
   if (n == 0) return;
   muon_apply_kernel<<<grid_for(n, 256), 256, 0, stream_>>>(vw, vo, n, static_cast<float>(1.0 - lr * wd),
-                                                              static_cast<float>(lr * s));
+                                                              static_cast<float>(lr * s), skip);
   CUDA_CHECK_LAUNCH();
 }
 
