@@ -6,9 +6,10 @@
 // N(0,1) values scaled per tensor as weights_init scales them, instead of 3.3B serial draws).
 //
 // One step = grad_accum micro-batches of B×T random tokens (forward, loss, backward), then
-// the optimizer step. The micro-batch B is the largest of 8, 4, 2, 1 whose plan (full
-// per-layer activations, or --recompute-mixer) leaves --reserve-gib free on the device,
-// unless --batch is given. The memory plan is printed before the first step.
+// the optimizer step. The micro-batch B is the largest of 8, 4, 2, 1 whose memory plan
+// (train/memory_plan.h: full per-layer activations, else the GLA output recomputed; always
+// recomputed with --recompute-mixer) leaves --reserve-gib free on the device, unless
+// --batch is given. The memory plan is printed before the first step.
 //
 // Reported (median over --steps timed steps after --warmup untimed ones):
 //   train_tok_s_laplace3b_t2048      tokens/s of whole steps (optimizer included)
@@ -35,6 +36,7 @@
 
 #include "core/bench_log.h"
 #include "model/model.h"
+#include "train/memory_plan.h"
 #include "train/trainer.h"
 
 #ifdef LAPLACE_HAVE_CUDA
@@ -207,42 +209,36 @@ int run(const Args& a) {
   be->synchronize();
   std::printf("weights, masters, gradients, optimizer allocated and initialised in %.1f s\n", now_s() - t0);
 
-  // Micro-batch: the largest candidate whose plan leaves the reserve free.
-  std::vector<int64_t> cands = a.batch > 0 ? std::vector<int64_t>{a.batch} : std::vector<int64_t>{8, 4, 2, 1};
-  int64_t B = 0;
-  size_t free_after = 0;
-  for (int64_t cand : cands) {
-    st = model.plan({cand, a.seq, true, a.recompute});
-    size_t fr = 0, tot = 0;
-    cudaMemGetInfo(&fr, &tot);
-    if (st.is_ok() && static_cast<double>(fr) >= a.reserve_gib * 1073741824.0) {
-      B = cand;
-      free_after = fr;
-      break;
-    }
-    std::printf("  micro-batch %lld: %s\n", (long long)cand,
-                st.is_ok() ? "fits, but leaves less than the reserve free" : st.to_string().c_str());
-  }
-  if (B == 0) {
-    std::fprintf(stderr, "bench_train: no micro-batch fits (try --recompute-mixer or a smaller --seq)\n");
+  // The memory plan (train/memory_plan.h, as `laplace train --batch auto`): the largest
+  // micro-batch (recompute off before on, unless --recompute-mixer) that leaves the
+  // reserve free of the memory that was free before anything was allocated.
+  MemoryPlanRequest req;
+  req.seq = a.seq;
+  req.dtype = DType::kBF16;
+  req.batch = a.batch;
+  req.grad_accum = a.accum;
+  req.recompute = a.recompute ? 1 : (a.batch > 0 ? 0 : -1);
+  req.ns_bf16 = true;
+  req.device_bytes = free0;
+  req.reserve_bytes = static_cast<size_t>(a.reserve_gib * 1073741824.0);
+  MemoryPlan mp;
+  st = choose_memory_plan(cfg, req, &mp);
+  if (st.is_ok()) st = model.plan({mp.batch, a.seq, true, mp.recompute_mixer});
+  if (!st.is_ok()) {
+    std::fprintf(stderr, "bench_train: %s\n", st.to_string().c_str());
     return 1;
   }
+  for (const std::string& r : mp.rejected) std::printf("  rejected: %s\n", r.c_str());
+  std::fputs(format_memory_plan(mp, "device").c_str(), stdout);
+  const int64_t B = mp.batch;
+  const bool recompute = mp.recompute_mixer;
   const int64_t T = a.seq, N = B * T, tokens_per_step = N * a.accum;
   const size_t planned = model.weight_arena().bytes() + masters.bytes() + grads.bytes() + opt.state_bytes() +
                          model.activation_bytes();
-  std::printf("memory plan: T=%lld, micro-batch B=%lld (%lld tokens), grad accumulation %lld (%lld tokens/step), "
-              "recompute_mixer %s\n",
-              (long long)T, (long long)B, (long long)N, (long long)a.accum, (long long)tokens_per_step,
-              a.recompute ? "on" : "off");
-  std::printf("  weights (bf16)                        %8.2f GB\n", gb(model.weight_arena().bytes()));
-  std::printf("  master weights (f32)                  %8.2f GB\n", gb(masters.bytes()));
-  std::printf("  gradients (f32)                       %8.2f GB\n", gb(grads.bytes()));
-  std::printf("  optimizer state (f32: Muon momentum, AdamW m/v, Muon update + Newton-Schulz scratch) %8.2f GB\n",
-              gb(opt.state_bytes()));
-  std::printf("  activations (per layer%s, logits bf16 [N,V]) + backward scratch %8.2f GB\n",
-              a.recompute ? ", GLA output recomputed" : "", gb(model.activation_bytes()));
-  std::printf("  total planned                         %8.2f GB of %.2f GB; %.2f GB left free\n", gb(planned),
-              gb(total_mem), gb(free_after));
+  size_t free_after = 0;
+  cudaMemGetInfo(&free_after, &total_mem);
+  std::printf("  allocated %.3f GB (plan %.3f GB); %.2f GB of %.2f GB left free\n", gb(planned), gb(mp.total()),
+              gb(free_after), gb(total_mem));
 
   // Data: random tokens (loss ≈ ln V), a fresh micro-batch each time.
   Rng drng(7);
@@ -312,7 +308,7 @@ int run(const Args& a) {
   std::snprintf(note, sizeof note,
                 "bf16 + f32 masters, B=%lld x T=%lld, accum %lld (%lld tokens/step), recompute_mixer %s, "
                 "optimizer included, median of %d steps",
-                (long long)B, (long long)T, (long long)a.accum, (long long)tokens_per_step, a.recompute ? "on" : "off",
+                (long long)B, (long long)T, (long long)a.accum, (long long)tokens_per_step, recompute ? "on" : "off",
                 a.steps);
   res.add("train_tok_s_" + tag_t, tok_s, "tokens/s", note);
   res.add("train_mfu_" + tag_t, mfu, "fraction of " + std::to_string(static_cast<int>(a.peak_tflops)) + " TFLOP/s",

@@ -1,5 +1,6 @@
 // Training subcommands: train, eval.
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 
 #include "cli/common.h"
@@ -27,9 +28,25 @@ struct TrainArgs {
   double peak_tflops = 0;
   bool distributed = false;
   std::string muon_comm = "all_to_all";
+  std::string batch = "8";  // a count, or "auto" (the memory plan chooses)
 };
 
+// --batch: a positive count, or "auto".
+Status parse_batch(const std::string& v, TrainOptions* o) {
+  if (v == "auto") {
+    o->batch_auto = true;
+    return Status::ok();
+  }
+  char* end = nullptr;
+  const long long b = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || b < 1 || b > (1 << 20))
+    return Status::invalid_argument("--batch must be a count in [1, 1048576] or 'auto', got '" + v + "'");
+  o->batch = b;
+  return Status::ok();
+}
+
 Status run_train(TrainArgs& a) {
+  LAPLACE_RETURN_IF_ERROR(parse_batch(a.batch, &a.o));
   LAPLACE_RETURN_IF_ERROR(parse_dtype(a.dtype, &a.o.dtype));
   LAPLACE_RETURN_IF_ERROR(schedule_kind_from_name(a.schedule, &a.o.schedule.kind));
   LAPLACE_RETURN_IF_ERROR(muon_scale_from_name(a.muon_scale, &a.o.optim.scale));
@@ -149,7 +166,15 @@ void add_train(CLI::App& app) {
   cmd->add_option("--init", o.init_ckpt, "start from these weights instead of a seeded init");
   cmd->add_option("--resume", o.resume, "resume from a checkpoint.safetensors ('auto': --out's, if present)");
   cmd->add_option("--tokenizer", o.tokenizer, "tokenizer.model to copy into --out");
-  cmd->add_option("--batch", o.batch, "sequences per micro-batch")->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--batch", a->batch,
+                  "sequences per micro-batch, or 'auto': the largest that fits the device (memory plan)");
+  cmd->add_option("--tokens-per-step", o.tokens_per_step,
+                  "tokens per optimizer step; sets --grad-accum = N / (batch·seq) (implies --batch auto "
+                  "unless --batch is given)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--reserve-gib", o.reserve_gib,
+                  "memory the plan leaves free (default 3 on CUDA, 0.25 on the CPU)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--seq", o.seq, "tokens per sequence")->check(CLI::Range(1, 1 << 24));
   cmd->add_option("--grad-accum", o.grad_accum, "micro-batches per step")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--steps", o.steps, "optimizer steps")->check(CLI::Range(1, 1 << 30));
@@ -185,7 +210,18 @@ void add_train(CLI::App& app) {
   cmd->add_option("--muon-comm", a->muon_comm,
                   "distributed Muon: all_to_all (owners get whole matrices in one exchange) or gather")
       ->check(CLI::IsMember({"gather", "all_to_all"}));
-  cmd->callback([a] { g_exit_code = report(run_train(*a)); });
+  auto* batch_opt = cmd->get_option("--batch");
+  auto* accum_opt = cmd->get_option("--grad-accum");
+  cmd->callback([a, batch_opt, accum_opt] {
+    if (a->o.tokens_per_step > 0) {
+      if (accum_opt->count() > 0) {
+        g_exit_code = report(Status::invalid_argument("give --tokens-per-step or --grad-accum, not both"));
+        return;
+      }
+      if (batch_opt->count() == 0) a->batch = "auto";
+    }
+    g_exit_code = report(run_train(*a));
+  });
 }
 
 void add_eval(CLI::App& app) {

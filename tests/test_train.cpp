@@ -15,7 +15,12 @@
 #include "model/model.h"
 #include "tests/test_util.h"
 #include "text/shard.h"
+#include "train/memory_plan.h"
 #include "train/trainer.h"
+
+#ifdef LAPLACE_HAVE_CUDA
+#include "ops/cuda/cuda_backend.h"
+#endif
 
 namespace laplace {
 namespace {
@@ -201,6 +206,357 @@ TEST(TrainNonFinite, StepIsSkippedAndNothingChanges) {
     EXPECT_EQ(0, std::memcmp(a.bytes(info), b.bytes(*other), info.nbytes())) << info.name;
   }
 }
+
+// ---- memory plan ----------------------------------------------------------------------------
+
+Config laplace_3b() {
+  Config c;
+  c.vocab_size = 92160;
+  c.hidden_size = 3072;
+  c.num_layers = 24;
+  c.num_heads = 16;
+  c.head_k_dim = 96;
+  c.head_v_dim = 192;
+  c.ffn_size = 8192;
+  return c;
+}
+
+// The planner's spec lists are copies of Model::plan's and Optimizer::init's: its bytes
+// must be the real arenas' bytes (a drift in either fails here).
+TEST(MemoryPlan, BytesMatchTheRealArenas) {
+  Fixture f;
+  Config c;
+  ASSERT_TRUE(config_load(f.config, &c).is_ok());
+  auto be = make_cpu_backend();
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    for (bool rc : {false, true}) {
+      for (bool fused : {false, true}) {
+        SCOPED_TRACE(std::string(dtype_name(dt)) + (rc ? " recompute" : "") + (fused ? " fused" : ""));
+        MemoryPlanRequest r;
+        r.seq = 40;
+        r.dtype = dt;
+        r.muon_fused = fused;
+        r.ns_bf16 = true;  // BF16 models: NS scratch in bf16 (ignored for F32 masters)
+        const MemoryPlan p = memory_plan_for(c, r, 3, rc);
+        Model m;
+        ASSERT_TRUE(m.create(c, *be, dt).is_ok());
+        ASSERT_TRUE(m.plan({3, 40, true, rc}).is_ok());
+        EXPECT_EQ(p.weights, m.weight_arena().bytes());
+        EXPECT_EQ(p.activations + p.backward_scratch, m.activation_bytes());
+        const DType pdt = dt == DType::kBF16 ? DType::kF32 : dt;
+        Arena params, grads;
+        ASSERT_TRUE(params.create(weight_specs(c, pdt), be->allocator(), "p").is_ok());
+        ASSERT_TRUE(grads.create(weight_specs(c, pdt), be->allocator(), "g").is_ok());
+        EXPECT_EQ(p.gradients, grads.bytes());
+        EXPECT_EQ(p.masters, dt == DType::kBF16 ? params.bytes() : 0u);
+        OptimizerConfig oc;
+        oc.ns_bf16 = dt == DType::kBF16;
+        Optimizer opt;
+        ASSERT_TRUE(opt.init(*be, make_optimizer_params(c, params, grads, fused), oc).is_ok());
+        EXPECT_EQ(p.optimizer, opt.state_bytes());
+      }
+    }
+  }
+}
+
+// Synthetic device sizes around the real totals of laplace-3b at T = 2048.
+TEST(MemoryPlan, ChoosesTheLargestMicroBatchThatFitsThenRecompute) {
+  const Config c = laplace_3b();
+  MemoryPlanRequest r;
+  r.seq = 2048;
+  r.dtype = DType::kBF16;
+  r.reserve_bytes = size_t{3} << 30;
+  auto total = [&](int64_t b, bool rc) { return memory_plan_for(c, r, b, rc).total(); };
+  // The orderings the cases below rely on.
+  ASSERT_LT(total(8, true), total(8, false));
+  ASSERT_LT(total(4, false), total(8, true));
+  ASSERT_LT(total(4, true), total(4, false));
+  // The 3B weights: ~3.3e9 parameters, bf16 weights + f32 masters + f32 gradients.
+  const MemoryPlan p8 = memory_plan_for(c, r, 8, false);
+  EXPECT_NEAR(static_cast<double>(p8.weights), 2.0 * static_cast<double>(c.total_params()), 1e6);
+  EXPECT_NEAR(static_cast<double>(p8.masters), 4.0 * static_cast<double>(c.total_params()), 1e6);
+  EXPECT_EQ(p8.gradients, p8.masters);
+
+  struct Case { size_t device; int64_t batch; bool recompute; };
+  const Case cases[] = {
+      {total(8, false) + r.reserve_bytes, 8, false},      // exactly fits
+      {total(8, false) + r.reserve_bytes - 1, 8, true},   // one byte short: recompute
+      {total(8, true) + r.reserve_bytes - 1, 4, false},   // halve B before recomputing at 4
+      {total(4, false) + r.reserve_bytes - 1, 4, true},
+      {total(1, true) + r.reserve_bytes, 1, true},
+  };
+  for (const Case& k : cases) {
+    MemoryPlanRequest q = r;
+    q.device_bytes = k.device;
+    MemoryPlan p;
+    ASSERT_TRUE(choose_memory_plan(c, q, &p).is_ok()) << k.device;
+    EXPECT_EQ(p.batch, k.batch) << k.device;
+    EXPECT_EQ(p.recompute_mixer, k.recompute) << k.device;
+    EXPECT_EQ(p.grad_accum, 1);
+    EXPECT_TRUE(p.chosen);
+    EXPECT_TRUE(p.fits());
+    EXPECT_LE(p.total() + q.reserve_bytes, q.device_bytes);
+  }
+  // Nothing fits: out of memory, listing all 8 candidates tried.
+  MemoryPlanRequest q = r;
+  q.device_bytes = total(1, true) + r.reserve_bytes - 1;
+  MemoryPlan p;
+  const Status st = choose_memory_plan(c, q, &p);
+  EXPECT_EQ(st.code(), Status::Code::kOutOfMemory) << st.to_string();
+  EXPECT_NE(st.to_string().find("B=1 recompute on"), std::string::npos) << st.to_string();
+  // An H200 (≈ 140 GB free): some plan fits, and it is one of the candidates.
+  q.device_bytes = size_t{140} * 1000 * 1000 * 1000;
+  ASSERT_TRUE(choose_memory_plan(c, q, &p).is_ok());
+  EXPECT_GE(p.batch, 1);
+  EXPECT_NE(format_memory_plan(p, "device").find("master weights (f32)"), std::string::npos);
+}
+
+TEST(MemoryPlan, TokensPerStepSetsAccumulation) {
+  const Config c = laplace_3b();
+  MemoryPlanRequest r;
+  r.seq = 2048;
+  r.dtype = DType::kBF16;
+  r.device_bytes = 0;  // unknown: the largest candidate
+  r.tokens_per_step = 524288;  // the seed's step: 256 sequences
+  MemoryPlan p;
+  ASSERT_TRUE(choose_memory_plan(c, r, &p).is_ok());
+  EXPECT_EQ(p.batch, 8);
+  EXPECT_EQ(p.grad_accum, 32);
+  EXPECT_EQ(p.tokens_per_step(), 524288);
+  r.tokens_per_step = 2048 * 3;  // 3 sequences: B ∈ {1} among the powers of two dividing 3
+  ASSERT_TRUE(choose_memory_plan(c, r, &p).is_ok());
+  EXPECT_EQ(p.batch, 1);
+  EXPECT_EQ(p.grad_accum, 3);
+  r.tokens_per_step = 2048 * 4 + 1;
+  EXPECT_EQ(choose_memory_plan(c, r, &p).code(), Status::Code::kInvalidArgument);
+  r.tokens_per_step = 2048 * 8;
+  r.batch = 3;
+  EXPECT_EQ(choose_memory_plan(c, r, &p).code(), Status::Code::kInvalidArgument);
+  r.batch = 2;  // given (with the recompute): kept, accumulation derived
+  r.recompute = 0;
+  ASSERT_TRUE(choose_memory_plan(c, r, &p).is_ok());
+  EXPECT_EQ(p.batch, 2);
+  EXPECT_EQ(p.grad_accum, 4);
+  EXPECT_FALSE(p.chosen);
+}
+
+// `laplace train --batch auto` chooses and prints the plan before training.
+TEST(MemoryPlan, TrainBatchAutoPrintsThePlan) {
+  Fixture f;
+  const std::string bin = LAPLACE_BINARY;
+  const std::string log = f.dir + "/auto.log";
+  const std::string cmd = bin + " train --config " + f.config + " --data " + f.shard + " --out " + f.dir +
+                          "/auto --batch auto --seq 40 --steps 1 --lr 0.02 > " + log + " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << bytes_of(log);
+  const std::string out = bytes_of(log);
+  for (const char* want : {"memory plan: T=40, micro-batch B=8 (chosen), grad accumulation 1 (320 tokens/step)",
+                           "weights (f32)", "gradients (f32)", "optimizer state", "activations", "backward scratch",
+                           "total", "host memory available"})
+    EXPECT_NE(out.find(want), std::string::npos) << "missing '" << want << "' in:\n" << out;
+  // --tokens-per-step alone implies --batch auto; with --grad-accum it is an error.
+  const std::string cmd2 = bin + " train --config " + f.config + " --data " + f.shard + " --out " + f.dir +
+                           "/tps --tokens-per-step 160 --seq 40 --steps 1 --lr 0.02 > " + log + " 2>&1";
+  ASSERT_EQ(std::system(cmd2.c_str()), 0) << bytes_of(log);
+  EXPECT_NE(bytes_of(log).find("micro-batch B=4 (chosen), grad accumulation 1 (160 tokens/step)"), std::string::npos)
+      << bytes_of(log);
+  const std::string cmd3 = bin + " train --config " + f.config + " --data " + f.shard + " --out " + f.dir +
+                           "/bad --tokens-per-step 160 --grad-accum 2 --seq 40 --steps 1 > " + log + " 2>&1";
+  EXPECT_NE(std::system(cmd3.c_str()), 0);
+  const std::string cmd4 = bin + " train --config " + f.config + " --data " + f.shard + " --out " + f.dir +
+                           "/bad --batch many --seq 40 --steps 1 > " + log + " 2>&1";
+  EXPECT_NE(std::system(cmd4.c_str()), 0);
+  EXPECT_NE(bytes_of(log).find("'auto'"), std::string::npos) << bytes_of(log);
+}
+
+// An explicit --batch/--grad-accum is kept as given (the plan is only printed).
+TEST(MemoryPlan, ExplicitBatchIsKept) {
+  Fixture f;
+  TrainOptions o = f.options(f.dir + "/explicit");
+  o.steps = 1;
+  Trainer t(o);
+  ASSERT_TRUE(t.setup().is_ok());
+  EXPECT_EQ(t.memory_plan().batch, 3);
+  EXPECT_EQ(t.memory_plan().grad_accum, 2);
+  EXPECT_FALSE(t.memory_plan().chosen);
+}
+
+// The trainer's loss (cross-entropy + loss_sum_into, read at the step boundary) is
+// Model::loss's value bit for bit.
+TEST(TrainDeviceLoss, SameBitsAsModelLoss) {
+  Fixture f;
+  Config c;
+  ASSERT_TRUE(config_load(f.config, &c).is_ok());
+  auto be = make_cpu_backend();
+  Model m;
+  ASSERT_TRUE(m.create(c, *be, DType::kF32).is_ok());
+  m.init_weights(3);
+  ASSERT_TRUE(m.plan({2, 40, true, false}).is_ok());
+  std::vector<int32_t> x(80), y(80);
+  for (int i = 0; i < 80; ++i) {
+    x[i] = (i * 7) % 97;
+    y[i] = i % 13 == 0 ? -1 : (i * 5) % 97;  // some ignored targets
+  }
+  m.forward(x.data(), 2, 40, ForwardOptions{});
+  const double want = m.loss(y.data());
+  testing::OwnedTensor losses(DType::kF32, {80});
+  double acc = 0;
+  int64_t count = 0;
+  for (int32_t t : y) count += t >= 0;
+  be->cross_entropy_forward(m.logits(), Tensor(y.data(), DType::kI32, {80}), losses);
+  be->loss_sum_into(losses, static_cast<double>(count), Tensor(&acc, DType::kF64, {1}), false);
+  EXPECT_EQ(acc, want);
+}
+
+#ifdef LAPLACE_HAVE_CUDA
+// ---- GPU: the training step queues without a host sync; runs are bitwise repeatable ----
+// Skips without a usable GPU. A bf16 model (F32 masters, Muon with bf16 Newton–Schulz)
+// trains on the fixture's data; CudaBackend::host_syncs() counts every point where the
+// host waits for the device.
+
+std::string cuda_unavailable() {
+  std::string why;
+  return make_cuda_backend(&why) ? "" : why;
+}
+
+TrainOptions gpu_options(const Fixture& f, const std::string& out) {
+  TrainOptions o = f.options(out);
+  o.device = "cuda";
+  o.dtype = DType::kBF16;
+  o.out_dir = "";
+  return o;
+}
+
+TEST(CudaTrain, StepQueuesWithoutHostSync) {
+  const std::string why = cuda_unavailable();
+  if (!why.empty()) GTEST_SKIP() << "no CUDA device: " << why;
+  Fixture f;
+  for (bool nan_step : {false, true}) {
+    SCOPED_TRACE(nan_step ? "skipped (NaN) step" : "normal step");
+    TrainOptions o = gpu_options(f, "");
+    if (nan_step) {  // a NaN in the head: every step is skipped
+      Config c;
+      ASSERT_TRUE(config_load(f.config, &c).is_ok());
+      auto cpu = make_cpu_backend();
+      Model m;
+      ASSERT_TRUE(m.create(c, *cpu, DType::kF32).is_ok());
+      m.init_weights(9);
+      Tensor head = m.weights().lm_head;
+      head.ptr<float>()[5] = NAN;
+      ASSERT_TRUE(m.save(f.dir + "/nan.safetensors").is_ok());
+      o.init_ckpt = f.dir + "/nan.safetensors";
+    }
+    Trainer t(o);
+    ASSERT_TRUE(t.setup().is_ok());
+    auto* cb = dynamic_cast<CudaBackend*>(&t.backend());
+    ASSERT_NE(cb, nullptr);
+    double loss = 0;
+    t.enqueue_step(0);  // warm-up: scratch, staging buffers and gemm plans are created here
+    t.finish_step(&loss);
+    for (int64_t step = 1; step < 3; ++step) {
+      const int64_t before = cb->host_syncs();
+      t.enqueue_step(step);
+      EXPECT_EQ(cb->host_syncs(), before) << "the host waited for the device inside step " << step;
+      const StepResult r = t.finish_step(&loss);
+      EXPECT_GT(cb->host_syncs(), before) << "finish_step must read back (sync) at the step boundary";
+      EXPECT_EQ(r.skipped, nan_step);
+      EXPECT_TRUE(std::isfinite(loss) || nan_step);
+    }
+  }
+}
+
+TEST(CudaTrain, TwoRunsGiveBitwiseIdenticalLosses) {
+  const std::string why = cuda_unavailable();
+  if (!why.empty()) GTEST_SKIP() << "no CUDA device: " << why;
+  Fixture f;
+  const TrainOptions o = gpu_options(f, "");
+  const std::vector<double> a = train(o), b = train(o);
+  ASSERT_EQ(a.size(), 8u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(std::memcmp(&a[i], &b[i], sizeof(double)), 0) << "step " << i << ": " << a[i] << " vs " << b[i];
+    EXPECT_TRUE(std::isfinite(a[i]));
+  }
+  EXPECT_LT(a.back(), a.front()) << "the loss should fall on the fixture's learnable data";
+}
+
+// The device-scalar optimizer on the GPU: bitwise the host-scalar step (the CPU backend's
+// orchestration of the same CUDA ops, replayed here by hand), with no sync while queued.
+TEST(CudaTrain, OptimizerStepBitwiseLikeHostScalarsAndSyncFree) {
+  std::string why;
+  auto be = make_cuda_backend(&why);
+  if (!be) GTEST_SKIP() << "no CUDA device: " << why;
+  auto* cb = dynamic_cast<CudaBackend*>(be.get());
+  Fixture f;
+  Config c;
+  ASSERT_TRUE(config_load(f.config, &c).is_ok());
+  // Two identical F32 parameter/gradient sets on the device.
+  Arena w[2], g[2];
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(w[k].create(weight_specs(c, DType::kF32), be->allocator(), "w").is_ok());
+    ASSERT_TRUE(g[k].create(weight_specs(c, DType::kF32), be->allocator(), "g").is_ok());
+    weights_init(c, *be, w[k], 5);
+    weights_init(c, *be, g[k], 6);  // any finite values serve as gradients
+  }
+  OptimizerConfig oc;
+  oc.max_grad_norm = 1.0;  // weights_init-sized "gradients" have a norm far above 1: clipped
+  oc.ns_bf16 = true;
+  oc.weight_decay = 0.1;
+  Optimizer opt;
+  ASSERT_TRUE(opt.init(*be, make_optimizer_params(c, w[0], g[0], false), oc).is_ok());
+  be->synchronize();
+  const int64_t before = cb->host_syncs();
+  opt.enqueue_step(0.01);
+  EXPECT_EQ(cb->host_syncs(), before) << "Optimizer::enqueue_step synchronised";
+  const StepResult r = opt.finish_step();
+  EXPECT_FALSE(r.skipped);
+  EXPECT_LT(r.clip_coef, 1.0);
+  // The old host-scalar path on the second set: its norm read back, the decision on the host.
+  std::vector<Param> ps = make_optimizer_params(c, w[1], g[1], false);
+  EXPECT_EQ(global_grad_norm(*be, ps), r.grad_norm) << "device and host gradient norms differ";
+  Optimizer ref;  // state for the reference: its own arena (zeroed), driven by hand
+  ASSERT_TRUE(ref.init(*be, ps, oc).is_ok());
+  const double coef = oc.max_grad_norm / (r.grad_norm + 1e-6);
+  EXPECT_EQ(coef, r.clip_coef);
+  for (Param& p : ps) be->scale(p.g, coef);
+  const auto st = ref.state_tensors();
+  size_t j = 0;
+  NsScratch ns;  // host-norm Newton–Schulz: no "ss" scratch
+  ns.dtype = DType::kBF16;
+  int64_t max_muon = 0;
+  for (const Param& p : ps)
+    if (p.muon) {
+      for (int64_t b : p.blocks) ns.plan(b, p.w.dim(1));
+      max_muon = std::max(max_muon, p.w.numel());
+    }
+  std::vector<TensorSpec> specs = {{"u", DType::kF32, {max_muon}}};
+  ns.add_specs(&specs, "ns.");
+  specs.pop_back();
+  Arena scratch;
+  ASSERT_TRUE(scratch.create(std::move(specs), be->allocator(), "ref scratch").is_ok());
+  ASSERT_TRUE(ns.bind(scratch, "ns.").is_ok());
+  for (Param& p : ps) {
+    if (p.muon) {
+      Tensor u = Tensor::make(scratch.tensor(0).data, DType::kF32, p.w.shape.data(), 2, Device::kCUDA);
+      muon_prepare(*be, p.g, st[j++].second, u, oc.momentum, oc.nesterov);
+      muon_orthogonalise(*be, u, p.blocks, u, ns, oc.ns_steps);
+      muon_finish(*be, p.w, u, p.blocks, 0, 0.01, oc.weight_decay, oc.scale);
+    } else {
+      AdamWParams ap;
+      ap.lr = 0.01;
+      ap.wd = p.decay ? oc.weight_decay : 0.0;
+      ap.step = 1;
+      be->adamw_update(p.w, p.g, st[j].second, st[j + 1].second, ap);
+      j += 2;
+    }
+  }
+  for (size_t i = 0; i < w[0].size(); ++i) {
+    const Tensor a = w[0].tensor(i), b = w[1].tensor(i);
+    std::vector<char> ha(a.nbytes()), hb(b.nbytes());
+    be->copy(Tensor::make(ha.data(), a.dtype, a.shape.data(), a.ndim), a);
+    be->copy(Tensor::make(hb.data(), b.dtype, b.shape.data(), b.ndim), b);
+    EXPECT_EQ(ha, hb) << w[0].spec(i).name;
+  }
+}
+#endif  // LAPLACE_HAVE_CUDA
 
 }  // namespace
 }  // namespace laplace

@@ -60,6 +60,66 @@ std::vector<Param> Trainer::make_params() {
   return make_optimizer_params(cfg_, param_arena(), grads_, opt_.muon_fused);
 }
 
+namespace {
+// MemAvailable from /proc/meminfo (sysconf's free pages leave out the page cache).
+bool host_available_bytes(size_t* out) {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  size_t kb = 0;
+  std::string unit;
+  while (f >> key >> kb >> unit) {
+    if (key == "MemAvailable:") {
+      *out = kb * 1024;
+      return true;
+    }
+  }
+  return false;
+}
+}  // namespace
+
+Status Trainer::plan_memory() {
+  MemoryPlanRequest r;
+  r.seq = opt_.seq;
+  r.dtype = opt_.dtype;
+  r.batch = opt_.batch_auto ? 0 : opt_.batch;
+  r.grad_accum = opt_.grad_accum;
+  r.tokens_per_step = opt_.tokens_per_step;
+  r.recompute = opt_.batch_auto && !opt_.recompute_mixer ? -1 : (opt_.recompute_mixer ? 1 : 0);
+  r.muon_fused = opt_.muon_fused;
+  r.ns_bf16 = be_->device() == Device::kCUDA;
+  const bool cuda = be_->device() == Device::kCUDA;
+  size_t free_b = 0, total_b = 0;
+  if (be_->memory_info(&free_b, &total_b)) r.device_bytes = free_b;
+  if (!cuda && host_available_bytes(&free_b)) r.device_bytes = free_b;
+  const double reserve_gib = opt_.reserve_gib >= 0 ? opt_.reserve_gib : (cuda ? 3.0 : 0.25);
+  r.reserve_bytes = static_cast<size_t>(reserve_gib * 1073741824.0);
+  if (opt_.batch_auto || opt_.tokens_per_step > 0) {
+    LAPLACE_RETURN_IF_ERROR(choose_memory_plan(cfg_, r, &plan_));
+  } else {
+    plan_ = memory_plan_for(cfg_, r, opt_.batch, opt_.recompute_mixer);  // as given; allocation decides
+  }
+  opt_.batch = plan_.batch;
+  opt_.grad_accum = plan_.grad_accum;
+  opt_.recompute_mixer = plan_.recompute_mixer;
+  if (!opt_.quiet) {
+    std::fputs(format_memory_plan(plan_, cuda ? "device" : "host").c_str(), stdout);
+    std::fflush(stdout);
+  }
+  return Status::ok();
+}
+
+Status Trainer::create_loss_buffers() {
+  const int64_t N = opt_.batch * opt_.seq;
+  const DType st = opt_.dtype == DType::kBF16 ? DType::kF32 : opt_.dtype;
+  LAPLACE_RETURN_IF_ERROR(loss_bufs_.create(
+      {{"targets", DType::kI32, {N}}, {"losses", st, {N}}, {"loss_sum", DType::kF64, {1}}}, be_->allocator(),
+      "loss buffers"));
+  targets_dev_ = loss_bufs_.tensor(0);
+  losses_dev_ = loss_bufs_.tensor(1);
+  loss_sum_ = loss_bufs_.tensor(2);
+  return Status::ok();
+}
+
 Status Trainer::setup() {
   LAPLACE_RETURN_IF_ERROR(config_load(opt_.config_path, &cfg_));
   if (opt_.batch < 1 || opt_.seq < 1 || opt_.grad_accum < 1 || opt_.steps < 1)
@@ -71,7 +131,9 @@ Status Trainer::setup() {
   opt_.schedule.total_steps = opt_.steps;
   LAPLACE_RETURN_IF_ERROR(opt_.schedule.validate());
   LAPLACE_RETURN_IF_ERROR(opt_.optim.validate());
+  if (opt_.tokens_per_step < 0) return Status::invalid_argument("tokens per step must be ≥ 0");
   LAPLACE_RETURN_IF_ERROR(make_backend(opt_.device, &be_));
+  LAPLACE_RETURN_IF_ERROR(plan_memory());
   LAPLACE_RETURN_IF_ERROR(model_.create(cfg_, *be_, opt_.dtype));
   mixed_ = needs_master_weights(opt_.dtype);
   const DType param_dtype = mixed_ ? DType::kF32 : opt_.dtype;
@@ -87,6 +149,7 @@ Status Trainer::setup() {
   }
   LAPLACE_RETURN_IF_ERROR(model_.plan({opt_.batch, opt_.seq, true, opt_.recompute_mixer}));
   LAPLACE_RETURN_IF_ERROR(grads_.create(weight_specs(cfg_, param_dtype), be_->allocator(), "gradients"));
+  LAPLACE_RETURN_IF_ERROR(create_loss_buffers());
   // On the GPU, Newton–Schulz runs in bf16 as SPEC §2 has it; the CPU keeps the master
   // dtype so the F32 reference can check it.
   opt_.optim.ns_bf16 = be_->device() == Device::kCUDA;
@@ -134,15 +197,6 @@ Status Trainer::setup() {
   if (!opt_.quiet) {
     std::printf("model: %lld parameters (%lld in Muon matrices), %s %s\n", (long long)cfg_.total_params(),
                 (long long)cfg_.body_params(), be_->name(), dtype_name(opt_.dtype));
-    if (mixed_)
-      std::printf("memory: weights %.1f MB (%s), F32 masters %.1f MB, gradients %.1f MB, optimizer %.1f MB, "
-                  "activations %.1f MB\n",
-                  model_.weight_arena().bytes() / 1e6, dtype_name(opt_.dtype), masters_.bytes() / 1e6,
-                  grads_.bytes() / 1e6, optimizer_.state_bytes() / 1e6, model_.activation_bytes() / 1e6);
-    else
-      std::printf("memory: weights %.1f MB, gradients %.1f MB, optimizer %.1f MB, activations %.1f MB\n",
-                  model_.weight_arena().bytes() / 1e6, grads_.bytes() / 1e6, optimizer_.state_bytes() / 1e6,
-                  model_.activation_bytes() / 1e6);
     std::printf("data: %lld tokens in %lld shards; %lld tokens per step (batch %lld × seq %lld × accum %lld)\n",
                 (long long)train_loader_.total_tokens(), (long long)train_loader_.num_shards(),
                 (long long)(opt_.batch * opt_.seq * opt_.grad_accum), (long long)opt_.batch, (long long)opt_.seq,
@@ -213,6 +267,35 @@ void Trainer::log_line(const StepLog& s) {
   std::fflush(stdout);
 }
 
+void Trainer::enqueue_step(int64_t step) {
+  grads_.zero();
+  const int64_t N = opt_.batch * opt_.seq;
+  for (int64_t micro = 0; micro < opt_.grad_accum; ++micro) {
+    train_loader_.next(x_.data(), y_.data());
+    model_.forward(x_.data(), opt_.batch, opt_.seq, ForwardOptions{});
+    // Model::loss's arithmetic with the sum left on the device (Model::loss would read the
+    // losses back): the mean over the counted targets, added up over micro-batches.
+    int64_t count = 0;
+    for (int64_t i = 0; i < N; ++i) count += y_[i] >= 0;
+    be_->copy(targets_dev_, Tensor(y_.data(), DType::kI32, {N}));
+    be_->cross_entropy_forward(model_.logits(), targets_dev_, losses_dev_);
+    be_->loss_sum_into(losses_dev_, static_cast<double>(count), loss_sum_, micro > 0);
+    model_.backward(y_.data(), grads_, 1.0 / static_cast<double>(opt_.grad_accum));
+  }
+  optimizer_.enqueue_step(lr_at(opt_.schedule, step));
+  // Unconditional: a skipped step leaves the masters as they were, so this rewrites the
+  // weights with the values they already hold (gating it would need the flag on the host).
+  if (mixed_) copy_masters_to_weights(*be_, masters_, model_.weight_arena());
+}
+
+StepResult Trainer::finish_step(double* loss) {
+  const StepResult r = optimizer_.finish_step();  // synchronises: the step is done after this
+  double sum = 0;
+  be_->copy(Tensor(&sum, DType::kF64, {1}), loss_sum_);
+  *loss = sum / static_cast<double>(opt_.grad_accum);
+  return r;
+}
+
 Status Trainer::run(const std::function<void(const StepLog&)>& on_step) {
   const double t_start = now_s();
   first_step_ = progress_.step;
@@ -220,19 +303,10 @@ Status Trainer::run(const std::function<void(const StepLog&)>& on_step) {
   const double flops_per_token = cfg_.train_flops_per_token();
   for (int64_t step = progress_.step; step < opt_.steps; ++step) {
     const double t0 = now_s();
-    grads_.zero();
+    enqueue_step(step);
     double loss = 0;
-    for (int64_t micro = 0; micro < opt_.grad_accum; ++micro) {
-      train_loader_.next(x_.data(), y_.data());
-      model_.forward(x_.data(), opt_.batch, opt_.seq, ForwardOptions{});
-      loss += model_.loss(y_.data());
-      model_.backward(y_.data(), grads_, 1.0 / static_cast<double>(opt_.grad_accum));
-    }
-    loss /= static_cast<double>(opt_.grad_accum);
+    const StepResult r = finish_step(&loss);
     const double lr = lr_at(opt_.schedule, step);
-    const StepResult r = optimizer_.step(lr);
-    if (mixed_ && !r.skipped) copy_masters_to_weights(*be_, masters_, model_.weight_arena());
-    be_->synchronize();
     const double dt = now_s() - t0;
 
     progress_.step = step + 1;

@@ -21,6 +21,7 @@
 #include "model/model.h"
 #include "text/data_loader.h"
 #include "train/checkpoint.h"
+#include "train/memory_plan.h"
 #include "train/optimizer.h"
 #include "train/schedule.h"
 
@@ -36,6 +37,12 @@ struct TrainOptions {
   std::string tokenizer;              // copied into out_dir so it is a complete model directory
 
   int64_t batch = 8, seq = 256, grad_accum = 1, steps = 100;
+  // Memory plan (train/memory_plan.h). batch_auto: choose the micro-batch (and, unless
+  // recompute_mixer is set, the mixer recompute) that fits the device. tokens_per_step > 0:
+  // grad_accum = tokens_per_step / (batch·seq) (with batch_auto, B must divide it).
+  bool batch_auto = false;
+  int64_t tokens_per_step = 0;
+  double reserve_gib = -1;            // left free by the plan; < 0: 3 GiB on CUDA, 0.25 GiB on the CPU
   int64_t stop_after = 0;             // stop (with a checkpoint) after this step; the schedule still spans `steps`
   ScheduleConfig schedule;            // lr, warmup, kind, min_lr_frac, decay_frac (total_steps = steps)
   OptimizerConfig optim;              // weight decay, betas, momentum, clipping, Muon scale
@@ -86,9 +93,24 @@ class Trainer {
   // The arena the optimizer updates: the F32 masters of a BF16 model, else the weights.
   const Arena& param_arena() const { return mixed_ ? masters_ : model_.weight_arena(); }
   const TrainProgress& progress() const { return progress_; }
+  const MemoryPlan& memory_plan() const { return plan_; }
+  Backend& backend() const { return *be_; }
+
+  // One training step in two halves (run() calls them). enqueue_step queues all of step
+  // `step`'s work: the micro-batches (forward, loss into a device scalar, backward), the
+  // optimizer step and the masters → weights copy; on CUDA nothing in it waits for the
+  // device. finish_step is the step boundary: it reads the loss and the optimizer's
+  // result back (one sync) and returns them.
+  void enqueue_step(int64_t step);
+  StepResult finish_step(double* loss);
 
  private:
   std::vector<Param> make_params();
+  // Chooses (or, with an explicit batch, just computes) the memory plan before anything
+  // is allocated, and applies it to opt_ (batch, grad_accum, recompute_mixer).
+  Status plan_memory();
+  // The device buffers of the step's loss: targets [B·T] I32, losses [B·T], sum [1] F64.
+  Status create_loss_buffers();
   void log_line(const StepLog& s);
   void append_metrics(const std::string& json_line);
 
@@ -106,6 +128,9 @@ class Trainer {
   TrainProgress progress_;
   int64_t first_step_ = 0;
   std::vector<int32_t> x_, y_;
+  MemoryPlan plan_;
+  Arena loss_bufs_;
+  Tensor targets_dev_, losses_dev_, loss_sum_;
 };
 
 }  // namespace laplace

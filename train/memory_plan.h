@@ -1,0 +1,77 @@
+// The memory plan of a training run (issue #4): which micro-batch B, gradient
+// accumulation A and mixer recompute fit on the device, and the bytes of each buffer
+// class. A pure function of the config and the request (no allocation), so it runs before
+// anything is allocated and tests can feed it synthetic memory sizes.
+//
+// Buffer classes (each an Arena; sizes include the arena's 256-byte alignment padding):
+//   weights           weight_specs(c, model dtype)
+//   masters           F32 copies of the weights (BF16 models only, SPEC §2)
+//   gradients         weight_specs(c, F32 or the compute dtype)
+//   optimizer         Muon momentum / AdamW m, v (param dtype) + the Muon update buffer +
+//                     Newton–Schulz scratch + the step's device scalars (Optimizer::init)
+//   activations       Model::plan's activation arena for a training plan of B×T
+//   backward scratch  Model::plan's backward scratch arena
+// The same spec lists as Optimizer::init and Model::plan (tests check the sums against
+// the real arenas); anything else (cuBLASLt workspace, op scratch, the loss buffers)
+// comes out of the reserve.
+//
+// Choice (when asked to choose): micro-batches from the largest candidate down; for each,
+// recompute off before on (recompute costs a GLA forward per layer; a smaller B costs
+// GEMM efficiency everywhere); the first that leaves `reserve_bytes` of `device_bytes`
+// free wins. With a tokens-per-step target, B must divide the step's sequences and
+// A = sequences / B; otherwise A is as requested.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "core/tensor.h"
+#include "model/config.h"
+
+namespace laplace {
+
+struct MemoryPlanRequest {
+  int64_t seq = 2048;            // T
+  DType dtype = DType::kBF16;    // model dtype (BF16 trains F32 masters and F32 gradients)
+  int64_t batch = 0;             // micro-batch B; 0 = choose
+  int64_t grad_accum = 1;        // A, when tokens_per_step is 0
+  int64_t tokens_per_step = 0;   // B·T·A target; 0 = none (A = grad_accum)
+  int recompute = -1;            // recompute_mixer: -1 choose, 0 off, 1 on
+  bool muon_fused = false;       // Newton–Schulz scratch sized for whole matrices
+  bool ns_bf16 = true;           // Newton–Schulz scratch in BF16 (the CUDA trainer)
+  size_t device_bytes = 0;       // memory available before anything is allocated; 0 = unknown
+  size_t reserve_bytes = 0;      // left free for everything the plan does not count
+  int64_t max_batch = 8;         // largest candidate B (powers of two down to 1)
+};
+
+struct MemoryPlan {
+  int64_t batch = 0, grad_accum = 0, seq = 0;
+  bool recompute_mixer = false;
+  bool chosen = false;  // B (and recompute) were chosen here, not given
+  DType dtype = DType::kF32;
+  size_t weights = 0, masters = 0, gradients = 0, optimizer = 0, activations = 0, backward_scratch = 0;
+  size_t device_bytes = 0, reserve_bytes = 0;
+  std::vector<std::string> rejected;  // "B=8 recompute off: 151.2 GB > 140.4 GB" per rejected candidate
+
+  size_t total() const { return weights + masters + gradients + optimizer + activations + backward_scratch; }
+  int64_t tokens_per_step() const { return batch * seq * grad_accum; }
+  // total + reserve ≤ device_bytes (true when the device size is unknown).
+  bool fits() const { return device_bytes == 0 || total() + reserve_bytes <= device_bytes; }
+};
+
+// The bytes of each class for a given B, T and recompute (no choice; fits() as given).
+MemoryPlan memory_plan_for(const Config& c, const MemoryPlanRequest& r, int64_t batch, bool recompute);
+
+// Chooses B/A/recompute as described above. Errors: invalid request (T < 1, a
+// tokens-per-step target that is not a multiple of T, a given B that does not divide
+// the target's sequences) or nothing fits (the message lists what was tried).
+Status choose_memory_plan(const Config& c, const MemoryPlanRequest& r, MemoryPlan* out);
+
+// The plan as printed at the start of training: a header line and one line per class,
+// total against `device_label` memory.
+std::string format_memory_plan(const MemoryPlan& p, const std::string& device_label);
+
+}  // namespace laplace
