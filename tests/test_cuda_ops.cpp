@@ -736,5 +736,97 @@ TEST_F(CudaOps, GlaDecodeContinuesPrefill) {
   EXPECT_LE(max_rel_error(pre->t, full->t.slice(1, 0, T)), 1e-5);
 }
 
+// ---- device-scalar optimizer ops (no host sync): vs the CPU op / the ungated CUDA op ----
+
+TEST_F(CudaOps, DeviceScalarOpsMatchHostScalarOps) {
+  Buf x = input({1024, 3072}, kF32, kF32, 120), y = input({333, 7}, kBF16, kF32, 121);
+  Buf s = zeros({4}, kF64, kF64);
+  Tensor acc = s.d().slice(0, 0, 1);
+  auto scalar_of = [&](const Tensor& d) {
+    double h = 0;
+    cuda_->copy(Tensor(&h, DType::kF64, {1}), d);
+    return h;
+  };
+  // Σ x² into a device scalar: the bits of sum_squares, accumulated in F64 like the host.
+  cuda_->sum_squares_into(x.d(), acc, false);
+  cuda_->sum_squares_into(y.d(), acc, true);
+  double want = 0;
+  want += cuda_->sum_squares(x.d());
+  want += cuda_->sum_squares(y.d());
+  EXPECT_EQ(scalar_of(acc), want);
+  const double cpu_ss = cpu_->sum_squares(x.r()) + cpu_->sum_squares(y.r());
+  EXPECT_LE(std::fabs(scalar_of(acc) - cpu_ss) / cpu_ss, 1e-10);
+  // {norm, coef, skip}: bitwise the CPU's (the same F64 sqrt/add/divide).
+  for (double ss : std::vector<double>{0.25, 4.0, 1e6, 3.3e-5, HUGE_VAL, std::nan("")}) {
+    for (double mx : {1.0, 0.0}) {
+      double hs = ss, hc[3];
+      cpu_->grad_clip_scalars(Tensor(&hs, DType::kF64, {1}), mx, Tensor(hc, DType::kF64, {3}));
+      cuda_->copy(acc, Tensor(&hs, DType::kF64, {1}));
+      cuda_->grad_clip_scalars(acc, mx, s.d().slice(0, 1, 4));
+      double d[4];
+      cuda_->copy(Tensor(d, DType::kF64, {4}), s.d());
+      for (int i = 0; i < 3; ++i) {
+        if (std::isnan(hc[i])) EXPECT_TRUE(std::isnan(d[i + 1])) << "ss " << ss << " field " << i;  // NaN payloads may differ
+        else EXPECT_EQ(std::memcmp(&d[i + 1], &hc[i], sizeof(double)), 0) << "ss " << ss << " max " << mx << " field " << i;
+      }
+    }
+  }
+  // scale_by / scale_by_inv_norm: the bits of scale(x, coef) / scale(x, 1/(√ss + eps)).
+  Buf a = input({513, 65}, kBF16, kF32, 122), b = input({513, 65}, kBF16, kF32, 122);
+  double c = 0.3719, ssv = 17.25;
+  cuda_->copy(acc, Tensor(&c, DType::kF64, {1}));
+  cuda_->scale_by(a.d(), acc);
+  cuda_->scale(b.d(), c);
+  cuda_->copy(acc, Tensor(&ssv, DType::kF64, {1}));
+  cuda_->scale_by_inv_norm(a.d(), acc, 1e-7);
+  cuda_->scale(b.d(), 1.0 / (std::sqrt(ssv) + 1e-7));
+  auto ha = down(a.d()), hb = down(b.d());
+  EXPECT_EQ(std::memcmp(ha->t.data, hb->t.data, ha->t.nbytes()), 0);
+  // loss_sum_into: the CPU's index-order F64 sum, bit for bit.
+  Buf l = input({5000}, kF32, kF32, 123, 0.0, 9.0);
+  double hl = 0;
+  cpu_->loss_sum_into(l.r(), 4999, Tensor(&hl, DType::kF64, {1}), false);
+  cuda_->loss_sum_into(l.d(), 4999, acc, false);
+  EXPECT_EQ(scalar_of(acc), hl);
+}
+
+TEST_F(CudaOps, GatedOptimizerOpsSkipOrMatchUngated) {
+  const std::vector<int64_t> shape = {300, 97};
+  Buf g = input(shape, kBF16, kF32, 130, -0.1, 0.1);
+  Buf w1 = input(shape, kF32, kF32, 131), w2 = input(shape, kF32, kF32, 131);
+  Buf m1 = input(shape, kF32, kF32, 132, -0.01, 0.01), m2 = input(shape, kF32, kF32, 132, -0.01, 0.01);
+  Buf v1 = input(shape, kF32, kF32, 133, 0, 0.01), v2 = input(shape, kF32, kF32, 133, 0, 0.01);
+  Buf u1 = zeros(shape, kBF16, kF32), u2 = zeros(shape, kBF16, kF32);
+  Buf sk = zeros({1}, kF64, kF64);
+  AdamWParams p;
+  p.lr = 0.01;
+  p.wd = 0.1;
+  p.step = 3;
+  auto same = [&](const Buf& a, const Buf& b) {
+    auto ha = down(a.d()), hb = down(b.d());
+    return std::memcmp(ha->t.data, hb->t.data, ha->t.nbytes()) == 0;
+  };
+  double one = 1.0;
+  cuda_->copy(sk.d(), Tensor(&one, DType::kF64, {1}));  // skip: nothing changes
+  cuda_->adamw_update_gated(w1.d(), g.d(), m1.d(), v1.d(), p, sk.d());
+  cuda_->muon_momentum_gated(g.d(), m1.d(), u1.d(), 0.95, true, sk.d());
+  cuda_->muon_apply_gated(w1.d(), u1.d(), 0.01, 0.1, 2.0, sk.d());
+  EXPECT_TRUE(same(w1, w2) && same(m1, m2) && same(v1, v2) && same(u1, u2));
+  double zero = 0.0;
+  cuda_->copy(sk.d(), Tensor(&zero, DType::kF64, {1}));  // not skipped: the ungated bits
+  cuda_->adamw_update_gated(w1.d(), g.d(), m1.d(), v1.d(), p, sk.d());
+  cuda_->adamw_update(w2.d(), g.d(), m2.d(), v2.d(), p);
+  cuda_->muon_momentum_gated(g.d(), m1.d(), u1.d(), 0.95, true, sk.d());
+  cuda_->muon_momentum(g.d(), m2.d(), u2.d(), 0.95, true);
+  cuda_->muon_apply_gated(w1.d(), u1.d(), 0.01, 0.1, 2.0, sk.d());
+  cuda_->muon_apply(w2.d(), u2.d(), 0.01, 0.1, 2.0);
+  EXPECT_TRUE(same(w1, w2));
+  EXPECT_TRUE(same(m1, m2));
+  EXPECT_TRUE(same(v1, v2));
+  EXPECT_TRUE(same(u1, u2));
+  auto w0 = input(shape, kF32, kF32, 131);
+  EXPECT_FALSE(same(w1, w0)) << "the unskipped update changed nothing";
+}
+
 }  // namespace
 }  // namespace laplace
