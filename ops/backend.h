@@ -120,6 +120,11 @@ class Backend {
   virtual void swiglu_forward(const Tensor& ab, Tensor h) = 0;
   virtual void swiglu_backward(const Tensor& dh, const Tensor& ab, Tensor dab) = 0;
 
+  // out[r] = the index of row r's largest value; ties go to the lowest index (the host
+  // sampler's greedy rule, serve/sampler.h). x [R, V] float; out [R] I32 on this device.
+  // NaN-free rows only (a NaN's position in the result is unspecified).
+  virtual void argmax_rows(const Tensor& x, Tensor out) = 0;
+
   // losses[n] = logsumexp(logits[n]) − logits[n][targets[n]]; targets < 0 give 0.
   // logits [N,V]; targets [N] I32; losses [N] (always F32 or the compute dtype).
   virtual void cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor losses) = 0;

@@ -99,6 +99,48 @@ void EagerExecutor::prefill(const PrefillPiece& piece, std::vector<float>* logit
   if (logits) logits_rows_to_host(m_, 1, logits);
 }
 
+EagerExecutor::~EagerExecutor() {
+  if (ids_dev_) m_.backend().allocator().deallocate(ids_dev_);
+}
+
+void EagerExecutor::decode_greedy(const DecodeBatch& batch, std::vector<int32_t>* ids) {
+  ForwardOptions fo;
+  fo.form = GlaForm::kRecurrent;
+  fo.last_logits_only = true;
+  m_.forward(batch.tokens.data(), batch.width(), 1, fo, &pool_, batch.slots.data());
+  Backend& be = m_.backend();
+  const int64_t n = batch.live;
+  ids->resize(static_cast<size_t>(n));
+  if (n == 0) return;
+  if (n > ids_cap_) {
+    if (ids_dev_) be.allocator().deallocate(ids_dev_);
+    ids_dev_ = be.allocator().allocate(static_cast<size_t>(n) * sizeof(int32_t));
+    LAPLACE_CHECK(ids_dev_ != nullptr, "decode_greedy: out of device memory for the token ids");
+    ids_cap_ = n;
+  }
+  const Tensor dev(ids_dev_, DType::kI32, {n}, be.device());
+  be.argmax_rows(m_.logits().slice(0, 0, n), dev);
+  be.copy(Tensor(ids->data(), DType::kI32, {n}), dev);
+  be.synchronize();
+}
+
+void EagerExecutor::last_row_logits(int64_t b, std::vector<float>* row) {
+  const Tensor all = m_.logits();
+  LAPLACE_CHECK(b >= 0 && b < all.shape[0], "last_row_logits: no such row");
+  const int64_t V = all.shape[1];
+  row->resize(static_cast<size_t>(V));
+  LAPLACE_CHECK(all.dtype == DType::kF32 || all.dtype == DType::kF64, "last_row_logits: unsupported dtype");
+  if (all.dtype == DType::kF32) {
+    m_.backend().copy(Tensor(row->data(), DType::kF32, {1, V}), all.slice(0, b, b + 1));
+  } else {
+    std::vector<double> d(static_cast<size_t>(V));
+    m_.backend().copy(Tensor(d.data(), DType::kF64, {1, V}), all.slice(0, b, b + 1));
+    m_.backend().synchronize();
+    std::copy(d.begin(), d.end(), row->begin());
+  }
+  m_.backend().synchronize();
+}
+
 void EagerExecutor::decode(const DecodeBatch& batch, std::vector<float>* logits) {
   ForwardOptions fo;
   fo.form = GlaForm::kRecurrent;
@@ -419,16 +461,23 @@ void Engine::finish(Seq* s, FinishReason r, const float* logits) {
   if (s->req.on_finish) s->req.on_finish(s->info);
 }
 
-void Engine::emit(Seq* s, const float* logits) {
-  const int32_t tok = s->sampler.sample(logits, vocab_);
+void Engine::emit(Seq* s, const float* logits) { emit_token(s, s->sampler.sample(logits, vocab_), logits, -1); }
+
+bool Engine::device_greedy_row(const Seq* s) const {
+  return s->sampler.plain_greedy() && !(s->req.top_logprobs >= 0 && s->req.on_logprobs);
+}
+
+void Engine::emit_token(Seq* s, int32_t tok, const float* logits, int64_t row) {
   const double t = now();
   FinishInfo& info = s->info;
   if (info.first_token_time < 0) info.first_token_time = t;
   info.token_times.push_back(t);
   ++info.generated_tokens;
   if (s->req.capture_final_state || s->req.cache_final_state) s->generated.push_back(tok);
-  if (s->req.top_logprobs >= 0 && s->req.on_logprobs && !s->cancelled.load())
+  if (s->req.top_logprobs >= 0 && s->req.on_logprobs && !s->cancelled.load()) {
+    LAPLACE_CHECK(logits != nullptr, "emit_token: logprobs need the logits");
     s->req.on_logprobs(info.id, token_logprobs(logits, vocab_, tok, s->req.top_logprobs));
+  }
   if (s->req.on_token && !s->cancelled.load()) s->req.on_token(info.id, tok);
   FinishReason r;
   if (s->eos >= 0 && tok == s->eos) {
@@ -440,6 +489,10 @@ void Engine::emit(Seq* s, const float* logits) {
   } else {
     s->next = tok;
     return;
+  }
+  if (!logits && (s->req.capture_final_state || (s->req.cache_final_state && cache_on_))) {
+    exec_->last_row_logits(row, &row_logits_);  // only a finishing row's final state needs them
+    logits = row_logits_.data();
   }
   finish(s, r, logits);
 }
@@ -503,8 +556,11 @@ bool Engine::step() {
 
   // Decode first: running sequences get their token before new prompts are prefilled.
   if (!plan.decode.empty()) {
+    bool greedy = opt_.device_greedy;
+    for (int64_t b = 0; b < plan.batch.live && greedy; ++b) greedy = device_greedy_row(plan.decode[b]);
     const double t = now();
-    exec_->decode(plan.batch, &logits_);
+    if (greedy) exec_->decode_greedy(plan.batch, &greedy_ids_);
+    else exec_->decode(plan.batch, &logits_);
     d.decode_seconds += now() - t;
     ++d.decode_forwards;
     d.decode_tokens += plan.batch.live;
@@ -513,7 +569,12 @@ bool Engine::step() {
     for (int64_t b = 0; b < plan.batch.live; ++b) {
       Seq* s = plan.decode[b];
       if (s->cancelled.load()) continue;
-      emit(s, logits_.data() + b * vocab_);
+      if (greedy) {
+        s->sampler.record(greedy_ids_[static_cast<size_t>(b)]);
+        emit_token(s, greedy_ids_[static_cast<size_t>(b)], nullptr, b);
+      } else {
+        emit(s, logits_.data() + b * vocab_);
+      }
       ++d.generated_tokens;
     }
     d.sample_seconds += now() - ts;

@@ -70,6 +70,11 @@ struct EngineOptions {
   // max_width × prefill_chunk rows of activations (see docs/serving.md). With false,
   // the model must already be planned at least that large.
   bool plan_model = true;
+  // Decode steps whose rows are all plain greedy (temperature 0, no penalties, no
+  // logprobs) take each token from an argmax where the logits are (the device), copying
+  // B ids instead of B × V logits to the host; a row's logits are fetched only when its
+  // final state is captured or cached. Same tokens as the host sampler (same tie rule).
+  bool device_greedy = true;
 };
 
 struct EngineStats {
@@ -122,6 +127,11 @@ class StepExecutor {
   // Recurrent-form forward of one decode batch (states updated in place in their slots);
   // leaves the F32 logits of rows [0, live) in logits, [live × V] row-major.
   virtual void decode(const DecodeBatch& batch, std::vector<float>* logits) = 0;
+  // The same forward, then each live row's argmax (ties: the lowest id) where the logits
+  // are; ids gets rows [0, live). The logits stay there for last_row_logits().
+  virtual void decode_greedy(const DecodeBatch& batch, std::vector<int32_t>* ids) = 0;
+  // Row b of the last forward's logits, as host F32 [V].
+  virtual void last_row_logits(int64_t b, std::vector<float>* row) = 0;
 };
 
 // Model::forward for every piece and batch (works on any backend).
@@ -130,10 +140,15 @@ class EagerExecutor : public StepExecutor {
   EagerExecutor(Model& m, StatePool& pool) : m_(m), pool_(pool) {}
   void prefill(const PrefillPiece& piece, std::vector<float>* logits) override;
   void decode(const DecodeBatch& batch, std::vector<float>* logits) override;
+  void decode_greedy(const DecodeBatch& batch, std::vector<int32_t>* ids) override;
+  void last_row_logits(int64_t b, std::vector<float>* row) override;
+  ~EagerExecutor() override;
 
  private:
   Model& m_;
   StatePool& pool_;
+  void* ids_dev_ = nullptr;  // [ids_cap] I32 on the backend's device: the argmax of each row
+  int64_t ids_cap_ = 0;
 };
 
 // The first `rows` rows of the model's last logits, as host F32 [rows × V].
@@ -211,6 +226,10 @@ class Engine {
   int64_t width_for(int64_t n) const;
   // Emits a token for seq (sampled from logits row) and finishes it when a stop rule hits.
   void emit(Seq* s, const float* logits);
+  // The same for a token chosen already (device greedy): `logits` may be null, then row
+  // `row` of the executor's last forward is fetched if a final state needs it.
+  void emit_token(Seq* s, int32_t tok, const float* logits, int64_t row);
+  bool device_greedy_row(const Seq* s) const;
   void start_decoding(Seq* s, const float* logits);
   // logits: the row that gave the last token (final snapshot); null when cancelled.
   void finish(Seq* s, FinishReason r, const float* logits);
@@ -244,6 +263,8 @@ class Engine {
   int64_t running_ = 0;
   std::vector<std::unique_ptr<Seq>> done_;     // finished this step, destroyed at its end
   std::vector<float> logits_;
+  std::vector<float> row_logits_;   // one row fetched for a final state (device greedy)
+  std::vector<int32_t> greedy_ids_;
 };
 
 }  // namespace laplace

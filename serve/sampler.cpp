@@ -84,9 +84,18 @@ int32_t Sampler::sample(const float* logits, int64_t V) {
     }
     token = order_[pick];
   }
+  record(token);
+  return token;
+}
+
+bool Sampler::plain_greedy() const {
+  return opt_.temperature <= 0.0 && opt_.repetition_penalty == 1.0 && opt_.frequency_penalty == 0.0 &&
+         opt_.presence_penalty == 0.0;
+}
+
+void Sampler::record(int32_t token) {
   ++generated_counts_[token];
   seen_[token] = true;
-  return token;
 }
 
 TokenLogprobs token_logprobs(const float* logits, int64_t V, int32_t token, int k) {

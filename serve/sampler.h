@@ -45,6 +45,12 @@ class Sampler {
 
   // Picks a token from logits[0..V) and records it for the penalties.
   int32_t sample(const float* logits, int64_t V);
+  // True when sample() is argmax(logits) whatever was seen: temperature 0 and no
+  // penalty. The engine then takes the token from a device argmax (ops argmax_rows,
+  // the same tie rule) and reports it with record().
+  bool plain_greedy() const;
+  // Records a token chosen elsewhere as sample() would have recorded it.
+  void record(int32_t token);
   // Records prompt tokens too (penalties count them, as OpenAI's and vLLM's do for
   // repetition; presence/frequency count only generated tokens).
   void observe_prompt(const std::vector<int32_t>& ids);

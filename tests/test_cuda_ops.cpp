@@ -502,6 +502,34 @@ TEST_F(CudaOps, SumSquares) {
   }
 }
 
+// Greedy token selection at the real vocabulary: every row's argmax equals the CPU's,
+// including planted ties (lowest index wins) and a strided view.
+TEST_F(CudaOps, ArgmaxRowsVocabWithTies) {
+  const int64_t R = 67, V = 92160;
+  Buf x = input({R, V}, kF32, kF32, 95);
+  auto h = down(x.d());
+  float* hp = static_cast<float*>(h->t.data);
+  float* rp = static_cast<float*>(x.r().data);
+  for (int64_t r = 0; r < R; ++r) {  // a tie of the row's maximum at two places
+    const int64_t a = (r * 7919) % V, b = (r * 104729 + 11) % V;
+    hp[r * V + a] = hp[r * V + b] = rp[r * V + a] = rp[r * V + b] = 2.0f;
+  }
+  cuda_->copy(x.d(), h->t);
+  Buf out = zeros({R}, DType::kI32, DType::kI32);
+  cpu_->argmax_rows(x.r(), out.r());
+  cuda_->argmax_rows(x.d(), out.d());
+  auto got = down(out.d());
+  EXPECT_EQ(0, std::memcmp(got->t.data, out.r().data, R * sizeof(int32_t)));
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t a = (r * 7919) % V, b = (r * 104729 + 11) % V;
+    EXPECT_EQ(static_cast<const int32_t*>(got->t.data)[r], static_cast<int32_t>(std::min(a, b))) << "row " << r;
+  }
+  Buf strided = zeros({R}, DType::kI32, DType::kI32);
+  cpu_->argmax_rows(x.r().slice(1, 5, V - 3), strided.r());
+  cuda_->argmax_rows(x.d().slice(1, 5, V - 3), strided.d());
+  EXPECT_EQ(0, std::memcmp(down(strided.d())->t.data, strided.r().data, R * sizeof(int32_t)));
+}
+
 // Per-row Σx² (the distributed global norm's partials): each row vs the CPU's left-to-right
 // F64 sum, and a row shard gives the same bits as those rows of the whole matrix.
 TEST_F(CudaOps, RowSumSquaresRowsAndShards) {

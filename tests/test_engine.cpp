@@ -108,6 +108,7 @@ class RowGemmBackend : public Backend {
     cpu_->cross_entropy_backward(l, t, s, d);
   }
   double sum_squares(const Tensor& x) override { return cpu_->sum_squares(x); }
+  void argmax_rows(const Tensor& x, Tensor o) override { cpu_->argmax_rows(x, o); }
   void row_sum_squares(const Tensor& x, Tensor out) override { cpu_->row_sum_squares(x, out); }
   void scale(Tensor x, double a) override { cpu_->scale(x, a); }
   void adamw_update(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p) override {
@@ -293,6 +294,63 @@ TEST_P(EngineGreedy, MatchesGenerateTokenForToken) {
 
 INSTANTIATE_TEST_SUITE_P(Engine, EngineGreedy, ::testing::Values(false, true),
                          [](const auto& info) { return std::string(info.param ? "RowInvariant" : "OpenBlas"); });
+
+// Device greedy (the executor's argmax, no logits to the host) against host sampling of
+// the same logits: the same tokens, the same final states and the same final-state logits
+// (fetched one row at a time when a request finishes); a batch with one sampled request
+// falls back to host sampling for that step, and both agree there too.
+TEST(EngineDeviceGreedy, SameTokensStatesAndFinalLogitsAsHostSampling) {
+  auto run = [](bool device_greedy, bool with_sampled) {
+    EngineOptions o = opts(4, 8, 40);
+    o.device_greedy = device_greedy;
+    Rig r(o);
+    std::vector<RequestId> ids;
+    std::map<RequestId, SnapshotPtr> finals;
+    for (int i = 0; i < 5; ++i) {
+      Request q = r.make(random_tokens(3 + 4 * i, r.c.vocab_size, 300 + i), 9 + i,
+                         with_sampled && i == 2 ? sampled(11) : greedy());
+      q.capture_final_state = true;
+      auto prev = q.on_finish;
+      q.on_finish = [prev, &finals](const FinishInfo& f) {
+        prev(f);
+        finals[f.id] = f.final_state;
+      };
+      ids.push_back(r.add(std::move(q)));
+    }
+    r.eng->run_until_idle();
+    std::vector<std::pair<Outcome, SnapshotPtr>> res;
+    for (RequestId id : ids) res.push_back({r.out[id], finals[id]});
+    return res;
+  };
+  for (bool with_sampled : {false, true}) {
+    SCOPED_TRACE(with_sampled ? "one sampled request" : "all greedy");
+    const auto host = run(false, with_sampled), dev = run(true, with_sampled);
+    ASSERT_EQ(host.size(), dev.size());
+    for (size_t i = 0; i < host.size(); ++i) {
+      EXPECT_EQ(host[i].first.tokens, dev[i].first.tokens) << "request " << i;
+      EXPECT_EQ(host[i].first.state, dev[i].first.state) << "request " << i;
+      ASSERT_TRUE(host[i].second && dev[i].second) << "request " << i;
+      EXPECT_EQ(host[i].second->logits, dev[i].second->logits) << "request " << i;
+      EXPECT_EQ(host[i].second->tokens, dev[i].second->tokens) << "request " << i;
+    }
+  }
+}
+
+// argmax_rows: ties go to the lowest index, like the host sampler's argmax.
+TEST(EngineDeviceGreedy, ArgmaxRowsTiesGoToTheLowestIndex) {
+  auto be = make_cpu_backend();
+  testing::OwnedTensor x(DType::kF32, {3, 7});
+  const float v[3][7] = {{1, 5, 2, 5, 0, 5, 1}, {-3, -2, -2, -9, -1, -1, -4}, {0, 0, 0, 0, 0, 0, 0}};
+  for (int r = 0; r < 3; ++r)
+    for (int c = 0; c < 7; ++c) static_cast<float*>(static_cast<Tensor>(x).data)[r * 7 + c] = v[r][c];
+  testing::OwnedTensor out(DType::kI32, {3});
+  be->argmax_rows(x, out);
+  const int32_t* o = static_cast<const int32_t*>(static_cast<Tensor>(out).data);
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(o[r], argmax(v[r], 7)) << "row " << r;
+  EXPECT_EQ(o[0], 1);
+  EXPECT_EQ(o[1], 4);
+  EXPECT_EQ(o[2], 0);
+}
 
 // ---- batch invariance ---------------------------------------------------------------------
 

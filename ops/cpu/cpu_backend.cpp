@@ -890,6 +890,24 @@ void CpuBackend::swiglu_backward(const Tensor& dh, const Tensor& ab, Tensor dab)
   dispatch(ab.dtype, [&](auto tag) { swiglu_bwd<decltype(tag)>(dh, ab, dab); });
 }
 
+void CpuBackend::argmax_rows(const Tensor& x, Tensor out) {
+  LAPLACE_CHECK(out.dtype == DType::kI32 && out.is_contiguous(), "argmax_rows: out must be contiguous I32");
+  int32_t* o = static_cast<int32_t*>(out.data);
+  dispatch(x.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const Rows r = rows_of(x);
+    LAPLACE_CHECK(r.n == out.numel(), "argmax_rows: out must have one entry per row of x");
+#pragma omp parallel for schedule(static) if (r.n * r.cols > kParallelMin)
+    for (int64_t row = 0; row < r.n; ++row) {
+      const T* p = row_ptr<T>(x, r, row);
+      int64_t best = 0;
+      for (int64_t i = 1; i < r.cols; ++i)
+        if (p[i] > p[best]) best = i;
+      o[row] = static_cast<int32_t>(best);
+    }
+  });
+}
+
 void CpuBackend::cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor losses) {
   dispatch(logits.dtype, [&](auto tag) { xent_fwd<decltype(tag)>(logits, targets, losses); });
 }

@@ -54,6 +54,7 @@ class CpuBackend final : public Backend {
   void swiglu_forward(const Tensor& ab, Tensor h) override;
   void swiglu_backward(const Tensor& dh, const Tensor& ab, Tensor dab) override;
 
+  void argmax_rows(const Tensor& x, Tensor out) override;
   void cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor losses) override;
   void cross_entropy_backward(const Tensor& logits, const Tensor& targets, double scale,
                               Tensor dlogits) override;
