@@ -60,6 +60,10 @@ Status run_train(TrainArgs& a) {
   MuonComm mc;
   LAPLACE_RETURN_IF_ERROR(muon_comm_from_name(a.muon_comm, &mc));
   if (a.distributed || launched_by_mpi()) {
+    if (a.o.batch_auto || a.o.tokens_per_step > 0)
+      return Status::invalid_argument(
+          "--batch auto and --tokens-per-step choose a single-process memory plan; distributed training takes "
+          "--batch and --grad-accum per rank (docs/distributed.md)");
     // FSDP-style data parallel, one rank per process (P = 1 without mpirun): over MPI on
     // CPUs, over NCCL on GPUs (one GPU per rank; this picks it, so it comes first).
     std::unique_ptr<Communicator> comm;

@@ -321,6 +321,16 @@ TEST(DistCheckpoint, SingleProcessTrainerResumesADistributedCheckpoint) {
   EXPECT_TRUE(std::isfinite(l.back()));
 }
 
+// The single-process memory planner's flags are refused in distributed mode, not ignored.
+TEST(DistCli, BatchAutoIsRefusedInDistributedMode) {
+  DistFixture f;
+  std::string out;
+  EXPECT_EQ(f.run(0, "auto", "--batch auto", &out, 2), 1) << out;
+  EXPECT_NE(out.find("--batch and --grad-accum per rank"), std::string::npos) << out;
+  EXPECT_EQ(f.run(0, "tps", "--tokens-per-step 64", &out, 2), 1) << out;
+  EXPECT_NE(out.find("--batch and --grad-accum per rank"), std::string::npos) << out;
+}
+
 // Every collective and type over Open MPI, checked on every rank (cli/cmd_dist.cpp).
 TEST(DistComm, MpiSelftestOnThreeAndFourRanks) {
   REQUIRE_MPIRUN();
