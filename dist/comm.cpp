@@ -36,66 +36,28 @@ void check_sizes(const Communicator& c, const std::vector<int64_t>& v, const cha
   for (int64_t x : v) LAPLACE_CHECK(x >= 0, what);
 }
 
-// acc (n elements) = Σ_q parts[q·n ..] in rank order: acc = part₀; acc += part₁; …
-void sum_in_rank_order(const char* parts, int P, int64_t n, void* acc, CommType t) {
-  switch (t) {
-    case CommType::kF32: {
-      const float* p = reinterpret_cast<const float*>(parts);
-      float* a = static_cast<float*>(acc);
-      std::memcpy(a, p, static_cast<size_t>(n) * 4);
-      for (int q = 1; q < P; ++q)
-        for (int64_t i = 0; i < n; ++i) a[i] = a[i] + p[q * n + i];
-      break;
-    }
-    case CommType::kF64: {
-      const double* p = reinterpret_cast<const double*>(parts);
-      double* a = static_cast<double*>(acc);
-      std::memcpy(a, p, static_cast<size_t>(n) * 8);
-      for (int q = 1; q < P; ++q)
-        for (int64_t i = 0; i < n; ++i) a[i] = a[i] + p[q * n + i];
-      break;
-    }
-    case CommType::kI64: {
-      const int64_t* p = reinterpret_cast<const int64_t*>(parts);
-      int64_t* a = static_cast<int64_t*>(acc);
-      std::memcpy(a, p, static_cast<size_t>(n) * 8);
-      for (int q = 1; q < P; ++q)
-        for (int64_t i = 0; i < n; ++i) a[i] = a[i] + p[q * n + i];
-      break;
-    }
-    case CommType::kBF16: {
-      const uint16_t* p = reinterpret_cast<const uint16_t*>(parts);
-      uint16_t* a = static_cast<uint16_t*>(acc);
-      for (int64_t i = 0; i < n; ++i) {
-        float s = bf16_to_float(p[i]);
-        for (int q = 1; q < P; ++q) s = s + bf16_to_float(p[q * n + i]);
-        a[i] = float_to_bf16(s);
-      }
-      break;
-    }
+// out[i] = Σ_q parts[q·n + i] in rank order (s = part₀; s = s + part₁; …), accumulated in
+// A (F32 for BF16, else the type itself) and stored once; with accumulate, the stored sum
+// is then added to out[i] (out[i] + sum, rounded once more for BF16).
+template <class T, class A, class Load, class Store>
+void sum_typed(const void* parts, int P, int64_t n, void* out, bool accumulate, Load load, Store store) {
+  const T* p = static_cast<const T*>(parts);
+  T* o = static_cast<T*>(out);
+  for (int64_t i = 0; i < n; ++i) {
+    A s = load(p[i]);
+    for (int q = 1; q < P; ++q) s = s + load(p[q * n + i]);
+    o[i] = accumulate ? store(load(o[i]) + load(store(s))) : store(s);
   }
 }
 
-// a = a + b element-wise in the type (BF16: in F32, rounded once).
-void add_in_place(void* a, const void* b, int64_t n, CommType t) {
+void sum_in_rank_order(const void* parts, int P, int64_t n, void* out, CommType t, bool accumulate) {
+  auto same = [](auto x) { return x; };
   switch (t) {
-    case CommType::kF32:
-      for (int64_t i = 0; i < n; ++i) static_cast<float*>(a)[i] = static_cast<float*>(a)[i] + static_cast<const float*>(b)[i];
-      break;
-    case CommType::kF64:
-      for (int64_t i = 0; i < n; ++i)
-        static_cast<double*>(a)[i] = static_cast<double*>(a)[i] + static_cast<const double*>(b)[i];
-      break;
-    case CommType::kI64:
-      for (int64_t i = 0; i < n; ++i)
-        static_cast<int64_t*>(a)[i] = static_cast<int64_t*>(a)[i] + static_cast<const int64_t*>(b)[i];
-      break;
+    case CommType::kF32: return sum_typed<float, float>(parts, P, n, out, accumulate, same, same);
+    case CommType::kF64: return sum_typed<double, double>(parts, P, n, out, accumulate, same, same);
+    case CommType::kI64: return sum_typed<int64_t, int64_t>(parts, P, n, out, accumulate, same, same);
     case CommType::kBF16:
-      for (int64_t i = 0; i < n; ++i) {
-        uint16_t* x = static_cast<uint16_t*>(a) + i;
-        *x = float_to_bf16(bf16_to_float(*x) + bf16_to_float(static_cast<const uint16_t*>(b)[i]));
-      }
-      break;
+      return sum_typed<uint16_t, float>(parts, P, n, out, accumulate, bf16_to_float, float_to_bf16);
   }
 }
 
@@ -176,10 +138,7 @@ void* Communicator::reduction_scratch(size_t bytes, const void*) {
 }
 
 void Communicator::sum_parts(const void* parts, int P, int64_t n, void* out, CommType t, bool accumulate) {
-  if (!accumulate) return sum_in_rank_order(static_cast<const char*>(parts), P, n, out, t);
-  std::vector<char> sum(static_cast<size_t>(n) * comm_type_size(t));
-  sum_in_rank_order(static_cast<const char*>(parts), P, n, sum.data(), t);
-  add_in_place(out, sum.data(), n, t);
+  sum_in_rank_order(parts, P, n, out, t, accumulate);
 }
 
 // ---- single process ------------------------------------------------------------------
