@@ -209,7 +209,6 @@ Status FsdpTrainer::setup_local() {
   ns_.add_specs(&ms, "muon.ns.");
   LAPLACE_RETURN_IF_ERROR(muon_.create(std::move(ms), be_->allocator(), "Muon buffers"));
   ushard_ = muon_.tensor(0);
-  oshard_ = ushard_;
   owned_ = muon_.tensor(1);
   bcast_ = muon_.tensor(2);
   LAPLACE_RETURN_IF_ERROR(ns_.bind(muon_, "muon.ns."));
@@ -346,13 +345,12 @@ Status FsdpTrainer::setup() {
 // step): the weights are as they were; only the region and the marks are renewed.
 void FsdpTrainer::gather_weights(bool changed) {
   const bool round = wdtype_ != dtype_;
+  auto rounded = [&](const Local& l) {  // my rows of a parameter in wshard_
+    return static_cast<char*>(wshard_.data) + l.ws_off * static_cast<int64_t>(dtype_size(wdtype_));
+  };
   if (changed && round)  // my rows rounded once: every rank gets the same bf16(master) bits
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const Local& l = local_[i];
-      if (!l.w.defined()) continue;
-      char* dst = static_cast<char*>(wshard_.data) + l.ws_off * static_cast<int64_t>(dtype_size(wdtype_));
-      be_->copy(Tensor::make(dst, wdtype_, l.w.shape.data(), l.w.ndim, dev_), l.w);
-    }
+    for (const Local& l : local_)
+      if (l.w.defined()) be_->copy(Tensor::make(rounded(l), wdtype_, l.w.shape.data(), l.w.ndim, dev_), l.w);
   comm_.overlap_begin();
   gather_mark_.assign(groups_.size(), 0);
   for (size_t g = 0; g < groups_.size(); ++g) {
@@ -360,10 +358,7 @@ void FsdpTrainer::gather_weights(bool changed) {
       for (size_t i : groups_[g]) {
         const std::vector<int64_t> counts = counts_of(i);
         const Local& l = local_[i];
-        const void* mine =
-            !l.w.defined() ? nullptr
-            : round        ? static_cast<const char*>(wshard_.data) + l.ws_off * static_cast<int64_t>(dtype_size(wdtype_))
-                           : l.w.data;
+        const void* mine = !l.w.defined() ? nullptr : round ? rounded(l) : l.w.data;
         comm_.all_gather(mine, l.full_w.data, counts, prefix(counts), round ? CommType::kBF16 : ctype_);
       }
     gather_mark_[g] = comm_.mark();
@@ -411,7 +406,7 @@ double FsdpTrainer::grad_norm() {
 void FsdpTrainer::muon_exchange_all_to_all() {
   const size_t es = dtype_size(dtype_);
   char* u = static_cast<char*>(ushard_.data);
-  char* o = static_cast<char*>(oshard_.data);
+  char* o = u;  // the orthogonalised rows overwrite the update's (setup_local)
   char* owned = static_cast<char*>(owned_.data);
   auto my_rows_of = [&](size_t k, char* base) {  // this rank's rows of unit k in a shard buffer
     const MuonUnit& un = units_[k];
@@ -478,7 +473,7 @@ void FsdpTrainer::muon_exchange_all_to_all() {
 void FsdpTrainer::muon_exchange_gather() {
   const size_t es = dtype_size(dtype_);
   char* u = static_cast<char*>(ushard_.data);
-  char* o = static_cast<char*>(oshard_.data);
+  char* o = u;  // the orthogonalised rows overwrite the update's (setup_local)
   char* owned = static_cast<char*>(owned_.data);
   for (size_t k = 0; k < units_.size(); ++k) {
     const MuonUnit& un = units_[k];
@@ -552,7 +547,7 @@ StepResult FsdpTrainer::optimizer_step(double lr, DistStepTraffic* traffic) {
   for (size_t i = 0; i < params_.size(); ++i) {
     Local& l = local_[i];
     if (!params_[i].muon || !l.w.defined()) continue;
-    muon_finish(be, l.w, buf_view(oshard_, i), params_[i].blocks, l.mine.begin, lr, cfg.weight_decay, cfg.scale);
+    muon_finish(be, l.w, buf_view(ushard_, i), params_[i].blocks, l.mine.begin, lr, cfg.weight_decay, cfg.scale);
   }
   be.synchronize();
   traffic->muon_ms = 1e3 * (now_s() - t_muon);

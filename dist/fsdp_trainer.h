@@ -133,7 +133,7 @@ class FsdpTrainer {
   std::vector<MuonUnit> units_;
   std::vector<std::vector<RowRange>> unit_ov_;  // [unit][rank] rows of the unit in that rank's shard
   std::vector<int64_t> owned_off_;              // [unit] offset in owned buffer, -1 if not mine
-  Tensor ushard_, oshard_, owned_, bcast_;  // oshard_ is ushard_ (o overwrites u in place)
+  Tensor ushard_, owned_, bcast_;  // ushard_: the Muon update u, overwritten in place by o = NS(u)
   Tensor wshard_;  // [Σ my shard elements] wdtype_: every shard's masters rounded for the weight all-gather
   std::vector<int64_t> gather_mark_;  // [group] the communicator's mark after the group's all-gather
   Tensor rowsq_;   // [my rows, all params] F64: per-row Σg² for the global norm
