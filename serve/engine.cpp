@@ -66,13 +66,13 @@ Status resolve_slots(const Config& c, const EngineOptions& o, DType st, int64_t*
 
 // ---- executor ------------------------------------------------------------------------
 
-void logits_rows_to_host(const Model& m, int64_t rows, std::vector<float>* out) {
+void logits_rows_to_host(const Model& m, int64_t first, int64_t rows, std::vector<float>* out) {
   const Tensor all = m.logits();
-  LAPLACE_CHECK(rows >= 0 && rows <= all.shape[0], "logits_rows_to_host: too many rows");
+  LAPLACE_CHECK(first >= 0 && rows >= 0 && first + rows <= all.shape[0], "logits_rows_to_host: no such rows");
   const int64_t V = all.shape[1];
   out->resize(static_cast<size_t>(rows * V));
   if (rows == 0) return;
-  const Tensor src = all.slice(0, 0, rows);
+  const Tensor src = all.slice(0, first, first + rows);
   Backend& be = m.backend();
   if (src.dtype == DType::kF32) {
     be.copy(Tensor(out->data(), DType::kF32, {rows, V}), src);
@@ -96,18 +96,22 @@ void EagerExecutor::prefill(const PrefillPiece& piece, std::vector<float>* logit
   fo.form = GlaForm::kChunked;
   fo.last_logits_only = true;
   m_.forward(piece.tokens, 1, piece.n, fo, &pool_, &piece.slot);
-  if (logits) logits_rows_to_host(m_, 1, logits);
+  if (logits) logits_rows_to_host(m_, 0, 1, logits);
 }
 
 EagerExecutor::~EagerExecutor() {
   if (ids_dev_) m_.backend().allocator().deallocate(ids_dev_);
 }
 
-void EagerExecutor::decode_greedy(const DecodeBatch& batch, std::vector<int32_t>* ids) {
+void EagerExecutor::forward_decode(const DecodeBatch& batch) {
   ForwardOptions fo;
   fo.form = GlaForm::kRecurrent;
   fo.last_logits_only = true;
   m_.forward(batch.tokens.data(), batch.width(), 1, fo, &pool_, batch.slots.data());
+}
+
+void EagerExecutor::decode_greedy(const DecodeBatch& batch, std::vector<int32_t>* ids) {
+  forward_decode(batch);
   Backend& be = m_.backend();
   const int64_t n = batch.live;
   ids->resize(static_cast<size_t>(n));
@@ -124,29 +128,11 @@ void EagerExecutor::decode_greedy(const DecodeBatch& batch, std::vector<int32_t>
   be.synchronize();
 }
 
-void EagerExecutor::last_row_logits(int64_t b, std::vector<float>* row) {
-  const Tensor all = m_.logits();
-  LAPLACE_CHECK(b >= 0 && b < all.shape[0], "last_row_logits: no such row");
-  const int64_t V = all.shape[1];
-  row->resize(static_cast<size_t>(V));
-  LAPLACE_CHECK(all.dtype == DType::kF32 || all.dtype == DType::kF64, "last_row_logits: unsupported dtype");
-  if (all.dtype == DType::kF32) {
-    m_.backend().copy(Tensor(row->data(), DType::kF32, {1, V}), all.slice(0, b, b + 1));
-  } else {
-    std::vector<double> d(static_cast<size_t>(V));
-    m_.backend().copy(Tensor(d.data(), DType::kF64, {1, V}), all.slice(0, b, b + 1));
-    m_.backend().synchronize();
-    std::copy(d.begin(), d.end(), row->begin());
-  }
-  m_.backend().synchronize();
-}
+void EagerExecutor::last_row_logits(int64_t b, std::vector<float>* row) { logits_rows_to_host(m_, b, 1, row); }
 
 void EagerExecutor::decode(const DecodeBatch& batch, std::vector<float>* logits) {
-  ForwardOptions fo;
-  fo.form = GlaForm::kRecurrent;
-  fo.last_logits_only = true;
-  m_.forward(batch.tokens.data(), batch.width(), 1, fo, &pool_, batch.slots.data());
-  logits_rows_to_host(m_, batch.live, logits);
+  forward_decode(batch);
+  logits_rows_to_host(m_, 0, batch.live, logits);
 }
 
 // ---- engine --------------------------------------------------------------------------
@@ -329,13 +315,17 @@ bool Engine::cancel(RequestId id) {
     cancel_in_step_.push_back(s);
     return true;
   }
+  finish_cancelled_locked(s);
+  return true;
+}
+
+void Engine::finish_cancelled_locked(Seq* s) {
   s->info.reason = FinishReason::kCancelled;
   s->info.finish_time = now();
   const int32_t slot = s->slot;
   release_slot_locked(s);
   ++stats_.cancelled;
   pending_finish_.push_back(std::move(by_slot_[slot]));
-  return true;
 }
 
 std::vector<Engine::Seq*> Engine::admit_locked() {
@@ -601,12 +591,7 @@ bool Engine::step() {
     std::lock_guard<std::mutex> lk(mu_);
     for (Seq* s : cancel_in_step_) {
       if (s->done) continue;  // finished on its own during the step
-      s->info.reason = FinishReason::kCancelled;
-      s->info.finish_time = now();
-      const int32_t slot = s->slot;
-      release_slot_locked(s);
-      ++stats_.cancelled;
-      pending_finish_.push_back(std::move(by_slot_[slot]));
+      finish_cancelled_locked(s);
     }
     cancel_in_step_.clear();
     if (work) ++stats_.steps;

@@ -145,14 +145,15 @@ class EagerExecutor : public StepExecutor {
   ~EagerExecutor() override;
 
  private:
+  void forward_decode(const DecodeBatch& batch);  // the recurrent forward, logits left on the device
   Model& m_;
   StatePool& pool_;
   void* ids_dev_ = nullptr;  // [ids_cap] I32 on the backend's device: the argmax of each row
   int64_t ids_cap_ = 0;
 };
 
-// The first `rows` rows of the model's last logits, as host F32 [rows × V].
-void logits_rows_to_host(const Model& m, int64_t rows, std::vector<float>* out);
+// Rows [first, first + rows) of the model's last logits, as host F32 [rows × V].
+void logits_rows_to_host(const Model& m, int64_t first, int64_t rows, std::vector<float>* out);
 
 class Engine {
  public:
@@ -235,6 +236,8 @@ class Engine {
   void finish(Seq* s, FinishReason r, const float* logits);
   SnapshotPtr snapshot(Seq* s, const float* logits, bool with_generated);
   void release_slot_locked(Seq* s);
+  // A running request cancelled outside a step's work: its slot freed, its finish queued.
+  void finish_cancelled_locked(Seq* s);
 
   Model& model_;
   EngineOptions opt_;
