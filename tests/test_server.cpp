@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <latch>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -123,6 +124,10 @@ class ServerTest : public ::testing::Test {
   };
   static Reply post(const std::string& path, const std::string& body, bool key = true) {
     auto c = client(key);
+    return post_on(c, path, body);
+  }
+  // The same over an existing client (its kept-alive connection, if it has one).
+  static Reply post_on(httplib::Client& c, const std::string& path, const std::string& body) {
     auto r = c.Post(path, body, "application/json");
     Reply out;
     if (!r) return out;
@@ -722,12 +727,22 @@ TEST_F(ServerTest, FullQueueAnswers429WithRetryAfterAndLosesNothing) {
   const int clients = 12;  // 2 slots + 4 queued can be outstanding; the rest must get 429
   std::vector<Reply> replies(clients);
   std::vector<std::thread> th;
+  // Every client connects first (a kept-alive connection, opened by a /health request),
+  // then all post at once. Connecting inside the burst would let the listen backlog
+  // (cpp-httplib's is 5) delay some connections by a SYN retry (~1 s), by which time
+  // the first requests may be done and nothing is ever refused.
+  std::latch connected(clients);
   for (int i = 0; i < clients; ++i)
     th.emplace_back([&, i] {
-      replies[i] = post("/v1/completions", json{{"prompt", "the lazy dog " + std::to_string(i)},
-                                                {"max_tokens", 400},
-                                                {"ignore_eos", true},
-                                                {"temperature", 0}});
+      auto c = client();
+      c.set_keep_alive(true);
+      auto h = c.Get("/health");
+      EXPECT_TRUE(h && h->status == 200);
+      connected.arrive_and_wait();
+      replies[i] = post_on(c, "/v1/completions", json{{"prompt", "the lazy dog " + std::to_string(i)},
+                                                      {"max_tokens", 400},
+                                                      {"ignore_eos", true},
+                                                      {"temperature", 0}}.dump());
     });
   for (auto& t : th) t.join();
   int ok = 0, busy = 0;
