@@ -1,10 +1,15 @@
-// `laplace bench decode` and `laplace bench serve`: the engine's throughput and latency.
+// `laplace bench decode|prefill|serve`: the engine's throughput and latency.
 //
-//   laplace bench decode --config F | --model DIR [--device cpu|cuda] [--dtype f32|bf16]
-//                        --batch N --steps S --prompt-len P [--layers-sweep]
-//   laplace bench serve  --config F | --model DIR --rate R --count N --prompt-len P
-//                        --output-len O [--max-slots S | --memory-budget B]
+//   laplace bench decode  --config F | --model DIR [--device cpu|cuda] [--dtype f32|bf16]
+//                         --batch N --steps S --prompt-len P [--layers-sweep]
+//                         [--state-dtype f32|bf16] [--eager] [--accuracy-steps K]
+//                         [--compare-prompt-len P2]
+//   laplace bench prefill --config F | --model DIR --prompt-len P [--reps R]
+//   laplace bench serve   --config F | --model DIR --rate R --count N --prompt-len P
+//                         --output-len O [--max-slots S | --memory-budget B]
 //
+// On CUDA, decode replays CUDA graphs captured when the engine is created (--eager: the
+// same kernels and padded widths without graphs).
 // Without a checkpoint the weights are random (--seed). Every figure is printed and
 // appended as one JSON line to --results (default bench/results.jsonl):
 //   {"bench": NAME, "value": X, "unit": U, "device": ..., "commit": ..., "date": ISO, "note": ...}
@@ -125,6 +130,10 @@ struct DecodeArgs {
   uint64_t seed = 1234;
   bool layers_sweep = false;
   int64_t sweep_max_layers = 0;
+  std::string state_dtype = "f32";
+  bool eager = false;
+  int64_t accuracy_steps = 0;
+  int64_t compare_prompt_len = 0;
   std::string results = "bench/results.jsonl", tag;
 };
 
@@ -136,6 +145,7 @@ struct DecodeFigures {
 // which all of them decode (one batched forward each, sampling included).
 Status measure_decode(Model& m, const DecodeArgs& a, bool print_summary, DecodeFigures* f) {
   EngineOptions o;
+  LAPLACE_RETURN_IF_ERROR(engine_decode_options(a.model.device, a.state_dtype, a.eager, &o));
   o.max_slots = a.batch;
   o.prefill_chunk = std::min(a.prefill_chunk, a.prompt_len);
   o.max_batch_tokens = a.max_batch_tokens > 0 ? a.max_batch_tokens : a.batch + 4 * o.prefill_chunk;
@@ -174,6 +184,77 @@ Status measure_decode(Model& m, const DecodeArgs& a, bool print_summary, DecodeF
   return Status::ok();
 }
 
+// BF16 states against F32 states (SPEC §3's accuracy cost): `rows` sequences prefilled
+// with the same random prompts into an F32 and a BF16 pool, then `steps` decode steps
+// fed, in both pools, the token the F32 states choose greedily (teacher forcing, so the
+// two runs see the same inputs). Per step: do the two argmaxes agree, and the relative
+// RMS error of the BF16-state logits against the F32-state ones.
+struct AccuracyFigures {
+  double agreement_pct = 0, logit_relrms_mean = 0, logit_relrms_max = 0;
+  int64_t first_disagreement = -1;  // step of the first disagreeing row (-1: none)
+};
+
+Status measure_state_accuracy(Model& m, int64_t rows, int64_t prompt_len, int64_t steps, uint64_t seed,
+                              AccuracyFigures* f) {
+  const Config& c = m.config();
+  Backend& be = m.backend();
+  PlanOptions po;
+  po.max_batch = rows;
+  po.max_seq = prompt_len;
+  po.max_tokens = std::max(rows, prompt_len);
+  po.max_logit_rows = rows;
+  LAPLACE_RETURN_IF_ERROR(m.plan(po));
+  StatePool p32, p16;
+  LAPLACE_RETURN_IF_ERROR(p32.create(c, be, rows, DType::kF32));
+  LAPLACE_RETURN_IF_ERROR(p16.create(c, be, rows, DType::kBF16));
+  Rng rng(seed);
+  ForwardOptions pre;
+  pre.last_logits_only = true;
+  std::vector<int32_t> next(static_cast<size_t>(rows));
+  std::vector<float> l32, l16;
+  auto argmax = [&](const std::vector<float>& l, int64_t r) {
+    const float* x = l.data() + r * c.vocab_size;
+    return static_cast<int32_t>(std::max_element(x, x + c.vocab_size) - x);
+  };
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto prompt = random_prompt(rng, prompt_len, c.vocab_size);
+    const int32_t slot = static_cast<int32_t>(r);
+    m.forward(prompt.data(), 1, prompt_len, pre, &p32, &slot);
+    logits_rows_to_host(m, 0, 1, &l32);
+    m.forward(prompt.data(), 1, prompt_len, pre, &p16, &slot);
+    next[r] = argmax(l32, 0);
+  }
+  ForwardOptions dec;
+  dec.form = GlaForm::kRecurrent;
+  dec.last_logits_only = true;
+  int64_t agree = 0;
+  double sum_err = 0;
+  for (int64_t t = 0; t < steps; ++t) {
+    m.forward(next.data(), rows, 1, dec, &p32);
+    logits_rows_to_host(m, 0, rows, &l32);
+    m.forward(next.data(), rows, 1, dec, &p16);
+    logits_rows_to_host(m, 0, rows, &l16);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < l32.size(); ++i) {
+      const double d = static_cast<double>(l16[i]) - l32[i];
+      num += d * d;
+      den += static_cast<double>(l32[i]) * l32[i];
+    }
+    const double e = std::sqrt(num / std::max(den, 1e-300));
+    sum_err += e;
+    f->logit_relrms_max = std::max(f->logit_relrms_max, e);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t a32 = argmax(l32, r), a16 = argmax(l16, r);
+      if (a32 == a16) ++agree;
+      else if (f->first_disagreement < 0) f->first_disagreement = t;
+      next[r] = a32;
+    }
+  }
+  f->agreement_pct = 100.0 * static_cast<double>(agree) / static_cast<double>(rows * steps);
+  f->logit_relrms_mean = sum_err / static_cast<double>(std::max<int64_t>(steps, 1));
+  return Status::ok();
+}
+
 Status run_bench_decode(const DecodeArgs& a) {
   LoadedModel lm;
   bool random = false;
@@ -192,6 +273,36 @@ Status run_bench_decode(const DecodeArgs& a) {
   res.add("decode_tok_s", f.tok_s, "tok/s");
   res.add("decode_ms_per_step", f.ms_per_step, "ms");
   res.add("decode_prefill_tok_s", f.prefill_tok_s, "tok/s");
+
+  if (a.compare_prompt_len > 0) {
+    // The same decode after longer (or shorter) prompts: a fixed-size state makes the step
+    // cost independent of the context length, so this should be ~0 (SPEC §3: +0.5% seed).
+    DecodeArgs b = a;
+    b.prompt_len = a.compare_prompt_len;
+    DecodeFigures g;
+    LAPLACE_RETURN_IF_ERROR(measure_decode(lm.model, b, false, &g));
+    const double pct = 100.0 * (g.ms_per_step / f.ms_per_step - 1.0);
+    std::printf("decode after %lld-token prompts: %.3f ms/step, %.1f tokens/s: %+.3f%% per output token vs %lld-token "
+                "prompts\n",
+                (long long)b.prompt_len, g.ms_per_step, g.tok_s, pct, (long long)a.prompt_len);
+    res.add("decode_ms_per_step_prompt" + std::to_string(b.prompt_len), g.ms_per_step, "ms");
+    res.add("decode_ms_per_step_prompt" + std::to_string(a.prompt_len), f.ms_per_step, "ms");
+    res.add("decode_cost_increase_pct_prompt" + std::to_string(a.prompt_len) + "_to_" + std::to_string(b.prompt_len),
+            pct, "%");
+  }
+  if (a.accuracy_steps > 0) {
+    if (a.state_dtype != "bf16") return Status::invalid_argument("--accuracy-steps compares bf16 states: add --state-dtype bf16");
+    const int64_t rows = std::min<int64_t>(a.batch, 64);
+    AccuracyFigures acc;
+    LAPLACE_RETURN_IF_ERROR(measure_state_accuracy(lm.model, rows, a.prompt_len, a.accuracy_steps, a.seed + 7, &acc));
+    std::printf("bf16 vs f32 states, %lld sequences x %lld teacher-forced steps: argmax agreement %.2f%% (first "
+                "disagreement at step %lld), logits rel RMS mean %.3g max %.3g\n",
+                (long long)rows, (long long)a.accuracy_steps, acc.agreement_pct, (long long)acc.first_disagreement,
+                acc.logit_relrms_mean, acc.logit_relrms_max);
+    res.add("decode_bf16state_token_agreement_pct", acc.agreement_pct, "%");
+    res.add("decode_bf16state_logit_relrms_mean", acc.logit_relrms_mean, "");
+    res.add("decode_bf16state_logit_relrms_max", acc.logit_relrms_max, "");
+  }
 
   if (!a.layers_sweep) return Status::ok();
   // Time per step over num_layers ∈ {1, 2, 4, ...}, then ms = intercept + slope·L.
@@ -232,6 +343,58 @@ Status run_bench_decode(const DecodeArgs& a) {
   return Status::ok();
 }
 
+// ---- bench prefill -----------------------------------------------------------------------
+
+struct PrefillArgs {
+  ModelArgs model;
+  int64_t prompt_len = 8192, reps = 5, warmup = 1;
+  uint64_t seed = 1234;
+  std::string results = "bench/results.jsonl", tag;
+};
+
+// One prompt of prompt_len tokens through the chunked forward into a fresh state slot
+// (last-token logits only), as the engine prefills a prompt given in one piece; the
+// median of `reps` timed runs.
+Status run_bench_prefill(const PrefillArgs& a) {
+  LoadedModel lm;
+  bool random = false;
+  LAPLACE_RETURN_IF_ERROR(make_model(a.model, a.seed, 0, &lm, &random));
+  Model& m = lm.model;
+  const Config& c = m.config();
+  PlanOptions po;
+  po.max_batch = 1;
+  po.max_seq = a.prompt_len;
+  po.max_logit_rows = 1;
+  LAPLACE_RETURN_IF_ERROR(m.plan(po));
+  StatePool pool;
+  LAPLACE_RETURN_IF_ERROR(pool.create(c, m.backend(), 1));
+  Rng rng(a.seed);
+  const auto prompt = random_prompt(rng, a.prompt_len, c.vocab_size);
+  ForwardOptions fo;
+  fo.last_logits_only = true;
+  std::vector<double> ms;
+  for (int64_t i = 0; i < a.warmup + a.reps; ++i) {
+    pool.reset(m.backend(), 0);
+    m.backend().synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    m.forward(prompt.data(), 1, a.prompt_len, fo, &pool);
+    m.backend().synchronize();
+    const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (i >= a.warmup) ms.push_back(t);
+  }
+  const double med = percentile(ms, 50);
+  BenchLog res{a.results, device_description(a.model.device), BenchLog::commit_hash(), BenchLog::iso_date_utc(), a.tag, ""};
+  char note[512];
+  std::snprintf(note, sizeof note, "bench prefill: %s, one %lld-token prompt, median of %lld", shape_note(c, a.model.dtype, random).c_str(),
+                (long long)a.prompt_len, (long long)a.reps);
+  res.note = note;
+  std::printf("prefill of %lld tokens: median %.2f ms (min %.2f), %.0f tokens/s\n", (long long)a.prompt_len, med,
+              *std::min_element(ms.begin(), ms.end()), 1e3 * static_cast<double>(a.prompt_len) / med);
+  res.add("prefill_ms_t" + std::to_string(a.prompt_len), med, "ms");
+  res.add("prefill_tok_s_t" + std::to_string(a.prompt_len), 1e3 * static_cast<double>(a.prompt_len) / med, "tok/s");
+  return Status::ok();
+}
+
 // ---- bench serve -------------------------------------------------------------------------
 
 struct ServeArgs {
@@ -245,6 +408,8 @@ struct ServeArgs {
   int64_t max_batch_tokens = 2048, prefill_chunk = 256;
   uint64_t seed = 1234;
   std::string results = "bench/results.jsonl", tag;
+  std::string state_dtype = "f32";
+  bool eager = false;
 };
 
 Status run_bench_serve(const ServeArgs& a) {
@@ -253,6 +418,7 @@ Status run_bench_serve(const ServeArgs& a) {
   LAPLACE_RETURN_IF_ERROR(make_model(a.model, a.seed, 0, &lm, &random));
   const Config& c = lm.model.config();
   EngineOptions o;
+  LAPLACE_RETURN_IF_ERROR(engine_decode_options(a.model.device, a.state_dtype, a.eager, &o));
   o.max_slots = a.max_slots;
   o.max_batch_tokens = a.max_batch_tokens;
   o.prefill_chunk = a.prefill_chunk;
@@ -361,7 +527,7 @@ Status run_bench_serve(const ServeArgs& a) {
 }  // namespace
 
 void add_bench(CLI::App& app) {
-  auto* bench = app.add_subcommand("bench", "engine benchmarks: batched decode, Poisson serving");
+  auto* bench = app.add_subcommand("bench", "engine benchmarks: batched decode, long-prompt prefill, Poisson serving");
   bench->require_subcommand(1);
 
   auto* dec = bench->add_subcommand("decode", "batched decode throughput (tokens/s, ms/step) after prefilling N sequences");
@@ -379,9 +545,28 @@ void add_bench(CLI::App& app) {
                 "also time num_layers = 1, 2, 4, ... (random weights) and fit ms/step = overhead + slope x layers");
   dec->add_option("--sweep-max-layers", d->sweep_max_layers, "largest layer count of the sweep (default: config's)")
       ->check(CLI::NonNegativeNumber);
+  add_decode_options(dec, &d->state_dtype, &d->eager);
+  dec->add_option("--accuracy-steps", d->accuracy_steps,
+                  "with --state-dtype bf16: teacher-forced steps comparing bf16 to f32 states (0 = skip)")
+      ->check(CLI::Range(0, 1 << 20));
   dec->add_option("--results", d->results, "append JSON lines here (empty: don't)");
   dec->add_option("--tag", d->tag, "suffix for the figure names (e.g. 3b_1280_fp32state)");
   dec->callback([d] { g_exit_code = report(run_bench_decode(*d)); });
+
+  dec->add_option("--compare-prompt-len", d->compare_prompt_len,
+                  "also time decode after prompts of this length and report the change per output token")
+      ->check(CLI::NonNegativeNumber);
+
+  auto* pf = bench->add_subcommand("prefill", "one long prompt through the chunked forward (ms, tokens/s)");
+  auto pa = std::make_shared<PrefillArgs>();
+  pa->model.add_to(pf);
+  pf->add_option("--prompt-len", pa->prompt_len, "prompt tokens")->check(CLI::Range(1, 1 << 24));
+  pf->add_option("--reps", pa->reps, "timed runs (the median is reported)")->check(CLI::Range(1, 1000));
+  pf->add_option("--warmup", pa->warmup, "untimed runs first")->check(CLI::Range(0, 1000));
+  pf->add_option("--seed", pa->seed, "seed of the random weights (no checkpoint) and the prompt");
+  pf->add_option("--results", pa->results, "append JSON lines here (empty: don't)");
+  pf->add_option("--tag", pa->tag, "suffix for the figure names (e.g. 3b)");
+  pf->callback([pa] { g_exit_code = report(run_bench_prefill(*pa)); });
 
   auto* srv = bench->add_subcommand("serve", "Poisson arrivals against the engine: throughput, TTFT and TPOT p50/p99");
   auto s = std::make_shared<ServeArgs>();
@@ -401,6 +586,7 @@ void add_bench(CLI::App& app) {
   srv->add_option("--max-batch-tokens", s->max_batch_tokens, "per-step token budget")->check(CLI::Range(1, 1 << 24));
   srv->add_option("--prefill-chunk", s->prefill_chunk, "prefill piece (tokens)")->check(CLI::Range(1, 1 << 20));
   srv->add_option("--seed", s->seed, "seed of the random weights (no checkpoint), arrivals and prompts");
+  add_decode_options(srv, &s->state_dtype, &s->eager);
   srv->add_option("--results", s->results, "append JSON lines here (empty: don't)");
   srv->add_option("--tag", s->tag, "suffix for the figure names");
   srv->callback([s] { g_exit_code = report(run_bench_serve(*s)); });

@@ -42,6 +42,23 @@ Status parse_dtype(const std::string& s, DType* out) {
   return Status::ok();
 }
 
+void add_decode_options(CLI::App* cmd, std::string* state_dtype, bool* eager) {
+  cmd->add_option("--state-dtype", *state_dtype, "decode state dtype: f32, or bf16 (CUDA, bf16 models: half the bytes)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
+  cmd->add_flag("--eager", *eager, "CUDA: decode without CUDA graphs (same kernels and padded widths)");
+}
+
+Status engine_decode_options(const std::string& device, const std::string& state_dtype, bool eager,
+                             EngineOptions* o) {
+  if (state_dtype == "bf16") o->state_dtype = DType::kBF16;
+  else if (state_dtype == "f32") o->state_dtype = DType::kF32;
+  else return Status::invalid_argument("--state-dtype must be f32 or bf16, got '" + state_dtype + "'");
+  const bool cuda = device == "cuda";
+  o->graphs = cuda && !eager;
+  o->default_widths = cuda;
+  return Status::ok();
+}
+
 Status load_model(const ModelArgs& args, LoadedModel* out) {
   ModelArgs a = args;
   LAPLACE_RETURN_IF_ERROR(a.resolve());

@@ -10,6 +10,7 @@
 #include "core/status.h"
 #include "model/model.h"
 #include "ops/backend.h"
+#include "serve/engine.h"
 
 namespace laplace::cli {
 
@@ -35,6 +36,13 @@ Status load_model(const ModelArgs& a, LoadedModel* out);
 // "1,2,3" → {1,2,3}; "1,2;3,4" → {{1,2},{3,4}}. Errors name the bad item.
 Status parse_ids(const std::string& s, std::vector<int32_t>* out);
 Status parse_id_rows(const std::string& s, std::vector<std::vector<int32_t>>* out);
+
+// Engine decode options shared by serve and the benches: --state-dtype f32|bf16 and
+// --eager. On CUDA, decode runs from CUDA graphs captured at start-up unless --eager
+// (which keeps the same padded widths); on the CPU, decode is eager at exact widths.
+void add_decode_options(CLI::App* cmd, std::string* state_dtype, bool* eager);
+Status engine_decode_options(const std::string& device, const std::string& state_dtype, bool eager,
+                             EngineOptions* o);
 
 // "123", "64k", "512M", "2G" (binary multiples) → bytes.
 Status parse_bytes(const std::string& s, int64_t* out);

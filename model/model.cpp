@@ -41,8 +41,15 @@ Status Model::create(const Config& c, Backend& be, DType dtype) {
 
 Status Model::plan(const PlanOptions& opt) {
   if (opt.max_batch < 1 || opt.max_seq < 1) return Status::invalid_argument("plan: batch and sequence must be ≥ 1");
+  if (opt.max_tokens < 0 || opt.max_logit_rows < 0) return Status::invalid_argument("plan: negative row count");
+  if (opt.training && (opt.max_tokens || opt.max_logit_rows))
+    return Status::invalid_argument("plan: training plans keep every token row");
   plan_ = opt;
-  const int64_t N = opt.max_batch * opt.max_seq, B = opt.max_batch;
+  const int64_t B = opt.max_batch;
+  const int64_t N = opt.max_tokens > 0 ? opt.max_tokens : opt.max_batch * opt.max_seq;
+  const int64_t NL = opt.max_logit_rows > 0 ? std::min(opt.max_logit_rows, N) : N;
+  plan_rows_ = N;
+  logit_rows_ = NL;
   const int64_t D = cfg_.hidden_size, R = cfg_.qkvg_rows(), HV = cfg_.v_dim(), H = cfg_.num_heads;
   const int64_t F = cfg_.ffn_size, V = cfg_.vocab_size;
   const DType st = dtype_ == DType::kBF16 ? DType::kF32 : dtype_;  // statistics dtype
@@ -72,15 +79,15 @@ Status Model::plan(const PlanOptions& opt) {
     s.push_back({p + "h", dtype_, {N, F}});
   }
   if (opt.training) s.push_back({"x_final", dtype_, {N, D}});
-  s.push_back({"lnf_mean", st, {N}});
-  s.push_back({"lnf_rstd", st, {N}});
-  s.push_back({"zf", dtype_, {N, D}});
+  s.push_back({"lnf_mean", st, {NL}});
+  s.push_back({"lnf_rstd", st, {NL}});
+  s.push_back({"zf", dtype_, {NL, D}});
   // BF16 models: inference plans keep F32 logits (gemm BF16·BF16 → F32) so sampling and
   // greedy decoding see unrounded scores; training plans keep BF16 logits, which the
   // backward turns into dlogits in place (no F32 [N, V] buffer for the whole batch).
   const DType logits_dt = (dtype_ == DType::kBF16 && !opt.training) ? DType::kF32 : dtype_;
-  s.push_back({"logits", logits_dt, {N, V}});
-  s.push_back({"losses", st, {N}});
+  s.push_back({"logits", logits_dt, {NL, V}});
+  s.push_back({"losses", st, {NL}});
   LAPLACE_RETURN_IF_ERROR(acts_.create(std::move(s), be_->allocator(), "activations"));
 
   auto get = [&](const std::string& name) {
@@ -152,40 +159,81 @@ Tensor Model::qkvg_part(const Tensor& qkvg, int64_t B, int64_t T, int part) cons
   return bthd(cols, B, T, H, d[part]);
 }
 
+void Model::check_forward(int64_t B, int64_t T, const ForwardOptions& opt, const StatePool* pool) const {
+  LAPLACE_CHECK(B >= 1 && T >= 1 && B <= plan_.max_batch && T <= plan_.max_seq && B * T <= plan_rows_,
+                "forward: batch shape exceeds the plan");
+  LAPLACE_CHECK((opt.last_logits_only ? B : B * T) <= logit_rows_, "forward: more logit rows than the plan holds");
+  LAPLACE_CHECK(!pool || !plan_.training, "forward: training runs from the zero state");
+  if (pool) {
+    const DType pd = pool->dtype();
+    const bool ok = pd == (dtype_ == DType::kF64 ? DType::kF64 : DType::kF32) ||
+                    (pd == DType::kBF16 && dtype_ == DType::kBF16);
+    LAPLACE_CHECK(ok, "forward: state pool dtype must be F32 (F64 for F64 models; BF16 allowed for BF16 models)");
+  }
+}
+
+Tensor Model::state_stage(int64_t B) {
+  if (stage_.size() == 0 || stage_.tensor(0).shape[0] < B) {
+    stage_ = Arena();
+    Status st = stage_.create({{"state stage", DType::kF32, {B, cfg_.num_heads, cfg_.head_k_dim, cfg_.head_v_dim}}},
+                              be_->allocator(), "state stage");
+    LAPLACE_CHECK(st.is_ok(), "forward: out of memory for the F32 state stage of a BF16 pool");
+  }
+  return stage_.tensor(0).slice(0, 0, B);
+}
+
 void Model::forward(const int32_t* tokens, int64_t B, int64_t T, const ForwardOptions& opt, StatePool* pool,
                     const int32_t* slots) {
-  LAPLACE_CHECK(B >= 1 && T >= 1 && B <= plan_.max_batch && T <= plan_.max_seq,
-                "forward: batch shape exceeds the plan");
-  LAPLACE_CHECK(!pool || !plan_.training, "forward: training runs from the zero state");
+  check_forward(B, T, opt, pool);
   Backend& be = *be_;
-  const int64_t N = B * T, D = cfg_.hidden_size, H = cfg_.num_heads, dv = cfg_.head_v_dim;
-  last_B_ = B;
-  last_T_ = T;
-  last_only_ = opt.last_logits_only;
-
+  const int64_t N = B * T;
   be.copy(ids_.slice(0, 0, N), Tensor(const_cast<int32_t*>(tokens), DType::kI32, {N}));
-  Tensor slot_ids;
+  std::vector<int32_t> identity;
   if (pool) {
-    LAPLACE_CHECK(pool->dtype() == (dtype_ == DType::kF64 ? DType::kF64 : DType::kF32),
-                  "forward: state pool dtype must be F32 (F64 for F64 models)");
-    std::vector<int32_t> identity;
     if (!slots) {
       identity.resize(B);
       for (int64_t b = 0; b < B; ++b) identity[b] = static_cast<int32_t>(b);
       slots = identity.data();
     }
     for (int64_t b = 0; b < B; ++b) LAPLACE_CHECK(slots[b] >= 0 && slots[b] < pool->slots(), "forward: bad slot");
-    slot_ids = slots_.slice(0, 0, B);
-    be.copy(slot_ids, Tensor(const_cast<int32_t*>(slots), DType::kI32, {B}));
+    be.copy(slots_.slice(0, 0, B), Tensor(const_cast<int32_t*>(slots), DType::kI32, {B}));
   }
+  run_forward(B, T, opt, pool, slots);
+}
+
+void Model::forward_queued(int64_t B, int64_t T, const ForwardOptions& opt, StatePool* pool) {
+  check_forward(B, T, opt, pool);
+  LAPLACE_CHECK(!pool || (T == 1 && opt.form == GlaForm::kRecurrent),
+                "forward_queued: with a state pool only decode steps (T = 1, recurrent) are queued");
+  run_forward(B, T, opt, pool, nullptr);
+}
+
+void Model::set_replayed(int64_t B, int64_t T, const ForwardOptions& opt) {
+  check_forward(B, T, opt, nullptr);
+  last_B_ = B;
+  last_T_ = T;
+  last_only_ = opt.last_logits_only;
+  logits_ = rows(logits_buf_, opt.last_logits_only ? B : B * T);
+}
+
+void Model::run_forward(int64_t B, int64_t T, const ForwardOptions& opt, StatePool* pool, const int32_t* host_slots) {
+  Backend& be = *be_;
+  const int64_t N = B * T, D = cfg_.hidden_size, H = cfg_.num_heads, dv = cfg_.head_v_dim;
+  last_B_ = B;
+  last_T_ = T;
+  last_only_ = opt.last_logits_only;
+  const Tensor slot_ids = pool ? slots_.slice(0, 0, B) : Tensor{};
+  const Tensor tok_ids = ids_.slice(0, 0, N);
 
   const int64_t L = cfg_.num_layers;
   auto before = [&](int64_t group) {
     if (opt.before_group) opt.before_group(group);
   };
   before(0);
-  be.embedding_forward(ids_.slice(0, 0, N), w_.embed, rows(layer_[0].x_in, N));
+  be.embedding_forward(tok_ids, w_.embed, rows(layer_[0].x_in, N));
   const GlaParams gp = gla_params(opt.form);
+  // Decode: one token per sequence from its slot (the training plan keeps rstd instead).
+  const bool decode_step = pool && T == 1 && opt.form == GlaForm::kRecurrent && !plan_.training;
   for (int64_t l = 0; l < L; ++l) {
     before(1 + l);
     const LayerActs& a = layer_[l];
@@ -203,14 +251,31 @@ void Model::forward(const int32_t* tokens, int64_t B, int64_t T, const ForwardOp
     be.gemm(rows(a.c, N), false, w.wqkvg, true, qkvg, 1.0, 0.0);
     Tensor st = pool ? pool->gla(l) : Tensor{};
     Tensor o = bthd(rows(a.o, N), B, T, H, dv);
-    be.gla_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), o, st, st,
-                   slot_ids);
-    Tensor rstd = a.onorm_rstd.slice(0, 0, N);
-    rstd.ndim = 3;
-    rstd.shape = {B, T, H, 0};
-    rstd.stride = {T * H, H, 1, 0};
-    be.rmsnorm_gate_forward(o, qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps, bthd(rows(a.y, N), B, T, H, dv),
-                            rstd);
+    if (decode_step) {
+      // One pass over each state: recurrence, output and gate fused (same bits as below).
+      be.gla_decode_gate(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
+                         qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps, st, slot_ids, o,
+                         bthd(rows(a.y, N), B, T, H, dv));
+    } else if (st.defined() && st.dtype == DType::kBF16) {
+      // A BF16 pool in a chunked forward: each row's state goes through F32 (one rounding
+      // back on the store, as a decode step's).
+      const Tensor stage = state_stage(B);
+      for (int64_t b = 0; b < B; ++b) be.copy(stage.select(b), st.select(host_slots[b]));
+      be.gla_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), o, stage,
+                     stage, Tensor{});
+      for (int64_t b = 0; b < B; ++b) be.copy(st.select(host_slots[b]), stage.select(b));
+    } else {
+      be.gla_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), o, st, st,
+                     slot_ids);
+    }
+    if (!decode_step) {
+      Tensor rstd = a.onorm_rstd.slice(0, 0, N);
+      rstd.ndim = 3;
+      rstd.shape = {B, T, H, 0};
+      rstd.stride = {T * H, H, 1, 0};
+      be.rmsnorm_gate_forward(o, qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps,
+                              bthd(rows(a.y, N), B, T, H, dv), rstd);
+    }
     if (x_mid.data != x_in.data) be.copy(x_mid, x_in);
     be.gemm(rows(a.y, N), false, w.wo, true, x_mid, 1.0, 1.0);
 

@@ -23,6 +23,13 @@ struct PlanOptions {
   bool training = false;         // keep per-layer activations for the backward
   bool recompute_mixer = false;  // training: recompute the GLA output in the backward
                                  // instead of storing it per layer
+  // Inference: token rows of the largest forward (0 = max_batch · max_seq). A serving
+  // engine runs B decode rows of 1 token or 1 prompt piece of T tokens, never B × T, so it
+  // plans max(B, T) rows instead of B·T.
+  int64_t max_tokens = 0;
+  // Inference: rows of the logits buffer (0 = the token rows). An engine only asks for
+  // each sequence's last logits, so max_batch rows are enough.
+  int64_t max_logit_rows = 0;
 };
 
 // Weight groups, in forward order: 0 = embedding, 1 + l = layer l, L + 1 = final norm
@@ -59,9 +66,23 @@ class Model {
 
   // Forward of B sequences of T tokens (host ids, row-major [B,T]). With `pool`,
   // row b starts from the state in slot slots[b] (host ids; nullptr = slot b) and
-  // leaves it updated; without, every sequence starts from the zero state.
+  // leaves it updated; without, every sequence starts from the zero state. F32 pools
+  // (F64 for F64 models); BF16 models may also use a BF16 pool on backends that take
+  // BF16 states (CUDA): decode reads and writes it directly, chunked forwards convert
+  // each row's state to F32 and back around the mixer.
   void forward(const int32_t* tokens, int64_t B, int64_t T, const ForwardOptions& opt,
                StatePool* pool = nullptr, const int32_t* slots = nullptr);
+
+  // The same forward split for CUDA graphs: the caller has put the ids [B·T] and (with
+  // a pool) the slot ids [B] in input_ids() / input_slots() on the device, then
+  // forward_queued() queues the whole forward without touching host memory (no copies,
+  // no synchronisation), so it can be captured and replayed. Decode (kRecurrent, T = 1)
+  // with a pool, or any forward without one; slots are not range-checked here.
+  Tensor input_ids() const { return ids_; }
+  Tensor input_slots() const { return slots_; }
+  void forward_queued(int64_t B, int64_t T, const ForwardOptions& opt, StatePool* pool);
+  // After a replay of a captured forward_queued(B, T, opt, ...): logits() views its logits.
+  void set_replayed(int64_t B, int64_t T, const ForwardOptions& opt);
 
   // Logits of the last forward: [B·T, V], or [B, V] with last_logits_only. In the
   // model dtype, except BF16 models in inference plans, whose logits are F32.
@@ -104,7 +125,12 @@ class Model {
   GlaParams gla_params(GlaForm form) const;
   // Views of the fused projection as q, k, v, g: [B, T, H, d].
   Tensor qkvg_part(const Tensor& qkvg, int64_t B, int64_t T, int part) const;
-  void mixer_forward(int64_t l, int64_t B, int64_t T, const ForwardOptions& opt, StatePool* pool);
+  void check_forward(int64_t B, int64_t T, const ForwardOptions& opt, const StatePool* pool) const;
+  // F32 staging for B rows' states [B, H, dk, dv] (grown on demand).
+  Tensor state_stage(int64_t B);
+  // The forward once ids_ (and slots_) are on the device; host_slots: only for a BF16
+  // pool in a chunked forward (its rows' states are staged through stage_).
+  void run_forward(int64_t B, int64_t T, const ForwardOptions& opt, StatePool* pool, const int32_t* host_slots);
 
   Config cfg_;
   Backend* be_ = nullptr;
@@ -123,6 +149,8 @@ class Model {
   Tensor logits_buf_;             // [N, V]
   Tensor losses_;                 // [N]
   Tensor logits_;                 // view of logits_buf_ for the last forward
+  int64_t plan_rows_ = 0, logit_rows_ = 0;
+  Arena stage_;                   // [B, H, dk, dv] F32: BF16-pool states of a chunked forward
   int64_t last_B_ = 0, last_T_ = 0;
   bool last_only_ = false;
   bool has_slots_ = false;

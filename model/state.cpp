@@ -4,7 +4,8 @@ namespace laplace {
 
 Status StatePool::create(const Config& c, Backend& be, int64_t slots, DType dtype) {
   if (slots < 1) return Status::invalid_argument("a state pool needs at least one slot");
-  if (dtype != DType::kF32 && dtype != DType::kF64) return Status::invalid_argument("states are F32 (or F64 on the CPU)");
+  if (dtype != DType::kF32 && dtype != DType::kF64 && dtype != DType::kBF16)
+    return Status::invalid_argument("states are F32 (F64 on the CPU; BF16 as an option on CUDA)");
   dtype_ = dtype;
   cfg_ = c;
   layer_elems_ = c.num_heads * c.head_k_dim * c.head_v_dim + c.conv_size * c.hidden_size;

@@ -16,7 +16,8 @@ namespace laplace {
 class StatePool {
  public:
   // Allocates `slots` zeroed slots on the backend's device. States are F32 (SPEC
-  // §1); F64 exists for the CPU backend's verification runs of F64 models.
+  // §1); F64 exists for the CPU backend's verification runs of F64 models; BF16 (half
+  // the bytes, one rounding per update) is the serving option for BF16 models on CUDA.
   Status create(const Config& c, Backend& be, int64_t slots, DType dtype = DType::kF32);
 
   int64_t slots() const { return slots_; }
@@ -28,7 +29,7 @@ class StatePool {
   Tensor gla(int64_t layer) const;
   // Layer l's conv windows of every slot: [S, K, D], dim-0 stride = slot_elems.
   Tensor conv(int64_t layer) const;
-  // The whole slot as a flat [slot_elems] F32 view.
+  // The whole slot as a flat [slot_elems] view in the pool's dtype.
   Tensor slot(int64_t s) const;
   // Zeroes one slot (a new, empty context).
   void reset(Backend& be, int64_t s);

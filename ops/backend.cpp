@@ -14,4 +14,13 @@ Status make_backend(const std::string& device, std::unique_ptr<Backend>* out) {
   return Status::ok();
 }
 
+void Backend::gla_decode_gate(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& g, const Tensor& w, double eps, Tensor states, const Tensor& slots,
+                              Tensor o, Tensor y) {
+  GlaParams r = p;
+  r.form = GlaForm::kRecurrent;
+  gla_forward(r, q, k, v, o, states, states, slots);
+  rmsnorm_gate_forward(o, g, w, eps, y, Tensor{});
+}
+
 }  // namespace laplace

@@ -20,7 +20,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/arena.h"
@@ -43,6 +45,15 @@ struct AdamWParams {
   int64_t step = 1;  // 1-based, for bias correction
 };
 
+// A recorded sequence of queued ops that can be replayed (a CUDA graph). Replaying reads
+// and writes the same device buffers the ops were recorded with, whatever they hold now.
+class Graph {
+ public:
+  virtual ~Graph() = default;
+  // Queues the recorded ops on the backend's stream (no synchronisation).
+  virtual void launch() = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -52,6 +63,16 @@ class Backend {
   // The CUDA stream (cudaStream_t) every op is queued on; nullptr on the CPU. Lets other
   // device work (NCCL collectives) order itself with the backend's without host syncs.
   virtual void* native_stream() { return nullptr; }
+
+  // Records the ops `queue_ops` queues into a Graph instead of running them. Nothing in
+  // queue_ops may read host memory or wait for the device (copies to or from the host,
+  // synchronize, sum_squares, a growing scratch buffer): the capture then fails with an
+  // error naming it. The CPU backend has no graphs (unsupported).
+  virtual Status capture(const std::function<void()>& queue_ops, std::unique_ptr<Graph>* out) {
+    (void)queue_ops;
+    (void)out;
+    return Status::unsupported(std::string(name()) + " backend has no graphs");
+  }
 
   // ---- memory -------------------------------------------------------------------
   // dst = src; shapes equal; either may live on the host (H2D/D2H on CUDA).
@@ -106,6 +127,16 @@ class Backend {
   virtual void gla_backward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
                             const Tensor& s_in, const Tensor& d_o, const Tensor& ds_out, Tensor dq,
                             Tensor dk, Tensor dv, Tensor ds_in) = 0;
+
+  // One decode step of the mixer fused with its output gate (T = 1, recurrent form):
+  //   gla_forward(p, q, k, v, o, states, states, slots), then
+  //   rmsnorm_gate_forward(o, g, w, eps, y, {}).
+  // q,k [B,1,H,dk]; v,g,o,y [B,1,H,dv]; states [S,H,dk,dv] updated in place in their slots.
+  // The default runs those two ops; the CUDA backend streams each state once and gives
+  // the same bits as its two ops (ops/cuda/kernels_gla_decode.cu).
+  virtual void gla_decode_gate(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                               const Tensor& g, const Tensor& w, double eps, Tensor states,
+                               const Tensor& slots, Tensor o, Tensor y);
 
   // y = RMSNorm(o; w) ⊙ SiLU(g), per head. o,g [B,T,H,dv]; w [dv]; y [B,T,H,dv];
   // rstd [B,T,H] optional.

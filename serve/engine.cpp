@@ -103,11 +103,71 @@ EagerExecutor::~EagerExecutor() {
   if (ids_dev_) m_.backend().allocator().deallocate(ids_dev_);
 }
 
-void EagerExecutor::forward_decode(const DecodeBatch& batch) {
+namespace {
+// A decode step's forward: recurrent form, last (only) token's logits.
+ForwardOptions decode_options() {
   ForwardOptions fo;
   fo.form = GlaForm::kRecurrent;
   fo.last_logits_only = true;
-  m_.forward(batch.tokens.data(), batch.width(), 1, fo, &pool_, batch.slots.data());
+  return fo;
+}
+}  // namespace
+
+void EagerExecutor::forward_decode(const DecodeBatch& batch) {
+  m_.forward(batch.tokens.data(), batch.width(), 1, decode_options(), &pool_, batch.slots.data());
+}
+
+// ---- graph executor ------------------------------------------------------------------
+
+std::vector<int64_t> default_decode_widths(int64_t max_slots) {
+  std::vector<int64_t> w;
+  for (int64_t x = 1; x < max_slots && x <= 16; x *= 2) w.push_back(x);
+  // From 16 on, alternate ×1.5 and ×4/3 (16, 24, 32, 48, 64, 96, ...).
+  for (int64_t x = 24; x < max_slots; x = (x % 3 == 0) ? x / 3 * 4 : x / 2 * 3)
+    if (x > 16) w.push_back(x);
+  if (max_slots >= 1) w.push_back(max_slots);
+  return w;
+}
+
+Status GraphExecutor::create(Model& m, StatePool& pool, const std::vector<int64_t>& widths, int32_t scratch_slot,
+                             std::unique_ptr<GraphExecutor>* out) {
+  std::unique_ptr<GraphExecutor> g(new GraphExecutor(m, pool));
+  Backend& be = m.backend();
+  const ForwardOptions fo = decode_options();
+  std::vector<int64_t> ws = widths;
+  std::sort(ws.begin(), ws.end());
+  ws.erase(std::unique(ws.begin(), ws.end()), ws.end());
+  if (ws.empty()) return Status::invalid_argument("graph executor: no decode widths to capture");
+  for (int64_t w : ws) {
+    if (w < 1 || w > m.plan_options().max_batch)
+      return Status::invalid_argument("graph executor: decode width " + std::to_string(w) + " outside the plan");
+    // Warm-up: every row feeds token 0 into the scratch slot; it settles lazily made
+    // device buffers and cached gemm algorithms before the capture.
+    std::vector<int32_t> zeros(static_cast<size_t>(w), 0), scratch(static_cast<size_t>(w), scratch_slot);
+    be.copy(m.input_ids().slice(0, 0, w), Tensor(zeros.data(), DType::kI32, {w}));
+    be.copy(m.input_slots().slice(0, 0, w), Tensor(scratch.data(), DType::kI32, {w}));
+    m.forward_queued(w, 1, fo, &pool);
+    be.synchronize();
+    std::unique_ptr<Graph> graph;
+    LAPLACE_RETURN_IF_ERROR(be.capture([&] { m.forward_queued(w, 1, fo, &pool); }, &graph)
+                                .with_context("decode width " + std::to_string(w)));
+    g->graphs_.emplace_back(w, std::move(graph));
+  }
+  *out = std::move(g);
+  return Status::ok();
+}
+
+void GraphExecutor::forward_decode(const DecodeBatch& batch) {
+  const int64_t w = batch.width();
+  auto it = std::find_if(graphs_.begin(), graphs_.end(), [&](const auto& p) { return p.first == w; });
+  LAPLACE_CHECK(it != graphs_.end(), "graph decode: the batch width was not captured (engine widths and graphs differ)");
+  for (int64_t b = 0; b < w; ++b) LAPLACE_CHECK(batch.slots[b] >= 0 && batch.slots[b] < pool_.slots(), "graph decode: bad slot");
+  Backend& be = m_.backend();
+  // Queued H2D copies into the buffers the graph reads, then the replay, in stream order.
+  be.copy(m_.input_ids().slice(0, 0, w), Tensor(const_cast<int32_t*>(batch.tokens.data()), DType::kI32, {w}));
+  be.copy(m_.input_slots().slice(0, 0, w), Tensor(const_cast<int32_t*>(batch.slots.data()), DType::kI32, {w}));
+  it->second->launch();
+  m_.set_replayed(w, 1, decode_options());
 }
 
 void EagerExecutor::decode_greedy(const DecodeBatch& batch, std::vector<int32_t>* ids) {
@@ -180,10 +240,20 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
   if (opt.max_batch_tokens < 1) return Status::invalid_argument("engine: max_batch_tokens must be ≥ 1");
   if (opt.prefill_chunk < 1) return Status::invalid_argument("engine: prefill_chunk must be ≥ 1");
   if (opt.cache_host_bytes < 0) return Status::invalid_argument("engine: cache_host_bytes must be ≥ 0");
-  const DType st = model.dtype() == DType::kF64 ? DType::kF64 : DType::kF32;
+  DType st = model.dtype() == DType::kF64 ? DType::kF64 : DType::kF32;
+  if (opt.state_dtype == DType::kBF16) {
+    if (model.dtype() != DType::kBF16 || model.backend().device() != Device::kCUDA)
+      return Status::invalid_argument("engine: BF16 states need a BF16 model on CUDA");
+    st = DType::kBF16;
+  } else if (opt.state_dtype != DType::kF32) {
+    return Status::invalid_argument("engine: state dtype must be F32 or BF16");
+  }
+  opt.state_dtype = st;
   LAPLACE_RETURN_IF_ERROR(resolve_slots(c, opt, st, &opt.max_slots, &opt.cache_slots));
   if (opt.max_slots + 1 + opt.cache_slots >= INT32_MAX)
     return Status::invalid_argument("engine: max_slots + cache_slots too large");
+  if ((opt.graphs || opt.default_widths) && opt.decode_widths.empty())
+    opt.decode_widths = default_decode_widths(opt.max_slots);
   std::sort(opt.decode_widths.begin(), opt.decode_widths.end());
   opt.decode_widths.erase(std::unique(opt.decode_widths.begin(), opt.decode_widths.end()), opt.decode_widths.end());
   for (int64_t w : opt.decode_widths)
@@ -201,15 +271,32 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
                                            opt.cache_slots, opt.cache_host_bytes);
   e->cache_on_ = e->cache_->enabled();
   if (opt.plan_model) {
-    LAPLACE_RETURN_IF_ERROR(model.plan({max_width, opt.prefill_chunk, false, false}).with_context("engine: plan"));
+    // Decode forwards are max_width rows of 1 token and prefill forwards 1 row of at most
+    // prefill_chunk tokens, and only last-token logits are read: max(width, chunk) rows.
+    PlanOptions po;
+    po.max_batch = max_width;
+    po.max_seq = opt.prefill_chunk;
+    po.max_tokens = std::max(max_width, opt.prefill_chunk);
+    po.max_logit_rows = max_width;
+    LAPLACE_RETURN_IF_ERROR(model.plan(po).with_context("engine: plan"));
   } else {
     const PlanOptions& p = model.plan_options();
-    if (p.training || p.max_batch < max_width || p.max_seq < opt.prefill_chunk)
+    const int64_t rows = p.max_tokens > 0 ? p.max_tokens : p.max_batch * p.max_seq;
+    const int64_t logit_rows = p.max_logit_rows > 0 ? std::min(p.max_logit_rows, rows) : rows;
+    if (p.training || p.max_batch < max_width || p.max_seq < opt.prefill_chunk ||
+        rows < std::max(max_width, opt.prefill_chunk) || logit_rows < max_width)
       return Status::invalid_argument("engine: the model's plan is smaller than the engine needs (batch " +
                                       std::to_string(max_width) + ", sequence " +
                                       std::to_string(opt.prefill_chunk) + ", inference)");
   }
-  e->exec_ = std::make_unique<EagerExecutor>(model, e->pool_);
+  if (opt.graphs) {
+    std::unique_ptr<GraphExecutor> g;
+    LAPLACE_RETURN_IF_ERROR(GraphExecutor::create(model, e->pool_, opt.decode_widths, e->scratch_slot(), &g)
+                                .with_context("engine: CUDA graphs (--eager runs without)"));
+    e->exec_ = std::move(g);
+  } else {
+    e->exec_ = std::make_unique<EagerExecutor>(model, e->pool_);
+  }
   e->by_slot_.resize(static_cast<size_t>(opt.max_slots));
   for (int64_t s = 0; s < opt.max_slots; ++s) e->free_slots_.insert(static_cast<int32_t>(s));
   *out = std::move(e);
@@ -225,11 +312,11 @@ std::string Engine::summary() const {
     widths += std::to_string(w);
   }
   std::snprintf(buf, sizeof buf,
-                "engine: %lld slots (+1 scratch, +%lld cache) x %lld bytes/slot = %.1f MiB of state; "
-                "max_batch_tokens %lld, prefill_chunk %lld, decode widths %s",
-                (long long)max_slots_, (long long)opt_.cache_slots, (long long)slot_bytes(), mib,
-                (long long)opt_.max_batch_tokens, (long long)opt_.prefill_chunk,
-                widths.empty() ? "exact (eager)" : widths.c_str());
+                "engine: %lld slots (+1 scratch, +%lld cache) x %lld bytes/slot (%s states) = %.1f MiB of state; "
+                "max_batch_tokens %lld, prefill_chunk %lld, decode widths %s (%s)",
+                (long long)max_slots_, (long long)opt_.cache_slots, (long long)slot_bytes(),
+                dtype_name(pool_.dtype()), mib, (long long)opt_.max_batch_tokens, (long long)opt_.prefill_chunk,
+                widths.empty() ? "exact" : widths.c_str(), opt_.graphs ? "CUDA graphs captured" : "eager");
   std::string out = buf;
   if (cache_on_) {
     std::snprintf(buf, sizeof buf, "\nstate cache: device tier %lld slots x %lld bytes/slot = %.1f MiB; host tier %.1f MiB",

@@ -65,16 +65,27 @@ struct EngineOptions {
   // sequences (eager). Otherwise a batch of n rows is padded to the smallest width ≥ n;
   // padded rows feed token 0 into the scratch slot. max_slots is added if larger than all.
   std::vector<int64_t> decode_widths;
-  // Plan the model for the engine's largest forward: plan({max decode width,
-  // prefill_chunk}). NOTE: Model has one plan sized B·T rows, so this is
-  // max_width × prefill_chunk rows of activations (see docs/serving.md). With false,
-  // the model must already be planned at least that large.
+  // Plan the model for the engine's forwards: batch max decode width, sequence
+  // prefill_chunk, max(width, prefill_chunk) token rows and max-width logit rows (decode
+  // is width × 1 token, prefill 1 × piece). With false, the model must already be planned
+  // at least that large.
   bool plan_model = true;
   // Decode steps whose rows are all plain greedy (temperature 0, no penalties, no
   // logprobs) take each token from an argmax where the logits are (the device), copying
   // B ids instead of B × V logits to the host; a row's logits are fetched only when its
   // final state is captured or cached. Same tokens as the host sampler (same tie rule).
   bool device_greedy = true;
+  // Decode through CUDA graphs (GraphExecutor): every decode width is captured when the
+  // engine is created, so no step waits for a capture. Needs a backend with graphs (CUDA).
+  // With no decode_widths given, default_decode_widths(max_slots) are used.
+  bool graphs = false;
+  // Eager decode with the widths graphs would use (default_decode_widths when none are
+  // given): the same kernels and shapes as graph decode, without graphs (--eager).
+  bool default_widths = false;
+  // State dtype: kF32 (SPEC §1; F64 models get F64), or kBF16 for BF16 models on CUDA:
+  // half the bytes per slot, so about twice the slots and half the decode state traffic,
+  // at the cost of one BF16 rounding of the state per token (docs/serving.md).
+  DType state_dtype = DType::kF32;
 };
 
 struct EngineStats {
@@ -99,6 +110,10 @@ int64_t slots_for_memory(const Config& c, int64_t budget_bytes, DType state_dtyp
 // invalid_argument (neither a count nor a budget, cache_slots < -1), out_of_memory (the
 // budget holds no live slot).
 Status resolve_slots(const Config& c, const EngineOptions& o, DType state_dtype, int64_t* live, int64_t* cache);
+
+// Decode widths for graphs: 1, 2, 4, 8, 16, then steps of about 1.5× (24, 32, 48, 64, 96,
+// ...) below max_slots, and max_slots itself, so a batch is padded by less than half.
+std::vector<int64_t> default_decode_widths(int64_t max_slots);
 
 // One decode forward: row b feeds tokens[b] into slots[b]. Rows [0, live) are sequences,
 // rows [live, width) padding (their slot is the scratch slot).
@@ -144,12 +159,30 @@ class EagerExecutor : public StepExecutor {
   void last_row_logits(int64_t b, std::vector<float>* row) override;
   ~EagerExecutor() override;
 
- private:
-  void forward_decode(const DecodeBatch& batch);  // the recurrent forward, logits left on the device
+ protected:
+  virtual void forward_decode(const DecodeBatch& batch);  // the recurrent forward, logits left on the device
   Model& m_;
   StatePool& pool_;
   void* ids_dev_ = nullptr;  // [ids_cap] I32 on the backend's device: the argmax of each row
   int64_t ids_cap_ = 0;
+};
+
+// Decode forwards replayed from graphs captured at creation, one per width (prefill stays
+// eager: its pieces vary in length). The graphs hold the same kernels, shapes and cuBLAS
+// algorithms as EagerExecutor's forward at that width, so tokens and states are bitwise
+// those of eager decoding with the same widths (tests/test_cuda_model.cpp checks it).
+class GraphExecutor : public EagerExecutor {
+ public:
+  // Captures a decode forward for each width (after one eager warm-up run of it that
+  // writes only `scratch_slot`). The model must be planned for the largest width.
+  static Status create(Model& m, StatePool& pool, const std::vector<int64_t>& widths, int32_t scratch_slot,
+                       std::unique_ptr<GraphExecutor>* out);
+  int64_t graphs() const { return static_cast<int64_t>(graphs_.size()); }
+
+ private:
+  GraphExecutor(Model& m, StatePool& pool) : EagerExecutor(m, pool) {}
+  void forward_decode(const DecodeBatch& batch) override;
+  std::vector<std::pair<int64_t, std::unique_ptr<Graph>>> graphs_;  // by width, ascending
 };
 
 // Rows [first, first + rows) of the model's last logits, as host F32 [rows × V].

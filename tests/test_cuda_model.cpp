@@ -443,6 +443,127 @@ TEST(CudaModel, EngineDeviceGreedyEqualsHostGreedy) {
   EXPECT_EQ(host, dev);
 }
 
+// Runs 9 requests (mixed prompt lengths and output lengths, greedy and seeded sampling)
+// through an engine with 6 slots: tokens per request (submission order) and the bytes of the
+// live slots at the end (the scratch slot, which padded rows share, left out).
+struct EngineRun {
+  std::vector<std::vector<int32_t>> tokens;
+  std::string slots;
+  EngineStats stats;
+};
+EngineRun run_engine(Model& m, EngineOptions o, bool greedy_only) {
+  EngineRun out;
+  o.max_slots = 6;
+  o.prefill_chunk = 32;
+  o.max_batch_tokens = 64;
+  std::unique_ptr<Engine> eng;
+  Status st = Engine::create(m, o, &eng);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  if (!st.is_ok()) return out;
+  const int n = 9;
+  out.tokens.resize(n);
+  for (int i = 0; i < n; ++i) {
+    Request r;
+    r.prompt = random_tokens(3 + 17 * i, m.config().vocab_size, 500 + i);
+    r.max_tokens = 6 + 5 * (i % 4);
+    r.eos_id = -1;
+    r.sampling.temperature = (greedy_only || i % 3 != 1) ? 0.0 : 0.8;
+    r.sampling.seed = 900 + i;
+    r.on_token = [&out, i](RequestId, int32_t t) { out.tokens[i].push_back(t); };
+    RequestId id = 0;
+    EXPECT_TRUE(eng->submit(std::move(r), &id).is_ok());
+  }
+  eng->run_until_idle();
+  out.stats = eng->stats();
+  std::vector<char> host(static_cast<size_t>(eng->pool().slot_bytes()));
+  for (int64_t s = 0; s < eng->num_slots(); ++s) {
+    eng->pool().read_slot(m.backend(), s, host.data());
+    out.slots.append(host.data(), host.size());
+  }
+  return out;
+}
+
+// Graph decode (widths captured at start-up) against eager decode with the same widths:
+// bitwise the same tokens and states, for F32 and BF16 state pools, at laplace-3b's mixer
+// shapes. And batch invariance: greedy tokens do not depend on the padded widths in use
+// (every batch padded to 8 vs the smallest of 1, 2, 4, 8).
+TEST(CudaModel, GraphDecodeBitwiseEqualsEagerAndWidthInvariant) {
+  LAPLACE_REQUIRE_CUDA(cuda);
+  Config c = three_b_two_layers();
+  Model m;
+  ASSERT_TRUE(m.create(c, *cuda, DType::kBF16).is_ok());
+  m.init_weights(41);
+  for (DType sdt : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(dtype_name(sdt));
+    EngineOptions o;
+    o.decode_widths = {1, 2, 4, 8};
+    o.state_dtype = sdt;
+    const EngineRun eager = run_engine(m, o, false);
+    o.graphs = true;
+    const EngineRun graph = run_engine(m, o, false);
+    ASSERT_EQ(eager.tokens.size(), 9u);
+    EXPECT_GT(eager.stats.padded_rows, 0);
+    EXPECT_EQ(eager.stats.padded_rows, graph.stats.padded_rows);
+    EXPECT_EQ(eager.tokens, graph.tokens);
+    EXPECT_TRUE(eager.slots == graph.slots) << "graph decode changed the states' bytes";
+    const EngineRun mixed = run_engine(m, o, true);
+    o.decode_widths = {8};
+    const EngineRun wide = run_engine(m, o, true);
+    EXPECT_GT(wide.stats.padded_rows, mixed.stats.padded_rows);
+    EXPECT_EQ(wide.tokens, mixed.tokens);
+  }
+}
+
+// BF16 states against F32 states on the same BF16 model (laplace-3b's mixer shapes):
+// prefill 100 tokens (a BF16 pool goes through the F32 stage), then 16 teacher-forced
+// decode steps. The BF16 pool's logits stay within 2e-2 relative RMS of the F32 pool's and
+// its states within 1e-2; the first-step logits of both come from the same prefill.
+TEST(CudaModel, Bf16StatesFollowF32States) {
+  LAPLACE_REQUIRE_CUDA(cuda);
+  Config c = three_b_two_layers();
+  Model m;
+  ASSERT_TRUE(m.create(c, *cuda, DType::kBF16).is_ok());
+  m.init_weights(43);
+  const int64_t B = 3, P = 100, steps = 16;
+  PlanOptions po;
+  po.max_batch = B;
+  po.max_seq = P;
+  ASSERT_TRUE(m.plan(po).is_ok());
+  StatePool f32, bf16;
+  ASSERT_TRUE(f32.create(c, *cuda, B + 1, DType::kF32).is_ok());
+  ASSERT_TRUE(bf16.create(c, *cuda, B + 1, DType::kBF16).is_ok());
+  EXPECT_EQ(bf16.slot_bytes() * 2, f32.slot_bytes());
+  const std::vector<int32_t> slots = {3, 0, 2};
+  auto prompt = random_tokens(B * P, c.vocab_size, 44);
+  auto logits_of = [&]() { return to_host(*cuda, m.logits()); };
+  ForwardOptions chunked;
+  chunked.last_logits_only = true;
+  m.forward(prompt.data(), B, P, chunked, &f32, slots.data());
+  const auto l32 = logits_of();
+  m.forward(prompt.data(), B, P, chunked, &bf16, slots.data());
+  const auto l16 = logits_of();
+  EXPECT_LE(rel_rms(l16, l32), 2e-2);
+  ForwardOptions dec;
+  dec.form = GlaForm::kRecurrent;
+  dec.last_logits_only = true;
+  double worst = 0;
+  for (int64_t t = 0; t < steps; ++t) {
+    auto toks = random_tokens(B, c.vocab_size, 600 + t);
+    m.forward(toks.data(), B, 1, dec, &f32, slots.data());
+    const auto a = logits_of();
+    m.forward(toks.data(), B, 1, dec, &bf16, slots.data());
+    const auto b = logits_of();
+    worst = std::max(worst, rel_rms(b, a));
+  }
+  EXPECT_LE(worst, 2e-2);
+  for (int64_t b = 0; b < B; ++b) {
+    const auto s32 = to_host(*cuda, f32.gla(1).select(slots[b]));
+    const auto s16 = to_host(*cuda, bf16.gla(1).select(slots[b]));
+    EXPECT_LE(rel_rms(s16, s32), 1e-2) << "row " << b;
+  }
+  std::printf("bf16 states: worst decode-step logits rel RMS %.3g over %lld steps\n", worst, (long long)steps);
+}
+
 TEST(CudaModelTrain, FiftyStepsFollowTheCpuLossCurve) {
   LAPLACE_REQUIRE_CUDA(probe);
   probe.reset();  // the trainers make their own backends

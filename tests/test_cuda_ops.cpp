@@ -764,6 +764,52 @@ TEST_F(CudaOps, GlaDecodeContinuesPrefill) {
   EXPECT_LE(max_rel_error(pre->t, full->t.slice(1, 0, T)), 1e-5);
 }
 
+// The decode kernel (T = 1, kernels_gla_decode.cu) at the model's shapes, slot-indexed
+// into a pool with more slots than rows (odd B, scattered slots): vs the CPU recurrent form
+// in F64 from the same rounded inputs, for an F32 and a BF16 pool. Slots not in the batch
+// keep their bytes; the fused gate gives the bits of gla_forward + rmsnorm_gate_forward.
+TEST_F(CudaOps, GlaDecodeSlotsF32Bf16StatesAndFusedGate) {
+  const int64_t B = 37, S = 41, H = 16, dk = 96, dv = 192;
+  GlaParams p = gla_params(H, dk, 128, GlaForm::kRecurrent);
+  Buf q = input({B, 1, H, dk}, kBF16, kF64, 400), k = input({B, 1, H, dk}, kBF16, kF64, 401),
+      v = input({B, 1, H, dv}, kBF16, kF64, 402), g = input({B, 1, H, dv}, kBF16, kF64, 403, -3, 3),
+      w = input({dv}, kBF16, kF64, 404, 0.5, 1.5);
+  std::vector<int32_t> sl(B);
+  for (int64_t b = 0; b < B; ++b) sl[b] = static_cast<int32_t>((b * 7 + 3) % S);  // distinct (gcd(7, 41) = 1)
+  Buf slots = ints(sl);
+  for (DType sdt : {kF32, kBF16}) {
+    SCOPED_TRACE(dtype_name(sdt));
+    Buf pool = input({S, H, dk, dv}, sdt, kF64, 405);  // the reference starts from the rounded values
+    auto before = down(pool.d());
+    Buf o = zeros({B, 1, H, dv}, kBF16, kF64), y = zeros({B, 1, H, dv}, kBF16, kF64);
+    cpu_->gla_forward(p, q.r(), k.r(), v.r(), o.r(), pool.r(), pool.r(), slots.r());
+    cpu_->rmsnorm_gate_forward(o.r(), g.r(), w.r(), 1e-5, y.r(), Tensor{});
+    // Unfused on a copy of the pool, then fused on the pool itself.
+    DevTensor pool2(*cuda_, sdt, {S, H, dk, dv}), o2(*cuda_, kBF16, {B, 1, H, dv}), y2(*cuda_, kBF16, {B, 1, H, dv});
+    cuda_->copy(pool2.t, pool.d());
+    cuda_->gla_forward(p, q.d(), k.d(), v.d(), o2.t, pool2.t, pool2.t, slots.d());
+    cuda_->rmsnorm_gate_forward(o2.t, g.d(), w.d(), 1e-5, y2.t, Tensor{});
+    cuda_->gla_decode_gate(p, q.d(), k.d(), v.d(), g.d(), w.d(), 1e-5, pool.d(), slots.d(), o.d(), y.d());
+    EXPECT_TRUE(same_bytes(o.d(), o2.t));
+    EXPECT_TRUE(same_bytes(y.d(), y2.t));
+    EXPECT_TRUE(same_bytes(pool.d(), pool2.t));
+    // o and y are BF16 outputs (≤ 1e-2); y's norm reads the rounded o, the reference the exact one.
+    EXPECT_LE(err(o), 1e-2);
+    EXPECT_LE(err(y), 1.5e-2);
+    // States: F32 arithmetic (≤ 1e-5), or one BF16 rounding of the result (≤ 2^-8 of the max).
+    EXPECT_LE(err(pool), sdt == kF32 ? 1e-5 : 4e-3);
+    auto after = down(pool.d());
+    const size_t plane = static_cast<size_t>(H * dk * dv) * dtype_size(sdt);
+    std::vector<bool> used(S, false);
+    for (int32_t s : sl) used[s] = true;
+    for (int64_t s = 0; s < S; ++s) {
+      const char* a0 = static_cast<const char*>(before->t.data) + s * plane;
+      const char* a1 = static_cast<const char*>(after->t.data) + s * plane;
+      EXPECT_EQ(std::memcmp(a0, a1, plane) == 0, !used[s]) << "slot " << s;
+    }
+  }
+}
+
 // ---- device-scalar optimizer ops (no host sync): vs the CPU op / the ungated CUDA op ----
 
 TEST_F(CudaOps, DeviceScalarOpsMatchHostScalarOps) {

@@ -648,6 +648,71 @@ TEST(EngineSampling, SeededReproducibleAndIndependentOfBatch) {
 
 // ---- slots, memory, budget ------------------------------------------------------------
 
+// Graph decode widths: 1, 2, 4, 8, 16, then steps of at most 1.5× up to max_slots, which
+// ends the list; every batch size up to max_slots pads by less than half its width.
+TEST(EngineGraphs, DefaultDecodeWidths) {
+  for (int64_t slots : {int64_t{1}, int64_t{3}, int64_t{16}, int64_t{17}, int64_t{100}, int64_t{1280}}) {
+    SCOPED_TRACE(slots);
+    const auto w = default_decode_widths(slots);
+    ASSERT_FALSE(w.empty());
+    EXPECT_EQ(w.back(), slots);
+    EXPECT_EQ(w.front(), 1);
+    for (size_t i = 1; i < w.size(); ++i) {
+      EXPECT_LT(w[i - 1], w[i]);
+      EXPECT_LE(w[i], std::max<int64_t>(2 * w[i - 1], w[i - 1] * 3 / 2 + 1));
+    }
+    for (int64_t n = 1; n <= slots; ++n) {
+      const int64_t width = *std::lower_bound(w.begin(), w.end(), n);
+      EXPECT_LT(width - n, std::max<int64_t>(1, (width + 1) / 2)) << "batch " << n;
+    }
+  }
+  const auto w = default_decode_widths(1280);
+  EXPECT_EQ(w, (std::vector<int64_t>{1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1280}));
+}
+
+// Options the CPU backend cannot honour fail Engine::create with a reason, not later.
+TEST(EngineGraphs, CpuRefusesGraphsAndBf16StatesClearly) {
+  auto be = make_cpu_backend();
+  Model m;
+  ASSERT_TRUE(m.create(small_config(), *be, DType::kF32).is_ok());
+  m.init_weights(3);
+  std::unique_ptr<Engine> eng;
+  EngineOptions o = opts(4);
+  o.graphs = true;
+  Status st = Engine::create(m, o, &eng);
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.to_string().find("no graphs"), std::string::npos) << st.to_string();
+  EXPECT_NE(st.to_string().find("--eager"), std::string::npos) << st.to_string();
+  o = opts(4);
+  o.state_dtype = DType::kBF16;
+  st = Engine::create(m, o, &eng);
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.to_string().find("BF16 states need a BF16 model on CUDA"), std::string::npos) << st.to_string();
+  o = opts(4);
+  o.state_dtype = DType::kI32;
+  EXPECT_FALSE(Engine::create(m, o, &eng).is_ok());
+}
+
+// The engine plans max(width, prefill_chunk) token rows and width logit rows, not
+// width × prefill_chunk: with 64 slots and 64-token pieces that is ~64× fewer bytes, and
+// the engine still serves decode batches of 64 and full prefill pieces.
+TEST(EngineSlots, PlanHoldsWidthOrPieceRowsNotTheirProduct) {
+  EngineOptions o = opts(64, 64, 128);
+  Rig r(o);
+  PlanOptions full;
+  full.max_batch = 64;
+  full.max_seq = 64;
+  Model big;
+  ASSERT_TRUE(big.create(r.c, *r.be, DType::kF32).is_ok());
+  ASSERT_TRUE(big.plan(full).is_ok());
+  EXPECT_LT(r.m.activation_bytes() * 32, big.activation_bytes());
+  std::vector<RequestId> ids;
+  for (int i = 0; i < 64; ++i) ids.push_back(r.add(r.make(random_tokens(70 + i, r.c.vocab_size, 40 + i), 3)));
+  r.eng->run_until_idle();
+  for (RequestId id : ids) EXPECT_EQ(r.out[id].tokens.size(), 3u);
+  EXPECT_EQ(r.eng->stats().generated_tokens, 64 * 3);
+}
+
 TEST(EngineSlots, BytesPerSlotAndSlotsFromMemory) {
   Rig r(opts(5));
   const int64_t bytes = r.c.state_bytes_per_sequence();

@@ -97,6 +97,53 @@ void CudaBackend::synchronize() {
   ++host_syncs_;
 }
 
+// ---- graphs ---------------------------------------------------------------------------------------
+
+namespace {
+
+class CudaGraph final : public Graph {
+ public:
+  CudaGraph(cudaGraph_t g, cudaGraphExec_t e, cudaStream_t s) : graph_(g), exec_(e), stream_(s) {}
+  ~CudaGraph() override {
+    cudaGraphExecDestroy(exec_);
+    cudaGraphDestroy(graph_);
+  }
+  void launch() override { CUDA_CHECK(cudaGraphLaunch(exec_, stream_)); }
+
+ private:
+  cudaGraph_t graph_;
+  cudaGraphExec_t exec_;
+  cudaStream_t stream_;
+};
+
+}  // namespace
+
+Status CudaBackend::capture(const std::function<void()>& queue_ops, std::unique_ptr<Graph>* out) {
+  const int64_t syncs = host_syncs_;
+  // Thread-local mode: other threads' CUDA calls (an HTTP thread's copies) are not drawn
+  // into this capture nor invalidate it.
+  CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  queue_ops();
+  cudaGraph_t graph = nullptr;
+  const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+  if (end != cudaSuccess || host_syncs_ != syncs) {
+    if (graph) cudaGraphDestroy(graph);
+    (void)cudaGetLastError();
+    return Status::unsupported(std::string("CUDA graph capture failed: ") +
+                            (host_syncs_ != syncs ? "an op waited for the device or read host memory"
+                                                  : cudaGetErrorString(end)));
+  }
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+  if (inst != cudaSuccess) {
+    cudaGraphDestroy(graph);
+    (void)cudaGetLastError();
+    return Status::unsupported(std::string("CUDA graph instantiation failed: ") + cudaGetErrorString(inst));
+  }
+  *out = std::make_unique<CudaGraph>(graph, exec, stream_);
+  return Status::ok();
+}
+
 bool CudaBackend::memory_info(size_t* free_bytes, size_t* total_bytes) {
   CUDA_CHECK(cudaSetDevice(device_));
   return cudaMemGetInfo(free_bytes, total_bytes) == cudaSuccess;

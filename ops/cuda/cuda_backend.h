@@ -26,16 +26,21 @@
 //                  [N] contiguous (optional: recomputed by the backward when undefined,
 //                  with eps = 1e-5, the model's norm_eps); dw, db float [D] (accumulate).
 //  conv_silu       u, c, pre, dc, du float [B,T,D]; w, dw float [D,K], K <= 8; win_in/win_out
-//                  F32 [S,K,D] with win[s,j] = u_{T-K+j} (j = K-1 the newest input, oldest
+//                  float [S,K,D] (BF16 in a BF16 state pool) with win[s,j] = u_{T-K+j} (j = K-1 the newest input, oldest
 //                  first); slots I32 [B] or undefined. pre may be undefined in the backward
 //                  (recomputed from u and w with a zero window).
 //  gla             q, k, v, o, d_o, dq, dk, dv float; s_in, s_out, ds_in, ds_out F32 [S,H,dk,dv]
 //                  (dv contiguous); dk <= 128, dv <= 256, H <= 128; slots I32 [B] (not
 //                  range-checked on the device).
-//                  All three forms run the same chunked kernels (they agree to rounding). At
+//                  T = 1 (decode) runs the streaming decode kernel (kernels_gla_decode.cu),
+//                  which also takes BF16 states (F32 arithmetic, one rounding per store) when
+//                  dv % 4 == 0 and state rows are 4-element aligned.
+//                  Otherwise all three forms run the same chunked kernels (they agree to rounding). At
 //                  dk = 96, dv = 192 with bf16 q/k/v (and dO), T >= 32, the tensor-core kernels
 //                  (chunk 128, fp32 states) run; otherwise the generic FP32-FMA kernels, whose
 //                  internal chunk is min(p.chunk, a size that fits shared memory).
+//  gla_decode_gate the decode kernel with the rmsnorm_gate epilogue fused: the same bits as
+//                  gla_forward (T = 1) followed by rmsnorm_gate_forward.
 //  rmsnorm_gate    o, g, y, dy, d_o, dg float; w, dw float [dv]; rstd F32 [B,T,H] contiguous
 //                  (optional: recomputed by the backward when undefined, eps = 1e-5).
 //  swiglu          ab, h, dh, dab float. dab may alias ab.
@@ -128,6 +133,9 @@ class CudaBackend final : public Backend {
                     const Tensor& s_in, const Tensor& d_o, const Tensor& ds_out, Tensor dq,
                     Tensor dk, Tensor dv, Tensor ds_in) override;
 
+  void gla_decode_gate(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                       const Tensor& w, double eps, Tensor states, const Tensor& slots, Tensor o,
+                       Tensor y) override;
   void rmsnorm_gate_forward(const Tensor& o, const Tensor& g, const Tensor& w, double eps, Tensor y,
                             Tensor rstd) override;
   void rmsnorm_gate_backward(const Tensor& dy, const Tensor& o, const Tensor& g, const Tensor& w,
@@ -157,6 +165,8 @@ class CudaBackend final : public Backend {
                            const Tensor& skip) override;
   void muon_apply_gated(Tensor w, const Tensor& o, double lr, double wd, double s, const Tensor& skip) override;
   void loss_sum_into(const Tensor& losses, double count, Tensor acc, bool accumulate) override;
+
+  Status capture(const std::function<void()>& queue_ops, std::unique_ptr<Graph>* out) override;
 
   // ---- CUDA specifics ----
   cudaStream_t stream() const { return stream_; }
@@ -225,6 +235,12 @@ cudaError_t probe_kernel_image();
 // outside it; the caller then runs the generic kernels (ops/cuda/kernels_gla.cu).
 bool gla_tc_forward(CudaBackend& be, const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor o,
                     const Tensor& s_in, Tensor s_out, const Tensor& slots);
+// GLA decode fast path (ops/cuda/kernels_gla_decode.cu): T = 1, F32 or BF16 states
+// (in place or not), optionally fused with the output gate (g, w, eps, y non-null). Returns
+// false (having queued nothing) when the arguments are outside it.
+bool gla_decode_forward(CudaBackend& be, const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                        Tensor o, const Tensor& s_in, Tensor s_out, const Tensor& slots, const Tensor* g,
+                        const Tensor* w, double eps, Tensor* y);
 bool gla_tc_backward(CudaBackend& be, const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
                      const Tensor& s_in, const Tensor& d_o, const Tensor& ds_out, Tensor dq, Tensor dk, Tensor dv,
                      Tensor ds_in);

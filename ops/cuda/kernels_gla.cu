@@ -425,6 +425,9 @@ using namespace cuda;
 
 void CudaBackend::gla_forward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor o,
                               const Tensor& s_in, Tensor s_out, const Tensor& slots) {
+  // One token per sequence: the streaming decode kernel (F32 or BF16 states).
+  if (q.ndim == 4 && q.shape[1] == 1 && gla_decode_forward(*this, p, q, k, v, o, s_in, s_out, slots, nullptr, nullptr, 0, nullptr))
+    return;
   GlaArgs a = gla_args(p, q, v);
   HView vq = head_view(q, a.B, a.T, a.H, a.dk, "gla_forward: q");
   HView vk = head_view(k, a.B, a.T, a.H, a.dk, "gla_forward: k");

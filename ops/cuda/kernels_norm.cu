@@ -476,9 +476,11 @@ namespace cuda {
 
 constexpr int kMaxConvK = kMaxColOut;
 
-// Conv window of one layer in a state pool: win[s, j, d] at p + s·s0 + j·s1 + d (F32).
+// Conv window of one layer in a state pool: win[s, j, d] at p + s·s0 + j·s1 + d (F32, or
+// BF16 in a BF16 state pool: the window holds conv inputs, so a BF16 model's are exact).
 struct WView {
-  float* p = nullptr;
+  void* p = nullptr;
+  int dt = kF32;
   int64_t s0 = 0, s1 = 0;
 };
 
@@ -496,7 +498,7 @@ __device__ __forceinline__ float conv_input(const ConvArgs& a, int64_t b, int64_
   if (s >= 0) return ldf(a.u.p, a.u.row(r_of_t0 + s) + d, a.u.dt);
   if (!a.win.p) return 0.f;
   const int64_t slot = a.slots ? a.slots[b] : b;
-  return a.win.p[slot * a.win.s0 + (a.K + s) * a.win.s1 + d];
+  return ldf(a.win.p, slot * a.win.s0 + (a.K + s) * a.win.s1 + d, a.win.dt);
 }
 
 // pre_t = Σ_j w[d,j]·u_{t−K+1+j}
@@ -532,7 +534,7 @@ __global__ void conv_window_kernel(ConvArgs a, WView wout) {
     const int64_t slot = a.slots ? a.slots[b] : b;
 #pragma unroll
     for (int j = 0; j < kMaxConvK; ++j)
-      if (j < a.K) wout.p[slot * wout.s0 + j * wout.s1 + d] = vals[j];
+      if (j < a.K) stf(wout.p, slot * wout.s0 + j * wout.s1 + d, wout.dt, vals[j]);
   }
 }
 
@@ -591,10 +593,11 @@ WView window_view(const Tensor& t, int64_t K, int64_t D, const char* what) {
   WView v;
   if (!t.defined()) return v;
   check_device(t, what);
-  check_f32(t, "conv_silu: windows must be F32");
+  const int dt = float_code(t, "conv_silu: windows must be F32 or BF16");
   if (t.ndim != 3 || t.shape[1] != K || t.shape[2] != D || t.stride[2] != 1)
     check_failed(__FILE__, __LINE__, what, ("window must be [S,K,D] with D contiguous, got " + t.shape_str()).c_str());
-  v.p = static_cast<float*>(t.data);
+  v.p = t.data;
+  v.dt = dt;
   v.s0 = t.stride[0];
   v.s1 = t.stride[1];
   return v;
