@@ -1,0 +1,208 @@
+// bench_ops: where the time of one laplace-3b decode step and one long prefill goes, op by
+// op, on the CUDA backend (bf16 activations and weights, the model's shapes). Each op runs
+// `--reps` times back to back after a warm-up; the mean time per call is printed with its
+// count per step (×L for per-layer ops) and the implied share of the step. The figures
+// guide kernel work; the end-to-end numbers come from `laplace bench decode|prefill`.
+//
+// Usage: bench_ops [--batch 1280] [--prompt 8192] [--layers 24] [--reps 10]
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/arena.h"
+#include "model/config.h"
+#include "model/state.h"
+#include "ops/backend.h"
+
+namespace {
+
+using namespace laplace;
+
+struct Row {
+  std::string name;
+  double ms = 0;
+  int64_t per_step = 1;
+};
+
+double time_ms(Backend& be, int reps, const std::function<void()>& f) {
+  f();
+  f();
+  be.synchronize();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < reps; ++i) f();
+  be.synchronize();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / reps;
+}
+
+void print(const char* title, const std::vector<Row>& rows) {
+  double total = 0;
+  for (const Row& r : rows) total += r.ms * static_cast<double>(r.per_step);
+  std::printf("%s: %.3f ms in these ops\n", title, total);
+  for (const Row& r : rows)
+    std::printf("  %-34s %8.4f ms x %3lld = %8.3f ms  (%5.1f%%)\n", r.name.c_str(), r.ms, (long long)r.per_step,
+                r.ms * static_cast<double>(r.per_step), 100.0 * r.ms * static_cast<double>(r.per_step) / total);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t B = 1280, P = 8192, L = 24;
+  int reps = 10;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i];
+    const int64_t v = std::atoll(argv[i + 1]);
+    if (k == "--batch") B = v;
+    else if (k == "--prompt") P = v;
+    else if (k == "--layers") L = v;
+    else if (k == "--reps") reps = static_cast<int>(v);
+    else {
+      std::fprintf(stderr, "usage: bench_ops [--batch 1280] [--prompt 8192] [--layers 24] [--reps 10]\n");
+      return 2;
+    }
+  }
+  std::string why;
+  std::unique_ptr<Backend> be = make_cuda_backend(&why);
+  if (!be) {
+    std::fprintf(stderr, "bench_ops: skipped: no CUDA device: %s\n", why.c_str());
+    return 0;
+  }
+  Config c;
+  c.vocab_size = 92160, c.hidden_size = 3072, c.num_layers = 1, c.num_heads = 16;
+  c.head_k_dim = 96, c.head_v_dim = 192, c.ffn_size = 8192, c.chunk_size = 128;
+  const int64_t D = c.hidden_size, R = c.qkvg_rows(), F = c.ffn_size, V = c.vocab_size, H = c.num_heads;
+  const int64_t dk = c.head_k_dim, dv = c.head_v_dim, K = c.conv_size;
+  const int64_t N = std::max(B, P);
+  const DType bf = DType::kBF16;
+  Arena a;
+  Status st = a.create({{"wqkvg", bf, {R, D}},
+                        {"wo", bf, {D, H * dv}},
+                        {"w12", bf, {2 * F, D}},
+                        {"w3", bf, {D, F}},
+                        {"head", bf, {V, D}},
+                        {"norm_w", bf, {D}},
+                        {"norm_b", bf, {D}},
+                        {"conv_w", bf, {D, K}},
+                        {"onorm_w", bf, {dv}},
+                        {"x", bf, {N, D}},      // residual stream
+                        {"u", bf, {N, D}},      // norm output
+                        {"c", bf, {N, D}},      // conv output
+                        {"qkvg", bf, {N, R}},   // projection
+                        {"o", bf, {N, H * dv}}, // GLA output
+                        {"y", bf, {N, H * dv}}, // gated output
+                        {"ab", bf, {N, 2 * F}},
+                        {"h", bf, {N, F}},
+                        {"logits", DType::kF32, {B, V}},
+                        {"ids", DType::kI32, {B}},
+                        {"mean", DType::kF32, {N}},
+                        {"rstd", DType::kF32, {N}}},
+                       be->allocator(), "bench_ops");
+  if (!st.is_ok()) {
+    std::fprintf(stderr, "bench_ops: %s\n", st.to_string().c_str());
+    return 1;
+  }
+  auto t = [&](const char* n) { return a.tensor(static_cast<size_t>(a.find(n))); };
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a.tensor(i).dtype != DType::kI32) be->fill(a.tensor(i), 0.01);
+  StatePool p32, p16;
+  if (!p32.create(c, *be, B + 1, DType::kF32).is_ok() || !p16.create(c, *be, B + 1, DType::kBF16).is_ok()) {
+    std::fprintf(stderr, "bench_ops: out of memory for the state pools\n");
+    return 1;
+  }
+  std::vector<int32_t> sl(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) sl[b] = static_cast<int32_t>(b);
+  Tensor slots = t("ids");
+  be->copy(slots, Tensor(sl.data(), DType::kI32, {B}));
+
+  GlaParams gp;
+  gp.form = GlaForm::kRecurrent;
+  gp.chunk = 128;
+  gp.scale = 1.0 / std::sqrt(static_cast<double>(dk));
+  gp.decay = c.decays();
+  auto rows = [](const Tensor& x, int64_t n) { return x.slice(0, 0, n); };
+  auto heads = [&](const Tensor& x2, int64_t n, int64_t col, int64_t d) {
+    Tensor v = x2.slice(0, 0, n).slice(1, col, col + H * d);
+    v.ndim = 4;
+    v.shape = {n, 1, H, d};
+    v.stride = {x2.stride[0], x2.stride[0], d, 1};
+    return v;
+  };
+  auto btd = [](const Tensor& x2, int64_t b, int64_t tt) {
+    Tensor v = x2.slice(0, 0, b * tt);
+    v.ndim = 3;
+    v.shape = {b, tt, x2.shape[1], 0};
+    v.stride = {tt * x2.stride[0], x2.stride[0], 1, 0};
+    return v;
+  };
+
+  // ---- decode step, B rows of one token ----
+  std::vector<Row> dec;
+  Backend& e = *be;
+  const Tensor x = rows(t("x"), B), u = rows(t("u"), B), cc = rows(t("c"), B), q = rows(t("qkvg"), B);
+  const Tensor y = rows(t("y"), B), ab = rows(t("ab"), B), hh = rows(t("h"), B);
+  dec.push_back({"layernorm", time_ms(e, reps, [&] { e.layernorm_forward(x, t("norm_w"), t("norm_b"), 1e-5, u, rows(t("mean"), B), rows(t("rstd"), B)); }), 2 * L + 1});
+  Tensor win = p32.conv(0);
+  dec.push_back({"conv_silu (slots, F32 window)", time_ms(e, reps, [&] { e.conv_silu_forward(btd(u, B, 1), t("conv_w"), btd(cc, B, 1), Tensor{}, win, win, slots); }), L});
+  dec.push_back({"gemm qkvg [B,3072]x[3072,9216]", time_ms(e, reps, [&] { e.gemm(cc, false, t("wqkvg"), true, q, 1.0, 0.0); }), L});
+  auto qh = heads(t("qkvg"), B, 0, dk), kh = heads(t("qkvg"), B, H * dk, dk), vh = heads(t("qkvg"), B, 2 * H * dk, dv),
+       gh = heads(t("qkvg"), B, 2 * H * dk + H * dv, dv);
+  auto oh = heads(t("o"), B, 0, dv), yh = heads(t("y"), B, 0, dv);
+  Tensor s32 = p32.gla(0), s16 = p16.gla(0);
+  dec.push_back({"gla_decode_gate F32 state", time_ms(e, reps, [&] { e.gla_decode_gate(gp, qh, kh, vh, gh, t("onorm_w"), 1e-5, s32, slots, oh, yh); }), L});
+  const double g16 = time_ms(e, reps, [&] { e.gla_decode_gate(gp, qh, kh, vh, gh, t("onorm_w"), 1e-5, s16, slots, oh, yh); });
+  dec.push_back({"gemm wo [B,3072]x[3072,3072] +=", time_ms(e, reps, [&] { e.gemm(y, false, t("wo"), true, x, 1.0, 1.0); }), L});
+  dec.push_back({"gemm w12 [B,3072]x[3072,16384]", time_ms(e, reps, [&] { e.gemm(u, false, t("w12"), true, ab, 1.0, 0.0); }), L});
+  dec.push_back({"swiglu", time_ms(e, reps, [&] { e.swiglu_forward(ab, hh); }), L});
+  dec.push_back({"gemm w3 [B,8192]x[8192,3072] +=", time_ms(e, reps, [&] { e.gemm(hh, false, t("w3"), true, x, 1.0, 1.0); }), L});
+  dec.push_back({"gemm head [B,3072]x[3072,92160] F32", time_ms(e, reps, [&] { e.gemm(u, false, t("head"), true, t("logits"), 1.0, 0.0); }), 1});
+  dec.push_back({"argmax_rows [B,92160]", time_ms(e, reps, [&] { e.argmax_rows(t("logits"), slots); }), 1});
+  be->copy(slots, Tensor(sl.data(), DType::kI32, {B}));
+  char title[128];
+  std::snprintf(title, sizeof title, "decode step, %lld rows, %lld layers", (long long)B, (long long)L);
+  print(title, dec);
+  const double state_bytes = 2.0 * static_cast<double>(B) * H * dk * dv;
+  std::printf("  gla_decode_gate: F32 state %.1f GB/s, BF16 state %.4f ms = %.1f GB/s (state read + write)\n",
+              state_bytes * 4 / (dec[3].ms * 1e6), g16, state_bytes * 2 / (g16 * 1e6));
+
+  // ---- prefill, one prompt of P tokens ----
+  std::vector<Row> pre;
+  const Tensor xp = rows(t("x"), P), up = rows(t("u"), P), cp = rows(t("c"), P), qp = rows(t("qkvg"), P);
+  const Tensor yp = rows(t("y"), P), abp = rows(t("ab"), P), hp = rows(t("h"), P);
+  pre.push_back({"layernorm", time_ms(e, reps, [&] { e.layernorm_forward(xp, t("norm_w"), t("norm_b"), 1e-5, up, rows(t("mean"), P), rows(t("rstd"), P)); }), 2 * L});
+  Tensor win1 = p32.conv(0).slice(0, 0, 1);
+  pre.push_back({"conv_silu", time_ms(e, reps, [&] { e.conv_silu_forward(btd(up, 1, P), t("conv_w"), btd(cp, 1, P), Tensor{}, win1, win1, Tensor{}); }), L});
+  pre.push_back({"gemm qkvg", time_ms(e, reps, [&] { e.gemm(cp, false, t("wqkvg"), true, qp, 1.0, 0.0); }), L});
+  auto q4 = [&](int64_t col, int64_t d) {
+    Tensor v = qp.slice(1, col, col + H * d);
+    v.ndim = 4;
+    v.shape = {1, P, H, d};
+    v.stride = {P * qp.stride[0], qp.stride[0], d, 1};
+    return v;
+  };
+  Tensor o4 = rows(t("o"), P);
+  o4.ndim = 4;
+  o4.shape = {1, P, H, dv};
+  o4.stride = {P * H * dv, H * dv, dv, 1};
+  GlaParams gc = gp;
+  gc.form = GlaForm::kChunked;
+  Tensor st1 = p32.gla(0).slice(0, 0, 1);
+  pre.push_back({"gla_forward chunked (state in/out)", time_ms(e, reps, [&] { e.gla_forward(gc, q4(0, dk), q4(H * dk, dk), q4(2 * H * dk, dv), o4, st1, st1, Tensor{}); }), L});
+  Tensor y4 = o4;
+  y4.data = t("y").data;
+  pre.push_back({"rmsnorm_gate", time_ms(e, reps, [&] { e.rmsnorm_gate_forward(o4, q4(2 * H * dk + H * dv, dv), t("onorm_w"), 1e-5, y4, Tensor{}); }), L});
+  pre.push_back({"gemm wo +=", time_ms(e, reps, [&] { e.gemm(yp, false, t("wo"), true, xp, 1.0, 1.0); }), L});
+  pre.push_back({"gemm w12", time_ms(e, reps, [&] { e.gemm(up, false, t("w12"), true, abp, 1.0, 0.0); }), L});
+  pre.push_back({"swiglu", time_ms(e, reps, [&] { e.swiglu_forward(abp, hp); }), L});
+  pre.push_back({"gemm w3 +=", time_ms(e, reps, [&] { e.gemm(hp, false, t("w3"), true, xp, 1.0, 1.0); }), L});
+  std::snprintf(title, sizeof title, "prefill, one %lld-token prompt, %lld layers", (long long)P, (long long)L);
+  print(title, pre);
+  const double gemm_flop = 2.0 * P * (static_cast<double>(R) * D + D * H * dv + 2.0 * F * D + static_cast<double>(D) * F);
+  const double gemm_ms = pre[2].ms + pre[5].ms + pre[6].ms + pre[8].ms;
+  std::printf("  prefill gemms: %.1f TFLOP/s\n", gemm_flop / (gemm_ms * 1e9));
+  return 0;
+}
