@@ -5,12 +5,13 @@
 //   y = RMSNorm(o; w) ⊙ SiLU(g)   (fused gate only)
 //
 // Decode is bound by the state traffic (1.18 MB per sequence per layer for laplace-3b in
-// F32, read once and written once), so the kernel is a stream over the state: one block per
-// (b, h); thread (rg, c) owns columns [4c, 4c+4) of the rows of row group rg (four groups of
-// ⌈dk/4⌉ consecutive rows), loads 8 rows' worth of 16-byte (F32) or 8-byte (BF16) vectors
-// before using any of them, and keeps its part of o in registers. The four partial outputs
-// are added in group order through shared memory, so the result is a fixed function of the
-// inputs (bitwise reproducible, independent of the batch and of the other slots).
+// F32, read once and written once), so the kernel is a stream over the state: one block of
+// dv threads per (b, h); thread (rg, c) owns one 16-byte column vector c (4 F32 or 8 BF16
+// columns) of the rows of row group rg (4 groups of ⌈dk/4⌉ consecutive rows for F32, 8
+// of ⌈dk/8⌉ for BF16), loads 8 rows' vectors before using any of them, and keeps its part
+// of o in registers. The partial outputs are added in group order through shared memory,
+// so the result is a fixed function of the inputs (bitwise reproducible, independent of
+// the batch and of the other slots).
 //
 // The gate epilogue reproduces rmsnorm_gate_fwd_kernel (kernels_norm.cu) operation for
 // operation, o rounded to its dtype first, so fused and unfused decode give the same bits.
@@ -26,7 +27,18 @@ namespace {
 constexpr int kDecMaxHeads = 128;
 constexpr int kDecMaxDk = 128;
 constexpr int kDecMaxDv = 256;
-constexpr int kDecGroups = 4;  // row groups per block
+// Block shape: kGroups row groups × (dv / kCols) column vectors, one 16-byte vector per
+// state row per thread (4 F32 or 8 BF16 columns), so a block has dv threads either way.
+template <class ST>
+struct DecShape;
+template <>
+struct DecShape<float> {
+  static constexpr int kCols = 4, kGroups = 4;
+};
+template <>
+struct DecShape<__nv_bfloat16> {
+  static constexpr int kCols = 8, kGroups = 8;
+};
 constexpr int kDecUnroll = 8;  // rows loaded before any is used
 
 struct DecArgs {
@@ -52,27 +64,31 @@ struct DecArgs {
   const int32_t* slots;  // null: slot = b
 };
 
-struct F4 {
-  float x, y, z, w;
-};
-
-__device__ __forceinline__ F4 load4(const float* p) {
+// One 16-byte vector of a state row as floats.
+__device__ __forceinline__ void load_vec(const float* p, float* x) {
   const float4 t = *reinterpret_cast<const float4*>(p);
-  return {t.x, t.y, t.z, t.w};
+  x[0] = t.x, x[1] = t.y, x[2] = t.z, x[3] = t.w;
 }
-__device__ __forceinline__ F4 load4(const __nv_bfloat16* p) {
-  const uint2 t = *reinterpret_cast<const uint2*>(p);
-  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&t.x));
-  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&t.y));
-  return {a.x, a.y, b.x, b.y};
+__device__ __forceinline__ void load_vec(const __nv_bfloat16* p, float* x) {
+  const uint4 t = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+    x[2 * i] = f.x, x[2 * i + 1] = f.y;
+  }
 }
-__device__ __forceinline__ void store4(float* p, F4 v) { *reinterpret_cast<float4*>(p) = make_float4(v.x, v.y, v.z, v.w); }
-__device__ __forceinline__ void store4(__nv_bfloat16* p, F4 v) {
-  const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
-  uint2 t;
-  t.x = *reinterpret_cast<const uint32_t*>(&a);
-  t.y = *reinterpret_cast<const uint32_t*>(&b);
-  *reinterpret_cast<uint2*>(p) = t;
+__device__ __forceinline__ void store_vec(float* p, const float* x) {
+  *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+}
+__device__ __forceinline__ void store_vec(__nv_bfloat16* p, const float* x) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
+    w[i] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 // x rounded to dtype dt and back (what a store followed by a load gives).
@@ -81,61 +97,66 @@ __device__ __forceinline__ float round_to(float x, int dt) {
 }
 
 template <class ST, bool kGate>
-__global__ void __launch_bounds__(kDecGroups * kDecMaxDv / 4) gla_decode_kernel(DecArgs a) {
+__global__ void __launch_bounds__(kDecMaxDv) gla_decode_kernel(DecArgs a) {
+  constexpr int C = DecShape<ST>::kCols, G = DecShape<ST>::kGroups;
   __shared__ float qs[kDecMaxDk], ks[kDecMaxDk];
-  __shared__ float part[kDecGroups][kDecMaxDv];
+  __shared__ float part[G][kDecMaxDv];
   __shared__ float rstd_s;
   const int b = blockIdx.x / a.H, h = blockIdx.x - b * a.H;
-  const int nq = a.dv >> 2;
-  const int tid = threadIdx.x, c = tid % nq, rg = tid / nq;
+  const int nv = a.dv / C;
+  const int tid = threadIdx.x, c = tid % nv, rg = tid / nv;
   for (int i = tid; i < a.dk; i += blockDim.x) {
     qs[i] = a.scale * ldf(a.q, b * a.q_sb + h * a.q_sh + i, a.q_dt);
     ks[i] = ldf(a.k, b * a.k_sb + h * a.k_sh + i, a.k_dt);
   }
-  const int64_t vo = b * a.v_sb + h * a.v_sh + 4 * c;
-  const float v0 = ldf(a.v, vo, a.v_dt), v1 = ldf(a.v, vo + 1, a.v_dt), v2 = ldf(a.v, vo + 2, a.v_dt),
-              v3 = ldf(a.v, vo + 3, a.v_dt);
+  float vv[C];
+  const int64_t vo = b * a.v_sb + h * a.v_sh + C * c;
+#pragma unroll
+  for (int j = 0; j < C; ++j) vv[j] = ldf(a.v, vo + j, a.v_dt);
   __syncthreads();
 
   const int64_t slot = a.slots ? a.slots[b] : b;
-  const int64_t base = slot * a.ss + h * a.sh + 4 * c;
+  const int64_t base = slot * a.ss + h * a.sh + C * c;
   const ST* src = a.s_in ? static_cast<const ST*>(a.s_in) + base : nullptr;
   ST* dst = a.s_out ? static_cast<ST*>(a.s_out) + base : nullptr;
   const float lam = a.lam[h];
-  const int rows = (a.dk + kDecGroups - 1) / kDecGroups;
+  const int rows = (a.dk + G - 1) / G;
   const int r0 = rg * rows, r1 = min(a.dk, r0 + rows);
-  F4 acc = {0.f, 0.f, 0.f, 0.f};
-  for (int i0 = r0; i0 < r1; i0 += kDecUnroll) {
-    F4 s[kDecUnroll];
+  float acc[C];
 #pragma unroll
-    for (int u = 0; u < kDecUnroll; ++u)
-      s[u] = (src && i0 + u < r1) ? load4(src + (i0 + u) * a.sk) : F4{0.f, 0.f, 0.f, 0.f};
+  for (int j = 0; j < C; ++j) acc[j] = 0.f;
+  for (int i0 = r0; i0 < r1; i0 += kDecUnroll) {
+    float s[kDecUnroll][C];
+#pragma unroll
+    for (int u = 0; u < kDecUnroll; ++u) {
+      if (src && i0 + u < r1) {
+        load_vec(src + (i0 + u) * a.sk, s[u]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < C; ++j) s[u][j] = 0.f;
+      }
+    }
 #pragma unroll
     for (int u = 0; u < kDecUnroll; ++u) {
       const int i = i0 + u;
       if (i >= r1) break;
       const float kk = ks[i], qq = qs[i];
-      s[u].x = fmaf(lam, s[u].x, kk * v0);
-      s[u].y = fmaf(lam, s[u].y, kk * v1);
-      s[u].z = fmaf(lam, s[u].z, kk * v2);
-      s[u].w = fmaf(lam, s[u].w, kk * v3);
-      if (dst) store4(dst + i * a.sk, s[u]);
-      acc.x = fmaf(qq, s[u].x, acc.x);
-      acc.y = fmaf(qq, s[u].y, acc.y);
-      acc.z = fmaf(qq, s[u].z, acc.z);
-      acc.w = fmaf(qq, s[u].w, acc.w);
+#pragma unroll
+      for (int j = 0; j < C; ++j) {
+        s[u][j] = fmaf(lam, s[u][j], kk * vv[j]);
+        acc[j] = fmaf(qq, s[u][j], acc[j]);
+      }
+      if (dst) store_vec(dst + i * a.sk, s[u]);
     }
   }
-  part[rg][4 * c] = acc.x;
-  part[rg][4 * c + 1] = acc.y;
-  part[rg][4 * c + 2] = acc.z;
-  part[rg][4 * c + 3] = acc.w;
+#pragma unroll
+  for (int j = 0; j < C; ++j) part[rg][C * c + j] = acc[j];
   __syncthreads();
   // o_e = Σ_rg part[rg][e] in group order; rounded to o's dtype (as stored).
   for (int e = tid; e < a.dv; e += blockDim.x) {
     float x = part[0][e];
 #pragma unroll
-    for (int g = 1; g < kDecGroups; ++g) x += part[g][e];
+    for (int g = 1; g < G; ++g) x += part[g][e];
     if (a.o) stf(a.o, b * a.o_sb + h * a.o_sh + e, a.o_dt, x);
     part[0][e] = round_to(x, a.o_dt);
   }
@@ -229,7 +250,9 @@ bool gla_decode_forward(CudaBackend& be, const GlaParams& p, const Tensor& q, co
           t->shape[2] != a.dk || t->shape[3] != a.dv || t->stride[3] != 1 || t->stride[0] != ref.stride[0] ||
           t->stride[1] != ref.stride[1] || t->stride[2] != ref.stride[2])
         return false;
-      if (t->stride[0] % 4 || t->stride[1] % 4 || t->stride[2] % 4 || !aligned(t->data, 4 * dtype_size(sdt)))
+      // 16-byte vectors along dv: 4 F32 or 8 BF16 columns.
+      const int64_t vec = sdt == DType::kBF16 ? 8 : 4;
+      if (a.dv % vec || t->stride[0] % vec || t->stride[1] % vec || t->stride[2] % vec || !aligned(t->data, 16))
         return false;
     }
     a.ss = ref.stride[0];
@@ -249,7 +272,8 @@ bool gla_decode_forward(CudaBackend& be, const GlaParams& p, const Tensor& q, co
   a.scale = static_cast<float>(p.scale);
   for (int h = 0; h < a.H; ++h) a.lam[h] = static_cast<float>(p.decay[h]);
   if (a.B == 0) return true;
-  const unsigned grid = static_cast<unsigned>(a.B * a.H), threads = static_cast<unsigned>(kDecGroups * (a.dv / 4));
+  // dv threads: (dv / 4) F32 vectors × 4 row groups, or (dv / 8) BF16 vectors × 8 groups.
+  const unsigned grid = static_cast<unsigned>(a.B * a.H), threads = static_cast<unsigned>(a.dv);
   cudaStream_t st = be.stream();
   if (sdt == DType::kBF16) {
     if (gate) gla_decode_kernel<__nv_bfloat16, true><<<grid, threads, 0, st>>>(a);
