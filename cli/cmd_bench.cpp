@@ -139,6 +139,7 @@ struct DecodeArgs {
 
 struct DecodeFigures {
   double ms_per_step = 0, tok_s = 0, prefill_tok_s = 0;
+  double forward_ms = 0, host_ms = 0;  // per step: the executor's decode call; sampling/emitting
 };
 
 // Prefills `batch` sequences through the engine, then times `steps` engine steps in
@@ -179,6 +180,8 @@ Status measure_decode(Model& m, const DecodeArgs& a, bool print_summary, DecodeF
       after.decode_tokens - before.decode_tokens != a.steps * a.batch)
     return Status::invalid_argument("bench decode: timed steps were not all full decode steps");
   f->ms_per_step = 1e3 * secs / static_cast<double>(a.steps);
+  f->forward_ms = 1e3 * (after.decode_seconds - before.decode_seconds) / static_cast<double>(a.steps);
+  f->host_ms = 1e3 * (after.sample_seconds - before.sample_seconds) / static_cast<double>(a.steps);
   f->tok_s = static_cast<double>(a.steps * a.batch) / secs;
   f->prefill_tok_s = static_cast<double>(prompt_total) / prefill_s;
   return Status::ok();
@@ -268,8 +271,10 @@ Status run_bench_decode(const DecodeArgs& a) {
   res.note = note;
   DecodeFigures f;
   LAPLACE_RETURN_IF_ERROR(measure_decode(lm.model, a, true, &f));
-  std::printf("decode: batch %lld after %lld-token prompts: %.3f ms/step, %.1f tokens/s (prefill %.1f tokens/s)\n",
-              (long long)a.batch, (long long)a.prompt_len, f.ms_per_step, f.tok_s, f.prefill_tok_s);
+  std::printf("decode: batch %lld after %lld-token prompts: %.3f ms/step, %.1f tokens/s (prefill %.1f tokens/s)\n"
+              "  per step: %.3f ms in the decode forward (inputs, forward, argmax, ids back), %.3f ms emitting tokens\n",
+              (long long)a.batch, (long long)a.prompt_len, f.ms_per_step, f.tok_s, f.prefill_tok_s, f.forward_ms,
+              f.host_ms);
   res.add("decode_tok_s", f.tok_s, "tok/s");
   res.add("decode_ms_per_step", f.ms_per_step, "ms");
   res.add("decode_prefill_tok_s", f.prefill_tok_s, "tok/s");

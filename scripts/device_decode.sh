@@ -27,7 +27,7 @@ for s in $STAGES; do
       grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure|bf16 states:" "$OUT/cuda_tests.log" | head -40 ;;
     decode)  # SPEC §3 target: >= 53,000 tok/s with 1,280 sequences, fp32 state
       timeout 240 $L bench decode $M3B --batch 1280 --steps 20 --warmup 3 --prompt-len 16 --prefill-chunk 16 \
-        --results "$R" --tag 3b_1280_fp32state 2>&1 | tee "$OUT/decode.log" | grep -E "engine|decode:" ;;
+        --results "$R" --tag 3b_1280_fp32state 2>&1 | tee "$OUT/decode.log" | grep -E "engine|decode:|per step" ;;
     eager)
       timeout 240 $L bench decode $M3B --batch 1280 --steps 20 --warmup 3 --prompt-len 16 --prefill-chunk 16 --eager \
         --results "$R" --tag 3b_1280_fp32state_eager 2>&1 | tee "$OUT/eager.log" | grep -E "decode:" ;;
