@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: build, run the engine's GPU tests, then the serving benchmarks of laplace-3b
 # (random bf16 weights); logs and JSON lines under $OUT. Stages run in the order given:
-#   STAGES="tests decode eager bf16 prefill sweep prompt poisson" COMMIT=abc123 scripts/device_decode.sh
+#   STAGES="tests decode eager bf16 prefill sweep prompt poisson ops parity" COMMIT=abc123 scripts/device_decode.sh
 # COMMIT is written into every result line (the device's git HEAD may be stale).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,7 @@ R="$OUT/results.jsonl"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a ${CMAKE_EXTRA:-} \
   > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
-cmake --build build-gpu -j "$(nproc)" --target laplace laplace_tests > "$OUT/build.log" 2>&1 ||
+cmake --build build-gpu -j "$(nproc)" --target laplace laplace_tests bench_ops > "$OUT/build.log" 2>&1 ||
   { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -60; exit 1; }
 echo "build ok ($LAPLACE_COMMIT)"
 L=./build-gpu/laplace
@@ -50,6 +50,11 @@ for s in $STAGES; do
       timeout 400 $L bench serve $M3B --rate ${RATE:-64} --count ${COUNT:-1024} --prompt-len 128 --prompt-len-max 1024 \
         --output-len 128 --output-len-max 512 --max-slots 1280 --max-batch-tokens 4096 --prefill-chunk 512 \
         --results "$R" 2>&1 | tee "$OUT/poisson.log" | tail -12 ;;
+    ops)  # per-op times of one decode step and one 8,192-token prefill
+      ./build-gpu/bench/bench_ops 2>&1 | tee "$OUT/ops.log" ;;
+    parity)  # greedy tokens vs the PyTorch reference on this GPU (needs a trained model: carry runs/demo/model)
+      python3 python/gpu_parity.py --model ${PARITY_MODEL:-runs/demo/model} --binary build-gpu/laplace 2>&1 |
+        tee "$OUT/parity.log" ;;
     *) echo "unknown stage $s" ;;
   esac
 done
