@@ -74,21 +74,6 @@ class Backend {
     return Status::unsupported(std::string(name()) + " backend has no graphs");
   }
 
-  // ---- lanes ----------------------------------------------------------------------
-  // Lanes are queues whose ops may run concurrently with each other's (CUDA: streams),
-  // so a memory-bound op on one lane can overlap a compute-bound op on another (decode
-  // runs two half batches that way, model/model.cpp). set_lane(i) sends the ops that
-  // follow to lane i (0 = the default lane: copies, captures and everything else belong
-  // there); lane_wait(w, p) makes lane w wait for all work queued on lane p so far. Work
-  // on a lane other than 0 must be joined back into lane 0 (lane_wait(0, i)) before
-  // lane 0's results are used. The CPU has one lane: both are no-ops.
-  virtual int lanes() const { return 1; }
-  virtual void set_lane(int lane) { (void)lane; }
-  virtual void lane_wait(int waiter, int producer) {
-    (void)waiter;
-    (void)producer;
-  }
-
   // ---- memory -------------------------------------------------------------------
   // dst = src; shapes equal; either may live on the host (H2D/D2H on CUDA).
   virtual void copy(Tensor dst, const Tensor& src) = 0;

@@ -59,6 +59,9 @@ class Sampler {
  private:
   SamplingOptions opt_;
   Rng rng_;
+  bool penalized() const {
+    return opt_.repetition_penalty != 1.0 || opt_.frequency_penalty != 0.0 || opt_.presence_penalty != 0.0;
+  }
   std::unordered_map<int32_t, int64_t> generated_counts_;
   std::unordered_map<int32_t, bool> seen_;  // prompt or generated, for repetition
   std::vector<float> work_;
