@@ -27,24 +27,24 @@ for s in $STAGES; do
       grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure|bf16 states:" "$OUT/cuda_tests.log" | head -40 ;;
     decode)  # SPEC §3 target: >= 53,000 tok/s with 1,280 sequences, fp32 state
       timeout 240 $L bench decode $M3B --batch 1280 --steps 20 --warmup 3 --prompt-len 16 --prefill-chunk 16 \
-        --results "$R" --tag 3b_1280_fp32state 2>&1 | tee "$OUT/decode.log" | grep -E "engine|decode:|per step" ;;
+        --max-batch-tokens 24000 --results "$R" --tag 3b_1280_fp32state 2>&1 | tee "$OUT/decode.log" | grep -E "engine|decode:|per step" ;;
     eager)
-      timeout 240 $L bench decode $M3B --batch 1280 --steps 20 --warmup 3 --prompt-len 16 --prefill-chunk 16 --eager \
+      timeout 240 $L bench decode $M3B --batch 1280 --steps 20 --warmup 3 --prompt-len 16 --prefill-chunk 16 --eager --max-batch-tokens 24000 \
         --results "$R" --tag 3b_1280_fp32state_eager 2>&1 | tee "$OUT/eager.log" | grep -E "decode:" ;;
     bf16)  # target: >= 90,000 tok/s; accuracy vs fp32 states over 256 steps
       timeout 300 $L bench decode $M3B --batch 1280 --steps 20 --warmup 3 --prompt-len 16 --prefill-chunk 16 \
-        --state-dtype bf16 --accuracy-steps 256 --results "$R" --tag 3b_1280_bf16state 2>&1 | tee "$OUT/bf16.log" |
+        --max-batch-tokens 24000 --state-dtype bf16 --accuracy-steps 256 --results "$R" --tag 3b_1280_bf16state 2>&1 | tee "$OUT/bf16.log" |
         grep -E "engine|decode:|bf16 vs" ;;
     prefill)  # target: <= 80 ms for one 8,192-token prompt
       timeout 120 $L bench prefill $M3B --prompt-len 8192 --reps 7 --results "$R" --tag 3b 2>&1 |
         tee "$OUT/prefill.log" | grep -E "prefill of" ;;
     sweep)  # per-step overhead vs per-layer cost
       timeout 400 $L bench decode $M3B --batch 1280 --steps 10 --warmup 2 --prompt-len 1 --prefill-chunk 1 \
-        --max-batch-tokens 2560 --layers-sweep --results "$R" --tag 3b_1280 2>&1 | tee "$OUT/sweep.log" |
+        --max-batch-tokens 24000 --layers-sweep --sweep-max-layers 8 --results "$R" --tag 3b_1280 2>&1 | tee "$OUT/sweep.log" |
         grep -E "layers|decode:" ;;
     prompt)  # decode cost after 2,048- vs 8,192-token prompts (SPEC §3: <= +0.5%)
       timeout 400 $L bench decode $M3B --batch ${PROMPT_BATCH:-128} --steps 20 --warmup 3 --prompt-len 2048 \
-        --prefill-chunk 2048 --max-batch-tokens 8192 --compare-prompt-len 8192 --results "$R" --tag 3b_${PROMPT_BATCH:-128} \
+        --prefill-chunk 2048 --max-batch-tokens 16384 --compare-prompt-len 8192 --results "$R" --tag 3b_${PROMPT_BATCH:-128} \
         2>&1 | tee "$OUT/prompt.log" | grep -E "decode" ;;
     poisson)  # staggered arrivals: throughput, TTFT and TPOT p50/p99
       timeout 400 $L bench serve $M3B --rate ${RATE:-64} --count ${COUNT:-1024} --prompt-len 128 --prompt-len-max 1024 \
