@@ -3,6 +3,9 @@
 // per-segment partials [nq, nseg, cols] in a fixed row order, then one thread per column
 // sums the segments in order (colsum_finalize_kernel). The segmentation depends only on
 // the shapes, so results are bitwise reproducible.
+// The forwards of LayerNorm, RMSNorm × gate and conv + SiLU have fast paths (16-byte accesses
+// of 8 columns, each input read once) for the common shapes; the generic kernels serve the
+// rest (see each launcher for the conditions).
 #include <cmath>
 #include <string>
 
@@ -50,6 +53,65 @@ const int32_t* i32_vec(const Tensor& t, int64_t n, const char* what) {
                                             " elements, got " + t.shape_str()).c_str());
   return static_cast<const int32_t*>(t.data);
 }
+
+// ---- 16-byte vectors of 8 floats (the fast paths) -------------------------------------------
+// The fast kernels move 8 consecutive columns per access: element offset i is a multiple of 8
+// and, when `vec`, the base 16-byte aligned (one 16-byte access for BF16, two for F32);
+// otherwise element by element (same values, same arithmetic). kernels_elementwise.cu has
+// its own copy: device functions are not shared across files here.
+namespace {
+
+__device__ __forceinline__ void ld8(const void* p, int64_t i, int dt, bool vec, float (&v)[8]) {
+  if (!vec) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = ldf(p, i + k, dt);
+  } else if (dt == kBF16) {
+    const uint4 q = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p) + i);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&q);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = __bfloat1622float2(h[k]);
+      v[2 * k] = f.x;
+      v[2 * k + 1] = f.y;
+    }
+  } else {
+    const float4* q = reinterpret_cast<const float4*>(static_cast<const float*>(p) + i);
+    const float4 a = q[0], b = q[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  }
+}
+
+// One rounding per element on a BF16 store (as stf).
+__device__ __forceinline__ void st8(void* p, int64_t i, int dt, bool vec, const float (&v)[8]) {
+  if (!vec) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) stf(p, i + k, dt, v[k]);
+  } else if (dt == kBF16) {
+    uint4 q;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&q);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) h[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p) + i) = q;
+  } else {
+    float4* q = reinterpret_cast<float4*>(static_cast<float*>(p) + i);
+    q[0] = make_float4(v[0], v[1], v[2], v[3]);
+    q[1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Whether every row of v starts 16-byte aligned at a multiple of 8 elements (cols % 8 == 0 is
+// the caller's check), so ld8/st8 may vectorize at columns 8j. A null view is not.
+bool vec_rows(const RView& v) {
+  if (!v.p || !aligned16(v.p)) return false;
+  if (v.rows > 1 && v.s0 % 8 != 0) return false;
+  if (v.d1 > 1 && v.s1 % 8 != 0) return false;
+  if (v.d2 > 1 && v.s2 % 8 != 0) return false;
+  return true;
+}
+
+}  // namespace
 
 // ---- column reductions ------------------------------------------------------------------
 
@@ -242,6 +304,81 @@ __global__ void layernorm_fwd_kernel(RView x, Vec w, Vec b, float eps, RView y, 
   }
 }
 
+constexpr int kLnWarps = 4;     // layernorm_fwd_vec_kernel: 128 threads, one row per warp
+constexpr int kLnMaxVec = 16;   // chunks of 256 columns a lane may hold: D ≤ 4096
+enum : int { kLnVecX = 1, kLnVecY = 2, kLnVecW = 4, kLnVecB = 8 };  // which tensors ld8/st8 vectorize
+
+// The fast LayerNorm (D % 8 == 0, D ≤ 256·NV): the row is read once into registers. One warp
+// per row; lane l holds the 8-column chunks q = l + 32i (i < NV, q < D/8). mean = Σx/D, then
+// var = Σ(x−mean)²/D from the registers (two passes, no cancellation), y written once with
+// the generic kernel's expression. The summation order depends only on D (each lane its
+// chunks in order, then the butterfly); the backward's recomputation of the statistics runs
+// this same kernel (launch_layernorm_fwd), so it gets the forward's bits.
+// x, y [N,D]; w, b [D]; mean, rstd [N]
+template <int NV>
+__global__ void __launch_bounds__(32 * kLnWarps)
+    layernorm_fwd_vec_kernel(RView x, Vec w, Vec b, float eps, RView y, float* mean, float* rstd, int vec) {
+  const int64_t row = blockIdx.x * (int64_t)kLnWarps + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= x.rows) return;  // whole warps: the shuffles below see all 32 lanes
+  const int nq = static_cast<int>(x.cols >> 3);
+  const int64_t ox = x.row(row);
+  float v[NV][8];
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int q = lane + 32 * i;
+    if (q < nq) {
+      ld8(x.p, ox + 8 * q, x.dt, vec & kLnVecX, v[i]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[i][k] = 0.f;
+    }
+  }
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < NV; ++i)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) s += v[i][k];
+  const float mu = warp_sum(s) / static_cast<float>(x.cols);
+  float s2 = 0.f;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    if (lane + 32 * i >= nq) continue;  // absent chunks hold zeros, not x − mean
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float d = v[i][k] - mu;
+      s2 += d * d;
+    }
+  }
+  const float r = 1.0f / sqrtf(warp_sum(s2) / static_cast<float>(x.cols) + eps);
+  if (y.p) {
+    const int64_t oy = y.row(row);
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int q = lane + 32 * i;
+      if (q >= nq) continue;
+      float o[8], wb[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) o[k] = (v[i][k] - mu) * r;
+      if (w.p) {
+        ld8(w.p, 8 * q, w.dt, vec & kLnVecW, wb);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) o[k] *= wb[k];
+      }
+      if (b.p) {
+        ld8(b.p, 8 * q, b.dt, vec & kLnVecB, wb);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) o[k] += wb[k];
+      }
+      st8(y.p, oy + 8 * q, y.dt, vec & kLnVecY, o);
+    }
+  }
+  if (lane == 0) {
+    if (mean) mean[row] = mu;
+    if (rstd) rstd[row] = r;
+  }
+}
+
 // dx for one row per warp, with x̂ = (x−mean)·rstd and g = dy·w:
 //   dx = rstd · (g − mean(g) − x̂ · mean(g·x̂))   (= or += when accumulate).
 // dy, x, dx [N,D]; w [D]; mean, rstd [N]
@@ -283,6 +420,40 @@ struct LnDwDbTerms {
   }
 };
 
+template <int NV>
+void layernorm_vec_launch(const RView& x, const Vec& w, const Vec& b, float eps, const RView& y, float* mean,
+                          float* rstd, int vec, cudaStream_t st) {
+  const unsigned grid = static_cast<unsigned>((x.rows + kLnWarps - 1) / kLnWarps);
+  layernorm_fwd_vec_kernel<NV><<<grid, 32 * kLnWarps, 0, st>>>(x, w, b, eps, y, mean, rstd, vec);
+}
+
+// LayerNorm statistics (and y when y.p) of every row of x. The forward and the backward's
+// recomputation both launch through here, and the kernel is chosen from D alone, so the
+// two always compute the statistics with the same kernel and the same order.
+void launch_layernorm_fwd(const RView& x, const Vec& w, const Vec& b, float eps, const RView& y, float* mean,
+                          float* rstd, cudaStream_t st) {
+  const int64_t N = x.rows, D = x.cols;
+  if (N == 0) return;
+  const int64_t nv = (D + 255) / 256;  // chunks of 256 columns per lane
+  if (D > 0 && D % 8 == 0 && nv <= kLnMaxVec) {
+    const int vec = (vec_rows(x) ? kLnVecX : 0) | (vec_rows(y) ? kLnVecY : 0) |
+                    (w.p && aligned16(w.p) ? kLnVecW : 0) | (b.p && aligned16(b.p) ? kLnVecB : 0);
+    // Instances for a few register sizes; the lanes' extra chunks are masked.
+    if (nv <= 1) layernorm_vec_launch<1>(x, w, b, eps, y, mean, rstd, vec, st);
+    else if (nv <= 2) layernorm_vec_launch<2>(x, w, b, eps, y, mean, rstd, vec, st);
+    else if (nv <= 3) layernorm_vec_launch<3>(x, w, b, eps, y, mean, rstd, vec, st);
+    else if (nv <= 4) layernorm_vec_launch<4>(x, w, b, eps, y, mean, rstd, vec, st);
+    else if (nv <= 6) layernorm_vec_launch<6>(x, w, b, eps, y, mean, rstd, vec, st);
+    else if (nv <= 8) layernorm_vec_launch<8>(x, w, b, eps, y, mean, rstd, vec, st);
+    else if (nv <= 12) layernorm_vec_launch<12>(x, w, b, eps, y, mean, rstd, vec, st);
+    else layernorm_vec_launch<16>(x, w, b, eps, y, mean, rstd, vec, st);
+  } else {
+    layernorm_fwd_kernel<<<static_cast<unsigned>((N + kWarpsPerBlock - 1) / kWarpsPerBlock), 32 * kWarpsPerBlock, 0,
+                           st>>>(x, w, b, eps, y, mean, rstd);
+  }
+  CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace cuda
 
 void CudaBackend::layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tensor y,
@@ -294,9 +465,7 @@ void CudaBackend::layernorm_forward(const Tensor& x, const Tensor& w, const Tens
   float* pm = f32_vec(mean, N, "layernorm: mean");
   float* pr = f32_vec(rstd, N, "layernorm: rstd");
   if (N == 0) return;
-  layernorm_fwd_kernel<<<static_cast<unsigned>((N + kWarpsPerBlock - 1) / kWarpsPerBlock), 32 * kWarpsPerBlock, 0,
-                         stream_>>>(vx, vw, vb, static_cast<float>(eps), vy, pm, pr);
-  CUDA_CHECK_LAUNCH();
+  launch_layernorm_fwd(vx, vw, vb, static_cast<float>(eps), vy, pm, pr, stream_);
 }
 
 void CudaBackend::layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& mean,
@@ -322,9 +491,7 @@ void CudaBackend::layernorm_backward(const Tensor& dy, const Tensor& x, const Te
   if (!pm) {
     // The forward's statistics were not kept: recompute them. eps is not an argument of the
     // backward, so the model's norm_eps (SPEC §1, 1e-5) is assumed; pass mean/rstd otherwise.
-    layernorm_fwd_kernel<<<rows_grid, 32 * kWarpsPerBlock, 0, stream_>>>(vx, Vec{}, Vec{}, 1e-5f, RView{}, sc,
-                                                                          sc + N);
-    CUDA_CHECK_LAUNCH();
+    launch_layernorm_fwd(vx, Vec{}, Vec{}, 1e-5f, RView{}, sc, sc + N, stream_);
     pm = sc;
     pr = sc + N;
   }
@@ -368,6 +535,52 @@ __global__ void rmsnorm_gate_fwd_kernel(RView o, RView g, Vec w, float eps, RVie
       if (w.p) v *= ldf(w.p, c, w.dt);
       stf(y.p, oy + c, y.dt, v);
     }
+  }
+  if (lane == 0 && rstd) rstd[row] = r;
+}
+
+constexpr int kRmsMaxDv = 256;  // rmsnorm_gate_fwd_vec_kernel: one 8-column chunk per lane
+enum : int { kRmsVecO = 1, kRmsVecG = 2, kRmsVecY = 4, kRmsVecW = 8 };  // which tensors ld8/st8 vectorize
+
+// The fast RMSNorm × gate (dv % 8 == 0, dv ≤ 256): rmsnorm_gate_fwd_kernel with o and g read
+// once, 8 columns per lane (lane l < dv/8 owns columns [8l, 8l+8)), and y written once.
+// Its bits are that kernel's, on which the fused decode gate (kernels_gla_decode.cu) relies:
+// the sum of squares keeps the order lane l: columns l, l+32, ... then the butterfly (the row
+// is staged through shared memory for it), and y is the same expression.
+// o, g, y [B,T,H,dv] as rows [B·T·H, dv]; w [dv]; rstd [B·T·H]
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+    rmsnorm_gate_fwd_vec_kernel(RView o, RView g, Vec w, float eps, RView y, float* rstd, int vec) {
+  __shared__ __align__(16) float sh[kWarpsPerBlock][kRmsMaxDv];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = blockIdx.x * (int64_t)kWarpsPerBlock + warp;
+  if (row >= o.rows) return;  // whole warps: the shuffles below see all 32 lanes
+  const int dv = static_cast<int>(o.cols);
+  const bool own = lane < (dv >> 3);
+  float ov[8], gv[8];
+  if (own) {
+    ld8(o.p, o.row(row) + 8 * lane, o.dt, vec & kRmsVecO, ov);
+    if (y.p) ld8(g.p, g.row(row) + 8 * lane, g.dt, vec & kRmsVecG, gv);
+    float4* d = reinterpret_cast<float4*>(&sh[warp][8 * lane]);
+    d[0] = make_float4(ov[0], ov[1], ov[2], ov[3]);
+    d[1] = make_float4(ov[4], ov[5], ov[6], ov[7]);
+  }
+  __syncwarp();
+  float ss = 0.f;
+  for (int c = lane; c < dv; c += 32) {
+    const float v = sh[warp][c];
+    ss += v * v;
+  }
+  const float r = 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(dv) + eps);
+  if (y.p && own) {
+    float wv[8], out[8];
+    if (w.p) ld8(w.p, 8 * lane, w.dt, vec & kRmsVecW, wv);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      float v = ov[k] * r * gv[k] * sigmoidf_(gv[k]);
+      if (w.p) v *= wv[k];
+      out[k] = v;
+    }
+    st8(y.p, y.row(row) + 8 * lane, y.dt, vec & kRmsVecY, out);
   }
   if (lane == 0 && rstd) rstd[row] = r;
 }
@@ -417,6 +630,24 @@ void check_bthd(const Tensor& t, const Tensor& ref, const char* what) {
     check_failed(__FILE__, __LINE__, what, ("shape " + t.shape_str() + " differs from " + ref.shape_str()).c_str());
 }
 
+// rstd (and y when y.p) of every row; the forward and the backward's recomputation both
+// launch through here. Both kernels give the same bits; the fast one needs dv % 8 == 0 and
+// dv ≤ 256, and vectorizes each tensor whose rows are 16-byte aligned.
+void launch_rmsnorm_gate_fwd(const RView& o, const RView& g, const Vec& w, float eps, const RView& y, float* rstd,
+                             cudaStream_t st) {
+  const int64_t R = o.rows, dv = o.cols;
+  if (R == 0) return;
+  const unsigned grid = static_cast<unsigned>((R + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  if (dv > 0 && dv % 8 == 0 && dv <= kRmsMaxDv) {
+    const int vec = (vec_rows(o) ? kRmsVecO : 0) | (vec_rows(g) ? kRmsVecG : 0) | (vec_rows(y) ? kRmsVecY : 0) |
+                    (w.p && aligned16(w.p) ? kRmsVecW : 0);
+    rmsnorm_gate_fwd_vec_kernel<<<grid, 32 * kWarpsPerBlock, 0, st>>>(o, g, w, eps, y, rstd, vec);
+  } else {
+    rmsnorm_gate_fwd_kernel<<<grid, 32 * kWarpsPerBlock, 0, st>>>(o, g, w, eps, y, rstd);
+  }
+  CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace cuda
 
 void CudaBackend::rmsnorm_gate_forward(const Tensor& o, const Tensor& g, const Tensor& w, double eps, Tensor y,
@@ -428,9 +659,7 @@ void CudaBackend::rmsnorm_gate_forward(const Tensor& o, const Tensor& g, const T
   Vec vw = make_vec(w, vo.cols, "rmsnorm_gate: w");
   float* pr = f32_vec(rstd, vo.rows, "rmsnorm_gate: rstd");
   if (vo.rows == 0) return;
-  rmsnorm_gate_fwd_kernel<<<static_cast<unsigned>((vo.rows + kWarpsPerBlock - 1) / kWarpsPerBlock),
-                            32 * kWarpsPerBlock, 0, stream_>>>(vo, vg, vw, static_cast<float>(eps), vy, pr);
-  CUDA_CHECK_LAUNCH();
+  launch_rmsnorm_gate_fwd(vo, vg, vw, static_cast<float>(eps), vy, pr, stream_);
 }
 
 void CudaBackend::rmsnorm_gate_backward(const Tensor& dy, const Tensor& o, const Tensor& g, const Tensor& w,
@@ -453,8 +682,7 @@ void CudaBackend::rmsnorm_gate_backward(const Tensor& dy, const Tensor& o, const
   if (!pr) {
     // eps is not an argument of the backward: the model keeps rstd from the forward. Without
     // it we use the model's eps (SPEC §1 norm_eps = 1e-5).
-    rmsnorm_gate_fwd_kernel<<<grid, 32 * kWarpsPerBlock, 0, stream_>>>(vo, vg, Vec{}, 1e-5f, RView{}, sc);
-    CUDA_CHECK_LAUNCH();
+    launch_rmsnorm_gate_fwd(vo, vg, Vec{}, 1e-5f, RView{}, sc, stream_);
     pr = sc;
   }
   // dw first: d_o / dg may alias dy, o or g.
@@ -603,6 +831,243 @@ WView window_view(const Tensor& t, int64_t K, int64_t D, const char* what) {
   return v;
 }
 
+// ---- conv fast paths: 8 channels per thread, 16-byte accesses ----
+// They run when D % 8 == 0 and u, c, pre and the windows have 16-byte aligned rows
+// (conv_forward_vec); the arithmetic is conv_pre's (Σ_j in order j = 0..K−1, F32), so c and pre
+// have the generic kernels' bits.
+
+constexpr int kConvThreads = 128;
+constexpr int kConvTile = 16;  // prefill: timesteps per thread (the K−1 before the tile are re-read)
+constexpr int kConvStep = 4;   // prefill: timesteps loaded together, for memory-level parallelism
+
+// [B,T,D] with D contiguous: element (b, t, d) at p + b·sb + t·st + d.
+struct BtdView {
+  void* p = nullptr;
+  int dt = kF32;
+  int64_t sb = 0, st = 0;
+};
+
+struct ConvVecArgs {
+  BtdView u, c, pre;   // pre.p null: not written
+  RView w;             // [D, K]
+  WView win, wout;     // p null: zero input window / no window output
+  const int32_t* slots;
+  int B, T, nq, ntile;  // nq = D/8 chunks of channels; ntile = ⌈T / kConvTile⌉
+  int wvec;             // w is [D,K] contiguous and 16-byte aligned
+};
+
+BtdView btd_view(const Tensor& t) {
+  BtdView v;
+  if (!t.defined()) return v;
+  v.p = t.data;
+  v.dt = t.dtype == DType::kBF16 ? kBF16 : kF32;
+  v.sb = t.stride[0];
+  v.st = t.stride[1];
+  return v;
+}
+
+// Rows (b, t) of a [B,T,D] tensor start 16-byte aligned at multiples of 8 elements.
+bool vec_btd(const Tensor& t) {
+  return aligned16(t.data) && (t.shape[0] <= 1 || t.stride[0] % 8 == 0) && (t.shape[1] <= 1 || t.stride[1] % 8 == 0);
+}
+bool vec_window(const Tensor& t) {
+  return aligned16(t.data) && (t.shape[0] <= 1 || t.stride[0] % 8 == 0) && (t.shape[1] <= 1 || t.stride[1] % 8 == 0);
+}
+
+// wf[ch][j] = w[d0 + ch, j]: K 16-byte loads when w is contiguous (its 8 rows are then 8K
+// consecutive elements starting at a multiple of 8), element by element otherwise.
+template <int K>
+__device__ __forceinline__ void load_conv_w(const ConvVecArgs& a, int d0, float (&wf)[8][K]) {
+  if (a.wvec) {
+#pragma unroll
+    for (int q = 0; q < K; ++q) {
+      float t[8];
+      ld8(a.w.p, static_cast<int64_t>(d0) * K + 8 * q, a.w.dt, true, t);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) wf[(8 * q + k) / K][(8 * q + k) % K] = t[k];
+    }
+  } else {
+#pragma unroll
+    for (int ch = 0; ch < 8; ++ch) {
+      const int64_t ow = a.w.row(d0 + ch);
+#pragma unroll
+      for (int j = 0; j < K; ++j) wf[ch][j] = ldf(a.w.p, ow + j, a.w.dt);
+    }
+  }
+}
+
+// pre = Σ_j w[·, j]·in[j] per channel (conv_pre's order), c = SiLU(pre); stores c and pre.
+template <int K>
+__device__ __forceinline__ void conv_out8(const ConvVecArgs& a, const float (&wf)[8][K], const float (*in)[8],
+                                          int64_t oc, int64_t op) {
+  float cv[8], pv[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < K; ++j) acc += wf[k][j] * in[j][k];
+    pv[k] = acc;
+    cv[k] = acc * sigmoidf_(acc);
+  }
+  st8(a.c.p, oc, a.c.dt, true, cv);
+  if (a.pre.p) st8(a.pre.p, op, a.pre.dt, true, pv);
+}
+
+// Decode (T = 1): one thread per (b, 8 channels) reads the window entries 1..K−1 of its slot
+// (entry 0 drops out) and u_0 once, writes c (and pre) and the shifted window
+// win_out[j] = u_{1−K+j} in the same pass. All its reads precede its writes and no other
+// thread touches this (slot, channels), so win_out may alias win_in.
+template <int K>
+__global__ void __launch_bounds__(kConvThreads) conv_decode_vec_kernel(ConvVecArgs a) {
+  const int i = blockIdx.x * kConvThreads + threadIdx.x;
+  if (i >= a.B * a.nq) return;
+  const int b = i / a.nq, d0 = 8 * (i - b * a.nq);
+  float wf[8][K];
+  load_conv_w<K>(a, d0, wf);
+  const int64_t slot = a.slots ? a.slots[b] : b;
+  float e[K][8];  // e[j] = u_{j−K+1}: window entries 1..K−1, then u_0
+#pragma unroll
+  for (int j = 0; j + 1 < K; ++j) {
+    if (a.win.p) {
+      ld8(a.win.p, slot * a.win.s0 + (j + 1) * a.win.s1 + d0, a.win.dt, true, e[j]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) e[j][k] = 0.f;
+    }
+  }
+  ld8(a.u.p, b * a.u.sb + d0, a.u.dt, true, e[K - 1]);
+  conv_out8<K>(a, wf, e, b * a.c.sb + d0, b * a.pre.sb + d0);
+  if (a.wout.p) {
+#pragma unroll
+    for (int j = 0; j < K; ++j) st8(a.wout.p, slot * a.wout.s0 + j * a.wout.s1 + d0, a.wout.dt, true, e[j]);
+  }
+}
+
+// Prefill (T > 1): one thread per (b, 8 channels, tile of kConvTile timesteps) keeps the last
+// K−1 inputs in registers, so each u is read about once (the K−1 before a tile twice, mostly
+// from L2); inputs before t = 0 come from win_in (zeros without one), as conv_input. The
+// window output is conv_window_vec_kernel's, launched after this kernel because win_out may
+// alias win_in, which the first tile reads. At most 128 registers (4 blocks per SM) for K ≤ 4:
+// left alone, the compiler interleaves the steps' SiLUs and takes ~170 at K = 4.
+template <int K>
+__global__ void __launch_bounds__(kConvThreads, K <= 4 ? 4 : 2) conv_prefill_vec_kernel(ConvVecArgs a) {
+  const int i = blockIdx.x * kConvThreads + threadIdx.x;
+  if (i >= a.B * a.ntile * a.nq) return;
+  const int rest = i / a.nq, qd = i - rest * a.nq;
+  const int b = rest / a.ntile, tile = rest - b * a.ntile;
+  const int d0 = 8 * qd, t0 = tile * kConvTile, t1 = min(a.T, t0 + kConvTile);
+  float wf[8][K];
+  load_conv_w<K>(a, d0, wf);
+  // e[j] = u_{t−K+1+j} for the step at t: e[0..K−2] the K−1 inputs before t, then the step's.
+  float e[K - 1 + kConvStep][8];
+#pragma unroll
+  for (int j = 0; j + 1 < K; ++j) {
+    const int s = t0 - (K - 1) + j;
+    if (s >= 0) {
+      ld8(a.u.p, b * a.u.sb + s * a.u.st + d0, a.u.dt, true, e[j]);
+    } else if (a.win.p) {
+      const int64_t slot = a.slots ? a.slots[b] : b;
+      ld8(a.win.p, slot * a.win.s0 + (K + s) * a.win.s1 + d0, a.win.dt, true, e[j]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) e[j][k] = 0.f;
+    }
+  }
+  int64_t ou = b * a.u.sb + t0 * a.u.st + d0, oc = b * a.c.sb + t0 * a.c.st + d0,
+          op = b * a.pre.sb + t0 * a.pre.st + d0;
+  for (int t = t0; t < t1; t += kConvStep) {
+#pragma unroll
+    for (int s = 0; s < kConvStep; ++s)
+      if (t + s < t1) ld8(a.u.p, ou + s * a.u.st, a.u.dt, true, e[K - 1 + s]);
+#pragma unroll
+    for (int s = 0; s < kConvStep; ++s)
+      if (t + s < t1) conv_out8<K>(a, wf, e + s, oc + s * a.c.st, op + s * a.pre.st);
+#pragma unroll
+    for (int j = 0; j + 1 < K; ++j)
+#pragma unroll
+      for (int k = 0; k < 8; ++k) e[j][k] = e[j + kConvStep][k];
+    ou += kConvStep * a.u.st;
+    oc += kConvStep * a.c.st;
+    op += kConvStep * a.pre.st;
+  }
+}
+
+// win_out[slot(b), j] = u_{T−K+j} (from win_in when T−K+j < 0): conv_window_kernel with 8
+// channels per thread; all K entries are read before any is written (win_out may alias win_in).
+template <int K>
+__global__ void __launch_bounds__(kConvThreads) conv_window_vec_kernel(ConvVecArgs a) {
+  const int i = blockIdx.x * kConvThreads + threadIdx.x;
+  if (i >= a.B * a.nq) return;
+  const int b = i / a.nq, d0 = 8 * (i - b * a.nq);
+  const int64_t slot = a.slots ? a.slots[b] : b;
+  float e[K][8];
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    const int s = a.T - K + j;
+    if (s >= 0) {
+      ld8(a.u.p, b * a.u.sb + s * a.u.st + d0, a.u.dt, true, e[j]);
+    } else if (a.win.p) {
+      ld8(a.win.p, slot * a.win.s0 + (K + s) * a.win.s1 + d0, a.win.dt, true, e[j]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) e[j][k] = 0.f;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < K; ++j) st8(a.wout.p, slot * a.wout.s0 + j * a.wout.s1 + d0, a.wout.dt, true, e[j]);
+}
+
+template <int K>
+void conv_vec_launch(const ConvVecArgs& a, cudaStream_t st) {
+  const auto blocks = [](int64_t n) { return static_cast<unsigned>((n + kConvThreads - 1) / kConvThreads); };
+  if (a.T == 1) {
+    conv_decode_vec_kernel<K><<<blocks(static_cast<int64_t>(a.B) * a.nq), kConvThreads, 0, st>>>(a);
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
+  conv_prefill_vec_kernel<K><<<blocks(static_cast<int64_t>(a.B) * a.ntile * a.nq), kConvThreads, 0, st>>>(a);
+  CUDA_CHECK_LAUNCH();
+  if (a.wout.p) {
+    conv_window_vec_kernel<K><<<blocks(static_cast<int64_t>(a.B) * a.nq), kConvThreads, 0, st>>>(a);
+    CUDA_CHECK_LAUNCH();
+  }
+}
+
+// The fast path of conv_silu_forward when the arguments allow it (see above); false, having
+// queued nothing, otherwise. B, T ≥ 1 here.
+bool conv_forward_vec(const ConvArgs& g, const WView& wout, const Tensor& u, const Tensor& c, const Tensor& pre,
+                      const Tensor& win_in, const Tensor& win_out, cudaStream_t st) {
+  if (g.D % 8 != 0 || g.B < 1 || g.T < 1) return false;
+  const int64_t nq = g.D / 8, ntile = (g.T + kConvTile - 1) / kConvTile;
+  if (g.B * ntile * nq > 0x7fffffff || g.T > 0x7fffffff) return false;  // 32-bit thread and time indices
+  if (!vec_btd(u) || !vec_btd(c) || (pre.defined() && !vec_btd(pre))) return false;
+  if ((win_in.defined() && !vec_window(win_in)) || (win_out.defined() && !vec_window(win_out))) return false;
+  ConvVecArgs a;
+  a.u = btd_view(u);
+  a.c = btd_view(c);
+  a.pre = btd_view(pre);
+  a.w = g.w;
+  a.win = g.win;
+  a.wout = wout;
+  a.slots = g.slots;
+  a.B = static_cast<int>(g.B);
+  a.T = static_cast<int>(g.T);
+  a.nq = static_cast<int>(nq);
+  a.ntile = static_cast<int>(ntile);
+  a.wvec = aligned16(g.w.p) && g.w.s0 == g.K && g.w.d1 == 1 && g.w.d2 == 1;
+  switch (g.K) {
+    case 1: conv_vec_launch<1>(a, st); break;
+    case 2: conv_vec_launch<2>(a, st); break;
+    case 3: conv_vec_launch<3>(a, st); break;
+    case 4: conv_vec_launch<4>(a, st); break;
+    case 5: conv_vec_launch<5>(a, st); break;
+    case 6: conv_vec_launch<6>(a, st); break;
+    case 7: conv_vec_launch<7>(a, st); break;
+    default: conv_vec_launch<8>(a, st); break;
+  }
+  return true;
+}
+
 }  // namespace cuda
 
 void CudaBackend::conv_silu_forward(const Tensor& u, const Tensor& w, Tensor c, Tensor pre, const Tensor& win_in,
@@ -616,6 +1081,7 @@ void CudaBackend::conv_silu_forward(const Tensor& u, const Tensor& w, Tensor c, 
   if (win_in.defined() && !slots.defined()) LAPLACE_CHECK(win_in.shape[0] >= a.B, "conv_silu: win_in has fewer than B entries");
   if (win_out.defined() && !slots.defined()) LAPLACE_CHECK(win_out.shape[0] >= a.B, "conv_silu: win_out has fewer than B entries");
   RView vc = make_rview(c, "conv_silu: c"), vp = make_rview(pre, "conv_silu: pre");
+  if (conv_forward_vec(a, wout, u, c, pre, win_in, win_out, stream_)) return;
   const int64_t n = a.B * a.T * a.D;
   if (n > 0) {
     conv_fwd_kernel<<<grid_for(n, 256), 256, 0, stream_>>>(a, vc, vp);

@@ -1,0 +1,364 @@
+// The fast paths of the memory-bound CUDA ops (16-byte vectors, 8 columns per thread;
+// ops/cuda/kernels_norm.cu, ops/cuda/kernels_elementwise.cu), at shapes and layouts that take
+// them and that fall back to the generic kernels:
+//  - vs the CPU backend (tolerances of tests/test_cuda_ops.cpp: F32 outputs ≤ 1e-5, BF16 ≤ 1e-2,
+//    conv windows exact: they are copies of inputs);
+//  - vs the generic kernels, forced by a view whose rows are not 16-byte aligned (row stride
+//    D+1): conv_silu, swiglu and rmsnorm_gate keep the generic arithmetic, so the bits agree;
+//  - the backward's recomputed LayerNorm / RMSNorm statistics against the forward's (same bits).
+// Conv cases: decode (T = 1) from a pool with scattered slots; prefill with an initial window,
+// win_out aliasing win_in, T below K and not a multiple of the 16-step tile; F32 and BF16
+// windows with F32 and BF16 activations. Every test skips without a usable GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ops/backend.h"
+#include "tests/test_util.h"
+
+namespace laplace {
+namespace {
+
+using laplace::testing::max_rel_error;
+using laplace::testing::OwnedTensor;
+
+constexpr DType kF32 = DType::kF32, kBF16 = DType::kBF16;
+
+double round_to(DType dt, double x) {
+  if (dt == kBF16) return bf16_to_float(float_to_bf16(static_cast<float>(x)));
+  return static_cast<float>(x);
+}
+
+std::unique_ptr<OwnedTensor> host_tensor(DType dt, const std::vector<int64_t>& shape) {
+  auto h = std::make_unique<OwnedTensor>();
+  h->t = Tensor::make(nullptr, dt, shape.data(), static_cast<int>(shape.size()));
+  h->storage.assign((h->t.nbytes() + 7) / 8 + 1, 0.0);
+  h->t.data = h->storage.data();
+  return h;
+}
+
+// [rows..., cols] view of the first `cols` columns of a buffer whose rows hold cols + 1
+// elements: rows are not 16-byte aligned, so the fast paths step aside (or go element-wise).
+Tensor padded_view(const Tensor& buf, const std::vector<int64_t>& shape) {
+  Tensor v = buf;
+  v.ndim = static_cast<int>(shape.size());
+  int64_t s = 1;
+  for (int i = v.ndim - 1; i >= 0; --i) {
+    v.shape[i] = shape[i];
+    v.stride[i] = s;
+    s *= (i == v.ndim - 1) ? shape[i] + 1 : shape[i];
+  }
+  return v;
+}
+
+class CudaOpsFast : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    cuda_ = make_cuda_backend(&why);
+    if (!cuda_) GTEST_SKIP() << "no CUDA device: " << why;
+    cpu_ = make_cpu_backend();
+  }
+  void TearDown() override {
+    if (cuda_) {
+      cuda_->synchronize();
+      for (void* p : dev_) cuda_->allocator().deallocate(p);
+    }
+  }
+
+  // Device memory freed at the end of the test.
+  Tensor dev(DType dt, const std::vector<int64_t>& shape) {
+    Tensor t = Tensor::make(nullptr, dt, shape.data(), static_cast<int>(shape.size()), Device::kCUDA);
+    void* p = cuda_->allocator().allocate(std::max<size_t>(t.nbytes(), 1));
+    LAPLACE_CHECK(p != nullptr, "test: device allocation failed");
+    dev_.push_back(p);
+    t.data = p;
+    return t;
+  }
+  // Host F32 tensor (the CPU reference side).
+  Tensor host(const std::vector<int64_t>& shape) {
+    host_.push_back(host_tensor(kF32, shape));
+    return host_.back()->t;
+  }
+  // Uniform values in [lo, hi) rounded to `grid` (a dtype both sides hold exactly), into the
+  // F32 host tensor `ref` and the device tensor `d` (any layout, same shape).
+  void fill(const Tensor& ref, const Tensor& d, uint64_t seed, DType grid, double lo = -1, double hi = 1) {
+    std::vector<int64_t> shape(ref.shape.begin(), ref.shape.begin() + ref.ndim);
+    auto stage = host_tensor(d.dtype, shape);
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<double> dist(lo, hi);
+    for (int64_t i = 0; i < ref.numel(); ++i) {
+      const double x = round_to(grid, dist(rng));
+      static_cast<float*>(ref.data)[i] = static_cast<float>(x);
+      if (d.dtype == kBF16) static_cast<uint16_t*>(stage->t.data)[i] = float_to_bf16(static_cast<float>(x));
+      else static_cast<float*>(stage->t.data)[i] = static_cast<float>(x);
+    }
+    cuda_->copy(d, stage->t);
+  }
+  std::unique_ptr<OwnedTensor> down(const Tensor& d) {
+    std::vector<int64_t> shape(d.shape.begin(), d.shape.begin() + d.ndim);
+    auto h = host_tensor(d.dtype, shape);
+    cuda_->copy(h->t, d);
+    return h;
+  }
+  double err(const Tensor& d, const Tensor& ref) { return max_rel_error(down(d)->t, ref); }
+  bool same_bytes(const Tensor& a, const Tensor& b) {
+    auto ha = down(a), hb = down(b);
+    return ha->t.nbytes() == hb->t.nbytes() && std::memcmp(ha->t.data, hb->t.data, ha->t.nbytes()) == 0;
+  }
+  Tensor ints(const std::vector<int32_t>& v, Tensor* ref) {
+    const std::vector<int64_t> shape = {static_cast<int64_t>(v.size())};
+    host_.push_back(host_tensor(DType::kI32, shape));
+    std::memcpy(host_.back()->t.data, v.data(), v.size() * 4);
+    *ref = host_.back()->t;
+    Tensor d = dev(DType::kI32, shape);
+    cuda_->copy(d, *ref);
+    return d;
+  }
+
+  std::unique_ptr<Backend> cuda_, cpu_;
+  std::vector<void*> dev_;
+  std::vector<std::unique_ptr<OwnedTensor>> host_;
+};
+
+const char* combo(DType a, DType b) {
+  if (a == kF32) return b == kF32 ? "u F32, window F32" : "u F32, window BF16";
+  return b == kF32 ? "u BF16, window F32" : "u BF16, window BF16";
+}
+
+// ---- conv + SiLU -------------------------------------------------------------------------------
+
+// Decode (T = 1) at the model's width from a pool with more slots than rows (odd B, scattered
+// slots), two consecutive steps with win_out aliasing win_in; then the generic kernels on the
+// same inputs (u through a padded view) give the same bits.
+TEST_F(CudaOpsFast, ConvDecodeSlotsWindowDtypes) {
+  const int64_t B = 37, S = 41, D = 3072, K = 4;
+  std::vector<int32_t> sl(B);
+  for (int64_t b = 0; b < B; ++b) sl[b] = static_cast<int32_t>((b * 7 + 3) % S);  // distinct
+  Tensor slots_r;
+  const Tensor slots = ints(sl, &slots_r);
+  for (DType udt : {kF32, kBF16}) {
+    for (DType wdt : {kF32, kBF16}) {
+      SCOPED_TRACE(combo(udt, wdt));
+      const DType grid = (udt == kBF16 || wdt == kBF16) ? kBF16 : kF32;  // windows copy u exactly
+      const double tol = udt == kF32 ? 1e-5 : 1e-2;
+      Tensor w_r = host({D, K}), w = dev(udt, {D, K});
+      fill(w_r, w, 11, grid, -0.7, 0.7);
+      Tensor pool_r = host({S, K, D}), pool = dev(wdt, {S, K, D}), pool2 = dev(wdt, {S, K, D});
+      fill(pool_r, pool, 12, grid);
+      cuda_->copy(pool2, pool);
+      for (int step = 0; step < 2; ++step) {
+        SCOPED_TRACE(step);
+        Tensor u_r = host({B, 1, D}), u = dev(udt, {B, 1, D});
+        fill(u_r, u, 13 + step, grid);
+        Tensor c_r = host({B, 1, D}), c = dev(udt, {B, 1, D});
+        Tensor pre_r = step == 0 ? host({B, 1, D}) : Tensor{}, pre = step == 0 ? dev(udt, {B, 1, D}) : Tensor{};
+        cpu_->conv_silu_forward(u_r, w_r, c_r, pre_r, pool_r, pool_r, slots_r);
+        cuda_->conv_silu_forward(u, w, c, pre, pool, pool, slots);
+        EXPECT_LE(err(c, c_r), tol);
+        if (step == 0) {
+          EXPECT_LE(err(pre, pre_r), tol);
+        }
+        EXPECT_EQ(err(pool, pool_r), 0.0);  // slots outside the batch untouched
+        // The generic kernels: u's rows padded to D + 1 elements.
+        Tensor ubuf = dev(udt, {B, 1, D + 1}), c2 = dev(udt, {B, 1, D});
+        Tensor uv = padded_view(ubuf, {B, 1, D});
+        cuda_->copy(uv, u);
+        cuda_->conv_silu_forward(uv, w, c2, Tensor{}, pool2, pool2, slots);
+        EXPECT_TRUE(same_bytes(c2, c));
+        EXPECT_TRUE(same_bytes(pool2, pool));
+      }
+      // First token (no input window; window out by batch row), and a window read but not written.
+      Tensor u_r = host({B, 1, D}), u = dev(udt, {B, 1, D});
+      fill(u_r, u, 20, grid);
+      Tensor c_r = host({B, 1, D}), c = dev(udt, {B, 1, D});
+      Tensor wo_r = host({B, K, D}), wo = dev(wdt, {B, K, D});
+      fill(wo_r, wo, 21, grid);
+      cpu_->conv_silu_forward(u_r, w_r, c_r, Tensor{}, Tensor{}, wo_r, Tensor{});
+      cuda_->conv_silu_forward(u, w, c, Tensor{}, Tensor{}, wo, Tensor{});
+      EXPECT_LE(err(c, c_r), tol);
+      EXPECT_EQ(err(wo, wo_r), 0.0);
+      cpu_->conv_silu_forward(u_r, w_r, c_r, Tensor{}, pool_r, Tensor{}, slots_r);
+      cuda_->conv_silu_forward(u, w, c, Tensor{}, pool, Tensor{}, slots);
+      EXPECT_LE(err(c, c_r), tol);
+      EXPECT_EQ(err(pool, pool_r), 0.0);
+    }
+  }
+}
+
+// Prefill: T below K, at and around the 16-step tile and not a multiple of it, K = 3 and 4,
+// an initial window from scattered slots with win_out aliasing win_in (the window kernel runs
+// after the tiles that read win_in), D = 264 (33 chunks of 8 channels: partial blocks).
+TEST_F(CudaOpsFast, ConvPrefillTilesWindowsAliasing) {
+  const int64_t B = 3, S = 5, D = 264;
+  Tensor slots_r;
+  const Tensor slots = ints({4, 0, 2}, &slots_r);
+  for (int64_t K : {3, 4}) {
+    for (int64_t T : {2, 3, 16, 17, 37, 150}) {
+      for (DType udt : {kF32, kBF16}) {
+        for (DType wdt : {kF32, kBF16}) {
+          SCOPED_TRACE("K " + std::to_string(K) + ", T " + std::to_string(T) + ", " + combo(udt, wdt));
+          const DType grid = (udt == kBF16 || wdt == kBF16) ? kBF16 : kF32;
+          const double tol = udt == kF32 ? 1e-5 : 1e-2;
+          Tensor w_r = host({D, K}), w = dev(udt, {D, K});
+          fill(w_r, w, 30 + K, grid, -0.7, 0.7);
+          Tensor u_r = host({B, T, D}), u = dev(udt, {B, T, D});
+          fill(u_r, u, 40 + T, grid);
+          Tensor pool_r = host({S, K, D}), pool = dev(wdt, {S, K, D}), pool2 = dev(wdt, {S, K, D});
+          fill(pool_r, pool, 50 + T, grid);
+          cuda_->copy(pool2, pool);
+          Tensor c_r = host({B, T, D}), c = dev(udt, {B, T, D}), pre_r = host({B, T, D}), pre = dev(udt, {B, T, D});
+          cpu_->conv_silu_forward(u_r, w_r, c_r, pre_r, pool_r, pool_r, slots_r);
+          cuda_->conv_silu_forward(u, w, c, pre, pool, pool, slots);
+          EXPECT_LE(err(c, c_r), tol);
+          EXPECT_LE(err(pre, pre_r), tol);
+          EXPECT_EQ(err(pool, pool_r), 0.0);
+          // The generic kernels from the same pool: same bits.
+          Tensor ubuf = dev(udt, {B, T, D + 1}), c2 = dev(udt, {B, T, D});
+          Tensor uv = padded_view(ubuf, {B, T, D});
+          cuda_->copy(uv, u);
+          cuda_->conv_silu_forward(uv, w, c2, Tensor{}, pool2, pool2, slots);
+          EXPECT_TRUE(same_bytes(c2, c));
+          EXPECT_TRUE(same_bytes(pool2, pool));
+        }
+      }
+      if (T != 37) continue;
+      // No input window, window output by batch row; and a window read but not written.
+      for (DType dt : {kF32, kBF16}) {
+        SCOPED_TRACE(std::string("window modes, ") + combo(dt, dt));
+        const double tol = dt == kF32 ? 1e-5 : 1e-2;
+        Tensor w_r = host({D, K}), w = dev(dt, {D, K});
+        fill(w_r, w, 60, dt, -0.7, 0.7);
+        Tensor u_r = host({B, T, D}), u = dev(dt, {B, T, D});
+        fill(u_r, u, 61, dt);
+        Tensor c_r = host({B, T, D}), c = dev(dt, {B, T, D});
+        Tensor wo_r = host({B, K, D}), wo = dev(dt, {B, K, D});
+        cpu_->conv_silu_forward(u_r, w_r, c_r, Tensor{}, Tensor{}, wo_r, Tensor{});
+        cuda_->conv_silu_forward(u, w, c, Tensor{}, Tensor{}, wo, Tensor{});
+        EXPECT_LE(err(c, c_r), tol);
+        EXPECT_EQ(err(wo, wo_r), 0.0);
+        Tensor pool_r = host({S, K, D}), pool = dev(dt, {S, K, D});
+        fill(pool_r, pool, 62, dt);
+        cpu_->conv_silu_forward(u_r, w_r, c_r, Tensor{}, pool_r, Tensor{}, slots_r);
+        cuda_->conv_silu_forward(u, w, c, Tensor{}, pool, Tensor{}, slots);
+        EXPECT_LE(err(c, c_r), tol);
+        EXPECT_EQ(err(pool, pool_r), 0.0);
+      }
+    }
+  }
+}
+
+// ---- LayerNorm -----------------------------------------------------------------------------------
+
+// D = 3072 (12 chunks per lane), 264 (partial chunks), 24 (3 lanes), 4104 (> 4096: generic);
+// with and without bias. The backward's recomputed statistics are the forward's (dx bitwise),
+// and y through a padded view (element-wise stores) has the same bits.
+TEST_F(CudaOpsFast, LayerNormFastPathShapes) {
+  const int64_t N = 67;
+  for (int64_t D : {3072, 264, 24, 4104}) {
+    for (DType dt : {kF32, kBF16}) {
+      SCOPED_TRACE("D " + std::to_string(D) + (dt == kF32 ? ", F32" : ", BF16"));
+      const double tol = dt == kF32 ? 1e-5 : 1e-2;
+      const bool bias = D != 264;
+      Tensor x_r = host({N, D}), x = dev(dt, {N, D}), w_r = host({D}), w = dev(dt, {D});
+      fill(x_r, x, 70, dt, -2, 3);
+      fill(w_r, w, 71, dt, 0.5, 1.5);
+      Tensor b_r = bias ? host({D}) : Tensor{}, b = bias ? dev(dt, {D}) : Tensor{};
+      if (bias) fill(b_r, b, 72, dt);
+      Tensor y_r = host({N, D}), y = dev(dt, {N, D});
+      Tensor m_r = host({N}), m = dev(kF32, {N}), r_r = host({N}), r = dev(kF32, {N});
+      cpu_->layernorm_forward(x_r, w_r, b_r, 1e-5, y_r, m_r, r_r);
+      cuda_->layernorm_forward(x, w, b, 1e-5, y, m, r);
+      EXPECT_LE(err(y, y_r), tol);
+      EXPECT_LE(err(m, m_r), 1e-5);
+      EXPECT_LE(err(r, r_r), 1e-5);
+      Tensor dy_r = host({N, D}), dy = dev(dt, {N, D});
+      fill(dy_r, dy, 73, dt);
+      Tensor dx1 = dev(dt, {N, D}), dx2 = dev(dt, {N, D});
+      cuda_->layernorm_backward(dy, x, w, m, r, dx1, false, Tensor{}, Tensor{});
+      cuda_->layernorm_backward(dy, x, w, Tensor{}, Tensor{}, dx2, false, Tensor{}, Tensor{});
+      EXPECT_TRUE(same_bytes(dx1, dx2));
+      Tensor ybuf = dev(dt, {N, D + 1}), y2 = dev(dt, {N, D});
+      Tensor yv = padded_view(ybuf, {N, D});
+      cuda_->layernorm_forward(x, w, b, 1e-5, yv, Tensor{}, Tensor{});
+      cuda_->copy(y2, yv);
+      EXPECT_TRUE(same_bytes(y2, y));
+    }
+  }
+}
+
+// ---- RMSNorm × gate ------------------------------------------------------------------------------
+
+// dv = 192, 64, 256 (fast; g a view into a fused buffer as in the model), 12 and 264 (generic).
+// The fast kernel keeps the generic kernel's bits: o through a padded view (element-wise
+// loads) gives the same y; the backward's recomputed rstd gives the same d_o, dg.
+TEST_F(CudaOpsFast, RmsNormGateFastPathShapes) {
+  const int64_t B = 2, T = 5, H = 3;
+  for (int64_t dv : {192, 64, 256, 12, 264}) {
+    for (DType dt : {kF32, kBF16}) {
+      SCOPED_TRACE("dv " + std::to_string(dv) + (dt == kF32 ? ", F32" : ", BF16"));
+      const double tol = dt == kF32 ? 1e-5 : 1e-2;
+      Tensor o_r = host({B, T, H, dv}), o = dev(dt, {B, T, H, dv}), g_r = host({B, T, H, dv});
+      fill(o_r, o, 80, dt, -2, 2);
+      Tensor fused = dev(dt, {B, T, 2 * H * dv});
+      Tensor g = fused;  // [B,T,H,dv] at column offset H·dv of [B,T,2·H·dv]
+      g.data = static_cast<char*>(fused.data) + H * dv * static_cast<int64_t>(dtype_size(dt));
+      g.ndim = 4;
+      g.shape = {B, T, H, dv};
+      g.stride = {fused.stride[0], fused.stride[1], dv, 1};
+      fill(g_r, g, 81, dt, -3, 3);
+      Tensor w_r = host({dv}), w = dev(dt, {dv});
+      fill(w_r, w, 82, dt, 0.5, 1.5);
+      Tensor y_r = host({B, T, H, dv}), y = dev(dt, {B, T, H, dv}), r_r = host({B, T, H}), r = dev(kF32, {B, T, H});
+      cpu_->rmsnorm_gate_forward(o_r, g_r, w_r, 1e-5, y_r, r_r);
+      cuda_->rmsnorm_gate_forward(o, g, w, 1e-5, y, r);
+      EXPECT_LE(err(y, y_r), tol);
+      EXPECT_LE(err(r, r_r), 1e-5);
+      Tensor obuf = dev(dt, {B, T, H, dv + 1}), y2 = dev(dt, {B, T, H, dv});
+      Tensor ov = padded_view(obuf, {B, T, H, dv});
+      cuda_->copy(ov, o);
+      cuda_->rmsnorm_gate_forward(ov, g, w, 1e-5, y2, Tensor{});
+      EXPECT_TRUE(same_bytes(y2, y));
+      Tensor dy_r = host({B, T, H, dv}), dy = dev(dt, {B, T, H, dv});
+      fill(dy_r, dy, 83, dt);
+      Tensor do1 = dev(dt, {B, T, H, dv}), dg1 = dev(dt, {B, T, H, dv}), do2 = dev(dt, {B, T, H, dv}),
+             dg2 = dev(dt, {B, T, H, dv});
+      cuda_->rmsnorm_gate_backward(dy, o, g, w, r, do1, dg1, Tensor{});
+      cuda_->rmsnorm_gate_backward(dy, o, g, w, Tensor{}, do2, dg2, Tensor{});
+      EXPECT_TRUE(same_bytes(do1, do2));
+      EXPECT_TRUE(same_bytes(dg1, dg2));
+    }
+  }
+}
+
+// ---- SwiGLU -----------------------------------------------------------------------------------------
+
+// F = 8200 (a partial block of chunks), 8192, 1030 (F % 8 != 0: generic); h through a padded
+// view (generic) has the same bits.
+TEST_F(CudaOpsFast, SwiGluFastPathShapes) {
+  for (auto [N, F] : std::vector<std::pair<int64_t, int64_t>>{{33, 8200}, {300, 8192}, {5, 1030}}) {
+    for (DType dt : {kF32, kBF16}) {
+      SCOPED_TRACE("F " + std::to_string(F) + (dt == kF32 ? ", F32" : ", BF16"));
+      const double tol = dt == kF32 ? 1e-5 : 1e-2;
+      Tensor ab_r = host({N, 2 * F}), ab = dev(dt, {N, 2 * F});
+      fill(ab_r, ab, 90, dt, -4, 4);
+      Tensor h_r = host({N, F}), h = dev(dt, {N, F});
+      cpu_->swiglu_forward(ab_r, h_r);
+      cuda_->swiglu_forward(ab, h);
+      EXPECT_LE(err(h, h_r), tol);
+      Tensor hbuf = dev(dt, {N, F + 1}), h2 = dev(dt, {N, F});
+      Tensor hv = padded_view(hbuf, {N, F});
+      cuda_->swiglu_forward(ab, hv);
+      cuda_->copy(h2, hv);
+      EXPECT_TRUE(same_bytes(h2, h));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace laplace
