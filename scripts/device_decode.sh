@@ -39,15 +39,15 @@ for s in $STAGES; do
       timeout 120 $L bench prefill $M3B --prompt-len 8192 --reps 7 --results "$R" --tag 3b 2>&1 |
         tee "$OUT/prefill.log" | grep -E "prefill of" ;;
     sweep)  # per-step overhead vs per-layer cost
-      timeout 400 $L bench decode $M3B --batch 1280 --steps 10 --warmup 2 --prompt-len 1 --prefill-chunk 1 \
+      timeout 150 $L bench decode $M3B --batch 1280 --steps 10 --warmup 2 --prompt-len 1 --prefill-chunk 1 \
         --max-batch-tokens 24000 --layers-sweep --sweep-max-layers 8 --results "$R" --tag 3b_1280 2>&1 | tee "$OUT/sweep.log" |
         grep -E "layers|decode:" ;;
     prompt)  # decode cost after 2,048- vs 8,192-token prompts (SPEC §3: <= +0.5%)
-      timeout 400 $L bench decode $M3B --batch ${PROMPT_BATCH:-128} --steps 20 --warmup 3 --prompt-len 2048 \
+      timeout 150 $L bench decode $M3B --batch ${PROMPT_BATCH:-128} --steps 20 --warmup 3 --prompt-len 2048 \
         --prefill-chunk 2048 --max-batch-tokens 16384 --compare-prompt-len 8192 --results "$R" --tag 3b_${PROMPT_BATCH:-128} \
         2>&1 | tee "$OUT/prompt.log" | grep -E "decode" ;;
     poisson)  # staggered arrivals: throughput, TTFT and TPOT p50/p99
-      timeout 400 $L bench serve $M3B --rate ${RATE:-64} --count ${COUNT:-1024} --prompt-len 128 --prompt-len-max 1024 \
+      timeout 120 $L bench serve $M3B --rate ${RATE:-64} --count ${COUNT:-1024} --prompt-len 128 --prompt-len-max 1024 \
         --output-len 128 --output-len-max 512 --max-slots 1280 --max-batch-tokens 4096 --prefill-chunk 512 \
         --results "$R" 2>&1 | tee "$OUT/poisson.log" | tail -12 ;;
     ops)  # per-op times of one decode step and one 8,192-token prefill
