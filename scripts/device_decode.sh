@@ -3,6 +3,8 @@
 # (random bf16 weights); logs and JSON lines under $OUT. Stages run in the order given:
 #   STAGES="tests decode eager bf16 prefill sweep prompt poisson ops parity" COMMIT=abc123 scripts/device_decode.sh
 # COMMIT is written into every result line (the device's git HEAD may be stale).
+# The device tool returns at most 8 files from $OUT, so every stage appends to one log,
+# $OUT/run.log (the GPU tests and the build keep their own; results go to results.jsonl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -11,10 +13,11 @@ export NCCL_NVLS_ENABLE=0
 STAGES=${STAGES:-tests decode eager bf16 prefill}
 mkdir -p "$OUT"
 R="$OUT/results.jsonl"
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
+LOG="$OUT/run.log"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >> "$LOG" 2>&1
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a ${CMAKE_EXTRA:-} \
-  > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
-cmake --build build-gpu -j "$(nproc)" --target laplace laplace_tests bench_ops > "$OUT/build.log" 2>&1 ||
+  > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+cmake --build build-gpu -j "$(nproc)" --target laplace laplace_tests bench_ops >> "$OUT/build.log" 2>&1 ||
   { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -60; exit 1; }
 echo "build ok ($LAPLACE_COMMIT)"
 L=./build-gpu/laplace
@@ -27,34 +30,34 @@ for s in $STAGES; do
       grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure|bf16 states:" "$OUT/cuda_tests.log" | head -40 ;;
     decode)  # SPEC §3 target: >= 53,000 tok/s with 1,280 sequences, fp32 state
       timeout 240 $L bench decode $M3B --batch 1280 --steps 20 --warmup 3 --prompt-len 16 --prefill-chunk 16 \
-        --max-batch-tokens 24000 --results "$R" --tag 3b_1280_fp32state 2>&1 | tee "$OUT/decode.log" | grep -E "engine|decode:|per step" ;;
+        --max-batch-tokens 24000 --results "$R" --tag 3b_1280_fp32state 2>&1 | tee -a "$LOG" | grep -E "engine|decode:|per step" ;;
     eager)
       timeout 240 $L bench decode $M3B --batch 1280 --steps 20 --warmup 3 --prompt-len 16 --prefill-chunk 16 --eager --max-batch-tokens 24000 \
-        --results "$R" --tag 3b_1280_fp32state_eager 2>&1 | tee "$OUT/eager.log" | grep -E "decode:" ;;
+        --results "$R" --tag 3b_1280_fp32state_eager 2>&1 | tee -a "$LOG" | grep -E "decode:" ;;
     bf16)  # target: >= 90,000 tok/s; accuracy vs fp32 states over 256 steps
       timeout 300 $L bench decode $M3B --batch 1280 --steps 20 --warmup 3 --prompt-len 16 --prefill-chunk 16 \
-        --max-batch-tokens 24000 --state-dtype bf16 --accuracy-steps 256 --results "$R" --tag 3b_1280_bf16state 2>&1 | tee "$OUT/bf16.log" |
+        --max-batch-tokens 24000 --state-dtype bf16 --accuracy-steps 256 --results "$R" --tag 3b_1280_bf16state 2>&1 | tee -a "$LOG" |
         grep -E "engine|decode:|bf16 vs" ;;
     prefill)  # target: <= 80 ms for one 8,192-token prompt
       timeout 120 $L bench prefill $M3B --prompt-len 8192 --reps 7 --results "$R" --tag 3b 2>&1 |
-        tee "$OUT/prefill.log" | grep -E "prefill of" ;;
+        tee -a "$LOG" | grep -E "prefill of" ;;
     sweep)  # per-step overhead vs per-layer cost
       timeout 150 $L bench decode $M3B --batch 1280 --steps 10 --warmup 2 --prompt-len 1 --prefill-chunk 1 \
-        --max-batch-tokens 24000 --layers-sweep --sweep-max-layers 8 --results "$R" --tag 3b_1280 2>&1 | tee "$OUT/sweep.log" |
+        --max-batch-tokens 24000 --layers-sweep --sweep-max-layers 8 --results "$R" --tag 3b_1280 2>&1 | tee -a "$LOG" |
         grep -E "layers|decode:" ;;
     prompt)  # decode cost after 2,048- vs 8,192-token prompts (SPEC §3: <= +0.5%)
       timeout 150 $L bench decode $M3B --batch ${PROMPT_BATCH:-128} --steps 20 --warmup 3 --prompt-len 2048 \
         --prefill-chunk 2048 --max-batch-tokens 16384 --compare-prompt-len 8192 --results "$R" --tag 3b_${PROMPT_BATCH:-128} \
-        2>&1 | tee "$OUT/prompt.log" | grep -E "decode" ;;
+        2>&1 | tee -a "$LOG" | grep -E "decode" ;;
     poisson)  # staggered arrivals: throughput, TTFT and TPOT p50/p99
       timeout 120 $L bench serve $M3B --rate ${RATE:-64} --count ${COUNT:-1024} --prompt-len 128 --prompt-len-max 1024 \
         --output-len 128 --output-len-max 512 --max-slots 1280 --max-batch-tokens 4096 --prefill-chunk 512 \
-        --results "$R" 2>&1 | tee "$OUT/poisson.log" | tail -12 ;;
+        --results "$R" 2>&1 | tee -a "$LOG" | tail -12 ;;
     ops)  # per-op times of one decode step and one 8,192-token prefill
-      ./build-gpu/bench/bench_ops 2>&1 | tee "$OUT/ops.log" ;;
+      ./build-gpu/bench/bench_ops 2>&1 | tee -a "$LOG" ;;
     parity)  # greedy tokens vs the PyTorch reference on this GPU (needs a trained model: carry runs/demo/model)
       python3 python/gpu_parity.py --model ${PARITY_MODEL:-runs/demo/model} --binary build-gpu/laplace 2>&1 |
-        tee "$OUT/parity.log" ;;
+        tee -a "$LOG" ;;
     *) echo "unknown stage $s" ;;
   esac
 done
