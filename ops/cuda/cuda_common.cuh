@@ -111,6 +111,52 @@ inline unsigned grid_for(int64_t n, int threads) {
   return static_cast<unsigned>(g);
 }
 
+// ---- 8 consecutive floats per access (the vectorised fast paths) ----------------------
+// Element offset i is a multiple of 8 and the base 16-byte aligned (vec_rows() on the
+// host): one 16-byte access for BF16, two for F32. A BF16 store rounds each element once,
+// as stf does, so the values are those of the element-wise kernels.
+__device__ __forceinline__ void ld8(const void* p, int64_t i, int dt, float (&v)[8]) {
+  if (dt == kBF16) {
+    const uint4 q = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p) + i);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&q);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = __bfloat1622float2(h[k]);
+      v[2 * k] = f.x;
+      v[2 * k + 1] = f.y;
+    }
+  } else {
+    const float4* q = reinterpret_cast<const float4*>(static_cast<const float*>(p) + i);
+    const float4 a = q[0], b = q[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  }
+}
+__device__ __forceinline__ void st8(void* p, int64_t i, int dt, const float (&v)[8]) {
+  if (dt == kBF16) {
+    uint4 q;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&q);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) h[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p) + i) = q;
+  } else {
+    float4* q = reinterpret_cast<float4*>(static_cast<float*>(p) + i);
+    q[0] = make_float4(v[0], v[1], v[2], v[3]);
+    q[1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Whether every row of v starts 16-byte aligned at a multiple of 8 elements (cols % 8 == 0 is
+// the caller's check), so ld8/st8 apply at columns 8j. A null view is not.
+inline bool vec_rows(const RView& v) {
+  if (!v.p || !aligned16(v.p)) return false;
+  if (v.rows > 1 && v.s0 % 8 != 0) return false;
+  if (v.d1 > 1 && v.s1 % 8 != 0) return false;
+  if (v.d2 > 1 && v.s2 % 8 != 0) return false;
+  return true;
+}
+
 // ---- reductions with a fixed tree ---------------------------------------------------
 // Butterfly sum: every lane ends with the same bits (a+b == b+a in IEEE arithmetic).
 template <class T>

@@ -55,60 +55,27 @@ const int32_t* i32_vec(const Tensor& t, int64_t n, const char* what) {
 }
 
 // ---- 16-byte vectors of 8 floats (the fast paths) -------------------------------------------
-// The fast kernels move 8 consecutive columns per access: element offset i is a multiple of 8
-// and, when `vec`, the base 16-byte aligned (one 16-byte access for BF16, two for F32);
-// otherwise element by element (same values, same arithmetic). kernels_elementwise.cu has
-// its own copy: device functions are not shared across files here.
+// ld8 / st8 / vec_rows live in cuda_common.cuh. These overloads take `vec`: when false (a
+// tensor whose rows are not 16-byte aligned) they go element by element, same values and
+// arithmetic.
 namespace {
 
 __device__ __forceinline__ void ld8(const void* p, int64_t i, int dt, bool vec, float (&v)[8]) {
-  if (!vec) {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v[k] = ldf(p, i + k, dt);
-  } else if (dt == kBF16) {
-    const uint4 q = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p) + i);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&q);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float2 f = __bfloat1622float2(h[k]);
-      v[2 * k] = f.x;
-      v[2 * k + 1] = f.y;
-    }
-  } else {
-    const float4* q = reinterpret_cast<const float4*>(static_cast<const float*>(p) + i);
-    const float4 a = q[0], b = q[1];
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  if (vec) {
+    laplace::cuda::ld8(p, i, dt, v);  // the 4-argument one (cuda_common.cuh)
+    return;
   }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = ldf(p, i + k, dt);
 }
 
-// One rounding per element on a BF16 store (as stf).
 __device__ __forceinline__ void st8(void* p, int64_t i, int dt, bool vec, const float (&v)[8]) {
-  if (!vec) {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) stf(p, i + k, dt, v[k]);
-  } else if (dt == kBF16) {
-    uint4 q;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&q);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) h[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
-    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p) + i) = q;
-  } else {
-    float4* q = reinterpret_cast<float4*>(static_cast<float*>(p) + i);
-    q[0] = make_float4(v[0], v[1], v[2], v[3]);
-    q[1] = make_float4(v[4], v[5], v[6], v[7]);
+  if (vec) {
+    laplace::cuda::st8(p, i, dt, v);
+    return;
   }
-}
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// Whether every row of v starts 16-byte aligned at a multiple of 8 elements (cols % 8 == 0 is
-// the caller's check), so ld8/st8 may vectorize at columns 8j. A null view is not.
-bool vec_rows(const RView& v) {
-  if (!v.p || !aligned16(v.p)) return false;
-  if (v.rows > 1 && v.s0 % 8 != 0) return false;
-  if (v.d1 > 1 && v.s1 % 8 != 0) return false;
-  if (v.d2 > 1 && v.s2 % 8 != 0) return false;
-  return true;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) stf(p, i + k, dt, v[k]);
 }
 
 }  // namespace
