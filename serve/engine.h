@@ -174,7 +174,9 @@ class EagerExecutor : public StepExecutor {
 class GraphExecutor : public EagerExecutor {
  public:
   // Captures a decode forward for each width (after one eager warm-up run of it that
-  // writes only `scratch_slot`). The model must be planned for the largest width.
+  // writes only `scratch_slot`). The model must be planned for the largest width, and
+  // neither re-planned nor given a new pool while the executor lives: the graphs hold the
+  // device addresses of its activations, inputs, weights and states.
   static Status create(Model& m, StatePool& pool, const std::vector<int64_t>& widths, int32_t scratch_slot,
                        std::unique_ptr<GraphExecutor>* out);
   int64_t graphs() const { return static_cast<int64_t>(graphs_.size()); }
