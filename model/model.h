@@ -63,6 +63,9 @@ class Model {
   Status plan(const PlanOptions& opt);
   size_t activation_bytes() const { return acts_.bytes() + scratch_.bytes(); }
   const PlanOptions& plan_options() const { return plan_; }
+  // Token rows and logit rows the plan holds (max_tokens / max_logit_rows resolved).
+  int64_t plan_rows() const { return plan_rows_; }
+  int64_t logit_rows() const { return logit_rows_; }
 
   // Forward of B sequences of T tokens (host ids, row-major [B,T]). With `pool`,
   // row b starts from the state in slot slots[b] (host ids; nullptr = slot b) and
@@ -153,7 +156,6 @@ class Model {
   Arena stage_;                   // [B, H, dk, dv] F32: BF16-pool states of a chunked forward
   int64_t last_B_ = 0, last_T_ = 0;
   bool last_only_ = false;
-  bool has_slots_ = false;
   // Backward scratch.
   Tensor dx_, dtmp_, du_, dc_, dqkvg_, do_, dy_, dz_, dab_, dh_;
 };

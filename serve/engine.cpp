@@ -281,10 +281,8 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
     LAPLACE_RETURN_IF_ERROR(model.plan(po).with_context("engine: plan"));
   } else {
     const PlanOptions& p = model.plan_options();
-    const int64_t rows = p.max_tokens > 0 ? p.max_tokens : p.max_batch * p.max_seq;
-    const int64_t logit_rows = p.max_logit_rows > 0 ? std::min(p.max_logit_rows, rows) : rows;
     if (p.training || p.max_batch < max_width || p.max_seq < opt.prefill_chunk ||
-        rows < std::max(max_width, opt.prefill_chunk) || logit_rows < max_width)
+        model.plan_rows() < std::max(max_width, opt.prefill_chunk) || model.logit_rows() < max_width)
       return Status::invalid_argument("engine: the model's plan is smaller than the engine needs (batch " +
                                       std::to_string(max_width) + ", sequence " +
                                       std::to_string(opt.prefill_chunk) + ", inference)");
