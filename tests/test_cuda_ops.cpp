@@ -741,6 +741,53 @@ TEST_F(CudaOps, GlaTensorCorePathShapes) {
   }
 }
 
+// Few long sequences (B·H·2 < 256 scan blocks): the forward state scan runs as parallel
+// chunk groups joined by group_fix_kernel (kernels_gla_tc.cu v6): whole and partial last
+// groups, a B = 1 prefill at the 3B head count, slot-indexed in-place states with other
+// slots left alone, vs the F64 CPU evaluation of the same bf16 inputs (same bounds as above).
+TEST_F(CudaOps, GlaTensorCoreChunkGroups) {
+  struct Case {
+    int64_t B, T, H;
+  };
+  // T=1100: 9 chunks in groups of 3 / T=1000: 8 chunks, groups of 2 / T=4096: 32 chunks, 8 groups of 4
+  const Case cases[] = {{1, 1100, 4}, {2, 1000, 3}, {1, 4096, 16}};
+  const int64_t dk = 96, dv = 192;
+  uint64_t seed = 700;
+  for (const Case& c : cases) {
+    char trace[96];
+    std::snprintf(trace, sizeof(trace), "B%lld T%lld H%lld", static_cast<long long>(c.B), static_cast<long long>(c.T),
+                  static_cast<long long>(c.H));
+    SCOPED_TRACE(trace);
+    const GlaParams p = gla_params(c.H, dk, 128);
+    Buf q = input({c.B, c.T, c.H, dk}, kBF16, kF64, seed++), k = input({c.B, c.T, c.H, dk}, kBF16, kF64, seed++),
+        v = input({c.B, c.T, c.H, dv}, kBF16, kF64, seed++);
+    Buf o = zeros({c.B, c.T, c.H, dv}, kBF16, kF64);
+    // pool of B + 2 slots; row b in slot B + 1 − b; s_out aliases s_in
+    Buf pool = input({c.B + 2, c.H, dk, dv}, kF32, kF64, seed++);
+    std::vector<int32_t> sl;
+    for (int64_t b = 0; b < c.B; ++b) sl.push_back(static_cast<int32_t>(c.B + 1 - b));
+    Buf slots = ints(sl);
+    auto before = down(pool.d());
+    cpu_->gla_forward(p, q.r(), k.r(), v.r(), o.r(), pool.r(), pool.r(), slots.r());
+    cuda_->gla_forward(p, q.d(), k.d(), v.d(), o.d(), pool.d(), pool.d(), slots.d());
+    EXPECT_LE(rms(o), 2.5e-3);
+    EXPECT_LE(rms(pool), 1e-5);
+    auto after = down(pool.d());
+    const int64_t plane = c.H * dk * dv * 4;
+    for (int64_t s = 0; s < 2; ++s)  // slots 0 and 1 hold no batch row (rows use slots 2..B+1)
+      EXPECT_EQ(std::memcmp(static_cast<char*>(before->t.data) + s * plane, static_cast<char*>(after->t.data) + s * plane,
+                            plane),
+                0)
+          << "slot " << s << " is not in the batch and must keep its bytes";
+    // the same forward again: bitwise the same output (fixed group plan, no atomics)
+    DevTensor o2(*cuda_, kBF16, {c.B, c.T, c.H, dv});
+    cuda_->gla_forward(p, q.d(), k.d(), v.d(), o2.t, Tensor{}, Tensor{}, Tensor{});
+    DevTensor o3(*cuda_, kBF16, {c.B, c.T, c.H, dv});
+    cuda_->gla_forward(p, q.d(), k.d(), v.d(), o3.t, Tensor{}, Tensor{}, Tensor{});
+    EXPECT_TRUE(same_bytes(o2.t, o3.t));
+  }
+}
+
 // Prefill T tokens, then decode one token in place on the slots: the last output equals
 // that of one forward over T+1 tokens.
 TEST_F(CudaOps, GlaDecodeContinuesPrefill) {

@@ -16,7 +16,7 @@
 #include <vector>
 
 #ifndef GLA_V
-#define GLA_V 5
+#define GLA_V 6
 #endif
 #if GLA_V == 1
 #include "gla_tc_v1.cuh"
@@ -26,8 +26,10 @@
 #include "gla_tc_v3.cuh"
 #elif GLA_V == 4
 #include "gla_tc_v4.cuh"
-#else
+#elif GLA_V == 5
 #include "gla_tc_v5.cuh"
+#else
+#include "gla_tc_v6.cuh"
 #endif
 
 #define CK(x)                                                                                        \
@@ -203,11 +205,33 @@ int main(int argc, char** argv) {
   const unsigned cgrid = static_cast<unsigned>(B * H * N);
   __nv_bfloat16* sst = reinterpret_cast<__nv_bfloat16*>(scratch);
   __nv_bfloat16* gst = sst + nstate;
+#if GLA_V >= 6
+  // v6: the forward scan in chunk groups when B·H is small (B = 1 prefill), then the carry.
+  gla_tc::Args af = a;
+  gla_tc::plan_groups(af, DV / gla_tc::kSlice);
+  float* gend = nullptr;
+  if (af.G > 1) CK(cudaMalloc(&gend, static_cast<size_t>(B) * H * af.G * DK * DV * 4));
+  std::printf("v6 forward scan: %d chunk groups of %d chunks\n", af.G, af.NG);
+  auto k_state_fwd = [&](bool st) {
+    const dim3 g(DV / gla_tc::kSlice, B * H * af.G);
+    gla_tc::state_kernel<DK, DV, false, kFwdOut><<<g, gla_tc::kStateThreads, st_smem>>>(
+        af, act(k, DK), act(v, DV), st ? stv(s0) : none, nullptr, st ? stv(s1) : none,
+        reinterpret_cast<StPtr>(scratch), gend);
+    CK(cudaGetLastError());
+    if (af.G > 1) {
+      const dim3 fg((DK * DV / 2 + gla_tc::kFixThreads - 1) / gla_tc::kFixThreads, B * H);
+      gla_tc::group_fix_kernel<DK, DV><<<fg, gla_tc::kFixThreads>>>(af, nullptr, st ? stv(s1) : none,
+                                                                     reinterpret_cast<StPtr>(scratch), gend);
+      CK(cudaGetLastError());
+    }
+  };
+#else
   auto k_state_fwd = [&](bool st) {
     gla_tc::state_kernel<DK, DV, false, kFwdOut><<<sgrid, gla_tc::kStateThreads, st_smem>>>(
         a, act(k, DK), act(v, DV), st ? stv(s0) : none, nullptr, st ? stv(s1) : none, reinterpret_cast<StPtr>(scratch));
     CK(cudaGetLastError());
   };
+#endif
   auto k_fwd_o = [&]() {
     gla_tc::fwd_o_kernel<DK, DV><<<cgrid, gla_tc::kThreads, fo_smem>>>(a, act(q, DK), act(k, DK), act(v, DV),
                                                                        outv(o, DV), reinterpret_cast<FoPtr>(scratch));

@@ -1,6 +1,6 @@
-// GENERATED from lab/gla/gla_tc_v5.cuh by lab/gla/promote.sh: edit the lab version, then re-run the script.
+// GENERATED from lab/gla/gla_tc_v6.cuh by lab/gla/promote.sh: edit the lab version, then re-run the script.
 //
-// lab/gla v5: chunked GLA forward/backward on tensor cores (mma.sync m16n8k16, bf16 operands,
+// lab/gla v6: chunked GLA forward/backward on tensor cores (mma.sync m16n8k16, bf16 operands,
 // fp32 accumulators), templated on the head dims and written for dk = 96, dv = 192 without
 // padding (96 = 6·16, 192 = 12·16: every tile is a whole number of 16-wide mma steps).
 //
@@ -23,6 +23,12 @@
 //                 causal QKᵀ block never leaves registers (its accumulator fragments are
 //                 re-packed as the A operand of the next product, as in flash attention).
 //   bwd_dqk_kernel, bwd_dv_kernel   the same pattern for the gradients.
+//   group_fix_kernel  (v6) the forward scan of few long sequences (a B = 1 prefill has only
+//                 B·H·2 = 32 scan blocks) runs as G chunk groups per sequence in parallel, each
+//                 from a zero state (group 0 from S_0); this kernel then carries the true state
+//                 across the groups (S_start(g+1) = λ^{len g}·S_start(g) + E_g, elementwise: the
+//                 decay is one scalar per head) and adds λ^{128·j}·S_start(g) to the j-th chunk
+//                 state of group g, and writes the final state.
 //
 // Precision: q, k, v, dO are bf16 already (exact as mma operands). Values made inside the
 // kernels in fp32 (decayed K̃/Q̃ rows, the decayed QKᵀ block, the fp32 state) would lose
@@ -76,6 +82,7 @@ struct StV {
 
 struct Args {
   int B, T, H, N;  // N = ⌈T / C⌉
+  int G = 1, NG = 0;  // forward scan: G chunk groups of NG chunks per sequence (v6; G = 1: one walk)
   float scale;
   double lam[kMaxHeads];
 };
@@ -246,7 +253,7 @@ __device__ __forceinline__ void store_state_direct(const float (&acc)[MT][4][4],
 
 template <int DK, int DV, bool REV, int OUT, bool XSPLIT = true>
 __global__ void __launch_bounds__(kStateThreads) state_kernel(Args a, Act X, Act Y, StV s0, const int32_t* slots,
-                                                              StV sfin, __nv_bfloat16* states) {
+                                                              StV sfin, __nv_bfloat16* states, float* gend = nullptr) {
   static_assert(DK % 32 == 0 && DV % kSlice == 0, "state_kernel tiling");
   constexpr int LDX = DK + 8, LDY = kSlice + 8, MT = DK / 32;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -254,7 +261,11 @@ __global__ void __launch_bounds__(kStateThreads) state_kernel(Args a, Act X, Act
   __nv_bfloat16* Ys = Xs + 2 * kC * LDX;                              // [2][kC][LDY]
   float* pw = reinterpret_cast<float*>(Ys + 2 * kC * LDY);
 
-  const int bh = blockIdx.y, b = bh / a.H, h = bh - b * a.H;
+  // v6: blockIdx.y = bh·G + group; the group walks chunks [n_lo, n_lo + steps) from a zero
+  // state (group 0 from s0) and leaves its end state in gend (G > 1, forward only).
+  const int G = REV ? 1 : max(a.G, 1);
+  const int bh = blockIdx.y / G, grp = blockIdx.y - bh * G, b = bh / a.H, h = bh - b * a.H;
+  const int n_lo = G > 1 ? grp * a.NG : 0, steps = G > 1 ? min(a.N - n_lo, a.NG) : a.N;
   const int e0 = blockIdx.x * kSlice;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
   const int mrow = (warp / 3) * (DK / 2);  // this warp's first state row
@@ -262,7 +273,7 @@ __global__ void __launch_bounds__(kStateThreads) state_kernel(Args a, Act X, Act
   load_powers(pw, a.lam[h]);
 
   auto issue = [&](int step, int buf) {
-    const int n = REV ? a.N - 1 - step : step;
+    const int n = REV ? a.N - 1 - step : n_lo + step;
     const int t0 = n * kC, Le = min(kC, a.T - t0);
     load_rows_async<DK>(Xs + buf * kC * LDX, LDX, X, b, t0, Le, h);
     load_rows_async<DV>(Ys + buf * kC * LDY, LDY, Y, b, t0, Le, h, e0, kSlice);
@@ -273,7 +284,7 @@ __global__ void __launch_bounds__(kStateThreads) state_kernel(Args a, Act X, Act
   float acc[MT][4][4];
   {
     const int64_t srow = slots ? slots[b] : b;
-    const float* src = s0.p ? s0.p + srow * s0.ss + h * s0.sh : nullptr;
+    const float* src = s0.p && grp == 0 ? s0.p + srow * s0.ss + h * s0.sh : nullptr;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -288,11 +299,11 @@ __global__ void __launch_bounds__(kStateThreads) state_kernel(Args a, Act X, Act
         }
   }
 
-  for (int step = 0; step < a.N; ++step) {
-    const int n = REV ? a.N - 1 - step : step;
+  for (int step = 0; step < steps; ++step) {
+    const int n = REV ? a.N - 1 - step : n_lo + step;
     const int t0 = n * kC, Le = min(kC, a.T - t0);
     const int buf = step & 1;
-    if (step + 1 < a.N) {
+    if (step + 1 < steps) {
       issue(step + 1, buf ^ 1);  // that buffer was released by the barrier ending the last step
       asm volatile("cp.async.wait_group 1;\n" ::: "memory");
     } else {
@@ -346,7 +357,7 @@ __global__ void __launch_bounds__(kStateThreads) state_kernel(Args a, Act X, Act
       }
     }
     __syncthreads();  // every warp is done reading buffer `buf`
-    if (step + 1 < a.N) {
+    if (step + 1 < steps) {
       // 3. store the next chunk's state through buffer `buf` (free until the next step's issue
       // refills it), so that global stores are whole 16-byte rows pieces instead of the
       // fragments' 4-byte pairs (v3: 8 half-used sectors per warp store)
@@ -381,9 +392,18 @@ __global__ void __launch_bounds__(kStateThreads) state_kernel(Args a, Act X, Act
       __syncthreads();
     }
   }
-  if (sfin.p) {
+  // G > 1: this group's end state goes to gend [B·H][G][DK][DV] (group_fix_kernel makes the
+  // final state); G = 1: the final state itself.
+  float* dst = nullptr;
+  int64_t ld = DV;
+  if (G > 1) {
+    dst = gend + (static_cast<int64_t>(bh) * G + grp) * DK * DV;
+  } else if (sfin.p) {
     const int64_t srow = slots ? slots[b] : b;
-    float* dst = sfin.p + srow * sfin.ss + h * sfin.sh;
+    dst = sfin.p + srow * sfin.ss + h * sfin.sh;
+    ld = sfin.sk;
+  }
+  if (dst) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -391,9 +411,62 @@ __global__ void __launch_bounds__(kStateThreads) state_kernel(Args a, Act X, Act
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           const int c = mrow + mt * 16 + g + hr * 8, e = e0 + ncol + nt * 8 + 2 * q4;
-          *reinterpret_cast<float2*>(dst + c * sfin.sk + e) = make_float2(acc[mt][nt][2 * hr], acc[mt][nt][2 * hr + 1]);
+          *reinterpret_cast<float2*>(dst + c * ld + e) = make_float2(acc[mt][nt][2 * hr], acc[mt][nt][2 * hr + 1]);
         }
   }
+}
+
+// ---- v6: carry across chunk groups -----------------------------------------------------------
+// grid (DK·DV / (2·kFixThreads), B·H); each thread owns the element pair (c, e), (c, e + 1) of
+// one head's state. states: the forward's hi/lo planes [B·H][N][2][DK][DV], each group's
+// chunk states relative to a zero start (group 0's exact); gend: each group's end state. The
+// carry is the true state entering group g: carry(1) = E_0, carry(g+1) = λ^{len g}·carry(g) + E_g.
+constexpr int kFixThreads = 256;
+template <int DK, int DV>
+__global__ void __launch_bounds__(kFixThreads) group_fix_kernel(Args a, const int32_t* slots, StV sfin,
+                                                                __nv_bfloat16* states, const float* gend) {
+  const int bh = blockIdx.y, b = bh / a.H, h = bh - b * a.H;
+  const int pair = blockIdx.x * kFixThreads + threadIdx.x;
+  if (pair >= DK * DV / 2) return;
+  const int c = (2 * pair) / DV, e = 2 * pair - c * DV;
+  const double lam = a.lam[h];
+  const int64_t tg = static_cast<int64_t>(a.NG) * kC;  // tokens per whole group
+  const float* E = gend + static_cast<int64_t>(bh) * a.G * DK * DV + c * DV + e;
+  float2 carry = *reinterpret_cast<const float2*>(E);  // the state entering group 1
+  for (int grp = 1; grp < a.G; ++grp) {
+    const int n_lo = grp * a.NG, n_hi = min(a.N, n_lo + a.NG);
+    for (int n = n_lo; n < n_hi; ++n) {
+      const float w = static_cast<float>(pow(lam, static_cast<double>((n - n_lo) * kC)));
+      __nv_bfloat16* sp = states + ((static_cast<int64_t>(bh) * a.N + n) * 2 * DK + c) * DV + e;
+      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sp));
+      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sp + DK * DV));
+      uint32_t nh, nl;
+      split2(hi.x + lo.x + w * carry.x, hi.y + lo.y + w * carry.y, nh, nl);
+      *reinterpret_cast<uint32_t*>(sp) = nh;
+      *reinterpret_cast<uint32_t*>(sp + DK * DV) = nl;
+    }
+    const int64_t len = min(tg, static_cast<int64_t>(a.T) - grp * tg);
+    const float d = static_cast<float>(pow(lam, static_cast<double>(len)));
+    const float2 eg = *reinterpret_cast<const float2*>(E + static_cast<int64_t>(grp) * DK * DV);
+    carry = make_float2(d * carry.x + eg.x, d * carry.y + eg.y);
+  }
+  if (sfin.p) {
+    const int64_t srow = slots ? slots[b] : b;
+    *reinterpret_cast<float2*>(sfin.p + srow * sfin.ss + h * sfin.sh + c * sfin.sk + e) = carry;
+  }
+}
+
+// Chunk groups for the forward scan: enough (b, h, slice, group) blocks for about two per SM
+// on a 132-SM part (a fixed target, so results do not depend on the device), groups of at
+// least two chunks. G = 1 when the batch fills the GPU already (training shapes).
+constexpr int kScanBlocks = 256;
+inline void plan_groups(Args& a, int slices) {
+  const int per_seq = a.B * a.H * slices;
+  int G = per_seq >= kScanBlocks ? 1 : kScanBlocks / per_seq;
+  G = max(1, min(G, a.N / 2));
+  const int NG = (a.N + G - 1) / G;
+  a.G = (a.N + NG - 1) / NG;
+  a.NG = NG;
 }
 
 // ---- row tiles ------------------------------------------------------------------------------------
@@ -858,21 +931,33 @@ bool gla_tc_forward(CudaBackend& be, const GlaParams& p, const Tensor& q, const 
       !tc_act_ok(o, false) || !tc_state_ok(s_in) || !tc_state_ok(s_out))
     return false;
   constexpr int DK = kTcDk, DV = kTcDv;
-  const gla_tc::Args a = tc_args(p, q);
+  gla_tc::Args a = tc_args(p, q);
   if (a.B == 0) return true;
+  // Few long sequences (a B = 1 prefill): the state scan walks G chunk groups in parallel,
+  // then group_fix_kernel carries the state across them.
+  gla_tc::plan_groups(a, DV / gla_tc::kSlice);
   const int64_t nstate = static_cast<int64_t>(a.B) * a.H * a.N * DK * DV;
-  // S_n as bf16 hi/lo planes (fp32-exact; see the precision note at the top)
-  __nv_bfloat16* states = static_cast<__nv_bfloat16*>(be.scratch(static_cast<size_t>(2 * nstate) * 2));
+  const int64_t ngend = a.G > 1 ? static_cast<int64_t>(a.B) * a.H * a.G * DK * DV : 0;
+  // S_n as bf16 hi/lo planes (fp32-exact; see the precision note at the top), then each
+  // group's f32 end state
+  char* scratch = static_cast<char*>(be.scratch(static_cast<size_t>(2 * nstate) * 2 + static_cast<size_t>(ngend) * 4));
+  __nv_bfloat16* states = reinterpret_cast<__nv_bfloat16*>(scratch);
+  float* gend = ngend ? reinterpret_cast<float*>(scratch + 2 * nstate * 2) : nullptr;
   const int32_t* ps = slots.defined() ? static_cast<const int32_t*>(slots.data) : nullptr;
   cudaStream_t stream = be.stream();
 
   constexpr int st_smem = gla_tc::state_smem_bytes<DK, DV>(), fo_smem = gla_tc::fwd_smem_bytes<DK, DV>();
   tc_smem(gla_tc::state_kernel<DK, DV, false, gla_tc::kOutHiLo>, st_smem);
   tc_smem(gla_tc::fwd_o_kernel<DK, DV>, fo_smem);
-  const dim3 sgrid(DV / gla_tc::kSlice, a.B * a.H);
+  const dim3 sgrid(DV / gla_tc::kSlice, a.B * a.H * a.G);
   gla_tc::state_kernel<DK, DV, false, gla_tc::kOutHiLo><<<sgrid, gla_tc::kStateThreads, st_smem, stream>>>(
-      a, tc_act(k), tc_act(v), tc_state(s_in), ps, tc_state(s_out), states);
+      a, tc_act(k), tc_act(v), tc_state(s_in), ps, tc_state(s_out), states, gend);
   CUDA_CHECK_LAUNCH();
+  if (a.G > 1) {
+    const dim3 fgrid((DK * DV / 2 + gla_tc::kFixThreads - 1) / gla_tc::kFixThreads, a.B * a.H);
+    gla_tc::group_fix_kernel<DK, DV><<<fgrid, gla_tc::kFixThreads, 0, stream>>>(a, ps, tc_state(s_out), states, gend);
+    CUDA_CHECK_LAUNCH();
+  }
   const unsigned cgrid = static_cast<unsigned>(static_cast<int64_t>(a.B) * a.H * a.N);
   gla_tc::fwd_o_kernel<DK, DV><<<cgrid, gla_tc::kThreads, fo_smem, stream>>>(a, tc_act(q), tc_act(k), tc_act(v),
                                                                             tc_out(o), states);
