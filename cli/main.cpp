@@ -1,7 +1,12 @@
 // laplace: train and serve fixed-state linear-attention language models.
+#include <cstdio>
+
 #include "cli/common.h"
 
 int main(int argc, char** argv) {
+  // Line-buffered stdout even into a pipe, so a run cut short (a timeout around a
+  // benchmark) still leaves every finished line in its log.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   CLI::App app{"laplace: train and serve Laplace (gated linear attention) language models"};
   app.require_subcommand(1);
   laplace::cli::add_info(app);
