@@ -121,6 +121,11 @@ std::string shape_note(const Config& c, const std::string& dtype, bool random) {
   return buf;
 }
 
+// 2048 -> "2k", 8192 -> "8k", 1000 -> "1000" (figure names).
+std::string short_count(int64_t n) {
+  return n % 1024 == 0 ? std::to_string(n / 1024) + "k" : std::to_string(n);
+}
+
 // ---- bench decode ------------------------------------------------------------------------
 
 struct DecodeArgs {
@@ -292,8 +297,11 @@ Status run_bench_decode(const DecodeArgs& a) {
                 (long long)b.prompt_len, g.ms_per_step, g.tok_s, pct, (long long)a.prompt_len);
     res.add("decode_ms_per_step_prompt" + std::to_string(b.prompt_len), g.ms_per_step, "ms");
     res.add("decode_ms_per_step_prompt" + std::to_string(a.prompt_len), f.ms_per_step, "ms");
-    res.add("decode_cost_increase_pct_prompt" + std::to_string(a.prompt_len) + "_to_" + std::to_string(b.prompt_len),
-            pct, "%");
+    // The issue's name for this figure carries no tag: decode_cost_increase_pct_prompt2k_to_8k.
+    BenchLog plain = res;
+    plain.tag.clear();
+    plain.add("decode_cost_increase_pct_prompt" + short_count(a.prompt_len) + "_to_" + short_count(b.prompt_len), pct,
+              "%", res.note + (a.tag.empty() ? "" : ", tag " + a.tag));
   }
   if (a.accuracy_steps > 0) {
     if (a.state_dtype != "bf16") return Status::invalid_argument("--accuracy-steps compares bf16 states: add --state-dtype bf16");
@@ -395,8 +403,12 @@ Status run_bench_prefill(const PrefillArgs& a) {
   res.note = note;
   std::printf("prefill of %lld tokens: median %.2f ms (min %.2f), %.0f tokens/s\n", (long long)a.prompt_len, med,
               *std::min_element(ms.begin(), ms.end()), 1e3 * static_cast<double>(a.prompt_len) / med);
-  res.add("prefill_ms_t" + std::to_string(a.prompt_len), med, "ms");
-  res.add("prefill_tok_s_t" + std::to_string(a.prompt_len), 1e3 * static_cast<double>(a.prompt_len) / med, "tok/s");
+  // Names with the tag before the length (prefill_ms_3b_t8192, as the issue names it).
+  const std::string mid = a.tag.empty() ? "" : a.tag + "_";
+  res.tag.clear();
+  res.add("prefill_ms_" + mid + "t" + std::to_string(a.prompt_len), med, "ms");
+  res.add("prefill_tok_s_" + mid + "t" + std::to_string(a.prompt_len), 1e3 * static_cast<double>(a.prompt_len) / med,
+          "tok/s");
   return Status::ok();
 }
 
