@@ -1,10 +1,11 @@
-// bench_ops: where the time of one laplace-3b decode step and one long prefill goes, op by
-// op, on the CUDA backend (bf16 activations and weights, the model's shapes). Each op runs
+// bench_ops: where the time of one laplace-3b decode step, one long prefill and one training
+// micro-batch (forward + backward) goes, op by op, on the CUDA backend (bf16 activations and weights, the model's shapes). Each op runs
 // `--reps` times back to back after a warm-up; the mean time per call is printed with its
 // count per step (×L for per-layer ops) and the implied share of the step. The figures
 // guide kernel work; the end-to-end numbers come from `laplace bench decode|prefill`.
 //
 // Usage: bench_ops [--batch 1280] [--prompt 8192] [--layers 24] [--reps 10]
+//                  [--train-batch 8] [--train-seq 2048] [--only decode|prefill|train]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -49,11 +50,120 @@ void print(const char* title, const std::vector<Row>& rows) {
                 r.ms * static_cast<double>(r.per_step), 100.0 * r.ms * static_cast<double>(r.per_step) / total);
 }
 
+// One training micro-batch of B × T tokens (the model's backward order, model.cpp): every op
+// of the forward and the backward at laplace-3b's shapes, BF16 activations and gradients,
+// F32 weight gradients (accumulated, as with gradient accumulation).
+int bench_train_ops(Backend& e, const Config& c, int64_t B, int64_t T, int64_t L, int reps) {
+  const int64_t N = B * T, D = c.hidden_size, R = c.qkvg_rows(), F = c.ffn_size, V = c.vocab_size;
+  const int64_t H = c.num_heads, dk = c.head_k_dim, dv = c.head_v_dim, HV = H * dv, K = c.conv_size;
+  const DType bf = DType::kBF16, f32 = DType::kF32;
+  Arena a;
+  Status st = a.create({{"wqkvg", bf, {R, D}},   {"wo", bf, {D, HV}},      {"w12", bf, {2 * F, D}},
+                        {"w3", bf, {D, F}},      {"head", bf, {V, D}},     {"embed", bf, {V, D}},
+                        {"norm_w", bf, {D}},     {"norm_b", bf, {D}},      {"conv_w", bf, {D, K}},
+                        {"onorm_w", bf, {dv}},
+                        {"g_wqkvg", f32, {R, D}}, {"g_wo", f32, {D, HV}},  {"g_w12", f32, {2 * F, D}},
+                        {"g_w3", f32, {D, F}},   {"g_head", f32, {V, D}},  {"g_embed", f32, {V, D}},
+                        {"g_norm_w", f32, {D}},  {"g_norm_b", f32, {D}},   {"g_conv_w", f32, {D, K}},
+                        {"g_onorm_w", f32, {dv}},
+                        {"x", bf, {N, D}},       {"u", bf, {N, D}},        {"pre", bf, {N, D}},
+                        {"c", bf, {N, D}},       {"qkvg", bf, {N, R}},     {"o", bf, {N, HV}},
+                        {"y", bf, {N, HV}},      {"ab", bf, {N, 2 * F}},   {"h", bf, {N, F}},
+                        {"logits", bf, {N, V}},  {"ids", DType::kI32, {N}}, {"losses", f32, {N}},
+                        {"mean", f32, {N}},      {"rstd", f32, {N}},       {"orstd", f32, {N, H}},
+                        {"dx", bf, {N, D}},      {"dtmp", bf, {N, D}},     {"dqkvg", bf, {N, R}},
+                        {"dy", bf, {N, HV}},     {"do", bf, {N, HV}},      {"dab", bf, {N, 2 * F}},
+                        {"dh", bf, {N, F}}},
+                       e.allocator(), "bench_ops train");
+  if (!st.is_ok()) {
+    std::fprintf(stderr, "bench_ops: train: %s\n", st.to_string().c_str());
+    return 1;
+  }
+  auto t = [&](const char* n) { return a.tensor(static_cast<size_t>(a.find(n))); };
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a.tensor(i).dtype != DType::kI32) e.fill(a.tensor(i), 0.01);
+  std::vector<int32_t> idv(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i) idv[i] = static_cast<int32_t>((i * 7919) % V);
+  e.copy(t("ids"), Tensor(idv.data(), DType::kI32, {N}));
+  GlaParams gp;
+  gp.form = GlaForm::kChunked;
+  gp.chunk = 128;
+  gp.scale = 1.0 / std::sqrt(static_cast<double>(dk));
+  gp.decay = c.decays();
+  auto part = [&](const Tensor& x2, int64_t col, int64_t d) {  // [B,T,H,d] view of columns of [N, C]
+    Tensor v = x2.slice(1, col, col + H * d);
+    v.ndim = 4;
+    v.shape = {B, T, H, d};
+    v.stride = {T * x2.stride[0], x2.stride[0], d, 1};
+    return v;
+  };
+  auto btc = [&](const Tensor& x2) {
+    Tensor v = x2;
+    v.ndim = 3;
+    v.shape = {B, T, x2.shape[1], 0};
+    v.stride = {T * x2.stride[0], x2.stride[0], 1, 0};
+    return v;
+  };
+  Tensor orstd = t("orstd");
+  orstd.ndim = 3;
+  orstd.shape = {B, T, H, 0};
+  orstd.stride = {T * H, H, 1, 0};
+  const Tensor q = t("qkvg"), dq = t("dqkvg"), o4 = part(t("o"), 0, dv), y4 = part(t("y"), 0, dv);
+  const Tensor do4 = part(t("do"), 0, dv), dy4 = part(t("dy"), 0, dv);
+  const Tensor none{};
+  std::vector<Row> fw, bw;
+  // forward
+  fw.push_back({"embedding", time_ms(e, reps, [&] { e.embedding_forward(t("ids"), t("embed"), t("x")); }), 1});
+  fw.push_back({"layernorm (+ stats)", time_ms(e, reps, [&] { e.layernorm_forward(t("x"), t("norm_w"), t("norm_b"), 1e-5, t("u"), t("mean"), t("rstd")); }), 2 * L + 1});
+  fw.push_back({"conv_silu (keeps pre)", time_ms(e, reps, [&] { e.conv_silu_forward(btc(t("u")), t("conv_w"), btc(t("c")), btc(t("pre")), none, none, none); }), L});
+  fw.push_back({"gemm qkvg", time_ms(e, reps, [&] { e.gemm(t("c"), false, t("wqkvg"), true, q, 1.0, 0.0); }), L});
+  fw.push_back({"gla_forward", time_ms(e, reps, [&] { e.gla_forward(gp, part(q, 0, dk), part(q, H * dk, dk), part(q, 2 * H * dk, dv), o4, none, none, none); }), L});
+  fw.push_back({"rmsnorm_gate (+ rstd)", time_ms(e, reps, [&] { e.rmsnorm_gate_forward(o4, part(q, 2 * H * dk + HV, dv), t("onorm_w"), 1e-5, y4, orstd); }), L});
+  fw.push_back({"gemm wo +=", time_ms(e, reps, [&] { e.gemm(t("y"), false, t("wo"), true, t("x"), 1.0, 1.0); }), L});
+  fw.push_back({"gemm w12", time_ms(e, reps, [&] { e.gemm(t("u"), false, t("w12"), true, t("ab"), 1.0, 0.0); }), L});
+  fw.push_back({"swiglu", time_ms(e, reps, [&] { e.swiglu_forward(t("ab"), t("h")); }), L});
+  fw.push_back({"gemm w3 +=", time_ms(e, reps, [&] { e.gemm(t("h"), false, t("w3"), true, t("x"), 1.0, 1.0); }), L});
+  fw.push_back({"gemm head (bf16 logits)", time_ms(e, reps, [&] { e.gemm(t("u"), false, t("head"), true, t("logits"), 1.0, 0.0); }), 1});
+  fw.push_back({"cross_entropy forward", time_ms(e, reps, [&] { e.cross_entropy_forward(t("logits"), t("ids"), t("losses")); }), 1});
+  // backward (dlogits in place; the logits keep their values: 0.01 everywhere)
+  bw.push_back({"cross_entropy backward", time_ms(e, reps, [&] { e.cross_entropy_backward(t("logits"), t("ids"), 1e-4, t("logits")); }), 1});
+  bw.push_back({"gemm dlogits·W_head", time_ms(e, reps, [&] { e.gemm(t("logits"), false, t("head"), false, t("dtmp"), 1.0, 0.0); }), 1});
+  bw.push_back({"gemm dW_head += dlogitsᵀ·z", time_ms(e, reps, [&] { e.gemm(t("logits"), true, t("u"), false, t("g_head"), 1.0, 1.0); }), 1});
+  bw.push_back({"gemm dh = dx·W3", time_ms(e, reps, [&] { e.gemm(t("dx"), false, t("w3"), false, t("dh"), 1.0, 0.0); }), L});
+  bw.push_back({"gemm dW3 += dxᵀ·h", time_ms(e, reps, [&] { e.gemm(t("dx"), true, t("h"), false, t("g_w3"), 1.0, 1.0); }), L});
+  bw.push_back({"swiglu backward", time_ms(e, reps, [&] { e.swiglu_backward(t("dh"), t("ab"), t("dab")); }), L});
+  bw.push_back({"gemm dz = dab·W12", time_ms(e, reps, [&] { e.gemm(t("dab"), false, t("w12"), false, t("dtmp"), 1.0, 0.0); }), L});
+  bw.push_back({"gemm dW12 += dabᵀ·z", time_ms(e, reps, [&] { e.gemm(t("dab"), true, t("u"), false, t("g_w12"), 1.0, 1.0); }), L});
+  bw.push_back({"layernorm backward (dx +=, dw, db)", time_ms(e, reps, [&] { e.layernorm_backward(t("dtmp"), t("x"), t("norm_w"), t("mean"), t("rstd"), t("dx"), true, t("g_norm_w"), t("g_norm_b")); }), 2 * L + 1});
+  bw.push_back({"gemm dy = dx·Wo", time_ms(e, reps, [&] { e.gemm(t("dx"), false, t("wo"), false, t("dy"), 1.0, 0.0); }), L});
+  bw.push_back({"gemm dWo += dxᵀ·y", time_ms(e, reps, [&] { e.gemm(t("dx"), true, t("y"), false, t("g_wo"), 1.0, 1.0); }), L});
+  bw.push_back({"rmsnorm_gate backward", time_ms(e, reps, [&] { e.rmsnorm_gate_backward(dy4, o4, part(q, 2 * H * dk + HV, dv), t("onorm_w"), orstd, do4, part(dq, 2 * H * dk + HV, dv), t("g_onorm_w")); }), L});
+  bw.push_back({"gla_backward", time_ms(e, reps, [&] { e.gla_backward(gp, part(q, 0, dk), part(q, H * dk, dk), part(q, 2 * H * dk, dv), none, do4, none, part(dq, 0, dk), part(dq, H * dk, dk), part(dq, 2 * H * dk, dv), none); }), L});
+  bw.push_back({"gemm dc = dqkvg·Wqkvg", time_ms(e, reps, [&] { e.gemm(dq, false, t("wqkvg"), false, t("dtmp"), 1.0, 0.0); }), L});
+  bw.push_back({"gemm dWqkvg += dqkvgᵀ·c", time_ms(e, reps, [&] { e.gemm(dq, true, t("c"), false, t("g_wqkvg"), 1.0, 1.0); }), L});
+  bw.push_back({"conv_silu backward", time_ms(e, reps, [&] { e.conv_silu_backward(btc(t("dtmp")), btc(t("u")), t("conv_w"), btc(t("pre")), btc(t("c")), t("g_conv_w")); }), L});
+  bw.push_back({"embedding backward", time_ms(e, reps, [&] { e.embedding_backward(t("ids"), t("dx"), t("g_embed")); }), 1});
+  char title[160];
+  std::snprintf(title, sizeof title, "training micro-batch forward, %lld x %lld tokens, %lld layers", (long long)B,
+                (long long)T, (long long)L);
+  print(title, fw);
+  std::snprintf(title, sizeof title, "training micro-batch backward, %lld x %lld tokens, %lld layers", (long long)B,
+                (long long)T, (long long)L);
+  print(title, bw);
+  double gemm = 0, other = 0;
+  for (const auto* v : {&fw, &bw})
+    for (const Row& r : *v) (r.name.rfind("gemm", 0) == 0 ? gemm : other) += r.ms * static_cast<double>(r.per_step);
+  std::printf("  micro-batch: gemms %.1f ms, everything else %.1f ms (%.0f tokens/s for forward + backward alone)\n", gemm,
+              other, 1e3 * static_cast<double>(N) / (gemm + other));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  int64_t B = 1280, P = 8192, L = 24;
+  int64_t B = 1280, P = 8192, L = 24, TB = 8, TT = 2048;
   int reps = 10;
+  std::string only;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     const int64_t v = std::atoll(argv[i + 1]);
@@ -61,8 +171,15 @@ int main(int argc, char** argv) {
     else if (k == "--prompt") P = v;
     else if (k == "--layers") L = v;
     else if (k == "--reps") reps = static_cast<int>(v);
+    else if (k == "--train-batch") TB = v;
+    else if (k == "--train-seq") TT = v;
+    else if (k == "--only" && (std::string(argv[i + 1]) == "decode" || std::string(argv[i + 1]) == "prefill" ||
+                               std::string(argv[i + 1]) == "train"))
+      only = argv[i + 1];
     else {
-      std::fprintf(stderr, "usage: bench_ops [--batch 1280] [--prompt 8192] [--layers 24] [--reps 10]\n");
+      std::fprintf(stderr,
+                   "usage: bench_ops [--batch 1280] [--prompt 8192] [--layers 24] [--reps 10] [--train-batch 8] "
+                   "[--train-seq 2048] [--only decode|prefill|train]\n");
       return 2;
     }
   }
@@ -75,6 +192,7 @@ int main(int argc, char** argv) {
   Config c;
   c.vocab_size = 92160, c.hidden_size = 3072, c.num_layers = 1, c.num_heads = 16;
   c.head_k_dim = 96, c.head_v_dim = 192, c.ffn_size = 8192, c.chunk_size = 128;
+  if (only == "train") return bench_train_ops(*be, c, TB, TT, L, reps);
   const int64_t D = c.hidden_size, R = c.qkvg_rows(), F = c.ffn_size, V = c.vocab_size, H = c.num_heads;
   const int64_t dk = c.head_k_dim, dv = c.head_v_dim, K = c.conv_size;
   const int64_t N = std::max(B, P);
@@ -141,33 +259,36 @@ int main(int argc, char** argv) {
   };
 
   // ---- decode step, B rows of one token ----
-  std::vector<Row> dec;
   Backend& e = *be;
-  const Tensor x = rows(t("x"), B), u = rows(t("u"), B), cc = rows(t("c"), B), q = rows(t("qkvg"), B);
-  const Tensor y = rows(t("y"), B), ab = rows(t("ab"), B), hh = rows(t("h"), B);
-  dec.push_back({"layernorm", time_ms(e, reps, [&] { e.layernorm_forward(x, t("norm_w"), t("norm_b"), 1e-5, u, rows(t("mean"), B), rows(t("rstd"), B)); }), 2 * L + 1});
-  Tensor win = p32.conv(0);
-  dec.push_back({"conv_silu (slots, F32 window)", time_ms(e, reps, [&] { e.conv_silu_forward(btd(u, B, 1), t("conv_w"), btd(cc, B, 1), Tensor{}, win, win, slots); }), L});
-  dec.push_back({"gemm qkvg [B,3072]x[3072,9216]", time_ms(e, reps, [&] { e.gemm(cc, false, t("wqkvg"), true, q, 1.0, 0.0); }), L});
-  auto qh = heads(t("qkvg"), B, 0, dk), kh = heads(t("qkvg"), B, H * dk, dk), vh = heads(t("qkvg"), B, 2 * H * dk, dv),
-       gh = heads(t("qkvg"), B, 2 * H * dk + H * dv, dv);
-  auto oh = heads(t("o"), B, 0, dv), yh = heads(t("y"), B, 0, dv);
-  Tensor s32 = p32.gla(0), s16 = p16.gla(0);
-  dec.push_back({"gla_decode_gate F32 state", time_ms(e, reps, [&] { e.gla_decode_gate(gp, qh, kh, vh, gh, t("onorm_w"), 1e-5, s32, slots, oh, yh); }), L});
-  const double g16 = time_ms(e, reps, [&] { e.gla_decode_gate(gp, qh, kh, vh, gh, t("onorm_w"), 1e-5, s16, slots, oh, yh); });
-  dec.push_back({"gemm wo [B,3072]x[3072,3072] +=", time_ms(e, reps, [&] { e.gemm(y, false, t("wo"), true, x, 1.0, 1.0); }), L});
-  dec.push_back({"gemm w12 [B,3072]x[3072,16384]", time_ms(e, reps, [&] { e.gemm(u, false, t("w12"), true, ab, 1.0, 0.0); }), L});
-  dec.push_back({"swiglu", time_ms(e, reps, [&] { e.swiglu_forward(ab, hh); }), L});
-  dec.push_back({"gemm w3 [B,8192]x[8192,3072] +=", time_ms(e, reps, [&] { e.gemm(hh, false, t("w3"), true, x, 1.0, 1.0); }), L});
-  dec.push_back({"gemm head [B,3072]x[3072,92160] F32", time_ms(e, reps, [&] { e.gemm(u, false, t("head"), true, t("logits"), 1.0, 0.0); }), 1});
-  dec.push_back({"argmax_rows [B,92160]", time_ms(e, reps, [&] { e.argmax_rows(t("logits"), slots); }), 1});
-  be->copy(slots, Tensor(sl.data(), DType::kI32, {B}));
   char title[128];
-  std::snprintf(title, sizeof title, "decode step, %lld rows, %lld layers", (long long)B, (long long)L);
-  print(title, dec);
-  const double state_bytes = 2.0 * static_cast<double>(B) * H * dk * dv;
-  std::printf("  gla_decode_gate: F32 state %.1f GB/s, BF16 state %.4f ms = %.1f GB/s (state read + write)\n",
-              state_bytes * 4 / (dec[3].ms * 1e6), g16, state_bytes * 2 / (g16 * 1e6));
+  if (only.empty() || only == "decode") {
+    std::vector<Row> dec;
+    const Tensor x = rows(t("x"), B), u = rows(t("u"), B), cc = rows(t("c"), B), q = rows(t("qkvg"), B);
+    const Tensor y = rows(t("y"), B), ab = rows(t("ab"), B), hh = rows(t("h"), B);
+    dec.push_back({"layernorm", time_ms(e, reps, [&] { e.layernorm_forward(x, t("norm_w"), t("norm_b"), 1e-5, u, rows(t("mean"), B), rows(t("rstd"), B)); }), 2 * L + 1});
+    Tensor win = p32.conv(0);
+    dec.push_back({"conv_silu (slots, F32 window)", time_ms(e, reps, [&] { e.conv_silu_forward(btd(u, B, 1), t("conv_w"), btd(cc, B, 1), Tensor{}, win, win, slots); }), L});
+    dec.push_back({"gemm qkvg [B,3072]x[3072,9216]", time_ms(e, reps, [&] { e.gemm(cc, false, t("wqkvg"), true, q, 1.0, 0.0); }), L});
+    auto qh = heads(t("qkvg"), B, 0, dk), kh = heads(t("qkvg"), B, H * dk, dk), vh = heads(t("qkvg"), B, 2 * H * dk, dv),
+         gh = heads(t("qkvg"), B, 2 * H * dk + H * dv, dv);
+    auto oh = heads(t("o"), B, 0, dv), yh = heads(t("y"), B, 0, dv);
+    Tensor s32 = p32.gla(0), s16 = p16.gla(0);
+    dec.push_back({"gla_decode_gate F32 state", time_ms(e, reps, [&] { e.gla_decode_gate(gp, qh, kh, vh, gh, t("onorm_w"), 1e-5, s32, slots, oh, yh); }), L});
+    const double g16 = time_ms(e, reps, [&] { e.gla_decode_gate(gp, qh, kh, vh, gh, t("onorm_w"), 1e-5, s16, slots, oh, yh); });
+    dec.push_back({"gemm wo [B,3072]x[3072,3072] +=", time_ms(e, reps, [&] { e.gemm(y, false, t("wo"), true, x, 1.0, 1.0); }), L});
+    dec.push_back({"gemm w12 [B,3072]x[3072,16384]", time_ms(e, reps, [&] { e.gemm(u, false, t("w12"), true, ab, 1.0, 0.0); }), L});
+    dec.push_back({"swiglu", time_ms(e, reps, [&] { e.swiglu_forward(ab, hh); }), L});
+    dec.push_back({"gemm w3 [B,8192]x[8192,3072] +=", time_ms(e, reps, [&] { e.gemm(hh, false, t("w3"), true, x, 1.0, 1.0); }), L});
+    dec.push_back({"gemm head [B,3072]x[3072,92160] F32", time_ms(e, reps, [&] { e.gemm(u, false, t("head"), true, t("logits"), 1.0, 0.0); }), 1});
+    dec.push_back({"argmax_rows [B,92160]", time_ms(e, reps, [&] { e.argmax_rows(t("logits"), slots); }), 1});
+    be->copy(slots, Tensor(sl.data(), DType::kI32, {B}));
+    std::snprintf(title, sizeof title, "decode step, %lld rows, %lld layers", (long long)B, (long long)L);
+    print(title, dec);
+    const double state_bytes = 2.0 * static_cast<double>(B) * H * dk * dv;
+    std::printf("  gla_decode_gate: F32 state %.1f GB/s, BF16 state %.4f ms = %.1f GB/s (state read + write)\n",
+                state_bytes * 4 / (dec[3].ms * 1e6), g16, state_bytes * 2 / (g16 * 1e6));
+  }
+  if (only == "decode") return 0;
 
   // ---- prefill, one prompt of P tokens ----
   std::vector<Row> pre;
@@ -204,5 +325,6 @@ int main(int argc, char** argv) {
   const double gemm_flop = 2.0 * P * (static_cast<double>(R) * D + D * H * dv + 2.0 * F * D + static_cast<double>(D) * F);
   const double gemm_ms = pre[2].ms + pre[5].ms + pre[6].ms + pre[8].ms;
   std::printf("  prefill gemms: %.1f TFLOP/s\n", gemm_flop / (gemm_ms * 1e9));
-  return 0;
+  if (!only.empty()) return 0;
+  return bench_train_ops(*be, c, TB, TT, L, reps);
 }
