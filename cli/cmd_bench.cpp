@@ -318,13 +318,21 @@ Status run_bench_decode(const DecodeArgs& a) {
   }
 
   if (!a.layers_sweep) return Status::ok();
-  // Time per step over num_layers ∈ {1, 2, 4, ...}, then ms = intercept + slope·L.
+  // Time per step over num_layers ∈ {1, 2, 4, ..., max} and the full model, then
+  // ms = intercept + slope·L.
   const int64_t lmax = a.sweep_max_layers > 0 ? a.sweep_max_layers : c.num_layers;
   std::vector<int64_t> ls;
   for (int64_t l = 1; l <= lmax; l *= 2) ls.push_back(l);
   if (ls.back() != lmax) ls.push_back(lmax);
-  if (ls.size() < 2) return Status::invalid_argument("--layers-sweep needs at least 2 layer counts (max layers ≥ 2)");
+  if (ls.size() < 2 && ls.back() == c.num_layers)
+    return Status::invalid_argument("--layers-sweep needs at least 2 layer counts (max layers ≥ 2)");
+  // The full model's time, measured above, is a point of the fit too.
   std::vector<double> xs, ys;
+  if (std::find(ls.begin(), ls.end(), c.num_layers) == ls.end()) {
+    xs.push_back(static_cast<double>(c.num_layers));
+    ys.push_back(f.ms_per_step);
+    std::printf("  layers %3lld: %.3f ms/step (the run above)\n", (long long)c.num_layers, f.ms_per_step);
+  }
   for (int64_t l : ls) {
     LoadedModel sm;
     bool r2 = false;

@@ -43,7 +43,7 @@ for s in $STAGES; do
         tee -a "$LOG" | grep -E "prefill of" ;;
     sweep)  # per-step overhead vs per-layer cost
       timeout 400 $L bench decode $M3B --batch 1280 --steps 10 --warmup 2 --prompt-len 1 --prefill-chunk 1 \
-        --max-batch-tokens 24000 --layers-sweep --sweep-max-layers 8 --results "$R" --tag 3b_1280 2>&1 | tee -a "$LOG" |
+        --max-batch-tokens 24000 --layers-sweep --sweep-max-layers ${SWEEP_MAX:-4} --results "$R" --tag 3b_1280 2>&1 | tee -a "$LOG" |
         grep -E "layers|decode:" ;;
     prompt)  # decode cost after 2,048- vs 8,192-token prompts (SPEC §3: <= +0.5%)
       timeout 150 $L bench decode $M3B --batch ${PROMPT_BATCH:-128} --steps 20 --warmup 3 --prompt-len 2048 \
