@@ -190,8 +190,8 @@ __device__ __forceinline__ void store2(void* p, int dt, int64_t off, float x0, f
 }
 
 // ---- state scan -------------------------------------------------------------------------------
-// grid (DV/96, B·H·G) (G chunk groups, v6; 1 in the backward), 192 threads = 6 warps as 2 (row halves of dk) × 3 (32-column groups of the
-// 96-column slice). Forward (REV = false): X = k with row weights λ^{Le−1−j}, Y = v; the state
+// grid (DV/96, B·H·G) (G chunk groups, v6; G = 1 in the backward), 192 threads = 6 warps as
+// 2 (row halves of dk) × 3 (32-column groups of the 96-column slice). Forward (REV = false): X = k with row weights λ^{Le−1−j}, Y = v; the state
 // starts at s0 (slot-mapped rows, or zero); states[bh][n] = S_n; final state to sfin. Reverse:
 // X = q with weights scale·λ^{t+1}, Y = dO; starts at s0 = ds_out (by batch row); states[bh][n]
 // = G_n; final to sfin = ds_in. OUT = kOutHiLo stores each state as two bf16 planes (hi, lo:
