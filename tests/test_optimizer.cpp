@@ -920,7 +920,9 @@ TEST(OptimizerDeviceScalars, BitwiseLikeHostScalarStepClippedUnclippedSkipped) {
       size_t j = 0;
       for (size_t i = 0; i < b.list.size(); ++i) {
         EXPECT_EQ(bytes_of(st[j++].second), bytes_of(ref.state0[i]->t)) << b.list[i].name << " state 0";
-        if (ref.state1[i]) EXPECT_EQ(bytes_of(st[j++].second), bytes_of(ref.state1[i]->t)) << b.list[i].name;
+        if (ref.state1[i]) {
+          EXPECT_EQ(bytes_of(st[j++].second), bytes_of(ref.state1[i]->t)) << b.list[i].name;
+        }
       }
       ++k;
     }
