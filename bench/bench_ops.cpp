@@ -50,6 +50,24 @@ void print(const char* title, const std::vector<Row>& rows) {
                 r.ms * static_cast<double>(r.per_step), 100.0 * r.ms * static_cast<double>(r.per_step) / total);
 }
 
+// [B, T, H, d] view of the columns col .. col + H·d of the first B·T rows of a row-major
+// [rows, C] buffer (the model's per-head slices of qkvg, o, y).
+Tensor heads_view(const Tensor& x2, int64_t B, int64_t T, int64_t H, int64_t col, int64_t d) {
+  Tensor v = x2.slice(0, 0, B * T).slice(1, col, col + H * d);
+  v.ndim = 4;
+  v.shape = {B, T, H, d};
+  v.stride = {T * x2.stride[0], x2.stride[0], d, 1};
+  return v;
+}
+// [B, T, C] view of the first B·T rows of a row-major [rows, C] buffer.
+Tensor btc_view(const Tensor& x2, int64_t B, int64_t T) {
+  Tensor v = x2.slice(0, 0, B * T);
+  v.ndim = 3;
+  v.shape = {B, T, x2.shape[1], 0};
+  v.stride = {T * x2.stride[0], x2.stride[0], 1, 0};
+  return v;
+}
+
 // One training micro-batch of B × T tokens (the model's backward order, model.cpp): every op
 // of the forward and the backward at laplace-3b's shapes, BF16 activations and gradients,
 // F32 weight gradients (accumulated, as with gradient accumulation).
@@ -90,20 +108,8 @@ int bench_train_ops(Backend& e, const Config& c, int64_t B, int64_t T, int64_t L
   gp.chunk = 128;
   gp.scale = 1.0 / std::sqrt(static_cast<double>(dk));
   gp.decay = c.decays();
-  auto part = [&](const Tensor& x2, int64_t col, int64_t d) {  // [B,T,H,d] view of columns of [N, C]
-    Tensor v = x2.slice(1, col, col + H * d);
-    v.ndim = 4;
-    v.shape = {B, T, H, d};
-    v.stride = {T * x2.stride[0], x2.stride[0], d, 1};
-    return v;
-  };
-  auto btc = [&](const Tensor& x2) {
-    Tensor v = x2;
-    v.ndim = 3;
-    v.shape = {B, T, x2.shape[1], 0};
-    v.stride = {T * x2.stride[0], x2.stride[0], 1, 0};
-    return v;
-  };
+  auto part = [&](const Tensor& x2, int64_t col, int64_t d) { return heads_view(x2, B, T, H, col, d); };
+  auto btc = [&](const Tensor& x2) { return btc_view(x2, B, T); };
   Tensor orstd = t("orstd");
   orstd.ndim = 3;
   orstd.shape = {B, T, H, 0};
@@ -243,20 +249,7 @@ int main(int argc, char** argv) {
   gp.scale = 1.0 / std::sqrt(static_cast<double>(dk));
   gp.decay = c.decays();
   auto rows = [](const Tensor& x, int64_t n) { return x.slice(0, 0, n); };
-  auto heads = [&](const Tensor& x2, int64_t n, int64_t col, int64_t d) {
-    Tensor v = x2.slice(0, 0, n).slice(1, col, col + H * d);
-    v.ndim = 4;
-    v.shape = {n, 1, H, d};
-    v.stride = {x2.stride[0], x2.stride[0], d, 1};
-    return v;
-  };
-  auto btd = [](const Tensor& x2, int64_t b, int64_t tt) {
-    Tensor v = x2.slice(0, 0, b * tt);
-    v.ndim = 3;
-    v.shape = {b, tt, x2.shape[1], 0};
-    v.stride = {tt * x2.stride[0], x2.stride[0], 1, 0};
-    return v;
-  };
+  auto heads = [&](const Tensor& x2, int64_t n, int64_t col, int64_t d) { return heads_view(x2, n, 1, H, col, d); };
 
   // ---- decode step, B rows of one token ----
   Backend& e = *be;
@@ -267,7 +260,7 @@ int main(int argc, char** argv) {
     const Tensor y = rows(t("y"), B), ab = rows(t("ab"), B), hh = rows(t("h"), B);
     dec.push_back({"layernorm", time_ms(e, reps, [&] { e.layernorm_forward(x, t("norm_w"), t("norm_b"), 1e-5, u, rows(t("mean"), B), rows(t("rstd"), B)); }), 2 * L + 1});
     Tensor win = p32.conv(0);
-    dec.push_back({"conv_silu (slots, F32 window)", time_ms(e, reps, [&] { e.conv_silu_forward(btd(u, B, 1), t("conv_w"), btd(cc, B, 1), Tensor{}, win, win, slots); }), L});
+    dec.push_back({"conv_silu (slots, F32 window)", time_ms(e, reps, [&] { e.conv_silu_forward(btc_view(u, B, 1), t("conv_w"), btc_view(cc, B, 1), Tensor{}, win, win, slots); }), L});
     dec.push_back({"gemm qkvg [B,3072]x[3072,9216]", time_ms(e, reps, [&] { e.gemm(cc, false, t("wqkvg"), true, q, 1.0, 0.0); }), L});
     auto qh = heads(t("qkvg"), B, 0, dk), kh = heads(t("qkvg"), B, H * dk, dk), vh = heads(t("qkvg"), B, 2 * H * dk, dv),
          gh = heads(t("qkvg"), B, 2 * H * dk + H * dv, dv);
@@ -296,25 +289,14 @@ int main(int argc, char** argv) {
   const Tensor yp = rows(t("y"), P), abp = rows(t("ab"), P), hp = rows(t("h"), P);
   pre.push_back({"layernorm", time_ms(e, reps, [&] { e.layernorm_forward(xp, t("norm_w"), t("norm_b"), 1e-5, up, rows(t("mean"), P), rows(t("rstd"), P)); }), 2 * L});
   Tensor win1 = p32.conv(0).slice(0, 0, 1);
-  pre.push_back({"conv_silu", time_ms(e, reps, [&] { e.conv_silu_forward(btd(up, 1, P), t("conv_w"), btd(cp, 1, P), Tensor{}, win1, win1, Tensor{}); }), L});
+  pre.push_back({"conv_silu", time_ms(e, reps, [&] { e.conv_silu_forward(btc_view(up, 1, P), t("conv_w"), btc_view(cp, 1, P), Tensor{}, win1, win1, Tensor{}); }), L});
   pre.push_back({"gemm qkvg", time_ms(e, reps, [&] { e.gemm(cp, false, t("wqkvg"), true, qp, 1.0, 0.0); }), L});
-  auto q4 = [&](int64_t col, int64_t d) {
-    Tensor v = qp.slice(1, col, col + H * d);
-    v.ndim = 4;
-    v.shape = {1, P, H, d};
-    v.stride = {P * qp.stride[0], qp.stride[0], d, 1};
-    return v;
-  };
-  Tensor o4 = rows(t("o"), P);
-  o4.ndim = 4;
-  o4.shape = {1, P, H, dv};
-  o4.stride = {P * H * dv, H * dv, dv, 1};
+  auto q4 = [&](int64_t col, int64_t d) { return heads_view(qp, 1, P, H, col, d); };
+  const Tensor o4 = heads_view(t("o"), 1, P, H, 0, dv), y4 = heads_view(t("y"), 1, P, H, 0, dv);
   GlaParams gc = gp;
   gc.form = GlaForm::kChunked;
   Tensor st1 = p32.gla(0).slice(0, 0, 1);
   pre.push_back({"gla_forward chunked (state in/out)", time_ms(e, reps, [&] { e.gla_forward(gc, q4(0, dk), q4(H * dk, dk), q4(2 * H * dk, dv), o4, st1, st1, Tensor{}); }), L});
-  Tensor y4 = o4;
-  y4.data = t("y").data;
   pre.push_back({"rmsnorm_gate", time_ms(e, reps, [&] { e.rmsnorm_gate_forward(o4, q4(2 * H * dk + H * dv, dv), t("onorm_w"), 1e-5, y4, Tensor{}); }), L});
   pre.push_back({"gemm wo +=", time_ms(e, reps, [&] { e.gemm(yp, false, t("wo"), true, xp, 1.0, 1.0); }), L});
   pre.push_back({"gemm w12", time_ms(e, reps, [&] { e.gemm(up, false, t("w12"), true, abp, 1.0, 0.0); }), L});
