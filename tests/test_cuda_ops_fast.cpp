@@ -356,6 +356,21 @@ TEST_F(CudaOpsFast, SwiGluFastPathShapes) {
       cuda_->swiglu_forward(ab, hv);
       cuda_->copy(h2, hv);
       EXPECT_TRUE(same_bytes(h2, h));
+      // backward: vs the CPU; a padded dh (rows not 16-byte aligned) takes the scalar
+      // kernel, whose bits the vector kernel must give; in place (dab = ab) too
+      Tensor dh_r = host({N, F}), dh = dev(dt, {N, F});
+      fill(dh_r, dh, 91, dt, -1, 1);
+      Tensor dab_r = host({N, 2 * F}), dab = dev(dt, {N, 2 * F});
+      cpu_->swiglu_backward(dh_r, ab_r, dab_r);
+      cuda_->swiglu_backward(dh, ab, dab);
+      EXPECT_LE(err(dab, dab_r), tol);
+      Tensor dhbuf = dev(dt, {N, F + 1}), dab2 = dev(dt, {N, 2 * F});
+      Tensor dhv = padded_view(dhbuf, {N, F});
+      cuda_->copy(dhv, dh);
+      cuda_->swiglu_backward(dhv, ab, dab2);
+      EXPECT_TRUE(same_bytes(dab2, dab)) << "vector and scalar swiglu backward differ";
+      cuda_->swiglu_backward(dh, ab, ab);
+      EXPECT_TRUE(same_bytes(ab, dab)) << "in-place swiglu backward differs";
     }
   }
 }

@@ -465,6 +465,27 @@ __global__ void swiglu_bwd_kernel(RView dh, RView ab, RView dab, int64_t F) {
   }
 }
 
+// The same, 8 columns per thread with 16-byte (F32: 2 × 16-byte) loads and stores; grid
+// (rows, ⌈F/8 / kSwiThreads⌉). Each element's arithmetic is the scalar kernel's.
+__global__ void __launch_bounds__(kSwiThreads) swiglu_bwd_vec_kernel(RView dh, RView ab, RView dab, int F8) {
+  const int q = blockIdx.y * kSwiThreads + threadIdx.x;  // chunk of 8 columns
+  if (q >= F8) return;
+  const int64_t r = blockIdx.x;
+  const int64_t oab = ab.row(r) + 8 * q, od = dab.row(r) + 8 * q;
+  float a[8], b[8], g[8], da[8], db[8];
+  ld8(ab.p, oab, ab.dt, a);
+  ld8(ab.p, oab + 8LL * F8, ab.dt, b);
+  ld8(dh.p, dh.row(r) + 8 * q, dh.dt, g);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float s = sigmoidf_(a[k]);
+    da[k] = g[k] * b[k] * s * (1.0f + a[k] * (1.0f - s));
+    db[k] = g[k] * a[k] * s;
+  }
+  st8(dab.p, od, dab.dt, da);
+  st8(dab.p, od + 8LL * F8, dab.dt, db);
+}
+
 }  // namespace cuda
 
 void CudaBackend::swiglu_forward(const Tensor& ab, Tensor h) {
@@ -489,7 +510,13 @@ void CudaBackend::swiglu_backward(const Tensor& dh, const Tensor& ab, Tensor dab
   LAPLACE_CHECK(vab.cols == 2 * F && vab.rows == vdh.rows && vdab.cols == 2 * F && vdab.rows == vdh.rows,
                 "swiglu_backward: ab, dab must be [N,2F] and dh [N,F]");
   if (vdh.rows * F == 0) return;
-  swiglu_bwd_kernel<<<grid_for(vdh.rows * F, 256), 256, 0, stream_>>>(vdh, vab, vdab, F);
+  const int64_t F8 = F / 8, yblocks = (F8 + kSwiThreads - 1) / kSwiThreads;
+  if (F % 8 == 0 && vec_rows(vdh) && vec_rows(vab) && vec_rows(vdab) && vdh.rows <= 0x7fffffff && yblocks <= 65535) {
+    const dim3 grid(static_cast<unsigned>(vdh.rows), static_cast<unsigned>(yblocks));
+    swiglu_bwd_vec_kernel<<<grid, kSwiThreads, 0, stream_>>>(vdh, vab, vdab, static_cast<int>(F8));
+  } else {
+    swiglu_bwd_kernel<<<grid_for(vdh.rows * F, 256), 256, 0, stream_>>>(vdh, vab, vdab, F);
+  }
   CUDA_CHECK_LAUNCH();
 }
 
