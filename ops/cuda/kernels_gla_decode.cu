@@ -7,7 +7,7 @@
 // Decode is bound by the state traffic (1.18 MB per sequence per layer for laplace-3b in
 // F32, read once and written once), so the kernel is a stream over the state: one block of
 // dv threads per (b, h); thread (rg, c) owns one vector c of 4 columns (16 bytes of F32,
-// 8 of BF16) of the rows of row group rg (4 groups of ⌈dk/4⌉ consecutive rows), loads 8
+// 8 of BF16) of the rows of row group rg (4 groups of ⌈dk/4⌉ consecutive rows), loads 8 (F32) or 16 (BF16)
 // rows' vectors before using any of them, and keeps its part of o in registers. The partial outputs are added in group order through shared memory,
 // so the result is a fixed function of the inputs (bitwise reproducible, independent of
 // the batch and of the other slots).
@@ -32,15 +32,16 @@ template <class ST>
 struct DecShape;
 template <>
 struct DecShape<float> {
-  static constexpr int kCols = 4, kGroups = 4;
+  static constexpr int kCols = 4, kGroups = 4, kUnroll = 8;  // kUnroll rows loaded before any is used
 };
 // BF16 keeps F32's 4 × 4 shape with 8-byte vectors: 8 BF16 columns × 8 groups (16-byte
 // vectors) measured slower on the H200 (2.59 against 3.03 TB/s at 1,280 × 16 heads).
+// 16 rows in flight: the same 128 bytes per thread as F32's 8 rows of 16-byte vectors (with 8
+// rows, half the bytes in flight: 3.0 against F32's 4.0 TB/s).
 template <>
 struct DecShape<__nv_bfloat16> {
-  static constexpr int kCols = 4, kGroups = 4;
+  static constexpr int kCols = 4, kGroups = 4, kUnroll = 16;
 };
-constexpr int kDecUnroll = 8;  // rows loaded before any is used
 
 struct DecArgs {
   int B, H, dk, dv;
@@ -94,7 +95,7 @@ __device__ __forceinline__ float round_to(float x, int dt) {
 
 template <class ST, bool kGate>
 __global__ void __launch_bounds__(kDecMaxDv) gla_decode_kernel(DecArgs a) {
-  constexpr int C = DecShape<ST>::kCols, G = DecShape<ST>::kGroups;
+  constexpr int C = DecShape<ST>::kCols, G = DecShape<ST>::kGroups, kDecUnroll = DecShape<ST>::kUnroll;
   __shared__ float qs[kDecMaxDk], ks[kDecMaxDk];
   __shared__ float part[G][kDecMaxDv];
   __shared__ float rstd_s;
