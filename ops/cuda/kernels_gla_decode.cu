@@ -269,15 +269,23 @@ bool gla_decode_forward(CudaBackend& be, const GlaParams& p, const Tensor& q, co
   if (a.B == 0) return true;
   // dv threads: (dv / 4) column vectors × 4 row groups.
   const unsigned grid = static_cast<unsigned>(a.B * a.H), threads = static_cast<unsigned>(a.dv);
-  cudaStream_t st = be.stream();
+  // At the least priority: beside a split decode's gemms (high-priority lanes, model.cpp)
+  // this kernel's many short blocks yield SMs to the gemm's blocks as they drain. A launch
+  // attribute, so that a captured graph node carries it too.
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(threads);
+  cfg.stream = be.stream();
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributePriority;
+  attr[0].val.priority = be.least_priority();
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
   if (sdt == DType::kBF16) {
-    if (gate) gla_decode_kernel<__nv_bfloat16, true><<<grid, threads, 0, st>>>(a);
-    else gla_decode_kernel<__nv_bfloat16, false><<<grid, threads, 0, st>>>(a);
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, gate ? gla_decode_kernel<__nv_bfloat16, true> : gla_decode_kernel<__nv_bfloat16, false>, a));
   } else {
-    if (gate) gla_decode_kernel<float, true><<<grid, threads, 0, st>>>(a);
-    else gla_decode_kernel<float, false><<<grid, threads, 0, st>>>(a);
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, gate ? gla_decode_kernel<float, true> : gla_decode_kernel<float, false>, a));
   }
-  CUDA_CHECK_LAUNCH();
   return true;
 }
 
