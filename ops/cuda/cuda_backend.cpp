@@ -116,7 +116,7 @@ void CudaBackend::set_lane(int lane) {
 
 void CudaBackend::set_gemm_sm_target(int sms) {
   LAPLACE_CHECK(sms >= 0, "set_gemm_sm_target: negative SM count");
-  gemm_sm_target_ = std::min(sms, num_sms_);
+  gemm_sm_target_ = std::min(sms, num_sms_ - 1);  // at least one SM stays for the other lane
 }
 
 void CudaBackend::lane_wait(int waiter, int producer) {

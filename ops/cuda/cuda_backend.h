@@ -178,6 +178,9 @@ class CudaBackend final : public Backend {
   // ---- CUDA specifics ----
   cudaStream_t stream() const { return stream_; }
   int least_priority() const { return least_priority_; }
+  // SMs the gemms aim at (set_gemm_sm_target; 0: all). The decode state kernel then keeps
+  // to the others (kernels_gla_decode.cu).
+  int gemm_sm_target() const { return gemm_sm_target_; }
   void* native_stream() override { return stream_; }
   int device_id() const { return device_; }
   int num_sms() const { return num_sms_; }
