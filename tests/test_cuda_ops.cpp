@@ -840,6 +840,18 @@ TEST_F(CudaOps, GlaDecodeSlotsF32Bf16StatesAndFusedGate) {
     EXPECT_TRUE(same_bytes(o.d(), o2.t));
     EXPECT_TRUE(same_bytes(y.d(), y2.t));
     EXPECT_TRUE(same_bytes(pool.d(), pool2.t));
+    {
+      // With the gemms aimed at every SM but one (a split decode, target clamped to SMs − 1)
+      // the kernel runs a grid of one SM's blocks that walk all B·H items: the same bytes.
+      DevTensor pool3(*cuda_, sdt, {S, H, dk, dv}), o3(*cuda_, kBF16, {B, 1, H, dv}), y3(*cuda_, kBF16, {B, 1, H, dv});
+      cuda_->copy(pool3.t, before->t);
+      cuda_->set_gemm_sm_target(1 << 20);
+      cuda_->gla_decode_gate(p, q.d(), k.d(), v.d(), g.d(), w.d(), 1e-5, pool3.t, slots.d(), o3.t, y3.t);
+      cuda_->set_gemm_sm_target(0);
+      EXPECT_TRUE(same_bytes(o3.t, o2.t));
+      EXPECT_TRUE(same_bytes(y3.t, y2.t));
+      EXPECT_TRUE(same_bytes(pool3.t, pool2.t));
+    }
     // o and y are BF16 outputs (≤ 1e-2); y's norm reads the rounded o, the reference the exact one.
     EXPECT_LE(err(o), 1e-2);
     EXPECT_LE(err(y), 1.5e-2);

@@ -5,7 +5,9 @@
 //    conv windows exact: they are copies of inputs);
 //  - vs the generic kernels, forced by a view whose rows are not 16-byte aligned (row stride
 //    D+1): conv_silu, swiglu and rmsnorm_gate keep the generic arithmetic, so the bits agree;
-//  - the backward's recomputed LayerNorm / RMSNorm statistics against the forward's (same bits).
+//  - the backward's recomputed LayerNorm / RMSNorm statistics against the forward's (same bits);
+//  - the backwards' fast dx (LayerNorm) and d_o, dg (RMSNorm × gate) vs the CPU, and vs the
+//    generic kernels through a padded view within the same tolerance (the sums' order differs).
 // Conv cases: decode (T = 1) from a pool with scattered slots; prefill with an initial window,
 // win_out aliasing win_in, T below K and not a multiple of the 16-step tile; F32 and BF16
 // windows with F32 and BF16 activations. Every test skips without a usable GPU.
@@ -292,6 +294,59 @@ TEST_F(CudaOpsFast, LayerNormFastPathShapes) {
   }
 }
 
+// dx: D = 3072 (12 chunks per lane, laplace-3b), 1000 (125 chunks: lanes with 4 and 3), 4096 (16,
+// the largest fast shape) and 1030 (D % 8 != 0: generic); overwrite and accumulate, with and
+// without w (the CPU side takes w = 1, exact), each side with its own forward's statistics as in
+// tests/test_cuda_ops.cpp. Then dy through a padded view (rows not 16-byte aligned: the generic
+// kernel) agrees with the fast result, and dx aliasing dy (in place) with the CPU.
+TEST_F(CudaOpsFast, LayerNormBackwardFastPathShapes) {
+  const int64_t N = 67;  // 16 blocks of 4 rows and a partial one
+  for (int64_t D : {3072, 1000, 4096, 1030}) {
+    for (DType dt : {kF32, kBF16}) {
+      const double tol = dt == kF32 ? 1e-5 : 1e-2;
+      Tensor x_r = host({N, D}), x = dev(dt, {N, D}), dy_r = host({N, D}), dy = dev(dt, {N, D});
+      fill(x_r, x, 100, dt, -2, 3);
+      fill(dy_r, dy, 101, dt);
+      Tensor w_r = host({D}), w = dev(dt, {D}), ones = host({D});
+      fill(w_r, w, 102, dt, 0.5, 1.5);
+      std::fill_n(static_cast<float*>(ones.data), D, 1.0f);
+      Tensor m_r = host({N}), m = dev(kF32, {N}), r_r = host({N}), r = dev(kF32, {N});
+      Tensor y_r = host({N, D}), y = dev(dt, {N, D});
+      cpu_->layernorm_forward(x_r, w_r, Tensor{}, 1e-5, y_r, m_r, r_r);
+      cuda_->layernorm_forward(x, w, Tensor{}, 1e-5, y, m, r);
+      for (bool with_w : {true, false}) {
+        for (bool acc : {false, true}) {
+          SCOPED_TRACE("D " + std::to_string(D) + (dt == kF32 ? ", F32" : ", BF16") + (with_w ? ", w" : ", no w") +
+                       (acc ? ", accumulate" : ", overwrite"));
+          const Tensor wd = with_w ? w : Tensor{};
+          // dx starts from the same values on both sides (ignored unless accumulating).
+          Tensor dx_r = host({N, D}), dx0 = dev(dt, {N, D}), dx = dev(dt, {N, D});
+          fill(dx_r, dx0, 103, dt);
+          cuda_->copy(dx, dx0);
+          cpu_->layernorm_backward(dy_r, x_r, with_w ? w_r : ones, m_r, r_r, dx_r, acc, Tensor{}, Tensor{});
+          cuda_->layernorm_backward(dy, x, wd, m, r, dx, acc, Tensor{}, Tensor{});
+          EXPECT_LE(err(dx, dx_r), tol);
+          // The generic kernel: dy's rows padded to D + 1 elements.
+          Tensor dybuf = dev(dt, {N, D + 1}), dx2 = dev(dt, {N, D});
+          Tensor dyv = padded_view(dybuf, {N, D});
+          cuda_->copy(dyv, dy);
+          cuda_->copy(dx2, dx0);
+          cuda_->layernorm_backward(dyv, x, wd, m, r, dx2, acc, Tensor{}, Tensor{});
+          const auto fast = down(dx);
+          EXPECT_LE(err(dx2, fast->t), tol);
+          if (!acc) {
+            // In place: dx aliases dy (each lane reads its chunks before it writes them).
+            Tensor io = dev(dt, {N, D});
+            cuda_->copy(io, dy);
+            cuda_->layernorm_backward(io, x, wd, m, r, io, false, Tensor{}, Tensor{});
+            EXPECT_LE(err(io, dx_r), tol);
+          }
+        }
+      }
+    }
+  }
+}
+
 // ---- RMSNorm × gate ------------------------------------------------------------------------------
 
 // dv = 192, 64, 256 (fast; g a view into a fused buffer as in the model), 12 and 264 (generic).
@@ -332,6 +387,67 @@ TEST_F(CudaOpsFast, RmsNormGateFastPathShapes) {
       cuda_->rmsnorm_gate_backward(dy, o, g, w, Tensor{}, do2, dg2, Tensor{});
       EXPECT_TRUE(same_bytes(do1, do2));
       EXPECT_TRUE(same_bytes(dg1, dg2));
+    }
+  }
+}
+
+// Backward: rows = 37 tokens × 16 heads (a partial last block of 8 rows), dv = 192 and 64
+// (fast), 12 (dv % 8 != 0: generic); with and without w (the CPU side takes w = 1, exact), g a
+// view into a fused buffer as in the model. d_o and dg vs the CPU (tolerances of
+// tests/test_cuda_ops.cpp), each output alone (the other null), d_o aliasing dy; then o through
+// a padded view (rows not 16-byte aligned: the generic kernel) agrees with the fast result.
+TEST_F(CudaOpsFast, RmsNormGateBackwardFastPathShapes) {
+  const int64_t B = 1, T = 37, H = 16;
+  for (int64_t dv : {192, 64, 12}) {
+    for (DType dt : {kF32, kBF16}) {
+      const double tol = dt == kF32 ? 1e-5 : 1e-2;
+      const std::vector<int64_t> shape = {B, T, H, dv};
+      Tensor o_r = host(shape), o = dev(dt, shape), g_r = host(shape), dy_r = host(shape), dy = dev(dt, shape);
+      fill(o_r, o, 110, dt, -2, 2);
+      fill(dy_r, dy, 111, dt);
+      Tensor fused = dev(dt, {B, T, 2 * H * dv});
+      Tensor g = fused;  // [B,T,H,dv] at column offset H·dv of [B,T,2·H·dv]
+      g.data = static_cast<char*>(fused.data) + H * dv * static_cast<int64_t>(dtype_size(dt));
+      g.ndim = 4;
+      g.shape = {B, T, H, dv};
+      g.stride = {fused.stride[0], fused.stride[1], dv, 1};
+      fill(g_r, g, 112, dt, -3, 3);
+      Tensor w_r = host({dv}), w = dev(dt, {dv}), ones = host({dv});
+      fill(w_r, w, 113, dt, 0.5, 1.5);
+      std::fill_n(static_cast<float*>(ones.data), dv, 1.0f);
+      Tensor y_r = host(shape), y = dev(dt, shape), r_r = host({B, T, H}), r = dev(kF32, {B, T, H});
+      cpu_->rmsnorm_gate_forward(o_r, g_r, w_r, 1e-5, y_r, r_r);
+      cuda_->rmsnorm_gate_forward(o, g, w, 1e-5, y, r);
+      for (bool with_w : {true, false}) {
+        SCOPED_TRACE("dv " + std::to_string(dv) + (dt == kF32 ? ", F32" : ", BF16") + (with_w ? ", w" : ", no w"));
+        const Tensor wd = with_w ? w : Tensor{};
+        Tensor do_r = host(shape), dg_r = host(shape);
+        cpu_->rmsnorm_gate_backward(dy_r, o_r, g_r, with_w ? w_r : ones, r_r, do_r, dg_r, Tensor{});
+        Tensor d_o = dev(dt, shape), dg = dev(dt, shape);
+        cuda_->rmsnorm_gate_backward(dy, o, g, wd, r, d_o, dg, Tensor{});
+        EXPECT_LE(err(d_o, do_r), tol);
+        EXPECT_LE(err(dg, dg_r), tol);
+        // One output at a time.
+        Tensor d_o1 = dev(dt, shape), dg1 = dev(dt, shape);
+        cuda_->rmsnorm_gate_backward(dy, o, g, wd, r, d_o1, Tensor{}, Tensor{});
+        cuda_->rmsnorm_gate_backward(dy, o, g, wd, r, Tensor{}, dg1, Tensor{});
+        EXPECT_LE(err(d_o1, do_r), tol);
+        EXPECT_LE(err(dg1, dg_r), tol);
+        // d_o in place of dy (each lane loads its columns before it stores them).
+        Tensor io = dev(dt, shape), dg2 = dev(dt, shape);
+        cuda_->copy(io, dy);
+        cuda_->rmsnorm_gate_backward(io, o, g, wd, r, io, dg2, Tensor{});
+        EXPECT_LE(err(io, do_r), tol);
+        EXPECT_LE(err(dg2, dg_r), tol);
+        // The generic kernel: o's rows padded to dv + 1 elements.
+        Tensor obuf = dev(dt, {B, T, H, dv + 1}), d_o3 = dev(dt, shape), dg3 = dev(dt, shape);
+        Tensor ov = padded_view(obuf, shape);
+        cuda_->copy(ov, o);
+        cuda_->rmsnorm_gate_backward(dy, ov, g, wd, r, d_o3, dg3, Tensor{});
+        const auto fast_do = down(d_o), fast_dg = down(dg);
+        EXPECT_LE(err(d_o3, fast_do->t), tol);
+        EXPECT_LE(err(dg3, fast_dg->t), tol);
+      }
     }
   }
 }

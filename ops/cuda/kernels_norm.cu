@@ -3,9 +3,10 @@
 // per-segment partials [nq, nseg, cols] in a fixed row order, then one thread per column
 // sums the segments in order (colsum_finalize_kernel). The segmentation depends only on
 // the shapes, so results are bitwise reproducible.
-// The forwards of LayerNorm, RMSNorm × gate and conv + SiLU have fast paths (16-byte accesses
-// of 8 columns, each input read once) for the common shapes; the generic kernels serve the
-// rest (see each launcher for the conditions).
+// The forwards of LayerNorm, RMSNorm × gate and conv + SiLU, LayerNorm's dx and the RMSNorm ×
+// gate backward's d_o, dg have fast paths (16-byte accesses of 8 columns, each input read once)
+// for the common shapes; the generic kernels serve the rest (see each launcher for the
+// conditions).
 #include <cmath>
 #include <string>
 
@@ -375,6 +376,67 @@ __global__ void layernorm_bwd_dx_kernel(RView dy, RView x, Vec w, const float* m
   }
 }
 
+// The fast dx (D % 8 == 0, D ≤ 256·NV; dy, x, dx rows and w 16-byte aligned, see
+// launch_layernorm_bwd_dx): layernorm_bwd_dx_kernel with dy, x and w read once instead of
+// twice. One warp per row; lane l keeps g = dy·w and x̂ of its chunks q = l + 32i (i < NV,
+// q < D/8) in registers between the sums and the stores (16·NV floats: NV = 12 takes ~254
+// registers, NV = 16 spills ~200 bytes a thread to local memory, sm_90a). Same per-element
+// expressions; the sums run in another order (each lane its chunks in order, then the
+// butterfly), so dx agrees with the generic kernel to rounding, not bitwise. All accesses are
+// 16-byte (the 4-argument ld8/st8): the launcher checks every row.
+// dy, x, dx [N,D]; w [D]; mean, rstd [N]
+template <int NV>
+__global__ void __launch_bounds__(32 * kLnWarps)
+    layernorm_bwd_dx_vec_kernel(RView dy, RView x, Vec w, const float* mean, const float* rstd, RView dx,
+                                int accumulate) {
+  const int64_t row = blockIdx.x * (int64_t)kLnWarps + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= x.rows) return;  // whole warps: the shuffles below see all 32 lanes
+  const int nq = static_cast<int>(x.cols >> 3);
+  const int64_t ox = x.row(row), ody = dy.row(row);
+  const float mu = mean[row], r = rstd[row];
+  float gv[NV][8], xh[NV][8];  // g and x̂ of the lane's chunks (zeros in absent chunks)
+  float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int q = lane + 32 * i;
+    if (q < nq) {
+      ld8(dy.p, ody + 8 * q, dy.dt, gv[i]);
+      ld8(x.p, ox + 8 * q, x.dt, xh[i]);
+      if (w.p) {
+        float wv[8];
+        ld8(w.p, 8 * q, w.dt, wv);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) gv[i][k] *= wv[k];
+      }
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        xh[i][k] = (xh[i][k] - mu) * r;
+        s1 += gv[i][k];
+        s2 += gv[i][k] * xh[i][k];
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) gv[i][k] = xh[i][k] = 0.f;
+    }
+  }
+  const float m1 = warp_sum(s1) / static_cast<float>(x.cols), m2 = warp_sum(s2) / static_cast<float>(x.cols);
+  const int64_t odx = dx.row(row);
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int q = lane + 32 * i;
+    if (q >= nq) continue;
+    float v[8], prev[8];
+    if (accumulate) ld8(dx.p, odx + 8 * q, dx.dt, prev);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      v[k] = r * (gv[i][k] - m1 - xh[i][k] * m2);
+      if (accumulate) v[k] += prev[k];
+    }
+    st8(dx.p, odx + 8 * q, dx.dt, v);
+  }
+}
+
 // Column terms of LayerNorm: dw += dy·x̂, db += dy.
 struct LnDwDbTerms {
   RView dy, x;
@@ -421,6 +483,39 @@ void launch_layernorm_fwd(const RView& x, const Vec& w, const Vec& b, float eps,
   CUDA_CHECK_LAUNCH();
 }
 
+template <int NV>
+void layernorm_bwd_dx_vec_launch(const RView& dy, const RView& x, const Vec& w, const float* mean, const float* rstd,
+                                 const RView& dx, int accumulate, cudaStream_t st) {
+  const unsigned grid = static_cast<unsigned>((x.rows + kLnWarps - 1) / kLnWarps);
+  layernorm_bwd_dx_vec_kernel<NV><<<grid, 32 * kLnWarps, 0, st>>>(dy, x, w, mean, rstd, dx, accumulate);
+}
+
+// dx of every row. The fast kernel needs D % 8 == 0, D ≤ 256·kLnMaxVec and 16-byte accesses
+// to every row of dy, x, dx and to w (or no w): it has no element-wise fallback, so a view
+// with unaligned rows takes the generic kernel.
+void launch_layernorm_bwd_dx(const RView& dy, const RView& x, const Vec& w, const float* mean, const float* rstd,
+                             const RView& dx, int accumulate, cudaStream_t st) {
+  const int64_t N = x.rows, D = x.cols;
+  if (N == 0) return;
+  const int64_t nv = (D + 255) / 256;  // chunks of 256 columns per lane
+  if (D > 0 && D % 8 == 0 && nv <= kLnMaxVec && vec_rows(dy) && vec_rows(x) && vec_rows(dx) &&
+      (!w.p || aligned16(w.p))) {
+    // The forward's instances; the lanes' extra chunks are masked.
+    if (nv <= 1) layernorm_bwd_dx_vec_launch<1>(dy, x, w, mean, rstd, dx, accumulate, st);
+    else if (nv <= 2) layernorm_bwd_dx_vec_launch<2>(dy, x, w, mean, rstd, dx, accumulate, st);
+    else if (nv <= 3) layernorm_bwd_dx_vec_launch<3>(dy, x, w, mean, rstd, dx, accumulate, st);
+    else if (nv <= 4) layernorm_bwd_dx_vec_launch<4>(dy, x, w, mean, rstd, dx, accumulate, st);
+    else if (nv <= 6) layernorm_bwd_dx_vec_launch<6>(dy, x, w, mean, rstd, dx, accumulate, st);
+    else if (nv <= 8) layernorm_bwd_dx_vec_launch<8>(dy, x, w, mean, rstd, dx, accumulate, st);
+    else if (nv <= 12) layernorm_bwd_dx_vec_launch<12>(dy, x, w, mean, rstd, dx, accumulate, st);
+    else layernorm_bwd_dx_vec_launch<16>(dy, x, w, mean, rstd, dx, accumulate, st);
+  } else {
+    layernorm_bwd_dx_kernel<<<static_cast<unsigned>((N + kWarpsPerBlock - 1) / kWarpsPerBlock),
+                              32 * kWarpsPerBlock, 0, st>>>(dy, x, w, mean, rstd, dx, accumulate);
+  }
+  CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace cuda
 
 void CudaBackend::layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tensor y,
@@ -454,7 +549,6 @@ void CudaBackend::layernorm_backward(const Tensor& dy, const Tensor& x, const Te
   const size_t stat_floats = pm ? 0 : 2 * static_cast<size_t>(N);
   const size_t part_floats = need_w ? colreduce_floats(N, D, 2) : 0;
   float* sc = static_cast<float*>(scratch((stat_floats + part_floats + 64) * sizeof(float)));
-  const unsigned rows_grid = static_cast<unsigned>((N + kWarpsPerBlock - 1) / kWarpsPerBlock);
   if (!pm) {
     // The forward's statistics were not kept: recompute them. eps is not an argument of the
     // backward, so the model's norm_eps (SPEC §1, 1e-5) is assumed; pass mean/rstd otherwise.
@@ -469,11 +563,7 @@ void CudaBackend::layernorm_backward(const Tensor& dy, const Tensor& x, const Te
     if (db.defined()) outs.o[1] = col_out(db, 0, 1, "layernorm: db");
     colreduce(LnDwDbTerms{vdy, vx, pm, pr}, N, D, 2, outs, sc + stat_floats, stream_);
   }
-  if (dx.defined()) {
-    layernorm_bwd_dx_kernel<<<rows_grid, 32 * kWarpsPerBlock, 0, stream_>>>(vdy, vx, vw, pm, pr, vdx,
-                                                                             accumulate_dx ? 1 : 0);
-    CUDA_CHECK_LAUNCH();
-  }
+  if (dx.defined()) launch_layernorm_bwd_dx(vdy, vx, vw, pm, pr, vdx, accumulate_dx ? 1 : 0, stream_);
 }
 
 // ---- RMSNorm × SiLU gate --------------------------------------------------------------------
@@ -581,6 +671,52 @@ __global__ void rmsnorm_gate_bwd_kernel(RView dy, RView o, RView g, Vec w, const
   }
 }
 
+// The fast backward (dv % 8 == 0, dv ≤ 256; every row of dy, o, g, d_o, dg and w 16-byte
+// aligned, see launch_rmsnorm_gate_bwd): rmsnorm_gate_bwd_kernel with dy, o, g and w read once
+// instead of twice, lane l < dv/8 owning columns [8l, 8l+8). Same per-element expressions; the
+// sum of a·ô runs in another order (each lane its 8 columns, then the butterfly), so d_o agrees
+// with the generic kernel to rounding, not bitwise. Each lane loads all its inputs before it
+// stores, and only its own columns, so d_o / dg may alias dy, o or g as in the generic kernel.
+// dy, o, g, d_o, dg [B,T,H,dv] as rows [B·T·H, dv]; w [dv]; rstd [B·T·H]
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+    rmsnorm_gate_bwd_vec_kernel(RView dy, RView o, RView g, Vec w, const float* rstd, RView d_o, RView dg) {
+  const int64_t row = blockIdx.x * (int64_t)kWarpsPerBlock + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= o.rows) return;  // whole warps: the shuffle below sees all 32 lanes
+  const int dv = static_cast<int>(o.cols);
+  const bool own = lane < (dv >> 3);
+  const int64_t c0 = 8 * lane;
+  const float r = rstd[row];
+  float dyv[8], ov[8], gv[8], wv[8], sg[8];
+  float s = 0.f;
+  if (own) {
+    ld8(dy.p, dy.row(row) + c0, dy.dt, dyv);
+    ld8(o.p, o.row(row) + c0, o.dt, ov);
+    ld8(g.p, g.row(row) + c0, g.dt, gv);
+    if (w.p) ld8(w.p, c0, w.dt, wv);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      sg[k] = sigmoidf_(gv[k]);
+      float a = dyv[k] * gv[k] * sg[k];
+      if (w.p) a *= wv[k];
+      s += a * ov[k] * r;
+    }
+  }
+  const float m = warp_sum(s) / static_cast<float>(dv);
+  if (!own) return;
+  float dov[8], dgv[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    float dyw = dyv[k];
+    if (w.p) dyw *= wv[k];
+    const float oh = ov[k] * r;
+    dov[k] = r * (dyw * gv[k] * sg[k] - oh * m);
+    dgv[k] = dyw * oh * sg[k] * (1.0f + gv[k] * (1.0f - sg[k]));
+  }
+  if (d_o.p) st8(d_o.p, d_o.row(row) + c0, d_o.dt, dov);
+  if (dg.p) st8(dg.p, dg.row(row) + c0, dg.dt, dgv);
+}
+
 // Column terms: dw += dy·ô·SiLU(g).
 struct RmsDwTerms {
   RView dy, o, g;
@@ -615,6 +751,23 @@ void launch_rmsnorm_gate_fwd(const RView& o, const RView& g, const Vec& w, float
   CUDA_CHECK_LAUNCH();
 }
 
+// d_o and dg (either may be null) of every row. The fast kernel needs dv % 8 == 0, dv ≤ 256
+// and 16-byte accesses to every row of dy, o, g and of d_o, dg when present, and to w (or no
+// w): it has no element-wise fallback, so a view with unaligned rows takes the generic kernel.
+void launch_rmsnorm_gate_bwd(const RView& dy, const RView& o, const RView& g, const Vec& w, const float* rstd,
+                             const RView& d_o, const RView& dg, cudaStream_t st) {
+  const int64_t R = o.rows, dv = o.cols;
+  if (R == 0) return;
+  const unsigned grid = static_cast<unsigned>((R + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  if (dv > 0 && dv % 8 == 0 && dv <= kRmsMaxDv && vec_rows(dy) && vec_rows(o) && vec_rows(g) &&
+      (!d_o.p || vec_rows(d_o)) && (!dg.p || vec_rows(dg)) && (!w.p || aligned16(w.p))) {
+    rmsnorm_gate_bwd_vec_kernel<<<grid, 32 * kWarpsPerBlock, 0, st>>>(dy, o, g, w, rstd, d_o, dg);
+  } else {
+    rmsnorm_gate_bwd_kernel<<<grid, 32 * kWarpsPerBlock, 0, st>>>(dy, o, g, w, rstd, d_o, dg);
+  }
+  CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace cuda
 
 void CudaBackend::rmsnorm_gate_forward(const Tensor& o, const Tensor& g, const Tensor& w, double eps, Tensor y,
@@ -642,7 +795,6 @@ void CudaBackend::rmsnorm_gate_backward(const Tensor& dy, const Tensor& o, const
   Vec vw = make_vec(w, dv, "rmsnorm_gate: w");
   const float* pr = f32_vec(rstd, R, "rmsnorm_gate: rstd");
   if (R == 0) return;
-  const unsigned grid = static_cast<unsigned>((R + kWarpsPerBlock - 1) / kWarpsPerBlock);
   const size_t stat_floats = pr ? 0 : static_cast<size_t>(R);
   const size_t part_floats = dw.defined() ? colreduce_floats(R, dv, 1) : 0;
   float* sc = static_cast<float*>(scratch((stat_floats + part_floats + 64) * sizeof(float)));
@@ -659,10 +811,7 @@ void CudaBackend::rmsnorm_gate_backward(const Tensor& dy, const Tensor& o, const
     outs.o[0] = col_out(dw, 0, 1, "rmsnorm_gate: dw");
     colreduce(RmsDwTerms{vdy, vo, vg, pr}, R, dv, 1, outs, sc + stat_floats, stream_);
   }
-  if (d_o.defined() || dg.defined()) {
-    rmsnorm_gate_bwd_kernel<<<grid, 32 * kWarpsPerBlock, 0, stream_>>>(vdy, vo, vg, vw, pr, vdo, vdg);
-    CUDA_CHECK_LAUNCH();
-  }
+  if (d_o.defined() || dg.defined()) launch_rmsnorm_gate_bwd(vdy, vo, vg, vw, pr, vdo, vdg, stream_);
 }
 
 // ---- causal conv + SiLU -----------------------------------------------------------------------
