@@ -91,7 +91,10 @@ int bench_train_ops(Backend& e, const Config& c, int64_t B, int64_t T, int64_t L
                         {"mean", f32, {N}},      {"rstd", f32, {N}},       {"orstd", f32, {N, H}},
                         {"dx", bf, {N, D}},      {"dtmp", bf, {N, D}},     {"dqkvg", bf, {N, R}},
                         {"dy", bf, {N, HV}},     {"do", bf, {N, HV}},      {"dab", bf, {N, 2 * F}},
-                        {"dh", bf, {N, F}}},
+                        {"dh", bf, {N, F}},
+                        // one column wider: views of their first columns have rows that are not 16-byte
+                        // aligned, so the ops take their generic kernels (the A/B below)
+                        {"dh_u", bf, {N, F + 1}}, {"dtmp_u", bf, {N, D + 1}}, {"dy_u", bf, {N, HV + 1}}},
                        e.allocator(), "bench_ops train");
   if (!st.is_ok()) {
     std::fprintf(stderr, "bench_ops: train: %s\n", st.to_string().c_str());
@@ -149,7 +152,19 @@ int bench_train_ops(Backend& e, const Config& c, int64_t B, int64_t T, int64_t L
   bw.push_back({"gemm dWqkvg += dqkvgᵀ·c", time_ms(e, reps, [&] { e.gemm(dq, true, t("c"), false, t("g_wqkvg"), 1.0, 1.0); }), L});
   bw.push_back({"conv_silu backward", time_ms(e, reps, [&] { e.conv_silu_backward(btc(t("dtmp")), btc(t("u")), t("conv_w"), btc(t("pre")), btc(t("c")), t("g_conv_w")); }), L});
   bw.push_back({"embedding backward", time_ms(e, reps, [&] { e.embedding_backward(t("ids"), t("dx"), t("g_embed")); }), 1});
+  // A/B: the backward ops with vectorised fast paths against their generic kernels (same shapes;
+  // one input's rows unaligned). Not part of the micro-batch's totals.
+  const Tensor dh_u = t("dh_u").slice(1, 0, F), dtmp_u = t("dtmp_u").slice(1, 0, D);
+  const Tensor dy4_u = part(t("dy_u"), 0, dv);
+  std::vector<Row> ab;
+  ab.push_back({"swiglu backward: fast", time_ms(e, reps, [&] { e.swiglu_backward(t("dh"), t("ab"), t("dab")); }), 1});
+  ab.push_back({"swiglu backward: generic", time_ms(e, reps, [&] { e.swiglu_backward(dh_u, t("ab"), t("dab")); }), 1});
+  ab.push_back({"layernorm backward dx only: fast", time_ms(e, reps, [&] { e.layernorm_backward(t("dtmp"), t("x"), t("norm_w"), t("mean"), t("rstd"), t("dx"), true, none, none); }), 1});
+  ab.push_back({"layernorm backward dx only: generic", time_ms(e, reps, [&] { e.layernorm_backward(dtmp_u, t("x"), t("norm_w"), t("mean"), t("rstd"), t("dx"), true, none, none); }), 1});
+  ab.push_back({"rmsnorm_gate backward: fast", time_ms(e, reps, [&] { e.rmsnorm_gate_backward(dy4, o4, part(q, 2 * H * dk + HV, dv), t("onorm_w"), orstd, do4, part(dq, 2 * H * dk + HV, dv), t("g_onorm_w")); }), 1});
+  ab.push_back({"rmsnorm_gate backward: generic", time_ms(e, reps, [&] { e.rmsnorm_gate_backward(dy4_u, o4, part(q, 2 * H * dk + HV, dv), t("onorm_w"), orstd, do4, part(dq, 2 * H * dk + HV, dv), t("g_onorm_w")); }), 1});
   char title[160];
+  print("A/B, fast path vs generic kernel (one call each, not in the totals)", ab);
   std::snprintf(title, sizeof title, "training micro-batch forward, %lld x %lld tokens, %lld layers", (long long)B,
                 (long long)T, (long long)L);
   print(title, fw);
