@@ -159,6 +159,8 @@ int bench_train_ops(Backend& e, const Config& c, int64_t B, int64_t T, int64_t L
   std::vector<Row> ab;
   ab.push_back({"swiglu backward: fast", time_ms(e, reps, [&] { e.swiglu_backward(t("dh"), t("ab"), t("dab")); }), 1});
   ab.push_back({"swiglu backward: generic", time_ms(e, reps, [&] { e.swiglu_backward(dh_u, t("ab"), t("dab")); }), 1});
+  ab.push_back({"conv_silu backward: fast", time_ms(e, reps, [&] { e.conv_silu_backward(btc(t("dtmp")), btc(t("u")), t("conv_w"), btc(t("pre")), btc(t("c")), t("g_conv_w")); }), 1});
+  ab.push_back({"conv_silu backward: generic", time_ms(e, reps, [&] { e.conv_silu_backward(btc(dtmp_u), btc(t("u")), t("conv_w"), btc(t("pre")), btc(t("c")), t("g_conv_w")); }), 1});
   ab.push_back({"layernorm backward dx only: fast", time_ms(e, reps, [&] { e.layernorm_backward(t("dtmp"), t("x"), t("norm_w"), t("mean"), t("rstd"), t("dx"), true, none, none); }), 1});
   ab.push_back({"layernorm backward dx only: generic", time_ms(e, reps, [&] { e.layernorm_backward(dtmp_u, t("x"), t("norm_w"), t("mean"), t("rstd"), t("dx"), true, none, none); }), 1});
   ab.push_back({"rmsnorm_gate backward: fast", time_ms(e, reps, [&] { e.rmsnorm_gate_backward(dy4, o4, part(q, 2 * H * dk + HV, dv), t("onorm_w"), orstd, do4, part(dq, 2 * H * dk + HV, dv), t("g_onorm_w")); }), 1});

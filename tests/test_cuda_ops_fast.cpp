@@ -10,7 +10,8 @@
 //    generic kernels through a padded view within the same tolerance (the sums' order differs).
 // Conv cases: decode (T = 1) from a pool with scattered slots; prefill with an initial window,
 // win_out aliasing win_in, T below K and not a multiple of the 16-step tile; F32 and BF16
-// windows with F32 and BF16 activations. Every test skips without a usable GPU.
+// windows with F32 and BF16 activations; the backward over 64-step segments (du with the generic
+// kernel's bits, dw within rounding of it). Every test skips without a usable GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -250,6 +251,59 @@ TEST_F(CudaOpsFast, ConvPrefillTilesWindowsAliasing) {
         cuda_->conv_silu_forward(u, w, c, Tensor{}, pool, Tensor{}, slots);
         EXPECT_LE(err(c, c_r), tol);
         EXPECT_EQ(err(pool, pool_r), 0.0);
+      }
+    }
+  }
+}
+
+// Backward (zero initial window) at the model's width and at D = 264, T below K, within one
+// 64-step segment, across segments and not a multiple of them, K = 3 and 4:
+//  - du and dw vs the CPU (du 1e-5 F32 / 1e-2 BF16, dw 1e-4 as tests/test_cuda_ops.cpp);
+//  - du vs the generic kernel (dc through a padded view): same bits; dw within 1e-5 (the
+//    fast path sums per 64-step segment, the generic kernel per 128 rows);
+//  - dw alone (du undefined) gives the bits of dw with du, and a second run repeats them.
+TEST_F(CudaOpsFast, ConvBackwardSegments) {
+  for (auto [B, D] : std::vector<std::pair<int64_t, int64_t>>{{2, 3072}, {3, 264}}) {
+    for (int64_t K : {3, 4}) {
+      for (int64_t T : {2, 64, 150}) {
+        if (D == 3072 && (K == 3 || T == 2)) continue;  // the wide case at the model's K only
+        for (DType dt : {kF32, kBF16}) {
+          SCOPED_TRACE("B " + std::to_string(B) + ", D " + std::to_string(D) + ", K " + std::to_string(K) + ", T " +
+                       std::to_string(T) + (dt == kF32 ? ", F32" : ", BF16"));
+          const double tol = dt == kF32 ? 1e-5 : 1e-2;
+          Tensor w_r = host({D, K}), w = dev(dt, {D, K});
+          fill(w_r, w, 70 + K, dt, -0.7, 0.7);
+          Tensor u_r = host({B, T, D}), u = dev(dt, {B, T, D});
+          fill(u_r, u, 71 + T, dt);
+          Tensor c = dev(dt, {B, T, D}), pre = dev(dt, {B, T, D});
+          cuda_->conv_silu_forward(u, w, c, pre, Tensor{}, Tensor{}, Tensor{});
+          Tensor pre_r = host({B, T, D});
+          cuda_->copy(pre_r, pre);  // both sides read the GPU's pre
+          Tensor dc_r = host({B, T, D}), dc = dev(dt, {B, T, D});
+          fill(dc_r, dc, 72 + T, dt);
+          Tensor du_r = host({B, T, D}), du = dev(dt, {B, T, D});
+          Tensor dw_r = host({D, K}), dw = dev(kF32, {D, K});
+          fill(dw_r, dw, 73, kF32);  // dw accumulates
+          Tensor dw0 = dev(kF32, {D, K}), dw2 = dev(kF32, {D, K}), dw3 = dev(kF32, {D, K}), dw4 = dev(kF32, {D, K});
+          cuda_->copy(dw0, dw);
+          for (const Tensor& t : {dw2, dw3, dw4}) cuda_->copy(t, dw);
+          cpu_->conv_silu_backward(dc_r, u_r, w_r, pre_r, du_r, dw_r);
+          cuda_->conv_silu_backward(dc, u, w, pre, du, dw);
+          EXPECT_LE(err(du, du_r), tol);
+          EXPECT_LE(err(dw, dw_r), 1e-4);
+          // generic kernel: dc's rows padded to D + 1 elements
+          Tensor dcbuf = dev(dt, {B, T, D + 1}), du2 = dev(dt, {B, T, D});
+          Tensor dcv = padded_view(dcbuf, {B, T, D});
+          cuda_->copy(dcv, dc);
+          cuda_->conv_silu_backward(dcv, u, w, pre, du2, dw2);
+          EXPECT_TRUE(same_bytes(du2, du)) << "fast and generic conv du differ";
+          EXPECT_LE(max_rel_error(down(dw2)->t, down(dw)->t), 1e-5);
+          cuda_->conv_silu_backward(dc, u, w, pre, Tensor{}, dw3);
+          EXPECT_TRUE(same_bytes(dw3, dw)) << "dw alone differs from dw with du";
+          cuda_->conv_silu_backward(dc, u, w, pre, du2, dw4);
+          EXPECT_TRUE(same_bytes(dw4, dw)) << "a second run differs";
+          EXPECT_FALSE(same_bytes(dw0, dw)) << "dw did not change";
+        }
       }
     }
   }

@@ -1184,6 +1184,162 @@ bool conv_forward_vec(const ConvArgs& g, const WView& wout, const Tensor& u, con
   return true;
 }
 
+// ---- conv backward fast path ----
+// One thread per (b, 8 channels, segment of kConvBwdSeg timesteps) walks its timesteps in
+// order, keeping dpre_{t..t+K−1} and u_{t−K+1..t} in registers, so dc, pre and u are each
+// read about once (the K−1 beyond a segment twice, mostly from L2) and du is written once:
+//   du_t = Σ_j w[·, j]·dpre_{t+K−1−j}   (conv_bwd_du_kernel's terms and order: bits agree),
+//   dw[·, j] += dpre_t·u_{t−K+1+j}     (zero initial window),
+// with dpre = dc·SiLU'(pre) from the kept pre. The thread's dw sums over its segment go to
+// partial[j, b·nseg + seg, d] (F32), which colsum_finalize_kernel adds to dw in segment order:
+// the grouping depends only on B, T and D, so dw is bitwise reproducible (its bits differ
+// from the generic colreduce's, whose segments are 128 rows of the flattened [B·T, D]).
+constexpr int kConvBwdSeg = 64;  // timesteps per thread: B·T/64 partial rows of D·K floats
+
+struct ConvBwdVecArgs {
+  BtdView dc, u, pre, du;  // du.p null: dw only
+  RView w;                 // [D, K]
+  float* partial;          // [K, B·nseg, D]; null: du only
+  int B, T, nq, nseg, wvec;
+  int64_t D;
+};
+
+__device__ __forceinline__ void conv_dpre8(const ConvBwdVecArgs& a, int b, int s, int d0, float (&dp)[8]) {
+  if (s >= a.T) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) dp[k] = 0.f;
+    return;
+  }
+  float dc[8], p[8];
+  ld8(a.dc.p, b * a.dc.sb + s * a.dc.st + d0, a.dc.dt, true, dc);
+  ld8(a.pre.p, b * a.pre.sb + s * a.pre.st + d0, a.pre.dt, true, p);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float sg = sigmoidf_(p[k]);
+    dp[k] = dc[k] * sg * (1.0f + p[k] * (1.0f - sg));  // conv_dpre's expression
+  }
+}
+
+template <int K>
+__global__ void __launch_bounds__(kConvThreads) conv_bwd_vec_kernel(ConvBwdVecArgs a) {
+  const int i = blockIdx.x * kConvThreads + threadIdx.x;
+  if (i >= a.B * a.nseg * a.nq) return;
+  const int rest = i / a.nq, qd = i - rest * a.nq;
+  const int b = rest / a.nseg, seg = rest - b * a.nseg;
+  const int d0 = 8 * qd, t0 = seg * kConvBwdSeg, t1 = min(a.T, t0 + kConvBwdSeg);
+  ConvVecArgs wa;  // load_conv_w reads only w and wvec
+  wa.w = a.w;
+  wa.wvec = a.wvec;
+  float wf[8][K];
+  load_conv_w<K>(wa, d0, wf);
+  float dp[K][8];  // dp[i] = dpre_{t+i} at the step for t (zero beyond T)
+  float ue[K][8];  // ue[j] = u_{t−K+1+j} (zero before 0)
+#pragma unroll
+  for (int j = 1; j < K; ++j) {
+    conv_dpre8(a, b, t0 + j - 1, d0, dp[j]);
+    const int s = t0 - K + j;
+    if (s >= 0) {
+      ld8(a.u.p, b * a.u.sb + s * a.u.st + d0, a.u.dt, true, ue[j]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) ue[j][k] = 0.f;
+    }
+  }
+  float acc[K][8];
+#pragma unroll
+  for (int j = 0; j < K; ++j)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[j][k] = 0.f;
+  for (int t = t0; t < t1; ++t) {
+#pragma unroll
+    for (int j = 0; j + 1 < K; ++j)
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        dp[j][k] = dp[j + 1][k];
+        ue[j][k] = ue[j + 1][k];
+      }
+    conv_dpre8(a, b, t + K - 1, d0, dp[K - 1]);
+    ld8(a.u.p, b * a.u.sb + t * a.u.st + d0, a.u.dt, true, ue[K - 1]);
+    if (a.du.p) {
+      float duv[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        float s = 0.f;
+#pragma unroll
+        for (int j = 0; j < K; ++j)
+          if (t + K - 1 - j < a.T) s += wf[k][j] * dp[K - 1 - j][k];
+        duv[k] = s;
+      }
+      st8(a.du.p, b * a.du.sb + t * a.du.st + d0, a.du.dt, true, duv);
+    }
+#pragma unroll
+    for (int j = 0; j < K; ++j)
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc[j][k] += dp[0][k] * ue[j][k];
+  }
+  if (!a.partial) return;
+  const int64_t nrow = static_cast<int64_t>(a.B) * a.nseg, prow = static_cast<int64_t>(b) * a.nseg + seg;
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    float* out = a.partial + (j * nrow + prow) * a.D + d0;
+    reinterpret_cast<float4*>(out)[0] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+    reinterpret_cast<float4*>(out)[1] = make_float4(acc[j][4], acc[j][5], acc[j][6], acc[j][7]);
+  }
+}
+
+// Whether the fast backward can run: D % 8 == 0, pre kept, every [B,T,D] operand with 16-byte
+// aligned rows, 32-bit thread and time indices.
+bool conv_backward_vec_fits(const ConvArgs& g, const Tensor& dc, const Tensor& u, const Tensor& pre,
+                            const Tensor& du) {
+  if (g.D % 8 != 0 || g.B < 1 || g.T < 1 || !pre.defined()) return false;
+  const int64_t nq = g.D / 8, nseg = (g.T + kConvBwdSeg - 1) / kConvBwdSeg;
+  if (g.B * nseg * nq > 0x7fffffff || g.T > 0x7fffffff) return false;
+  return vec_btd(dc) && vec_btd(u) && vec_btd(pre) && (!du.defined() || vec_btd(du));
+}
+
+// F32 partials the fast backward needs for dw: [K, B·nseg, D].
+size_t conv_bwd_vec_partial_floats(const ConvArgs& g) {
+  const int64_t nseg = (g.T + kConvBwdSeg - 1) / kConvBwdSeg;
+  return static_cast<size_t>(g.K) * static_cast<size_t>(g.B * nseg) * static_cast<size_t>(g.D);
+}
+
+// Queues the fast backward (conv_backward_vec_fits holds): du when defined, and dw += Σ
+// through `partial` when dw_outs is given.
+void conv_backward_vec(const ConvArgs& g, const Tensor& dc, const Tensor& u, const Tensor& pre, const Tensor& du,
+                       const ColOuts* dw_outs, float* partial, cudaStream_t st) {
+  const int64_t nq = g.D / 8, nseg = (g.T + kConvBwdSeg - 1) / kConvBwdSeg;
+  ConvBwdVecArgs a;
+  a.dc = btd_view(dc);
+  a.u = btd_view(u);
+  a.pre = btd_view(pre);
+  a.du = btd_view(du);
+  a.w = g.w;
+  a.partial = dw_outs ? partial : nullptr;
+  a.B = static_cast<int>(g.B);
+  a.T = static_cast<int>(g.T);
+  a.nq = static_cast<int>(nq);
+  a.nseg = static_cast<int>(nseg);
+  a.D = g.D;
+  a.wvec = aligned16(g.w.p) && g.w.s0 == g.K && g.w.d1 == 1 && g.w.d2 == 1;
+  const unsigned blocks = static_cast<unsigned>((g.B * nseg * nq + kConvThreads - 1) / kConvThreads);
+  switch (g.K) {
+    case 1: conv_bwd_vec_kernel<1><<<blocks, kConvThreads, 0, st>>>(a); break;
+    case 2: conv_bwd_vec_kernel<2><<<blocks, kConvThreads, 0, st>>>(a); break;
+    case 3: conv_bwd_vec_kernel<3><<<blocks, kConvThreads, 0, st>>>(a); break;
+    case 4: conv_bwd_vec_kernel<4><<<blocks, kConvThreads, 0, st>>>(a); break;
+    case 5: conv_bwd_vec_kernel<5><<<blocks, kConvThreads, 0, st>>>(a); break;
+    case 6: conv_bwd_vec_kernel<6><<<blocks, kConvThreads, 0, st>>>(a); break;
+    case 7: conv_bwd_vec_kernel<7><<<blocks, kConvThreads, 0, st>>>(a); break;
+    default: conv_bwd_vec_kernel<8><<<blocks, kConvThreads, 0, st>>>(a); break;
+  }
+  CUDA_CHECK_LAUNCH();
+  if (dw_outs) {
+    colsum_finalize_kernel<<<static_cast<unsigned>((g.D + 255) / 256), 256, 0, st>>>(partial, g.B * nseg, g.D, g.K,
+                                                                                      *dw_outs);
+    CUDA_CHECK_LAUNCH();
+  }
+}
+
 }  // namespace cuda
 
 void CudaBackend::conv_silu_forward(const Tensor& u, const Tensor& w, Tensor c, Tensor pre, const Tensor& win_in,
@@ -1220,16 +1376,25 @@ void CudaBackend::conv_silu_backward(const Tensor& dc, const Tensor& u, const Te
         vdu = make_rview(du, "conv_silu: du");
   const int64_t n = a.B * a.T * a.D;
   if (n == 0) return;
+  ColOuts outs;
+  if (dw.defined()) {
+    check_device(dw, "conv_silu: dw");
+    LAPLACE_CHECK(dw.ndim == 2 && dw.shape[0] == a.D && dw.shape[1] == a.K && dw.stride[1] == 1,
+                  "conv_silu_backward: dw must be [D,K] with K contiguous");
+    for (int j = 0; j < a.K; ++j) outs.o[j] = col_out(dw, j, dw.stride[0], "conv_silu: dw");
+  }
+  if (conv_backward_vec_fits(a, dc, u, pre, du)) {
+    float* part = dw.defined()
+                      ? static_cast<float*>(scratch((conv_bwd_vec_partial_floats(a) + 64) * sizeof(float)))
+                      : nullptr;
+    conv_backward_vec(a, dc, u, pre, du, dw.defined() ? &outs : nullptr, part, stream_);
+    return;
+  }
   if (du.defined()) {
     conv_bwd_du_kernel<<<grid_for(n, 256), 256, 0, stream_>>>(a, vdc, vp, vdu);
     CUDA_CHECK_LAUNCH();
   }
   if (dw.defined()) {
-    check_device(dw, "conv_silu: dw");
-    LAPLACE_CHECK(dw.ndim == 2 && dw.shape[0] == a.D && dw.shape[1] == a.K && dw.stride[1] == 1,
-                  "conv_silu_backward: dw must be [D,K] with K contiguous");
-    ColOuts outs;
-    for (int j = 0; j < a.K; ++j) outs.o[j] = col_out(dw, j, dw.stride[0], "conv_silu: dw");
     const int64_t rows = a.B * a.T;
     float* part = static_cast<float*>(scratch((colreduce_floats(rows, a.D, a.K) + 64) * sizeof(float)));
     colreduce(ConvDwTerms{a, vdc, vp}, rows, a.D, a.K, outs, part, stream_);
