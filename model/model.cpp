@@ -282,15 +282,13 @@ void Model::run_forward(int64_t B, int64_t T, const ForwardOptions& opt, StatePo
                               rstd);
     }
     if (after_mixer) after_mixer();
-    if (x_mid.data != x_in.data) be.copy(x_mid, x_in);
-    be.gemm(rs(a.y), false, w.wo, true, x_mid, 1.0, 1.0);
+    be.gemm_add(rs(a.y), false, w.wo, true, x_in, x_mid, 1.0, 1.0);  // x_mid = x_in + y·W_oᵀ
 
     // Channel mixer: x_out = x_mid + (SiLU(a) ⊙ b) · W_3ᵀ with [a|b] = LN2(x_mid) · W_12ᵀ
     be.layernorm_forward(x_mid, w.norm2_w, w.norm2_b, cfg_.norm_eps, rs(a.z), rs(a.ln2_mean), rs(a.ln2_rstd));
     be.gemm(rs(a.z), false, w.w12, true, rs(a.ab), 1.0, 0.0);
     be.swiglu_forward(rs(a.ab), rs(a.h));
-    if (x_out.data != x_mid.data) be.copy(x_out, x_mid);
-    be.gemm(rs(a.h), false, w.w3, true, x_out, 1.0, 1.0);
+    be.gemm_add(rs(a.h), false, w.w3, true, x_mid, x_out, 1.0, 1.0);  // x_out = x_mid + h·W_3ᵀ
   };
 
   // A large decode batch runs as two halves on lanes 1 and 2 (set_decode_split): lane 2

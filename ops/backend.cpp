@@ -14,6 +14,13 @@ Status make_backend(const std::string& device, std::unique_ptr<Backend>* out) {
   return Status::ok();
 }
 
+void Backend::gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, Tensor d,
+                       double alpha, double beta) {
+  LAPLACE_CHECK(same_shape(c, d) && c.dtype == d.dtype, "gemm_add: c and d must have one shape and dtype");
+  if (c.data != d.data) copy(d, c);
+  gemm(a, trans_a, b, trans_b, d, alpha, beta);
+}
+
 void Backend::gla_decode_gate(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& g, const Tensor& w, double eps, Tensor states, const Tensor& slots,
                               Tensor o, Tensor y) {

@@ -112,6 +112,11 @@ class Backend {
   // c = alpha · op(a) · op(b) + beta · c, 2-D; op(x) = xᵀ when trans_x.
   virtual void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor c,
                     double alpha, double beta) = 0;
+  // d = alpha · op(a) · op(b) + beta · c with c and d distinct tensors of one shape and dtype
+  // (d may be c): a residual add without first copying c into d. The default copies, then
+  // runs gemm; the CUDA backend hands c to cuBLASLt as its C operand (same bits as the copy).
+  virtual void gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, Tensor d,
+                        double alpha, double beta);
 
   // out[n] = table[ids[n]]. ids [N] I32, table [V,D], out [N,D].
   virtual void embedding_forward(const Tensor& ids, const Tensor& table, Tensor out) = 0;

@@ -307,6 +307,23 @@ TEST_F(CudaOps, GemmProjectionShapesBF16) {
   EXPECT_TRUE(same_bytes(y2.t, y16.d()));
 }
 
+// The model's residual add: x_out = x_mid + h·W_3ᵀ with x_mid a distinct BF16 buffer (cuBLASLt's
+// C operand): vs the CPU, bitwise equal to copy + in-place gemm, x_mid left unchanged.
+TEST_F(CudaOps, GemmAddResidualBF16) {
+  const int64_t N = 300, D = 3072, F = 8192;
+  Buf h = input({N, F}, kBF16, kF32, 24, -0.1, 0.1), w3 = input({D, F}, kBF16, kF32, 25, -0.1, 0.1);
+  Buf x_mid = input({N, D}, kBF16, kF32, 26), x_out = zeros({N, D}, kBF16, kF32);
+  cpu_->gemm_add(h.r(), false, w3.r(), true, x_mid.r(), x_out.r(), 1.0, 1.0);
+  cuda_->gemm_add(h.d(), false, w3.d(), true, x_mid.d(), x_out.d(), 1.0, 1.0);
+  EXPECT_LE(err(x_out), 1e-2);
+  EXPECT_EQ(err(x_mid), 0.0);  // the input is not written
+  DevTensor y(*cuda_, kBF16, {N, D});
+  cuda_->copy(y.t, x_mid.d());
+  cuda_->gemm(h.d(), false, w3.d(), true, y.t, 1.0, 1.0);
+  EXPECT_TRUE(same_bytes(y.t, x_out.d()));
+  EXPECT_FALSE(same_bytes(y.t, x_mid.d()));
+}
+
 // ---- embedding -------------------------------------------------------------------------------
 
 TEST_F(CudaOps, EmbeddingForwardBackward) {

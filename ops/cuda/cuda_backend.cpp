@@ -391,6 +391,17 @@ const CudaBackend::GemmPlan& CudaBackend::gemm_plan(const GemmKey& key) {
 
 void CudaBackend::gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor c, double alpha,
                        double beta) {
+  gemm_add(a, trans_a, b, trans_b, c, c, alpha, beta);
+}
+
+// cuBLASLt reads C from `cin` and writes D to `c`: both have c's layout (checked), and the plan
+// is keyed on the smaller of their alignments, so an in-place call (cin = c) and a call with
+// a distinct cin of the same alignment run the same algorithm and give the same bits.
+void CudaBackend::gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& cin, Tensor c,
+                           double alpha, double beta) {
+  require_device(cin, "gemm: c (input)");
+  LAPLACE_CHECK(same_shape(cin, c) && cin.dtype == c.dtype && (cin.ndim != 2 || cin.stride[0] == c.stride[0]),
+                "gemm_add: c and d must have one shape, dtype and row stride");
   require_device(a, "gemm: a");
   require_device(b, "gemm: b");
   require_device(c, "gemm: c");
@@ -409,7 +420,8 @@ void CudaBackend::gemm(const Tensor& a, bool trans_a, const Tensor& b, bool tran
   const bool f32_all = a.dtype == DType::kF32 && b.dtype == DType::kF32 && c.dtype == DType::kF32;
   LAPLACE_CHECK(bf16_in || f32_all, "gemm: dtypes must be (BF16, BF16, F32|BF16) or (F32, F32, F32)");
   if (M == 0 || N == 0) return;
-  if (K == 0) {  // c = beta·c
+  if (K == 0) {  // c = beta·cin
+    if (cin.data != c.data) copy(c, cin);
     if (beta == 0) fill(c, 0.0);
     else if (beta != 1) scale(c, beta);
     return;
@@ -421,10 +433,11 @@ void CudaBackend::gemm(const Tensor& a, bool trans_a, const Tensor& b, bool tran
   const int64_t ldc = std::max<int64_t>(c.stride[0], c.shape[1]);
   GemmKey key = {static_cast<int64_t>(cuda_type(a.dtype)), static_cast<int64_t>(cuda_type(b.dtype)),
                  static_cast<int64_t>(cuda_type(c.dtype)), trans_a ? 1 : 0, trans_b ? 1 : 0, M, N, K, lda, ldb, ldc,
-                 pointer_alignment(a.data), pointer_alignment(b.data), pointer_alignment(c.data), gemm_sm_target_};
+                 pointer_alignment(a.data), pointer_alignment(b.data),
+                 std::min(pointer_alignment(c.data), pointer_alignment(cin.data)), gemm_sm_target_};
   const GemmPlan& plan = gemm_plan(key);
   const float fa = static_cast<float>(alpha), fb = static_cast<float>(beta);
-  CUBLAS_CHECK(cublasLtMatmul(lt_, plan.desc, &fa, b.data, plan.lb, a.data, plan.la, &fb, c.data, plan.lc, c.data,
+  CUBLAS_CHECK(cublasLtMatmul(lt_, plan.desc, &fa, b.data, plan.lb, a.data, plan.la, &fb, cin.data, plan.lc, c.data,
                               plan.lc, &plan.algo, workspace_, workspace_bytes_, stream_));
 }
 

@@ -112,6 +112,8 @@ class CudaBackend final : public Backend {
 
   void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor c, double alpha,
             double beta) override;
+  void gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, Tensor d,
+                double alpha, double beta) override;
 
   void embedding_forward(const Tensor& ids, const Tensor& table, Tensor out) override;
   void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor dtable) override;
