@@ -7,9 +7,9 @@
 // Decode is bound by the state traffic (1.18 MB per sequence per layer for laplace-3b in
 // F32, read once and written once), so the kernel is a stream over the state: one block of
 // dv threads per (b, h); thread (rg, c) owns one vector c of 4 columns (16 bytes of F32,
-// 8 of BF16) of the rows of row group rg (4 groups of ⌈dk/4⌉ consecutive rows), loads 8 (F32) or 16 (BF16)
-// rows' vectors before using any of them, and keeps its part of o in registers. The partial outputs are added in group order through shared memory,
-// so the result is a fixed function of the inputs (bitwise reproducible, independent of
+// 8 of BF16) of the rows of row group rg (4 groups of ⌈dk/4⌉ consecutive rows), loads 8
+// rows' vectors before using any of them, and keeps its part of o in registers. The partial
+// outputs are added in group order through shared memory, so the result is a fixed function of the inputs (bitwise reproducible, independent of
 // the batch and of the other slots).
 //
 // The gate epilogue reproduces rmsnorm_gate_fwd_kernel (kernels_norm.cu) operation for
@@ -37,11 +37,11 @@ struct DecShape<float> {
 };
 // BF16 keeps F32's 4 × 4 shape with 8-byte vectors: 8 BF16 columns × 8 groups (16-byte
 // vectors) measured slower on the H200 (2.59 against 3.03 TB/s at 1,280 × 16 heads).
-// 16 rows in flight: the same 128 bytes per thread as F32's 8 rows of 16-byte vectors (with 8
-// rows, half the bytes in flight: 3.0 against F32's 4.0 TB/s).
+// 8 rows in flight as F32 (half its bytes): 16 rows, the same bytes as F32, measured slower
+// (2.07 against 3.0 TB/s, H200, 1,280 × 16 heads; bench_ops).
 template <>
 struct DecShape<__nv_bfloat16> {
-  static constexpr int kCols = 4, kGroups = 4, kUnroll = 16;
+  static constexpr int kCols = 4, kGroups = 4, kUnroll = 8;
 };
 
 struct DecArgs {
