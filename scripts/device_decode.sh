@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: build, run the engine's GPU tests, then the serving benchmarks of laplace-3b
 # (random bf16 weights); logs and JSON lines under $OUT. Stages run in the order given:
-#   STAGES="tests decode eager split bf16 prefill sweep prompt poisson ops parity" COMMIT=abc123 scripts/device_decode.sh
+#   STAGES="tests decode eager split bf16 prefill sweep prompt poisson ops train parity" COMMIT=abc123 scripts/device_decode.sh
 # COMMIT is written into every result line (the device's git HEAD may be stale).
 # The device tool returns at most 8 files from $OUT, so every stage appends to one log,
 # $OUT/run.log (the GPU tests and the build keep their own; results go to results.jsonl).
@@ -17,7 +17,7 @@ LOG="$OUT/run.log"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >> "$LOG" 2>&1
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a ${CMAKE_EXTRA:-} \
   > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-cmake --build build-gpu -j "$(nproc)" --target laplace laplace_tests bench_ops >> "$OUT/build.log" 2>&1 ||
+cmake --build build-gpu -j "$(nproc)" --target laplace laplace_tests bench_ops bench_train >> "$OUT/build.log" 2>&1 ||
   { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -60; exit 1; }
 echo "build ok ($LAPLACE_COMMIT)"
 L=./build-gpu/laplace
@@ -60,6 +60,9 @@ for s in $STAGES; do
         --results "$R" 2>&1 | tee -a "$LOG" | tail -12 ;;
     ops)  # per-op times of one decode step and one 8,192-token prefill
       ./build-gpu/bench/bench_ops 2>&1 | tee -a "$LOG" ;;
+    train)  # the training step of laplace-3b (issue 4: >= 30,000 tok/s, optimizer included); ACCUM micro-batches
+      timeout ${TRAIN_TIMEOUT:-300} ./build-gpu/bench/bench_train --steps ${TRAIN_STEPS:-2} --warmup 1 --accum ${ACCUM:-2} \
+        --results "$R" --commit "$LAPLACE_COMMIT" 2>&1 | tee -a "$LOG" | grep -vE "^  (rejected|layer)" | tail -${TRAIN_TAIL:-16} ;;
     parity)  # greedy tokens vs the PyTorch reference on this GPU (needs a trained model: carry runs/demo/model)
       python3 python/gpu_parity.py --model ${PARITY_MODEL:-runs/demo/model} --binary build-gpu/laplace 2>&1 |
         tee -a "$LOG" ;;
