@@ -59,7 +59,7 @@ for s in $STAGES; do
         --output-len 128 --output-len-max 512 --max-slots 1280 --max-batch-tokens 4096 --prefill-chunk 512 \
         --results "$R" 2>&1 | tee -a "$LOG" | tail -12 ;;
     ops)  # per-op times of one decode step and one 8,192-token prefill
-      ./build-gpu/bench/bench_ops 2>&1 | tee -a "$LOG" ;;
+      ./build-gpu/bench/bench_ops ${OPS_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     train)  # the training step of laplace-3b (issue 4: >= 30,000 tok/s, optimizer included); ACCUM micro-batches
       timeout ${TRAIN_TIMEOUT:-300} ./build-gpu/bench/bench_train --steps ${TRAIN_STEPS:-2} --warmup 1 --accum ${ACCUM:-2} \
         --results "$R" --commit "$LAPLACE_COMMIT" 2>&1 | tee -a "$LOG" | grep -vE "^  (rejected|layer)" | tail -${TRAIN_TAIL:-16} ;;
