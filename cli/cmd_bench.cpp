@@ -139,8 +139,6 @@ struct DecodeArgs {
   bool eager = false;
   int64_t accuracy_steps = 0;
   int64_t compare_prompt_len = 0;
-  int64_t split_rows = 0;         // Model::DecodeSplit::min_rows (0: no split)
-  std::vector<int> gemm_sms{0};   // its gemm SM target; more than one value: one run each
   std::string results = "bench/results.jsonl", tag;
 };
 
@@ -157,7 +155,6 @@ Status measure_decode(Model& m, const DecodeArgs& a, bool print_summary, DecodeF
   o.max_slots = a.batch;
   o.prefill_chunk = std::min(a.prefill_chunk, a.prompt_len);
   o.max_batch_tokens = a.max_batch_tokens > 0 ? a.max_batch_tokens : a.batch + 4 * o.prefill_chunk;
-  m.set_decode_split({a.split_rows, a.gemm_sms.empty() ? 0 : a.gemm_sms[0]});  // before the graphs are captured
   std::unique_ptr<Engine> eng;
   LAPLACE_RETURN_IF_ERROR(Engine::create(m, o, &eng));
   if (print_summary) std::printf("%s\n", eng->summary().c_str());
@@ -287,16 +284,6 @@ Status run_bench_decode(const DecodeArgs& a) {
   res.add("decode_ms_per_step", f.ms_per_step, "ms");
   res.add("decode_prefill_tok_s", f.prefill_tok_s, "tok/s");
 
-  for (size_t i = 1; i < a.gemm_sms.size(); ++i) {
-    // The same decode with another gemm SM target for the split halves (tuning sweep).
-    DecodeArgs b = a;
-    b.gemm_sms = {a.gemm_sms[i]};
-    DecodeFigures g;
-    LAPLACE_RETURN_IF_ERROR(measure_decode(lm.model, b, false, &g));
-    std::printf("decode, split at >= %lld rows, gemms on ~%d SMs: %.3f ms/step, %.1f tokens/s\n",
-                (long long)a.split_rows, b.gemm_sms[0], g.ms_per_step, g.tok_s);
-    res.add("decode_tok_s_split_gemmsms" + std::to_string(b.gemm_sms[0]), g.tok_s, "tok/s");
-  }
   if (a.compare_prompt_len > 0) {
     // The same decode after longer (or shorter) prompts: a fixed-size state makes the step
     // cost independent of the context length, so this should be ~0 (SPEC §3: +0.5% seed).
@@ -591,12 +578,6 @@ void add_bench(CLI::App& app) {
   dec->add_option("--tag", d->tag, "suffix for the figure names (e.g. 3b_1280_fp32state)");
   dec->callback([d] { g_exit_code = report(run_bench_decode(*d)); });
 
-  dec->add_option("--split-rows", d->split_rows,
-                  "CUDA: decode batches of at least this many rows run as two overlapped halves (0: never)")
-      ->check(CLI::NonNegativeNumber);
-  dec->add_option("--gemm-sms", d->gemm_sms,
-                  "with --split-rows: SMs the halves' gemms aim at (0: all); several values: one run each")
-      ->delimiter(',');
   dec->add_option("--compare-prompt-len", d->compare_prompt_len,
                   "also time decode after prompts of this length and report the change per output token")
       ->check(CLI::NonNegativeNumber);

@@ -1,7 +1,6 @@
 #include "model/model.h"
 
 #include <cmath>
-#include <functional>
 
 namespace laplace {
 
@@ -235,88 +234,56 @@ void Model::run_forward(int64_t B, int64_t T, const ForwardOptions& opt, StatePo
   const GlaParams gp = gla_params(opt.form);
   // Decode: one token per sequence from its slot (the training plan keeps rstd instead).
   const bool decode_step = pool && T == 1 && opt.form == GlaForm::kRecurrent && !plan_.training;
-
-  // Layer l for batch rows [b0, b0 + nb). `after_mixer` (optional) runs once the GLA is
-  // queued.
-  auto layer = [&](int64_t l, int64_t b0, int64_t nb, const std::function<void()>& after_mixer) {
+  for (int64_t l = 0; l < L; ++l) {
+    before(1 + l);
     const LayerActs& a = layer_[l];
     const LayerWeights& w = w_.layers[l];
-    const int64_t r0 = b0 * T, n = nb * T;
-    auto rs = [&](const Tensor& t) { return t.slice(0, r0, r0 + n); };
-    const Tensor x_in = rs(a.x_in), x_mid = rs(a.x_mid);
-    const Tensor x_out = rs(l + 1 < L ? layer_[l + 1].x_in : x_final_);
-    const Tensor qkvg = rs(a.qkvg);
-    const Tensor sl = slot_ids.defined() ? slot_ids.slice(0, b0, b0 + nb) : Tensor{};
+    const Tensor x_in = rows(a.x_in, N), x_mid = rows(a.x_mid, N);
+    const Tensor x_out = rows(l + 1 < cfg_.num_layers ? layer_[l + 1].x_in : x_final_, N);
+    const Tensor qkvg = rows(a.qkvg, N);
 
     // Mixer block: x_mid = x_in + (RMSNorm(GLA(conv(LN1 x))) ⊙ SiLU(g)) · W_oᵀ
-    be.layernorm_forward(x_in, w.norm1_w, w.norm1_b, cfg_.norm_eps, rs(a.u), rs(a.ln1_mean), rs(a.ln1_rstd));
+    be.layernorm_forward(x_in, w.norm1_w, w.norm1_b, cfg_.norm_eps, rows(a.u, N), rows(a.ln1_mean, N),
+                         rows(a.ln1_rstd, N));
     Tensor win = pool ? pool->conv(l) : Tensor{};
-    be.conv_silu_forward(btc(rs(a.u), nb, T), w.conv_w, btc(rs(a.c), nb, T),
-                         plan_.training ? btc(rs(a.conv_pre), nb, T) : Tensor{}, win, win, sl);
-    be.gemm(rs(a.c), false, w.wqkvg, true, qkvg, 1.0, 0.0);
+    be.conv_silu_forward(btc(rows(a.u, N), B, T), w.conv_w, btc(rows(a.c, N), B, T),
+                         plan_.training ? btc(rows(a.conv_pre, N), B, T) : Tensor{}, win, win, slot_ids);
+    be.gemm(rows(a.c, N), false, w.wqkvg, true, qkvg, 1.0, 0.0);
     Tensor st = pool ? pool->gla(l) : Tensor{};
-    Tensor o = bthd(rs(a.o), nb, T, H, dv);
+    Tensor o = bthd(rows(a.o, N), B, T, H, dv);
     if (decode_step) {
       // One pass over each state: recurrence, output and gate fused (same bits as below).
-      be.gla_decode_gate(gp, qkvg_part(qkvg, nb, T, 0), qkvg_part(qkvg, nb, T, 1), qkvg_part(qkvg, nb, T, 2),
-                         qkvg_part(qkvg, nb, T, 3), w.onorm_w, cfg_.norm_eps, st, sl, o,
-                         bthd(rs(a.y), nb, T, H, dv));
+      be.gla_decode_gate(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
+                         qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps, st, slot_ids, o,
+                         bthd(rows(a.y, N), B, T, H, dv));
     } else if (st.defined() && st.dtype == DType::kBF16) {
       // A BF16 pool in a chunked forward: each row's state goes through F32 (one rounding
       // back on the store, as a decode step's).
-      const Tensor stage = state_stage(nb);
-      for (int64_t b = 0; b < nb; ++b) be.copy(stage.select(b), st.select(host_slots[b0 + b]));
-      be.gla_forward(gp, qkvg_part(qkvg, nb, T, 0), qkvg_part(qkvg, nb, T, 1), qkvg_part(qkvg, nb, T, 2), o, stage,
+      const Tensor stage = state_stage(B);
+      for (int64_t b = 0; b < B; ++b) be.copy(stage.select(b), st.select(host_slots[b]));
+      be.gla_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), o, stage,
                      stage, Tensor{});
-      for (int64_t b = 0; b < nb; ++b) be.copy(st.select(host_slots[b0 + b]), stage.select(b));
+      for (int64_t b = 0; b < B; ++b) be.copy(st.select(host_slots[b]), stage.select(b));
     } else {
-      be.gla_forward(gp, qkvg_part(qkvg, nb, T, 0), qkvg_part(qkvg, nb, T, 1), qkvg_part(qkvg, nb, T, 2), o, st,
-                     st, sl);
+      be.gla_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), o, st, st,
+                     slot_ids);
     }
     if (!decode_step) {
-      Tensor rstd = rs(a.onorm_rstd);
+      Tensor rstd = a.onorm_rstd.slice(0, 0, N);
       rstd.ndim = 3;
-      rstd.shape = {nb, T, H, 0};
+      rstd.shape = {B, T, H, 0};
       rstd.stride = {T * H, H, 1, 0};
-      be.rmsnorm_gate_forward(o, qkvg_part(qkvg, nb, T, 3), w.onorm_w, cfg_.norm_eps, bthd(rs(a.y), nb, T, H, dv),
-                              rstd);
+      be.rmsnorm_gate_forward(o, qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps,
+                              bthd(rows(a.y, N), B, T, H, dv), rstd);
     }
-    if (after_mixer) after_mixer();
-    be.gemm_add(rs(a.y), false, w.wo, true, x_in, x_mid, 1.0, 1.0);  // x_mid = x_in + y·W_oᵀ
+    be.gemm_add(rows(a.y, N), false, w.wo, true, x_in, x_mid, 1.0, 1.0);  // x_mid = x_in + y·W_oᵀ
 
     // Channel mixer: x_out = x_mid + (SiLU(a) ⊙ b) · W_3ᵀ with [a|b] = LN2(x_mid) · W_12ᵀ
-    be.layernorm_forward(x_mid, w.norm2_w, w.norm2_b, cfg_.norm_eps, rs(a.z), rs(a.ln2_mean), rs(a.ln2_rstd));
-    be.gemm(rs(a.z), false, w.w12, true, rs(a.ab), 1.0, 0.0);
-    be.swiglu_forward(rs(a.ab), rs(a.h));
-    be.gemm_add(rs(a.h), false, w.w3, true, x_mid, x_out, 1.0, 1.0);  // x_out = x_mid + h·W_3ᵀ
-  };
-
-  // A large decode batch runs as two halves on lanes 1 and 2 (set_decode_split): lane 2
-  // starts once lane 1's first mixer is queued, so the halves run half a layer apart and
-  // one half's state stream overlaps the other's gemms. Lane 0 forks them and joins them
-  // before the head.
-  const bool split = decode_step && split_.min_rows > 0 && be.lanes() >= 3 && B >= split_.min_rows;
-  const int64_t half = split ? B / 2 : 0;
-  if (split) {
-    be.lane_wait(1, 0);
-    be.set_gemm_sm_target(split_.gemm_sms);
-  }
-  for (int64_t l = 0; l < L; ++l) {
-    before(1 + l);
-    if (!split) {
-      layer(l, 0, B, nullptr);
-      continue;
-    }
-    be.set_lane(1);
-    layer(l, 0, half, l == 0 ? std::function<void()>([&] { be.lane_wait(2, 1); }) : nullptr);
-    be.set_lane(2);
-    layer(l, half, B - half, nullptr);
-  }
-  if (split) {
-    be.set_lane(0);
-    be.set_gemm_sm_target(0);
-    be.lane_wait(0, 1);
-    be.lane_wait(0, 2);
+    be.layernorm_forward(x_mid, w.norm2_w, w.norm2_b, cfg_.norm_eps, rows(a.z, N), rows(a.ln2_mean, N),
+                         rows(a.ln2_rstd, N));
+    be.gemm(rows(a.z, N), false, w.w12, true, rows(a.ab, N), 1.0, 0.0);
+    be.swiglu_forward(rows(a.ab, N), rows(a.h, N));
+    be.gemm_add(rows(a.h, N), false, w.w3, true, x_mid, x_out, 1.0, 1.0);  // x_out = x_mid + h·W_3ᵀ
   }
 
   // Head: logits = LN_f(x) · W_headᵀ, for every token or each sequence's last one.

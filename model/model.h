@@ -87,20 +87,6 @@ class Model {
   // After a replay of a captured forward_queued(B, T, opt, ...): logits() views its logits.
   void set_replayed(int64_t B, int64_t T, const ForwardOptions& opt);
 
-  // Decode split (backends with lanes, i.e. CUDA): a decode batch of at least `min_rows`
-  // rows runs as two halves on lanes 1 and 2, half a layer apart, so one half's state
-  // stream (memory bound) overlaps the other half's gemms (compute bound); the gemms are
-  // confined to about `gemm_sms` SMs (0: all) so that the state stream keeps the rest.
-  // min_rows = 0 turns the split off. Each row's arithmetic is unchanged (no row's result
-  // depends on other rows), so tokens and states are the same bits either way. Set it
-  // before capturing graphs: captured forwards keep the setting of their capture.
-  struct DecodeSplit {
-    int64_t min_rows = 0;
-    int gemm_sms = 0;
-  };
-  void set_decode_split(const DecodeSplit& s) { split_ = s; }
-  const DecodeSplit& decode_split() const { return split_; }
-
   // Logits of the last forward: [B·T, V], or [B, V] with last_logits_only. In the
   // model dtype, except BF16 models in inference plans, whose logits are F32.
   Tensor logits() const { return logits_; }
@@ -167,7 +153,6 @@ class Model {
   Tensor losses_;                 // [N]
   Tensor logits_;                 // view of logits_buf_ for the last forward
   int64_t plan_rows_ = 0, logit_rows_ = 0;
-  DecodeSplit split_;
   Arena stage_;                   // [B, H, dk, dv] F32: BF16-pool states of a chunked forward
   int64_t last_B_ = 0, last_T_ = 0;
   bool last_only_ = false;

@@ -74,24 +74,6 @@ class Backend {
     return Status::unsupported(std::string(name()) + " backend has no graphs");
   }
 
-  // ---- lanes ----------------------------------------------------------------------
-  // Lanes are queues whose ops may run concurrently with each other's (CUDA: streams),
-  // so a memory-bound op on one lane can overlap a compute-bound op on another (a large
-  // decode batch runs as two halves on lanes 1 and 2, model/model.cpp). set_lane(i) sends
-  // the ops that follow to lane i (0 = the default lane: copies, captures and everything
-  // else belong there); lane_wait(w, p) makes lane w wait for all work queued on lane p so
-  // far. Work on another lane must be joined back into lane 0 (lane_wait(0, i)) before
-  // lane 0's results are used. set_gemm_sm_target(n) asks the gemms queued from now on to
-  // use about n SMs (0: all), leaving the rest to a concurrent lane. The CPU has one lane:
-  // all of these are no-ops.
-  virtual int lanes() const { return 1; }
-  virtual void set_lane(int lane) { (void)lane; }
-  virtual void lane_wait(int waiter, int producer) {
-    (void)waiter;
-    (void)producer;
-  }
-  virtual void set_gemm_sm_target(int sms) { (void)sms; }
-
   // ---- memory -------------------------------------------------------------------
   // dst = src; shapes equal; either may live on the host (H2D/D2H on CUDA).
   virtual void copy(Tensor dst, const Tensor& src) = 0;
@@ -114,7 +96,8 @@ class Backend {
                     double alpha, double beta) = 0;
   // d = alpha · op(a) · op(b) + beta · c with c and d distinct tensors of one shape and dtype
   // (d may be c): a residual add without first copying c into d. The default copies, then
-  // runs gemm; the CUDA backend hands c to cuBLASLt as its C operand (same bits as the copy).
+  // runs gemm; the CUDA backend hands c to cuBLASLt as its C operand (deterministic, but not
+  // bitwise the copy + in-place gemm: cuBLASLt may take another kernel when C is not D).
   virtual void gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, Tensor d,
                         double alpha, double beta);
 

