@@ -294,6 +294,26 @@ int run(const Args& a) {
       t_opt.push_back(s2 - s1);
     }
   }
+  // Where a micro-batch's time goes (one more micro-batch, waited for after each phase; the
+  // waits add a little idle time, so the phases sum to slightly more than a queued micro-batch).
+  {
+    next_batch();
+    be->synchronize();
+    const double p0 = now_s();
+    model.forward(x.data(), B, T, ForwardOptions{});
+    be->synchronize();
+    const double p1 = now_s();
+    be->copy(targets_dev, Tensor(y.data(), DType::kI32, {N}));
+    be->cross_entropy_forward(model.logits(), targets_dev, losses_dev);
+    be->loss_sum_into(losses_dev, static_cast<double>(N), loss_sum, false);
+    be->synchronize();
+    const double p2 = now_s();
+    model.backward(y.data(), grads, 1.0);
+    be->synchronize();
+    const double p3 = now_s();
+    std::printf("one micro-batch, phase by phase: forward %.1f ms | loss %.1f ms | backward %.1f ms\n",
+                1e3 * (p1 - p0), 1e3 * (p2 - p1), 1e3 * (p3 - p2));
+  }
   size_t free_end = 0;
   cudaMemGetInfo(&free_end, &total_mem);
   std::printf("device memory in use after the steps: %.2f GB of %.2f GB\n", gb(total_mem - free_end), gb(total_mem));
