@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: build, run the engine's GPU tests, then the serving benchmarks of laplace-3b
 # (random bf16 weights); logs and JSON lines under $OUT. Stages run in the order given:
-#   STAGES="tests decode eager bf16 prefill sweep prompt poisson ops train parity" COMMIT=abc123 scripts/device_decode.sh
+#   STAGES="tests decode eager bf16 prefill sweep prompt poisson ops train ncu parity" COMMIT=abc123 scripts/device_decode.sh
 # COMMIT is written into every result line (the device's git HEAD may be stale).
 # The device tool returns at most 8 files from $OUT, so every stage appends to one log,
 # $OUT/run.log (the GPU tests and the build keep their own; results go to results.jsonl).
@@ -58,6 +58,13 @@ for s in $STAGES; do
     train)  # the training step of laplace-3b (issue 4: >= 30,000 tok/s, optimizer included); ACCUM micro-batches
       timeout ${TRAIN_TIMEOUT:-300} ./build-gpu/bench/bench_train --steps ${TRAIN_STEPS:-2} --warmup 1 --accum ${ACCUM:-2} \
         --results "$R" --commit "$LAPLACE_COMMIT" 2>&1 | tee -a "$LOG" | grep -vE "^  (rejected|layer)" | tail -${TRAIN_TAIL:-16} ;;
+    ncu)  # kernel metrics (Nsight Compute) of the kernels matching NCU_KERNELS in bench_ops --only NCU_SECTION
+      timeout 300 ncu --kernel-name "regex:${NCU_KERNELS:-layernorm_fwd|conv_prefill|rmsnorm_gate_fwd}" --launch-skip 1 \
+        --launch-count ${NCU_COUNT:-3} --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats ./build-gpu/bench/bench_ops --only ${NCU_SECTION:-prefill} --reps 1 > "$OUT/ncu.log" 2>&1
+      echo "ncu exit $?"
+      grep -E "^  [a-z_].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Stall|ERR" \
+        "$OUT/ncu.log" | head -${NCU_TAIL:-60} ;;
     parity)  # greedy tokens vs the PyTorch reference on this GPU (needs a trained model: carry runs/demo/model)
       python3 python/gpu_parity.py --model ${PARITY_MODEL:-runs/demo/model} --binary build-gpu/laplace 2>&1 |
         tee -a "$LOG" ;;
