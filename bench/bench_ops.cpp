@@ -163,8 +163,12 @@ int bench_train_ops(Backend& e, const Config& c, int64_t B, int64_t T, int64_t L
   ab.push_back({"conv_silu backward: generic", time_ms(e, reps, [&] { e.conv_silu_backward(btc(dtmp_u), btc(t("u")), t("conv_w"), btc(t("pre")), btc(t("c")), t("g_conv_w")); }), 1});
   ab.push_back({"layernorm backward dx only: fast", time_ms(e, reps, [&] { e.layernorm_backward(t("dtmp"), t("x"), t("norm_w"), t("mean"), t("rstd"), t("dx"), true, none, none); }), 1});
   ab.push_back({"layernorm backward dx only: generic", time_ms(e, reps, [&] { e.layernorm_backward(dtmp_u, t("x"), t("norm_w"), t("mean"), t("rstd"), t("dx"), true, none, none); }), 1});
-  ab.push_back({"rmsnorm_gate backward: fast", time_ms(e, reps, [&] { e.rmsnorm_gate_backward(dy4, o4, part(q, 2 * H * dk + HV, dv), t("onorm_w"), orstd, do4, part(dq, 2 * H * dk + HV, dv), t("g_onorm_w")); }), 1});
-  ab.push_back({"rmsnorm_gate backward: generic", time_ms(e, reps, [&] { e.rmsnorm_gate_backward(dy4_u, o4, part(q, 2 * H * dk + HV, dv), t("onorm_w"), orstd, do4, part(dq, 2 * H * dk + HV, dv), t("g_onorm_w")); }), 1});
+  ab.push_back({"layernorm backward (dx +=, dw, db): fast", time_ms(e, reps, [&] { e.layernorm_backward(t("dtmp"), t("x"), t("norm_w"), t("mean"), t("rstd"), t("dx"), true, t("g_norm_w"), t("g_norm_b")); }), 1});
+  ab.push_back({"layernorm backward (dx +=, dw, db): generic", time_ms(e, reps, [&] { e.layernorm_backward(dtmp_u, t("x"), t("norm_w"), t("mean"), t("rstd"), t("dx"), true, t("g_norm_w"), t("g_norm_b")); }), 1});
+  ab.push_back({"rmsnorm_gate backward (d_o, dg, dw): fast", time_ms(e, reps, [&] { e.rmsnorm_gate_backward(dy4, o4, part(q, 2 * H * dk + HV, dv), t("onorm_w"), orstd, do4, part(dq, 2 * H * dk + HV, dv), t("g_onorm_w")); }), 1});
+  ab.push_back({"rmsnorm_gate backward (d_o, dg, dw): generic", time_ms(e, reps, [&] { e.rmsnorm_gate_backward(dy4_u, o4, part(q, 2 * H * dk + HV, dv), t("onorm_w"), orstd, do4, part(dq, 2 * H * dk + HV, dv), t("g_onorm_w")); }), 1});
+  ab.push_back({"rmsnorm_gate backward d_o, dg only: fast", time_ms(e, reps, [&] { e.rmsnorm_gate_backward(dy4, o4, part(q, 2 * H * dk + HV, dv), t("onorm_w"), orstd, do4, part(dq, 2 * H * dk + HV, dv), none); }), 1});
+  ab.push_back({"rmsnorm_gate backward dw only: fast", time_ms(e, reps, [&] { e.rmsnorm_gate_backward(dy4, o4, part(q, 2 * H * dk + HV, dv), t("onorm_w"), orstd, none, none, t("g_onorm_w")); }), 1});
   char title[160];
   print("A/B, fast path vs generic kernel (one call each, not in the totals)", ab);
   std::snprintf(title, sizeof title, "training micro-batch forward, %lld x %lld tokens, %lld layers", (long long)B,

@@ -8,6 +8,11 @@
 //  - the backward's recomputed LayerNorm / RMSNorm statistics against the forward's (same bits);
 //  - the backwards' fast dx (LayerNorm) and d_o, dg (RMSNorm × gate) vs the CPU, and vs the
 //    generic kernels through a padded view within the same tolerance (the sums' order differs).
+//  - the parameter gradients' fast paths (LayerNorm dw, db; RMSNorm × gate dw fused into the
+//    d_o, dg kernel) and the parallel column finalize: vs the CPU within the dw tolerance of
+//    tests/test_cuda_ops.cpp (F32 sums over rows ≤ 1e-4), vs the generic colreduce through a
+//    padded view within it, two runs bitwise equal, and dw alone bitwise equal to dw computed
+//    with the other outputs (its path depends on the inputs' layout only).
 // Conv cases: decode (T = 1) from a pool with scattered slots; prefill with an initial window,
 // win_out aliasing win_in, T below K and not a multiple of the 16-step tile; F32 and BF16
 // windows with F32 and BF16 activations; the backward over 64-step segments (du with the generic
@@ -401,6 +406,67 @@ TEST_F(CudaOpsFast, LayerNormBackwardFastPathShapes) {
   }
 }
 
+// dw, db (accumulated into non-zero starting values): D = 3072 with N = 4100 rows (33 segments
+// of 128, the last partial: the finalize's lanes sum more than one segment), D = 1000 (125
+// chunks: a partial block of 256 columns), D = 1030 (D % 8 != 0: generic). dw and db vs the CPU,
+// then alone (the other null) and with dx: bitwise the same; a second run: bitwise the same;
+// dy through a padded view (the generic colreduce) within the tolerance of the fast result.
+TEST_F(CudaOpsFast, LayerNormDwDbFastPathShapes) {
+  constexpr double kDwTol = 1e-4;  // F32 sums over the rows (tests/test_cuda_ops.cpp)
+  for (auto [N, D] : std::vector<std::pair<int64_t, int64_t>>{{4100, 3072}, {300, 1000}, {300, 1030}}) {
+    for (DType dt : {kF32, kBF16}) {
+      SCOPED_TRACE("N " + std::to_string(N) + ", D " + std::to_string(D) + (dt == kF32 ? ", F32" : ", BF16"));
+      Tensor x_r = host({N, D}), x = dev(dt, {N, D}), dy_r = host({N, D}), dy = dev(dt, {N, D});
+      fill(x_r, x, 120, dt, -2, 3);
+      fill(dy_r, dy, 121, dt);
+      Tensor w_r = host({D}), w = dev(dt, {D});
+      fill(w_r, w, 122, dt, 0.5, 1.5);
+      Tensor m_r = host({N}), m = dev(kF32, {N}), r_r = host({N}), r = dev(kF32, {N});
+      Tensor y_r = host({N, D}), y = dev(dt, {N, D});
+      cpu_->layernorm_forward(x_r, w_r, Tensor{}, 1e-5, y_r, m_r, r_r);
+      cuda_->layernorm_forward(x, w, Tensor{}, 1e-5, y, m, r);
+      // Starting values (the gradients accumulate): the same on every device copy.
+      Tensor dw_r = host({D}), dw0 = dev(kF32, {D}), db_r = host({D}), db0 = dev(kF32, {D});
+      fill(dw_r, dw0, 123, kF32);
+      fill(db_r, db0, 124, kF32);
+      auto start = [&](const Tensor& from) {
+        Tensor t = dev(kF32, {D});
+        cuda_->copy(t, from);
+        return t;
+      };
+      cpu_->layernorm_backward(dy_r, x_r, w_r, m_r, r_r, Tensor{}, false, dw_r, db_r);
+      Tensor dw = start(dw0), db = start(db0);
+      cuda_->layernorm_backward(dy, x, w, m, r, Tensor{}, false, dw, db);
+      EXPECT_LE(err(dw, dw_r), kDwTol);
+      EXPECT_LE(err(db, db_r), kDwTol);
+      // Each alone; with dx (accumulating); a second run.
+      Tensor dw1 = start(dw0), db1 = start(db0), dw2 = start(dw0), db2 = start(db0), dx = dev(dt, {N, D});
+      cuda_->layernorm_backward(dy, x, w, m, r, Tensor{}, false, dw1, Tensor{});
+      cuda_->layernorm_backward(dy, x, w, m, r, Tensor{}, false, Tensor{}, db1);
+      EXPECT_TRUE(same_bytes(dw1, dw));
+      EXPECT_TRUE(same_bytes(db1, db));
+      cuda_->copy(dx, dy);
+      cuda_->layernorm_backward(dy, x, w, m, r, dx, true, dw2, db2);
+      EXPECT_TRUE(same_bytes(dw2, dw));
+      EXPECT_TRUE(same_bytes(db2, db));
+      Tensor dw3 = start(dw0), db3 = start(db0);
+      cuda_->layernorm_backward(dy, x, w, m, r, Tensor{}, false, dw3, db3);
+      EXPECT_TRUE(same_bytes(dw3, dw));
+      EXPECT_TRUE(same_bytes(db3, db));
+      // The generic colreduce: dy's rows padded to D + 1 elements.
+      Tensor dybuf = dev(dt, {N, D + 1}), dw4 = start(dw0), db4 = start(db0);
+      Tensor dyv = padded_view(dybuf, {N, D});
+      cuda_->copy(dyv, dy);
+      cuda_->layernorm_backward(dyv, x, w, m, r, Tensor{}, false, dw4, db4);
+      const auto fast_dw = down(dw), fast_db = down(db);
+      EXPECT_LE(err(dw4, fast_dw->t), kDwTol);
+      EXPECT_LE(err(db4, fast_db->t), kDwTol);
+      EXPECT_LE(err(dw4, dw_r), kDwTol);
+      EXPECT_LE(err(db4, db_r), kDwTol);
+    }
+  }
+}
+
 // ---- RMSNorm × gate ------------------------------------------------------------------------------
 
 // dv = 192, 64, 256 (fast; g a view into a fused buffer as in the model), 12 and 264 (generic).
@@ -502,6 +568,87 @@ TEST_F(CudaOpsFast, RmsNormGateBackwardFastPathShapes) {
         EXPECT_LE(err(d_o3, fast_do->t), tol);
         EXPECT_LE(err(dg3, fast_dg->t), tol);
       }
+    }
+  }
+}
+
+// dw (fused into the fast d_o, dg kernel), accumulated into non-zero starting values, at the
+// model's layout: H = 16, dv = 192 (also 64; 12 generic), g a [B,T,H,dv] view at column offset
+// 2·H·dv of a [B,T,3·H·dv] buffer (laplace-3b's qkvg: row stride 9216, g at column 6144).
+// B·T·H = 4800 rows: 38 segments of 128, the last partial. dw vs the CPU; dw alone (d_o, dg
+// null), with d_o aliasing dy, with d_o through a padded view (d_o then takes the generic
+// kernel, dw still the fused one) and a second run: all bitwise the first; o through a padded
+// view (the generic colreduce) within the tolerance of the fast result.
+TEST_F(CudaOpsFast, RmsNormGateDwFastPathShapes) {
+  constexpr double kDwTol = 1e-4;  // F32 sums over the rows (tests/test_cuda_ops.cpp)
+  const int64_t B = 3, T = 100, H = 16;
+  for (int64_t dv : {192, 64, 12}) {
+    for (DType dt : {kF32, kBF16}) {
+      SCOPED_TRACE("dv " + std::to_string(dv) + (dt == kF32 ? ", F32" : ", BF16"));
+      const double tol = dt == kF32 ? 1e-5 : 1e-2;
+      const std::vector<int64_t> shape = {B, T, H, dv};
+      Tensor o_r = host(shape), o = dev(dt, shape), g_r = host(shape), dy_r = host(shape), dy = dev(dt, shape);
+      fill(o_r, o, 130, dt, -2, 2);
+      fill(dy_r, dy, 131, dt);
+      Tensor fused = dev(dt, {B, T, 3 * H * dv});
+      Tensor g = fused;  // [B,T,H,dv] at column offset 2·H·dv of [B,T,3·H·dv]
+      g.data = static_cast<char*>(fused.data) + 2 * H * dv * static_cast<int64_t>(dtype_size(dt));
+      g.ndim = 4;
+      g.shape = {B, T, H, dv};
+      g.stride = {fused.stride[0], fused.stride[1], dv, 1};
+      fill(g_r, g, 132, dt, -3, 3);
+      Tensor w_r = host({dv}), w = dev(dt, {dv});
+      fill(w_r, w, 133, dt, 0.5, 1.5);
+      Tensor r_r = host({B, T, H}), r = dev(kF32, {B, T, H});
+      Tensor y_r = host(shape), y = dev(dt, shape);
+      cpu_->rmsnorm_gate_forward(o_r, g_r, w_r, 1e-5, y_r, r_r);
+      cuda_->rmsnorm_gate_forward(o, g, w, 1e-5, y, r);
+      Tensor dw_r = host({dv}), dw0 = dev(kF32, {dv});
+      fill(dw_r, dw0, 134, kF32);
+      auto start = [&] {
+        Tensor t = dev(kF32, {dv});
+        cuda_->copy(t, dw0);
+        return t;
+      };
+      Tensor do_r = host(shape), dg_r = host(shape);
+      cpu_->rmsnorm_gate_backward(dy_r, o_r, g_r, w_r, r_r, do_r, dg_r, dw_r);
+      Tensor d_o = dev(dt, shape), dg = dev(dt, shape), dw = start();
+      cuda_->rmsnorm_gate_backward(dy, o, g, w, r, d_o, dg, dw);
+      EXPECT_LE(err(dw, dw_r), kDwTol);
+      EXPECT_LE(err(d_o, do_r), tol);
+      EXPECT_LE(err(dg, dg_r), tol);
+      // dw alone.
+      Tensor dw1 = start();
+      cuda_->rmsnorm_gate_backward(dy, o, g, w, r, Tensor{}, Tensor{}, dw1);
+      EXPECT_TRUE(same_bytes(dw1, dw));
+      // d_o in place of dy, and dg.
+      Tensor io = dev(dt, shape), dg2 = dev(dt, shape), dw2 = start();
+      cuda_->copy(io, dy);
+      cuda_->rmsnorm_gate_backward(io, o, g, w, r, io, dg2, dw2);
+      EXPECT_TRUE(same_bytes(dw2, dw));
+      EXPECT_LE(err(io, do_r), tol);
+      EXPECT_LE(err(dg2, dg_r), tol);
+      // d_o with unaligned rows: the generic kernel writes it, dw keeps its path.
+      Tensor dobuf = dev(dt, {B, T, H, dv + 1}), dg3 = dev(dt, shape), dw3 = start();
+      Tensor dov = padded_view(dobuf, shape);
+      cuda_->rmsnorm_gate_backward(dy, o, g, w, r, dov, dg3, dw3);
+      EXPECT_TRUE(same_bytes(dw3, dw));
+      EXPECT_LE(err(dov, do_r), tol);
+      EXPECT_LE(err(dg3, dg_r), tol);
+      // A second run.
+      Tensor dw4 = start();
+      cuda_->rmsnorm_gate_backward(dy, o, g, w, r, d_o, dg, dw4);
+      EXPECT_TRUE(same_bytes(dw4, dw));
+      // The generic colreduce: o's rows padded to dv + 1 elements (with and without d_o, dg).
+      Tensor obuf = dev(dt, {B, T, H, dv + 1}), dw5 = start(), dw6 = start();
+      Tensor ov = padded_view(obuf, shape);
+      cuda_->copy(ov, o);
+      cuda_->rmsnorm_gate_backward(dy, ov, g, w, r, d_o, dg, dw5);
+      cuda_->rmsnorm_gate_backward(dy, ov, g, w, r, Tensor{}, Tensor{}, dw6);
+      const auto fast = down(dw);
+      EXPECT_LE(err(dw5, fast->t), kDwTol);
+      EXPECT_LE(err(dw5, dw_r), kDwTol);
+      EXPECT_TRUE(same_bytes(dw6, dw5));
     }
   }
 }

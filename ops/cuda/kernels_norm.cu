@@ -1,12 +1,13 @@
 // Row-wise CUDA ops: embedding, LayerNorm, RMSNorm×SiLU gate, causal conv + SiLU,
 // cross-entropy. Parameter gradients (dw, db, dtable) are reduced without atomics:
-// per-segment partials [nq, nseg, cols] in a fixed row order, then one thread per column
-// sums the segments in order (colsum_finalize_kernel). The segmentation depends only on
+// per-segment partials [nq, nseg, cols] in a fixed row order, then 32 lanes per column sum
+// the segments in a fixed order (colsum_finalize_kernel). The segmentation depends only on
 // the shapes, so results are bitwise reproducible.
-// The forwards of LayerNorm, RMSNorm × gate and conv + SiLU, LayerNorm's dx and the RMSNorm ×
-// gate backward's d_o, dg have fast paths (16-byte accesses of 8 columns, each input read once)
-// for the common shapes; the generic kernels serve the rest (see each launcher for the
-// conditions).
+// The forwards of LayerNorm, RMSNorm × gate and conv + SiLU, LayerNorm's dx, dw, db and the
+// RMSNorm × gate backward's d_o, dg, dw have fast paths (16-byte accesses of 8 columns, each
+// input read once; the RMSNorm × gate dw partials fused into the d_o, dg kernel) for the common
+// shapes; the generic kernels serve the rest (see each launcher for the conditions).
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -79,6 +80,18 @@ __device__ __forceinline__ void st8(void* p, int64_t i, int dt, bool vec, const 
   for (int k = 0; k < 8; ++k) stf(p, i + k, dt, v[k]);
 }
 
+// RView::row in 32-bit index arithmetic, for kernels that walk many rows (the launchers check
+// rows ≤ kRow32Max): a 4-D view such as the gate g inside the fused qkvg buffer costs 64-bit
+// % and / per row in RView::row, a long instruction sequence, where a 32-bit divide is short.
+constexpr int64_t kRow32Max = 0x7fffffff;
+__device__ __forceinline__ int64_t row32(const RView& v, uint32_t r) {
+  if (v.d1 == 1 && v.d2 == 1) return static_cast<int64_t>(r) * v.s0;
+  const uint32_t d2 = static_cast<uint32_t>(v.d2), q = r / d2, i2 = r - q * d2;
+  if (v.d1 == 1) return static_cast<int64_t>(q) * v.s0 + static_cast<int64_t>(i2) * v.s2;
+  const uint32_t d1 = static_cast<uint32_t>(v.d1), i0 = q / d1, i1 = q - i0 * d1;
+  return static_cast<int64_t>(i0) * v.s0 + static_cast<int64_t>(i1) * v.s1 + static_cast<int64_t>(i2) * v.s2;
+}
+
 }  // namespace
 
 // ---- column reductions ------------------------------------------------------------------
@@ -129,18 +142,44 @@ __global__ void colpartial_kernel(F f, int64_t rows, int64_t cols, int nq, float
   }
 }
 
-// Pass 2: out_q[c] += Σ_seg partial[q, seg, c], segments in order (outputs with p null skipped).
-__global__ void colsum_finalize_kernel(const float* partial, int64_t nseg, int64_t cols, int nq, ColOuts outs) {
-  const int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  if (c >= cols) return;
-  for (int q = 0; q < nq; ++q) {
-    float s = 0.f;
-    for (int64_t g = 0; g < nseg; ++g) s += partial[(q * nseg + g) * cols + c];
-    const ColOut& o = outs.o[q];
-    if (!o.p) continue;
-    const int64_t i = o.off + c * o.stride;
-    stf(o.p, i, o.dt, ldf(o.p, i, o.dt) + s);
+// Pass 2: out_q[c] += Σ_seg partial[q, seg, c]. Block (32, kFinLanes) owns columns
+// [32·bx, 32·bx+32) of output q = blockIdx.y: thread (tx, ty) sums segments ty, ty + 32, ...
+// in order, then thread ty = 0 adds the 32 lane sums in order ty = 0..31. The order depends
+// only on nseg, not on the grid the GPU runs, so the result is bitwise reproducible. One thread
+// per column summing all nseg segments serially left the GPU idle (a 192-column dw: 192 threads).
+// Outputs with p null are skipped. partial [nq, nseg, cols] F32.
+constexpr int kFinLanes = 32;   // segment lanes per column in colsum_finalize_kernel
+constexpr int kFinUnroll = 8;   // loads in flight per lane (the partials were just written: L2)
+__global__ void __launch_bounds__(32 * kFinLanes)
+    colsum_finalize_kernel(const float* partial, int64_t nseg, int64_t cols, ColOuts outs) {
+  __shared__ float sh[kFinLanes][33];  // +1: the column reads of thread ty = 0 avoid bank conflicts
+  const int tx = threadIdx.x, ty = threadIdx.y, q = blockIdx.y;
+  const ColOut o = outs.o[q];
+  if (!o.p) return;  // uniform over the block
+  const int64_t c = blockIdx.x * 32LL + tx;
+  float s = 0.f;
+  if (c < cols) {
+    const float* p = partial + q * nseg * cols + c;
+#pragma unroll kFinUnroll
+    for (int64_t g = ty; g < nseg; g += kFinLanes) s += p[g * cols];
   }
+  sh[ty][tx] = s;
+  __syncthreads();
+  if (ty != 0 || c >= cols) return;
+  float t = 0.f;
+#pragma unroll
+  for (int k = 0; k < kFinLanes; ++k) t += sh[k][tx];
+  const int64_t i = o.off + c * o.stride;
+  stf(o.p, i, o.dt, ldf(o.p, i, o.dt) + t);
+}
+
+// Pass 2 of every column reduction (colreduce and the fused / vectorised partial kernels).
+void colsum_finalize(const float* partial, int64_t nseg, int64_t cols, int nq, const ColOuts& outs, cudaStream_t st) {
+  if (nseg == 0 || cols == 0) return;
+  LAPLACE_CHECK(nq >= 1 && nq <= kMaxColOut, "column reduction: bad number of outputs");
+  dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(nq));
+  colsum_finalize_kernel<<<grid, dim3(32, kFinLanes), 0, st>>>(partial, nseg, cols, outs);
+  CUDA_CHECK_LAUNCH();
 }
 
 // Runs both passes; `partial` holds nq·nseg·cols floats (see colreduce_floats).
@@ -157,8 +196,7 @@ void colreduce(F f, int64_t rows, int64_t cols, int nq, const ColOuts& outs, flo
   dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(nseg));
   colpartial_kernel<F><<<grid, dim3(32, 8), 0, st>>>(f, rows, cols, nq, partial);
   CUDA_CHECK_LAUNCH();
-  colsum_finalize_kernel<<<static_cast<unsigned>((cols + 255) / 256), 256, 0, st>>>(partial, nseg, cols, nq, outs);
-  CUDA_CHECK_LAUNCH();
+  colsum_finalize(partial, nseg, cols, nq, outs, st);
 }
 
 ColOut col_out(const Tensor& t, int64_t off, int64_t stride, const char* what) {
@@ -449,6 +487,80 @@ struct LnDwDbTerms {
   }
 };
 
+// The vectorised dw/db partials (D % 8 == 0; dy, x rows 16-byte aligned, see
+// launch_layernorm_bwd_dwdb): LnDwDbTerms through colpartial_kernel read 2 bytes per load and
+// recomputed the row offsets and mean/rstd per element. Block (kLnDwChunks, kLnDwLanes) owns
+// columns [256·bx, 256·bx+256) of segment seg = blockIdx.y, rows [seg·kSegRows, ...):
+// thread (tx, ty) owns the 8 columns of chunk 32·bx + tx and sums rows seg·kSegRows + ty + 8j
+// in order (one 16-byte load of dy and of x per row, the row's mean/rstd read once), then the
+// 8 row-lanes are summed in order ty = 0..7: colpartial_kernel's order and expressions, so
+// the result agrees with the generic path to rounding (the compiler may contract differently).
+// dy, x [N,D]; mean, rstd [N]; partial [2, nseg, D] F32 (dw terms, then db terms)
+constexpr int kLnDwChunks = 32;  // 8-column chunks per block: 256 columns
+constexpr int kLnDwLanes = 8;    // row-lanes per block (rows ty, ty + 8, ... of the segment)
+__global__ void __launch_bounds__(kLnDwChunks * kLnDwLanes)
+    layernorm_bwd_dwdb_vec_kernel(RView dy, RView x, const float* mean, const float* rstd, float* partial) {
+  __shared__ __align__(16) float sh[2][kLnDwLanes][8 * kLnDwChunks];  // [dw, db][row-lane][column]
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t D = x.cols, nseg = gridDim.y, seg = blockIdx.y;
+  const int64_t chunk = blockIdx.x * (int64_t)kLnDwChunks + tx;
+  const int64_t r0 = seg * kSegRows, r1 = min(x.rows, r0 + kSegRows);
+  float aw[8], ab[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) aw[k] = ab[k] = 0.f;
+  if (chunk < (D >> 3)) {
+#pragma unroll 4
+    for (int64_t r = r0 + ty; r < r1; r += kLnDwLanes) {
+      const float mu = mean[r], rs = rstd[r];
+      float gv[8], xv[8];
+      ld8(dy.p, row32(dy, static_cast<uint32_t>(r)) + 8 * chunk, dy.dt, gv);
+      ld8(x.p, row32(x, static_cast<uint32_t>(r)) + 8 * chunk, x.dt, xv);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        aw[k] += gv[k] * (xv[k] - mu) * rs;
+        ab[k] += gv[k];
+      }
+    }
+  }
+  float4* dw4 = reinterpret_cast<float4*>(&sh[0][ty][8 * tx]);
+  float4* db4 = reinterpret_cast<float4*>(&sh[1][ty][8 * tx]);
+  dw4[0] = make_float4(aw[0], aw[1], aw[2], aw[3]);
+  dw4[1] = make_float4(aw[4], aw[5], aw[6], aw[7]);
+  db4[0] = make_float4(ab[0], ab[1], ab[2], ab[3]);
+  db4[1] = make_float4(ab[4], ab[5], ab[6], ab[7]);
+  __syncthreads();
+  // Thread t of the block sums column t of the block's 256 over the row-lanes, in order.
+  const int t = ty * kLnDwChunks + tx;
+  const int64_t c = blockIdx.x * (8LL * kLnDwChunks) + t;
+  if (c >= D) return;
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    float s = 0.f;
+#pragma unroll
+    for (int l = 0; l < kLnDwLanes; ++l) s += sh[q][l][t];
+    partial[(q * nseg + seg) * D + c] = s;
+  }
+}
+
+// dw += Σ dy·x̂ and db += Σ dy over the rows (either output may be null). The vectorised
+// partials need D % 8 == 0 and 16-byte accesses to every row of dy and x; other layouts take
+// colreduce(LnDwDbTerms). Both write partial [2, colreduce_nseg(N), D] and share the finalize.
+void launch_layernorm_bwd_dwdb(const RView& dy, const RView& x, const float* mean, const float* rstd,
+                               const ColOuts& outs, float* partial, cudaStream_t st) {
+  const int64_t N = x.rows, D = x.cols;
+  if (N == 0 || D == 0) return;
+  if (D % 8 == 0 && N <= kRow32Max && vec_rows(dy) && vec_rows(x)) {
+    const int64_t nseg = colreduce_nseg(N);
+    LAPLACE_CHECK(nseg <= 65535, "layernorm_backward: too many rows");
+    dim3 grid(static_cast<unsigned>((D / 8 + kLnDwChunks - 1) / kLnDwChunks), static_cast<unsigned>(nseg));
+    layernorm_bwd_dwdb_vec_kernel<<<grid, dim3(kLnDwChunks, kLnDwLanes), 0, st>>>(dy, x, mean, rstd, partial);
+    CUDA_CHECK_LAUNCH();
+    colsum_finalize(partial, nseg, D, 2, outs, st);
+  } else {
+    colreduce(LnDwDbTerms{dy, x, mean, rstd}, N, D, 2, outs, partial, st);
+  }
+}
+
 template <int NV>
 void layernorm_vec_launch(const RView& x, const Vec& w, const Vec& b, float eps, const RView& y, float* mean,
                           float* rstd, int vec, cudaStream_t st) {
@@ -561,7 +673,7 @@ void CudaBackend::layernorm_backward(const Tensor& dy, const Tensor& x, const Te
     ColOuts outs;  // a missing dw or db keeps p == nullptr and is skipped by the finalize pass
     if (dw.defined()) outs.o[0] = col_out(dw, 0, 1, "layernorm: dw");
     if (db.defined()) outs.o[1] = col_out(db, 0, 1, "layernorm: db");
-    colreduce(LnDwDbTerms{vdy, vx, pm, pr}, N, D, 2, outs, sc + stat_floats, stream_);
+    launch_layernorm_bwd_dwdb(vdy, vx, pm, pr, outs, sc + stat_floats, stream_);
   }
   if (dx.defined()) launch_layernorm_bwd_dx(vdy, vx, vw, pm, pr, vdx, accumulate_dx ? 1 : 0, stream_);
 }
@@ -671,50 +783,85 @@ __global__ void rmsnorm_gate_bwd_kernel(RView dy, RView o, RView g, Vec w, const
   }
 }
 
-// The fast backward (dv % 8 == 0, dv ≤ 256; every row of dy, o, g, d_o, dg and w 16-byte
-// aligned, see launch_rmsnorm_gate_bwd): rmsnorm_gate_bwd_kernel with dy, o, g and w read once
-// instead of twice, lane l < dv/8 owning columns [8l, 8l+8). Same per-element expressions; the
-// sum of a·ô runs in another order (each lane its 8 columns, then the butterfly), so d_o agrees
-// with the generic kernel to rounding, not bitwise. Each lane loads all its inputs before it
-// stores, and only its own columns, so d_o / dg may alias dy, o or g as in the generic kernel.
-// dy, o, g, d_o, dg [B,T,H,dv] as rows [B·T·H, dv]; w [dv]; rstd [B·T·H]
-__global__ void __launch_bounds__(32 * kWarpsPerBlock)
-    rmsnorm_gate_bwd_vec_kernel(RView dy, RView o, RView g, Vec w, const float* rstd, RView d_o, RView dg) {
-  const int64_t row = blockIdx.x * (int64_t)kWarpsPerBlock + (threadIdx.x >> 5);
-  const int lane = threadIdx.x & 31;
-  if (row >= o.rows) return;  // whole warps: the shuffle below sees all 32 lanes
+constexpr int kRmsBwdRows = 128;    // rows per block of the fast backward = per dw partial segment
+constexpr int kRmsBwdMinBlocks = 3; // resident blocks per SM asked of ptxas (≤ 80 registers): loads in flight
+
+// The fast backward (dv % 8 == 0, dv ≤ 256; every row of dy, o, g and of d_o, dg when present
+// and w 16-byte aligned, see launch_rmsnorm_gate_bwd): rmsnorm_gate_bwd_kernel with dy, o, g
+// and w read once instead of twice, lane l < dv/8 owning columns [8l, 8l+8). Same per-element
+// expressions; the sum of a·ô runs in another order (each lane its 8 columns, then the
+// butterfly), so d_o agrees with the generic kernel to rounding, not bitwise. Each lane loads
+// all its inputs before it stores, and only its own columns, so d_o / dg may alias dy, o or g
+// as in the generic kernel.
+// Block b owns rows [b·kRmsBwdRows, (b+1)·kRmsBwdRows): warp w takes rows w, w + 8, ... of them
+// in order. With DW it also writes the block's dw partial, fused so that dy, o, g are read once
+// for all three outputs: each lane sums RmsDwTerms' dy·o·rstd·g·σ(g) (same expression) over its
+// rows in order, then the 8 warps are added in order w = 0..7 (colpartial_kernel's order over
+// the same segment), and one row of partial is written per block; colsum_finalize adds them.
+// d_o and dg may both be null (dw only).
+// dy, o, g, d_o, dg [B,T,H,dv] as rows [B·T·H, dv]; w [dv]; rstd [B·T·H];
+// partial [nseg = ceil(B·T·H / kRmsBwdRows), dv] F32
+template <bool DW>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, kRmsBwdMinBlocks)
+    rmsnorm_gate_bwd_vec_kernel(RView dy, RView o, RView g, Vec w, const float* rstd, RView d_o, RView dg,
+                                float* partial) {
+  __shared__ __align__(16) float sh[DW ? kWarpsPerBlock : 1][DW ? kRmsMaxDv : 4];  // dw per warp
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int dv = static_cast<int>(o.cols);
   const bool own = lane < (dv >> 3);
-  const int64_t c0 = 8 * lane;
-  const float r = rstd[row];
-  float dyv[8], ov[8], gv[8], wv[8], sg[8];
-  float s = 0.f;
-  if (own) {
-    ld8(dy.p, dy.row(row) + c0, dy.dt, dyv);
-    ld8(o.p, o.row(row) + c0, o.dt, ov);
-    ld8(g.p, g.row(row) + c0, g.dt, gv);
-    if (w.p) ld8(w.p, c0, w.dt, wv);
+  const int c0 = 8 * lane;
+  const int64_t r0 = blockIdx.x * (int64_t)kRmsBwdRows, r1 = min(o.rows, r0 + kRmsBwdRows);
+  float acc[8];  // the lane's dw terms over its rows
+#pragma unroll
+  for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+  for (int64_t row = r0 + warp; row < r1; row += kWarpsPerBlock) {  // uniform over the warp
+    const uint32_t r32 = static_cast<uint32_t>(row);
+    const float r = rstd[row];
+    float dyv[8], ov[8], gv[8], sg[8], wv[8];  // w reloaded per row (L1): fewer live registers
+    float s = 0.f;
+    if (own) {
+      ld8(dy.p, row32(dy, r32) + c0, dy.dt, dyv);
+      ld8(o.p, row32(o, r32) + c0, o.dt, ov);
+      ld8(g.p, row32(g, r32) + c0, g.dt, gv);
+      if (w.p) ld8(w.p, c0, w.dt, wv);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        sg[k] = sigmoidf_(gv[k]);
+        if (DW) acc[k] += dyv[k] * ov[k] * r * gv[k] * sg[k];
+        float a = dyv[k] * gv[k] * sg[k];
+        if (w.p) a *= wv[k];
+        s += a * ov[k] * r;
+      }
+    }
+    if (!d_o.p && !dg.p) continue;  // dw only (uniform)
+    const float m = d_o.p ? warp_sum(s) / static_cast<float>(dv) : 0.f;  // d_o.p uniform: all lanes shuffle
+    if (!own) continue;
+    float dov[8], dgv[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      sg[k] = sigmoidf_(gv[k]);
-      float a = dyv[k] * gv[k] * sg[k];
-      if (w.p) a *= wv[k];
-      s += a * ov[k] * r;
+      float dyw = dyv[k];
+      if (w.p) dyw *= wv[k];
+      const float oh = ov[k] * r;
+      dov[k] = r * (dyw * gv[k] * sg[k] - oh * m);
+      dgv[k] = dyw * oh * sg[k] * (1.0f + gv[k] * (1.0f - sg[k]));
     }
+    if (d_o.p) st8(d_o.p, row32(d_o, r32) + c0, d_o.dt, dov);
+    if (dg.p) st8(dg.p, row32(dg, r32) + c0, dg.dt, dgv);
   }
-  const float m = warp_sum(s) / static_cast<float>(dv);
-  if (!own) return;
-  float dov[8], dgv[8];
+  if (!DW) return;
+  if (own) {
+    float4* d = reinterpret_cast<float4*>(&sh[warp][c0]);
+    d[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    d[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+  }
+  __syncthreads();
+  // Thread c < dv adds column c of the 8 warps, in order.
+  const int c = threadIdx.x;
+  if (c >= dv) return;
+  float t = 0.f;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    float dyw = dyv[k];
-    if (w.p) dyw *= wv[k];
-    const float oh = ov[k] * r;
-    dov[k] = r * (dyw * gv[k] * sg[k] - oh * m);
-    dgv[k] = dyw * oh * sg[k] * (1.0f + gv[k] * (1.0f - sg[k]));
-  }
-  if (d_o.p) st8(d_o.p, d_o.row(row) + c0, d_o.dt, dov);
-  if (dg.p) st8(dg.p, dg.row(row) + c0, dg.dt, dgv);
+  for (int k = 0; k < kWarpsPerBlock; ++k) t += sh[k][c];
+  partial[blockIdx.x * (int64_t)dv + c] = t;
 }
 
 // Column terms: dw += dy·ô·SiLU(g).
@@ -751,19 +898,48 @@ void launch_rmsnorm_gate_fwd(const RView& o, const RView& g, const Vec& w, float
   CUDA_CHECK_LAUNCH();
 }
 
-// d_o and dg (either may be null) of every row. The fast kernel needs dv % 8 == 0, dv ≤ 256
-// and 16-byte accesses to every row of dy, o, g and of d_o, dg when present, and to w (or no
-// w): it has no element-wise fallback, so a view with unaligned rows takes the generic kernel.
+// Scratch floats of launch_rmsnorm_gate_bwd's dw partials: the larger of the two layouts.
+size_t rmsnorm_gate_dw_floats(int64_t R, int64_t dv) {
+  const size_t fused = static_cast<size_t>((R + kRmsBwdRows - 1) / kRmsBwdRows) * static_cast<size_t>(dv);
+  return std::max(fused, colreduce_floats(R, dv, 1));
+}
+
+// d_o, dg and dw += Σ dy·ô·SiLU(g) (any of them may be null / dw.p null) of every row.
+// The fast kernel needs dv % 8 == 0, dv ≤ 256, 16-byte accesses to every row of dy, o, g (its
+// inputs) and, to write d_o / dg, of d_o, dg when present and of w (or no w): it has no
+// element-wise fallback. dw's path depends on dy, o, g alone, so dw has the same bits whether
+// or not d_o / dg are asked for; outputs the fast kernel cannot store take the generic kernel
+// afterwards (it may overwrite dy, o or g through an alias, so it runs last).
+// partial: rmsnorm_gate_dw_floats(R, dv) floats when dw.p.
 void launch_rmsnorm_gate_bwd(const RView& dy, const RView& o, const RView& g, const Vec& w, const float* rstd,
-                             const RView& d_o, const RView& dg, cudaStream_t st) {
+                             const RView& d_o, const RView& dg, const ColOut& dw, float* partial, cudaStream_t st) {
   const int64_t R = o.rows, dv = o.cols;
-  if (R == 0) return;
-  const unsigned grid = static_cast<unsigned>((R + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  if (dv > 0 && dv % 8 == 0 && dv <= kRmsMaxDv && vec_rows(dy) && vec_rows(o) && vec_rows(g) &&
-      (!d_o.p || vec_rows(d_o)) && (!dg.p || vec_rows(dg)) && (!w.p || aligned16(w.p))) {
-    rmsnorm_gate_bwd_vec_kernel<<<grid, 32 * kWarpsPerBlock, 0, st>>>(dy, o, g, w, rstd, d_o, dg);
+  if (R == 0 || dv == 0) return;
+  const bool fast_in = dv % 8 == 0 && dv <= kRmsMaxDv && R <= kRow32Max && vec_rows(dy) && vec_rows(o) && vec_rows(g);
+  const bool fast_out = fast_in && (!d_o.p || vec_rows(d_o)) && (!dg.p || vec_rows(dg)) && (!w.p || aligned16(w.p));
+  const bool want_out = d_o.p || dg.p;
+  const unsigned blocks = static_cast<unsigned>((R + kRmsBwdRows - 1) / kRmsBwdRows);
+  bool out_done = false;
+  if (dw.p) {
+    ColOuts outs;
+    outs.o[0] = dw;
+    if (fast_in) {
+      const RView no{};
+      rmsnorm_gate_bwd_vec_kernel<true><<<blocks, 32 * kWarpsPerBlock, 0, st>>>(
+          dy, o, g, fast_out ? w : Vec{}, rstd, fast_out ? d_o : no, fast_out ? dg : no, partial);  // w: only d_o, dg need it
+      CUDA_CHECK_LAUNCH();
+      colsum_finalize(partial, blocks, dv, 1, outs, st);
+      out_done = fast_out;
+    } else {
+      colreduce(RmsDwTerms{dy, o, g, rstd}, R, dv, 1, outs, partial, st);
+    }
+  }
+  if (!want_out || out_done) return;
+  if (fast_out) {
+    rmsnorm_gate_bwd_vec_kernel<false><<<blocks, 32 * kWarpsPerBlock, 0, st>>>(dy, o, g, w, rstd, d_o, dg, nullptr);
   } else {
-    rmsnorm_gate_bwd_kernel<<<grid, 32 * kWarpsPerBlock, 0, st>>>(dy, o, g, w, rstd, d_o, dg);
+    rmsnorm_gate_bwd_kernel<<<static_cast<unsigned>((R + kWarpsPerBlock - 1) / kWarpsPerBlock), 32 * kWarpsPerBlock,
+                              0, st>>>(dy, o, g, w, rstd, d_o, dg);
   }
   CUDA_CHECK_LAUNCH();
 }
@@ -796,7 +972,7 @@ void CudaBackend::rmsnorm_gate_backward(const Tensor& dy, const Tensor& o, const
   const float* pr = f32_vec(rstd, R, "rmsnorm_gate: rstd");
   if (R == 0) return;
   const size_t stat_floats = pr ? 0 : static_cast<size_t>(R);
-  const size_t part_floats = dw.defined() ? colreduce_floats(R, dv, 1) : 0;
+  const size_t part_floats = dw.defined() ? rmsnorm_gate_dw_floats(R, dv) : 0;
   float* sc = static_cast<float*>(scratch((stat_floats + part_floats + 64) * sizeof(float)));
   if (!pr) {
     // eps is not an argument of the backward: the model keeps rstd from the forward. Without
@@ -804,14 +980,12 @@ void CudaBackend::rmsnorm_gate_backward(const Tensor& dy, const Tensor& o, const
     launch_rmsnorm_gate_fwd(vo, vg, Vec{}, 1e-5f, RView{}, sc, stream_);
     pr = sc;
   }
-  // dw first: d_o / dg may alias dy, o or g.
+  ColOut odw;  // p null: no dw
   if (dw.defined()) {
     LAPLACE_CHECK(dw.numel() == dv && dw.is_contiguous(), "rmsnorm_gate_backward: dw must be contiguous [dv]");
-    ColOuts outs;
-    outs.o[0] = col_out(dw, 0, 1, "rmsnorm_gate: dw");
-    colreduce(RmsDwTerms{vdy, vo, vg, pr}, R, dv, 1, outs, sc + stat_floats, stream_);
+    odw = col_out(dw, 0, 1, "rmsnorm_gate: dw");
   }
-  if (d_o.defined() || dg.defined()) launch_rmsnorm_gate_bwd(vdy, vo, vg, vw, pr, vdo, vdg, stream_);
+  launch_rmsnorm_gate_bwd(vdy, vo, vg, vw, pr, vdo, vdg, odw, sc + stat_floats, stream_);
 }
 
 // ---- causal conv + SiLU -----------------------------------------------------------------------
