@@ -1365,7 +1365,7 @@ bool conv_forward_vec(const ConvArgs& g, const WView& wout, const Tensor& u, con
 //   du_t = Σ_j w[·, j]·dpre_{t+K−1−j}   (conv_bwd_du_kernel's terms and order: bits agree),
 //   dw[·, j] += dpre_t·u_{t−K+1+j}     (zero initial window),
 // with dpre = dc·SiLU'(pre) from the kept pre. The thread's dw sums over its segment go to
-// partial[j, b·nseg + seg, d] (F32), which colsum_finalize_kernel adds to dw in segment order:
+// partial[j, b·nseg + seg, d] (F32), which colsum_finalize adds to dw in a fixed segment order:
 // the grouping depends only on B, T and D, so dw is bitwise reproducible (its bits differ
 // from the generic colreduce's, whose segments are 128 rows of the flattened [B·T, D]).
 constexpr int kConvBwdSeg = 64;  // timesteps per thread: B·T/64 partial rows of D·K floats
@@ -1508,9 +1508,7 @@ void conv_backward_vec(const ConvArgs& g, const Tensor& dc, const Tensor& u, con
   }
   CUDA_CHECK_LAUNCH();
   if (dw_outs) {
-    colsum_finalize_kernel<<<static_cast<unsigned>((g.D + 255) / 256), 256, 0, st>>>(partial, g.B * nseg, g.D, g.K,
-                                                                                      *dw_outs);
-    CUDA_CHECK_LAUNCH();
+    colsum_finalize(partial, g.B * nseg, g.D, g.K, *dw_outs, st);
   }
 }
 
