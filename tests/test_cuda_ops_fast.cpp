@@ -119,6 +119,17 @@ class CudaOpsFast : public ::testing::Test {
     auto ha = down(a), hb = down(b);
     return ha->t.nbytes() == hb->t.nbytes() && std::memcmp(ha->t.data, hb->t.data, ha->t.nbytes()) == 0;
   }
+  // [B,T,H,dv] view of the columns col·H·dv .. (col+1)·H·dv of a new [B,T,width·H·dv] buffer:
+  // the gate g as the model sees it, a strided slice of the fused qkvg projection.
+  Tensor gate_view(DType dt, int64_t B, int64_t T, int64_t H, int64_t dv, int64_t col, int64_t width) {
+    Tensor fused = dev(dt, {B, T, width * H * dv});
+    Tensor g = fused;
+    g.data = static_cast<char*>(fused.data) + col * H * dv * static_cast<int64_t>(dtype_size(dt));
+    g.ndim = 4;
+    g.shape = {B, T, H, dv};
+    g.stride = {fused.stride[0], fused.stride[1], dv, 1};
+    return g;
+  }
   Tensor ints(const std::vector<int32_t>& v, Tensor* ref) {
     const std::vector<int64_t> shape = {static_cast<int64_t>(v.size())};
     host_.push_back(host_tensor(DType::kI32, shape));
@@ -480,12 +491,7 @@ TEST_F(CudaOpsFast, RmsNormGateFastPathShapes) {
       const double tol = dt == kF32 ? 1e-5 : 1e-2;
       Tensor o_r = host({B, T, H, dv}), o = dev(dt, {B, T, H, dv}), g_r = host({B, T, H, dv});
       fill(o_r, o, 80, dt, -2, 2);
-      Tensor fused = dev(dt, {B, T, 2 * H * dv});
-      Tensor g = fused;  // [B,T,H,dv] at column offset H·dv of [B,T,2·H·dv]
-      g.data = static_cast<char*>(fused.data) + H * dv * static_cast<int64_t>(dtype_size(dt));
-      g.ndim = 4;
-      g.shape = {B, T, H, dv};
-      g.stride = {fused.stride[0], fused.stride[1], dv, 1};
+      const Tensor g = gate_view(dt, B, T, H, dv, 1, 2);  // g at column 1·H·dv of [B,T,2·H·dv]
       fill(g_r, g, 81, dt, -3, 3);
       Tensor w_r = host({dv}), w = dev(dt, {dv});
       fill(w_r, w, 82, dt, 0.5, 1.5);
@@ -525,12 +531,7 @@ TEST_F(CudaOpsFast, RmsNormGateBackwardFastPathShapes) {
       Tensor o_r = host(shape), o = dev(dt, shape), g_r = host(shape), dy_r = host(shape), dy = dev(dt, shape);
       fill(o_r, o, 110, dt, -2, 2);
       fill(dy_r, dy, 111, dt);
-      Tensor fused = dev(dt, {B, T, 2 * H * dv});
-      Tensor g = fused;  // [B,T,H,dv] at column offset H·dv of [B,T,2·H·dv]
-      g.data = static_cast<char*>(fused.data) + H * dv * static_cast<int64_t>(dtype_size(dt));
-      g.ndim = 4;
-      g.shape = {B, T, H, dv};
-      g.stride = {fused.stride[0], fused.stride[1], dv, 1};
+      const Tensor g = gate_view(dt, B, T, H, dv, 1, 2);  // g at column 1·H·dv of [B,T,2·H·dv]
       fill(g_r, g, 112, dt, -3, 3);
       Tensor w_r = host({dv}), w = dev(dt, {dv}), ones = host({dv});
       fill(w_r, w, 113, dt, 0.5, 1.5);
@@ -590,12 +591,7 @@ TEST_F(CudaOpsFast, RmsNormGateDwFastPathShapes) {
       Tensor o_r = host(shape), o = dev(dt, shape), g_r = host(shape), dy_r = host(shape), dy = dev(dt, shape);
       fill(o_r, o, 130, dt, -2, 2);
       fill(dy_r, dy, 131, dt);
-      Tensor fused = dev(dt, {B, T, 3 * H * dv});
-      Tensor g = fused;  // [B,T,H,dv] at column offset 2·H·dv of [B,T,3·H·dv]
-      g.data = static_cast<char*>(fused.data) + 2 * H * dv * static_cast<int64_t>(dtype_size(dt));
-      g.ndim = 4;
-      g.shape = {B, T, H, dv};
-      g.stride = {fused.stride[0], fused.stride[1], dv, 1};
+      const Tensor g = gate_view(dt, B, T, H, dv, 2, 3);  // g at column 2·H·dv of [B,T,3·H·dv]
       fill(g_r, g, 132, dt, -3, 3);
       Tensor w_r = host({dv}), w = dev(dt, {dv});
       fill(w_r, w, 133, dt, 0.5, 1.5);
