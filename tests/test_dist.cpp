@@ -215,7 +215,9 @@ TEST(DistTrain, GatherEqualsAllToAllAndBytesEqualFormula) {
     for (const auto& u : units) small_unit |= u.rows < P;
     for (const auto& p : params) empty_shard |= shard_rows(p.rows, P - 1, P).rows() == 0;
     EXPECT_TRUE(small_unit);
-    if (P == 4) EXPECT_TRUE(empty_shard);
+    if (P == 4) {
+      EXPECT_TRUE(empty_shard);
+    }
 
     const std::string g = "gather" + std::to_string(P), a = "a2a" + std::to_string(P);
     f.must_run(P, g, "--batch 2 --muon-comm gather");
