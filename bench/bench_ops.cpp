@@ -97,7 +97,8 @@ int bench_train_ops(Backend& e, const Config& c, int64_t B, int64_t T, int64_t L
                         {"dh", bf, {N, F}},
                         // one column wider: views of their first columns have rows that are not 16-byte
                         // aligned, so the ops take their generic kernels (the A/B below)
-                        {"dh_u", bf, {N, F + 1}}, {"dtmp_u", bf, {N, D + 1}}, {"dy_u", bf, {N, HV + 1}}},
+                        {"dh_u", bf, {N, F + 1}}, {"dtmp_u", bf, {N, D + 1}}, {"dy_u", bf, {N, HV + 1}},
+                        {"logits_u", bf, {N, V + 1}}},
                        e.allocator(), "bench_ops train");
   if (!st.is_ok()) {
     std::fprintf(stderr, "bench_ops: train: %s\n", st.to_string().c_str());
@@ -158,11 +159,16 @@ int bench_train_ops(Backend& e, const Config& c, int64_t B, int64_t T, int64_t L
   add(bw, "gemm dWqkvg += dqkvgᵀ·c", L, [&] { e.gemm(dq, true, t("c"), false, t("g_wqkvg"), 1.0, 1.0); });
   add(bw, "conv_silu backward", L, [&] { e.conv_silu_backward(btc(t("dtmp")), btc(t("u")), t("conv_w"), btc(t("pre")), btc(t("c")), t("g_conv_w")); });
   add(bw, "embedding backward", 1, [&] { e.embedding_backward(t("ids"), t("dx"), t("g_embed")); });
-  // A/B: the backward ops with vectorised fast paths against their generic kernels (same shapes;
+  // A/B: the ops with vectorised fast paths against their generic kernels (same shapes;
   // one input's rows unaligned). Not part of the micro-batch's totals.
   const Tensor dh_u = t("dh_u").slice(1, 0, F), dtmp_u = t("dtmp_u").slice(1, 0, D);
-  const Tensor dy4_u = part(t("dy_u"), 0, dv);
+  const Tensor dy4_u = part(t("dy_u"), 0, dv), logits_u = t("logits_u").slice(1, 0, V);
   std::vector<Row> ab;
+  // cross-entropy: the backward in place, as in the micro-batch
+  ab.push_back({"cross_entropy forward: fast", time_ms(e, reps, [&] { e.cross_entropy_forward(t("logits"), t("ids"), t("losses")); }), 1});
+  ab.push_back({"cross_entropy forward: generic", time_ms(e, reps, [&] { e.cross_entropy_forward(logits_u, t("ids"), t("losses")); }), 1});
+  ab.push_back({"cross_entropy backward: fast", time_ms(e, reps, [&] { e.cross_entropy_backward(t("logits"), t("ids"), 1e-4, t("logits")); }), 1});
+  ab.push_back({"cross_entropy backward: generic", time_ms(e, reps, [&] { e.cross_entropy_backward(logits_u, t("ids"), 1e-4, logits_u); }), 1});
   ab.push_back({"swiglu backward: fast", time_ms(e, reps, [&] { e.swiglu_backward(t("dh"), t("ab"), t("dab")); }), 1});
   ab.push_back({"swiglu backward: generic", time_ms(e, reps, [&] { e.swiglu_backward(dh_u, t("ab"), t("dab")); }), 1});
   ab.push_back({"conv_silu backward: fast", time_ms(e, reps, [&] { e.conv_silu_backward(btc(t("dtmp")), btc(t("u")), t("conv_w"), btc(t("pre")), btc(t("c")), t("g_conv_w")); }), 1});

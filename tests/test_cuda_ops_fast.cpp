@@ -16,10 +16,12 @@
 // Conv cases: decode (T = 1) from a pool with scattered slots; prefill with an initial window,
 // win_out aliasing win_in, T below K and not a multiple of the 16-step tile; F32 and BF16
 // windows with F32 and BF16 activations; the backward over 64-step segments (du with the generic
-// kernel's bits, dw within rounding of it). Every test skips without a usable GPU.
+// kernel's bits, dw within rounding of it). Cross-entropy: the fast forward and backward vs the
+// CPU, vs the generic kernels (padded rows), in place, twice. Every test skips without a usable GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -684,6 +686,98 @@ TEST_F(CudaOpsFast, SwiGluFastPathShapes) {
       EXPECT_TRUE(same_bytes(dab2, dab)) << "vector and scalar swiglu backward differ";
       cuda_->swiglu_backward(dh, ab, ab);
       EXPECT_TRUE(same_bytes(ab, dab)) << "in-place swiglu backward differs";
+    }
+  }
+}
+
+
+// ---- cross-entropy ------------------------------------------------------------------------------
+
+// V = 92160 (laplace-3b: a BF16 row goes through shared memory, an F32 row is read twice), 4096
+// (fast) and 1000 (V % 8 != 0: generic); N = 37 rows whose targets include 0, V − 1, −1 (zero
+// loss, zero gradient row) and V (NaN loss; the backward writes the row's plain softmax, as the
+// generic kernel does). Losses and dlogits vs the CPU (tolerances of tests/test_cuda_ops.cpp; the
+// CPU rejects target V, so its row there is computed on the host); the generic kernels through a
+// padded view (rows not 16-byte aligned) within the same tolerance; the in-place backward equals
+// the out-of-place one bitwise; a second run gives the same bits.
+TEST_F(CudaOpsFast, CrossEntropyFastPathShapes) {
+  const int64_t N = 37;
+  const double scale = 0.25;
+  const int64_t kNeg1 = 3, kNeg2 = 17, kOver = 20;  // rows with target −1, −1, V
+  for (int64_t V : {92160, 4096, 1000}) {
+    std::vector<int32_t> tv(N), tcpu(N);
+    for (int64_t i = 0; i < N; ++i) tv[i] = static_cast<int32_t>((i * 7919 + 13) % V);
+    tv[0] = 0;
+    tv[1] = static_cast<int32_t>(V - 1);
+    tv[kNeg1] = tv[kNeg2] = -1;
+    tv[kOver] = static_cast<int32_t>(V);
+    tcpu = tv;
+    tcpu[kOver] = -1;  // the CPU's zero row there is replaced below
+    Tensor t_unused, t_cpu;
+    const Tensor tg = ints(tv, &t_unused);
+    ints(tcpu, &t_cpu);
+    for (DType dt : {kF32, kBF16}) {
+      SCOPED_TRACE("V " + std::to_string(V) + (dt == kF32 ? ", F32" : ", BF16"));
+      const double tol = dt == kF32 ? 1e-5 : 1e-2;
+      Tensor x_r = host({N, V}), x = dev(dt, {N, V});
+      fill(x_r, x, 120, dt, -8, 8);
+      // CPU reference; row kOver: loss NaN (checked apart), dlogits = scale·softmax in double.
+      Tensor l_r = host({N}), dl_r = host({N, V});
+      cpu_->cross_entropy_forward(x_r, t_cpu, l_r);
+      cpu_->cross_entropy_backward(x_r, t_cpu, scale, dl_r);
+      {
+        const float* xr = static_cast<const float*>(x_r.data) + kOver * V;
+        float* dr = static_cast<float*>(dl_r.data) + kOver * V;
+        double m = -INFINITY, s = 0;
+        for (int64_t c = 0; c < V; ++c) m = std::max(m, static_cast<double>(xr[c]));
+        for (int64_t c = 0; c < V; ++c) s += std::exp(xr[c] - m);
+        for (int64_t c = 0; c < V; ++c) dr[c] = static_cast<float>(scale * std::exp(xr[c] - m) / s);
+      }
+      // Losses on the host: NaN at row kOver, the rest within tol of the reference.
+      auto check_losses = [&](const Tensor& l, const Tensor& ref) {
+        auto h = down(l);
+        float* hp = static_cast<float*>(h->t.data);
+        EXPECT_TRUE(std::isnan(hp[kOver])) << "target V must give a NaN loss";
+        EXPECT_EQ(hp[kNeg1], 0.0f);
+        EXPECT_EQ(hp[kNeg2], 0.0f);
+        hp[kOver] = 0.0f;
+        auto hr = host_tensor(kF32, {N});
+        std::memcpy(hr->t.data, ref.data, N * sizeof(float));
+        static_cast<float*>(hr->t.data)[kOver] = 0.0f;
+        EXPECT_LE(max_rel_error(h->t, hr->t), 1e-5);
+      };
+      Tensor l = dev(kF32, {N});
+      cuda_->cross_entropy_forward(x, tg, l);
+      check_losses(l, l_r);
+      Tensor dl = dev(dt, {N, V});
+      cuda_->cross_entropy_backward(x, tg, scale, dl);
+      EXPECT_LE(err(dl, dl_r), tol);
+      // Two runs: the same bits.
+      Tensor l2 = dev(kF32, {N}), dl2 = dev(dt, {N, V});
+      cuda_->cross_entropy_forward(x, tg, l2);
+      cuda_->cross_entropy_backward(x, tg, scale, dl2);
+      EXPECT_TRUE(same_bytes(l2, l));
+      EXPECT_TRUE(same_bytes(dl2, dl));
+      // The generic kernels: logits' rows padded to V + 1 elements; also in place there.
+      Tensor xbuf = dev(dt, {N, V + 1});
+      Tensor xv = padded_view(xbuf, {N, V});
+      cuda_->copy(xv, x);
+      Tensor lg = dev(kF32, {N}), dlg = dev(dt, {N, V});
+      cuda_->cross_entropy_forward(xv, tg, lg);
+      const auto fast_l = down(l);
+      check_losses(lg, fast_l->t);
+      cuda_->cross_entropy_backward(xv, tg, scale, dlg);
+      const auto fast_dl = down(dl);
+      EXPECT_LE(err(dlg, fast_dl->t), tol);
+      cuda_->cross_entropy_backward(xv, tg, scale, xv);
+      Tensor dlg2 = dev(dt, {N, V});
+      cuda_->copy(dlg2, xv);
+      EXPECT_TRUE(same_bytes(dlg2, dlg)) << "in-place generic backward differs";
+      // In place on the fast path: dlogits aliasing logits, the same bits as out of place.
+      Tensor io = dev(dt, {N, V});
+      cuda_->copy(io, x);
+      cuda_->cross_entropy_backward(io, tg, scale, io);
+      EXPECT_TRUE(same_bytes(io, dl)) << "in-place backward differs";
     }
   }
 }
