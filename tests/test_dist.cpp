@@ -60,7 +60,9 @@ TEST(DistPlan, RowShardsCoverRowsWithoutPaddingLastRanksShortOrEmpty) {
         EXPECT_EQ(s.begin, std::min(rows, next)) << rows << " rows, P " << P << ", rank " << r;
         EXPECT_LE(s.rows(), chunk);
         EXPECT_GE(s.rows(), 0);
-        if (r > 0 && s.rows() > 0) EXPECT_EQ(shard_rows(rows, r - 1, P).rows(), chunk);
+        if (r > 0 && s.rows() > 0) {
+          EXPECT_EQ(shard_rows(rows, r - 1, P).rows(), chunk);
+        }
         next = s.end;
       }
       EXPECT_EQ(next, rows);
