@@ -93,8 +93,20 @@ struct RView {
   int64_t s0 = 0, s1 = 0, s2 = 0;  // strides of outer dims 0, 1, 2 (elements)
   __device__ __forceinline__ int64_t row(int64_t r) const {
     if (d1 == 1 && d2 == 1) return r * s0;
+    // 32-bit index arithmetic when the rows allow it (uniform over a launch): a 64-bit % and /
+    // are long instruction sequences, which made per-row kernels over 4-D views (the gate
+    // inside the fused qkvg buffer) instruction-bound. Same quotients, so the same offsets.
+    if (rows <= 0xffffffffLL) return row32(static_cast<uint32_t>(r));
     const int64_t i2 = r % d2, q = r / d2;
     return (q / d1) * s0 + (q % d1) * s1 + i2 * s2;
+  }
+  // row(r) for r < 2^32 in 32-bit divides (callers that walk many rows, rows < 2^32).
+  __device__ __forceinline__ int64_t row32(uint32_t r) const {
+    if (d1 == 1 && d2 == 1) return static_cast<int64_t>(r) * s0;
+    const uint32_t e2 = static_cast<uint32_t>(d2), q = r / e2, i2 = r - q * e2;
+    if (d1 == 1) return static_cast<int64_t>(q) * s0 + static_cast<int64_t>(i2) * s2;
+    const uint32_t e1 = static_cast<uint32_t>(d1), i0 = q / e1, i1 = q - i0 * e1;
+    return static_cast<int64_t>(i0) * s0 + static_cast<int64_t>(i1) * s1 + static_cast<int64_t>(i2) * s2;
   }
 };
 

@@ -80,17 +80,8 @@ __device__ __forceinline__ void st8(void* p, int64_t i, int dt, bool vec, const 
   for (int k = 0; k < 8; ++k) stf(p, i + k, dt, v[k]);
 }
 
-// RView::row in 32-bit index arithmetic, for kernels that walk many rows (the launchers check
-// rows ≤ kRow32Max): a 4-D view such as the gate g inside the fused qkvg buffer costs 64-bit
-// % and / per row in RView::row, a long instruction sequence, where a 32-bit divide is short.
+// Launchers of kernels that address rows through RView::row32 check rows ≤ kRow32Max.
 constexpr int64_t kRow32Max = 0x7fffffff;
-__device__ __forceinline__ int64_t row32(const RView& v, uint32_t r) {
-  if (v.d1 == 1 && v.d2 == 1) return static_cast<int64_t>(r) * v.s0;
-  const uint32_t d2 = static_cast<uint32_t>(v.d2), q = r / d2, i2 = r - q * d2;
-  if (v.d1 == 1) return static_cast<int64_t>(q) * v.s0 + static_cast<int64_t>(i2) * v.s2;
-  const uint32_t d1 = static_cast<uint32_t>(v.d1), i0 = q / d1, i1 = q - i0 * d1;
-  return static_cast<int64_t>(i0) * v.s0 + static_cast<int64_t>(i1) * v.s1 + static_cast<int64_t>(i2) * v.s2;
-}
 
 }  // namespace
 
@@ -513,8 +504,8 @@ __global__ void __launch_bounds__(kLnDwChunks * kLnDwLanes)
     for (int64_t r = r0 + ty; r < r1; r += kLnDwLanes) {
       const float mu = mean[r], rs = rstd[r];
       float gv[8], xv[8];
-      ld8(dy.p, row32(dy, static_cast<uint32_t>(r)) + 8 * chunk, dy.dt, gv);
-      ld8(x.p, row32(x, static_cast<uint32_t>(r)) + 8 * chunk, x.dt, xv);
+      ld8(dy.p, dy.row32(static_cast<uint32_t>(r)) + 8 * chunk, dy.dt, gv);
+      ld8(x.p, x.row32(static_cast<uint32_t>(r)) + 8 * chunk, x.dt, xv);
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         aw[k] += gv[k] * (xv[k] - mu) * rs;
@@ -820,9 +811,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kRmsBwdMinBlocks)
     float dyv[8], ov[8], gv[8], sg[8], wv[8];  // w reloaded per row (L1): fewer live registers
     float s = 0.f;
     if (own) {
-      ld8(dy.p, row32(dy, r32) + c0, dy.dt, dyv);
-      ld8(o.p, row32(o, r32) + c0, o.dt, ov);
-      ld8(g.p, row32(g, r32) + c0, g.dt, gv);
+      ld8(dy.p, dy.row32(r32) + c0, dy.dt, dyv);
+      ld8(o.p, o.row32(r32) + c0, o.dt, ov);
+      ld8(g.p, g.row32(r32) + c0, g.dt, gv);
       if (w.p) ld8(w.p, c0, w.dt, wv);
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
@@ -845,8 +836,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kRmsBwdMinBlocks)
       dov[k] = r * (dyw * gv[k] * sg[k] - oh * m);
       dgv[k] = dyw * oh * sg[k] * (1.0f + gv[k] * (1.0f - sg[k]));
     }
-    if (d_o.p) st8(d_o.p, row32(d_o, r32) + c0, d_o.dt, dov);
-    if (dg.p) st8(dg.p, row32(dg, r32) + c0, dg.dt, dgv);
+    if (d_o.p) st8(d_o.p, d_o.row32(r32) + c0, d_o.dt, dov);
+    if (dg.p) st8(dg.p, dg.row32(r32) + c0, dg.dt, dgv);
   }
   if (!DW) return;
   if (own) {
