@@ -690,7 +690,6 @@ TEST_F(CudaOpsFast, SwiGluFastPathShapes) {
   }
 }
 
-
 // ---- cross-entropy ------------------------------------------------------------------------------
 
 // V = 92160 (laplace-3b: a BF16 row goes through shared memory, an F32 row is read twice), 4096
