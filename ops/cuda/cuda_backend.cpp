@@ -392,7 +392,8 @@ void CudaBackend::gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool 
   const int64_t ldc = std::max<int64_t>(c.stride[0], c.shape[1]);
   GemmKey key = {static_cast<int64_t>(cuda_type(a.dtype)), static_cast<int64_t>(cuda_type(b.dtype)),
                  static_cast<int64_t>(cuda_type(c.dtype)), trans_a ? 1 : 0, trans_b ? 1 : 0, M, N, K, lda, ldb, ldc,
-                 pointer_alignment(a.data), pointer_alignment(b.data), std::min(pointer_alignment(c.data), pointer_alignment(cin.data)), 0};
+                 pointer_alignment(a.data), pointer_alignment(b.data),
+                 std::min(pointer_alignment(c.data), pointer_alignment(cin.data)), 0};
   const GemmPlan& plan = gemm_plan(key);
   const float fa = static_cast<float>(alpha), fb = static_cast<float>(beta);
   CUBLAS_CHECK(cublasLtMatmul(lt_, plan.desc, &fa, b.data, plan.lb, a.data, plan.la, &fb, cin.data, plan.lc, c.data,

@@ -915,9 +915,9 @@ void launch_rmsnorm_gate_bwd(const RView& dy, const RView& o, const RView& g, co
     ColOuts outs;
     outs.o[0] = dw;
     if (fast_in) {
-      const RView no{};
+      const RView no{};  // w too is passed only when this kernel writes d_o, dg (dw does not use it)
       rmsnorm_gate_bwd_vec_kernel<true><<<blocks, 32 * kWarpsPerBlock, 0, st>>>(
-          dy, o, g, fast_out ? w : Vec{}, rstd, fast_out ? d_o : no, fast_out ? dg : no, partial);  // w: only d_o, dg need it
+          dy, o, g, fast_out ? w : Vec{}, rstd, fast_out ? d_o : no, fast_out ? dg : no, partial);
       CUDA_CHECK_LAUNCH();
       colsum_finalize(partial, blocks, dv, 1, outs, st);
       out_done = fast_out;
