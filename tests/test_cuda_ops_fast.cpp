@@ -329,7 +329,7 @@ TEST_F(CudaOpsFast, ConvBackwardSegments) {
 
 // ---- LayerNorm -----------------------------------------------------------------------------------
 
-// D = 3072 (12 chunks per lane), 264 (partial chunks), 24 (3 lanes), 4104 (> 4096: generic);
+// D = 3072 and 4104 (one block per row), 264 (warp per row, partial chunks), 24 (3 lanes);
 // with and without bias. The backward's recomputed statistics are the forward's (dx bitwise),
 // and y through a padded view (element-wise stores) has the same bits.
 TEST_F(CudaOpsFast, LayerNormFastPathShapes) {
@@ -366,8 +366,8 @@ TEST_F(CudaOpsFast, LayerNormFastPathShapes) {
   }
 }
 
-// dx: D = 3072 (12 chunks per lane, laplace-3b), 1000 (125 chunks: lanes with 4 and 3), 4096 (16,
-// the largest fast shape) and 1030 (D % 8 != 0: generic); overwrite and accumulate, with and
+// dx: D = 3072 (laplace-3b) and 4096 (one block per row), 1000 (warp per row, 125 chunks: lanes
+// with 4 and 3) and 1030 (D % 8 != 0: generic); overwrite and accumulate, with and
 // without w (the CPU side takes w = 1, exact), each side with its own forward's statistics as in
 // tests/test_cuda_ops.cpp. Then dy through a padded view (rows not 16-byte aligned: the generic
 // kernel) agrees with the fast result, and dx aliasing dy (in place) with the CPU.

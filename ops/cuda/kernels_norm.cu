@@ -562,14 +562,145 @@ void layernorm_vec_launch(const RView& x, const Vec& w, const Vec& b, float eps,
 // LayerNorm statistics (and y when y.p) of every row of x. The forward and the backward's
 // recomputation both launch through here, and the kernel is chosen from D alone, so the
 // two always compute the statistics with the same kernel and the same order.
+// ---- LayerNorm, one block per row (wide rows) ----
+// For D > 256·kLnRowMinVec the warp-per-row kernels above hold 8·NV values a lane (NV = 12 at
+// D = 3072: 128 registers forward, 254 for dx), which leaves an SM 2–4 blocks of 4 warps and
+// the dx kernel's accumulate loads after both reductions. Here one block of ⌈D/8⌉ threads
+// (rounded to whole warps) owns a row, each thread one 8-column chunk in registers (~48 registers),
+// all loads issued before the first barrier (lab/norm v2). Sums over the block: each warp's
+// butterfly, then the warps' partials in warp order, read by every thread in the same order
+// (deterministic; another order than the warp-per-row kernels, so bits differ from theirs).
+constexpr int kLnRowMinVec = 4;       // wider rows than 256·4 columns take the block-per-row kernels
+constexpr int kLnRowMaxThreads = 1024;  // D ≤ 8192
+
+// Σ over the block of a and b (every thread gets both), one barrier. sh [2][32], not read by
+// a previous call still in flight (callers pass a buffer per call).
+__device__ __forceinline__ void block_sum2_ordered(float& a, float& b, float (*sh)[32]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  a = warp_sum(a);
+  b = warp_sum(b);
+  if (lane == 0) {
+    sh[0][warp] = a;
+    sh[1][warp] = b;
+  }
+  __syncthreads();
+  a = b = 0.f;
+  for (int i = 0; i < nw; ++i) {
+    a += sh[0][i];
+    b += sh[1][i];
+  }
+}
+
+// x, y [N,D]; w, b [D]; mean, rstd [N] (y, w, b, mean, rstd optional); D % 8 == 0.
+__global__ void __launch_bounds__(kLnRowMaxThreads)
+    layernorm_fwd_row_kernel(RView x, Vec w, Vec b, float eps, RView y, float* mean, float* rstd, int vec) {
+  __shared__ float sh[2][2][32];
+  const int64_t row = blockIdx.x;
+  const int q = threadIdx.x, nq = static_cast<int>(x.cols >> 3);
+  const bool own = q < nq;
+  float v[8];
+  if (own) {
+    ld8(x.p, x.row(row) + 8 * q, x.dt, vec & kLnVecX, v);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = 0.f;
+  }
+  float s = 0.f, unused = 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) s += v[k];
+  block_sum2_ordered(s, unused, sh[0]);
+  const float mu = s / static_cast<float>(x.cols);
+  float s2 = 0.f;
+  if (own) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float d = v[k] - mu;
+      s2 += d * d;
+    }
+  }
+  unused = 0.f;
+  block_sum2_ordered(s2, unused, sh[1]);
+  const float r = 1.0f / sqrtf(s2 / static_cast<float>(x.cols) + eps);
+  if (y.p && own) {
+    float o[8], wb[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) o[k] = (v[k] - mu) * r;
+    if (w.p) {
+      ld8(w.p, 8 * q, w.dt, vec & kLnVecW, wb);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) o[k] *= wb[k];
+    }
+    if (b.p) {
+      ld8(b.p, 8 * q, b.dt, vec & kLnVecB, wb);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) o[k] += wb[k];
+    }
+    st8(y.p, y.row(row) + 8 * q, y.dt, vec & kLnVecY, o);
+  }
+  if (q == 0) {
+    if (mean) mean[row] = mu;
+    if (rstd) rstd[row] = r;
+  }
+}
+
+// dx (= or += with accumulate) of one row per block: layernorm_bwd_dx_vec_kernel's expressions.
+// Every thread loads its chunk of dy, x, w (and dx when accumulating) before the barrier, and
+// alone reads then writes its chunk of dx. dy, x, dx [N,D]; w [D]; mean, rstd [N].
+__global__ void __launch_bounds__(kLnRowMaxThreads)
+    layernorm_bwd_dx_row_kernel(RView dy, RView x, Vec w, const float* mean, const float* rstd, RView dx,
+                                int accumulate) {
+  __shared__ float sh[2][32];
+  const int64_t row = blockIdx.x;
+  const int q = threadIdx.x, nq = static_cast<int>(x.cols >> 3);
+  const bool own = q < nq;
+  const float mu = mean[row], r = rstd[row];
+  float gv[8], xh[8], prev[8];
+  float s1 = 0.f, s2 = 0.f;
+  if (own) {
+    ld8(dy.p, dy.row(row) + 8 * q, dy.dt, gv);
+    ld8(x.p, x.row(row) + 8 * q, x.dt, xh);
+    if (accumulate) ld8(dx.p, dx.row(row) + 8 * q, dx.dt, prev);
+    if (w.p) {
+      float wv[8];
+      ld8(w.p, 8 * q, w.dt, wv);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) gv[k] *= wv[k];
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      xh[k] = (xh[k] - mu) * r;
+      s1 += gv[k];
+      s2 += gv[k] * xh[k];
+    }
+  }
+  block_sum2_ordered(s1, s2, sh);
+  if (!own) return;
+  const float m1 = s1 / static_cast<float>(x.cols), m2 = s2 / static_cast<float>(x.cols);
+  float v[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    v[k] = r * (gv[k] - m1 - xh[k] * m2);
+    if (accumulate) v[k] += prev[k];
+  }
+  st8(dx.p, dx.row(row) + 8 * q, dx.dt, v);
+}
+
+unsigned ln_row_threads(int64_t D) { return static_cast<unsigned>(((D / 8 + 31) / 32) * 32); }
+bool ln_row_fits(int64_t N, int64_t D) {
+  return D % 8 == 0 && D > 256 * kLnRowMinVec && D / 8 <= kLnRowMaxThreads && N <= 0x7fffffff;
+}
+
 void launch_layernorm_fwd(const RView& x, const Vec& w, const Vec& b, float eps, const RView& y, float* mean,
                           float* rstd, cudaStream_t st) {
   const int64_t N = x.rows, D = x.cols;
   if (N == 0) return;
   const int64_t nv = (D + 255) / 256;  // chunks of 256 columns per lane
-  if (D > 0 && D % 8 == 0 && nv <= kLnMaxVec) {
-    const int vec = (vec_rows(x) ? kLnVecX : 0) | (vec_rows(y) ? kLnVecY : 0) |
-                    (w.p && aligned16(w.p) ? kLnVecW : 0) | (b.p && aligned16(b.p) ? kLnVecB : 0);
+  const int vec = (vec_rows(x) ? kLnVecX : 0) | (vec_rows(y) ? kLnVecY : 0) |
+                  (w.p && aligned16(w.p) ? kLnVecW : 0) | (b.p && aligned16(b.p) ? kLnVecB : 0);
+  if (ln_row_fits(N, D)) {
+    layernorm_fwd_row_kernel<<<static_cast<unsigned>(N), ln_row_threads(D), 0, st>>>(x, w, b, eps, y, mean, rstd,
+                                                                                       vec);
+  } else if (D > 0 && D % 8 == 0 && nv <= kLnMaxVec) {
     // Instances for a few register sizes; the lanes' extra chunks are masked.
     if (nv <= 1) layernorm_vec_launch<1>(x, w, b, eps, y, mean, rstd, vec, st);
     else if (nv <= 2) layernorm_vec_launch<2>(x, w, b, eps, y, mean, rstd, vec, st);
@@ -601,8 +732,11 @@ void launch_layernorm_bwd_dx(const RView& dy, const RView& x, const Vec& w, cons
   const int64_t N = x.rows, D = x.cols;
   if (N == 0) return;
   const int64_t nv = (D + 255) / 256;  // chunks of 256 columns per lane
-  if (D > 0 && D % 8 == 0 && nv <= kLnMaxVec && vec_rows(dy) && vec_rows(x) && vec_rows(dx) &&
-      (!w.p || aligned16(w.p))) {
+  const bool vec = vec_rows(dy) && vec_rows(x) && vec_rows(dx) && (!w.p || aligned16(w.p));
+  if (vec && ln_row_fits(N, D)) {
+    layernorm_bwd_dx_row_kernel<<<static_cast<unsigned>(N), ln_row_threads(D), 0, st>>>(dy, x, w, mean, rstd, dx,
+                                                                                          accumulate);
+  } else if (D > 0 && D % 8 == 0 && nv <= kLnMaxVec && vec) {
     // The forward's instances; the lanes' extra chunks are masked.
     if (nv <= 1) layernorm_bwd_dx_vec_launch<1>(dy, x, w, mean, rstd, dx, accumulate, st);
     else if (nv <= 2) layernorm_bwd_dx_vec_launch<2>(dy, x, w, mean, rstd, dx, accumulate, st);
