@@ -1,5 +1,6 @@
 // Host helpers shared by the kernel labs (lab/*/…_lab.cu): a check macro for CUDA calls and
-// BF16 ⇄ F32 conversions (round to nearest even). Header-only: each lab builds with nvcc alone.
+// BF16 ⇄ F32 conversions (core/dtype.h's, round to nearest even). Header-only: each lab builds
+// with nvcc alone.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,6 +9,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+
+#include "../core/dtype.h"
 
 #define CK(x)                                                                                  \
   do {                                                                                         \
@@ -20,18 +23,8 @@
 
 namespace lab {
 
-inline uint16_t f2bf(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7fff + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-inline float bf2f(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+// The project's BF16 conversions (core/dtype.h is header-only for these).
+inline uint16_t f2bf(float f) { return laplace::float_to_bf16(f); }
+inline float bf2f(uint16_t h) { return laplace::bf16_to_float(h); }
 
 }  // namespace lab
