@@ -60,7 +60,8 @@ Status Model::plan(const PlanOptions& opt) {
   s.push_back({"targets", DType::kI32, {N}});
   s.push_back({"slots", DType::kI32, {B}});
   for (int64_t l = 0; l < sets; ++l) {
-    const std::string p = "l" + std::to_string(l) + ".";
+    // append, not "l" + to_string(l): GCC 12 reports a false -Wrestrict on the latter
+    const std::string p = std::string("l").append(std::to_string(l)).append(".");
     s.push_back({p + "x_in", dtype_, {N, D}});
     s.push_back({p + "ln1_mean", st, {N}});
     s.push_back({p + "ln1_rstd", st, {N}});
@@ -100,7 +101,7 @@ Status Model::plan(const PlanOptions& opt) {
   slots_ = get("slots");
   layer_.assign(cfg_.num_layers, LayerActs{});
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
-    const std::string p = "l" + std::to_string(opt.training ? l : 0) + ".";
+    const std::string p = std::string("l").append(std::to_string(opt.training ? l : 0)).append(".");
     LayerActs& a = layer_[l];
     a.x_in = get(p + "x_in");
     a.ln1_mean = get(p + "ln1_mean");
