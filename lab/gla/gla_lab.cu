@@ -15,6 +15,8 @@
 #include <thread>
 #include <vector>
 
+#include "../lab_host.h"
+
 #ifndef GLA_V
 #define GLA_V 6
 #endif
@@ -32,31 +34,13 @@
 #include "gla_tc_v6.cuh"
 #endif
 
-#define CK(x)                                                                                        \
-  do {                                                                                               \
-    cudaError_t e_ = (x);                                                                            \
-    if (e_ != cudaSuccess) {                                                                         \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));       \
-      std::exit(1);                                                                                  \
-    }                                                                                                \
-  } while (0)
-
 namespace {
 
 constexpr int DK = 96, DV = 192;
 
-uint16_t f2bf(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7fff + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
-float bf2f(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using lab::bf2f;
+using lab::f2bf;
+
 struct Rng {
   uint64_t s;
   explicit Rng(uint64_t seed) : s(seed) {}

@@ -1,0 +1,30 @@
+// Host helpers shared by the kernel labs (lab/*/…_lab.cu): a check macro for CUDA calls and
+// BF16 ⇄ F32 conversions (core/dtype.h's, round to nearest even). Header-only: each lab builds
+// with nvcc alone.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "../core/dtype.h"
+
+#define CK(x)                                                                                  \
+  do {                                                                                         \
+    cudaError_t e_ = (x);                                                                      \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                            \
+    }                                                                                          \
+  } while (0)
+
+namespace lab {
+
+// The project's BF16 conversions (core/dtype.h is header-only for these).
+inline uint16_t f2bf(float f) { return laplace::float_to_bf16(f); }
+inline float bf2f(uint16_t h) { return laplace::bf16_to_float(h); }
+
+}  // namespace lab
