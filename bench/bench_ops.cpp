@@ -123,6 +123,7 @@ int bench_train_ops(Backend& e, const Config& c, int64_t B, int64_t T, int64_t L
   orstd.stride = {T * H, H, 1, 0};
   const Tensor q = t("qkvg"), dq = t("dqkvg"), o4 = part(t("o"), 0, dv), y4 = part(t("y"), 0, dv);
   const Tensor do4 = part(t("do"), 0, dv), dy4 = part(t("dy"), 0, dv);
+  const Tensor g4 = part(q, 2 * H * dk + HV, dv), dg4 = part(dq, 2 * H * dk + HV, dv);  // the gate and its gradient
   const Tensor none{};
   std::vector<Row> fw, bw;
   auto add = [&](std::vector<Row>& v, const char* name, int64_t per_step, std::function<void()> f) {
@@ -134,7 +135,7 @@ int bench_train_ops(Backend& e, const Config& c, int64_t B, int64_t T, int64_t L
   add(fw, "conv_silu (keeps pre)", L, [&] { e.conv_silu_forward(btc(t("u")), t("conv_w"), btc(t("c")), btc(t("pre")), none, none, none); });
   add(fw, "gemm qkvg", L, [&] { e.gemm(t("c"), false, t("wqkvg"), true, q, 1.0, 0.0); });
   add(fw, "gla_forward", L, [&] { e.gla_forward(gp, part(q, 0, dk), part(q, H * dk, dk), part(q, 2 * H * dk, dv), o4, none, none, none); });
-  add(fw, "rmsnorm_gate (+ rstd)", L, [&] { e.rmsnorm_gate_forward(o4, part(q, 2 * H * dk + HV, dv), t("onorm_w"), 1e-5, y4, orstd); });
+  add(fw, "rmsnorm_gate (+ rstd)", L, [&] { e.rmsnorm_gate_forward(o4, g4, t("onorm_w"), 1e-5, y4, orstd); });
   add(fw, "gemm wo +=", L, [&] { e.gemm(t("y"), false, t("wo"), true, t("x"), 1.0, 1.0); });
   add(fw, "gemm w12", L, [&] { e.gemm(t("u"), false, t("w12"), true, t("ab"), 1.0, 0.0); });
   add(fw, "swiglu", L, [&] { e.swiglu_forward(t("ab"), t("h")); });
@@ -153,7 +154,7 @@ int bench_train_ops(Backend& e, const Config& c, int64_t B, int64_t T, int64_t L
   add(bw, "layernorm backward (dx +=, dw, db)", 2 * L + 1, [&] { e.layernorm_backward(t("dtmp"), t("x"), t("norm_w"), t("mean"), t("rstd"), t("dx"), true, t("g_norm_w"), t("g_norm_b")); });
   add(bw, "gemm dy = dx·Wo", L, [&] { e.gemm(t("dx"), false, t("wo"), false, t("dy"), 1.0, 0.0); });
   add(bw, "gemm dWo += dxᵀ·y", L, [&] { e.gemm(t("dx"), true, t("y"), false, t("g_wo"), 1.0, 1.0); });
-  add(bw, "rmsnorm_gate backward", L, [&] { e.rmsnorm_gate_backward(dy4, o4, part(q, 2 * H * dk + HV, dv), t("onorm_w"), orstd, do4, part(dq, 2 * H * dk + HV, dv), t("g_onorm_w")); });
+  add(bw, "rmsnorm_gate backward", L, [&] { e.rmsnorm_gate_backward(dy4, o4, g4, t("onorm_w"), orstd, do4, dg4, t("g_onorm_w")); });
   add(bw, "gla_backward", L, [&] { e.gla_backward(gp, part(q, 0, dk), part(q, H * dk, dk), part(q, 2 * H * dk, dv), none, do4, none, part(dq, 0, dk), part(dq, H * dk, dk), part(dq, 2 * H * dk, dv), none); });
   add(bw, "gemm dc = dqkvg·Wqkvg", L, [&] { e.gemm(dq, false, t("wqkvg"), false, t("dtmp"), 1.0, 0.0); });
   add(bw, "gemm dWqkvg += dqkvgᵀ·c", L, [&] { e.gemm(dq, true, t("c"), false, t("g_wqkvg"), 1.0, 1.0); });
@@ -165,22 +166,22 @@ int bench_train_ops(Backend& e, const Config& c, int64_t B, int64_t T, int64_t L
   const Tensor dy4_u = part(t("dy_u"), 0, dv), logits_u = t("logits_u").slice(1, 0, V);
   std::vector<Row> ab;
   // cross-entropy: the backward in place, as in the micro-batch
-  ab.push_back({"cross_entropy forward: fast", time_ms(e, reps, [&] { e.cross_entropy_forward(t("logits"), t("ids"), t("losses")); }), 1});
-  ab.push_back({"cross_entropy forward: generic", time_ms(e, reps, [&] { e.cross_entropy_forward(logits_u, t("ids"), t("losses")); }), 1});
-  ab.push_back({"cross_entropy backward: fast", time_ms(e, reps, [&] { e.cross_entropy_backward(t("logits"), t("ids"), 1e-4, t("logits")); }), 1});
-  ab.push_back({"cross_entropy backward: generic", time_ms(e, reps, [&] { e.cross_entropy_backward(logits_u, t("ids"), 1e-4, logits_u); }), 1});
-  ab.push_back({"swiglu backward: fast", time_ms(e, reps, [&] { e.swiglu_backward(t("dh"), t("ab"), t("dab")); }), 1});
-  ab.push_back({"swiglu backward: generic", time_ms(e, reps, [&] { e.swiglu_backward(dh_u, t("ab"), t("dab")); }), 1});
-  ab.push_back({"conv_silu backward: fast", time_ms(e, reps, [&] { e.conv_silu_backward(btc(t("dtmp")), btc(t("u")), t("conv_w"), btc(t("pre")), btc(t("c")), t("g_conv_w")); }), 1});
-  ab.push_back({"conv_silu backward: generic", time_ms(e, reps, [&] { e.conv_silu_backward(btc(dtmp_u), btc(t("u")), t("conv_w"), btc(t("pre")), btc(t("c")), t("g_conv_w")); }), 1});
-  ab.push_back({"layernorm backward dx only: fast", time_ms(e, reps, [&] { e.layernorm_backward(t("dtmp"), t("x"), t("norm_w"), t("mean"), t("rstd"), t("dx"), true, none, none); }), 1});
-  ab.push_back({"layernorm backward dx only: generic", time_ms(e, reps, [&] { e.layernorm_backward(dtmp_u, t("x"), t("norm_w"), t("mean"), t("rstd"), t("dx"), true, none, none); }), 1});
-  ab.push_back({"layernorm backward (dx +=, dw, db): fast", time_ms(e, reps, [&] { e.layernorm_backward(t("dtmp"), t("x"), t("norm_w"), t("mean"), t("rstd"), t("dx"), true, t("g_norm_w"), t("g_norm_b")); }), 1});
-  ab.push_back({"layernorm backward (dx +=, dw, db): generic", time_ms(e, reps, [&] { e.layernorm_backward(dtmp_u, t("x"), t("norm_w"), t("mean"), t("rstd"), t("dx"), true, t("g_norm_w"), t("g_norm_b")); }), 1});
-  ab.push_back({"rmsnorm_gate backward (d_o, dg, dw): fast", time_ms(e, reps, [&] { e.rmsnorm_gate_backward(dy4, o4, part(q, 2 * H * dk + HV, dv), t("onorm_w"), orstd, do4, part(dq, 2 * H * dk + HV, dv), t("g_onorm_w")); }), 1});
-  ab.push_back({"rmsnorm_gate backward (d_o, dg, dw): generic", time_ms(e, reps, [&] { e.rmsnorm_gate_backward(dy4_u, o4, part(q, 2 * H * dk + HV, dv), t("onorm_w"), orstd, do4, part(dq, 2 * H * dk + HV, dv), t("g_onorm_w")); }), 1});
-  ab.push_back({"rmsnorm_gate backward d_o, dg only: fast", time_ms(e, reps, [&] { e.rmsnorm_gate_backward(dy4, o4, part(q, 2 * H * dk + HV, dv), t("onorm_w"), orstd, do4, part(dq, 2 * H * dk + HV, dv), none); }), 1});
-  ab.push_back({"rmsnorm_gate backward dw only: fast", time_ms(e, reps, [&] { e.rmsnorm_gate_backward(dy4, o4, part(q, 2 * H * dk + HV, dv), t("onorm_w"), orstd, none, none, t("g_onorm_w")); }), 1});
+  add(ab, "cross_entropy forward: fast", 1, [&] { e.cross_entropy_forward(t("logits"), t("ids"), t("losses")); });
+  add(ab, "cross_entropy forward: generic", 1, [&] { e.cross_entropy_forward(logits_u, t("ids"), t("losses")); });
+  add(ab, "cross_entropy backward: fast", 1, [&] { e.cross_entropy_backward(t("logits"), t("ids"), 1e-4, t("logits")); });
+  add(ab, "cross_entropy backward: generic", 1, [&] { e.cross_entropy_backward(logits_u, t("ids"), 1e-4, logits_u); });
+  add(ab, "swiglu backward: fast", 1, [&] { e.swiglu_backward(t("dh"), t("ab"), t("dab")); });
+  add(ab, "swiglu backward: generic", 1, [&] { e.swiglu_backward(dh_u, t("ab"), t("dab")); });
+  add(ab, "conv_silu backward: fast", 1, [&] { e.conv_silu_backward(btc(t("dtmp")), btc(t("u")), t("conv_w"), btc(t("pre")), btc(t("c")), t("g_conv_w")); });
+  add(ab, "conv_silu backward: generic", 1, [&] { e.conv_silu_backward(btc(dtmp_u), btc(t("u")), t("conv_w"), btc(t("pre")), btc(t("c")), t("g_conv_w")); });
+  add(ab, "layernorm backward dx only: fast", 1, [&] { e.layernorm_backward(t("dtmp"), t("x"), t("norm_w"), t("mean"), t("rstd"), t("dx"), true, none, none); });
+  add(ab, "layernorm backward dx only: generic", 1, [&] { e.layernorm_backward(dtmp_u, t("x"), t("norm_w"), t("mean"), t("rstd"), t("dx"), true, none, none); });
+  add(ab, "layernorm backward (dx +=, dw, db): fast", 1, [&] { e.layernorm_backward(t("dtmp"), t("x"), t("norm_w"), t("mean"), t("rstd"), t("dx"), true, t("g_norm_w"), t("g_norm_b")); });
+  add(ab, "layernorm backward (dx +=, dw, db): generic", 1, [&] { e.layernorm_backward(dtmp_u, t("x"), t("norm_w"), t("mean"), t("rstd"), t("dx"), true, t("g_norm_w"), t("g_norm_b")); });
+  add(ab, "rmsnorm_gate backward (d_o, dg, dw): fast", 1, [&] { e.rmsnorm_gate_backward(dy4, o4, g4, t("onorm_w"), orstd, do4, dg4, t("g_onorm_w")); });
+  add(ab, "rmsnorm_gate backward (d_o, dg, dw): generic", 1, [&] { e.rmsnorm_gate_backward(dy4_u, o4, g4, t("onorm_w"), orstd, do4, dg4, t("g_onorm_w")); });
+  add(ab, "rmsnorm_gate backward d_o, dg only: fast", 1, [&] { e.rmsnorm_gate_backward(dy4, o4, g4, t("onorm_w"), orstd, do4, dg4, none); });
+  add(ab, "rmsnorm_gate backward dw only: fast", 1, [&] { e.rmsnorm_gate_backward(dy4, o4, g4, t("onorm_w"), orstd, none, none, t("g_onorm_w")); });
   char title[160];
   print("A/B, fast path vs generic kernel (one call each, not in the totals)", ab);
   std::snprintf(title, sizeof title, "training micro-batch forward, %lld x %lld tokens, %lld layers", (long long)B,

@@ -303,8 +303,7 @@ TEST_F(CudaOpsFast, ConvBackwardSegments) {
           Tensor dw_r = host({D, K}), dw = dev(kF32, {D, K});
           fill(dw_r, dw, 73, kF32);  // dw accumulates
           Tensor dw0 = dev(kF32, {D, K}), dw2 = dev(kF32, {D, K}), dw3 = dev(kF32, {D, K}), dw4 = dev(kF32, {D, K});
-          cuda_->copy(dw0, dw);
-          for (const Tensor& t : {dw2, dw3, dw4}) cuda_->copy(t, dw);
+          for (const Tensor& t : {dw0, dw2, dw3, dw4}) cuda_->copy(t, dw);
           cpu_->conv_silu_backward(dc_r, u_r, w_r, pre_r, du_r, dw_r);
           cuda_->conv_silu_backward(dc, u, w, pre, du, dw);
           EXPECT_LE(err(du, du_r), tol);

@@ -35,7 +35,8 @@ struct DecShape<float> {
   static constexpr int kCols = 4, kGroups = 4;
 };
 // BF16 keeps F32's 4 × 4 shape with 8-byte vectors: 8 BF16 columns × 8 groups (16-byte
-// vectors) measured slower on the H200 (2.59 against 3.03 TB/s at 1,280 × 16 heads).
+// vectors) measured slower on the H200 (2.59 against 3.03 TB/s at 1,280 × 16 heads), and so did
+// 16 rows in flight instead of kDecUnroll's 8 (2.07 TB/s).
 template <>
 struct DecShape<__nv_bfloat16> {
   static constexpr int kCols = 4, kGroups = 4;

@@ -1289,24 +1289,27 @@ bool vec_window(const Tensor& t) {
   return aligned16(t.data) && (t.shape[0] <= 1 || t.stride[0] % 8 == 0) && (t.shape[1] <= 1 || t.stride[1] % 8 == 0);
 }
 
+// w [D, K] contiguous and 16-byte aligned: load_conv_w's 16-byte loads apply.
+bool conv_w_vec(const ConvArgs& g) { return aligned16(g.w.p) && g.w.s0 == g.K && g.w.d1 == 1 && g.w.d2 == 1; }
+
 // wf[ch][j] = w[d0 + ch, j]: K 16-byte loads when w is contiguous (its 8 rows are then 8K
 // consecutive elements starting at a multiple of 8), element by element otherwise.
 template <int K>
-__device__ __forceinline__ void load_conv_w(const ConvVecArgs& a, int d0, float (&wf)[8][K]) {
-  if (a.wvec) {
+__device__ __forceinline__ void load_conv_w(const RView& w, int wvec, int d0, float (&wf)[8][K]) {
+  if (wvec) {
 #pragma unroll
     for (int q = 0; q < K; ++q) {
       float t[8];
-      ld8(a.w.p, static_cast<int64_t>(d0) * K + 8 * q, a.w.dt, true, t);
+      ld8(w.p, static_cast<int64_t>(d0) * K + 8 * q, w.dt, true, t);
 #pragma unroll
       for (int k = 0; k < 8; ++k) wf[(8 * q + k) / K][(8 * q + k) % K] = t[k];
     }
   } else {
 #pragma unroll
     for (int ch = 0; ch < 8; ++ch) {
-      const int64_t ow = a.w.row(d0 + ch);
+      const int64_t ow = w.row(d0 + ch);
 #pragma unroll
-      for (int j = 0; j < K; ++j) wf[ch][j] = ldf(a.w.p, ow + j, a.w.dt);
+      for (int j = 0; j < K; ++j) wf[ch][j] = ldf(w.p, ow + j, w.dt);
     }
   }
 }
@@ -1338,7 +1341,7 @@ __global__ void __launch_bounds__(kConvThreads) conv_decode_vec_kernel(ConvVecAr
   if (i >= a.B * a.nq) return;
   const int b = i / a.nq, d0 = 8 * (i - b * a.nq);
   float wf[8][K];
-  load_conv_w<K>(a, d0, wf);
+  load_conv_w<K>(a.w, a.wvec, d0, wf);
   const int64_t slot = a.slots ? a.slots[b] : b;
   float e[K][8];  // e[j] = u_{j−K+1}: window entries 1..K−1, then u_0
 #pragma unroll
@@ -1372,7 +1375,7 @@ __global__ void __launch_bounds__(kConvThreads, K <= 4 ? 4 : 2) conv_prefill_vec
   const int b = rest / a.ntile, tile = rest - b * a.ntile;
   const int d0 = 8 * qd, t0 = tile * kConvTile, t1 = min(a.T, t0 + kConvTile);
   float wf[8][K];
-  load_conv_w<K>(a, d0, wf);
+  load_conv_w<K>(a.w, a.wvec, d0, wf);
   // e[j] = u_{t−K+1+j} for the step at t: e[0..K−2] the K−1 inputs before t, then the step's.
   float e[K - 1 + kConvStep][8];
 #pragma unroll
@@ -1469,7 +1472,7 @@ bool conv_forward_vec(const ConvArgs& g, const WView& wout, const Tensor& u, con
   a.T = static_cast<int>(g.T);
   a.nq = static_cast<int>(nq);
   a.ntile = static_cast<int>(ntile);
-  a.wvec = aligned16(g.w.p) && g.w.s0 == g.K && g.w.d1 == 1 && g.w.d2 == 1;
+  a.wvec = conv_w_vec(g);
   switch (g.K) {
     case 1: conv_vec_launch<1>(a, st); break;
     case 2: conv_vec_launch<2>(a, st); break;
@@ -1494,6 +1497,7 @@ bool conv_forward_vec(const ConvArgs& g, const WView& wout, const Tensor& u, con
 // the grouping depends only on B, T and D, so dw is bitwise reproducible (its bits differ
 // from the generic colreduce's, whose segments are 128 rows of the flattened [B·T, D]).
 constexpr int kConvBwdSeg = 64;  // timesteps per thread: B·T/64 partial rows of D·K floats
+inline int64_t conv_bwd_nseg(int64_t T) { return (T + kConvBwdSeg - 1) / kConvBwdSeg; }
 
 struct ConvBwdVecArgs {
   BtdView dc, u, pre, du;  // du.p null: dw only
@@ -1526,11 +1530,8 @@ __global__ void __launch_bounds__(kConvThreads) conv_bwd_vec_kernel(ConvBwdVecAr
   const int rest = i / a.nq, qd = i - rest * a.nq;
   const int b = rest / a.nseg, seg = rest - b * a.nseg;
   const int d0 = 8 * qd, t0 = seg * kConvBwdSeg, t1 = min(a.T, t0 + kConvBwdSeg);
-  ConvVecArgs wa;  // load_conv_w reads only w and wvec
-  wa.w = a.w;
-  wa.wvec = a.wvec;
   float wf[8][K];
-  load_conv_w<K>(wa, d0, wf);
+  load_conv_w<K>(a.w, a.wvec, d0, wf);
   float dp[K][8];  // dp[i] = dpre_{t+i} at the step for t (zero beyond T)
   float ue[K][8];  // ue[j] = u_{t−K+1+j} (zero before 0)
 #pragma unroll
@@ -1591,14 +1592,14 @@ __global__ void __launch_bounds__(kConvThreads) conv_bwd_vec_kernel(ConvBwdVecAr
 bool conv_backward_vec_fits(const ConvArgs& g, const Tensor& dc, const Tensor& u, const Tensor& pre,
                             const Tensor& du) {
   if (g.D % 8 != 0 || g.B < 1 || g.T < 1 || !pre.defined()) return false;
-  const int64_t nq = g.D / 8, nseg = (g.T + kConvBwdSeg - 1) / kConvBwdSeg;
+  const int64_t nq = g.D / 8, nseg = conv_bwd_nseg(g.T);
   if (g.B * nseg * nq > 0x7fffffff || g.T > 0x7fffffff) return false;
   return vec_btd(dc) && vec_btd(u) && vec_btd(pre) && (!du.defined() || vec_btd(du));
 }
 
 // F32 partials the fast backward needs for dw: [K, B·nseg, D].
 size_t conv_bwd_vec_partial_floats(const ConvArgs& g) {
-  const int64_t nseg = (g.T + kConvBwdSeg - 1) / kConvBwdSeg;
+  const int64_t nseg = conv_bwd_nseg(g.T);
   return static_cast<size_t>(g.K) * static_cast<size_t>(g.B * nseg) * static_cast<size_t>(g.D);
 }
 
@@ -1606,7 +1607,7 @@ size_t conv_bwd_vec_partial_floats(const ConvArgs& g) {
 // through `partial` when dw_outs is given.
 void conv_backward_vec(const ConvArgs& g, const Tensor& dc, const Tensor& u, const Tensor& pre, const Tensor& du,
                        const ColOuts* dw_outs, float* partial, cudaStream_t st) {
-  const int64_t nq = g.D / 8, nseg = (g.T + kConvBwdSeg - 1) / kConvBwdSeg;
+  const int64_t nq = g.D / 8, nseg = conv_bwd_nseg(g.T);
   ConvBwdVecArgs a;
   a.dc = btd_view(dc);
   a.u = btd_view(u);
@@ -1619,7 +1620,7 @@ void conv_backward_vec(const ConvArgs& g, const Tensor& dc, const Tensor& u, con
   a.nq = static_cast<int>(nq);
   a.nseg = static_cast<int>(nseg);
   a.D = g.D;
-  a.wvec = aligned16(g.w.p) && g.w.s0 == g.K && g.w.d1 == 1 && g.w.d2 == 1;
+  a.wvec = conv_w_vec(g);
   const unsigned blocks = static_cast<unsigned>((g.B * nseg * nq + kConvThreads - 1) / kConvThreads);
   switch (g.K) {
     case 1: conv_bwd_vec_kernel<1><<<blocks, kConvThreads, 0, st>>>(a); break;
@@ -1632,9 +1633,7 @@ void conv_backward_vec(const ConvArgs& g, const Tensor& dc, const Tensor& u, con
     default: conv_bwd_vec_kernel<8><<<blocks, kConvThreads, 0, st>>>(a); break;
   }
   CUDA_CHECK_LAUNCH();
-  if (dw_outs) {
-    colsum_finalize(partial, g.B * nseg, g.D, g.K, *dw_outs, st);
-  }
+  if (dw_outs) colsum_finalize(partial, g.B * nseg, g.D, g.K, *dw_outs, st);
 }
 
 }  // namespace cuda
