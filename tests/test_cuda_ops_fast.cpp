@@ -328,7 +328,7 @@ TEST_F(CudaOpsFast, ConvBackwardSegments) {
 
 // ---- LayerNorm -----------------------------------------------------------------------------------
 
-// D = 3072 (12 chunks per lane), 264 (partial chunks), 24 (3 lanes), 4104 (> 4096: generic);
+// D = 3072 and 4104 (one block per row), 264 (warp per row, partial chunks), 24 (3 lanes);
 // with and without bias. The backward's recomputed statistics are the forward's (dx bitwise),
 // and y through a padded view (element-wise stores) has the same bits.
 TEST_F(CudaOpsFast, LayerNormFastPathShapes) {

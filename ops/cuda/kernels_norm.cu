@@ -559,17 +559,18 @@ void layernorm_vec_launch(const RView& x, const Vec& w, const Vec& b, float eps,
   layernorm_fwd_vec_kernel<NV><<<grid, 32 * kLnWarps, 0, st>>>(x, w, b, eps, y, mean, rstd, vec);
 }
 
-// ---- LayerNorm dx, one block per row (wide rows) ----
-// For D > 256·kLnRowMinVec the warp-per-row dx kernel above holds 8·NV values of each input a
-// lane (NV = 12 at D = 3072: 254 registers), which leaves an SM 2 blocks of 4 warps and issues
-// the accumulate loads after both reductions: 1.7 TB/s on the H200. Here one block of ⌈D/8⌉
-// threads (rounded to whole warps) owns a row, each thread one 8-column chunk in registers
-// (~54 registers), every load issued before the barrier: 3.7 TB/s (lab/norm v2, 2026-12-01).
-// The forward keeps its warp-per-row kernel, which lab/norm measured faster than one block
-// per row (3.2 against 2.2 TB/s). Sums over the block: each warp's butterfly, then the
-// warps' partials in warp order, read by every thread in the same order (deterministic;
-// another order than the warp-per-row kernel, so dx's bits differ from its).
-constexpr int kLnRowMinVec = 4;       // dx of rows wider than 256·4 columns takes the block-per-row kernel
+// LayerNorm statistics (and y when y.p) of every row of x. The forward and the backward's
+// recomputation both launch through here, and the kernel is chosen from D alone, so the
+// two always compute the statistics with the same kernel and the same order.
+// ---- LayerNorm, one block per row (wide rows) ----
+// For D > 256·kLnRowMinVec the warp-per-row kernels above hold 8·NV values a lane (NV = 12 at
+// D = 3072: 128 registers forward, 254 for dx), which leaves an SM 2–4 blocks of 4 warps and
+// the dx kernel's accumulate loads after both reductions. Here one block of ⌈D/8⌉ threads
+// (rounded to whole warps) owns a row, each thread one 8-column chunk in registers (~48 registers),
+// all loads issued before the first barrier (lab/norm v2). Sums over the block: each warp's
+// butterfly, then the warps' partials in warp order, read by every thread in the same order
+// (deterministic; another order than the warp-per-row kernels, so bits differ from theirs).
+constexpr int kLnRowMinVec = 4;       // wider rows than 256·4 columns take the block-per-row kernels
 constexpr int kLnRowMaxThreads = 1024;  // D ≤ 8192
 
 // Σ over the block of a and b (every thread gets both), one barrier. sh [2][32], not read by
@@ -587,6 +588,58 @@ __device__ __forceinline__ void block_sum2_ordered(float& a, float& b, float (*s
   for (int i = 0; i < nw; ++i) {
     a += sh[0][i];
     b += sh[1][i];
+  }
+}
+
+// x, y [N,D]; w, b [D]; mean, rstd [N] (y, w, b, mean, rstd optional); D % 8 == 0.
+__global__ void __launch_bounds__(kLnRowMaxThreads)
+    layernorm_fwd_row_kernel(RView x, Vec w, Vec b, float eps, RView y, float* mean, float* rstd, int vec) {
+  __shared__ float sh[2][2][32];
+  const int64_t row = blockIdx.x;
+  const int q = threadIdx.x, nq = static_cast<int>(x.cols >> 3);
+  const bool own = q < nq;
+  float v[8];
+  if (own) {
+    ld8(x.p, x.row(row) + 8 * q, x.dt, vec & kLnVecX, v);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = 0.f;
+  }
+  float s = 0.f, unused = 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) s += v[k];
+  block_sum2_ordered(s, unused, sh[0]);
+  const float mu = s / static_cast<float>(x.cols);
+  float s2 = 0.f;
+  if (own) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float d = v[k] - mu;
+      s2 += d * d;
+    }
+  }
+  unused = 0.f;
+  block_sum2_ordered(s2, unused, sh[1]);
+  const float r = 1.0f / sqrtf(s2 / static_cast<float>(x.cols) + eps);
+  if (y.p && own) {
+    float o[8], wb[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) o[k] = (v[k] - mu) * r;
+    if (w.p) {
+      ld8(w.p, 8 * q, w.dt, vec & kLnVecW, wb);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) o[k] *= wb[k];
+    }
+    if (b.p) {
+      ld8(b.p, 8 * q, b.dt, vec & kLnVecB, wb);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) o[k] += wb[k];
+    }
+    st8(y.p, y.row(row) + 8 * q, y.dt, vec & kLnVecY, o);
+  }
+  if (q == 0) {
+    if (mean) mean[row] = mu;
+    if (rstd) rstd[row] = r;
   }
 }
 
@@ -637,9 +690,6 @@ bool ln_row_fits(int64_t N, int64_t D) {
   return D % 8 == 0 && D > 256 * kLnRowMinVec && D / 8 <= kLnRowMaxThreads && N <= 0x7fffffff;
 }
 
-// LayerNorm statistics (and y when y.p) of every row of x. The forward and the backward's
-// recomputation both launch through here, and the kernel is chosen from D alone, so the
-// two always compute the statistics with the same kernel and the same order.
 void launch_layernorm_fwd(const RView& x, const Vec& w, const Vec& b, float eps, const RView& y, float* mean,
                           float* rstd, cudaStream_t st) {
   const int64_t N = x.rows, D = x.cols;
@@ -647,7 +697,10 @@ void launch_layernorm_fwd(const RView& x, const Vec& w, const Vec& b, float eps,
   const int64_t nv = (D + 255) / 256;  // chunks of 256 columns per lane
   const int vec = (vec_rows(x) ? kLnVecX : 0) | (vec_rows(y) ? kLnVecY : 0) |
                   (w.p && aligned16(w.p) ? kLnVecW : 0) | (b.p && aligned16(b.p) ? kLnVecB : 0);
-  if (D > 0 && D % 8 == 0 && nv <= kLnMaxVec) {
+  if (ln_row_fits(N, D)) {
+    layernorm_fwd_row_kernel<<<static_cast<unsigned>(N), ln_row_threads(D), 0, st>>>(x, w, b, eps, y, mean, rstd,
+                                                                                       vec);
+  } else if (D > 0 && D % 8 == 0 && nv <= kLnMaxVec) {
     // Instances for a few register sizes; the lanes' extra chunks are masked.
     if (nv <= 1) layernorm_vec_launch<1>(x, w, b, eps, y, mean, rstd, vec, st);
     else if (nv <= 2) layernorm_vec_launch<2>(x, w, b, eps, y, mean, rstd, vec, st);
