@@ -159,6 +159,26 @@ __device__ __forceinline__ void st8(void* p, int64_t i, int dt, const float (&v)
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// ---- dtypes fixed at compile time (the fast paths' common case) -------------------------
+// ld8 with a run-time dtype puts each 16-byte load and its conversion inside a branch, so a
+// thread waits for every load before it issues the next one: a kernel with four loads per
+// thread pays four memory latencies in a row. lab/norm's copy of the LayerNorm kernels, with
+// the dtype fixed, ran at 3.2 TB/s where production's ran at ~1.6–2. Kernels templated on DT
+// take every F32/BF16 operand's dtype as dt_as<DT>(view.dt) and its vector flag as
+// vec_as<DT>(flag): with DT = kBF16 both are constants, the branches vanish and a thread's
+// loads are all in flight at once; with DT = kDtAny they are read at run time as before.
+// Launchers choose kBF16 only when every operand is BF16 with 16-byte aligned rows, so
+// both instances compute the same expressions on the same values (the same bits).
+constexpr int kDtAny = -1;
+template <int DT>
+__device__ __forceinline__ int dt_as(int dt) {
+  return DT == kDtAny ? dt : DT;
+}
+template <int DT>
+__device__ __forceinline__ bool vec_as(int flag) {
+  return DT != kDtAny || flag != 0;
+}
+
 // Whether every row of v starts 16-byte aligned at a multiple of 8 elements (cols % 8 == 0 is
 // the caller's check), so ld8/st8 apply at columns 8j. A null view is not.
 inline bool vec_rows(const RView& v) {
@@ -168,6 +188,8 @@ inline bool vec_rows(const RView& v) {
   if (v.d2 > 1 && v.s2 % 8 != 0) return false;
   return true;
 }
+// A view that DT = kBF16 instances take: no tensor, or BF16 with 16-byte accessible rows.
+inline bool bf16_rows(const RView& v) { return !v.p || (v.dt == kBF16 && vec_rows(v)); }
 
 // ---- reductions with a fixed tree ---------------------------------------------------
 // Butterfly sum: every lane ends with the same bits (a+b == b+a in IEEE arithmetic).

@@ -437,17 +437,18 @@ constexpr int kSwiThreads = 256;
 // The SwiGLU forward of swiglu_fwd_kernel (same expression, so the same bits), 8 columns per
 // thread with 16-byte accesses: block (x, y) covers row x, chunks [256·y, 256·y + 256) of 8
 // columns. Needs F % 8 == 0 and ab, h rows 16-byte aligned. ab [N,2F], h [N,F]
+template <int DT>  // dt_as (cuda_common.cuh)
 __global__ void __launch_bounds__(kSwiThreads) swiglu_fwd_vec_kernel(RView ab, RView h, int F8) {
   const int q = blockIdx.y * kSwiThreads + threadIdx.x;  // chunk of 8 columns
   if (q >= F8) return;
   const int64_t r = blockIdx.x;
   const int64_t oab = ab.row(r) + 8 * q, oh = h.row(r) + 8 * q;
   float a[8], b[8], y[8];
-  ld8(ab.p, oab, ab.dt, a);
-  ld8(ab.p, oab + 8LL * F8, ab.dt, b);
+  ld8(ab.p, oab, dt_as<DT>(ab.dt), a);
+  ld8(ab.p, oab + 8LL * F8, dt_as<DT>(ab.dt), b);
 #pragma unroll
   for (int k = 0; k < 8; ++k) y[k] = a[k] * sigmoidf_(a[k]) * b[k];
-  st8(h.p, oh, h.dt, y);
+  st8(h.p, oh, dt_as<DT>(h.dt), y);
 }
 
 // da = dh·b·SiLU'(a), SiLU'(a) = σ(a)(1 + a(1−σ(a)));  db = dh·SiLU(a).
@@ -467,23 +468,24 @@ __global__ void swiglu_bwd_kernel(RView dh, RView ab, RView dab, int64_t F) {
 
 // The same, 8 columns per thread with 16-byte (F32: 2 × 16-byte) loads and stores; grid
 // (rows, ⌈F/8 / kSwiThreads⌉). Each element's arithmetic is the scalar kernel's.
+template <int DT>
 __global__ void __launch_bounds__(kSwiThreads) swiglu_bwd_vec_kernel(RView dh, RView ab, RView dab, int F8) {
   const int q = blockIdx.y * kSwiThreads + threadIdx.x;  // chunk of 8 columns
   if (q >= F8) return;
   const int64_t r = blockIdx.x;
   const int64_t oab = ab.row(r) + 8 * q, od = dab.row(r) + 8 * q;
   float a[8], b[8], g[8], da[8], db[8];
-  ld8(ab.p, oab, ab.dt, a);
-  ld8(ab.p, oab + 8LL * F8, ab.dt, b);
-  ld8(dh.p, dh.row(r) + 8 * q, dh.dt, g);
+  ld8(ab.p, oab, dt_as<DT>(ab.dt), a);
+  ld8(ab.p, oab + 8LL * F8, dt_as<DT>(ab.dt), b);
+  ld8(dh.p, dh.row(r) + 8 * q, dt_as<DT>(dh.dt), g);
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
     const float s = sigmoidf_(a[k]);
     da[k] = g[k] * b[k] * s * (1.0f + a[k] * (1.0f - s));
     db[k] = g[k] * a[k] * s;
   }
-  st8(dab.p, od, dab.dt, da);
-  st8(dab.p, od + 8LL * F8, dab.dt, db);
+  st8(dab.p, od, dt_as<DT>(dab.dt), da);
+  st8(dab.p, od + 8LL * F8, dt_as<DT>(dab.dt), db);
 }
 
 }  // namespace cuda
@@ -496,7 +498,10 @@ void CudaBackend::swiglu_forward(const Tensor& ab, Tensor h) {
   const int64_t F8 = F / 8, yblocks = (F8 + kSwiThreads - 1) / kSwiThreads;
   if (F % 8 == 0 && vec_rows(vab) && vec_rows(vh) && vh.rows <= 0x7fffffff && yblocks <= 65535) {
     const dim3 grid(static_cast<unsigned>(vh.rows), static_cast<unsigned>(yblocks));
-    swiglu_fwd_vec_kernel<<<grid, kSwiThreads, 0, stream_>>>(vab, vh, static_cast<int>(F8));
+    if (bf16_rows(vab) && bf16_rows(vh))
+      swiglu_fwd_vec_kernel<kBF16><<<grid, kSwiThreads, 0, stream_>>>(vab, vh, static_cast<int>(F8));
+    else
+      swiglu_fwd_vec_kernel<kDtAny><<<grid, kSwiThreads, 0, stream_>>>(vab, vh, static_cast<int>(F8));
   } else {
     swiglu_fwd_kernel<<<grid_for(vh.rows * F, 256), 256, 0, stream_>>>(vab, vh, F);
   }
@@ -513,7 +518,10 @@ void CudaBackend::swiglu_backward(const Tensor& dh, const Tensor& ab, Tensor dab
   const int64_t F8 = F / 8, yblocks = (F8 + kSwiThreads - 1) / kSwiThreads;
   if (F % 8 == 0 && vec_rows(vdh) && vec_rows(vab) && vec_rows(vdab) && vdh.rows <= 0x7fffffff && yblocks <= 65535) {
     const dim3 grid(static_cast<unsigned>(vdh.rows), static_cast<unsigned>(yblocks));
-    swiglu_bwd_vec_kernel<<<grid, kSwiThreads, 0, stream_>>>(vdh, vab, vdab, static_cast<int>(F8));
+    if (bf16_rows(vdh) && bf16_rows(vab) && bf16_rows(vdab))
+      swiglu_bwd_vec_kernel<kBF16><<<grid, kSwiThreads, 0, stream_>>>(vdh, vab, vdab, static_cast<int>(F8));
+    else
+      swiglu_bwd_vec_kernel<kDtAny><<<grid, kSwiThreads, 0, stream_>>>(vdh, vab, vdab, static_cast<int>(F8));
   } else {
     swiglu_bwd_kernel<<<grid_for(vdh.rows * F, 256), 256, 0, stream_>>>(vdh, vab, vdab, F);
   }

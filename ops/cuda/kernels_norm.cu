@@ -26,6 +26,9 @@ struct Vec {
   int dt = kF32;
 };
 
+// A vector that DT = kBF16 instances take (dt_as in cuda_common.cuh): none, or BF16 and 16-byte aligned.
+bool bf16_vec(const Vec& v) { return !v.p || (v.dt == kBF16 && aligned16(v.p)); }
+
 Vec make_vec(const Tensor& t, int64_t n, const char* what) {
   Vec v;
   if (!t.defined()) return v;
@@ -593,6 +596,7 @@ __device__ __forceinline__ void block_sum2_ordered(float& a, float& b, float (*s
 }
 
 // x, y [N,D]; w, b [D]; mean, rstd [N] (y, w, b, mean, rstd optional); D % 8 == 0.
+template <int DT>
 __global__ void __launch_bounds__(kLnRowMaxThreads)
     layernorm_fwd_row_kernel(RView x, Vec w, Vec b, float eps, RView y, float* mean, float* rstd, int vec) {
   __shared__ float sh[2][2][32];
@@ -601,7 +605,7 @@ __global__ void __launch_bounds__(kLnRowMaxThreads)
   const bool own = q < nq;
   float v[8];
   if (own) {
-    ld8(x.p, x.row(row) + 8 * q, x.dt, vec & kLnVecX, v);
+    ld8(x.p, x.row(row) + 8 * q, dt_as<DT>(x.dt), vec_as<DT>(vec & kLnVecX), v);
   } else {
 #pragma unroll
     for (int k = 0; k < 8; ++k) v[k] = 0.f;
@@ -627,16 +631,16 @@ __global__ void __launch_bounds__(kLnRowMaxThreads)
 #pragma unroll
     for (int k = 0; k < 8; ++k) o[k] = (v[k] - mu) * r;
     if (w.p) {
-      ld8(w.p, 8 * q, w.dt, vec & kLnVecW, wb);
+      ld8(w.p, 8 * q, dt_as<DT>(w.dt), vec_as<DT>(vec & kLnVecW), wb);
 #pragma unroll
       for (int k = 0; k < 8; ++k) o[k] *= wb[k];
     }
     if (b.p) {
-      ld8(b.p, 8 * q, b.dt, vec & kLnVecB, wb);
+      ld8(b.p, 8 * q, dt_as<DT>(b.dt), vec_as<DT>(vec & kLnVecB), wb);
 #pragma unroll
       for (int k = 0; k < 8; ++k) o[k] += wb[k];
     }
-    st8(y.p, y.row(row) + 8 * q, y.dt, vec & kLnVecY, o);
+    st8(y.p, y.row(row) + 8 * q, dt_as<DT>(y.dt), vec_as<DT>(vec & kLnVecY), o);
   }
   if (q == 0) {
     if (mean) mean[row] = mu;
@@ -647,6 +651,7 @@ __global__ void __launch_bounds__(kLnRowMaxThreads)
 // dx (= or += with accumulate) of one row per block: layernorm_bwd_dx_vec_kernel's expressions.
 // Every thread loads its chunk of dy, x, w (and dx when accumulating) before the barrier, and
 // alone reads then writes its chunk of dx. dy, x, dx [N,D]; w [D]; mean, rstd [N].
+template <int DT>
 __global__ void __launch_bounds__(kLnRowMaxThreads)
     layernorm_bwd_dx_row_kernel(RView dy, RView x, Vec w, const float* mean, const float* rstd, RView dx,
                                 int accumulate) {
@@ -658,12 +663,12 @@ __global__ void __launch_bounds__(kLnRowMaxThreads)
   float gv[8], xh[8], prev[8];
   float s1 = 0.f, s2 = 0.f;
   if (own) {
-    ld8(dy.p, dy.row(row) + 8 * q, dy.dt, gv);
-    ld8(x.p, x.row(row) + 8 * q, x.dt, xh);
-    if (accumulate) ld8(dx.p, dx.row(row) + 8 * q, dx.dt, prev);
+    ld8(dy.p, dy.row(row) + 8 * q, dt_as<DT>(dy.dt), gv);
+    ld8(x.p, x.row(row) + 8 * q, dt_as<DT>(x.dt), xh);
+    if (accumulate) ld8(dx.p, dx.row(row) + 8 * q, dt_as<DT>(dx.dt), prev);
     if (w.p) {
       float wv[8];
-      ld8(w.p, 8 * q, w.dt, wv);
+      ld8(w.p, 8 * q, dt_as<DT>(w.dt), wv);
 #pragma unroll
       for (int k = 0; k < 8; ++k) gv[k] *= wv[k];
     }
@@ -683,7 +688,7 @@ __global__ void __launch_bounds__(kLnRowMaxThreads)
     v[k] = r * (gv[k] - m1 - xh[k] * m2);
     if (accumulate) v[k] += prev[k];
   }
-  st8(dx.p, dx.row(row) + 8 * q, dx.dt, v);
+  st8(dx.p, dx.row(row) + 8 * q, dt_as<DT>(dx.dt), v);
 }
 
 unsigned ln_row_threads(int64_t D) { return static_cast<unsigned>(((D / 8 + 31) / 32) * 32); }
@@ -702,8 +707,11 @@ void launch_layernorm_fwd(const RView& x, const Vec& w, const Vec& b, float eps,
   const int vec = (vec_rows(x) ? kLnVecX : 0) | (vec_rows(y) ? kLnVecY : 0) |
                   (w.p && aligned16(w.p) ? kLnVecW : 0) | (b.p && aligned16(b.p) ? kLnVecB : 0);
   if (ln_row_fits(N, D)) {
-    layernorm_fwd_row_kernel<<<static_cast<unsigned>(N), ln_row_threads(D), 0, st>>>(x, w, b, eps, y, mean, rstd,
-                                                                                       vec);
+    const dim3 grid(static_cast<unsigned>(N)), block(ln_row_threads(D));
+    if (bf16_rows(x) && bf16_rows(y) && bf16_vec(w) && bf16_vec(b))
+      layernorm_fwd_row_kernel<kBF16><<<grid, block, 0, st>>>(x, w, b, eps, y, mean, rstd, vec);
+    else
+      layernorm_fwd_row_kernel<kDtAny><<<grid, block, 0, st>>>(x, w, b, eps, y, mean, rstd, vec);
   } else if (D > 0 && D % 8 == 0 && nv <= kLnMaxVec) {
     // Instances for a few register sizes; the lanes' extra chunks are masked.
     if (nv <= 1) layernorm_vec_launch<1>(x, w, b, eps, y, mean, rstd, vec, st);
@@ -738,8 +746,11 @@ void launch_layernorm_bwd_dx(const RView& dy, const RView& x, const Vec& w, cons
   const int64_t nv = (D + 255) / 256;  // chunks of 256 columns per lane
   const bool vec = vec_rows(dy) && vec_rows(x) && vec_rows(dx) && (!w.p || aligned16(w.p));
   if (vec && ln_row_fits(N, D)) {
-    layernorm_bwd_dx_row_kernel<<<static_cast<unsigned>(N), ln_row_threads(D), 0, st>>>(dy, x, w, mean, rstd, dx,
-                                                                                          accumulate);
+    const dim3 grid(static_cast<unsigned>(N)), block(ln_row_threads(D));
+    if (bf16_rows(dy) && bf16_rows(x) && bf16_rows(dx) && bf16_vec(w))
+      layernorm_bwd_dx_row_kernel<kBF16><<<grid, block, 0, st>>>(dy, x, w, mean, rstd, dx, accumulate);
+    else
+      layernorm_bwd_dx_row_kernel<kDtAny><<<grid, block, 0, st>>>(dy, x, w, mean, rstd, dx, accumulate);
   } else if (D > 0 && D % 8 == 0 && nv <= kLnMaxVec && vec) {
     // The forward's instances; the lanes' extra chunks are masked.
     if (nv <= 1) layernorm_bwd_dx_vec_launch<1>(dy, x, w, mean, rstd, dx, accumulate, st);
@@ -846,6 +857,7 @@ enum : int { kRmsVecO = 1, kRmsVecG = 2, kRmsVecY = 4, kRmsVecW = 8 };  // which
 // the sum of squares keeps the order lane l: columns l, l+32, ... then the butterfly (the row
 // is staged through shared memory for it), and y is the same expression.
 // o, g, y [B,T,H,dv] as rows [B·T·H, dv]; w [dv]; rstd [B·T·H]
+template <int DT>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     rmsnorm_gate_fwd_vec_kernel(RView o, RView g, Vec w, float eps, RView y, float* rstd, int vec) {
   __shared__ __align__(16) float sh[kWarpsPerBlock][kRmsMaxDv];
@@ -856,8 +868,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   const bool own = lane < (dv >> 3);
   float ov[8], gv[8];
   if (own) {
-    ld8(o.p, o.row(row) + 8 * lane, o.dt, vec & kRmsVecO, ov);
-    if (y.p) ld8(g.p, g.row(row) + 8 * lane, g.dt, vec & kRmsVecG, gv);
+    ld8(o.p, o.row(row) + 8 * lane, dt_as<DT>(o.dt), vec_as<DT>(vec & kRmsVecO), ov);
+    if (y.p) ld8(g.p, g.row(row) + 8 * lane, dt_as<DT>(g.dt), vec_as<DT>(vec & kRmsVecG), gv);
     float4* d = reinterpret_cast<float4*>(&sh[warp][8 * lane]);
     d[0] = make_float4(ov[0], ov[1], ov[2], ov[3]);
     d[1] = make_float4(ov[4], ov[5], ov[6], ov[7]);
@@ -871,14 +883,14 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   const float r = 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(dv) + eps);
   if (y.p && own) {
     float wv[8], out[8];
-    if (w.p) ld8(w.p, 8 * lane, w.dt, vec & kRmsVecW, wv);
+    if (w.p) ld8(w.p, 8 * lane, dt_as<DT>(w.dt), vec_as<DT>(vec & kRmsVecW), wv);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       float v = ov[k] * r * gv[k] * sigmoidf_(gv[k]);
       if (w.p) v *= wv[k];
       out[k] = v;
     }
-    st8(y.p, y.row(row) + 8 * lane, y.dt, vec & kRmsVecY, out);
+    st8(y.p, y.row(row) + 8 * lane, dt_as<DT>(y.dt), vec_as<DT>(vec & kRmsVecY), out);
   }
   if (lane == 0 && rstd) rstd[row] = r;
 }
@@ -930,7 +942,7 @@ constexpr int kRmsBwdMinBlocks = 3; // resident blocks per SM asked of ptxas (�
 // d_o and dg may both be null (dw only).
 // dy, o, g, d_o, dg [B,T,H,dv] as rows [B·T·H, dv]; w [dv]; rstd [B·T·H];
 // partial [nseg = ceil(B·T·H / kRmsBwdRows), dv] F32
-template <bool DW>
+template <bool DW, int DT>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, kRmsBwdMinBlocks)
     rmsnorm_gate_bwd_vec_kernel(RView dy, RView o, RView g, Vec w, const float* rstd, RView d_o, RView dg,
                                 float* partial) {
@@ -949,10 +961,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kRmsBwdMinBlocks)
     float dyv[8], ov[8], gv[8], sg[8], wv[8];  // w reloaded per row (L1): fewer live registers
     float s = 0.f;
     if (own) {
-      ld8(dy.p, dy.row32(r32) + c0, dy.dt, dyv);
-      ld8(o.p, o.row32(r32) + c0, o.dt, ov);
-      ld8(g.p, g.row32(r32) + c0, g.dt, gv);
-      if (w.p) ld8(w.p, c0, w.dt, wv);
+      ld8(dy.p, dy.row32(r32) + c0, dt_as<DT>(dy.dt), dyv);
+      ld8(o.p, o.row32(r32) + c0, dt_as<DT>(o.dt), ov);
+      ld8(g.p, g.row32(r32) + c0, dt_as<DT>(g.dt), gv);
+      if (w.p) ld8(w.p, c0, dt_as<DT>(w.dt), wv);
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         sg[k] = sigmoidf_(gv[k]);
@@ -974,8 +986,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kRmsBwdMinBlocks)
       dov[k] = r * (dyw * gv[k] * sg[k] - oh * m);
       dgv[k] = dyw * oh * sg[k] * (1.0f + gv[k] * (1.0f - sg[k]));
     }
-    if (d_o.p) st8(d_o.p, d_o.row32(r32) + c0, d_o.dt, dov);
-    if (dg.p) st8(dg.p, dg.row32(r32) + c0, dg.dt, dgv);
+    if (d_o.p) st8(d_o.p, d_o.row32(r32) + c0, dt_as<DT>(d_o.dt), dov);
+    if (dg.p) st8(dg.p, dg.row32(r32) + c0, dt_as<DT>(dg.dt), dgv);
   }
   if (!DW) return;
   if (own) {
@@ -1020,7 +1032,10 @@ void launch_rmsnorm_gate_fwd(const RView& o, const RView& g, const Vec& w, float
   if (dv > 0 && dv % 8 == 0 && dv <= kRmsMaxDv) {
     const int vec = (vec_rows(o) ? kRmsVecO : 0) | (vec_rows(g) ? kRmsVecG : 0) | (vec_rows(y) ? kRmsVecY : 0) |
                     (w.p && aligned16(w.p) ? kRmsVecW : 0);
-    rmsnorm_gate_fwd_vec_kernel<<<grid, 32 * kWarpsPerBlock, 0, st>>>(o, g, w, eps, y, rstd, vec);
+    if (bf16_rows(o) && bf16_rows(y.p ? g : RView{}) && bf16_rows(y) && bf16_vec(y.p ? w : Vec{}))
+      rmsnorm_gate_fwd_vec_kernel<kBF16><<<grid, 32 * kWarpsPerBlock, 0, st>>>(o, g, w, eps, y, rstd, vec);
+    else
+      rmsnorm_gate_fwd_vec_kernel<kDtAny><<<grid, 32 * kWarpsPerBlock, 0, st>>>(o, g, w, eps, y, rstd, vec);
   } else {
     rmsnorm_gate_fwd_kernel<<<grid, 32 * kWarpsPerBlock, 0, st>>>(o, g, w, eps, y, rstd);
   }
@@ -1047,6 +1062,7 @@ void launch_rmsnorm_gate_bwd(const RView& dy, const RView& o, const RView& g, co
   const bool fast_in = dv % 8 == 0 && dv <= kRmsMaxDv && R <= kRow32Max && vec_rows(dy) && vec_rows(o) && vec_rows(g);
   const bool fast_out = fast_in && (!d_o.p || vec_rows(d_o)) && (!dg.p || vec_rows(dg)) && (!w.p || aligned16(w.p));
   const bool want_out = d_o.p || dg.p;
+  const bool bf16_in = bf16_rows(dy) && bf16_rows(o) && bf16_rows(g);
   const unsigned blocks = static_cast<unsigned>((R + kRmsBwdRows - 1) / kRmsBwdRows);
   bool out_done = false;
   if (dw.p) {
@@ -1054,8 +1070,14 @@ void launch_rmsnorm_gate_bwd(const RView& dy, const RView& o, const RView& g, co
     outs.o[0] = dw;
     if (fast_in) {
       const RView no{};  // w too is passed only when this kernel writes d_o, dg (dw does not use it)
-      rmsnorm_gate_bwd_vec_kernel<true><<<blocks, 32 * kWarpsPerBlock, 0, st>>>(
-          dy, o, g, fast_out ? w : Vec{}, rstd, fast_out ? d_o : no, fast_out ? dg : no, partial);
+      const Vec kw = fast_out ? w : Vec{};
+      const RView kdo = fast_out ? d_o : no, kdg = fast_out ? dg : no;
+      if (bf16_in && bf16_rows(kdo) && bf16_rows(kdg) && bf16_vec(kw))
+        rmsnorm_gate_bwd_vec_kernel<true, kBF16><<<blocks, 32 * kWarpsPerBlock, 0, st>>>(dy, o, g, kw, rstd, kdo, kdg,
+                                                                                         partial);
+      else
+        rmsnorm_gate_bwd_vec_kernel<true, kDtAny><<<blocks, 32 * kWarpsPerBlock, 0, st>>>(dy, o, g, kw, rstd, kdo,
+                                                                                          kdg, partial);
       CUDA_CHECK_LAUNCH();
       colsum_finalize(partial, blocks, dv, 1, outs, st);
       out_done = fast_out;
@@ -1065,7 +1087,12 @@ void launch_rmsnorm_gate_bwd(const RView& dy, const RView& o, const RView& g, co
   }
   if (!want_out || out_done) return;
   if (fast_out) {
-    rmsnorm_gate_bwd_vec_kernel<false><<<blocks, 32 * kWarpsPerBlock, 0, st>>>(dy, o, g, w, rstd, d_o, dg, nullptr);
+    if (bf16_in && bf16_rows(d_o) && bf16_rows(dg) && bf16_vec(w))
+      rmsnorm_gate_bwd_vec_kernel<false, kBF16><<<blocks, 32 * kWarpsPerBlock, 0, st>>>(dy, o, g, w, rstd, d_o, dg,
+                                                                                         nullptr);
+    else
+      rmsnorm_gate_bwd_vec_kernel<false, kDtAny><<<blocks, 32 * kWarpsPerBlock, 0, st>>>(dy, o, g, w, rstd, d_o, dg,
+                                                                                          nullptr);
   } else {
     rmsnorm_gate_bwd_kernel<<<static_cast<unsigned>((R + kWarpsPerBlock - 1) / kWarpsPerBlock), 32 * kWarpsPerBlock,
                               0, st>>>(dy, o, g, w, rstd, d_o, dg);
@@ -1298,13 +1325,13 @@ bool conv_w_vec(const ConvArgs& g) { return aligned16(g.w.p) && g.w.s0 == g.K &&
 
 // wf[ch][j] = w[d0 + ch, j]: K 16-byte loads when w is contiguous (its 8 rows are then 8K
 // consecutive elements starting at a multiple of 8), element by element otherwise.
-template <int K>
+template <int K, int DT = kDtAny>
 __device__ __forceinline__ void load_conv_w(const RView& w, int wvec, int d0, float (&wf)[8][K]) {
-  if (wvec) {
+  if (vec_as<DT>(wvec)) {
 #pragma unroll
     for (int q = 0; q < K; ++q) {
       float t[8];
-      ld8(w.p, static_cast<int64_t>(d0) * K + 8 * q, w.dt, true, t);
+      ld8(w.p, static_cast<int64_t>(d0) * K + 8 * q, dt_as<DT>(w.dt), true, t);
 #pragma unroll
       for (int k = 0; k < 8; ++k) wf[(8 * q + k) / K][(8 * q + k) % K] = t[k];
     }
@@ -1313,13 +1340,13 @@ __device__ __forceinline__ void load_conv_w(const RView& w, int wvec, int d0, fl
     for (int ch = 0; ch < 8; ++ch) {
       const int64_t ow = w.row(d0 + ch);
 #pragma unroll
-      for (int j = 0; j < K; ++j) wf[ch][j] = ldf(w.p, ow + j, w.dt);
+      for (int j = 0; j < K; ++j) wf[ch][j] = ldf(w.p, ow + j, dt_as<DT>(w.dt));
     }
   }
 }
 
 // pre = Σ_j w[·, j]·in[j] per channel (conv_pre's order), c = SiLU(pre); stores c and pre.
-template <int K>
+template <int K, int DT = kDtAny>
 __device__ __forceinline__ void conv_out8(const ConvVecArgs& a, const float (&wf)[8][K], const float (*in)[8],
                                           int64_t oc, int64_t op) {
   float cv[8], pv[8];
@@ -1331,8 +1358,8 @@ __device__ __forceinline__ void conv_out8(const ConvVecArgs& a, const float (&wf
     pv[k] = acc;
     cv[k] = acc * sigmoidf_(acc);
   }
-  st8(a.c.p, oc, a.c.dt, true, cv);
-  if (a.pre.p) st8(a.pre.p, op, a.pre.dt, true, pv);
+  st8(a.c.p, oc, dt_as<DT>(a.c.dt), true, cv);
+  if (a.pre.p) st8(a.pre.p, op, dt_as<DT>(a.pre.dt), true, pv);
 }
 
 // Decode (T = 1): one thread per (b, 8 channels) reads the window entries 1..K−1 of its slot
@@ -1371,7 +1398,7 @@ __global__ void __launch_bounds__(kConvThreads) conv_decode_vec_kernel(ConvVecAr
 // window output is conv_window_vec_kernel's, launched after this kernel because win_out may
 // alias win_in, which the first tile reads. At most 128 registers (4 blocks per SM) for K ≤ 4:
 // left alone, the compiler interleaves the steps' SiLUs and takes ~170 at K = 4.
-template <int K>
+template <int K, int DT>
 __global__ void __launch_bounds__(kConvThreads, K <= 4 ? 4 : 2) conv_prefill_vec_kernel(ConvVecArgs a) {
   const int i = blockIdx.x * kConvThreads + threadIdx.x;
   if (i >= a.B * a.ntile * a.nq) return;
@@ -1379,17 +1406,17 @@ __global__ void __launch_bounds__(kConvThreads, K <= 4 ? 4 : 2) conv_prefill_vec
   const int b = rest / a.ntile, tile = rest - b * a.ntile;
   const int d0 = 8 * qd, t0 = tile * kConvTile, t1 = min(a.T, t0 + kConvTile);
   float wf[8][K];
-  load_conv_w<K>(a.w, a.wvec, d0, wf);
+  load_conv_w<K, DT>(a.w, a.wvec, d0, wf);
   // e[j] = u_{t−K+1+j} for the step at t: e[0..K−2] the K−1 inputs before t, then the step's.
   float e[K - 1 + kConvStep][8];
 #pragma unroll
   for (int j = 0; j + 1 < K; ++j) {
     const int s = t0 - (K - 1) + j;
     if (s >= 0) {
-      ld8(a.u.p, b * a.u.sb + s * a.u.st + d0, a.u.dt, true, e[j]);
+      ld8(a.u.p, b * a.u.sb + s * a.u.st + d0, dt_as<DT>(a.u.dt), true, e[j]);
     } else if (a.win.p) {
       const int64_t slot = a.slots ? a.slots[b] : b;
-      ld8(a.win.p, slot * a.win.s0 + (K + s) * a.win.s1 + d0, a.win.dt, true, e[j]);
+      ld8(a.win.p, slot * a.win.s0 + (K + s) * a.win.s1 + d0, dt_as<DT>(a.win.dt), true, e[j]);
     } else {
 #pragma unroll
       for (int k = 0; k < 8; ++k) e[j][k] = 0.f;
@@ -1398,12 +1425,19 @@ __global__ void __launch_bounds__(kConvThreads, K <= 4 ? 4 : 2) conv_prefill_vec
   int64_t ou = b * a.u.sb + t0 * a.u.st + d0, oc = b * a.c.sb + t0 * a.c.st + d0,
           op = b * a.pre.sb + t0 * a.pre.st + d0;
   for (int t = t0; t < t1; t += kConvStep) {
+    if (t + kConvStep <= t1) {  // a whole step: the loads unconditional, so all are in flight at once
 #pragma unroll
-    for (int s = 0; s < kConvStep; ++s)
-      if (t + s < t1) ld8(a.u.p, ou + s * a.u.st, a.u.dt, true, e[K - 1 + s]);
+      for (int s = 0; s < kConvStep; ++s) ld8(a.u.p, ou + s * a.u.st, dt_as<DT>(a.u.dt), true, e[K - 1 + s]);
 #pragma unroll
-    for (int s = 0; s < kConvStep; ++s)
-      if (t + s < t1) conv_out8<K>(a, wf, e + s, oc + s * a.c.st, op + s * a.pre.st);
+      for (int s = 0; s < kConvStep; ++s) conv_out8<K, DT>(a, wf, e + s, oc + s * a.c.st, op + s * a.pre.st);
+    } else {
+#pragma unroll
+      for (int s = 0; s < kConvStep; ++s)
+        if (t + s < t1) ld8(a.u.p, ou + s * a.u.st, dt_as<DT>(a.u.dt), true, e[K - 1 + s]);
+#pragma unroll
+      for (int s = 0; s < kConvStep; ++s)
+        if (t + s < t1) conv_out8<K, DT>(a, wf, e + s, oc + s * a.c.st, op + s * a.pre.st);
+    }
 #pragma unroll
     for (int j = 0; j + 1 < K; ++j)
 #pragma unroll
@@ -1447,7 +1481,12 @@ void conv_vec_launch(const ConvVecArgs& a, cudaStream_t st) {
     CUDA_CHECK_LAUNCH();
     return;
   }
-  conv_prefill_vec_kernel<K><<<blocks(static_cast<int64_t>(a.B) * a.ntile * a.nq), kConvThreads, 0, st>>>(a);
+  const unsigned grid = blocks(static_cast<int64_t>(a.B) * a.ntile * a.nq);
+  if (a.u.dt == kBF16 && a.c.dt == kBF16 && (!a.pre.p || a.pre.dt == kBF16) && (!a.win.p || a.win.dt == kBF16) &&
+      a.w.dt == kBF16 && a.wvec)
+    conv_prefill_vec_kernel<K, kBF16><<<grid, kConvThreads, 0, st>>>(a);
+  else
+    conv_prefill_vec_kernel<K, kDtAny><<<grid, kConvThreads, 0, st>>>(a);
   CUDA_CHECK_LAUNCH();
   if (a.wout.p) {
     conv_window_vec_kernel<K><<<blocks(static_cast<int64_t>(a.B) * a.nq), kConvThreads, 0, st>>>(a);
@@ -1511,6 +1550,7 @@ struct ConvBwdVecArgs {
   int64_t D;
 };
 
+template <int DT>
 __device__ __forceinline__ void conv_dpre8(const ConvBwdVecArgs& a, int b, int s, int d0, float (&dp)[8]) {
   if (s >= a.T) {
 #pragma unroll
@@ -1518,8 +1558,8 @@ __device__ __forceinline__ void conv_dpre8(const ConvBwdVecArgs& a, int b, int s
     return;
   }
   float dc[8], p[8];
-  ld8(a.dc.p, b * a.dc.sb + s * a.dc.st + d0, a.dc.dt, true, dc);
-  ld8(a.pre.p, b * a.pre.sb + s * a.pre.st + d0, a.pre.dt, true, p);
+  ld8(a.dc.p, b * a.dc.sb + s * a.dc.st + d0, dt_as<DT>(a.dc.dt), true, dc);
+  ld8(a.pre.p, b * a.pre.sb + s * a.pre.st + d0, dt_as<DT>(a.pre.dt), true, p);
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
     const float sg = sigmoidf_(p[k]);
@@ -1527,7 +1567,7 @@ __device__ __forceinline__ void conv_dpre8(const ConvBwdVecArgs& a, int b, int s
   }
 }
 
-template <int K>
+template <int K, int DT>
 __global__ void __launch_bounds__(kConvThreads) conv_bwd_vec_kernel(ConvBwdVecArgs a) {
   const int i = blockIdx.x * kConvThreads + threadIdx.x;
   if (i >= a.B * a.nseg * a.nq) return;
@@ -1535,15 +1575,15 @@ __global__ void __launch_bounds__(kConvThreads) conv_bwd_vec_kernel(ConvBwdVecAr
   const int b = rest / a.nseg, seg = rest - b * a.nseg;
   const int d0 = 8 * qd, t0 = seg * kConvBwdSeg, t1 = min(a.T, t0 + kConvBwdSeg);
   float wf[8][K];
-  load_conv_w<K>(a.w, a.wvec, d0, wf);
+  load_conv_w<K, DT>(a.w, a.wvec, d0, wf);
   float dp[K][8];  // dp[i] = dpre_{t+i} at the step for t (zero beyond T)
   float ue[K][8];  // ue[j] = u_{t−K+1+j} (zero before 0)
 #pragma unroll
   for (int j = 1; j < K; ++j) {
-    conv_dpre8(a, b, t0 + j - 1, d0, dp[j]);
+    conv_dpre8<DT>(a, b, t0 + j - 1, d0, dp[j]);
     const int s = t0 - K + j;
     if (s >= 0) {
-      ld8(a.u.p, b * a.u.sb + s * a.u.st + d0, a.u.dt, true, ue[j]);
+      ld8(a.u.p, b * a.u.sb + s * a.u.st + d0, dt_as<DT>(a.u.dt), true, ue[j]);
     } else {
 #pragma unroll
       for (int k = 0; k < 8; ++k) ue[j][k] = 0.f;
@@ -1562,8 +1602,8 @@ __global__ void __launch_bounds__(kConvThreads) conv_bwd_vec_kernel(ConvBwdVecAr
         dp[j][k] = dp[j + 1][k];
         ue[j][k] = ue[j + 1][k];
       }
-    conv_dpre8(a, b, t + K - 1, d0, dp[K - 1]);
-    ld8(a.u.p, b * a.u.sb + t * a.u.st + d0, a.u.dt, true, ue[K - 1]);
+    conv_dpre8<DT>(a, b, t + K - 1, d0, dp[K - 1]);
+    ld8(a.u.p, b * a.u.sb + t * a.u.st + d0, dt_as<DT>(a.u.dt), true, ue[K - 1]);
     if (a.du.p) {
       float duv[8];
 #pragma unroll
@@ -1574,7 +1614,7 @@ __global__ void __launch_bounds__(kConvThreads) conv_bwd_vec_kernel(ConvBwdVecAr
           if (t + K - 1 - j < a.T) s += wf[k][j] * dp[K - 1 - j][k];
         duv[k] = s;
       }
-      st8(a.du.p, b * a.du.sb + t * a.du.st + d0, a.du.dt, true, duv);
+      st8(a.du.p, b * a.du.sb + t * a.du.st + d0, dt_as<DT>(a.du.dt), true, duv);
     }
 #pragma unroll
     for (int j = 0; j < K; ++j)
@@ -1589,6 +1629,12 @@ __global__ void __launch_bounds__(kConvThreads) conv_bwd_vec_kernel(ConvBwdVecAr
     reinterpret_cast<float4*>(out)[0] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
     reinterpret_cast<float4*>(out)[1] = make_float4(acc[j][4], acc[j][5], acc[j][6], acc[j][7]);
   }
+}
+
+template <int K>
+void conv_bwd_vec_launch(const ConvBwdVecArgs& a, bool bf16, unsigned blocks, cudaStream_t st) {
+  if (bf16) conv_bwd_vec_kernel<K, kBF16><<<blocks, kConvThreads, 0, st>>>(a);
+  else conv_bwd_vec_kernel<K, kDtAny><<<blocks, kConvThreads, 0, st>>>(a);
 }
 
 // Whether the fast backward can run: D % 8 == 0, pre kept, every [B,T,D] operand with 16-byte
@@ -1626,15 +1672,17 @@ void conv_backward_vec(const ConvArgs& g, const Tensor& dc, const Tensor& u, con
   a.D = g.D;
   a.wvec = conv_w_vec(g);
   const unsigned blocks = static_cast<unsigned>((g.B * nseg * nq + kConvThreads - 1) / kConvThreads);
+  const bool bf16 = a.dc.dt == kBF16 && a.u.dt == kBF16 && a.pre.dt == kBF16 && (!a.du.p || a.du.dt == kBF16) &&
+                    a.w.dt == kBF16 && a.wvec;
   switch (g.K) {
-    case 1: conv_bwd_vec_kernel<1><<<blocks, kConvThreads, 0, st>>>(a); break;
-    case 2: conv_bwd_vec_kernel<2><<<blocks, kConvThreads, 0, st>>>(a); break;
-    case 3: conv_bwd_vec_kernel<3><<<blocks, kConvThreads, 0, st>>>(a); break;
-    case 4: conv_bwd_vec_kernel<4><<<blocks, kConvThreads, 0, st>>>(a); break;
-    case 5: conv_bwd_vec_kernel<5><<<blocks, kConvThreads, 0, st>>>(a); break;
-    case 6: conv_bwd_vec_kernel<6><<<blocks, kConvThreads, 0, st>>>(a); break;
-    case 7: conv_bwd_vec_kernel<7><<<blocks, kConvThreads, 0, st>>>(a); break;
-    default: conv_bwd_vec_kernel<8><<<blocks, kConvThreads, 0, st>>>(a); break;
+    case 1: conv_bwd_vec_launch<1>(a, bf16, blocks, st); break;
+    case 2: conv_bwd_vec_launch<2>(a, bf16, blocks, st); break;
+    case 3: conv_bwd_vec_launch<3>(a, bf16, blocks, st); break;
+    case 4: conv_bwd_vec_launch<4>(a, bf16, blocks, st); break;
+    case 5: conv_bwd_vec_launch<5>(a, bf16, blocks, st); break;
+    case 6: conv_bwd_vec_launch<6>(a, bf16, blocks, st); break;
+    case 7: conv_bwd_vec_launch<7>(a, bf16, blocks, st); break;
+    default: conv_bwd_vec_launch<8>(a, bf16, blocks, st); break;
   }
   CUDA_CHECK_LAUNCH();
   if (dw_outs) colsum_finalize(partial, g.B * nseg, g.D, g.K, *dw_outs, st);
