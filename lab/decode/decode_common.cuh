@@ -1,0 +1,182 @@
+// Shared pieces of the lab/decode versions: the kernel arguments (the production DecArgs of
+// ops/cuda/kernels_gla_decode.cu without the gate fields), the dtype-coded loads/stores and
+// state-vector helpers copied from the production sources, the deterministic initial states,
+// and thin inline-PTX wrappers for the Hopper bulk copies and mbarriers used by v2 and v3.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+
+namespace decode_lab {
+
+constexpr int kF32 = 0;
+constexpr int kBF16 = 1;
+
+constexpr int kDecMaxHeads = 128;
+constexpr int kDecMaxDk = 128;
+constexpr int kDecMaxDv = 256;
+
+struct DecArgs {
+  int B, H, dk, dv;
+  float scale;
+  float lam[kDecMaxHeads];
+  // q, k, v, o: element (b, h, i) at p + b·sb + h·sh + i (T = 1).
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  int q_dt, k_dt, v_dt, o_dt;
+  int64_t q_sb, q_sh, k_sb, k_sh, v_sb, v_sh, o_sb, o_sh;
+  // States: element (slot, h, i, e) at p + slot·ss + h·sh + i·sk + e. The lab steps in place
+  // (s_in == s_out), as the model does.
+  const void* s_in;
+  void* s_out;
+  int64_t ss, sh, sk;
+  const int32_t* slots;  // null: slot = b
+};
+
+// ops/cuda/cuda_common.cuh's dtype-coded scalar access.
+__device__ __forceinline__ float ldf(const void* p, int64_t i, int dt) {
+  if (dt == kBF16) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  return static_cast<const float*>(p)[i];
+}
+__device__ __forceinline__ void stf(void* p, int64_t i, int dt, float x) {
+  if (dt == kBF16) static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x);
+  else static_cast<float*>(p)[i] = x;
+}
+
+// The production kernel's 4-column state vectors (16 bytes of F32, 8 of BF16); the pointers
+// may be global or shared.
+__device__ __forceinline__ void load_vec(const float* p, float* x) {
+  const float4 t = *reinterpret_cast<const float4*>(p);
+  x[0] = t.x, x[1] = t.y, x[2] = t.z, x[3] = t.w;
+}
+__device__ __forceinline__ void load_vec(const __nv_bfloat16* p, float* x) {
+  const uint2 t = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&t.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&t.y));
+  x[0] = a.x, x[1] = a.y, x[2] = b.x, x[3] = b.y;
+}
+__device__ __forceinline__ void store_vec(float* p, const float* x) {
+  *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+}
+__device__ __forceinline__ void store_vec(__nv_bfloat16* p, const float* x) {
+  const __nv_bfloat162 a = __floats2bfloat162_rn(x[0], x[1]), b = __floats2bfloat162_rn(x[2], x[3]);
+  uint2 t;
+  t.x = *reinterpret_cast<const uint32_t*>(&a);
+  t.y = *reinterpret_cast<const uint32_t*>(&b);
+  *reinterpret_cast<uint2*>(p) = t;
+}
+
+// Initial state element `idx` (the flat index into [slots, H, dk, dv]) in [-1, 1): the CPU
+// reference recomputes any element from its index, so no host copy of the (GB-sized) states is
+// needed. Every float operation is exact (24-bit integer · 2⁻²³ − 1), so host and device agree
+// bit for bit, FMA contraction or not.
+__host__ __device__ inline float state_init(uint64_t idx) {
+  uint64_t z = idx * 0x9e3779b97f4a7c15ULL + 0x632be59bd9b4e019ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  z ^= z >> 31;
+  return static_cast<float>(static_cast<uint32_t>(z >> 40)) * 0x1p-23f - 1.0f;
+}
+
+template <class ST>
+__global__ void init_states(ST* s, uint64_t n) {
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x)
+    s[i] = static_cast<ST>(state_init(i));  // BF16: round to nearest even, as the host's f2bf
+}
+
+// Number of 16-byte words that differ between a and b (the full-state bit comparison).
+__global__ void count_diff(const uint4* a, const uint4* b, uint64_t n, unsigned long long* cnt) {
+  unsigned long long c = 0;
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x) {
+    const uint4 x = a[i], y = b[i];
+    c += (x.x != y.x) | (x.y != y.y) | (x.z != y.z) | (x.w != y.w);
+  }
+  if (c) atomicAdd(cnt, c);
+}
+
+// ---- Hopper bulk copies (cp.async.bulk, the non-tensor TMA path) and mbarriers ------------
+// Sizes are multiples of 16 bytes and addresses 16-byte aligned (the callers' layouts and the
+// host checks guarantee it). A CTA launched without clusters is its own cluster of one, so
+// the .shared::cluster destination of the global->shared copy is simply this CTA's buffer.
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+// After mbarrier.init, before the async proxy (the bulk copies' complete_tx) may touch the
+// barriers: the same fences as CUTLASS's fence_barrier_init and the programming guide's
+// fence_proxy_async_shared_cta.
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads of
+// them (a bulk shared->global copy issued by another thread after a __syncthreads).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// One arrival (the barrier is initialised with count 1) that also raises the phase's
+// expected transaction count by `bytes`; the phase completes when the copies have delivered
+// them all.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n\t.reg .pred p;\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+      "selp.u32 %0, 1, 0, p;\n\t}"
+      : "=r"(done)
+      : "r"(smem_u32(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+// Waits until the phase with parity `parity` has completed (acquire: the copied bytes are
+// then visible to ordinary loads). try_wait returns true once the barrier's current phase
+// parity differs from `parity`, i.e. the phase we wait for is done; the caller must make sure
+// the barrier is never two phases ahead of the waiter (see v3's comment). A wait longer than
+// 2 s is a bug (a copy never issued, a wrong parity): report it and trap, so that a broken
+// version costs the lead an error instead of a hung GPU.
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  if (mbar_try_wait(bar, parity)) return;
+  const uint64_t t0 = globaltimer_ns();
+  while (!mbar_try_wait(bar, parity)) {
+    if (globaltimer_ns() - t0 > 2000000000ull) {
+      printf("decode_lab: mbarrier wait timed out (block %d, thread %d, parity %u)\n", static_cast<int>(blockIdx.x),
+             static_cast<int>(threadIdx.x), parity);
+      __trap();
+    }
+  }
+}
+// global -> shared, completion (bytes) reported on `bar`.
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+// shared -> global, tracked by bulk groups of the issuing thread.
+__device__ __forceinline__ void bulk_s2g(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_u32(src)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Waits until at most N of this thread's committed bulk groups are still reading their shared
+// source (the global writes may still be in flight; the shared buffer may be reused).
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+}  // namespace decode_lab
