@@ -855,12 +855,23 @@ TEST_F(CudaOps, GlaDecodeSlotsF32Bf16StatesAndFusedGate) {
     // Unfused on a copy of the pool, then fused on the pool itself.
     DevTensor pool2(*cuda_, sdt, {S, H, dk, dv}), o2(*cuda_, kBF16, {B, 1, H, dv}), y2(*cuda_, kBF16, {B, 1, H, dv});
     cuda_->copy(pool2.t, pool.d());
+    // BF16 states with contiguous rows take the bulk-copy kernel; the same states with padded
+    // rows (row stride dv + 8) take the per-thread one, which must give the same bits.
+    DevTensor padded(*cuda_, sdt, {S, H, dk, dv + 8}), o3(*cuda_, kBF16, {B, 1, H, dv}),
+        y3(*cuda_, kBF16, {B, 1, H, dv}), pool3(*cuda_, sdt, {S, H, dk, dv});
+    const Tensor pool_padded = padded.t.slice(3, 0, dv);
+    cuda_->copy(pool_padded, pool.d());
+    cuda_->gla_decode_gate(p, q.d(), k.d(), v.d(), g.d(), w.d(), 1e-5, pool_padded, slots.d(), o3.t, y3.t);
+    cuda_->copy(pool3.t, pool_padded);
     cuda_->gla_forward(p, q.d(), k.d(), v.d(), o2.t, pool2.t, pool2.t, slots.d());
     cuda_->rmsnorm_gate_forward(o2.t, g.d(), w.d(), 1e-5, y2.t, Tensor{});
     cuda_->gla_decode_gate(p, q.d(), k.d(), v.d(), g.d(), w.d(), 1e-5, pool.d(), slots.d(), o.d(), y.d());
     EXPECT_TRUE(same_bytes(o.d(), o2.t));
     EXPECT_TRUE(same_bytes(y.d(), y2.t));
     EXPECT_TRUE(same_bytes(pool.d(), pool2.t));
+    EXPECT_TRUE(same_bytes(o3.t, o2.t));
+    EXPECT_TRUE(same_bytes(y3.t, y2.t));
+    EXPECT_TRUE(same_bytes(pool3.t, pool2.t));
     // o and y are BF16 outputs (≤ 1e-2); y's norm reads the rounded o, the reference the exact one.
     EXPECT_LE(err(o), 1e-2);
     EXPECT_LE(err(y), 1.5e-2);

@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "../../ops/cuda/bulk_copy.cuh"
+
 namespace decode_lab {
 
 constexpr int kF32 = 0;
@@ -99,55 +101,26 @@ __global__ void count_diff(const uint4* a, const uint4* b, uint64_t n, unsigned 
   if (c) atomicAdd(cnt, c);
 }
 
-// ---- Hopper bulk copies (cp.async.bulk, the non-tensor TMA path) and mbarriers ------------
-// Sizes are multiples of 16 bytes and addresses 16-byte aligned (the callers' layouts and the
-// host checks guarantee it). A CTA launched without clusters is its own cluster of one, so
-// the .shared::cluster destination of the global->shared copy is simply this CTA's buffer.
+// ---- Hopper bulk copies and mbarriers: production's wrappers (ops/cuda/bulk_copy.cuh), except
+// the wait, which here gives up after 2 s: a wrong parity or a copy never issued then costs an
+// error message instead of a hung GPU.
+using laplace::cuda::bulk_commit;
+using laplace::cuda::bulk_g2s;
+using laplace::cuda::bulk_s2g;
+using laplace::cuda::bulk_wait_read;
+using laplace::cuda::fence_barrier_init;
+using laplace::cuda::fence_proxy_async;
+using laplace::cuda::mbar_arrive_expect_tx;
+using laplace::cuda::mbar_init;
+using laplace::cuda::mbar_try_wait;
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-// After mbarrier.init, before the async proxy (the bulk copies' complete_tx) may touch the
-// barriers: the same fences as CUTLASS's fence_barrier_init and the programming guide's
-// fence_proxy_async_shared_cta.
-__device__ __forceinline__ void fence_barrier_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads of
-// them (a bulk shared->global copy issued by another thread after a __syncthreads).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-// One arrival (the barrier is initialised with count 1) that also raises the phase's
-// expected transaction count by `bytes`; the phase completes when the copies have delivered
-// them all.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n\t.reg .pred p;\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-      "selp.u32 %0, 1, 0, p;\n\t}"
-      : "=r"(done)
-      : "r"(smem_u32(bar)), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-// Waits until the phase with parity `parity` has completed (acquire: the copied bytes are
-// then visible to ordinary loads). try_wait returns true once the barrier's current phase
-// parity differs from `parity`, i.e. the phase we wait for is done; the caller must make sure
-// the barrier is never two phases ahead of the waiter (see v3's comment). A wait longer than
-// 2 s is a bug (a copy never issued, a wrong parity): report it and trap, so that a broken
-// version costs the lead an error instead of a hung GPU.
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+// Until the phase of parity `parity` has completed; the caller makes sure the barrier is
+// never two phases ahead of the waiter (see v3's comment).
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   if (mbar_try_wait(bar, parity)) return;
   const uint64_t t0 = globaltimer_ns();
@@ -158,25 +131,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       __trap();
     }
   }
-}
-// global -> shared, completion (bytes) reported on `bar`.
-__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem_u32(dst)),
-               "l"(src), "r"(bytes), "r"(smem_u32(bar))
-               : "memory");
-}
-// shared -> global, tracked by bulk groups of the issuing thread.
-__device__ __forceinline__ void bulk_s2g(void* dst, const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_u32(src)), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// Waits until at most N of this thread's committed bulk groups are still reading their shared
-// source (the global writes may still be in flight; the shared buffer may be reused).
-template <int N>
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
 
 }  // namespace decode_lab
