@@ -313,9 +313,10 @@ enum : int { kLnVecX = 1, kLnVecY = 2, kLnVecW = 4, kLnVecB = 8 };  // which ten
 // var = Σ(x−mean)²/D from the registers (two passes, no cancellation), y written once with
 // the generic kernel's expression. The summation order depends only on D (each lane its
 // chunks in order, then the butterfly); the backward's recomputation of the statistics runs
-// this same kernel (launch_layernorm_fwd), so it gets the forward's bits.
+// this same kernel (launch_layernorm_fwd), so it gets the forward's bits. XDT is x's dtype,
+// PDT that of y, w and b (dt_as): fixed, they let a lane's NV loads of x all be in flight.
 // x, y [N,D]; w, b [D]; mean, rstd [N]
-template <int NV>
+template <int NV, int XDT, int PDT>
 __global__ void __launch_bounds__(32 * kLnWarps)
     layernorm_fwd_vec_kernel(RView x, Vec w, Vec b, float eps, RView y, float* mean, float* rstd, int vec) {
   const int64_t row = blockIdx.x * (int64_t)kLnWarps + (threadIdx.x >> 5);
@@ -328,7 +329,7 @@ __global__ void __launch_bounds__(32 * kLnWarps)
   for (int i = 0; i < NV; ++i) {
     const int q = lane + 32 * i;
     if (q < nq) {
-      ld8(x.p, ox + 8 * q, x.dt, vec & kLnVecX, v[i]);
+      ld8(x.p, ox + 8 * q, dt_as<XDT>(x.dt), vec_as<XDT>(vec & kLnVecX), v[i]);
     } else {
 #pragma unroll
       for (int k = 0; k < 8; ++k) v[i][k] = 0.f;
@@ -361,16 +362,16 @@ __global__ void __launch_bounds__(32 * kLnWarps)
 #pragma unroll
       for (int k = 0; k < 8; ++k) o[k] = (v[i][k] - mu) * r;
       if (w.p) {
-        ld8(w.p, 8 * q, w.dt, vec & kLnVecW, wb);
+        ld8(w.p, 8 * q, dt_as<PDT>(w.dt), vec_as<PDT>(vec & kLnVecW), wb);
 #pragma unroll
         for (int k = 0; k < 8; ++k) o[k] *= wb[k];
       }
       if (b.p) {
-        ld8(b.p, 8 * q, b.dt, vec & kLnVecB, wb);
+        ld8(b.p, 8 * q, dt_as<PDT>(b.dt), vec_as<PDT>(vec & kLnVecB), wb);
 #pragma unroll
         for (int k = 0; k < 8; ++k) o[k] += wb[k];
       }
-      st8(y.p, oy + 8 * q, y.dt, vec & kLnVecY, o);
+      st8(y.p, oy + 8 * q, dt_as<PDT>(y.dt), vec_as<PDT>(vec & kLnVecY), o);
     }
   }
   if (lane == 0) {
@@ -555,11 +556,28 @@ void launch_layernorm_bwd_dwdb(const RView& dy, const RView& x, const float* mea
   }
 }
 
-template <int NV>
+template <int NV, int XDT>
 void layernorm_vec_launch(const RView& x, const Vec& w, const Vec& b, float eps, const RView& y, float* mean,
                           float* rstd, int vec, cudaStream_t st) {
   const unsigned grid = static_cast<unsigned>((x.rows + kLnWarps - 1) / kLnWarps);
-  layernorm_fwd_vec_kernel<NV><<<grid, 32 * kLnWarps, 0, st>>>(x, w, b, eps, y, mean, rstd, vec);
+  if (XDT == kBF16 && bf16_rows(y) && bf16_vec(w) && bf16_vec(b))
+    layernorm_fwd_vec_kernel<NV, XDT, kBF16><<<grid, 32 * kLnWarps, 0, st>>>(x, w, b, eps, y, mean, rstd, vec);
+  else
+    layernorm_fwd_vec_kernel<NV, XDT, kDtAny><<<grid, 32 * kLnWarps, 0, st>>>(x, w, b, eps, y, mean, rstd, vec);
+}
+
+// The warp-per-row forward for nv chunks of 256 columns a lane; the lanes' extra chunks are masked.
+template <int XDT>
+void layernorm_vec_dispatch(int64_t nv, const RView& x, const Vec& w, const Vec& b, float eps, const RView& y,
+                            float* mean, float* rstd, int vec, cudaStream_t st) {
+  if (nv <= 1) layernorm_vec_launch<1, XDT>(x, w, b, eps, y, mean, rstd, vec, st);
+  else if (nv <= 2) layernorm_vec_launch<2, XDT>(x, w, b, eps, y, mean, rstd, vec, st);
+  else if (nv <= 3) layernorm_vec_launch<3, XDT>(x, w, b, eps, y, mean, rstd, vec, st);
+  else if (nv <= 4) layernorm_vec_launch<4, XDT>(x, w, b, eps, y, mean, rstd, vec, st);
+  else if (nv <= 6) layernorm_vec_launch<6, XDT>(x, w, b, eps, y, mean, rstd, vec, st);
+  else if (nv <= 8) layernorm_vec_launch<8, XDT>(x, w, b, eps, y, mean, rstd, vec, st);
+  else if (nv <= 12) layernorm_vec_launch<12, XDT>(x, w, b, eps, y, mean, rstd, vec, st);
+  else layernorm_vec_launch<16, XDT>(x, w, b, eps, y, mean, rstd, vec, st);
 }
 
 // ---- LayerNorm, one block per row (wide rows) ----
@@ -571,9 +589,9 @@ void layernorm_vec_launch(const RView& x, const Vec& w, const Vec& b, float eps,
 // butterfly, then the warps' partials in warp order, read by every thread in the same order
 // (deterministic; another order than the warp-per-row kernels, so bits differ from theirs).
 // Measured on the H200 (2026-12-01): dx 0.108 against 0.236 ms at 16,384 × 3,072 in lab/norm.
-// The forward measured the other way in the lab (0.093 against 0.062 ms) but this way in
-// bench_ops (0.0996 against 0.1174 ms per training call, same shape), and the whole training
-// step and the prefill were faster with it; the lab's gap is not yet explained.
+// The forward went the other way in the lab (0.093 against 0.062 ms) but this way in
+// bench_ops (0.0996 against 0.1174) while production read dtypes at run time (see dt_as in
+// cuda_common.cuh); with x's dtype fixed, BF16 rows take the warp-per-row forward again.
 constexpr int kLnRowMinVec = 4;       // wider rows than 256·4 columns take the block-per-row kernels
 constexpr int kLnRowMaxThreads = 1024;  // D ≤ 8192
 
@@ -697,8 +715,9 @@ bool ln_row_fits(int64_t N, int64_t D) {
 }
 
 // LayerNorm statistics (and y when y.p) of every row of x. The forward and the backward's
-// recomputation both launch through here, and the kernel is chosen from D alone, so the
-// two always compute the statistics with the same kernel and the same order.
+// recomputation both launch through here with the same x, and the kernel (so the summation
+// order) is chosen from x alone (D, dtype, alignment), so the two always compute the
+// statistics with the same bits; y, w and b choose only between instances of one kernel.
 void launch_layernorm_fwd(const RView& x, const Vec& w, const Vec& b, float eps, const RView& y, float* mean,
                           float* rstd, cudaStream_t st) {
   const int64_t N = x.rows, D = x.cols;
@@ -706,22 +725,19 @@ void launch_layernorm_fwd(const RView& x, const Vec& w, const Vec& b, float eps,
   const int64_t nv = (D + 255) / 256;  // chunks of 256 columns per lane
   const int vec = (vec_rows(x) ? kLnVecX : 0) | (vec_rows(y) ? kLnVecY : 0) |
                   (w.p && aligned16(w.p) ? kLnVecW : 0) | (b.p && aligned16(b.p) ? kLnVecB : 0);
-  if (ln_row_fits(N, D)) {
+  const bool warp_rows = D > 0 && D % 8 == 0 && nv <= kLnMaxVec;
+  if (warp_rows && bf16_rows(x)) {
+    // BF16 x: one warp per row with x's dtype fixed (lab/norm v1: 3.2 TB/s at 16,384 × 3,072).
+    layernorm_vec_dispatch<kBF16>(nv, x, w, b, eps, y, mean, rstd, vec, st);
+  } else if (ln_row_fits(N, D)) {
+    // Wide rows otherwise: one block per row (faster than a warp with a run-time dtype).
     const dim3 grid(static_cast<unsigned>(N)), block(ln_row_threads(D));
     if (bf16_rows(x) && bf16_rows(y) && bf16_vec(w) && bf16_vec(b))
       layernorm_fwd_row_kernel<kBF16><<<grid, block, 0, st>>>(x, w, b, eps, y, mean, rstd, vec);
     else
       layernorm_fwd_row_kernel<kDtAny><<<grid, block, 0, st>>>(x, w, b, eps, y, mean, rstd, vec);
-  } else if (D > 0 && D % 8 == 0 && nv <= kLnMaxVec) {
-    // Instances for a few register sizes; the lanes' extra chunks are masked.
-    if (nv <= 1) layernorm_vec_launch<1>(x, w, b, eps, y, mean, rstd, vec, st);
-    else if (nv <= 2) layernorm_vec_launch<2>(x, w, b, eps, y, mean, rstd, vec, st);
-    else if (nv <= 3) layernorm_vec_launch<3>(x, w, b, eps, y, mean, rstd, vec, st);
-    else if (nv <= 4) layernorm_vec_launch<4>(x, w, b, eps, y, mean, rstd, vec, st);
-    else if (nv <= 6) layernorm_vec_launch<6>(x, w, b, eps, y, mean, rstd, vec, st);
-    else if (nv <= 8) layernorm_vec_launch<8>(x, w, b, eps, y, mean, rstd, vec, st);
-    else if (nv <= 12) layernorm_vec_launch<12>(x, w, b, eps, y, mean, rstd, vec, st);
-    else layernorm_vec_launch<16>(x, w, b, eps, y, mean, rstd, vec, st);
+  } else if (warp_rows) {
+    layernorm_vec_dispatch<kDtAny>(nv, x, w, b, eps, y, mean, rstd, vec, st);
   } else {
     layernorm_fwd_kernel<<<static_cast<unsigned>((N + kWarpsPerBlock - 1) / kWarpsPerBlock), 32 * kWarpsPerBlock, 0,
                            st>>>(x, w, b, eps, y, mean, rstd);
