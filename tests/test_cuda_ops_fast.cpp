@@ -329,8 +329,9 @@ TEST_F(CudaOpsFast, ConvBackwardSegments) {
 // ---- LayerNorm -----------------------------------------------------------------------------------
 
 // D = 3072 (BF16: one warp per row; F32: one block per row), 4104 (one block per row), 264 (warp
-// per row, partial chunks), 24 (3 lanes); with and without bias. The backward's recomputed statistics are the forward's (dx bitwise),
-// and y through a padded view (element-wise stores) has the same bits.
+// per row, partial chunks), 24 (3 lanes); with and without bias. The backward's recomputed
+// statistics are the forward's (dx bitwise), and y through a padded view (element-wise stores)
+// has the same bits.
 TEST_F(CudaOpsFast, LayerNormFastPathShapes) {
   const int64_t N = 67;
   for (int64_t D : {3072, 264, 24, 4104}) {
