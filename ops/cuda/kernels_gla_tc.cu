@@ -1,6 +1,6 @@
-// GENERATED from lab/gla/gla_tc_v6.cuh by lab/gla/promote.sh: edit the lab version, then re-run the script.
+// GENERATED from lab/gla/gla_tc_v7.cuh by lab/gla/promote.sh: edit the lab version, then re-run the script.
 //
-// lab/gla v6: chunked GLA forward/backward on tensor cores (mma.sync m16n8k16, bf16 operands,
+// lab/gla v7: chunked GLA forward/backward on tensor cores (mma.sync m16n8k16, bf16 operands,
 // fp32 accumulators), templated on the head dims and written for dk = 96, dv = 192 without
 // padding (96 = 6·16, 192 = 12·16: every tile is a whole number of 16-wide mma steps).
 //
@@ -416,43 +416,93 @@ __global__ void __launch_bounds__(kStateThreads) state_kernel(Args a, Act X, Act
   }
 }
 
-// ---- v6: carry across chunk groups -----------------------------------------------------------
-// grid (DK·DV / (2·kFixThreads), B·H); each thread owns the element pair (c, e), (c, e + 1) of
-// one head's state. states: the forward's hi/lo planes [B·H][N][2][DK][DV], each group's
-// chunk states relative to a zero start (group 0's exact); gend: each group's end state. The
-// carry is the true state entering group g: carry(1) = E_0, carry(g+1) = λ^{len g}·carry(g) + E_g.
-constexpr int kFixThreads = 256;
+// ---- v6/v7: carry across chunk groups --------------------------------------------------------
+// states: the forward's hi/lo planes [B·H][N][2][DK][DV], each group's chunk states relative to
+// a zero start (group 0's exact); gend: each group's end state. The carry is the true state
+// entering group g: carry(1) = E_0, carry(g+1) = λ^{len g}·carry(g) + E_g; chunk j of group g
+// gets λ^{128·j}·carry(g) added.
+//
+// v7: grid (⌈DK·DV / (4·kFixThreads)⌉, B·H, G − 1), blockIdx.z + 1 = the group whose chunk
+// states the block fixes; each thread owns four consecutive elements (c, e..e+3) of one head's
+// state. v6 had one thread walk every group with a double-precision pow per chunk: 156 µs at
+// B = 1, T = 8,192 (ncu), more than the scan kernel itself (103 µs). Now each thread rebuilds the
+// carry entering its own group from gend, the powers of λ come from tables in shared memory,
+// and the loads of kFixUnroll chunks are issued before any of their stores. The expressions and
+// their order are v6's, so the bits are too.
+constexpr int kFixThreads = 256, kFixVec = 4, kFixUnroll = 4;
+constexpr int kFixTab = 256;  // chunk weights λ^{128·j} tabled for j < kFixTab (more: computed)
+constexpr int kMaxGroups = 128;  // G ≤ kScanBlocks / 2 (plan_groups)
+
+template <int DK, int DV>
+inline dim3 fix_grid(const Args& a) {
+  return dim3((DK * DV / kFixVec + kFixThreads - 1) / kFixThreads, a.B * a.H, a.G - 1);
+}
+
 template <int DK, int DV>
 __global__ void __launch_bounds__(kFixThreads) group_fix_kernel(Args a, const int32_t* slots, StV sfin,
                                                                 __nv_bfloat16* states, const float* gend) {
+  static_assert(DV % kFixVec == 0, "a thread's four elements must lie in one state row");
+  __shared__ float wtab[kFixTab];    // λ^{128·j}
+  __shared__ float dtab[kMaxGroups];  // λ^{len g}: the decay across group g
   const int bh = blockIdx.y, b = bh / a.H, h = bh - b * a.H;
-  const int pair = blockIdx.x * kFixThreads + threadIdx.x;
-  if (pair >= DK * DV / 2) return;
-  const int c = (2 * pair) / DV, e = 2 * pair - c * DV;
+  const int grp = blockIdx.z + 1;
   const double lam = a.lam[h];
   const int64_t tg = static_cast<int64_t>(a.NG) * kC;  // tokens per whole group
-  const float* E = gend + static_cast<int64_t>(bh) * a.G * DK * DV + c * DV + e;
-  float2 carry = *reinterpret_cast<const float2*>(E);  // the state entering group 1
-  for (int grp = 1; grp < a.G; ++grp) {
-    const int n_lo = grp * a.NG, n_hi = min(a.N, n_lo + a.NG);
-    for (int n = n_lo; n < n_hi; ++n) {
-      const float w = static_cast<float>(pow(lam, static_cast<double>((n - n_lo) * kC)));
-      __nv_bfloat16* sp = states + ((static_cast<int64_t>(bh) * a.N + n) * 2 * DK + c) * DV + e;
-      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sp));
-      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sp + DK * DV));
-      uint32_t nh, nl;
-      split2(hi.x + lo.x + w * carry.x, hi.y + lo.y + w * carry.y, nh, nl);
-      *reinterpret_cast<uint32_t*>(sp) = nh;
-      *reinterpret_cast<uint32_t*>(sp + DK * DV) = nl;
-    }
-    const int64_t len = min(tg, static_cast<int64_t>(a.T) - grp * tg);
-    const float d = static_cast<float>(pow(lam, static_cast<double>(len)));
-    const float2 eg = *reinterpret_cast<const float2*>(E + static_cast<int64_t>(grp) * DK * DV);
-    carry = make_float2(d * carry.x + eg.x, d * carry.y + eg.y);
+  for (int j = threadIdx.x; j < min(a.NG, kFixTab); j += kFixThreads)
+    wtab[j] = static_cast<float>(pow(lam, static_cast<double>(j * kC)));
+  for (int g = threadIdx.x; g <= grp; g += kFixThreads) {
+    const int64_t len = min(tg, static_cast<int64_t>(a.T) - g * tg);
+    dtab[g] = static_cast<float>(pow(lam, static_cast<double>(len)));
   }
-  if (sfin.p) {
+  __syncthreads();
+  const int quad = blockIdx.x * kFixThreads + threadIdx.x;
+  if (quad >= DK * DV / kFixVec) return;
+  const int c = (kFixVec * quad) / DV, e = kFixVec * quad - c * DV;
+  const float* E = gend + static_cast<int64_t>(bh) * a.G * DK * DV + c * DV + e;
+  float4 carry = *reinterpret_cast<const float4*>(E);  // the state entering group 1
+  for (int g = 1; g < grp; ++g) {
+    const float d = dtab[g];
+    const float4 eg = *reinterpret_cast<const float4*>(E + static_cast<int64_t>(g) * DK * DV);
+    carry = make_float4(d * carry.x + eg.x, d * carry.y + eg.y, d * carry.z + eg.z, d * carry.w + eg.w);
+  }
+  const int n_lo = grp * a.NG, n_hi = min(a.N, n_lo + a.NG);
+  __nv_bfloat16* base = states + ((static_cast<int64_t>(bh) * a.N) * 2 * DK + c) * DV + e;
+  const int64_t chunk = 2 * DK * DV;  // elements per chunk's hi/lo pair
+  for (int n0 = n_lo; n0 < n_hi; n0 += kFixUnroll) {
+    uint2 hr[kFixUnroll], lr[kFixUnroll];
+#pragma unroll
+    for (int u = 0; u < kFixUnroll; ++u) {
+      if (n0 + u < n_hi) {
+        const __nv_bfloat16* sp = base + (n0 + u) * chunk;
+        hr[u] = *reinterpret_cast<const uint2*>(sp);
+        lr[u] = *reinterpret_cast<const uint2*>(sp + DK * DV);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kFixUnroll; ++u) {
+      const int n = n0 + u;
+      if (n >= n_hi) break;
+      const int j = n - n_lo;
+      const float w = j < kFixTab ? wtab[j] : static_cast<float>(pow(lam, static_cast<double>(j * kC)));
+      const float2 h0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hr[u].x));
+      const float2 h1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hr[u].y));
+      const float2 l0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&lr[u].x));
+      const float2 l1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&lr[u].y));
+      uint2 nh, nl;
+      split2(h0.x + l0.x + w * carry.x, h0.y + l0.y + w * carry.y, nh.x, nl.x);
+      split2(h1.x + l1.x + w * carry.z, h1.y + l1.y + w * carry.w, nh.y, nl.y);
+      __nv_bfloat16* sp = base + n * chunk;
+      *reinterpret_cast<uint2*>(sp) = nh;
+      *reinterpret_cast<uint2*>(sp + DK * DV) = nl;
+    }
+  }
+  if (grp == a.G - 1 && sfin.p) {  // the last group's block row also leaves the final state
+    const float d = dtab[grp];
+    const float4 eg = *reinterpret_cast<const float4*>(E + static_cast<int64_t>(grp) * DK * DV);
     const int64_t srow = slots ? slots[b] : b;
-    *reinterpret_cast<float2*>(sfin.p + srow * sfin.ss + h * sfin.sh + c * sfin.sk + e) = carry;
+    float* f = sfin.p + srow * sfin.ss + h * sfin.sh + c * sfin.sk + e;
+    *reinterpret_cast<float2*>(f) = make_float2(d * carry.x + eg.x, d * carry.y + eg.y);
+    *reinterpret_cast<float2*>(f + 2) = make_float2(d * carry.z + eg.z, d * carry.w + eg.w);
   }
 }
 
@@ -460,6 +510,7 @@ __global__ void __launch_bounds__(kFixThreads) group_fix_kernel(Args a, const in
 // on a 132-SM part (a fixed target, so results do not depend on the device), groups of at
 // least two chunks. G = 1 when the batch fills the GPU already (training shapes).
 constexpr int kScanBlocks = 256;
+static_assert(kMaxGroups >= kScanBlocks / 2, "group_fix_kernel tables λ^{len g} for every group");
 inline void plan_groups(Args& a, int slices) {
   const int per_seq = a.B * a.H * slices;
   int G = per_seq >= kScanBlocks ? 1 : kScanBlocks / per_seq;
@@ -954,8 +1005,8 @@ bool gla_tc_forward(CudaBackend& be, const GlaParams& p, const Tensor& q, const 
       a, tc_act(k), tc_act(v), tc_state(s_in), ps, tc_state(s_out), states, gend);
   CUDA_CHECK_LAUNCH();
   if (a.G > 1) {
-    const dim3 fgrid((DK * DV / 2 + gla_tc::kFixThreads - 1) / gla_tc::kFixThreads, a.B * a.H);
-    gla_tc::group_fix_kernel<DK, DV><<<fgrid, gla_tc::kFixThreads, 0, stream>>>(a, ps, tc_state(s_out), states, gend);
+    gla_tc::group_fix_kernel<DK, DV><<<gla_tc::fix_grid<DK, DV>(a), gla_tc::kFixThreads, 0, stream>>>(
+        a, ps, tc_state(s_out), states, gend);
     CUDA_CHECK_LAUNCH();
   }
   const unsigned cgrid = static_cast<unsigned>(static_cast<int64_t>(a.B) * a.H * a.N);
