@@ -6,8 +6,13 @@
 // at its power limit, as in a real step). The figures guide kernel work; the end-to-end numbers
 // come from `laplace bench decode|prefill` and bench_train.
 //
+// Inputs are the constant 0.01 by default; `--random 1` fills them with uniform noise in
+// [−0.5, 0.5] instead. The H200 runs at its power limit, and a tensor core's power depends on
+// how many bits toggle: constant operands let the clock stay high, so `--random 1` gives the
+// gemm rates of a real forward with real weights.
+//
 // Usage: bench_ops [--batch 1280] [--prompt 8192] [--layers 24] [--reps 10]
-//                  [--train-batch 8] [--train-seq 2048] [--only decode|prefill|train]
+//                  [--train-batch 8] [--train-seq 2048] [--only decode|prefill|train] [--random 0|1]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -19,6 +24,7 @@
 #include <vector>
 
 #include "core/arena.h"
+#include "core/dtype.h"
 #include "model/config.h"
 #include "model/state.h"
 #include "ops/backend.h"
@@ -33,6 +39,37 @@ struct Row {
   int64_t per_step = 1;
   std::function<void()> run = nullptr;  // the op (training section: timed again in sequence)
 };
+
+bool g_random = false;  // --random 1
+
+// Every non-integer tensor of the arena: 0.01, or (g_random) uniform in [−0.5, 0.5] from a
+// fixed-seed generator, made on the host in the tensor's dtype and copied over.
+void fill_inputs(Backend& be, Arena& a) {
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  for (size_t i = 0; i < a.size(); ++i) {
+    Tensor t = a.tensor(i);
+    if (t.dtype == DType::kI32) continue;
+    if (!g_random || (t.dtype != DType::kBF16 && t.dtype != DType::kF32)) {
+      be.fill(t, 0.01);
+      continue;
+    }
+    const int64_t n = t.numel();
+    auto next = [&x] {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;  // xorshift64
+      return static_cast<float>(static_cast<double>(x >> 11) * 0x1.0p-53) - 0.5f;
+    };
+    if (t.dtype == DType::kBF16) {
+      std::vector<uint16_t> h(static_cast<size_t>(n));
+      for (auto& v : h) v = float_to_bf16(next());
+      be.copy(t, Tensor::make(h.data(), t.dtype, t.shape.data(), t.ndim));
+    } else {
+      std::vector<float> h(static_cast<size_t>(n));
+      for (auto& v : h) v = next();
+      be.copy(t, Tensor::make(h.data(), t.dtype, t.shape.data(), t.ndim));
+    }
+  }
+  be.synchronize();
+}
 
 double time_ms(Backend& be, int reps, const std::function<void()>& f) {
   f();
@@ -105,8 +142,7 @@ int bench_train_ops(Backend& e, const Config& c, int64_t B, int64_t T, int64_t L
     return 1;
   }
   auto t = [&](const char* n) { return a.tensor(static_cast<size_t>(a.find(n))); };
-  for (size_t i = 0; i < a.size(); ++i)
-    if (a.tensor(i).dtype != DType::kI32) e.fill(a.tensor(i), 0.01);
+  fill_inputs(e, a);
   std::vector<int32_t> idv(static_cast<size_t>(N));
   for (int64_t i = 0; i < N; ++i) idv[i] = static_cast<int32_t>((i * 7919) % V);
   e.copy(t("ids"), Tensor(idv.data(), DType::kI32, {N}));
@@ -247,13 +283,14 @@ int main(int argc, char** argv) {
     else if (k == "--reps") reps = static_cast<int>(v);
     else if (k == "--train-batch") TB = v;
     else if (k == "--train-seq") TT = v;
+    else if (k == "--random") g_random = v != 0;
     else if (k == "--only" && (std::string(argv[i + 1]) == "decode" || std::string(argv[i + 1]) == "prefill" ||
                                std::string(argv[i + 1]) == "train"))
       only = argv[i + 1];
     else {
       std::fprintf(stderr,
                    "usage: bench_ops [--batch 1280] [--prompt 8192] [--layers 24] [--reps 10] [--train-batch 8] "
-                   "[--train-seq 2048] [--only decode|prefill|train]\n");
+                   "[--train-seq 2048] [--only decode|prefill|train] [--random 0|1]\n");
       return 2;
     }
   }
@@ -299,8 +336,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   auto t = [&](const char* n) { return a.tensor(static_cast<size_t>(a.find(n))); };
-  for (size_t i = 0; i < a.size(); ++i)
-    if (a.tensor(i).dtype != DType::kI32) be->fill(a.tensor(i), 0.01);
+  fill_inputs(*be, a);
   StatePool p32, p16;
   if (!p32.create(c, *be, B + 1, DType::kF32).is_ok() || !p16.create(c, *be, B + 1, DType::kBF16).is_ok()) {
     std::fprintf(stderr, "bench_ops: out of memory for the state pools\n");

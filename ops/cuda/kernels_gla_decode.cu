@@ -114,20 +114,21 @@ __global__ void __launch_bounds__(kDecMaxDv) gla_decode_kernel(DecArgs a) {
   const int nv = a.dv / C;
   const int tid = threadIdx.x, c = tid % nv, rg = tid / nv;
   const int rows = (a.dk + G - 1) / G;
+  const int64_t slot = a.slots ? a.slots[b] : b;
   ST* sS = reinterpret_cast<ST*>(state_smem);
+  // kBulk: one bulk copy per row group, each of `piece` bytes, both ways.
+  [[maybe_unused]] const uint32_t piece = static_cast<uint32_t>(rows * a.dv * static_cast<int>(sizeof(ST)));
   if constexpr (kBulk) {
     // The copies first: they are the long pole. Each barrier completes once (parity 0).
     if (tid == 0) {
-      const int64_t slot = a.slots ? a.slots[b] : b;
       const ST* gs = static_cast<const ST*>(a.s_in) + slot * a.ss + h * a.sh;
-      const uint32_t bytes = static_cast<uint32_t>(rows * a.dv * static_cast<int>(sizeof(ST)));
 #pragma unroll
       for (int p = 0; p < G; ++p) mbar_init(&bar[p], 1);
       fence_barrier_init();
 #pragma unroll
       for (int p = 0; p < G; ++p) {
-        mbar_arrive_expect_tx(&bar[p], bytes);
-        bulk_g2s(sS + p * rows * a.dv, gs + p * rows * a.dv, bytes, &bar[p]);
+        mbar_arrive_expect_tx(&bar[p], piece);
+        bulk_g2s(sS + p * rows * a.dv, gs + p * rows * a.dv, piece, &bar[p]);
       }
     }
   }
@@ -141,7 +142,6 @@ __global__ void __launch_bounds__(kDecMaxDv) gla_decode_kernel(DecArgs a) {
   for (int j = 0; j < C; ++j) vv[j] = ldf(a.v, vo + j, a.v_dt);
   __syncthreads();
 
-  const int64_t slot = a.slots ? a.slots[b] : b;
   const int64_t base = slot * a.ss + h * a.sh + C * c;
   // Rows are read from src and written to dst with row stride sk: the global states, or with
   // kBulk the shared copy (row stride dv).
@@ -184,11 +184,9 @@ __global__ void __launch_bounds__(kDecMaxDv) gla_decode_kernel(DecArgs a) {
   __syncthreads();
   if constexpr (kBulk) {
     if (tid == 0) {
-      const ST* gsrc = sS;
       ST* gd = static_cast<ST*>(a.s_out) + slot * a.ss + h * a.sh;
-      const uint32_t bytes = static_cast<uint32_t>(rows * a.dv * static_cast<int>(sizeof(ST)));
 #pragma unroll
-      for (int p = 0; p < G; ++p) bulk_s2g(gd + p * rows * a.dv, gsrc + p * rows * a.dv, bytes);
+      for (int p = 0; p < G; ++p) bulk_s2g(gd + p * rows * a.dv, sS + p * rows * a.dv, piece);
       bulk_commit();
     }
   }
