@@ -865,70 +865,50 @@ __global__ void rmsnorm_gate_fwd_kernel(RView o, RView g, Vec w, float eps, RVie
 }
 
 constexpr int kRmsMaxDv = 256;  // rmsnorm_gate_fwd_vec_kernel: one 8-column chunk per lane
-constexpr int kRmsRows = 2;     // rmsnorm_gate_fwd_vec_kernel: rows per warp
 enum : int { kRmsVecO = 1, kRmsVecG = 2, kRmsVecY = 4, kRmsVecW = 8 };  // which tensors ld8/st8 vectorize
 
 // The fast RMSNorm × gate (dv % 8 == 0, dv ≤ 256): rmsnorm_gate_fwd_kernel with o and g read
-// once, 8 columns per lane (lane l < dv/8 owns columns [8l, 8l+8)), and y written once. A warp
-// takes kRmsRows rows and issues all their loads before it reduces any: with one row per warp
-// (768 bytes in flight at dv = 192) the kernel held 27 % of the H200's bandwidth (ncu, 8,192 ×
-// 16 heads). Its bits are rmsnorm_gate_fwd_kernel's, on which the fused decode gate
-// (kernels_gla_decode.cu) relies: the sum of squares keeps the order lane l: columns l,
-// l+32, ... then the butterfly (each row is staged through shared memory for it), and y is
-// the same expression.
+// once, 8 columns per lane (lane l < dv/8 owns columns [8l, 8l+8)), and y written once.
+// Its bits are that kernel's, on which the fused decode gate (kernels_gla_decode.cu) relies:
+// the sum of squares keeps the order lane l: columns l, l+32, ... then the butterfly (the row
+// is staged through shared memory for it), and y is the same expression.
 // o, g, y [B,T,H,dv] as rows [B·T·H, dv]; w [dv]; rstd [B·T·H]
 template <int DT>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     rmsnorm_gate_fwd_vec_kernel(RView o, RView g, Vec w, float eps, RView y, float* rstd, int vec) {
-  __shared__ __align__(16) float sh[kWarpsPerBlock][kRmsRows][kRmsMaxDv];
+  __shared__ __align__(16) float sh[kWarpsPerBlock][kRmsMaxDv];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row0 = (blockIdx.x * (int64_t)kWarpsPerBlock + warp) * kRmsRows;
-  if (row0 >= o.rows) return;  // whole warps: the shuffles below see all 32 lanes
-  const int nr = o.rows - row0 < kRmsRows ? static_cast<int>(o.rows - row0) : kRmsRows;  // rows of this warp
+  const int64_t row = blockIdx.x * (int64_t)kWarpsPerBlock + warp;
+  if (row >= o.rows) return;  // whole warps: the shuffles below see all 32 lanes
   const int dv = static_cast<int>(o.cols);
   const bool own = lane < (dv >> 3);
-  float ov[kRmsRows][8], gv[kRmsRows][8];
+  float ov[8], gv[8];
   if (own) {
-#pragma unroll
-    for (int r = 0; r < kRmsRows; ++r) {
-      if (r < nr) {
-        ld8(o.p, o.row(row0 + r) + 8 * lane, dt_as<DT>(o.dt), vec_as<DT>(vec & kRmsVecO), ov[r]);
-        if (y.p) ld8(g.p, g.row(row0 + r) + 8 * lane, dt_as<DT>(g.dt), vec_as<DT>(vec & kRmsVecG), gv[r]);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < kRmsRows; ++r) {
-      if (r < nr) {
-        float4* d = reinterpret_cast<float4*>(&sh[warp][r][8 * lane]);
-        d[0] = make_float4(ov[r][0], ov[r][1], ov[r][2], ov[r][3]);
-        d[1] = make_float4(ov[r][4], ov[r][5], ov[r][6], ov[r][7]);
-      }
-    }
+    ld8(o.p, o.row(row) + 8 * lane, dt_as<DT>(o.dt), vec_as<DT>(vec & kRmsVecO), ov);
+    if (y.p) ld8(g.p, g.row(row) + 8 * lane, dt_as<DT>(g.dt), vec_as<DT>(vec & kRmsVecG), gv);
+    float4* d = reinterpret_cast<float4*>(&sh[warp][8 * lane]);
+    d[0] = make_float4(ov[0], ov[1], ov[2], ov[3]);
+    d[1] = make_float4(ov[4], ov[5], ov[6], ov[7]);
   }
   __syncwarp();
-  float wv[8];
-  if (y.p && own && w.p) ld8(w.p, 8 * lane, dt_as<DT>(w.dt), vec_as<DT>(vec & kRmsVecW), wv);
-#pragma unroll
-  for (int r = 0; r < kRmsRows; ++r) {
-    if (r >= nr) break;  // nr is the same on every lane
-    float ss = 0.f;
-    for (int c = lane; c < dv; c += 32) {
-      const float v = sh[warp][r][c];
-      ss += v * v;
-    }
-    const float rr = 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(dv) + eps);
-    if (y.p && own) {
-      float out[8];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        float v = ov[r][k] * rr * gv[r][k] * sigmoidf_(gv[r][k]);
-        if (w.p) v *= wv[k];
-        out[k] = v;
-      }
-      st8(y.p, y.row(row0 + r) + 8 * lane, dt_as<DT>(y.dt), vec_as<DT>(vec & kRmsVecY), out);
-    }
-    if (lane == 0 && rstd) rstd[row0 + r] = rr;
+  float ss = 0.f;
+  for (int c = lane; c < dv; c += 32) {
+    const float v = sh[warp][c];
+    ss += v * v;
   }
+  const float r = 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(dv) + eps);
+  if (y.p && own) {
+    float wv[8], out[8];
+    if (w.p) ld8(w.p, 8 * lane, dt_as<DT>(w.dt), vec_as<DT>(vec & kRmsVecW), wv);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      float v = ov[k] * r * gv[k] * sigmoidf_(gv[k]);
+      if (w.p) v *= wv[k];
+      out[k] = v;
+    }
+    st8(y.p, y.row(row) + 8 * lane, dt_as<DT>(y.dt), vec_as<DT>(vec & kRmsVecY), out);
+  }
+  if (lane == 0 && rstd) rstd[row] = r;
 }
 
 // Backward per row, with ô = o·rstd, s = SiLU(g), a = dy·w·s:
@@ -1066,14 +1046,12 @@ void launch_rmsnorm_gate_fwd(const RView& o, const RView& g, const Vec& w, float
   if (R == 0) return;
   const unsigned grid = static_cast<unsigned>((R + kWarpsPerBlock - 1) / kWarpsPerBlock);
   if (dv > 0 && dv % 8 == 0 && dv <= kRmsMaxDv) {
-    const int64_t per_block = static_cast<int64_t>(kWarpsPerBlock) * kRmsRows;
-    const unsigned vgrid = static_cast<unsigned>((R + per_block - 1) / per_block);
     const int vec = (vec_rows(o) ? kRmsVecO : 0) | (vec_rows(g) ? kRmsVecG : 0) | (vec_rows(y) ? kRmsVecY : 0) |
                     (w.p && aligned16(w.p) ? kRmsVecW : 0);
     if (bf16_rows(o) && bf16_rows(y.p ? g : RView{}) && bf16_rows(y) && bf16_vec(y.p ? w : Vec{}))
-      rmsnorm_gate_fwd_vec_kernel<kBF16><<<vgrid, 32 * kWarpsPerBlock, 0, st>>>(o, g, w, eps, y, rstd, vec);
+      rmsnorm_gate_fwd_vec_kernel<kBF16><<<grid, 32 * kWarpsPerBlock, 0, st>>>(o, g, w, eps, y, rstd, vec);
     else
-      rmsnorm_gate_fwd_vec_kernel<kDtAny><<<vgrid, 32 * kWarpsPerBlock, 0, st>>>(o, g, w, eps, y, rstd, vec);
+      rmsnorm_gate_fwd_vec_kernel<kDtAny><<<grid, 32 * kWarpsPerBlock, 0, st>>>(o, g, w, eps, y, rstd, vec);
   } else {
     rmsnorm_gate_fwd_kernel<<<grid, 32 * kWarpsPerBlock, 0, st>>>(o, g, w, eps, y, rstd);
   }
