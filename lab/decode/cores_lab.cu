@@ -1,0 +1,558 @@
+// lab/decode/cores_lab: can one kernel run a decode step's gemms and its state stream on the
+// same SMs at the same time?
+//
+// Why (docs/serving.md §4): 53,000 tokens/s at 1,280 sequences needs each layer's four gemms
+// (0.39 ms) hidden under its state stream (0.77 ms F32). Splitting the SMs between a state
+// kernel and cuBLASLt (overlap_lab) gained at most 3.6 %: each side then runs on half the GPU.
+// cuBLASLt's Hopper kernels hold a whole SM (registers and shared memory), so nothing can run
+// beside them. This lab tries the other partition: inside every SM. One persistent block per
+// SM has two roles that never wait for each other:
+//   gemm role   8 warps: C[M×N] = A[M×K]·W[N×K]ᵀ (bf16 in, fp32 accumulate, bf16 out) in
+//               128×128×32 tiles, mma.sync m16n8k16 from a 4-stage cp.async ring (80 KB);
+//               warp tile 64×32; tiles walked m-minor so the blocks that share a W tile run
+//               together (W read from HBM about once). Up to four problems (the layer's
+//               qkvg, wo, w12 and w3 of the other half batch), walked one after the other.
+//   state role  6 warps = lab/decode v1's block (48 four-column vectors × 4 row groups):
+//               per (b, h) item S ← λS + kᵀv in place and o = (scale·q)S with v1's fmaf order,
+//               UNROLL rows loaded before any is used, items w = block, block + grid, …
+// The roles sync only among themselves (named barriers 1 and 2), so each runs at the pace its
+// resources allow. The question is how close "both" comes to max(gemm alone, state alone).
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o cores_lab lab/decode/cores_lab.cu
+//   ./cores_lab [--B 640] [--M 640] [--reps 20] [--sustain 20] [--problems qkvg,wo,w12,w3]
+//
+// --B: sequences whose states stream (half of 1,280); --M: rows of the gemms (the other half).
+// Validation: the state role's states and o must equal v1's bit for bit (count of differing
+// 16-byte words, as decode_lab); every gemm's output is checked at 256 sampled entries against
+// an F64 dot product of the same bf16 inputs (relative to the samples' RMS; bf16 output, so
+// ~2e-3 is expected, 1e-2 the bound). Exit status 1 on a failed check.
+//
+// Lines (median ms of `reps` single calls | mean of `sustain` back to back): v1 alone (B·H
+// blocks, the production layout), gemm role alone, state role alone (UNROLL 8 and 24), both;
+// then "hidden" = (gemm + state − both) / min(gemm, state): 0 = the roles serialise, 1 = the
+// shorter one is hidden completely.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "../lab_host.h"
+#include "decode_v1.cuh"
+
+namespace {
+
+using decode_lab::DecArgs;
+using lab::bf2f;
+using lab::f2bf;
+
+constexpr int H = 16, DK = 96, DV = 192, D = 3072, F = 8192;
+
+// ---- gemm role ------------------------------------------------------------------------------
+constexpr int BM = 128, BN = 128, BK = 32;
+constexpr int LDS = BK + 8;  // row pitch 80 bytes: the 8 rows of an ldmatrix hit distinct banks
+constexpr int kStages = 4;
+constexpr int kGemmWarps = 8, kGemmThreads = 32 * kGemmWarps;
+constexpr int kStateThreads = 192;  // v1's block: dv / 4 column vectors × 4 row groups
+constexpr int kThreads = kGemmThreads + kStateThreads;
+constexpr int kStageElems = (BM + BN) * LDS;
+constexpr int kGemmSmem = kStages * kStageElems * 2;  // 81,920 bytes
+constexpr int kMaxProblems = 4;
+
+struct Gemm {
+  const __nv_bfloat16* A;  // [M, K] row-major
+  const __nv_bfloat16* W;  // [N, K] row-major (a weight matrix as stored)
+  __nv_bfloat16* C;        // [M, N]
+  int M, N, K;
+};
+struct GemmList {
+  Gemm p[kMaxProblems];
+  int n = 0;
+};
+
+__device__ __forceinline__ uint32_t su32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// A 16×16 at (r0, k0) of a row-major [m][LDS] tile (lab/gla's lda).
+__device__ __forceinline__ void lda(uint32_t (&a)[4], const __nv_bfloat16* s, int r0, int k0) {
+  const int l = threadIdx.x & 31;
+  ldsm4(a, su32(s + (r0 + (l & 15)) * LDS + k0 + (l >> 4) * 8));
+}
+// B of the n-tiles n0 and n0 + 8, k0..k0+15, from a [n][LDS] tile: r[0], r[1] = tile n0;
+// r[2], r[3] = tile n0 + 8 (lab/gla's ldb_nk).
+__device__ __forceinline__ void ldb(uint32_t (&r)[4], const __nv_bfloat16* s, int n0, int k0) {
+  const int l = threadIdx.x & 31, mi = l >> 3;
+  ldsm4(r, su32(s + (n0 + (l & 7) + (mi >> 1) * 8) * LDS + k0 + (mi & 1) * 8));
+}
+
+// Problem and tile of global tile index t (problems back to back; inside one, m-minor).
+__device__ __forceinline__ const Gemm& tile_of(const GemmList& g, int t, int* m0, int* n0) {
+  int p = 0;
+  for (;;) {
+    const int tm = g.p[p].M / BM, tiles = tm * (g.p[p].N / BN);
+    if (t < tiles || p + 1 == g.n) {
+      *m0 = (t % tm) * BM;
+      *n0 = (t / tm) * BN;
+      return g.p[p];
+    }
+    t -= tiles;
+    ++p;
+  }
+}
+
+__device__ void gemm_role(const GemmList& g, __nv_bfloat16* sm) {
+  const int gt = threadIdx.x, warp = gt >> 5, lane = gt & 31;
+  const int wm = warp >> 2, wn = warp & 3;  // 2 × 4 warps, warp tile 64 × 32
+  int total = 0;
+  for (int p = 0; p < g.n; ++p) total += (g.p[p].M / BM) * (g.p[p].N / BN);
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    int m0, n0;
+    const Gemm& pb = tile_of(g, t, &m0, &n0);
+    const int nk = pb.K / BK;
+    // Stage s ← the k-block kb of A's rows m0.. and W's rows n0..: 2 + 2 16-byte pieces a thread.
+    auto load_stage = [&](int s, int kb) {
+      __nv_bfloat16* As = sm + s * kStageElems;
+      __nv_bfloat16* Ws = As + BM * LDS;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int c = gt + i * kGemmThreads, r = c >> 2, q = c & 3;
+        cp_async16(su32(As + r * LDS + q * 8), pb.A + static_cast<int64_t>(m0 + r) * pb.K + kb * BK + q * 8);
+        cp_async16(su32(Ws + r * LDS + q * 8), pb.W + static_cast<int64_t>(n0 + r) * pb.K + kb * BK + q * 8);
+      }
+    };
+    float acc[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < nk) load_stage(s, s);
+      cp_async_commit();
+    }
+    for (int kb = 0; kb < nk; ++kb) {
+      cp_async_wait<kStages - 2>();
+      // k-block kb has landed for every gemm thread, and all of them are done reading the stage
+      // that the next load overwrites (k-block kb − 1's).
+      bar_sync(1, kGemmThreads);
+      if (kb + kStages - 1 < nk) load_stage((kb + kStages - 1) % kStages, kb + kStages - 1);
+      cp_async_commit();
+      const __nv_bfloat16* As = sm + (kb % kStages) * kStageElems;
+      const __nv_bfloat16* Ws = As + BM * LDS;
+#pragma unroll
+      for (int ks = 0; ks < BK / 16; ++ks) {
+        uint32_t af[4][4], bfr[2][4];
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) lda(af[mt], As, wm * 64 + mt * 16, ks * 16);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) ldb(bfr[np], Ws, wn * 32 + np * 16, ks * 16);
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+          for (int np = 0; np < 2; ++np) {
+            mma(acc[mt][2 * np], af[mt], bfr[np][0], bfr[np][1]);
+            mma(acc[mt][2 * np + 1], af[mt], bfr[np][2], bfr[np][3]);
+          }
+      }
+    }
+    cp_async_wait<0>();
+    bar_sync(1, kGemmThreads);  // the next tile's first loads overwrite stages still being read
+    // C fragment (g = lane / 4, q = lane % 4): rows g and g + 8, columns 2q and 2q + 1.
+    const int gr = lane >> 2, gq = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int r = m0 + wm * 64 + mt * 16 + gr, c = n0 + wn * 32 + nt * 8 + 2 * gq;
+        *reinterpret_cast<__nv_bfloat162*>(pb.C + static_cast<int64_t>(r) * pb.N + c) =
+            __floats2bfloat162_rn(acc[mt][nt][0], acc[mt][nt][1]);
+        *reinterpret_cast<__nv_bfloat162*>(pb.C + static_cast<int64_t>(r + 8) * pb.N + c) =
+            __floats2bfloat162_rn(acc[mt][nt][2], acc[mt][nt][3]);
+      }
+  }
+}
+
+// ---- state role: decode_v1's block as 6 warps of a shared block -----------------------------
+template <class ST, int UNROLL>
+__device__ void state_role(const DecArgs& a, float* qs, float* ks, float (*part)[DV]) {
+  constexpr int C = 4, G = 4;
+  const int tid = threadIdx.x - kGemmThreads;
+  const int nv = DV / C, c = tid % nv, rg = tid / nv;
+  constexpr int rows = (DK + G - 1) / G;
+  const int r0 = rg * rows, r1 = min(DK, r0 + rows);
+  for (int item = blockIdx.x; item < a.B * a.H; item += gridDim.x) {
+    const int b = item / a.H, h = item - b * a.H;
+    for (int i = tid; i < DK; i += kStateThreads) {
+      qs[i] = a.scale * decode_lab::ldf(a.q, b * a.q_sb + h * a.q_sh + i, a.q_dt);
+      ks[i] = decode_lab::ldf(a.k, b * a.k_sb + h * a.k_sh + i, a.k_dt);
+    }
+    float vv[C];
+    const int64_t vo = b * a.v_sb + h * a.v_sh + C * c;
+#pragma unroll
+    for (int j = 0; j < C; ++j) vv[j] = decode_lab::ldf(a.v, vo + j, a.v_dt);
+    bar_sync(2, kStateThreads);
+    const int64_t slot = a.slots ? a.slots[b] : b;
+    const int64_t base = slot * a.ss + h * a.sh + C * c;
+    const ST* src = static_cast<const ST*>(a.s_in) + base;
+    ST* dst = static_cast<ST*>(a.s_out) + base;
+    const float lam = a.lam[h];
+    float acc[C];
+#pragma unroll
+    for (int j = 0; j < C; ++j) acc[j] = 0.f;
+    for (int i0 = r0; i0 < r1; i0 += UNROLL) {
+      float s[UNROLL][C];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        if (i0 + u < r1) {
+          decode_lab::load_vec(src + (i0 + u) * a.sk, s[u]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < C; ++j) s[u][j] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int i = i0 + u;
+        if (i >= r1) break;
+        const float kk = ks[i], qq = qs[i];
+#pragma unroll
+        for (int j = 0; j < C; ++j) {
+          s[u][j] = fmaf(lam, s[u][j], kk * vv[j]);
+          acc[j] = fmaf(qq, s[u][j], acc[j]);
+        }
+        decode_lab::store_vec(dst + i * a.sk, s[u]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < C; ++j) part[rg][C * c + j] = acc[j];
+    bar_sync(2, kStateThreads);
+    for (int e = tid; e < DV; e += kStateThreads) {  // o_e = Σ_rg part[rg][e] in group order (v1)
+      float x = part[0][e];
+#pragma unroll
+      for (int g = 1; g < G; ++g) x += part[g][e];
+      decode_lab::stf(a.o, b * a.o_sb + h * a.o_sh + e, a.o_dt, x);
+    }
+    bar_sync(2, kStateThreads);  // qs, ks and part are the next item's
+  }
+}
+
+// At most 65,536 / 448 = 146 registers a thread (one block per SM): the gemm role's 64
+// accumulators and fragments fit; the compiler gives both roles the same count.
+template <class ST, bool kGemm, bool kState, int UNROLL>
+__global__ void __launch_bounds__(kThreads, 1) cores_kernel(GemmList g, DecArgs d) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ float qs[DK], ks[DK];
+  __shared__ float part[4][DV];
+  if (threadIdx.x < kGemmThreads) {
+    if constexpr (kGemm) gemm_role(g, reinterpret_cast<__nv_bfloat16*>(smem));
+  } else {
+    if constexpr (kState) state_role<ST, UNROLL>(d, qs, ks, part);
+  }
+}
+
+// Deterministic bf16 matrices from an element hash (decode_common's state_init, exact on host
+// and device), scaled; the host recomputes any element for the F64 check.
+__host__ __device__ inline float mat_value(uint64_t seed, uint64_t idx, float scale) {
+  return scale * decode_lab::state_init(idx + (seed << 40));
+}
+__global__ void init_mat(__nv_bfloat16* p, uint64_t n, uint64_t seed, float scale) {
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x)
+    p[i] = __float2bfloat16_rn(mat_value(seed, i, scale));
+}
+
+struct Shape {
+  const char* name;
+  int N, K;
+};
+const Shape kShapes[] = {{"qkvg", 9216, D}, {"wo", D, H * DV}, {"w12", 2 * F, D}, {"w3", D, F}};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int B = 640, M = 640, reps = 20, sustain = 20;
+  std::string problems = "qkvg,wo,w12,w3";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--B") B = std::atoi(v.c_str());
+    else if (k == "--M") M = std::atoi(v.c_str());
+    else if (k == "--reps") reps = std::atoi(v.c_str());
+    else if (k == "--sustain") sustain = std::atoi(v.c_str());
+    else if (k == "--problems") problems = v;
+    else {
+      std::fprintf(stderr, "usage: cores_lab [--B 640] [--M 640] [--reps 20] [--sustain 20] [--problems qkvg,wo,w12,w3]\n");
+      return 2;
+    }
+  }
+  if (B < 1 || M < BM || M % BM != 0 || reps < 1 || sustain < 1) {
+    std::fprintf(stderr, "cores_lab: need B >= 1 and M a positive multiple of %d\n", BM);
+    return 2;
+  }
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  const int sms = prop.multiProcessorCount;
+  std::printf("%s, %d SMs; one block of %d threads per SM (%d gemm, %d state), %d bytes of dynamic shared memory\n",
+              prop.name, sms, kThreads, kGemmThreads, kStateThreads, kGemmSmem);
+
+  // ---- gemm problems (the other half batch's layer: M rows each)
+  GemmList gl;
+  double flop = 0;
+  std::vector<__nv_bfloat16*> bufs;
+  std::vector<std::string> names;
+  for (size_t p = 0; p <= problems.size();) {
+    size_t e = problems.find(',', p);
+    if (e == std::string::npos) e = problems.size();
+    const std::string nm = problems.substr(p, e - p);
+    p = e + 1;
+    const Shape* sh = nullptr;
+    for (const Shape& s : kShapes)
+      if (nm == s.name) sh = &s;
+    if (!sh || gl.n == kMaxProblems) {
+      std::fprintf(stderr, "cores_lab: unknown or too many problems: %s\n", problems.c_str());
+      return 2;
+    }
+    Gemm& g = gl.p[gl.n];
+    g.M = M, g.N = sh->N, g.K = sh->K;
+    __nv_bfloat16 *A, *W, *C;
+    CK(cudaMalloc(&A, static_cast<size_t>(M) * g.K * 2));
+    CK(cudaMalloc(&W, static_cast<size_t>(g.N) * g.K * 2));
+    CK(cudaMalloc(&C, static_cast<size_t>(M) * g.N * 2));
+    init_mat<<<2048, 256>>>(A, static_cast<uint64_t>(M) * g.K, 2 * gl.n + 1, 1.0f);
+    init_mat<<<2048, 256>>>(W, static_cast<uint64_t>(g.N) * g.K, 2 * gl.n + 2, 0.05f);
+    CK(cudaGetLastError());
+    g.A = A, g.W = W, g.C = C;
+    bufs.insert(bufs.end(), {A, W, C});
+    names.push_back(nm);
+    flop += 2.0 * M * g.N * static_cast<double>(g.K);
+    ++gl.n;
+  }
+
+  // ---- states of B sequences (F32), decode_lab's inputs
+  const int64_t npairs = static_cast<int64_t>(B) * H, state_elems = npairs * DK * DV;
+  const size_t state_bytes = static_cast<size_t>(state_elems) * 4;
+  std::vector<uint16_t> hq(npairs * DK), hk(npairs * DK), hv(npairs * DV);
+  uint64_t rs = 12345;
+  auto uni = [&rs] {
+    rs = rs * 6364136223846793005ULL + 1442695040888963407ULL;
+    return static_cast<double>(rs >> 11) * (1.0 / 9007199254740992.0);
+  };
+  for (auto& x : hq) x = f2bf(static_cast<float>(2 * uni() - 1));
+  for (auto& x : hk) x = f2bf(static_cast<float>(2 * uni() - 1));
+  for (auto& x : hv) x = f2bf(static_cast<float>(2 * uni() - 1));
+  float *states, *pristine, *sref, *o, *oref;
+  __nv_bfloat16 *q, *k, *v;
+  unsigned long long* ndiff;
+  CK(cudaMalloc(&states, state_bytes));
+  CK(cudaMalloc(&pristine, state_bytes));
+  CK(cudaMalloc(&sref, state_bytes));
+  CK(cudaMalloc(&o, npairs * DV * 4));
+  CK(cudaMalloc(&oref, npairs * DV * 4));
+  CK(cudaMalloc(&q, hq.size() * 2));
+  CK(cudaMalloc(&k, hk.size() * 2));
+  CK(cudaMalloc(&v, hv.size() * 2));
+  CK(cudaMalloc(&ndiff, sizeof(unsigned long long)));
+  CK(cudaMemcpy(q, hq.data(), hq.size() * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(k, hk.data(), hk.size() * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(v, hv.data(), hv.size() * 2, cudaMemcpyHostToDevice));
+  decode_lab::init_states<float><<<4096, 256>>>(pristine, static_cast<uint64_t>(state_elems));
+  CK(cudaGetLastError());
+  DecArgs a{};
+  a.B = B, a.H = H, a.dk = DK, a.dv = DV;
+  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(DK)));
+  for (int h = 0; h < H; ++h) a.lam[h] = 0.95f + 0.04f * h / (H - 1);
+  a.q = q, a.k = k, a.v = v, a.o = o;
+  a.q_dt = a.k_dt = a.v_dt = decode_lab::kBF16;
+  a.o_dt = decode_lab::kF32;
+  a.q_sb = a.k_sb = static_cast<int64_t>(H) * DK, a.q_sh = a.k_sh = DK;
+  a.v_sb = a.o_sb = static_cast<int64_t>(H) * DV, a.v_sh = a.o_sh = DV;
+  a.s_in = states, a.s_out = states;
+  a.sk = DV, a.sh = static_cast<int64_t>(DK) * DV, a.ss = a.sh * H;
+  a.slots = nullptr;
+  CK(cudaDeviceSynchronize());
+
+  // v1's bits: one step from the pristine states.
+  CK(cudaMemcpy(states, pristine, state_bytes, cudaMemcpyDeviceToDevice));
+  decode_lab::v1::gla_decode_kernel<float><<<static_cast<unsigned>(npairs), DV>>>(a);
+  CK(cudaGetLastError());
+  CK(cudaMemcpy(sref, states, state_bytes, cudaMemcpyDeviceToDevice));
+  CK(cudaMemcpy(oref, o, npairs * DV * 4, cudaMemcpyDeviceToDevice));
+
+  struct Variant {
+    std::string name;
+    bool gemm, state;
+    void (*k)(GemmList, DecArgs);
+  };
+  const std::vector<Variant> vars = {
+      {"gemm role alone", true, false, cores_kernel<float, true, false, 8>},
+      {"state role alone, unroll 8", false, true, cores_kernel<float, false, true, 8>},
+      {"state role alone, unroll 24", false, true, cores_kernel<float, false, true, 24>},
+      {"both, unroll 8", true, true, cores_kernel<float, true, true, 8>},
+      {"both, unroll 24", true, true, cores_kernel<float, true, true, 24>},
+  };
+  for (const Variant& var : vars) {
+    CK(cudaFuncSetAttribute(var.k, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmem));
+    cudaFuncAttributes fa;
+    CK(cudaFuncGetAttributes(&fa, var.k));
+    int occ = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, var.k, kThreads, kGemmSmem));
+    std::printf("  %-28s %3d registers, %5zu bytes spilled, %d block(s) per SM\n", var.name.c_str(), fa.numRegs,
+                static_cast<size_t>(fa.localSizeBytes), occ);
+  }
+
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  auto timed = [&](const std::function<void()>& f, double* sus) {
+    std::vector<double> t;
+    for (int i = 0; i < reps + 2; ++i) {
+      CK(cudaEventRecord(e0));
+      f();
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, e0, e1));
+      if (i >= 2) t.push_back(ms);
+    }
+    CK(cudaEventRecord(e0));
+    for (int i = 0; i < sustain; ++i) f();
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    *sus = ms / sustain;
+    CK(cudaGetLastError());
+    return median(t);
+  };
+  const double sbytes = 2.0 * static_cast<double>(state_bytes);
+  std::printf("states: %d sequences x %d heads, %.3f GB read + written; gemms (M = %d):", B, H, sbytes / 1e9, M);
+  for (const auto& n : names) std::printf(" %s", n.c_str());
+  std::printf(", %.1f GFLOP\n", flop / 1e9);
+
+  int fails = 0;
+  // v1 alone (production layout) for reference.
+  {
+    double sus = 0;
+    const double t = timed([&] { decode_lab::v1::gla_decode_kernel<float><<<static_cast<unsigned>(npairs), DV>>>(a); }, &sus);
+    std::printf("  %-28s %8.4f ms | %8.4f ms sustained  %5.3f TB/s\n", "v1 alone (B·H blocks)", t, sus, sbytes / (sus * 1e9));
+  }
+  double t_gemm = 0, t_state[2] = {0, 0};
+  std::vector<uint16_t> hc;
+  for (const Variant& var : vars) {
+    // Validation run from the pristine states.
+    CK(cudaMemcpy(states, pristine, state_bytes, cudaMemcpyDeviceToDevice));
+    CK(cudaMemset(o, 0xff, npairs * DV * 4));
+    for (int p = 0; p < gl.n; ++p) CK(cudaMemset(gl.p[p].C, 0xff, static_cast<size_t>(M) * gl.p[p].N * 2));
+    var.k<<<sms, kThreads, kGemmSmem>>>(gl, a);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+    std::string check;
+    if (var.state) {
+      unsigned long long sd = 0, od = 0;
+      CK(cudaMemset(ndiff, 0, sizeof sd));
+      decode_lab::count_diff<<<1024, 256>>>(reinterpret_cast<const uint4*>(states), reinterpret_cast<const uint4*>(sref),
+                                            state_bytes / 16, ndiff);
+      CK(cudaMemcpy(&sd, ndiff, sizeof sd, cudaMemcpyDeviceToHost));
+      CK(cudaMemset(ndiff, 0, sizeof od));
+      decode_lab::count_diff<<<1024, 256>>>(reinterpret_cast<const uint4*>(o), reinterpret_cast<const uint4*>(oref),
+                                            npairs * DV * 4 / 16, ndiff);
+      CK(cudaMemcpy(&od, ndiff, sizeof od, cudaMemcpyDeviceToHost));
+      check += " S diff/v1 " + std::to_string(sd) + ", o diff/v1 " + std::to_string(od);
+      fails += sd != 0 || od != 0;
+    }
+    if (var.gemm) {
+      double worst = 0;
+      for (int p = 0; p < gl.n; ++p) {
+        const Gemm& g = gl.p[p];
+        hc.resize(static_cast<size_t>(M) * g.N);
+        CK(cudaMemcpy(hc.data(), g.C, hc.size() * 2, cudaMemcpyDeviceToHost));
+        double num = 0, den = 0;
+        uint64_t r = 777 + p;
+        for (int s = 0; s < 256; ++s) {
+          r = r * 6364136223846793005ULL + 1442695040888963407ULL;
+          const int row = static_cast<int>((r >> 33) % static_cast<uint64_t>(M));
+          const int col = static_cast<int>((r >> 13) % static_cast<uint64_t>(g.N));
+          double ref = 0;
+          for (int kk = 0; kk < g.K; ++kk) {
+            const double x = bf2f(f2bf(mat_value(2 * p + 1, static_cast<uint64_t>(row) * g.K + kk, 1.0f)));
+            const double w = bf2f(f2bf(mat_value(2 * p + 2, static_cast<uint64_t>(col) * g.K + kk, 0.05f)));
+            ref += x * w;
+          }
+          const double got = bf2f(hc[static_cast<size_t>(row) * g.N + col]);
+          num += (got - ref) * (got - ref);
+          den += ref * ref;
+        }
+        const double rel = std::sqrt(num / std::max(den, 1e-300));
+        worst = std::isfinite(rel) ? std::max(worst, rel) : INFINITY;
+      }
+      char buf[64];
+      std::snprintf(buf, sizeof buf, " gemm rel err %.2e", worst);
+      check += buf;
+      fails += !(worst <= 1e-2);
+    }
+    double sus = 0;
+    const double t = timed([&] { var.k<<<sms, kThreads, kGemmSmem>>>(gl, a); }, &sus);
+    std::string rate;
+    char buf[96];
+    if (var.gemm && !var.state) {
+      t_gemm = sus;
+      std::snprintf(buf, sizeof buf, "  %.0f TFLOP/s", flop / (sus * 1e9));
+      rate = buf;
+    } else if (var.state && !var.gemm) {
+      t_state[var.name.find("24") != std::string::npos] = sus;
+      std::snprintf(buf, sizeof buf, "  %5.3f TB/s", sbytes / (sus * 1e9));
+      rate = buf;
+    } else {
+      const double ts = t_state[var.name.find("24") != std::string::npos];
+      std::snprintf(buf, sizeof buf, "  hidden %.2f (alone: %.4f + %.4f ms)", (t_gemm + ts - sus) / std::min(t_gemm, ts),
+                    t_gemm, ts);
+      rate = buf;
+    }
+    std::printf("  %-28s %8.4f ms | %8.4f ms sustained%s |%s\n", var.name.c_str(), t, sus, rate.c_str(), check.c_str());
+    std::fflush(stdout);
+  }
+  std::printf("%s: %d check(s) failed\n", fails ? "FAIL" : "PASS", fails);
+  for (auto* p : bufs) CK(cudaFree(p));
+  CK(cudaFree(states));
+  CK(cudaFree(pristine));
+  CK(cudaFree(sref));
+  CK(cudaFree(o));
+  CK(cudaFree(oref));
+  CK(cudaFree(q));
+  CK(cudaFree(k));
+  CK(cudaFree(v));
+  CK(cudaFree(ndiff));
+  return fails ? 1 : 0;
+}
