@@ -27,6 +27,8 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+
 #include "core/bench_log.h"
 #include "core/arena.h"
 #include "ops/backend.h"
@@ -49,27 +51,19 @@ struct Args {
   std::string commit;
 };
 
-bool parse_args(int argc, char** argv, Args* a) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    auto val = [&]() -> const char* { return i + 1 < argc ? argv[++i] : nullptr; };
-    const char* v = nullptr;
-    if (k == "--help" || k == "-h") return false;
-    v = val();
-    if (!v) return false;
-    if (k == "--B") a->B = std::atoll(v);
-    else if (k == "--T") a->T = std::atoll(v);
-    else if (k == "--H") a->H = std::atoll(v);
-    else if (k == "--dk") a->dk = std::atoll(v);
-    else if (k == "--dv") a->dv = std::atoll(v);
-    else if (k == "--reps") a->reps = std::atoi(v);
-    else if (k == "--warmup") a->warmup = std::atoi(v);
-    else if (k == "--check-batch") a->check_batch = std::atoll(v);
-    else if (k == "--results") a->results = v;
-    else if (k == "--commit") a->commit = v;
-    else return false;
-  }
-  return a->B >= 1 && a->T >= 1 && a->H >= 1 && a->dk >= 1 && a->dv >= 1 && a->reps >= 1 && a->warmup >= 0;
+// The command line (CLI11, as the laplace program); exits through CLI11 on --help or a bad value.
+void add_args(CLI::App& app, Args* a) {
+  app.add_option("--B", a->B, "sequences")->check(CLI::PositiveNumber);
+  app.add_option("--T", a->T, "tokens per sequence")->check(CLI::PositiveNumber);
+  app.add_option("--H", a->H, "heads")->check(CLI::PositiveNumber);
+  app.add_option("--dk", a->dk, "key dim per head")->check(CLI::PositiveNumber);
+  app.add_option("--dv", a->dv, "value dim per head")->check(CLI::PositiveNumber);
+  app.add_option("--reps", a->reps, "timed runs (median)")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", a->warmup, "untimed runs first")->check(CLI::NonNegativeNumber);
+  app.add_option("--check-batch", a->check_batch, "sequences checked against F64 on the CPU")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--results", a->results, "JSON lines appended here");
+  app.add_option("--commit", a->commit, "commit written into each line (default: git's HEAD)");
 }
 
 #ifdef LAPLACE_HAVE_CUDA
@@ -118,12 +112,9 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   Args a;
-  if (!parse_args(argc, argv, &a)) {
-    std::fprintf(stderr,
-                 "usage: bench_gla [--B 8] [--T 2048] [--H 16] [--dk 96] [--dv 192] [--reps 20] [--warmup 3]\n"
-                 "                 [--check-batch 2] [--results bench/results.jsonl] [--commit HASH]\n");
-    return 2;
-  }
+  CLI::App app{"bench_gla: the CUDA GLA mixer, forward and forward + backward"};
+  add_args(app, &a);
+  CLI11_PARSE(app, argc, argv);
 #ifndef LAPLACE_HAVE_CUDA
   std::fprintf(stderr, "bench_gla: skipped: this build has no CUDA backend\n");
   return 0;

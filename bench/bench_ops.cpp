@@ -23,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+
 #include "core/arena.h"
 #include "core/dtype.h"
 #include "model/config.h"
@@ -274,26 +276,16 @@ int main(int argc, char** argv) {
   int64_t B = 1280, P = 8192, L = 24, TB = 8, TT = 2048;
   int reps = 10;
   std::string only;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i];
-    const int64_t v = std::atoll(argv[i + 1]);
-    if (k == "--batch") B = v;
-    else if (k == "--prompt") P = v;
-    else if (k == "--layers") L = v;
-    else if (k == "--reps") reps = static_cast<int>(v);
-    else if (k == "--train-batch") TB = v;
-    else if (k == "--train-seq") TT = v;
-    else if (k == "--random") g_random = v != 0;
-    else if (k == "--only" && (std::string(argv[i + 1]) == "decode" || std::string(argv[i + 1]) == "prefill" ||
-                               std::string(argv[i + 1]) == "train"))
-      only = argv[i + 1];
-    else {
-      std::fprintf(stderr,
-                   "usage: bench_ops [--batch 1280] [--prompt 8192] [--layers 24] [--reps 10] [--train-batch 8] "
-                   "[--train-seq 2048] [--only decode|prefill|train] [--random 0|1]\n");
-      return 2;
-    }
-  }
+  CLI::App app{"bench_ops: the ops of a laplace-3b decode step, prefill and training micro-batch, one by one"};
+  app.add_option("--batch", B, "decode rows")->check(CLI::PositiveNumber);
+  app.add_option("--prompt", P, "prefill tokens")->check(CLI::PositiveNumber);
+  app.add_option("--layers", L, "layers (per-step totals)")->check(CLI::PositiveNumber);
+  app.add_option("--reps", reps, "timed calls per op (mean)")->check(CLI::PositiveNumber);
+  app.add_option("--train-batch", TB, "training micro-batch")->check(CLI::PositiveNumber);
+  app.add_option("--train-seq", TT, "training tokens per sequence")->check(CLI::PositiveNumber);
+  app.add_option("--only", only, "one section")->check(CLI::IsMember({"decode", "prefill", "train"}));
+  app.add_option("--random", g_random, "1: uniform noise inputs instead of the constant 0.01");
+  CLI11_PARSE(app, argc, argv);
   std::string why;
   std::unique_ptr<Backend> be = make_cuda_backend(&why);
   if (!be) {

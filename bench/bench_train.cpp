@@ -34,6 +34,8 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+
 #include "core/bench_log.h"
 #include "model/model.h"
 #include "train/memory_plan.h"
@@ -59,30 +61,21 @@ struct Args {
   std::string commit;
 };
 
-bool parse_args(int argc, char** argv, Args* a) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    if (k == "--help" || k == "-h") return false;
-    if (k == "--recompute-mixer") {
-      a->recompute = true;
-      continue;
-    }
-    if (i + 1 >= argc) return false;
-    const char* v = argv[++i];
-    if (k == "--config") a->config = v;
-    else if (k == "--seq") a->seq = std::atoll(v);
-    else if (k == "--batch") a->batch = std::atoll(v);
-    else if (k == "--accum") a->accum = std::atoll(v);
-    else if (k == "--steps") a->steps = std::atoi(v);
-    else if (k == "--warmup") a->warmup = std::atoi(v);
-    else if (k == "--reserve-gib") a->reserve_gib = std::atof(v);
-    else if (k == "--peak-tflops") a->peak_tflops = std::atof(v);
-    else if (k == "--lr") a->lr = std::atof(v);
-    else if (k == "--results") a->results = v;
-    else if (k == "--commit") a->commit = v;
-    else return false;
-  }
-  return a->seq >= 1 && a->batch >= 0 && a->accum >= 1 && a->steps >= 1 && a->warmup >= 0;
+// The command line (CLI11, as the laplace program); exits through CLI11 on --help or a bad value.
+void add_args(CLI::App& app, Args* a) {
+  app.add_option("--config", a->config, "model config (JSON)");
+  app.add_option("--seq", a->seq, "tokens per sequence")->check(CLI::PositiveNumber);
+  app.add_option("--batch", a->batch, "micro-batch (0: the largest of 8, 4, 2, 1 that fits)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--accum", a->accum, "micro-batches per step")->check(CLI::PositiveNumber);
+  app.add_option("--steps", a->steps, "timed steps (median)")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", a->warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
+  app.add_flag("--recompute-mixer", a->recompute, "recompute the GLA output in the backward");
+  app.add_option("--reserve-gib", a->reserve_gib, "device memory left free by the plan")->check(CLI::NonNegativeNumber);
+  app.add_option("--peak-tflops", a->peak_tflops, "peak for MFU")->check(CLI::PositiveNumber);
+  app.add_option("--lr", a->lr, "learning rate")->check(CLI::NonNegativeNumber);
+  app.add_option("--results", a->results, "JSON lines appended here");
+  app.add_option("--commit", a->commit, "commit written into each line (default: git's HEAD)");
 }
 
 #ifdef LAPLACE_HAVE_CUDA
@@ -360,13 +353,9 @@ int run(const Args& a) {
 
 int main(int argc, char** argv) {
   Args a;
-  if (!parse_args(argc, argv, &a)) {
-    std::fprintf(stderr,
-                 "usage: bench_train [--config configs/laplace-3b.json] [--seq 2048] [--batch N] [--accum 2]\n"
-                 "                   [--steps 2] [--warmup 1] [--recompute-mixer] [--reserve-gib 3]\n"
-                 "                   [--peak-tflops 989] [--lr 3e-4] [--results bench/results.jsonl] [--commit HASH]\n");
-    return 2;
-  }
+  CLI::App app{"bench_train: whole laplace-3b training steps on one GPU"};
+  add_args(app, &a);
+  CLI11_PARSE(app, argc, argv);
 #ifdef LAPLACE_HAVE_CUDA
   return run(a);
 #else
