@@ -305,17 +305,19 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   int B = 640, M = 640, reps = 20, sustain = 20;
   std::string problems = "qkvg,wo,w12,w3";
-  for (int i = 1; i + 1 < argc; i += 2) {
+  auto usage = [] {
+    std::fprintf(stderr, "usage: cores_lab [--B 640] [--M 640] [--reps 20] [--sustain 20] [--problems qkvg,wo,w12,w3]\n");
+    return 2;
+  };
+  for (int i = 1; i < argc; i += 2) {
+    if (i + 1 >= argc) return usage();
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--B") B = std::atoi(v.c_str());
     else if (k == "--M") M = std::atoi(v.c_str());
     else if (k == "--reps") reps = std::atoi(v.c_str());
     else if (k == "--sustain") sustain = std::atoi(v.c_str());
     else if (k == "--problems") problems = v;
-    else {
-      std::fprintf(stderr, "usage: cores_lab [--B 640] [--M 640] [--reps 20] [--sustain 20] [--problems qkvg,wo,w12,w3]\n");
-      return 2;
-    }
+    else return usage();
   }
   if (B < 1 || M < BM || M % BM != 0 || reps < 1 || sustain < 1) {
     std::fprintf(stderr, "cores_lab: need B >= 1 and M a positive multiple of %d\n", BM);
