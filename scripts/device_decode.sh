@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: build, run the engine's GPU tests, then the serving benchmarks of laplace-3b
 # (random bf16 weights); logs and JSON lines under $OUT. Stages run in the order given:
-#   STAGES="tests decode eager bf16 prefill sweep prompt poisson ops train lab declab overlap cores ncu parity" COMMIT=abc123 scripts/device_decode.sh
+#   STAGES="tests decode eager bf16 prefill sweep prompt poisson ops train lab declab overlap deferred cores ncu parity" COMMIT=abc123 scripts/device_decode.sh
 # COMMIT is written into every result line (the device's git HEAD may be stale).
 # The device tool returns at most 8 files from $OUT, so every stage appends to one log,
 # $OUT/run.log (the GPU tests and the build keep their own; results go to results.jsonl).
@@ -67,6 +67,10 @@ for s in $STAGES; do
     overlap)  # lab/decode/overlap_lab: the state stream on N SMs beside the gemms of the other half batch
       nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o build-gpu/overlap_lab lab/decode/overlap_lab.cu \
         -lcublasLt >> "$LOG" 2>&1 && timeout 300 ./build-gpu/overlap_lab ${OVERLAP_ARGS:-} 2>&1 | tee -a "$LOG" ;;
+    deferred)  # lab/decode/deferred_lab: v4, the state written back every R-th step only, against v1
+      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o build-gpu/deferred_lab lab/decode/deferred_lab.cu \
+        >> "$LOG" 2>&1 && for r in ${DEFERRED_R:-4 8 16}; do timeout 120 ./build-gpu/deferred_lab --R $r --steps 16 \
+        ${DEFERRED_ARGS:-} 2>&1 | tee -a "$LOG"; done ;;
     cores)  # lab/decode/cores_lab: gemm tiles and the state stream as two roles of one block on every SM
       nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o build-gpu/cores_lab lab/decode/cores_lab.cu \
         >> "$LOG" 2>&1 && timeout 300 ./build-gpu/cores_lab ${CORES_ARGS:-} 2>&1 | tee -a "$LOG" ;;
