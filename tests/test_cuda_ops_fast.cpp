@@ -486,7 +486,7 @@ TEST_F(CudaOpsFast, LayerNormDwDbFastPathShapes) {
 // The fast kernel keeps the generic kernel's bits: o through a padded view (element-wise
 // loads) gives the same y; the backward's recomputed rstd gives the same d_o, dg.
 TEST_F(CudaOpsFast, RmsNormGateFastPathShapes) {
-  const int64_t B = 3, T = 5, H = 3;  // 45 rows: the fast kernel's last warp has one row of two
+  const int64_t B = 3, T = 5, H = 3;  // 45 rows: a partial last block of 8
   for (int64_t dv : {192, 64, 256, 12, 264}) {
     for (DType dt : {kF32, kBF16}) {
       SCOPED_TRACE("dv " + std::to_string(dv) + (dt == kF32 ? ", F32" : ", BF16"));
