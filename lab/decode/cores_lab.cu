@@ -366,14 +366,10 @@ int main(int argc, char** argv) {
   const int64_t npairs = static_cast<int64_t>(B) * H, state_elems = npairs * DK * DV;
   const size_t state_bytes = static_cast<size_t>(state_elems) * 4;
   std::vector<uint16_t> hq(npairs * DK), hk(npairs * DK), hv(npairs * DV);
-  uint64_t rs = 12345;
-  auto uni = [&rs] {
-    rs = rs * 6364136223846793005ULL + 1442695040888963407ULL;
-    return static_cast<double>(rs >> 11) * (1.0 / 9007199254740992.0);
-  };
-  for (auto& x : hq) x = f2bf(static_cast<float>(2 * uni() - 1));
-  for (auto& x : hk) x = f2bf(static_cast<float>(2 * uni() - 1));
-  for (auto& x : hv) x = f2bf(static_cast<float>(2 * uni() - 1));
+  decode_lab::Rng rs{12345};
+  for (auto& x : hq) x = f2bf(static_cast<float>(2 * rs.uniform() - 1));
+  for (auto& x : hk) x = f2bf(static_cast<float>(2 * rs.uniform() - 1));
+  for (auto& x : hv) x = f2bf(static_cast<float>(2 * rs.uniform() - 1));
   float *states, *pristine, *sref, *o, *oref;
   __nv_bfloat16 *q, *k, *v;
   unsigned long long* ndiff;

@@ -73,6 +73,15 @@ __device__ __forceinline__ void store_vec(__nv_bfloat16* p, const float* x) {
   *reinterpret_cast<uint2*>(p) = t;
 }
 
+// The labs' host-side generator (q, k, v and sample picks): a 64-bit LCG, uniform in [0, 1).
+struct Rng {
+  uint64_t s;
+  double uniform() {
+    s = s * 6364136223846793005ULL + 1442695040888963407ULL;
+    return static_cast<double>(s >> 11) * (1.0 / 9007199254740992.0);
+  }
+};
+
 // Initial state element `idx` (the flat index into [slots, H, dk, dv]) in [-1, 1): the CPU
 // reference recomputes any element from its index, so no host copy of the (GB-sized) states is
 // needed. Every float operation is exact (24-bit integer · 2⁻²³ − 1), so host and device agree

@@ -41,13 +41,7 @@ using lab::f2bf;
 
 constexpr int H = 16, DK = 96, DV = 192;
 
-struct Rng {
-  uint64_t s;
-  double uniform() {  // [0, 1)
-    s = s * 6364136223846793005ULL + 1442695040888963407ULL;
-    return static_cast<double>(s >> 11) * (1.0 / 9007199254740992.0);
-  }
-};
+using decode_lab::Rng;
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());

@@ -33,13 +33,7 @@ using lab::f2bf;
 
 constexpr int H = 16, DK = 96, DV = 192;
 
-struct Rng {
-  uint64_t s;
-  double uniform() {
-    s = s * 6364136223846793005ULL + 1442695040888963407ULL;
-    return static_cast<double>(s >> 11) * (1.0 / 9007199254740992.0);
-  }
-};
+using decode_lab::Rng;
 
 using Kernel = void (*)(DecArgs, decode_lab::v4::Pending);
 Kernel v4_for(int R) {
