@@ -91,13 +91,7 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-struct Rng {  // decode_lab's inputs generator
-  uint64_t s;
-  double uniform() {
-    s = s * 6364136223846793005ULL + 1442695040888963407ULL;
-    return static_cast<double>(s >> 11) * (1.0 / 9007199254740992.0);
-  }
-};
+using decode_lab::Rng;  // decode_lab's inputs generator
 
 __global__ void fill_bf16(__nv_bfloat16* p, uint64_t n, uint64_t seed, float scale) {
   for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x)
