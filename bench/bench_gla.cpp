@@ -53,15 +53,15 @@ struct Args {
 
 // The command line (CLI11, as the laplace program); exits through CLI11 on --help or a bad value.
 void add_args(CLI::App& app, Args* a) {
-  app.add_option("--B", a->B, "sequences")->check(CLI::PositiveNumber);
-  app.add_option("--T", a->T, "tokens per sequence")->check(CLI::PositiveNumber);
-  app.add_option("--H", a->H, "heads")->check(CLI::PositiveNumber);
-  app.add_option("--dk", a->dk, "key dim per head")->check(CLI::PositiveNumber);
-  app.add_option("--dv", a->dv, "value dim per head")->check(CLI::PositiveNumber);
-  app.add_option("--reps", a->reps, "timed runs (median)")->check(CLI::PositiveNumber);
-  app.add_option("--warmup", a->warmup, "untimed runs first")->check(CLI::NonNegativeNumber);
+  app.add_option("--B", a->B, "sequences")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--T", a->T, "tokens per sequence")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--H", a->H, "heads")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--dk", a->dk, "key dim per head")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--dv", a->dv, "value dim per head")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--reps", a->reps, "timed runs (median)")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--warmup", a->warmup, "untimed runs first")->check(CLI::Range(0, 1 << 30));
   app.add_option("--check-batch", a->check_batch, "sequences checked against F64 on the CPU")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, 1 << 30));
   app.add_option("--results", a->results, "JSON lines appended here");
   app.add_option("--commit", a->commit, "commit written into each line (default: git's HEAD)");
 }

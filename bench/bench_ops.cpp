@@ -277,12 +277,12 @@ int main(int argc, char** argv) {
   int reps = 10;
   std::string only;
   CLI::App app{"bench_ops: the ops of a laplace-3b decode step, prefill and training micro-batch, one by one"};
-  app.add_option("--batch", B, "decode rows")->check(CLI::PositiveNumber);
-  app.add_option("--prompt", P, "prefill tokens")->check(CLI::PositiveNumber);
-  app.add_option("--layers", L, "layers (per-step totals)")->check(CLI::PositiveNumber);
-  app.add_option("--reps", reps, "timed calls per op (mean)")->check(CLI::PositiveNumber);
-  app.add_option("--train-batch", TB, "training micro-batch")->check(CLI::PositiveNumber);
-  app.add_option("--train-seq", TT, "training tokens per sequence")->check(CLI::PositiveNumber);
+  app.add_option("--batch", B, "decode rows")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--prompt", P, "prefill tokens")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--layers", L, "layers (per-step totals)")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--reps", reps, "timed calls per op (mean)")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--train-batch", TB, "training micro-batch")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--train-seq", TT, "training tokens per sequence")->check(CLI::Range(1, 1 << 30));
   app.add_option("--only", only, "one section")->check(CLI::IsMember({"decode", "prefill", "train"}));
   app.add_option("--random", g_random, "1: uniform noise inputs instead of the constant 0.01");
   CLI11_PARSE(app, argc, argv);

@@ -64,16 +64,16 @@ struct Args {
 // The command line (CLI11, as the laplace program); exits through CLI11 on --help or a bad value.
 void add_args(CLI::App& app, Args* a) {
   app.add_option("--config", a->config, "model config (JSON)");
-  app.add_option("--seq", a->seq, "tokens per sequence")->check(CLI::PositiveNumber);
+  app.add_option("--seq", a->seq, "tokens per sequence")->check(CLI::Range(1, 1 << 30));
   app.add_option("--batch", a->batch, "micro-batch (0: the largest of 8, 4, 2, 1 that fits)")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--accum", a->accum, "micro-batches per step")->check(CLI::PositiveNumber);
-  app.add_option("--steps", a->steps, "timed steps (median)")->check(CLI::PositiveNumber);
-  app.add_option("--warmup", a->warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, 1 << 30));
+  app.add_option("--accum", a->accum, "micro-batches per step")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--steps", a->steps, "timed steps (median)")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--warmup", a->warmup, "untimed steps first")->check(CLI::Range(0, 1 << 30));
   app.add_flag("--recompute-mixer", a->recompute, "recompute the GLA output in the backward");
-  app.add_option("--reserve-gib", a->reserve_gib, "device memory left free by the plan")->check(CLI::NonNegativeNumber);
-  app.add_option("--peak-tflops", a->peak_tflops, "peak for MFU")->check(CLI::PositiveNumber);
-  app.add_option("--lr", a->lr, "learning rate")->check(CLI::NonNegativeNumber);
+  app.add_option("--reserve-gib", a->reserve_gib, "device memory left free by the plan")->check(CLI::Range(0.0, 1e4));
+  app.add_option("--peak-tflops", a->peak_tflops, "peak for MFU")->check(CLI::Range(1.0, 1e6));
+  app.add_option("--lr", a->lr, "learning rate")->check(CLI::Range(0.0, 10.0));
   app.add_option("--results", a->results, "JSON lines appended here");
   app.add_option("--commit", a->commit, "commit written into each line (default: git's HEAD)");
 }
