@@ -60,15 +60,14 @@ void fill_inputs(Backend& be, Arena& a) {
       x ^= x << 13, x ^= x >> 7, x ^= x << 17;  // xorshift64
       return static_cast<float>(static_cast<double>(x >> 11) * 0x1.0p-53) - 0.5f;
     };
-    if (t.dtype == DType::kBF16) {
-      std::vector<uint16_t> h(static_cast<size_t>(n));
-      for (auto& v : h) v = float_to_bf16(next());
+    // The values made in the tensor's host type (to_dt: float → that type), then copied over.
+    auto upload = [&](auto to_dt) {
+      std::vector<decltype(to_dt(0.f))> h(static_cast<size_t>(n));
+      for (auto& v : h) v = to_dt(next());
       be.copy(t, Tensor::make(h.data(), t.dtype, t.shape.data(), t.ndim));
-    } else {
-      std::vector<float> h(static_cast<size_t>(n));
-      for (auto& v : h) v = next();
-      be.copy(t, Tensor::make(h.data(), t.dtype, t.shape.data(), t.ndim));
-    }
+    };
+    if (t.dtype == DType::kBF16) upload(float_to_bf16);
+    else upload([](float f) { return f; });
   }
   be.synchronize();
 }

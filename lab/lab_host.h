@@ -1,14 +1,16 @@
-// Host helpers shared by the kernel labs (lab/*/…_lab.cu): a check macro for CUDA calls and
-// BF16 ⇄ F32 conversions (core/dtype.h's, round to nearest even). Header-only: each lab builds
+// Host helpers shared by the kernel labs (lab/*/…_lab.cu): a check macro for CUDA calls,
+// BF16 ⇄ F32 conversions (core/dtype.h's, round to nearest even) and the timings' median. Header-only: each lab builds
 // with nvcc alone.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "../core/dtype.h"
 
@@ -26,5 +28,11 @@ namespace lab {
 // The project's BF16 conversions (core/dtype.h is header-only for these).
 inline uint16_t f2bf(float f) { return laplace::float_to_bf16(f); }
 inline float bf2f(uint16_t h) { return laplace::bf16_to_float(h); }
+
+// The upper median of a lab's timings (v.size() / 2 after sorting).
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
 
 }  // namespace lab

@@ -295,10 +295,7 @@ struct Shape {
 };
 const Shape kShapes[] = {{"qkvg", 9216, D}, {"wo", D, H * DV}, {"w12", 2 * F, D}, {"w3", D, F}};
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using lab::median;
 
 }  // namespace
 

@@ -43,10 +43,7 @@ constexpr int H = 16, DK = 96, DV = 192;
 
 using decode_lab::Rng;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using lab::median;
 
 struct Version {
   std::string name;

@@ -127,17 +127,20 @@ int main(int argc, char** argv) {
     return x;
   };
   const unsigned grid = static_cast<unsigned>(npairs);
+  // One decode step t (inputs of step t mod steps) through each kernel, on its own states.
+  auto step_v4 = [&](int t) { k4<<<grid, decode_lab::v4::kThreads>>>(step_args(t, s4), pend); };
+  auto step_v1 = [&](int t) { decode_lab::v1::gla_decode_kernel<float><<<grid, DV>>>(step_args(t, s1)); };
 
   // ---- accuracy: o of every step from both kernels, then the final states
   std::vector<std::vector<float>> o4(steps), o1(steps);
   for (int t = 0; t < steps; ++t) {
     o4[t].resize(npairs * DV), o1[t].resize(npairs * DV);
     CK(cudaMemset(o, 0xff, npairs * DV * 4));
-    k4<<<grid, decode_lab::v4::kThreads>>>(step_args(t, s4), pend);
+    step_v4(t);
     CK(cudaGetLastError());
     CK(cudaMemcpy(o4[t].data(), o, npairs * DV * 4, cudaMemcpyDeviceToHost));
     CK(cudaMemset(o, 0xff, npairs * DV * 4));
-    decode_lab::v1::gla_decode_kernel<float><<<grid, DV>>>(step_args(t, s1));
+    step_v1(t);
     CK(cudaGetLastError());
     CK(cudaMemcpy(o1[t].data(), o, npairs * DV * 4, cudaMemcpyDeviceToHost));
   }
@@ -205,17 +208,11 @@ int main(int argc, char** argv) {
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
-  auto per_step = [&](bool v4) {
+  auto per_step = [&](const auto& step) {
     const int n = cycles * R;
-    for (int t = 0; t < R; ++t) {  // warm-up: one whole cycle
-      if (v4) k4<<<grid, decode_lab::v4::kThreads>>>(step_args(t, s4), pend);
-      else decode_lab::v1::gla_decode_kernel<float><<<grid, DV>>>(step_args(t, s1));
-    }
+    for (int t = 0; t < R; ++t) step(t);  // warm-up: one whole cycle
     CK(cudaEventRecord(e0));
-    for (int t = 0; t < n; ++t) {
-      if (v4) k4<<<grid, decode_lab::v4::kThreads>>>(step_args(t, s4), pend);
-      else decode_lab::v1::gla_decode_kernel<float><<<grid, DV>>>(step_args(t, s1));
-    }
+    for (int t = 0; t < n; ++t) step(t);
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
     CK(cudaGetLastError());
@@ -223,7 +220,7 @@ int main(int argc, char** argv) {
     CK(cudaEventElapsedTime(&ms, e0, e1));
     return ms / n;
   };
-  const double t1 = per_step(false), t4 = per_step(true);
+  const double t1 = per_step(step_v1), t4 = per_step(step_v4);
   const double sb = static_cast<double>(DK) * DV * 4;  // state bytes of one (b, h)
   const double pair = (DK + DV) * 2.0;
   const double b1 = 2 * sb, b4 = sb + sb / R + pair * ((R - 1) / 2.0 + 1.0 * (R - 1) / R);

@@ -86,10 +86,7 @@ struct Opts {
   std::vector<std::string> dtypes = {"f32", "bf16"};
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using lab::median;
 
 using decode_lab::Rng;  // decode_lab's inputs generator
 

@@ -48,10 +48,7 @@ struct Version {
   std::function<void(const NormArgs&, cudaStream_t)> fwd, dx;
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using lab::median;
 
 }  // namespace
 
