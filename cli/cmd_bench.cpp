@@ -2,7 +2,7 @@
 //
 //   laplace bench decode  --config F | --model DIR [--device cpu|cuda] [--dtype f32|bf16]
 //                         --batch N --steps S --prompt-len P [--layers-sweep]
-//                         [--state-dtype f32|bf16] [--eager] [--accuracy-steps K]
+//                         [--state-dtype f32|bf16] [--eager] [--defer-writeback R] [--accuracy-steps K]
 //                         [--compare-prompt-len P2]
 //   laplace bench prefill --config F | --model DIR --prompt-len P [--reps R]
 //   laplace bench serve   --config F | --model DIR --rate R --count N --prompt-len P
@@ -137,6 +137,7 @@ struct DecodeArgs {
   int64_t sweep_max_layers = 0;
   std::string state_dtype = "f32";
   bool eager = false;
+  int64_t defer_writeback = 0;
   int64_t accuracy_steps = 0;
   int64_t compare_prompt_len = 0;
   std::string results = "bench/results.jsonl", tag;
@@ -151,7 +152,7 @@ struct DecodeFigures {
 // which all of them decode (one batched forward each, sampling included).
 Status measure_decode(Model& m, const DecodeArgs& a, bool print_summary, DecodeFigures* f) {
   EngineOptions o;
-  LAPLACE_RETURN_IF_ERROR(engine_decode_options(a.model.device, a.state_dtype, a.eager, &o));
+  LAPLACE_RETURN_IF_ERROR(engine_decode_options(a.model.device, a.state_dtype, a.eager, a.defer_writeback, &o));
   o.max_slots = a.batch;
   o.prefill_chunk = std::min(a.prefill_chunk, a.prompt_len);
   o.max_batch_tokens = a.max_batch_tokens > 0 ? a.max_batch_tokens : a.batch + 4 * o.prefill_chunk;
@@ -192,18 +193,19 @@ Status measure_decode(Model& m, const DecodeArgs& a, bool print_summary, DecodeF
   return Status::ok();
 }
 
-// BF16 states against F32 states (SPEC §3's accuracy cost): `rows` sequences prefilled
-// with the same random prompts into an F32 and a BF16 pool, then `steps` decode steps
-// fed, in both pools, the token the F32 states choose greedily (teacher forcing, so the
-// two runs see the same inputs). Per step: do the two argmaxes agree, and the relative
-// RMS error of the BF16-state logits against the F32-state ones.
+// BF16 or deferred-write-back states against F32 states written back every step (SPEC §3's
+// accuracy cost): `rows` sequences prefilled with the same random prompts into an F32 pool
+// and a test pool (test_dtype, write-back every test_defer-th step), then `steps` decode
+// steps fed, in both pools, the token the F32 states choose greedily (teacher forcing, so
+// the two runs see the same inputs). Per step: do the two argmaxes agree, and the relative
+// RMS error of the test pool's logits against the F32 ones.
 struct AccuracyFigures {
   double agreement_pct = 0, logit_relrms_mean = 0, logit_relrms_max = 0;
   int64_t first_disagreement = -1;  // step of the first disagreeing row (-1: none)
 };
 
 Status measure_state_accuracy(Model& m, int64_t rows, int64_t prompt_len, int64_t steps, uint64_t seed,
-                              AccuracyFigures* f) {
+                              DType test_dtype, int64_t test_defer, AccuracyFigures* f) {
   const Config& c = m.config();
   Backend& be = m.backend();
   PlanOptions po;
@@ -214,7 +216,7 @@ Status measure_state_accuracy(Model& m, int64_t rows, int64_t prompt_len, int64_
   LAPLACE_RETURN_IF_ERROR(m.plan(po));
   StatePool p32, p16;
   LAPLACE_RETURN_IF_ERROR(p32.create(c, be, rows, DType::kF32));
-  LAPLACE_RETURN_IF_ERROR(p16.create(c, be, rows, DType::kBF16));
+  LAPLACE_RETURN_IF_ERROR(p16.create(c, be, rows, test_dtype, {test_defer, m.dtype()}));
   Rng rng(seed);
   ForwardOptions pre;
   pre.last_logits_only = true;
@@ -304,17 +306,25 @@ Status run_bench_decode(const DecodeArgs& a) {
               "%", res.note + (a.tag.empty() ? "" : ", tag " + a.tag));
   }
   if (a.accuracy_steps > 0) {
-    if (a.state_dtype != "bf16") return Status::invalid_argument("--accuracy-steps compares bf16 states: add --state-dtype bf16");
+    const bool bf16 = a.state_dtype == "bf16";
+    if (!bf16 && a.defer_writeback == 0)
+      return Status::invalid_argument(
+          "--accuracy-steps compares bf16 or deferred-write-back states with f32 ones: add --state-dtype bf16 or "
+          "--defer-writeback R");
     const int64_t rows = std::min<int64_t>(a.batch, 64);
     AccuracyFigures acc;
-    LAPLACE_RETURN_IF_ERROR(measure_state_accuracy(lm.model, rows, a.prompt_len, a.accuracy_steps, a.seed + 7, &acc));
-    std::printf("bf16 vs f32 states, %lld sequences x %lld teacher-forced steps: argmax agreement %.2f%% (first "
+    LAPLACE_RETURN_IF_ERROR(measure_state_accuracy(lm.model, rows, a.prompt_len, a.accuracy_steps, a.seed + 7,
+                                                   bf16 ? DType::kBF16 : DType::kF32, a.defer_writeback, &acc));
+    // bf16state, fp32state_defer8, bf16state_defer8: the names of the test pool's options.
+    const std::string what = std::string(bf16 ? "bf16state" : "fp32state") +
+                             (a.defer_writeback ? "_defer" + std::to_string(a.defer_writeback) : "");
+    std::printf("%s vs f32 states, %lld sequences x %lld teacher-forced steps: argmax agreement %.2f%% (first "
                 "disagreement at step %lld), logits rel RMS mean %.3g max %.3g\n",
-                (long long)rows, (long long)a.accuracy_steps, acc.agreement_pct, (long long)acc.first_disagreement,
-                acc.logit_relrms_mean, acc.logit_relrms_max);
-    res.add("decode_bf16state_token_agreement_pct", acc.agreement_pct, "%");
-    res.add("decode_bf16state_logit_relrms_mean", acc.logit_relrms_mean, "");
-    res.add("decode_bf16state_logit_relrms_max", acc.logit_relrms_max, "");
+                what.c_str(), (long long)rows, (long long)a.accuracy_steps, acc.agreement_pct,
+                (long long)acc.first_disagreement, acc.logit_relrms_mean, acc.logit_relrms_max);
+    res.add("decode_" + what + "_token_agreement_pct", acc.agreement_pct, "%");
+    res.add("decode_" + what + "_logit_relrms_mean", acc.logit_relrms_mean, "");
+    res.add("decode_" + what + "_logit_relrms_max", acc.logit_relrms_max, "");
   }
 
   if (!a.layers_sweep) return Status::ok();
@@ -435,6 +445,7 @@ struct ServeArgs {
   std::string results = "bench/results.jsonl", tag;
   std::string state_dtype = "f32";
   bool eager = false;
+  int64_t defer_writeback = 0;
 };
 
 Status run_bench_serve(const ServeArgs& a) {
@@ -443,7 +454,7 @@ Status run_bench_serve(const ServeArgs& a) {
   LAPLACE_RETURN_IF_ERROR(make_model(a.model, a.seed, 0, &lm, &random));
   const Config& c = lm.model.config();
   EngineOptions o;
-  LAPLACE_RETURN_IF_ERROR(engine_decode_options(a.model.device, a.state_dtype, a.eager, &o));
+  LAPLACE_RETURN_IF_ERROR(engine_decode_options(a.model.device, a.state_dtype, a.eager, a.defer_writeback, &o));
   o.max_slots = a.max_slots;
   o.max_batch_tokens = a.max_batch_tokens;
   o.prefill_chunk = a.prefill_chunk;
@@ -570,9 +581,10 @@ void add_bench(CLI::App& app) {
                 "also time num_layers = 1, 2, 4, ... (random weights) and fit ms/step = overhead + slope x layers");
   dec->add_option("--sweep-max-layers", d->sweep_max_layers, "largest layer count of the sweep (default: config's)")
       ->check(CLI::NonNegativeNumber);
-  add_decode_options(dec, &d->state_dtype, &d->eager);
+  add_decode_options(dec, &d->state_dtype, &d->eager, &d->defer_writeback);
   dec->add_option("--accuracy-steps", d->accuracy_steps,
-                  "with --state-dtype bf16: teacher-forced steps comparing bf16 to f32 states (0 = skip)")
+                  "with --state-dtype bf16 or --defer-writeback: teacher-forced steps comparing those states to f32 "
+                  "states written back every step (0 = skip)")
       ->check(CLI::Range(0, 1 << 20));
   dec->add_option("--results", d->results, "append JSON lines here (empty: don't)");
   dec->add_option("--tag", d->tag, "suffix for the figure names (e.g. 3b_1280_fp32state)");
@@ -611,7 +623,7 @@ void add_bench(CLI::App& app) {
   srv->add_option("--max-batch-tokens", s->max_batch_tokens, "per-step token budget")->check(CLI::Range(1, 1 << 24));
   srv->add_option("--prefill-chunk", s->prefill_chunk, "prefill piece (tokens)")->check(CLI::Range(1, 1 << 20));
   srv->add_option("--seed", s->seed, "seed of the random weights (no checkpoint), arrivals and prompts");
-  add_decode_options(srv, &s->state_dtype, &s->eager);
+  add_decode_options(srv, &s->state_dtype, &s->eager, &s->defer_writeback);
   srv->add_option("--results", s->results, "append JSON lines here (empty: don't)");
   srv->add_option("--tag", s->tag, "suffix for the figure names");
   srv->callback([s] { g_exit_code = report(run_bench_serve(*s)); });

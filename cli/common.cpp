@@ -42,14 +42,19 @@ Status parse_dtype(const std::string& s, DType* out) {
   return Status::ok();
 }
 
-void add_decode_options(CLI::App* cmd, std::string* state_dtype, bool* eager) {
+void add_decode_options(CLI::App* cmd, std::string* state_dtype, bool* eager, int64_t* defer_writeback) {
   cmd->add_option("--state-dtype", *state_dtype, "decode state dtype: f32, or bf16 (CUDA, bf16 models: half the bytes)")
       ->check(CLI::IsMember({"f32", "bf16"}));
   cmd->add_flag("--eager", *eager, "CUDA: decode without CUDA graphs (same kernels and padded widths)");
+  cmd->add_option("--defer-writeback", *defer_writeback,
+                  "write each decode state back every R-th step only (R = 4, 8 or 16; 0 = every step, SPEC's slot "
+                  "size): less state traffic, slots larger by the last R-1 tokens' k and v")
+      ->check(CLI::IsMember({0, 4, 8, 16}));
 }
 
 Status engine_decode_options(const std::string& device, const std::string& state_dtype, bool eager,
-                             EngineOptions* o) {
+                             int64_t defer_writeback, EngineOptions* o) {
+  o->defer_writeback = defer_writeback;
   if (state_dtype == "bf16") o->state_dtype = DType::kBF16;
   else if (state_dtype == "f32") o->state_dtype = DType::kF32;
   else return Status::invalid_argument("--state-dtype must be f32 or bf16, got '" + state_dtype + "'");

@@ -37,12 +37,12 @@ Status load_model(const ModelArgs& a, LoadedModel* out);
 Status parse_ids(const std::string& s, std::vector<int32_t>* out);
 Status parse_id_rows(const std::string& s, std::vector<std::vector<int32_t>>* out);
 
-// Engine decode options shared by serve and the benches: --state-dtype f32|bf16 and
-// --eager. On CUDA, decode runs from CUDA graphs captured at start-up unless --eager
-// (which keeps the same padded widths); on the CPU, decode is eager at exact widths.
-void add_decode_options(CLI::App* cmd, std::string* state_dtype, bool* eager);
+// Engine decode options shared by serve and the benches: --state-dtype f32|bf16, --eager
+// and --defer-writeback R. On CUDA, decode runs from CUDA graphs captured at start-up unless
+// --eager (which keeps the same padded widths); on the CPU, decode is eager at exact widths.
+void add_decode_options(CLI::App* cmd, std::string* state_dtype, bool* eager, int64_t* defer_writeback);
 Status engine_decode_options(const std::string& device, const std::string& state_dtype, bool eager,
-                             EngineOptions* o);
+                             int64_t defer_writeback, EngineOptions* o);
 
 // "123", "64k", "512M", "2G" (binary multiples) → bytes.
 Status parse_bytes(const std::string& s, int64_t* out);

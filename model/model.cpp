@@ -170,6 +170,8 @@ void Model::check_forward(int64_t B, int64_t T, const ForwardOptions& opt, const
     const bool ok = pd == (dtype_ == DType::kF64 ? DType::kF64 : DType::kF32) ||
                     (pd == DType::kBF16 && dtype_ == DType::kBF16);
     LAPLACE_CHECK(ok, "forward: state pool dtype must be F32 (F64 for F64 models; BF16 allowed for BF16 models)");
+    LAPLACE_CHECK(pool->pending_steps() == 0 || pool->pending(0).k.dtype == dtype_,
+                  "forward: a deferred-write-back pool keeps its pairs in the model's dtype");
   }
 }
 
@@ -252,12 +254,19 @@ void Model::run_forward(int64_t B, int64_t T, const ForwardOptions& opt, StatePo
     be.gemm(rows(a.c, N), false, w.wqkvg, true, qkvg, 1.0, 0.0);
     Tensor st = pool ? pool->gla(l) : Tensor{};
     Tensor o = bthd(rows(a.o, N), B, T, H, dv);
-    if (decode_step) {
+    const GlaPending pend = pool ? pool->pending(l) : GlaPending{};
+    if (decode_step && pend.defined()) {
+      // Deferred write-back: S read every step, written every R-th (docs/serving.md §4).
+      be.gla_decode_gate_deferred(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
+                                  qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps, st, pend, slot_ids, o,
+                                  bthd(rows(a.y, N), B, T, H, dv));
+    } else if (decode_step) {
       // One pass over each state: recurrence, output and gate fused (same bits as below).
       be.gla_decode_gate(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
                          qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps, st, slot_ids, o,
                          bthd(rows(a.y, N), B, T, H, dv));
     } else if (st.defined() && st.dtype == DType::kBF16) {
+      if (pend.defined()) be.gla_pending_flush(gp, st, pend, slot_ids);  // the chunked form reads S
       // A BF16 pool in a chunked forward: each row's state goes through F32 (one rounding
       // back on the store, as a decode step's).
       const Tensor stage = state_stage(B);
@@ -266,6 +275,7 @@ void Model::run_forward(int64_t B, int64_t T, const ForwardOptions& opt, StatePo
                      stage, Tensor{});
       for (int64_t b = 0; b < B; ++b) be.copy(st.select(host_slots[b]), stage.select(b));
     } else {
+      if (pend.defined()) be.gla_pending_flush(gp, st, pend, slot_ids);  // the chunked form reads S
       be.gla_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), o, st, st,
                      slot_ids);
     }

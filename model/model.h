@@ -72,7 +72,9 @@ class Model {
   // leaves it updated; without, every sequence starts from the zero state. F32 pools
   // (F64 for F64 models); BF16 models may also use a BF16 pool on backends that take
   // BF16 states (CUDA): decode reads and writes it directly, chunked forwards convert
-  // each row's state to F32 and back around the mixer.
+  // each row's state to F32 and back around the mixer. A pool with deferred write-back
+  // (pairs in the model's dtype) is decoded by gla_decode_gate_deferred; a chunked forward
+  // first folds its rows' pending pairs into their states.
   void forward(const int32_t* tokens, int64_t B, int64_t T, const ForwardOptions& opt,
                StatePool* pool = nullptr, const int32_t* slots = nullptr);
 

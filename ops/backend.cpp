@@ -30,4 +30,14 @@ void Backend::gla_decode_gate(const GlaParams& p, const Tensor& q, const Tensor&
   rmsnorm_gate_forward(o, g, w, eps, y, Tensor{});
 }
 
+void Backend::gla_decode_gate_deferred(const GlaParams&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                       const Tensor&, double, Tensor, const GlaPending&, const Tensor&, Tensor,
+                                       Tensor) {
+  LAPLACE_CHECK(false, "this backend has no deferred state write-back");
+}
+
+void Backend::gla_pending_flush(const GlaParams&, Tensor, const GlaPending&, const Tensor&) {
+  LAPLACE_CHECK(false, "this backend has no deferred state write-back");
+}
+
 }  // namespace laplace

@@ -40,6 +40,19 @@ struct GlaParams {
   std::vector<double> decay;    // λ_h per head, size H
 };
 
+// Deferred write-back of decode states (an engine option; docs/serving.md §4). Beside each
+// state S of a pool entry are the (k, v) of the last m < R decode tokens not yet folded into
+// it, pair 0 the oldest, and m. The entry's true state is
+//   λ^m S + Σ_{j<m} λ^{m−1−j} k_jᵀ v_j,
+// so a decode step can read S without writing it, and write it back every R-th step only.
+struct GlaPending {
+  Tensor k;      // [S, H, R−1, dk] the activations' dtype; dim-0 stride = the slot's
+  Tensor v;      // [S, H, R−1, dv]
+  Tensor count;  // [S, H] I32: m per (entry, head), 0 ≤ m < R
+  int64_t steps = 0;  // R
+  bool defined() const { return steps > 0; }
+};
+
 struct AdamWParams {
   double lr = 0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, wd = 0;
   int64_t step = 1;  // 1-based, for bias correction
@@ -143,6 +156,19 @@ class Backend {
   virtual void gla_decode_gate(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
                                const Tensor& g, const Tensor& w, double eps, Tensor states,
                                const Tensor& slots, Tensor o, Tensor y);
+
+  // gla_decode_gate for a pool with deferred write-back (GlaPending): o and y are those of
+  // the entries' true states, up to F32 rounding order. A step with m + 1 < R reads S and
+  // the m pairs, writes nothing to S, appends (k, v) as pair m and sets m ← m + 1; the R-th
+  // (m = R − 1) writes the true state after this token back to S and sets m ← 0. The
+  // states are F32 or BF16 (CUDA), F32 or F64 (CPU); R is 4, 8 or 16.
+  virtual void gla_decode_gate_deferred(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                                        const Tensor& g, const Tensor& w, double eps, Tensor states,
+                                        const GlaPending& pend, const Tensor& slots, Tensor o, Tensor y);
+  // Folds the pending pairs of entries slots[b] into their states (S ← the true state) and
+  // sets their counts to 0: before anything but a deferred decode step reads the states.
+  // slots [B] I32 on this device.
+  virtual void gla_pending_flush(const GlaParams& p, Tensor states, const GlaPending& pend, const Tensor& slots);
 
   // y = RMSNorm(o; w) ⊙ SiLU(g), per head. o,g [B,T,H,dv]; w [dv]; y [B,T,H,dv];
   // rstd [B,T,H] optional.

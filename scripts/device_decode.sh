@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: build, run the engine's GPU tests, then the serving benchmarks of laplace-3b
 # (random bf16 weights); logs and JSON lines under $OUT. Stages run in the order given:
-#   STAGES="tests decode eager bf16 prefill sweep prompt poisson ops train lab declab overlap deferred cores ncu parity" COMMIT=abc123 scripts/device_decode.sh
+#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson ops train lab declab overlap deferred cores ncu parity" COMMIT=abc123 scripts/device_decode.sh
 # COMMIT is written into every result line (the device's git HEAD may be stale).
 # The device tool returns at most 8 files from $OUT, so every stage appends to one log,
 # $OUT/run.log (the GPU tests and the build keep their own; results go to results.jsonl).
@@ -38,6 +38,13 @@ for s in $STAGES; do
       timeout 300 $L bench decode $M3B --batch 1280 --steps 20 --warmup 3 --prompt-len 16 --prefill-chunk 16 \
         --max-batch-tokens 24000 --state-dtype bf16 --accuracy-steps 256 --results "$R" --tag 3b_1280_bf16state 2>&1 | tee -a "$LOG" |
         grep -E "engine|decode:|bf16 vs" ;;
+    defer)  # deferred write-back (--defer-writeback R, DEFER_R, default 8): fp32 and bf16 states; accuracy vs fp32
+      for sd in fp32 bf16; do
+        acc=""; [ "$sd" = fp32 ] && acc="--accuracy-steps ${DEFER_ACC:-256}"
+        timeout 300 $L bench decode $M3B --batch 1280 --steps 48 --warmup 3 --prompt-len 16 --prefill-chunk 16 \
+          --max-batch-tokens 24000 --state-dtype ${sd/fp32/f32} --defer-writeback ${DEFER_R:-8} $acc --results "$R" \
+          --tag 3b_1280_${sd}state_defer${DEFER_R:-8} 2>&1 | tee -a "$LOG" | grep -E "engine|decode:|vs f32"
+      done ;;
     prefill)  # target: <= 80 ms for one 8,192-token prompt
       timeout 120 $L bench prefill $M3B --prompt-len 8192 --reps 7 --results "$R" --tag 3b 2>&1 |
         tee -a "$LOG" | grep -E "prefill of" ;;

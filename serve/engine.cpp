@@ -26,9 +26,9 @@ const char* state_source_name(StateSource s) {
   return "?";
 }
 
-int64_t slots_for_memory(const Config& c, int64_t budget_bytes, DType state_dtype) {
-  const int64_t elems = c.state_bytes_per_sequence() / 4;  // values per slot
-  const int64_t bytes = elems * static_cast<int64_t>(dtype_size(state_dtype));
+int64_t slots_for_memory(const Config& c, int64_t budget_bytes, DType state_dtype, PendingSpec pending) {
+  const int64_t bytes = StatePool::slot_bytes_for(c, state_dtype, pending);
+  const int64_t elems = bytes / static_cast<int64_t>(dtype_size(state_dtype));  // values per slot
   if (bytes <= 0 || budget_bytes <= 0) return 0;
   int64_t s = budget_bytes / bytes;  // pool slots, scratch included
   while (s >= 1 &&
@@ -37,7 +37,8 @@ int64_t slots_for_memory(const Config& c, int64_t budget_bytes, DType state_dtyp
   return std::max<int64_t>(s - 1, 0);
 }
 
-Status resolve_slots(const Config& c, const EngineOptions& o, DType st, int64_t* live, int64_t* cache) {
+Status resolve_slots(const Config& c, const EngineOptions& o, DType st, int64_t* live, int64_t* cache,
+                     PendingSpec pending) {
   if (o.max_slots < 0) return Status::invalid_argument("engine: max_slots must be ≥ 0");
   if (o.cache_slots < -1) return Status::invalid_argument("engine: cache_slots must be ≥ 0 (or -1: as many as live slots)");
   if (o.max_slots > 0) {
@@ -47,8 +48,8 @@ Status resolve_slots(const Config& c, const EngineOptions& o, DType st, int64_t*
   }
   if (o.memory_budget <= 0) return Status::invalid_argument("engine: give max_slots or a memory budget to derive it from");
   // Pool slots the budget holds (slots_for_memory leaves one out for the scratch slot).
-  const int64_t pool = slots_for_memory(c, o.memory_budget, st) + 1;
-  const int64_t slot_bytes = c.state_bytes_per_sequence() * static_cast<int64_t>(dtype_size(st)) / 4;
+  const int64_t pool = slots_for_memory(c, o.memory_budget, st, pending) + 1;
+  const int64_t slot_bytes = StatePool::slot_bytes_for(c, st, pending);
   if (o.cache_slots == -1) {
     *live = (pool - 1) / 2;  // split evenly: live + cache + scratch ≤ pool
     *cache = *live;
@@ -249,7 +250,11 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
     return Status::invalid_argument("engine: state dtype must be F32 or BF16");
   }
   opt.state_dtype = st;
-  LAPLACE_RETURN_IF_ERROR(resolve_slots(c, opt, st, &opt.max_slots, &opt.cache_slots));
+  const PendingSpec pending{opt.defer_writeback, model.dtype()};
+  if (pending.steps != 0 && pending.steps != 4 && pending.steps != 8 && pending.steps != 16)
+    return Status::invalid_argument("engine: deferred write-back takes R = 4, 8 or 16 (0 = off), not " +
+                                    std::to_string(pending.steps));
+  LAPLACE_RETURN_IF_ERROR(resolve_slots(c, opt, st, &opt.max_slots, &opt.cache_slots, pending));
   if (opt.max_slots + 1 + opt.cache_slots >= INT32_MAX)
     return Status::invalid_argument("engine: max_slots + cache_slots too large");
   if ((opt.graphs || opt.default_widths) && opt.decode_widths.empty())
@@ -266,7 +271,7 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
   e->vocab_ = c.vocab_size;
   e->default_eos_ = c.eos_token_id >= 0 && c.eos_token_id < c.vocab_size ? static_cast<int32_t>(c.eos_token_id) : -1;
   LAPLACE_RETURN_IF_ERROR(
-      e->pool_.create(c, model.backend(), opt.max_slots + 1 + opt.cache_slots, st).with_context("engine"));
+      e->pool_.create(c, model.backend(), opt.max_slots + 1 + opt.cache_slots, st, pending).with_context("engine"));
   e->cache_ = std::make_unique<StateCache>(e->pool_, model.backend(), static_cast<int32_t>(opt.max_slots + 1),
                                            opt.cache_slots, opt.cache_host_bytes);
   e->cache_on_ = e->cache_->enabled();
@@ -309,11 +314,13 @@ std::string Engine::summary() const {
     if (!widths.empty()) widths += ',';
     widths += std::to_string(w);
   }
+  const std::string defer =
+      pool_.pending_steps() ? ", written back every " + std::to_string(pool_.pending_steps()) + " steps" : "";
   std::snprintf(buf, sizeof buf,
-                "engine: %lld slots (+1 scratch, +%lld cache) x %lld bytes/slot (%s states) = %.1f MiB of state; "
+                "engine: %lld slots (+1 scratch, +%lld cache) x %lld bytes/slot (%s states%s) = %.1f MiB of state; "
                 "max_batch_tokens %lld, prefill_chunk %lld, decode widths %s (%s)",
                 (long long)max_slots_, (long long)opt_.cache_slots, (long long)slot_bytes(),
-                dtype_name(pool_.dtype()), mib, (long long)opt_.max_batch_tokens, (long long)opt_.prefill_chunk,
+                dtype_name(pool_.dtype()), defer.c_str(), mib, (long long)opt_.max_batch_tokens, (long long)opt_.prefill_chunk,
                 widths.empty() ? "exact" : widths.c_str(), opt_.graphs ? "CUDA graphs captured" : "eager");
   std::string out = buf;
   if (cache_on_) {
@@ -336,6 +343,8 @@ Status Engine::submit(Request req, RequestId* id) {
                                       std::to_string(st->state.size()) + " bytes of " + dtype_name(st->state_dtype) +
                                       ", the pool's slots are " + std::to_string(pool_.slot_bytes()) + " bytes of " +
                                       dtype_name(pool_.dtype()) + ")");
+    if (Status bad = pool_.check_slot_bytes(st->state.data()); !bad.is_ok())
+      return Status::invalid_argument("request: the initial state is corrupt: " + bad.message());
     if (static_cast<int64_t>(st->logits.size()) != vocab_ || st->tokens.empty())
       return Status::invalid_argument("request: the initial state needs its logits and tokens");
   }

@@ -86,6 +86,12 @@ struct EngineOptions {
   // half the bytes per slot, so about twice the slots and half the decode state traffic,
   // at the cost of one BF16 rounding of the state per token (docs/serving.md).
   DType state_dtype = DType::kF32;
+  // Deferred write-back (docs/serving.md §4): 0 = off (SPEC §1's slot); R = 4, 8 or 16 reads
+  // each state every decode step but writes it back every R-th, keeping the last R − 1
+  // tokens' (k, v) in a tail of the slot (+5 % bytes for laplace-3b at R = 8). Tokens may
+  // differ from R = 0 by F32 rounding order; for a given R they are batch invariant and
+  // eager and graph decode give the same bits.
+  int64_t defer_writeback = 0;
 };
 
 struct EngineStats {
@@ -103,13 +109,16 @@ struct EngineStats {
 
 // Usable slots (the scratch slot not counted) whose pool fits in budget_bytes, as
 // StatePool allocates it (one arena block of (slots + 1) × slot bytes). 0 if none fit.
-int64_t slots_for_memory(const Config& c, int64_t budget_bytes, DType state_dtype = DType::kF32);
+// With deferred write-back (pending.steps > 0) a slot also holds its pending tail.
+int64_t slots_for_memory(const Config& c, int64_t budget_bytes, DType state_dtype = DType::kF32,
+                         PendingSpec pending = {});
 
 // The live and cache slot counts an engine gets from its options (what Engine::create
 // uses): max_slots or the memory budget, and cache_slots (-1 resolved). Errors:
 // invalid_argument (neither a count nor a budget, cache_slots < -1), out_of_memory (the
 // budget holds no live slot).
-Status resolve_slots(const Config& c, const EngineOptions& o, DType state_dtype, int64_t* live, int64_t* cache);
+Status resolve_slots(const Config& c, const EngineOptions& o, DType state_dtype, int64_t* live, int64_t* cache,
+                     PendingSpec pending = {});
 
 // Decode widths for graphs: 1, 2, 4, 8, 16, then steps of about 1.5× (24, 32, 48, 64, 96,
 // ...) below max_slots, and max_slots itself, so a batch is padded by less than half.

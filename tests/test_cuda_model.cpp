@@ -486,18 +486,21 @@ EngineRun run_engine(Model& m, EngineOptions o, bool greedy_only) {
 // Graph decode (widths captured at start-up) against eager decode with the same widths:
 // bitwise the same tokens and states, for F32 and BF16 state pools, at laplace-3b's mixer
 // shapes. And batch invariance: greedy tokens do not depend on the padded widths in use
-// (every batch padded to 8 vs the smallest of 1, 2, 4, 8).
+// (every batch padded to 8 vs the smallest of 1, 2, 4, 8). Both with the state written back
+// every step and with deferred write-back (R = 8: the whole slot, pairs and counts included).
 TEST(CudaModel, GraphDecodeBitwiseEqualsEagerAndWidthInvariant) {
   LAPLACE_REQUIRE_CUDA(cuda);
   Config c = three_b_two_layers();
   Model m;
   ASSERT_TRUE(m.create(c, *cuda, DType::kBF16).is_ok());
   m.init_weights(41);
-  for (DType sdt : {DType::kF32, DType::kBF16}) {
-    SCOPED_TRACE(dtype_name(sdt));
+  for (auto [sdt, R] : {std::pair{DType::kF32, 0}, std::pair{DType::kBF16, 0}, std::pair{DType::kF32, 8},
+                        std::pair{DType::kBF16, 8}}) {
+    SCOPED_TRACE(std::string(dtype_name(sdt)) + " R " + std::to_string(R));
     EngineOptions o;
     o.decode_widths = {1, 2, 4, 8};
     o.state_dtype = sdt;
+    o.defer_writeback = R;
     const EngineRun eager = run_engine(m, o, false);
     o.graphs = true;
     const EngineRun graph = run_engine(m, o, false);

@@ -889,6 +889,115 @@ TEST_F(CudaOps, GlaDecodeSlotsF32Bf16StatesAndFusedGate) {
   }
 }
 
+// Deferred write-back (kernels_gla_decode.cu, GlaPending) at the model's shapes: pending
+// pairs and counts start random (every m in [0, R) among the (slot, head)s, so flushes fall on
+// different steps), then 2R + 3 decode steps with new q, k, v, g each, against the CPU
+// reference in F64 from the same rounded values; then the flush op, after which the states
+// are the true ones. Counts must match exactly; slots outside the batch keep every byte.
+TEST_F(CudaOps, GlaDecodeDeferredVsCpuReferenceAndFlush) {
+  const int64_t B = 37, S = 41, H = 16, dk = 96, dv = 192;
+  GlaParams p = gla_params(H, dk, 128, GlaForm::kRecurrent);
+  std::vector<int32_t> sl(B);
+  for (int64_t b = 0; b < B; ++b) sl[b] = static_cast<int32_t>((b * 7 + 3) % S);  // distinct (gcd(7, 41) = 1)
+  Buf slots = ints(sl);
+  Buf w = input({dv}, kBF16, kF64, 504, 0.5, 1.5);
+  for (int64_t R : {4, 8, 16}) {
+    for (DType sdt : {kF32, kBF16}) {
+      SCOPED_TRACE(std::string(dtype_name(sdt)) + " R " + std::to_string(R));
+      const int64_t P = R - 1;
+      Buf pool = input({S, H, dk, dv}, sdt, kF64, 505);
+      Buf pk = input({S, H, P, dk}, kBF16, kF64, 506), pv = input({S, H, P, dv}, kBF16, kF64, 507);
+      std::vector<int32_t> counts(S * H);
+      for (size_t i = 0; i < counts.size(); ++i) counts[i] = static_cast<int32_t>((i * 5 + 1) % R);
+      Buf cnt = ints(counts);
+      auto pend = [&](bool dev) {
+        GlaPending g;
+        g.k = dev ? pk.d() : pk.r();
+        g.v = dev ? pv.d() : pv.r();
+        g.count = (dev ? cnt.d() : cnt.r()).reshape({S, H});
+        g.steps = R;
+        return g;
+      };
+      auto before = down(pool.d());
+      auto pk_before = down(pk.d());
+      double worst_o = 0, worst_y = 0;
+      for (int64_t t = 0; t < 2 * R + 3; ++t) {
+        const uint64_t sd = 600 + 10 * t;
+        Buf q = input({B, 1, H, dk}, kBF16, kF64, sd), k = input({B, 1, H, dk}, kBF16, kF64, sd + 1),
+            v = input({B, 1, H, dv}, kBF16, kF64, sd + 2), g = input({B, 1, H, dv}, kBF16, kF64, sd + 3, -3, 3);
+        Buf o = zeros({B, 1, H, dv}, kBF16, kF64), y = zeros({B, 1, H, dv}, kBF16, kF64);
+        cpu_->gla_decode_gate_deferred(p, q.r(), k.r(), v.r(), g.r(), w.r(), 1e-5, pool.r(), pend(false), slots.r(),
+                                       o.r(), y.r());
+        cuda_->gla_decode_gate_deferred(p, q.d(), k.d(), v.d(), g.d(), w.d(), 1e-5, pool.d(), pend(true), slots.d(),
+                                        o.d(), y.d());
+        worst_o = std::max(worst_o, err(o));
+        worst_y = std::max(worst_y, err(y));
+        auto c = down(cnt.d());
+        ASSERT_EQ(std::memcmp(c->t.data, cnt.r().data, counts.size() * 4), 0) << "counts after step " << t;
+      }
+      // BF16 outputs (≤ 1e-2); y's norm reads the rounded o, the reference the exact one. A
+      // BF16 pool's written-back states carry one rounding each (the reference none).
+      EXPECT_LE(worst_o, sdt == kF32 ? 1e-2 : 2e-2);
+      EXPECT_LE(worst_y, sdt == kF32 ? 1.5e-2 : 3e-2);
+      // Slots outside the batch: states, pairs and counts untouched.
+      auto after = down(pool.d());
+      auto pk_after = down(pk.d());
+      auto c_after = down(cnt.d());
+      std::vector<bool> used(S, false);
+      for (int32_t s : sl) used[s] = true;
+      const size_t plane = static_cast<size_t>(H * dk * dv) * dtype_size(sdt), pplane = H * P * dk * 2;
+      for (int64_t s = 0; s < S; ++s) {
+        if (used[s]) continue;
+        EXPECT_EQ(std::memcmp(static_cast<char*>(before->t.data) + s * plane,
+                              static_cast<char*>(after->t.data) + s * plane, plane), 0) << "slot " << s;
+        EXPECT_EQ(std::memcmp(static_cast<char*>(pk_before->t.data) + s * pplane,
+                              static_cast<char*>(pk_after->t.data) + s * pplane, pplane), 0) << "slot " << s;
+        for (int64_t h = 0; h < H; ++h)
+          EXPECT_EQ(static_cast<int32_t*>(c_after->t.data)[s * H + h], counts[s * H + h]) << "slot " << s;
+      }
+      // The flush: states become the true ones and the counts 0.
+      cpu_->gla_pending_flush(p, pool.r(), pend(false), slots.r());
+      cuda_->gla_pending_flush(p, pool.d(), pend(true), slots.d());
+      EXPECT_LE(err(pool), sdt == kF32 ? 1e-5 : 1e-2);
+      auto c = down(cnt.d());
+      for (int32_t s : sl)
+        for (int64_t h = 0; h < H; ++h) EXPECT_EQ(static_cast<int32_t*>(c->t.data)[s * H + h], 0);
+    }
+  }
+}
+
+// Deferred decode against the plain decode kernel over 3R steps from the same start: the
+// outputs agree to BF16 rounding and, after a flush, the states to F32 rounding order.
+TEST_F(CudaOps, GlaDecodeDeferredTracksPlainDecode) {
+  const int64_t B = 8, H = 16, dk = 96, dv = 192, R = 8;
+  GlaParams p = gla_params(H, dk, 128, GlaForm::kRecurrent);
+  Buf w = input({dv}, kBF16, kF64, 704, 0.5, 1.5);
+  Buf plain = input({B, H, dk, dv}, kF32, kF64, 705);
+  DevTensor deferred(*cuda_, kF32, {B, H, dk, dv}), pk(*cuda_, kBF16, {B, H, R - 1, dk}),
+      pv(*cuda_, kBF16, {B, H, R - 1, dv}), cnt(*cuda_, DType::kI32, {B, H});
+  cuda_->copy(deferred.t, plain.d());
+  cuda_->fill(cnt.t, 0.0);
+  GlaPending pend{pk.t, pv.t, cnt.t, R};
+  std::vector<int32_t> ident(B);
+  for (int64_t b = 0; b < B; ++b) ident[b] = static_cast<int32_t>(b);
+  Buf slots = ints(ident);
+  double worst = 0;
+  for (int64_t t = 0; t < 3 * R + 2; ++t) {
+    const uint64_t sd = 800 + 10 * t;
+    Buf q = input({B, 1, H, dk}, kBF16, kF64, sd), k = input({B, 1, H, dk}, kBF16, kF64, sd + 1),
+        v = input({B, 1, H, dv}, kBF16, kF64, sd + 2), g = input({B, 1, H, dv}, kBF16, kF64, sd + 3, -3, 3);
+    DevTensor o1(*cuda_, kF32, {B, 1, H, dv}), y1(*cuda_, kBF16, {B, 1, H, dv}), o2(*cuda_, kF32, {B, 1, H, dv}),
+        y2(*cuda_, kBF16, {B, 1, H, dv});
+    cuda_->gla_decode_gate(p, q.d(), k.d(), v.d(), g.d(), w.d(), 1e-5, plain.d(), slots.d(), o1.t, y1.t);
+    cuda_->gla_decode_gate_deferred(p, q.d(), k.d(), v.d(), g.d(), w.d(), 1e-5, deferred.t, pend, slots.d(), o2.t,
+                                    y2.t);
+    worst = std::max(worst, max_rel_error(down(o2.t)->t, down(o1.t)->t));
+  }
+  EXPECT_LE(worst, 1e-5) << "F32 outputs of the two schemes";
+  cuda_->gla_pending_flush(p, deferred.t, pend, slots.d());
+  EXPECT_LE(max_rel_error(down(deferred.t)->t, down(plain.d())->t), 1e-5);
+}
+
 // ---- device-scalar optimizer ops (no host sync): vs the CPU op / the ungated CUDA op ----
 
 TEST_F(CudaOps, DeviceScalarOpsMatchHostScalarOps) {

@@ -11,6 +11,7 @@
 #include <map>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include "model/model.h"
 #include "serve/engine.h"
@@ -86,6 +87,14 @@ class RowGemmBackend : public Backend {
   void gla_forward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor o, const Tensor& si,
                    Tensor so, const Tensor& slots) override {
     cpu_->gla_forward(p, q, k, v, o, si, so, slots);
+  }
+  void gla_decode_gate_deferred(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                const Tensor& w, double eps, Tensor st, const GlaPending& pend, const Tensor& slots,
+                                Tensor o, Tensor y) override {
+    cpu_->gla_decode_gate_deferred(p, q, k, v, g, w, eps, st, pend, slots, o, y);
+  }
+  void gla_pending_flush(const GlaParams& p, Tensor st, const GlaPending& pend, const Tensor& slots) override {
+    cpu_->gla_pending_flush(p, st, pend, slots);
   }
   void gla_backward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& si,
                     const Tensor& d_o, const Tensor& dso, Tensor dq, Tensor dk, Tensor dv, Tensor dsi) override {
@@ -970,6 +979,173 @@ TEST(EngineSnapshot, RejectsStatesOfAnotherShapeAndEmptyPromptsWithoutOne) {
   Request l = r.make({1, 2}, 2);
   l.top_logprobs = 21;
   EXPECT_EQ(r.eng->submit(l, &id).code(), Status::Code::kInvalidArgument);
+}
+
+// ---- deferred write-back (EngineOptions::defer_writeback) -------------------------------
+
+EngineOptions deferred(int64_t R, int64_t slots, int64_t chunk = 8, int64_t budget = 64) {
+  EngineOptions o = opts(slots, chunk, budget);
+  o.defer_writeback = R;
+  return o;
+}
+
+// Greedy tokens with the state written back every R-th step equal those of the write-back
+// every step, and the final logits agree to F32 rounding (its order is all that differs), with more requests than slots so
+// that slots are reused (a reused slot must start with no pending pairs).
+TEST(EngineDeferred, GreedyTokensEqualWriteBackEveryStep) {
+  Config c = small_config();
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 5; ++i) prompts.push_back(random_tokens(3 + 6 * i, c.vocab_size, 700 + i));
+  struct Run {
+    std::vector<int32_t> tokens;
+    std::vector<float> logits;  // after the last token fed
+  };
+  auto run = [&](EngineOptions o) {
+    Rig r(o);
+    std::vector<RequestId> ids;
+    std::map<RequestId, std::vector<float>> logits;
+    for (const auto& p : prompts) {
+      Request q = r.make(p, 29);
+      q.capture_final_state = true;
+      auto prev = q.on_finish;
+      q.on_finish = [prev, &logits](const FinishInfo& f) {
+        prev(f);
+        if (f.final_state) logits[f.id] = f.final_state->logits;
+      };
+      ids.push_back(r.add(std::move(q)));
+    }
+    r.eng->run_until_idle();
+    std::vector<Run> res;
+    for (RequestId id : ids) res.push_back({r.out[id].tokens, logits[id]});
+    return res;
+  };
+  const auto want = run(opts(3));
+  for (int64_t R : {4, 8, 16}) {
+    SCOPED_TRACE("R " + std::to_string(R));
+    const auto got = run(deferred(R, 3));
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(got[i].tokens, want[i].tokens) << "prompt " << i;
+      ASSERT_EQ(got[i].logits.size(), static_cast<size_t>(c.vocab_size));
+      Tensor a(const_cast<float*>(got[i].logits.data()), DType::kF32, {c.vocab_size});
+      Tensor b(const_cast<float*>(want[i].logits.data()), DType::kF32, {c.vocab_size});
+      EXPECT_LE(testing::max_rel_error(a, b), 1e-5) << "prompt " << i;
+    }
+  }
+}
+
+// Batch invariance holds with deferred write-back too: with the row-invariant gemm, each
+// sequence's tokens and whole slot (states, pending pairs, counts) are bitwise the same
+// alone, all at once, queued, padded and staggered.
+TEST(EngineDeferred, BatchInvariantBitwiseWithRowInvariantGemm) {
+  Config c = small_config();
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 4; ++i) prompts.push_back(random_tokens(2 + 9 * i, c.vocab_size, 720 + i));
+  auto run = [&](const std::vector<int>& which, EngineOptions o, int stagger) {
+    Rig r(o, 7, c, /*row_gemm=*/true);
+    std::map<int, RequestId> ids;
+    for (int i : which) {
+      ids[i] = r.add(prompts[i], 21);
+      for (int s = 0; s < stagger; ++s) r.eng->step();
+    }
+    r.eng->run_until_idle();
+    std::map<int, Outcome> res;
+    for (auto [i, id] : ids) res[i] = r.out[id];
+    return res;
+  };
+  std::map<int, Outcome> alone;
+  for (int i = 0; i < 4; ++i) alone[i] = run({i}, deferred(4, 1), 0)[i];
+  EngineOptions padded = deferred(4, 4);
+  padded.decode_widths = {2, 8};
+  for (auto& [which, o, stagger] : std::vector<std::tuple<std::vector<int>, EngineOptions, int>>{
+           {{0, 1, 2, 3}, deferred(4, 4), 0}, {{3, 1, 0}, deferred(4, 2), 3}, {{2, 0, 3, 1}, padded, 5}}) {
+    for (auto& [i, got] : run(which, o, stagger)) {
+      EXPECT_EQ(got.tokens, alone[i].tokens) << "prompt " << i;
+      EXPECT_EQ(got.state, alone[i].state) << "prompt " << i;
+    }
+  }
+}
+
+// Snapshots carry the pending pairs: a fork from the prompt state decodes bitwise as the
+// original did, and a continuation from the final state (its prefill folds the pairs in
+// first) gives the tokens of feeding the whole context again.
+TEST(EngineDeferred, SnapshotsCarryPendingPairs) {
+  Rig r(deferred(8, 2));
+  const std::vector<int32_t> p = random_tokens(19, r.c.vocab_size, 740);
+  const std::vector<int32_t> q = random_tokens(11, r.c.vocab_size, 741);
+  SnapshotPtr ps, fs;
+  RequestId a;
+  run_capturing(r, p, 13, nullptr, &ps, &fs, &a);
+  ASSERT_TRUE(ps && fs);
+  EXPECT_EQ(static_cast<int64_t>(fs->state.size()), r.eng->slot_bytes());
+  SnapshotPtr ps2, fs2;
+  RequestId b;
+  run_capturing(r, {}, 13, ps, &ps2, &fs2, &b);
+  EXPECT_EQ(r.out[b].tokens, r.out[a].tokens);
+  ASSERT_TRUE(fs2);
+  EXPECT_EQ(fs2->state, fs->state);
+
+  const std::vector<int32_t>& gen = r.out[a].tokens;
+  std::vector<int32_t> rest = {gen.back()};
+  rest.insert(rest.end(), q.begin(), q.end());
+  SnapshotPtr ps3, fs3, ps4, fs4;
+  RequestId warm, cold;
+  run_capturing(r, rest, 10, fs, &ps3, &fs3, &warm);
+  std::vector<int32_t> whole = fs->tokens;
+  whole.insert(whole.end(), rest.begin(), rest.end());
+  run_capturing(r, whole, 10, nullptr, &ps4, &fs4, &cold);
+  EXPECT_EQ(r.out[warm].tokens, r.out[cold].tokens);
+}
+
+// Slot bytes: SPEC §1's state, then R − 1 pairs of (dk + dv) values per head and layer in the
+// activations' dtype, then L·H counts; a bad R and a snapshot with a count outside [0, R) are
+// refused with a clear error.
+TEST(EngineDeferred, SlotBytesBadOptionsAndCorruptCounts) {
+  Config big;  // laplace-3b's shapes
+  big.vocab_size = 92160, big.hidden_size = 3072, big.num_layers = 24, big.num_heads = 16;
+  big.head_k_dim = 96, big.head_v_dim = 192, big.ffn_size = 8192;
+  const int64_t spec = big.state_bytes_per_sequence();
+  EXPECT_EQ(StatePool::slot_bytes_for(big, DType::kF32, {8, DType::kBF16}), spec + 24 * 16 * 7 * 288 * 2 + 24 * 16 * 4);
+  EXPECT_EQ(StatePool::slot_bytes_for(big, DType::kF32, {}), spec);
+  const int64_t with = StatePool::slot_bytes_for(big, DType::kF32, {8, DType::kBF16});
+  EXPECT_EQ(slots_for_memory(big, 11 * with + 256, DType::kF32, {8, DType::kBF16}), 10);
+
+  {
+    Config c = small_config();
+    auto be = make_cpu_backend();
+    Model m;
+    ASSERT_TRUE(m.create(c, *be, DType::kF32).is_ok());
+    std::unique_ptr<Engine> e;
+    EngineOptions o = deferred(3, 2);
+    Status st = Engine::create(m, o, &e);
+    EXPECT_FALSE(st.is_ok());
+    EXPECT_NE(st.message().find("R = 4, 8 or 16"), std::string::npos) << st.to_string();
+  }
+  Rig r(deferred(4, 1));
+  SnapshotPtr ps, fs;
+  run_capturing(r, random_tokens(9, r.c.vocab_size, 750), 6, nullptr, &ps, &fs);
+  ASSERT_TRUE(fs);
+  auto bad = std::make_shared<StateSnapshot>(*fs);
+  // The counts are the slot's last L·H int32 values (16-byte padding aside): find one of the
+  // final snapshot's non-zero counts and make it R.
+  const int64_t n = r.c.num_layers * r.c.num_heads;
+  int32_t* counts = nullptr;
+  for (int64_t off = static_cast<int64_t>(bad->state.size()) - 4 * n; off >= 0; off -= 4) {
+    int32_t v0 = 0;
+    std::memcpy(&v0, bad->state.data() + off, 4);
+    if (v0 > 0 && v0 < 4) {
+      counts = reinterpret_cast<int32_t*>(bad->state.data() + off);
+      break;
+    }
+  }
+  ASSERT_NE(counts, nullptr) << "no pending count in the final snapshot";
+  *counts = 4;
+  Request q = r.make({1}, 2);
+  q.initial_state = bad;
+  RequestId id;
+  Status st = r.eng->submit(std::move(q), &id);
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("pending count 4"), std::string::npos) << st.to_string();
 }
 
 // ---- the state cache: device tier (spare pool slots) in front of the host tier ------------------

@@ -873,6 +873,17 @@ void CpuBackend::gla_backward(const GlaParams& p, const Tensor& q, const Tensor&
   cpu::gla_backward(p, q, k, v, s_in, d_o, ds_out, dq, dk, dv, ds_in);
 }
 
+void CpuBackend::gla_decode_gate_deferred(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                                          const Tensor& g, const Tensor& w, double eps, Tensor states,
+                                          const GlaPending& pend, const Tensor& slots, Tensor o, Tensor y) {
+  cpu::gla_decode_deferred(p, q, k, v, o, states, pend, slots);
+  rmsnorm_gate_forward(o, g, w, eps, y, Tensor{});
+}
+
+void CpuBackend::gla_pending_flush(const GlaParams& p, Tensor states, const GlaPending& pend, const Tensor& slots) {
+  cpu::gla_pending_flush(p, states, pend, slots);
+}
+
 void CpuBackend::rmsnorm_gate_forward(const Tensor& o, const Tensor& g, const Tensor& w, double eps,
                                       Tensor y, Tensor rstd) {
   dispatch(o.dtype, [&](auto tag) { rmsgate_fwd<decltype(tag)>(o, g, w, eps, y, rstd); });

@@ -46,6 +46,11 @@ class CpuBackend final : public Backend {
                     const Tensor& s_in, const Tensor& d_o, const Tensor& ds_out, Tensor dq,
                     Tensor dk, Tensor dv, Tensor ds_in) override;
 
+  void gla_decode_gate_deferred(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                                const Tensor& g, const Tensor& w, double eps, Tensor states, const GlaPending& pend,
+                                const Tensor& slots, Tensor o, Tensor y) override;
+  void gla_pending_flush(const GlaParams& p, Tensor states, const GlaPending& pend, const Tensor& slots) override;
+
   void rmsnorm_gate_forward(const Tensor& o, const Tensor& g, const Tensor& w, double eps, Tensor y,
                             Tensor rstd) override;
   void rmsnorm_gate_backward(const Tensor& dy, const Tensor& o, const Tensor& g, const Tensor& w,

@@ -41,6 +41,8 @@
 //                  internal chunk is min(p.chunk, a size that fits shared memory).
 //  gla_decode_gate the decode kernel with the rmsnorm_gate epilogue fused: the same bits as
 //                  gla_forward (T = 1) followed by rmsnorm_gate_forward.
+//  gla_decode_gate_deferred / gla_pending_flush  the same kernel reading S every step and
+//                  writing it every R-th (R = 4, 8, 16); pairs F32/BF16, states F32/BF16.
 //  rmsnorm_gate    o, g, y, dy, d_o, dg float; w, dw float [dv]; rstd F32 [B,T,H] contiguous
 //                  (optional: recomputed by the backward when undefined, eps = 1e-5).
 //  swiglu          ab, h, dh, dab float. dab may alias ab.
@@ -138,6 +140,10 @@ class CudaBackend final : public Backend {
   void gla_decode_gate(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                        const Tensor& w, double eps, Tensor states, const Tensor& slots, Tensor o,
                        Tensor y) override;
+  void gla_decode_gate_deferred(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                                const Tensor& g, const Tensor& w, double eps, Tensor states, const GlaPending& pend,
+                                const Tensor& slots, Tensor o, Tensor y) override;
+  void gla_pending_flush(const GlaParams& p, Tensor states, const GlaPending& pend, const Tensor& slots) override;
   void rmsnorm_gate_forward(const Tensor& o, const Tensor& g, const Tensor& w, double eps, Tensor y,
                             Tensor rstd) override;
   void rmsnorm_gate_backward(const Tensor& dy, const Tensor& o, const Tensor& g, const Tensor& w,
