@@ -258,55 +258,62 @@ __device__ __forceinline__ int pending_count(const PendArgs& p, int64_t slot, in
   return m < 0 ? 0 : m >= R ? R - 1 : m;
 }
 
-template <class ST, int R>
-__global__ void __launch_bounds__(kDecMaxDv) gla_decode_deferred_kernel(DecArgs a, PendArgs p) {
-  static_assert(R >= 2 && R <= kMaxDeferSteps, "R steps between write-backs");
+// Shared memory of one deferred step: the pairs, q̃, k, v and the scalars as F32.
+template <int R>
+struct DeferSmem {
+  float qs[kDecMaxDk], ks[kDecMaxDk], vs[kDecMaxDv];
+  float pks[R - 1][kDecMaxDk], pvs[R - 1][kDecMaxDv];
+  float part[4][kDecMaxDv];
+  float aj[R];           // λ^{m−j}(q̃·k_j) for j < m, then q̃·k at index m
+  float lam_pow[R + 1];  // λ^0 … λ^R
+  float rstd;
+};
+
+// One step of (slot, head) with m pending pairs; kFlush: m = R − 1, the write-back step.
+// The two kinds of step are separate instances so that neither carries the other's code
+// (and no predicate lives across the whole stream).
+template <class ST, int R, bool kFlush>
+__device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& p, DeferSmem<R>& sm, int b, int h,
+                                              int64_t slot, int m) {
   constexpr int C = DecShape<ST>::kCols, G = DecShape<ST>::kGroups, P = R - 1;
-  __shared__ float qs[kDecMaxDk], ks[kDecMaxDk], vs[kDecMaxDv];
-  __shared__ float pks[P][kDecMaxDk], pvs[P][kDecMaxDv];
-  __shared__ float part[G][kDecMaxDv];
-  __shared__ float aj[R];           // λ^{m−j}(q̃·k_j) for j < m, then q̃·k at index m
-  __shared__ float lam_pow[R + 1];  // λ^0 … λ^R
-  __shared__ float rstd_s;
-  const int b = blockIdx.x / a.H, h = blockIdx.x - b * a.H;
+  static_assert(G <= 4, "DeferSmem holds 4 row groups");
   const int nv = a.dv / C, tid = threadIdx.x, c = tid % nv, rg = tid / nv;
-  const int64_t slot = a.slots ? a.slots[b] : b;
-  const int m = pending_count(p, slot, h, R);  // thread 0 rewrites it after the barriers below
-  const bool flush = m + 1 == R;
   const int64_t kq = b * a.q_sb + h * a.q_sh, kk = b * a.k_sb + h * a.k_sh, kv = b * a.v_sb + h * a.v_sh;
   const int64_t pk0 = slot * p.k_ss + h * p.k_sh, pv0 = slot * p.v_ss + h * p.v_sh;
   for (int i = tid; i < a.dk; i += blockDim.x) {
-    qs[i] = a.scale * ldf(a.q, kq + i, a.q_dt);
-    ks[i] = ldf(a.k, kk + i, a.k_dt);
+    sm.qs[i] = a.scale * ldf(a.q, kq + i, a.q_dt);
+    sm.ks[i] = ldf(a.k, kk + i, a.k_dt);
   }
-  for (int e = tid; e < a.dv; e += blockDim.x) vs[e] = ldf(a.v, kv + e, a.v_dt);
-  for (int x = tid; x < m * a.dk; x += blockDim.x) pks[x / a.dk][x % a.dk] = ldf(p.pk, pk0 + x, p.p_dt);
-  for (int x = tid; x < m * a.dv; x += blockDim.x) pvs[x / a.dv][x % a.dv] = ldf(p.pv, pv0 + x, p.p_dt);
+  for (int e = tid; e < a.dv; e += blockDim.x) sm.vs[e] = ldf(a.v, kv + e, a.v_dt);
+  for (int x = tid; x < m * a.dk; x += blockDim.x) sm.pks[x / a.dk][x % a.dk] = ldf(p.pk, pk0 + x, p.p_dt);
+  for (int x = tid; x < m * a.dv; x += blockDim.x) sm.pvs[x / a.dv][x % a.dv] = ldf(p.pv, pv0 + x, p.p_dt);
   if (tid == 0) {
     double w = 1.0;
-    for (int i = 0; i <= R; ++i, w *= static_cast<double>(a.lam[h])) lam_pow[i] = static_cast<float>(w);
+    for (int i = 0; i <= R; ++i, w *= static_cast<double>(a.lam[h])) sm.lam_pow[i] = static_cast<float>(w);
   }
   __syncthreads();
-  const int warp = tid >> 5, lane = tid & 31, warps = blockDim.x >> 5;
-  if (!flush) {  // one warp per dot product q̃·k_j (m + 1 ≤ R − 1 of them)
+  if constexpr (!kFlush) {  // one warp per dot product q̃·k_j (m + 1 ≤ R − 1 of them)
+    const int warp = tid >> 5, lane = tid & 31, warps = blockDim.x >> 5;
     for (int j = warp; j <= m; j += warps) {
-      const float* kj = j < m ? pks[j] : ks;
+      const float* kj = j < m ? sm.pks[j] : sm.ks;
       float d = 0.f;
-      for (int i = lane; i < a.dk; i += 32) d = fmaf(qs[i], kj[i], d);
+      for (int i = lane; i < a.dk; i += 32) d = fmaf(sm.qs[i], kj[i], d);
       d = warp_sum(d);
-      if (lane == 0) aj[j] = j < m ? lam_pow[m - j] * d : d;
+      if (lane == 0) sm.aj[j] = j < m ? sm.lam_pow[m - j] * d : d;
     }
   }
 
   const int64_t base = slot * a.ss + h * a.sh + C * c;
   const ST* src = static_cast<const ST*>(a.s_in) + base;
-  ST* dst = static_cast<ST*>(a.s_out) + base;
+  [[maybe_unused]] ST* dst = static_cast<ST*>(a.s_out) + base;
   const int rows = (a.dk + G - 1) / G;
   const int r0 = rg * rows, r1 = min(a.dk, r0 + rows);
   float acc[C], vt[C];
 #pragma unroll
-  for (int j = 0; j < C; ++j) acc[j] = 0.f, vt[j] = vs[C * c + j];
-  const float lam_r = lam_pow[R];
+  for (int j = 0; j < C; ++j) {
+    acc[j] = 0.f;
+    vt[j] = sm.vs[C * c + j];
+  }
   for (int i0 = r0; i0 < r1; i0 += kDecUnroll) {
     float s[kDecUnroll][C];
 #pragma unroll
@@ -322,14 +329,14 @@ __global__ void __launch_bounds__(kDecMaxDv) gla_decode_deferred_kernel(DecArgs 
     for (int u = 0; u < kDecUnroll; ++u) {
       const int i = i0 + u;
       if (i >= r1) break;
-      const float qq = qs[i];
-      if (flush) {  // pair jj is R − 1 − jj tokens old; the pairs' v come from shared memory
+      const float qq = sm.qs[i];
+      if constexpr (kFlush) {  // pair jj is R − 1 − jj tokens old; the pairs' v come from shared memory
 #pragma unroll
         for (int j = 0; j < C; ++j) {
-          float x = lam_r * s[u][j];
+          float x = sm.lam_pow[R] * s[u][j];
 #pragma unroll
-          for (int jj = 0; jj < P; ++jj) x = fmaf(lam_pow[P - jj] * pks[jj][i], pvs[jj][C * c + j], x);
-          s[u][j] = fmaf(ks[i], vt[j], x);
+          for (int jj = 0; jj < P; ++jj) x = fmaf(sm.lam_pow[P - jj] * sm.pks[jj][i], sm.pvs[jj][C * c + j], x);
+          s[u][j] = fmaf(sm.ks[i], vt[j], x);
           acc[j] = fmaf(qq, s[u][j], acc[j]);
         }
         store_vec(dst + i * a.sk, s[u]);
@@ -340,26 +347,37 @@ __global__ void __launch_bounds__(kDecMaxDv) gla_decode_deferred_kernel(DecArgs 
     }
   }
 #pragma unroll
-  for (int j = 0; j < C; ++j) part[rg][C * c + j] = acc[j];
+  for (int j = 0; j < C; ++j) sm.part[rg][C * c + j] = acc[j];
   __syncthreads();
   for (int e = tid; e < a.dv; e += blockDim.x) {
-    float x = part[0][e];
+    float x = sm.part[0][e];
 #pragma unroll
-    for (int g = 1; g < G; ++g) x += part[g][e];
-    if (!flush) {
-      x *= lam_pow[m + 1];
-      for (int j = 0; j < m; ++j) x = fmaf(aj[j], pvs[j][e], x);
-      x = fmaf(aj[m], vs[e], x);
+    for (int g = 1; g < G; ++g) x += sm.part[g][e];
+    if constexpr (!kFlush) {
+      x *= sm.lam_pow[m + 1];
+      for (int j = 0; j < m; ++j) x = fmaf(sm.aj[j], sm.pvs[j][e], x);
+      x = fmaf(sm.aj[m], sm.vs[e], x);
     }
     if (a.o) stf(a.o, b * a.o_sb + h * a.o_sh + e, a.o_dt, x);
-    part[0][e] = round_to(x, a.o_dt);  // each thread rewrites only the columns it summed
+    sm.part[0][e] = round_to(x, a.o_dt);  // each thread rewrites only the columns it summed
   }
-  if (!flush) {  // append (k, v) as pair m
-    for (int i = tid; i < a.dk; i += blockDim.x) stf(p.pk, pk0 + m * a.dk + i, p.p_dt, ks[i]);
-    for (int e = tid; e < a.dv; e += blockDim.x) stf(p.pv, pv0 + m * a.dv + e, p.p_dt, vs[e]);
+  if constexpr (!kFlush) {  // append (k, v) as pair m
+    for (int i = tid; i < a.dk; i += blockDim.x) stf(p.pk, pk0 + m * a.dk + i, p.p_dt, sm.ks[i]);
+    for (int e = tid; e < a.dv; e += blockDim.x) stf(p.pv, pv0 + m * a.dv + e, p.p_dt, sm.vs[e]);
   }
-  if (tid == 0) p.cnt[slot * p.c_ss + h] = flush ? 0 : m + 1;
-  gate_epilogue(a, b, h, part[0], &rstd_s);
+  if (tid == 0) p.cnt[slot * p.c_ss + h] = kFlush ? 0 : m + 1;
+  gate_epilogue(a, b, h, sm.part[0], &sm.rstd);
+}
+
+template <class ST, int R>
+__global__ void __launch_bounds__(kDecMaxDv) gla_decode_deferred_kernel(DecArgs a, PendArgs p) {
+  static_assert(R >= 2 && R <= kMaxDeferSteps, "R steps between write-backs");
+  __shared__ DeferSmem<R> sm;
+  const int b = blockIdx.x / a.H, h = blockIdx.x - b * a.H;
+  const int64_t slot = a.slots ? a.slots[b] : b;
+  const int m = pending_count(p, slot, h, R);  // thread 0 rewrites it after the step's barriers
+  if (m + 1 == R) deferred_step<ST, R, true>(a, p, sm, b, h, slot, R - 1);
+  else deferred_step<ST, R, false>(a, p, sm, b, h, slot, m);
 }
 
 // S ← λ^m S + Σ_{j<m} λ^{m−1−j} k_jᵀ v_j and m ← 0 for the (slot, head) of each block.
