@@ -251,11 +251,12 @@ struct PendArgs {
   int64_t c_ss;
 };
 
-// m read from a slot, kept in [0, R): a corrupt count must not send the kernel out of its
-// pair arrays (the host validates counts it restores; padded rows share the scratch slot).
+// m read from a slot, kept in [0, R) by a mask (R is a power of two): a corrupt count must not
+// send the kernel out of its pair arrays (the host validates counts it restores; padded rows
+// share the scratch slot). A min/max clamp here made the H200 take the write-back step at
+// every step (ptxas, CUDA 13.0; the PTX was right), so the mask it is.
 __device__ __forceinline__ int pending_count(const PendArgs& p, int64_t slot, int h, int R) {
-  const int m = p.cnt[slot * p.c_ss + h];
-  return m < 0 ? 0 : m >= R ? R - 1 : m;
+  return p.cnt[slot * p.c_ss + h] & (R - 1);
 }
 
 // Shared memory of one deferred step: the pairs, q̃, k, v and the scalars as F32.
@@ -371,7 +372,7 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
 
 template <class ST, int R>
 __global__ void __launch_bounds__(kDecMaxDv) gla_decode_deferred_kernel(DecArgs a, PendArgs p) {
-  static_assert(R >= 2 && R <= kMaxDeferSteps, "R steps between write-backs");
+  static_assert(R >= 2 && R <= kMaxDeferSteps && (R & (R - 1)) == 0, "R: a power of two up to 16");
   __shared__ DeferSmem<R> sm;
   const int b = blockIdx.x / a.H, h = blockIdx.x - b * a.H;
   const int64_t slot = a.slots ? a.slots[b] : b;
