@@ -371,7 +371,7 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
 }
 
 template <class ST, int R>
-__global__ void __launch_bounds__(kDecMaxDv) gla_decode_deferred_kernel(DecArgs a, PendArgs p) {
+__global__ void __launch_bounds__(kDecMaxDv, 3) gla_decode_deferred_kernel(DecArgs a, PendArgs p) {
   static_assert(R >= 2 && R <= kMaxDeferSteps && (R & (R - 1)) == 0, "R: a power of two up to 16");
   __shared__ DeferSmem<R> sm;
   const int b = blockIdx.x / a.H, h = blockIdx.x - b * a.H;
