@@ -253,8 +253,9 @@ struct PendArgs {
 
 // m read from a slot, kept in [0, R) by a mask (R is a power of two): a corrupt count must not
 // send the kernel out of its pair arrays (the host validates counts it restores; padded rows
-// share the scratch slot). A min/max clamp here made the H200 take the write-back step at
-// every step (ptxas, CUDA 13.0; the PTX was right), so the mask it is.
+// share the scratch slot). A min/max clamp in its place was observed on the H200 (CUDA 13.0)
+// to take the write-back step at every step, although its PTX compared the clamped count
+// correctly; the cause was not pinned down, and the mask passes the op and model tests.
 __device__ __forceinline__ int pending_count(const PendArgs& p, int64_t slot, int h, int R) {
   return p.cnt[slot * p.c_ss + h] & (R - 1);
 }
@@ -271,8 +272,7 @@ struct DeferSmem {
 };
 
 // One step of (slot, head) with m pending pairs; kFlush: m = R − 1, the write-back step.
-// The two kinds of step are separate instances so that neither carries the other's code
-// (and no predicate lives across the whole stream).
+// The two kinds of step are separate instances, each with only its own code.
 template <class ST, int R, bool kFlush>
 __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& p, DeferSmem<R>& sm, int b, int h,
                                               int64_t slot, int m) {
@@ -370,6 +370,10 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
   gate_epilogue(a, b, h, sm.part[0], &sm.rstd);
 }
 
+// At most 80 registers (3 blocks of 256 threads per SM): the decode blocks have dv = 192
+// threads, so 4 fit per SM. Unbounded, the write-back step's hoisted pair values took 118
+// registers and 2 blocks per SM, and the whole laplace-3b step ran at 30.2 ms instead of
+// 26.3 (H200, 1,280 sequences, F32 states, R = 8); the few spilled bytes are the write-back's.
 template <class ST, int R>
 __global__ void __launch_bounds__(kDecMaxDv, 3) gla_decode_deferred_kernel(DecArgs a, PendArgs p) {
   static_assert(R >= 2 && R <= kMaxDeferSteps && (R & (R - 1)) == 0, "R: a power of two up to 16");
