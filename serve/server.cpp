@@ -700,8 +700,12 @@ struct Server::Impl {
     LAPLACE_RETURN_IF_ERROR(get("logits", DType::kF32, &lg));
     LAPLACE_RETURN_IF_ERROR(get("snapshot_tokens", DType::kI32, &sk));
     LAPLACE_RETURN_IF_ERROR(get("context", DType::kI32, &cx));
-    if (static_cast<int64_t>(st->nbytes()) != engine->slot_bytes() || lg->numel() != model.config().vocab_size)
-      return Status::corrupt("session file: state or logits of the wrong size for this model");
+    if (static_cast<int64_t>(st->nbytes()) != engine->slot_bytes())
+      return Status::invalid_argument("session file: a state of " + std::to_string(st->nbytes()) +
+                                      " bytes; this server's slots are " + std::to_string(engine->slot_bytes()) +
+                                      " (--state-dtype and --defer-writeback must match the server that saved it)");
+    if (lg->numel() != model.config().vocab_size)
+      return Status::corrupt("session file: logits of the wrong size for this model");
     auto snap = std::make_shared<StateSnapshot>();
     snap->state_dtype = engine->pool().dtype();
     snap->state.assign(r.bytes(*st), r.bytes(*st) + st->nbytes());

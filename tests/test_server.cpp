@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <latch>
+#include <memory>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -799,6 +800,79 @@ TEST_F(ServerTest, BoundedLoadEveryRequestCompletesOr429AndMemoryReturns) {
   const int64_t rss1 = process_resident_bytes();
   // Back to the baseline, up to the cache budget (8 MiB) and allocator slack.
   EXPECT_LT(rss1 - rss0, int64_t(48) << 20) << "rss " << rss0 << " -> " << rss1;
+}
+
+// A server with deferred write-back (--defer-writeback 8): a session continued after decode
+// steps (its slot holds pending pairs) gives the text of recomputing its context, also after
+// a round trip through its file; a server with another slot layout refuses that file with
+// an error that names the option, and serves on.
+TEST(ServerDeferred, SessionsCarryPendingPairsAndOtherLayoutsAreRefused) {
+  const std::string dir = make_model_dir();
+  auto start = [&](int64_t defer) {
+    ServerOptions o;
+    o.model_dir = dir;
+    o.port = 0;
+    o.device = server_device();
+    o.engine.max_slots = 2;
+    o.engine.prefill_chunk = 16;
+    o.engine.defer_writeback = defer;
+    o.session_dir = dir + "/sessions";
+    auto srv = std::make_unique<Server>(o);
+    EXPECT_TRUE(srv->start().is_ok());
+    Status st = srv->wait_ready();
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+    return srv;
+  };
+  auto post = [](Server& srv, const std::string& path, const json& body) {
+    httplib::Client c("127.0.0.1", srv.port());
+    c.set_read_timeout(60, 0);
+    auto r = c.Post(path, body.dump(), "application/json");
+    return r ? std::make_pair(r->status, json::parse(r->body, nullptr, false)) : std::make_pair(0, json());
+  };
+  auto text = [](const json& b) { return b["choices"][0]["text"].get<std::string>(); };
+  const json greedy = {{"temperature", 0}, {"ignore_eos", true}};
+  {
+    auto a = start(8);
+    ASSERT_EQ(post(*a, "/v1/sessions", json{{"name", "s"}, {"prompt", "the quick brown fox"}}).first, 200);
+    json cont = greedy;
+    cont.update({{"prompt", " jumps"}, {"session", "s"}, {"save_session", "s2"}, {"max_tokens", 11}});
+    ASSERT_EQ(post(*a, "/v1/completions", cont).first, 200);
+    json next = greedy;
+    next.update({{"prompt", " over"}, {"session", "s2"}, {"max_tokens", 9}});
+    auto warm = post(*a, "/v1/completions", next);
+    ASSERT_EQ(warm.first, 200) << warm.second.dump();
+    httplib::Client c("127.0.0.1", a->port());
+    auto info = c.Get("/v1/sessions/s2");
+    ASSERT_TRUE(info && info->status == 200);
+    std::vector<int32_t> ctx = json::parse(info->body)["token_ids"].get<std::vector<int32_t>>();
+    std::vector<int32_t> over;
+    Tokenizer tok;
+    ASSERT_TRUE(Tokenizer::load(dir + "/tokenizer.model", &tok).is_ok());
+    ASSERT_TRUE(tok.encode(" over", &over).is_ok());
+    ctx.insert(ctx.end(), over.begin(), over.end());
+    json cold = greedy;
+    cold.update({{"prompt", ctx}, {"max_tokens", 9}, {"cache", false}});
+    auto c2 = post(*a, "/v1/completions", cold);
+    ASSERT_EQ(c2.first, 200);
+    EXPECT_EQ(text(warm.second), text(c2.second)) << "a continuation from pending pairs equals recomputing";
+    ASSERT_EQ(post(*a, "/v1/sessions/s2/save", json::object()).first, 200);
+    ASSERT_EQ(c.Delete("/v1/sessions/s2")->status, 200);
+    ASSERT_EQ(post(*a, "/v1/sessions/s2/restore", json::object()).first, 200);
+    auto again = post(*a, "/v1/completions", next);
+    ASSERT_EQ(again.first, 200);
+    EXPECT_EQ(text(again.second), text(warm.second)) << "a restored session continues exactly";
+    a->stop();
+  }
+  auto b = start(0);
+  auto refused = post(*b, "/v1/sessions/s2/restore", json::object());
+  EXPECT_EQ(refused.first, 400);
+  EXPECT_NE(refused.second.dump().find("--defer-writeback"), std::string::npos) << refused.second.dump();
+  json plain = greedy;
+  plain.update({{"prompt", "the lazy dog"}, {"max_tokens", 4}});
+  EXPECT_EQ(post(*b, "/v1/completions", plain).first, 200) << "the server serves on";
+  b->stop();
+  std::error_code ec;
+  fs::remove_all(dir, ec);
 }
 
 TEST(ServerLoading, HealthIs503AndRequestsAre503WhenTheModelCannotLoad) {
