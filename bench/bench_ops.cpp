@@ -375,6 +375,27 @@ int main(int argc, char** argv) {
     const double state_bytes = 2.0 * static_cast<double>(B) * H * dk * dv;
     std::printf("  gla_decode_gate: F32 state %.1f GB/s, BF16 state %.4f ms = %.1f GB/s (state read + write)\n",
                 state_bytes * 4 / (dec[3].ms * 1e6), g16, state_bytes * 2 / (g16 * 1e6));
+    // Deferred write-back (--defer-writeback R in the engine): the mean of R consecutive steps,
+    // one of which writes the states back, against the every-step kernel above.
+    for (int64_t R : {4, 8, 16}) {
+      for (DType sdt : {DType::kF32, DType::kBF16}) {
+        StatePool pd;
+        if (!pd.create(c, *be, B + 1, sdt, {R, bf}).is_ok()) {
+          std::fprintf(stderr, "bench_ops: out of memory for a deferred state pool\n");
+          return 1;
+        }
+        const Tensor sd = pd.gla(0);
+        const GlaPending pend = pd.pending(0);
+        auto cycle = [&] {  // R steps: R − 1 pending, one write-back
+          for (int64_t i = 0; i < R; ++i)
+            e.gla_decode_gate_deferred(gp, qh, kh, vh, gh, t("onorm_w"), 1e-5, sd, pend, slots, oh, yh);
+        };
+        const double ms = time_ms(e, std::max(1, reps / static_cast<int>(R)), cycle) / static_cast<double>(R);
+        const double every = sdt == DType::kF32 ? dec[3].ms : g16;
+        std::printf("  gla_decode_gate_deferred R = %2lld, %s state: %.4f ms per step (%.2fx the every-step kernel)\n",
+                    (long long)R, dtype_name(sdt), ms, every / ms);
+      }
+    }
   }
   if (only == "decode") return 0;
 
