@@ -390,7 +390,7 @@ int main(int argc, char** argv) {
           for (int64_t i = 0; i < R; ++i)
             e.gla_decode_gate_deferred(gp, qh, kh, vh, gh, t("onorm_w"), 1e-5, sd, pend, slots, oh, yh);
         };
-        const double ms = time_ms(e, std::max(1, reps / static_cast<int>(R)), cycle) / static_cast<double>(R);
+        const double ms = time_ms(e, reps, cycle) / static_cast<double>(R);
         const double every = sdt == DType::kF32 ? dec[3].ms : g16;
         std::printf("  gla_decode_gate_deferred R = %2lld, %s state: %.4f ms per step (%.2fx the every-step kernel)\n",
                     (long long)R, dtype_name(sdt), ms, every / ms);
