@@ -384,18 +384,9 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(v, hv.data(), hv.size() * 2, cudaMemcpyHostToDevice));
   decode_lab::init_states<float><<<4096, 256>>>(pristine, static_cast<uint64_t>(state_elems));
   CK(cudaGetLastError());
-  DecArgs a{};
-  a.B = B, a.H = H, a.dk = DK, a.dv = DV;
-  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(DK)));
-  for (int h = 0; h < H; ++h) a.lam[h] = 0.95f + 0.04f * h / (H - 1);
+  DecArgs a = decode_lab::lab_args(B, H, DK, DV);
   a.q = q, a.k = k, a.v = v, a.o = o;
-  a.q_dt = a.k_dt = a.v_dt = decode_lab::kBF16;
-  a.o_dt = decode_lab::kF32;
-  a.q_sb = a.k_sb = static_cast<int64_t>(H) * DK, a.q_sh = a.k_sh = DK;
-  a.v_sb = a.o_sb = static_cast<int64_t>(H) * DV, a.v_sh = a.o_sh = DV;
   a.s_in = states, a.s_out = states;
-  a.sk = DV, a.sh = static_cast<int64_t>(DK) * DV, a.ss = a.sh * H;
-  a.slots = nullptr;
   CK(cudaDeviceSynchronize());
 
   // v1's bits: one step from the pristine states.

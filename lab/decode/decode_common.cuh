@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 
@@ -39,6 +40,22 @@ struct DecArgs {
   int64_t ss, sh, sk;
   const int32_t* slots;  // null: slot = b
 };
+
+// The labs' arguments for B sequences × H heads: q, k, v BF16 and o F32, each contiguous
+// [B, H, d]; states contiguous [slots, H, dk, dv]; λ from 0.95 to 0.99 across the heads;
+// scale 1/√dk. The pointers are the caller's to set (slots null: slot = b).
+inline DecArgs lab_args(int B, int H, int dk, int dv) {
+  DecArgs a{};
+  a.B = B, a.H = H, a.dk = dk, a.dv = dv;
+  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dk)));
+  for (int h = 0; h < H; ++h) a.lam[h] = 0.95f + 0.04f * h / (H - 1);
+  a.q_dt = a.k_dt = a.v_dt = kBF16;
+  a.o_dt = kF32;
+  a.q_sb = a.k_sb = static_cast<int64_t>(H) * dk, a.q_sh = a.k_sh = dk;
+  a.v_sb = a.o_sb = static_cast<int64_t>(H) * dv, a.v_sh = a.o_sh = dv;
+  a.sk = dv, a.sh = static_cast<int64_t>(dk) * dv, a.ss = a.sh * H;
+  return a;
+}
 
 // ops/cuda/cuda_common.cuh's dtype-coded scalar access.
 __device__ __forceinline__ float ldf(const void* p, int64_t i, int dt) {

@@ -121,10 +121,7 @@ int run_dtype(const Opts& opt, const char* dtname, double tol_s, double tol_o) {
   for (auto& x : hq) x = f2bf(static_cast<float>(2 * r.uniform() - 1));
   for (auto& x : hk) x = f2bf(static_cast<float>(2 * r.uniform() - 1));
   for (auto& x : hv) x = f2bf(static_cast<float>(2 * r.uniform() - 1));
-  DecArgs a{};
-  a.B = B, a.H = H, a.dk = DK, a.dv = DV;
-  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(DK)));
-  for (int h = 0; h < H; ++h) a.lam[h] = 0.95f + 0.04f * h / (H - 1);
+  DecArgs a = decode_lab::lab_args(B, H, DK, DV);
 
   // The initial state element as the kernels see it (BF16 states are rounded once at init).
   auto s0 = [&](int64_t idx) -> double {
@@ -184,12 +181,7 @@ int run_dtype(const Opts& opt, const char* dtname, double tol_s, double tol_o) {
   CK(cudaDeviceSynchronize());
 
   a.q = q, a.k = k, a.v = v, a.o = o;
-  a.q_dt = a.k_dt = a.v_dt = decode_lab::kBF16;
-  a.o_dt = decode_lab::kF32;
-  a.q_sb = a.k_sb = static_cast<int64_t>(H) * DK, a.q_sh = a.k_sh = DK;
-  a.v_sb = a.o_sb = static_cast<int64_t>(H) * DV, a.v_sh = a.o_sh = DV;
   a.s_in = states, a.s_out = states;
-  a.sk = DV, a.sh = static_cast<int64_t>(DK) * DV, a.ss = a.sh * H;
   a.slots = slots;
   // v2/v3 bulk-copy whole (b, h) rows of q, k, v and whole states: 16-byte aligned by this layout.
 

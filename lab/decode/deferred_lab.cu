@@ -85,16 +85,7 @@ int main(int argc, char** argv) {
     for (auto& x : hk[t]) x = f2bf(static_cast<float>(2 * rng.uniform() - 1));
     for (auto& x : hv[t]) x = f2bf(static_cast<float>(2 * rng.uniform() - 1));
   }
-  DecArgs a{};
-  a.B = B, a.H = H, a.dk = DK, a.dv = DV;
-  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(DK)));
-  for (int h = 0; h < H; ++h) a.lam[h] = 0.95f + 0.04f * h / (H - 1);
-  a.q_dt = a.k_dt = a.v_dt = decode_lab::kBF16;
-  a.o_dt = decode_lab::kF32;
-  a.q_sb = a.k_sb = static_cast<int64_t>(H) * DK, a.q_sh = a.k_sh = DK;
-  a.v_sb = a.o_sb = static_cast<int64_t>(H) * DV, a.v_sh = a.o_sh = DV;
-  a.sk = DV, a.sh = static_cast<int64_t>(DK) * DV, a.ss = a.sh * H;
-  a.slots = nullptr;
+  DecArgs a = decode_lab::lab_args(B, H, DK, DV);
 
   std::vector<__nv_bfloat16*> dq(steps), dk(steps), dv(steps);
   for (int t = 0; t < steps; ++t) {

@@ -377,17 +377,9 @@ int run_dtype(const Opts& opt, Ctx& c, const GemmBufs& gb, const DriverFns& drv,
   decode_lab::init_states<ST><<<4096, 256, 0, c.s0>>>(pristine, static_cast<uint64_t>(state_elems));
   CK(cudaGetLastError());
 
-  DecArgs full{};
-  full.B = B, full.H = H, full.dk = DK, full.dv = DV;
-  full.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(DK)));
-  for (int h = 0; h < H; ++h) full.lam[h] = 0.95f + 0.04f * h / (H - 1);
+  DecArgs full = decode_lab::lab_args(B, H, DK, DV);
   full.q = q, full.k = k, full.v = v, full.o = o;
-  full.q_dt = full.k_dt = full.v_dt = decode_lab::kBF16;
-  full.o_dt = decode_lab::kF32;
-  full.q_sb = full.k_sb = static_cast<int64_t>(H) * DK, full.q_sh = full.k_sh = DK;
-  full.v_sb = full.o_sb = static_cast<int64_t>(H) * DV, full.v_sh = full.o_sh = DV;
   full.s_in = states, full.s_out = states;
-  full.sk = DV, full.sh = static_cast<int64_t>(DK) * DV, full.ss = full.sh * H;
   full.slots = slots;
   DecArgs hargs[2];
   for (int h = 0; h < 2; ++h) {
