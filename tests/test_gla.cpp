@@ -540,7 +540,7 @@ TEST(GlaDeterminism, BitwiseRepeatAndThreadCount) {
 #endif
 }
 
-// ---- deferred write-back (ops/cpu/gla_deferred.cpp) -----------------------------------
+// ---- deferred write-back (ops/cpu/gla.cpp) ---------------------------------------------
 
 // The deferred decode against the recurrent form, step by step over 2R + 3 tokens from a
 // random start, three rows in scattered slots of a five-entry pool: the outputs agree, the

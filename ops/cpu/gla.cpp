@@ -1,5 +1,6 @@
 // CPU GLA mixer, SPEC §1 "Three forms of the mixer": the quadratic, recurrent and
-// chunked forward forms and the chunk-wise backward, in F32 and F64.
+// chunked forward forms and the chunk-wise backward, in F32 and F64; and the reference of
+// deferred state write-back (a decode option, docs/serving.md §4).
 //
 // Notation, per batch row b and head h: q_t, k_t ∈ R^dk, v_t ∈ R^dv (row vectors),
 // qs_t = scale·q_t, state S ∈ R^{dk×dv}, λ = decay[h]. Within a chunk of length L
@@ -468,6 +469,130 @@ void backward_typed(const GlaParams& p, const Tensor& q, const Tensor& k, const 
   }
 }
 
+// ---- deferred write-back (ops/backend.h GlaPending; docs/serving.md §4) ----------------
+//
+// Per pool entry e and head h, with m = count[e][h] pending pairs (k_j, v_j) and qs = scale·q:
+//   true state  T = λ^m S + Σ_{j<m} λ^{m−1−j} k_jᵀ v_j
+//   decode, m + 1 < R:  o = λ^{m+1} (qs S) + Σ_{j<m} λ^{m−j} (qs·k_j) v_j + (qs·k) v;
+//                       pair m ← (k, v), m ← m + 1; S untouched
+//   decode, m + 1 = R:  S ← λ^R S + Σ_{j<R−1} λ^{R−1−j} k_jᵀ v_j + kᵀ v; o = qs S; m ← 0
+//   flush:              S ← T; m ← 0
+// The CUDA kernels sum in another order, so the two agree to rounding only.
+
+constexpr int64_t kMaxPendingSteps = 16;
+
+// The pending pairs and count of entry e, head h.
+template <class F>
+struct HeadPending {
+  F* k;  // [R−1, dk]
+  F* v;  // [R−1, dv]
+  int32_t* count;
+};
+
+template <class F>
+HeadPending<F> head_pending(const GlaPending& p, int64_t e, int64_t h) {
+  return {static_cast<F*>(p.k.data) + e * p.k.stride[0] + h * p.k.stride[1],
+          static_cast<F*>(p.v.data) + e * p.v.stride[0] + h * p.v.stride[1],
+          static_cast<int32_t*>(p.count.data) + e * p.count.stride[0] + h * p.count.stride[1]};
+}
+
+int64_t pending_count(const int32_t* count, int64_t R) {
+  LAPLACE_CHECK(*count >= 0 && *count < R, "gla deferred: a pending count is out of range (corrupt slot?)");
+  return *count;
+}
+
+template <class F>
+void deferred_decode_typed(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor states,
+                           const GlaPending& pend, const Tensor& slots, Tensor o) {
+  const int64_t B = q.shape[0], H = q.shape[2], dk = q.shape[3], dv = v.shape[3], R = pend.steps;
+#pragma omp parallel for schedule(static)
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    const int64_t b = bh / H, h = bh % H, e = slot_of(slots, b);
+    const F* qr = head_rows<F>(q, b, h)[0];
+    const F* kr = head_rows<F>(k, b, h)[0];
+    const F* vr = head_rows<F>(v, b, h)[0];
+    F* out = head_rows<F>(o, b, h)[0];
+    const Rows<F> S = state_rows<F>(states, e, h);
+    const HeadPending<F> pp = head_pending<F>(pend, e, h);
+    const int64_t m = pending_count(pp.count, R);
+    F pw[kMaxPendingSteps + 1];
+    decay_powers(p.decay[h], R, pw);
+    std::vector<F> qs(dk);
+    for (int64_t i = 0; i < dk; ++i) qs[i] = static_cast<F>(p.scale) * qr[i];
+    std::fill(out, out + dv, F(0));
+    if (m + 1 == R) {  // the write-back step
+      for (int64_t i = 0; i < dk; ++i) {
+        F* row = S[i];
+        for (int64_t x = 0; x < dv; ++x) {
+          F t = pw[R] * row[x];
+          for (int64_t j = 0; j < R - 1; ++j) t += pw[R - 1 - j] * pp.k[j * dk + i] * pp.v[j * dv + x];
+          row[x] = t + kr[i] * vr[x];
+          out[x] += qs[i] * row[x];
+        }
+      }
+      *pp.count = 0;
+      continue;
+    }
+    for (int64_t i = 0; i < dk; ++i) {
+      const F* row = S[i];
+      for (int64_t x = 0; x < dv; ++x) out[x] += qs[i] * row[x];
+    }
+    for (int64_t x = 0; x < dv; ++x) out[x] *= pw[m + 1];
+    for (int64_t j = 0; j <= m; ++j) {
+      const F* kj = j < m ? pp.k + j * dk : kr;
+      const F* vj = j < m ? pp.v + j * dv : vr;
+      F d = 0;
+      for (int64_t i = 0; i < dk; ++i) d += qs[i] * kj[i];
+      const F a = j < m ? pw[m - j] * d : d;
+      for (int64_t x = 0; x < dv; ++x) out[x] += a * vj[x];
+    }
+    std::copy(kr, kr + dk, pp.k + m * dk);
+    std::copy(vr, vr + dv, pp.v + m * dv);
+    *pp.count = static_cast<int32_t>(m + 1);
+  }
+}
+
+template <class F>
+void pending_flush_typed(const GlaParams& p, Tensor states, const GlaPending& pend, const Tensor& slots) {
+  const int64_t B = slots.shape[0], H = states.shape[1], dk = states.shape[2], dv = states.shape[3];
+#pragma omp parallel for schedule(static)
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    const int64_t b = bh / H, h = bh % H, e = slot_of(slots, b);
+    const HeadPending<F> pp = head_pending<F>(pend, e, h);
+    const int64_t m = pending_count(pp.count, pend.steps);
+    if (m == 0) continue;
+    F pw[kMaxPendingSteps + 1];
+    decay_powers(p.decay[h], m, pw);
+    const Rows<F> S = state_rows<F>(states, e, h);
+    for (int64_t i = 0; i < dk; ++i) {
+      F* row = S[i];
+      for (int64_t x = 0; x < dv; ++x) {
+        F t = pw[m] * row[x];
+        for (int64_t j = 0; j < m; ++j) t += pw[m - 1 - j] * pp.k[j * dk + i] * pp.v[j * dv + x];
+        row[x] = t;
+      }
+    }
+    *pp.count = 0;
+  }
+}
+
+// Pairs [S, H, R−1, d] in the states' dtype with contiguous pairs, counts [S, H] I32, on the CPU.
+void check_pending(const GlaPending& p, const Tensor& states) {
+  const int64_t S = states.shape[0], H = states.shape[1], dk = states.shape[2], dv = states.shape[3];
+  LAPLACE_CHECK(p.steps >= 2 && p.steps <= kMaxPendingSteps, "gla deferred: R must be in [2, 16]");
+  check_cpu_float(p.k, states.dtype, 4);
+  check_cpu_float(p.v, states.dtype, 4);
+  LAPLACE_CHECK(p.count.device == Device::kCPU && p.count.dtype == DType::kI32 && p.count.ndim == 2 &&
+                    p.count.shape[0] == S && p.count.shape[1] == H && p.count.stride[1] == 1,
+                "gla deferred: count must be [S, H] I32");
+  LAPLACE_CHECK(p.k.shape[0] == S && p.k.shape[1] == H && p.k.shape[2] == p.steps - 1 && p.k.shape[3] == dk &&
+                    p.k.stride[2] == dk,
+                "gla deferred: pending k must be [S, H, R−1, dk] with contiguous pairs");
+  LAPLACE_CHECK(p.v.shape[0] == S && p.v.shape[1] == H && p.v.shape[2] == p.steps - 1 && p.v.shape[3] == dv &&
+                    p.v.stride[2] == dv,
+                "gla deferred: pending v must be [S, H, R−1, dv] with contiguous pairs");
+}
+
 }  // namespace
 
 void gla_forward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor o,
@@ -500,6 +625,35 @@ void gla_backward(const GlaParams& p, const Tensor& q, const Tensor& k, const Te
     backward_typed<double>(p, q, k, v, s_in, d_o, ds_out, dq, dk, dv, ds_in);
   else
     backward_typed<float>(p, q, k, v, s_in, d_o, ds_out, dq, dk, dv, ds_in);
+}
+
+void gla_decode_deferred(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor o,
+                         Tensor states, const GlaPending& pend, const Tensor& slots) {
+  check_qkv(q, k, v, o);
+  LAPLACE_CHECK(q.shape[1] == 1, "gla deferred: decode takes one token per sequence");
+  check_params(p, q.shape[2]);
+  LAPLACE_CHECK(states.defined(), "gla deferred: needs the states");
+  check_state(states, q, v, 0);
+  check_slots(slots, q.shape[0], states, Tensor{});
+  check_pending(pend, states);
+  if (q.dtype == DType::kF64)
+    deferred_decode_typed<double>(p, q, k, v, states, pend, slots, o);
+  else
+    deferred_decode_typed<float>(p, q, k, v, states, pend, slots, o);
+}
+
+void gla_pending_flush(const GlaParams& p, Tensor states, const GlaPending& pend, const Tensor& slots) {
+  LAPLACE_CHECK(states.defined() && (states.dtype == DType::kF32 || states.dtype == DType::kF64),
+                "gla deferred: states must be F32 or F64");
+  check_cpu_float(states, states.dtype, 4);
+  check_params(p, states.shape[1]);
+  LAPLACE_CHECK(slots.defined(), "gla deferred: flush takes slots [B] I32");
+  check_slots(slots, slots.shape[0], states, Tensor{});
+  check_pending(pend, states);
+  if (states.dtype == DType::kF64)
+    pending_flush_typed<double>(p, states, pend, slots);
+  else
+    pending_flush_typed<float>(p, states, pend, slots);
 }
 
 }  // namespace laplace::cpu

@@ -14,7 +14,7 @@ void gla_backward(const GlaParams& p, const Tensor& q, const Tensor& k, const Te
                   Tensor dv, Tensor ds_in);
 
 // Deferred write-back (ops/backend.h GlaPending): one decode step (T = 1) of o only, and
-// the flush of slots' pending pairs into their states. ops/cpu/gla_deferred.cpp.
+// the flush of slots' pending pairs into their states.
 void gla_decode_deferred(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor o,
                          Tensor states, const GlaPending& pend, const Tensor& slots);
 void gla_pending_flush(const GlaParams& p, Tensor states, const GlaPending& pend, const Tensor& slots);
