@@ -214,14 +214,14 @@ Status measure_state_accuracy(Model& m, int64_t rows, int64_t prompt_len, int64_
   po.max_tokens = std::max(rows, prompt_len);
   po.max_logit_rows = rows;
   LAPLACE_RETURN_IF_ERROR(m.plan(po));
-  StatePool p32, p16;
+  StatePool p32, ptest;
   LAPLACE_RETURN_IF_ERROR(p32.create(c, be, rows, DType::kF32));
-  LAPLACE_RETURN_IF_ERROR(p16.create(c, be, rows, test_dtype, {test_defer, m.dtype()}));
+  LAPLACE_RETURN_IF_ERROR(ptest.create(c, be, rows, test_dtype, {test_defer, m.dtype()}));
   Rng rng(seed);
   ForwardOptions pre;
   pre.last_logits_only = true;
   std::vector<int32_t> next(static_cast<size_t>(rows));
-  std::vector<float> l32, l16;
+  std::vector<float> l32, ltest;
   auto argmax = [&](const std::vector<float>& l, int64_t r) {
     const float* x = l.data() + r * c.vocab_size;
     return static_cast<int32_t>(std::max_element(x, x + c.vocab_size) - x);
@@ -231,7 +231,7 @@ Status measure_state_accuracy(Model& m, int64_t rows, int64_t prompt_len, int64_
     const int32_t slot = static_cast<int32_t>(r);
     m.forward(prompt.data(), 1, prompt_len, pre, &p32, &slot);
     logits_rows_to_host(m, 0, 1, &l32);
-    m.forward(prompt.data(), 1, prompt_len, pre, &p16, &slot);
+    m.forward(prompt.data(), 1, prompt_len, pre, &ptest, &slot);
     next[r] = argmax(l32, 0);
   }
   ForwardOptions dec;
@@ -242,11 +242,11 @@ Status measure_state_accuracy(Model& m, int64_t rows, int64_t prompt_len, int64_
   for (int64_t t = 0; t < steps; ++t) {
     m.forward(next.data(), rows, 1, dec, &p32);
     logits_rows_to_host(m, 0, rows, &l32);
-    m.forward(next.data(), rows, 1, dec, &p16);
-    logits_rows_to_host(m, 0, rows, &l16);
+    m.forward(next.data(), rows, 1, dec, &ptest);
+    logits_rows_to_host(m, 0, rows, &ltest);
     double num = 0, den = 0;
     for (size_t i = 0; i < l32.size(); ++i) {
-      const double d = static_cast<double>(l16[i]) - l32[i];
+      const double d = static_cast<double>(ltest[i]) - l32[i];
       num += d * d;
       den += static_cast<double>(l32[i]) * l32[i];
     }
@@ -254,8 +254,8 @@ Status measure_state_accuracy(Model& m, int64_t rows, int64_t prompt_len, int64_
     sum_err += e;
     f->logit_relrms_max = std::max(f->logit_relrms_max, e);
     for (int64_t r = 0; r < rows; ++r) {
-      const int32_t a32 = argmax(l32, r), a16 = argmax(l16, r);
-      if (a32 == a16) ++agree;
+      const int32_t a32 = argmax(l32, r), atest = argmax(ltest, r);
+      if (a32 == atest) ++agree;
       else if (f->first_disagreement < 0) f->first_disagreement = t;
       next[r] = a32;
     }
