@@ -19,7 +19,7 @@ Status StatePool::layout_for(const Config& c, DType dtype, PendingSpec pending, 
   const int64_t es = static_cast<int64_t>(dtype_size(dtype));
   l.slot_elems = c.num_layers * l.layer_elems;
   if (pending.steps != 0) {
-    if (pending.steps != 4 && pending.steps != 8 && pending.steps != 16)
+    if (!PendingSpec::supported(pending.steps))
       return Status::invalid_argument("deferred write-back: R must be 4, 8 or 16 (got " +
                                       std::to_string(pending.steps) + ")");
     const int64_t ps = static_cast<int64_t>(dtype_size(pending.pair_dtype));

@@ -23,6 +23,8 @@ namespace laplace {
 struct PendingSpec {
   int64_t steps = 0;
   DType pair_dtype = DType::kF32;
+  // The R values the deferred kernels are built for.
+  static bool supported(int64_t r) { return r == 4 || r == 8 || r == 16; }
 };
 
 class StatePool {

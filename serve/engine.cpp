@@ -251,7 +251,7 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
   }
   opt.state_dtype = st;
   const PendingSpec pending{opt.defer_writeback, model.dtype()};
-  if (pending.steps != 0 && pending.steps != 4 && pending.steps != 8 && pending.steps != 16)
+  if (pending.steps != 0 && !PendingSpec::supported(pending.steps))
     return Status::invalid_argument("engine: deferred write-back takes R = 4, 8 or 16 (0 = off), not " +
                                     std::to_string(pending.steps));
   LAPLACE_RETURN_IF_ERROR(resolve_slots(c, opt, st, &opt.max_slots, &opt.cache_slots, pending));
