@@ -100,12 +100,6 @@ double rel_rms_bf16_vs_f64(const std::vector<uint16_t>& a, const std::vector<dou
   return std::sqrt(num / den);
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 #endif  // LAPLACE_HAVE_CUDA
 
 }  // namespace
@@ -191,8 +185,8 @@ int main(int argc, char** argv) {
       ms.push_back(t);
     }
     std::printf("  min %.3f ms, median %.3f ms, max %.3f ms over %d reps\n", *std::min_element(ms.begin(), ms.end()),
-                median(ms), *std::max_element(ms.begin(), ms.end()), a.reps);
-    return median(ms);
+                bench_median(ms), *std::max_element(ms.begin(), ms.end()), a.reps);
+    return bench_median(ms);
   };
   std::printf("forward:\n");
   const double t_fwd = time_ms(fwd);

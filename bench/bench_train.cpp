@@ -86,12 +86,6 @@ double now_s() {
   return duration<double>(steady_clock::now().time_since_epoch()).count();
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 bool ends_with(const std::string& s, const std::string& suf) {
   return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
 }
@@ -311,7 +305,7 @@ int run(const Args& a) {
   cudaMemGetInfo(&free_end, &total_mem);
   std::printf("device memory in use after the steps: %.2f GB of %.2f GB\n", gb(total_mem - free_end), gb(total_mem));
 
-  const double step_s = median(t_step), fb_s = median(t_fb), opt_s = median(t_opt);
+  const double step_s = bench_median(t_step), fb_s = bench_median(t_fb), opt_s = bench_median(t_opt);
   const double tok_s = static_cast<double>(tokens_per_step) / step_s;
   const double fb_tok_s = static_cast<double>(tokens_per_step) / fb_s;
   const double fpt = cfg.train_flops_per_token();

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 namespace laplace {
 
@@ -23,5 +24,9 @@ struct BenchLog {
   // `given` if set, else $LAPLACE_COMMIT, else `git rev-parse --short HEAD`, else "unknown".
   static std::string commit_hash(const std::string& given = "");
 };
+
+// The median of timings (the mean of the middle two for an even count; 0 for none): what
+// the benchmark programs report per figure.
+double bench_median(std::vector<double> v);
 
 }  // namespace laplace
