@@ -255,6 +255,8 @@ void Model::run_forward(int64_t B, int64_t T, const ForwardOptions& opt, StatePo
     Tensor st = pool ? pool->gla(l) : Tensor{};
     Tensor o = bthd(rows(a.o, N), B, T, H, dv);
     const GlaPending pend = pool ? pool->pending(l) : GlaPending{};
+    // The chunked form reads S itself: fold the rows' pending pairs in first.
+    if (!decode_step && pend.defined()) be.gla_pending_flush(gp, st, pend, slot_ids);
     if (decode_step && pend.defined()) {
       // Deferred write-back: S read every step, written every R-th (docs/serving.md §4).
       be.gla_decode_gate_deferred(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
@@ -266,7 +268,6 @@ void Model::run_forward(int64_t B, int64_t T, const ForwardOptions& opt, StatePo
                          qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps, st, slot_ids, o,
                          bthd(rows(a.y, N), B, T, H, dv));
     } else if (st.defined() && st.dtype == DType::kBF16) {
-      if (pend.defined()) be.gla_pending_flush(gp, st, pend, slot_ids);  // the chunked form reads S
       // A BF16 pool in a chunked forward: each row's state goes through F32 (one rounding
       // back on the store, as a decode step's).
       const Tensor stage = state_stage(B);
@@ -275,7 +276,6 @@ void Model::run_forward(int64_t B, int64_t T, const ForwardOptions& opt, StatePo
                      stage, Tensor{});
       for (int64_t b = 0; b < B; ++b) be.copy(st.select(host_slots[b]), stage.select(b));
     } else {
-      if (pend.defined()) be.gla_pending_flush(gp, st, pend, slot_ids);  // the chunked form reads S
       be.gla_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), o, st, st,
                      slot_ids);
     }
