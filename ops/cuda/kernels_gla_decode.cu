@@ -98,10 +98,22 @@ __device__ __forceinline__ float round_to(float x, int dt) {
   return dt == kBF16 ? __bfloat162float(__float2bfloat16_rn(x)) : x;
 }
 
+// g and w of row (b, h) staged in shared memory at the start of a step (before its first
+// barrier), so that the gate epilogue after the state stream does not wait on global loads.
+// Thread t stages columns t, t + blockDim.x, ..., the ones it reads back in gate_epilogue.
+__device__ __forceinline__ void gate_stage(const DecArgs& a, int b, int h, float* gs, float* ws) {
+  for (int e = threadIdx.x; e < a.dv; e += blockDim.x) {
+    gs[e] = ldf(a.g, b * a.g_sb + h * a.g_sh + e, a.g_dt);
+    if (a.w) ws[e] = ldf(a.w, e, a.w_dt);
+  }
+}
+
 // y = RMSNorm(o; w) ⊙ SiLU(g) of row (b, h), o [dv] in shared memory already rounded to o's
-// dtype: rmsnorm_gate_fwd_kernel's operations in its order (lane l sums columns l, l+32, ...,
-// then a butterfly), so fused and unfused decode give the same bits. Block-wide.
-__device__ __forceinline__ void gate_epilogue(const DecArgs& a, int b, int h, const float* o, float* rstd_s) {
+// dtype, g and w staged by gate_stage: rmsnorm_gate_fwd_kernel's operations in its order (lane l
+// sums columns l, l+32, ..., then a butterfly), so fused and unfused decode give the same bits.
+// Block-wide.
+__device__ __forceinline__ void gate_epilogue(const DecArgs& a, int b, int h, const float* o, const float* gs,
+                                              const float* ws, float* rstd_s) {
   const int tid = threadIdx.x;
   __syncthreads();
   if (tid < 32) {
@@ -113,10 +125,26 @@ __device__ __forceinline__ void gate_epilogue(const DecArgs& a, int b, int h, co
   __syncthreads();
   const float r = *rstd_s;
   for (int e = tid; e < a.dv; e += blockDim.x) {
-    const float gv = ldf(a.g, b * a.g_sb + h * a.g_sh + e, a.g_dt);
+    const float gv = gs[e];
     float y = o[e] * r * gv * sigmoidf_(gv);
-    if (a.w) y *= ldf(a.w, e, a.w_dt);
+    if (a.w) y *= ws[e];
     stf(a.y, b * a.y_sb + h * a.y_sh + e, a.y_dt, y);
+  }
+}
+
+// Rows i0 … min(i0 + kDecUnroll, r1) − 1 of a thread's column vector (row stride sk) into s,
+// all loads issued before any is used; rows past r1, or all rows when src is null (a zero
+// state), are zeros.
+template <class ST, int C>
+__device__ __forceinline__ void load_rows(const ST* src, int64_t sk, int i0, int r1, float (&s)[kDecUnroll][C]) {
+#pragma unroll
+  for (int u = 0; u < kDecUnroll; ++u) {
+    if (src && i0 + u < r1) {
+      load_vec(src + (i0 + u) * sk, s[u]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < C; ++j) s[u][j] = 0.f;
+    }
   }
 }
 
@@ -130,6 +158,7 @@ __global__ void __launch_bounds__(kDecMaxDv) gla_decode_kernel(DecArgs a) {
   __shared__ float qs[kDecMaxDk], ks[kDecMaxDk];
   __shared__ float part[G][kDecMaxDv];
   __shared__ float rstd_s;
+  __shared__ float gs[kGate ? kDecMaxDv : 1], ws[kGate ? kDecMaxDv : 1];  // g, w (gate_stage)
   __shared__ uint64_t bar[kBulk ? G : 1];
   extern __shared__ __align__(128) unsigned char state_smem[];  // kBulk: the state [dk, dv]
   const int b = blockIdx.x / a.H, h = blockIdx.x - b * a.H;
@@ -158,6 +187,7 @@ __global__ void __launch_bounds__(kDecMaxDv) gla_decode_kernel(DecArgs a) {
     qs[i] = a.scale * ldf(a.q, b * a.q_sb + h * a.q_sh + i, a.q_dt);
     ks[i] = ldf(a.k, b * a.k_sb + h * a.k_sh + i, a.k_dt);
   }
+  if constexpr (kGate) gate_stage(a, b, h, gs, ws);
   float vv[C];
   const int64_t vo = b * a.v_sb + h * a.v_sh + C * c;
 #pragma unroll
@@ -178,15 +208,7 @@ __global__ void __launch_bounds__(kDecMaxDv) gla_decode_kernel(DecArgs a) {
   for (int j = 0; j < C; ++j) acc[j] = 0.f;
   for (int i0 = r0; i0 < r1; i0 += kDecUnroll) {
     float s[kDecUnroll][C];
-#pragma unroll
-    for (int u = 0; u < kDecUnroll; ++u) {
-      if (src && i0 + u < r1) {
-        load_vec(src + (i0 + u) * sk, s[u]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < C; ++j) s[u][j] = 0.f;
-      }
-    }
+    load_rows(src, sk, i0, r1, s);
 #pragma unroll
     for (int u = 0; u < kDecUnroll; ++u) {
       const int i = i0 + u;
@@ -224,7 +246,7 @@ __global__ void __launch_bounds__(kDecMaxDv) gla_decode_kernel(DecArgs a) {
     if (tid == 0) bulk_wait_read<0>();  // sS must outlive the bulk store's reads of it
   }
   if constexpr (!kGate) return;
-  gate_epilogue(a, b, h, part[0], &rstd_s);
+  gate_epilogue(a, b, h, part[0], gs, ws, &rstd_s);
 }
 
 
@@ -262,10 +284,12 @@ __device__ __forceinline__ int pending_count(const PendArgs& p, int64_t slot, in
 
 // Shared memory of one deferred step: the pairs, q̃, k, v and the scalars as F32.
 template <int R>
-struct DeferSmem {
+struct alignas(16) DeferSmem {
   float qs[kDecMaxDk], ks[kDecMaxDk], vs[kDecMaxDv];
-  float pks[R - 1][kDecMaxDk], pvs[R - 1][kDecMaxDv];
+  float pks[R - 1][kDecMaxDk];  // the write-back step scales pair j by λ^{R−1−j} in place
+  float pvs[R - 1][kDecMaxDv];
   float part[4][kDecMaxDv];
+  float gs[kDecMaxDv], ws[kDecMaxDv];  // g, w (gate_stage)
   float aj[R];           // λ^{m−j}(q̃·k_j) for j < m, then q̃·k at index m
   float lam_pow[R + 1];  // λ^0 … λ^R
   float rstd;
@@ -281,6 +305,16 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
   const int nv = a.dv / C, tid = threadIdx.x, c = tid % nv, rg = tid / nv;
   const int64_t kq = b * a.q_sb + h * a.q_sh, kk = b * a.k_sb + h * a.k_sh, kv = b * a.v_sb + h * a.v_sh;
   const int64_t pk0 = slot * p.k_ss + h * p.k_sh, pv0 = slot * p.v_ss + h * p.v_sh;
+  // The state rows do not depend on the prologue: the first kDecUnroll of them are in flight
+  // while q, k, v, the pairs, g and w are staged and the dot products computed.
+  const int64_t base = slot * a.ss + h * a.sh + C * c;
+  const ST* src = static_cast<const ST*>(a.s_in) + base;
+  [[maybe_unused]] ST* dst = static_cast<ST*>(a.s_out) + base;
+  const int rows = (a.dk + G - 1) / G;
+  const int r0 = rg * rows, r1 = min(a.dk, r0 + rows);
+  float s[kDecUnroll][C];
+  load_rows(src, a.sk, r0, r1, s);
+  gate_stage(a, b, h, sm.gs, sm.ws);
   for (int i = tid; i < a.dk; i += blockDim.x) {
     sm.qs[i] = a.scale * ldf(a.q, kq + i, a.q_dt);
     sm.ks[i] = ldf(a.k, kk + i, a.k_dt);
@@ -293,6 +327,10 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
     for (int i = 0; i <= R; ++i, w *= static_cast<double>(a.lam[h])) sm.lam_pow[i] = static_cast<float>(w);
   }
   __syncthreads();
+  if constexpr (kFlush) {  // the pair coefficients λ^{R−1−j} k_j[i], the products the fold needs
+    for (int x = tid; x < P * a.dk; x += blockDim.x) sm.pks[x / a.dk][x % a.dk] *= sm.lam_pow[P - x / a.dk];
+    __syncthreads();
+  }
   if constexpr (!kFlush) {  // one warp per dot product q̃·k_j (m + 1 ≤ R − 1 of them)
     const int warp = tid >> 5, lane = tid & 31, warps = blockDim.x >> 5;
     for (int j = warp; j <= m; j += warps) {
@@ -304,11 +342,6 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
     }
   }
 
-  const int64_t base = slot * a.ss + h * a.sh + C * c;
-  const ST* src = static_cast<const ST*>(a.s_in) + base;
-  [[maybe_unused]] ST* dst = static_cast<ST*>(a.s_out) + base;
-  const int rows = (a.dk + G - 1) / G;
-  const int r0 = rg * rows, r1 = min(a.dk, r0 + rows);
   float acc[C], vt[C];
 #pragma unroll
   for (int j = 0; j < C; ++j) {
@@ -316,28 +349,30 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
     vt[j] = sm.vs[C * c + j];
   }
   for (int i0 = r0; i0 < r1; i0 += kDecUnroll) {
-    float s[kDecUnroll][C];
-#pragma unroll
-    for (int u = 0; u < kDecUnroll; ++u) {
-      if (i0 + u < r1) {
-        load_vec(src + (i0 + u) * a.sk, s[u]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < C; ++j) s[u][j] = 0.f;
-      }
-    }
+    if (i0 != r0) load_rows(src, a.sk, i0, r1, s);
 #pragma unroll
     for (int u = 0; u < kDecUnroll; ++u) {
       const int i = i0 + u;
       if (i >= r1) break;
       const float qq = sm.qs[i];
-      if constexpr (kFlush) {  // pair jj is R − 1 − jj tokens old; the pairs' v come from shared memory
+      if constexpr (kFlush) {  // pair jj is R − 1 − jj tokens old
+        // Each column's chain of fmas is the reference's (ops/cpu/gla.cpp). The loop over the
+        // pairs stays a loop: unrolled, the compiler issues all 8·(R − 1) rows' pair loads ahead
+        // of their fmas and spills the rows in flight (ptxas: 336 bytes at R = 8, F32).
+        float x[C];
+#pragma unroll
+        for (int j = 0; j < C; ++j) x[j] = sm.lam_pow[R] * s[u][j];
+#pragma unroll 1
+        for (int jj = 0; jj < P; ++jj) {
+          const float kc = sm.pks[jj][i];
+          const float4 pv4 = *reinterpret_cast<const float4*>(&sm.pvs[jj][C * c]);
+          const float pv[C] = {pv4.x, pv4.y, pv4.z, pv4.w};
+#pragma unroll
+          for (int j = 0; j < C; ++j) x[j] = fmaf(kc, pv[j], x[j]);
+        }
 #pragma unroll
         for (int j = 0; j < C; ++j) {
-          float x = sm.lam_pow[R] * s[u][j];
-#pragma unroll
-          for (int jj = 0; jj < P; ++jj) x = fmaf(sm.lam_pow[P - jj] * sm.pks[jj][i], sm.pvs[jj][C * c + j], x);
-          s[u][j] = fmaf(sm.ks[i], vt[j], x);
+          s[u][j] = fmaf(sm.ks[i], vt[j], x[j]);
           acc[j] = fmaf(qq, s[u][j], acc[j]);
         }
         store_vec(dst + i * a.sk, s[u]);
@@ -367,15 +402,17 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
     for (int e = tid; e < a.dv; e += blockDim.x) stf(p.pv, pv0 + m * a.dv + e, p.p_dt, sm.vs[e]);
   }
   if (tid == 0) p.cnt[slot * p.c_ss + h] = kFlush ? 0 : m + 1;
-  gate_epilogue(a, b, h, sm.part[0], &sm.rstd);
+  gate_epilogue(a, b, h, sm.part[0], sm.gs, sm.ws, &sm.rstd);
 }
 
-// At most 80 registers (3 blocks of 256 threads per SM): the decode blocks have dv = 192
-// threads, so 4 fit per SM. Unbounded, the write-back step's hoisted pair values took 118
-// registers and 2 blocks per SM, and the whole laplace-3b step ran at 30.2 ms instead of
-// 26.3 (H200, 1,280 sequences, F32 states, R = 8); the few spilled bytes are the write-back's.
+// At most 64 registers (__launch_bounds__(256, 4)), so 5 decode blocks of dv = 192 threads fit
+// per SM. H200, 1,280 sequences × 16 heads, R = 8, F32 states (bench_ops): 0.514 ms per step,
+// against 0.524 at 80 registers (4 blocks, no spills) and 0.573 before the write-back's fold
+// became a loop (80 registers, spilling). Unbounded, the kernel took 118 registers and 2 blocks
+// per SM. The few bytes spilled at 64 (ptxas: 20 stored, 76 loaded at R = 8) are cheaper than
+// the fifth block.
 template <class ST, int R>
-__global__ void __launch_bounds__(kDecMaxDv, 3) gla_decode_deferred_kernel(DecArgs a, PendArgs p) {
+__global__ void __launch_bounds__(kDecMaxDv, 4) gla_decode_deferred_kernel(DecArgs a, PendArgs p) {
   static_assert(R >= 2 && R <= kMaxDeferSteps && (R & (R - 1)) == 0, "R: a power of two up to 16");
   __shared__ DeferSmem<R> sm;
   const int b = blockIdx.x / a.H, h = blockIdx.x - b * a.H;
