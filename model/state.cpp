@@ -9,6 +9,42 @@ namespace {
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// Element i of a host array of dtype dt, as a double; and back.
+double load_value(const void* p, DType dt, int64_t i) {
+  switch (dt) {
+    case DType::kF64: {
+      double x;
+      std::memcpy(&x, static_cast<const char*>(p) + 8 * i, 8);
+      return x;
+    }
+    case DType::kBF16: {
+      uint16_t x;
+      std::memcpy(&x, static_cast<const char*>(p) + 2 * i, 2);
+      return bf16_to_float(x);
+    }
+    default: {
+      float x;
+      std::memcpy(&x, static_cast<const char*>(p) + 4 * i, 4);
+      return x;
+    }
+  }
+}
+
+void store_value(void* p, DType dt, int64_t i, double v) {
+  switch (dt) {
+    case DType::kF64: std::memcpy(static_cast<char*>(p) + 8 * i, &v, 8); break;
+    case DType::kBF16: {
+      const uint16_t x = float_to_bf16(static_cast<float>(v));
+      std::memcpy(static_cast<char*>(p) + 2 * i, &x, 2);
+      break;
+    }
+    default: {
+      const float x = static_cast<float>(v);
+      std::memcpy(static_cast<char*>(p) + 4 * i, &x, 4);
+    }
+  }
+}
+
 }  // namespace
 
 Status StatePool::layout_for(const Config& c, DType dtype, PendingSpec pending, Layout* out) {
@@ -117,6 +153,53 @@ Status StatePool::check_slot_bytes(const void* host) const {
                              std::to_string(i / cfg_.num_heads) + " head " + std::to_string(i % cfg_.num_heads) +
                              " is outside [0, " + std::to_string(pending_.steps) + ")");
   }
+  return Status::ok();
+}
+
+Status StatePool::convert_slot(const Config& c, DType from_dtype, PendingSpec from, const void* src, DType to_dtype,
+                               PendingSpec to, std::vector<uint8_t>* dst) {
+  Layout lf, lt;
+  LAPLACE_RETURN_IF_ERROR(layout_for(c, from_dtype, from, &lf));
+  LAPLACE_RETURN_IF_ERROR(layout_for(c, to_dtype, to, &lt));
+  dst->assign(static_cast<size_t>(lt.slot_elems * static_cast<int64_t>(dtype_size(to_dtype))), 0);
+  const int64_t L = c.num_layers, H = c.num_heads, dk = c.head_k_dim, dv = c.head_v_dim;
+  const int64_t spec_elems = L * lf.layer_elems;  // the states and windows of every layer
+  if (from.steps == 0 && from_dtype == to_dtype) {
+    std::memcpy(dst->data(), src, static_cast<size_t>(spec_elems * static_cast<int64_t>(dtype_size(from_dtype))));
+    return Status::ok();
+  }
+  std::vector<double> slot(static_cast<size_t>(spec_elems));
+  for (int64_t i = 0; i < spec_elems; ++i) slot[static_cast<size_t>(i)] = load_value(src, from_dtype, i);
+  if (from.steps != 0) {
+    const char* base = static_cast<const char*>(src);
+    const int64_t P = from.steps - 1, ps = static_cast<int64_t>(dtype_size(from.pair_dtype));
+    const std::vector<double> decay = c.decays();
+    for (int64_t l = 0; l < L; ++l) {
+      const char* pk = base + lf.tail_offset + l * H * P * (dk + dv) * ps;  // [H, P, dk]
+      const char* pv = pk + H * P * dk * ps;                                  // [H, P, dv]
+      for (int64_t h = 0; h < H; ++h) {
+        int32_t m = 0;
+        std::memcpy(&m, base + lf.count_offset + 4 * (l * H + h), 4);
+        if (m < 0 || m >= from.steps)
+          return Status::corrupt("state: pending count " + std::to_string(m) + " of layer " + std::to_string(l) +
+                                 " head " + std::to_string(h) + " is outside [0, " + std::to_string(from.steps) + ")");
+        // S ← λ^m S + Σ_{j<m} λ^{m−1−j} k_jᵀ v_j (pair j is m − 1 − j steps old).
+        double* S = slot.data() + l * lf.layer_elems + h * dk * dv;
+        double pw = 1.0;
+        for (int64_t j = 0; j < m; ++j) pw *= decay[static_cast<size_t>(h)];
+        for (int64_t x = 0; x < dk * dv; ++x) S[x] *= pw;
+        for (int64_t j = 0; j < m; ++j) {
+          double w = 1.0;
+          for (int64_t n = 0; n < m - 1 - j; ++n) w *= decay[static_cast<size_t>(h)];
+          for (int64_t i = 0; i < dk; ++i) {
+            const double ki = w * load_value(pk, from.pair_dtype, (h * P + j) * dk + i);
+            for (int64_t e = 0; e < dv; ++e) S[i * dv + e] += ki * load_value(pv, from.pair_dtype, (h * P + j) * dv + e);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < spec_elems; ++i) store_value(dst->data(), to_dtype, i, slot[static_cast<size_t>(i)]);
   return Status::ok();
 }
 

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "core/arena.h"
 #include "model/config.h"
@@ -62,6 +63,15 @@ class StatePool {
   // may be written into this pool: its pending counts, if any, are in [0, R). Kernels clamp
   // a bad count rather than index outside the pairs, but the context would be wrong.
   Status check_slot_bytes(const void* host) const;
+  // A host copy of a slot laid out for (from_dtype, from), re-laid out for (to_dtype, to) in
+  // `dst` (slot_bytes_for(c, to_dtype, to) bytes): the pending pairs folded into the GLA states
+  // (the flush a chunked forward starts with, summed in F64 here), every value converted to
+  // to_dtype (BF16: rounded to nearest even) and an empty tail. So a session saved with one
+  // --state-dtype / --defer-writeback loads into a server with another. Without pairs and with
+  // one dtype the bytes are copied unchanged. Fails on a count outside [0, R), like
+  // check_slot_bytes.
+  static Status convert_slot(const Config& c, DType from_dtype, PendingSpec from, const void* src, DType to_dtype,
+                             PendingSpec to, std::vector<uint8_t>* dst);
 
  private:
   // The slot's byte layout: the states and windows of every layer, then the pending tail.

@@ -679,7 +679,9 @@ struct Server::Impl {
     std::error_code ec;
     fs::create_directories(opt.session_dir, ec);
     return safetensors_write(session_path(n), t,
-                             {{"laplace_session", "1"}, {"config_fingerprint", config_fingerprint}});
+                             {{"laplace_session", "1"},
+                              {"config_fingerprint", config_fingerprint},
+                              {"defer_writeback", std::to_string(engine->pool().pending_steps())}});
   }
 
   Status session_load(const std::string& n, Session* out) {
@@ -695,27 +697,48 @@ struct Server::Impl {
         return Status::corrupt(std::string("session file: '") + name + "' missing or malformed");
       return Status::ok();
     };
-    const SafeTensorInfo *st, *lg, *sk, *cx;
-    LAPLACE_RETURN_IF_ERROR(get("state", engine->pool().dtype(), &st));
+    const SafeTensorInfo* st = r.find("state");
+    if (!st || st->shape.size() != 1 ||
+        (st->dtype != DType::kF32 && st->dtype != DType::kBF16 && st->dtype != DType::kF64))
+      return Status::corrupt("session file: 'state' missing or malformed");
+    const SafeTensorInfo *lg, *sk, *cx;
     LAPLACE_RETURN_IF_ERROR(get("logits", DType::kF32, &lg));
     LAPLACE_RETURN_IF_ERROR(get("snapshot_tokens", DType::kI32, &sk));
     LAPLACE_RETURN_IF_ERROR(get("context", DType::kI32, &cx));
-    if (static_cast<int64_t>(st->nbytes()) != engine->slot_bytes())
-      return Status::invalid_argument("session file: a state of " + std::to_string(st->nbytes()) +
-                                      " bytes; this server's slots are " + std::to_string(engine->slot_bytes()) +
-                                      " (--state-dtype and --defer-writeback must match the server that saved it)");
-    if (lg->numel() != model.config().vocab_size)
-      return Status::corrupt("session file: logits of the wrong size for this model");
+    // The saving server's slot layout: its state dtype and deferred write-back (metadata since
+    // the option came; earlier files have none: 0).
+    const Config& c = model.config();
+    int64_t saved_r = 0;
+    if (md.count("defer_writeback")) {
+      const std::string& v = md["defer_writeback"];
+      if (v != "0" && v != "4" && v != "8" && v != "16")
+        return Status::corrupt("session file: defer_writeback '" + v + "' is not 0, 4, 8 or 16");
+      saved_r = std::stoll(v);
+    }
+    const PendingSpec saved{saved_r, model.dtype()};
+    const int64_t saved_bytes = StatePool::slot_bytes_for(c, st->dtype, saved);
+    if (static_cast<int64_t>(st->nbytes()) != saved_bytes)
+      return Status::corrupt("session file: a state of " + std::to_string(st->nbytes()) + " bytes; " +
+                             dtype_name(st->dtype) + " states with defer_writeback " + std::to_string(saved_r) +
+                             " take " + std::to_string(saved_bytes));
+    if (lg->numel() != c.vocab_size) return Status::corrupt("session file: logits of the wrong size for this model");
     auto snap = std::make_shared<StateSnapshot>();
     snap->state_dtype = engine->pool().dtype();
-    snap->state.assign(r.bytes(*st), r.bytes(*st) + st->nbytes());
+    // Another layout (--state-dtype, --defer-writeback) is converted: pairs folded in, values
+    // rounded to this server's dtype. The same layout is taken byte for byte.
+    const PendingSpec mine{engine->pool().pending_steps(), model.dtype()};
+    if (st->dtype == snap->state_dtype && saved_r == mine.steps)
+      snap->state.assign(r.bytes(*st), r.bytes(*st) + st->nbytes());
+    else
+      LAPLACE_RETURN_IF_ERROR(
+          StatePool::convert_slot(c, st->dtype, saved, r.bytes(*st), snap->state_dtype, mine, &snap->state));
     snap->logits.resize(static_cast<size_t>(lg->numel()));
     std::memcpy(snap->logits.data(), r.bytes(*lg), lg->nbytes());
     snap->tokens.resize(static_cast<size_t>(sk->numel()));
     std::memcpy(snap->tokens.data(), r.bytes(*sk), sk->nbytes());
     out->context.resize(static_cast<size_t>(cx->numel()));
     std::memcpy(out->context.data(), r.bytes(*cx), cx->nbytes());
-    const int64_t V = model.config().vocab_size;
+    const int64_t V = c.vocab_size;
     for (int32_t t : out->context)
       if (t < 0 || t >= V) return Status::corrupt("session file: a token id outside the vocabulary");
     if (snap->tokens.empty() || snap->tokens.size() > out->context.size() ||

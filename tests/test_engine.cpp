@@ -4,6 +4,7 @@
 // stop rules, seeded sampling, slot accounting, the per-step token budget, threads.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -1095,6 +1096,73 @@ TEST(EngineDeferred, SnapshotsCarryPendingPairs) {
   whole.insert(whole.end(), rest.begin(), rest.end());
   run_capturing(r, whole, 10, nullptr, &ps4, &fs4, &cold);
   EXPECT_EQ(r.out[warm].tokens, r.out[cold].tokens);
+}
+
+// A slot converted to another layout (StatePool::convert_slot, what a server does with a session
+// saved under other --defer-writeback / --state-dtype options): pairs folded in, it matches the
+// state of writing back every step, and continuing from it gives that run's tokens; without pairs
+// the conversion is exact both ways; BF16 is rounding to nearest; a corrupt count is refused.
+TEST(EngineDeferred, ConvertedSlotsContinueAsWrittenBackEveryStep) {
+  Rig r8(deferred(8, 2)), r0(opts(2));
+  const Config& c = r8.c;
+  const std::vector<int32_t> p = random_tokens(19, c.vocab_size, 760);
+  SnapshotPtr ps8, fs8, ps0, fs0;
+  RequestId a8, a0;
+  run_capturing(r8, p, 13, nullptr, &ps8, &fs8, &a8);  // 13 steps: pairs pending in every head
+  run_capturing(r0, p, 13, nullptr, &ps0, &fs0, &a0);
+  ASSERT_TRUE(fs8 && fs0);
+  ASSERT_EQ(r8.out[a8].tokens, r0.out[a0].tokens);
+  const PendingSpec d8{8, DType::kF32}, d4{4, DType::kF32}, none{};
+  const int64_t spec = c.state_bytes_per_sequence(), n = spec / 4;
+  std::vector<uint8_t> flat;
+  ASSERT_TRUE(StatePool::convert_slot(c, DType::kF32, d8, fs8->state.data(), DType::kF32, none, &flat).is_ok());
+  ASSERT_EQ(static_cast<int64_t>(flat.size()), spec);
+  Tensor got(flat.data(), DType::kF32, {n});
+  Tensor want(const_cast<uint8_t*>(fs0->state.data()), DType::kF32, {n});
+  EXPECT_LE(testing::max_rel_error(got, want), 1e-5);
+  EXPECT_NE(std::memcmp(flat.data(), fs8->state.data(), static_cast<size_t>(spec)), 0) << "the pairs were folded in";
+
+  // Continuing from the converted slot gives the tokens of continuing the every-step run.
+  auto conv = std::make_shared<StateSnapshot>(*fs8);
+  conv->state = flat;
+  const std::vector<int32_t> rest = random_tokens(7, c.vocab_size, 761);
+  SnapshotPtr x1, x2, y1, y2;
+  RequestId warm, want_id;
+  run_capturing(r0, rest, 10, conv, &x1, &x2, &warm);
+  run_capturing(r0, rest, 10, fs0, &y1, &y2, &want_id);
+  EXPECT_EQ(r0.out[warm].tokens, r0.out[want_id].tokens);
+
+  // To R = 4: the same front, an empty tail; no pairs: exact both ways.
+  std::vector<uint8_t> to4, back;
+  ASSERT_TRUE(StatePool::convert_slot(c, DType::kF32, d8, fs8->state.data(), DType::kF32, d4, &to4).is_ok());
+  ASSERT_EQ(static_cast<int64_t>(to4.size()), StatePool::slot_bytes_for(c, DType::kF32, d4));
+  EXPECT_EQ(std::memcmp(to4.data(), flat.data(), static_cast<size_t>(spec)), 0);
+  EXPECT_TRUE(std::all_of(to4.begin() + spec, to4.end(), [](uint8_t b) { return b == 0; }));
+  ASSERT_TRUE(StatePool::convert_slot(c, DType::kF32, d4, to4.data(), DType::kF32, none, &back).is_ok());
+  EXPECT_EQ(back, flat);
+
+  // BF16: every value rounded to nearest.
+  std::vector<uint8_t> b16;
+  ASSERT_TRUE(StatePool::convert_slot(c, DType::kF32, none, fs0->state.data(), DType::kBF16, none, &b16).is_ok());
+  ASSERT_EQ(static_cast<int64_t>(b16.size()), n * 2);
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    float f;
+    uint16_t h;
+    std::memcpy(&f, fs0->state.data() + 4 * i, 4);
+    std::memcpy(&h, b16.data() + 2 * i, 2);
+    wrong += h != float_to_bf16(f);
+  }
+  EXPECT_EQ(wrong, 0);
+
+  // A count outside [0, R) is refused.
+  std::vector<uint8_t> bad = fs8->state;
+  const int32_t eight = 8;
+  // The counts [L, H] end the slot (L·H = 4 here: 16 bytes, no padding); the first made R.
+  std::memcpy(bad.data() + bad.size() - 4 * c.num_layers * c.num_heads, &eight, 4);
+  std::vector<uint8_t> out;
+  Status st = StatePool::convert_slot(c, DType::kF32, d8, bad.data(), DType::kF32, none, &out);
+  EXPECT_EQ(st.code(), Status::Code::kCorrupt) << st.to_string();
 }
 
 // Slot bytes: SPEC §1's state, then R − 1 pairs of (dk + dv) values per head and layer in the

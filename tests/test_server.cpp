@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/file_util.h"
+#include "core/safetensors.h"
 #include "model/model.h"
 #include "serve/metrics.h"
 #include "serve/server.h"
@@ -804,9 +805,10 @@ TEST_F(ServerTest, BoundedLoadEveryRequestCompletesOr429AndMemoryReturns) {
 
 // A server with deferred write-back (--defer-writeback 8): a session continued after decode
 // steps (its slot holds pending pairs) gives the text of recomputing its context, also after
-// a round trip through its file; a server with another slot layout refuses that file with
-// an error that names the option, and serves on.
-TEST(ServerDeferred, SessionsCarryPendingPairsAndOtherLayoutsAreRefused) {
+// a round trip through its file. Servers with another slot layout (no deferred write-back,
+// R = 4) load that file with the pairs folded in and continue it with the same text; a file
+// whose recorded layout does not fit its state is refused, and the server serves on.
+TEST(ServerDeferred, SessionsCarryPendingPairsAndLoadIntoOtherLayouts) {
   const std::string dir = make_model_dir();
   auto start = [&](int64_t defer) {
     ServerOptions o;
@@ -831,16 +833,18 @@ TEST(ServerDeferred, SessionsCarryPendingPairsAndOtherLayoutsAreRefused) {
   };
   auto text = [](const json& b) { return b["choices"][0]["text"].get<std::string>(); };
   const json greedy = {{"temperature", 0}, {"ignore_eos", true}};
+  json next = greedy;
+  next.update({{"prompt", " over"}, {"session", "s2"}, {"max_tokens", 9}});
+  std::string warm_text;  // s2 continued on the server that saved it
   {
     auto a = start(8);
     ASSERT_EQ(post(*a, "/v1/sessions", json{{"name", "s"}, {"prompt", "the quick brown fox"}}).first, 200);
     json cont = greedy;
     cont.update({{"prompt", " jumps"}, {"session", "s"}, {"save_session", "s2"}, {"max_tokens", 11}});
     ASSERT_EQ(post(*a, "/v1/completions", cont).first, 200);
-    json next = greedy;
-    next.update({{"prompt", " over"}, {"session", "s2"}, {"max_tokens", 9}});
     auto warm = post(*a, "/v1/completions", next);
     ASSERT_EQ(warm.first, 200) << warm.second.dump();
+    warm_text = text(warm.second);
     httplib::Client c("127.0.0.1", a->port());
     auto info = c.Get("/v1/sessions/s2");
     ASSERT_TRUE(info && info->status == 200);
@@ -863,10 +867,37 @@ TEST(ServerDeferred, SessionsCarryPendingPairsAndOtherLayoutsAreRefused) {
     EXPECT_EQ(text(again.second), text(warm.second)) << "a restored session continues exactly";
     a->stop();
   }
+  for (int64_t defer : {0, 4}) {
+    auto b = start(defer);
+    auto restored = post(*b, "/v1/sessions/s2/restore", json::object());
+    ASSERT_EQ(restored.first, 200) << "R = " << defer << ": " << restored.second.dump();
+    auto cont = post(*b, "/v1/completions", next);
+    ASSERT_EQ(cont.first, 200) << cont.second.dump();
+    EXPECT_EQ(text(cont.second), warm_text) << "R = " << defer << ": the converted session continues alike";
+    b->stop();
+  }
+  // The file's recorded layout must fit its state: R = 16 recorded over an R = 8 state.
+  {
+    SafeTensorsReader r;
+    ASSERT_TRUE(SafeTensorsReader::open(dir + "/sessions/s2.session", &r).is_ok());
+    std::vector<NamedTensor> t;
+    std::vector<std::vector<uint8_t>> keep;
+    keep.reserve(4);
+    for (const char* name : {"state", "logits", "snapshot_tokens", "context"}) {
+      const SafeTensorInfo* info = r.find(name);
+      ASSERT_NE(info, nullptr) << name;
+      keep.emplace_back(r.bytes(*info), r.bytes(*info) + info->nbytes());
+      ASSERT_EQ(info->shape.size(), 1u) << name;
+      t.push_back({name, Tensor(keep.back().data(), info->dtype, {info->shape[0]})});
+    }
+    auto md = r.metadata();
+    md["defer_writeback"] = "16";
+    ASSERT_TRUE(safetensors_write(dir + "/sessions/bad.session", t, md).is_ok());
+  }
   auto b = start(0);
-  auto refused = post(*b, "/v1/sessions/s2/restore", json::object());
+  auto refused = post(*b, "/v1/sessions/bad/restore", json::object());
   EXPECT_EQ(refused.first, 400);
-  EXPECT_NE(refused.second.dump().find("--defer-writeback"), std::string::npos) << refused.second.dump();
+  EXPECT_NE(refused.second.dump().find("defer_writeback 16"), std::string::npos) << refused.second.dump();
   json plain = greedy;
   plain.update({{"prompt", "the lazy dog"}, {"max_tokens", 4}});
   EXPECT_EQ(post(*b, "/v1/completions", plain).first, 200) << "the server serves on";
