@@ -681,7 +681,8 @@ struct Server::Impl {
     return safetensors_write(session_path(n), t,
                              {{"laplace_session", "1"},
                               {"config_fingerprint", config_fingerprint},
-                              {"defer_writeback", std::to_string(engine->pool().pending_steps())}});
+                              {"defer_writeback", std::to_string(engine->pool().pending_steps())},
+                              {"pair_dtype", dtype_name(model.dtype())}});
   }
 
   Status session_load(const std::string& n, Session* out) {
@@ -705,8 +706,8 @@ struct Server::Impl {
     LAPLACE_RETURN_IF_ERROR(get("logits", DType::kF32, &lg));
     LAPLACE_RETURN_IF_ERROR(get("snapshot_tokens", DType::kI32, &sk));
     LAPLACE_RETURN_IF_ERROR(get("context", DType::kI32, &cx));
-    // The saving server's slot layout: its state dtype and deferred write-back (metadata since
-    // the option came; earlier files have none: 0).
+    // The saving server's slot layout: its state dtype, deferred write-back and pair dtype
+    // (metadata since the option came; earlier files have none: 0).
     const Config& c = model.config();
     int64_t saved_r = 0;
     if (md.count("defer_writeback")) {
@@ -715,7 +716,12 @@ struct Server::Impl {
         return Status::corrupt("session file: defer_writeback '" + v + "' is not 0, 4, 8 or 16");
       saved_r = std::stoll(v);
     }
-    const PendingSpec saved{saved_r, model.dtype()};
+    DType pair_dtype = model.dtype();  // the pairs are in the saving model's activation dtype
+    if (md.count("pair_dtype") && (!dtype_from_name(md["pair_dtype"], &pair_dtype) ||
+                                   (pair_dtype != DType::kF32 && pair_dtype != DType::kBF16 &&
+                                    pair_dtype != DType::kF64)))
+      return Status::corrupt("session file: pair_dtype '" + md["pair_dtype"] + "' is not F32, BF16 or F64");
+    const PendingSpec saved{saved_r, pair_dtype};
     const int64_t saved_bytes = StatePool::slot_bytes_for(c, st->dtype, saved);
     if (static_cast<int64_t>(st->nbytes()) != saved_bytes)
       return Status::corrupt("session file: a state of " + std::to_string(st->nbytes()) + " bytes; " +

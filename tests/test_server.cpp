@@ -891,13 +891,22 @@ TEST(ServerDeferred, SessionsCarryPendingPairsAndLoadIntoOtherLayouts) {
       t.push_back({name, Tensor(keep.back().data(), info->dtype, {info->shape[0]})});
     }
     auto md = r.metadata();
-    md["defer_writeback"] = "16";
-    ASSERT_TRUE(safetensors_write(dir + "/sessions/bad.session", t, md).is_ok());
+    EXPECT_EQ(md["defer_writeback"], "8");
+    EXPECT_EQ(md["pair_dtype"], "F32");
+    auto bad = md;
+    bad["defer_writeback"] = "16";
+    ASSERT_TRUE(safetensors_write(dir + "/sessions/bad.session", t, bad).is_ok());
+    bad = md;
+    bad["pair_dtype"] = "I32";
+    ASSERT_TRUE(safetensors_write(dir + "/sessions/bad2.session", t, bad).is_ok());
   }
   auto b = start(0);
   auto refused = post(*b, "/v1/sessions/bad/restore", json::object());
   EXPECT_EQ(refused.first, 400);
   EXPECT_NE(refused.second.dump().find("defer_writeback 16"), std::string::npos) << refused.second.dump();
+  refused = post(*b, "/v1/sessions/bad2/restore", json::object());
+  EXPECT_EQ(refused.first, 400);
+  EXPECT_NE(refused.second.dump().find("pair_dtype"), std::string::npos) << refused.second.dump();
   json plain = greedy;
   plain.update({{"prompt", "the lazy dog"}, {"max_tokens", 4}});
   EXPECT_EQ(post(*b, "/v1/completions", plain).first, 200) << "the server serves on";
