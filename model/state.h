@@ -66,7 +66,7 @@ class StatePool {
   // A host copy of a slot laid out for (from_dtype, from), re-laid out for (to_dtype, to) in
   // `dst` (slot_bytes_for(c, to_dtype, to) bytes): the pending pairs folded into the GLA states
   // (the flush a chunked forward starts with, summed in F64 here), every value converted to
-  // to_dtype (BF16: rounded to nearest even) and an empty tail. So a session saved with one
+  // to_dtype (BF16: through F32, each rounding to nearest even) and an empty tail. So a session saved with one
   // --state-dtype / --defer-writeback loads into a server with another. Without pairs and with
   // one dtype the bytes are copied unchanged. Fails on a count outside [0, R), like
   // check_slot_bytes.

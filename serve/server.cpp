@@ -706,21 +706,25 @@ struct Server::Impl {
     LAPLACE_RETURN_IF_ERROR(get("logits", DType::kF32, &lg));
     LAPLACE_RETURN_IF_ERROR(get("snapshot_tokens", DType::kI32, &sk));
     LAPLACE_RETURN_IF_ERROR(get("context", DType::kI32, &cx));
-    // The saving server's slot layout: its state dtype, deferred write-back and pair dtype
-    // (metadata since the option came; earlier files have none: 0).
+    // The saving server's slot layout: its state dtype, deferred write-back and pair dtype, from
+    // the metadata (files written before it was recorded: the R whose slot size fits, pairs in
+    // this model's dtype).
     const Config& c = model.config();
+    DType pair_dtype = model.dtype();  // the pairs are in the saving model's activation dtype
+    if (md.count("pair_dtype") && (!dtype_from_name(md["pair_dtype"], &pair_dtype) ||
+                                   (pair_dtype != DType::kF32 && pair_dtype != DType::kBF16 &&
+                                    pair_dtype != DType::kF64)))
+      return Status::corrupt("session file: pair_dtype '" + md["pair_dtype"] + "' is not F32, BF16 or F64");
     int64_t saved_r = 0;
     if (md.count("defer_writeback")) {
       const std::string& v = md["defer_writeback"];
       if (v != "0" && v != "4" && v != "8" && v != "16")
         return Status::corrupt("session file: defer_writeback '" + v + "' is not 0, 4, 8 or 16");
       saved_r = std::stoll(v);
+    } else {
+      for (int64_t r : {4, 8, 16})
+        if (static_cast<int64_t>(st->nbytes()) == StatePool::slot_bytes_for(c, st->dtype, {r, pair_dtype})) saved_r = r;
     }
-    DType pair_dtype = model.dtype();  // the pairs are in the saving model's activation dtype
-    if (md.count("pair_dtype") && (!dtype_from_name(md["pair_dtype"], &pair_dtype) ||
-                                   (pair_dtype != DType::kF32 && pair_dtype != DType::kBF16 &&
-                                    pair_dtype != DType::kF64)))
-      return Status::corrupt("session file: pair_dtype '" + md["pair_dtype"] + "' is not F32, BF16 or F64");
     const PendingSpec saved{saved_r, pair_dtype};
     const int64_t saved_bytes = StatePool::slot_bytes_for(c, st->dtype, saved);
     if (static_cast<int64_t>(st->nbytes()) != saved_bytes)
@@ -733,7 +737,7 @@ struct Server::Impl {
     // Another layout (--state-dtype, --defer-writeback) is converted: pairs folded in, values
     // rounded to this server's dtype. The same layout is taken byte for byte.
     const PendingSpec mine{engine->pool().pending_steps(), model.dtype()};
-    if (st->dtype == snap->state_dtype && saved_r == mine.steps)
+    if (st->dtype == snap->state_dtype && saved_r == mine.steps && (saved_r == 0 || pair_dtype == mine.pair_dtype))
       snap->state.assign(r.bytes(*st), r.bytes(*st) + st->nbytes());
     else
       LAPLACE_RETURN_IF_ERROR(

@@ -806,8 +806,9 @@ TEST_F(ServerTest, BoundedLoadEveryRequestCompletesOr429AndMemoryReturns) {
 // A server with deferred write-back (--defer-writeback 8): a session continued after decode
 // steps (its slot holds pending pairs) gives the text of recomputing its context, also after
 // a round trip through its file. Servers with another slot layout (no deferred write-back,
-// R = 4) load that file with the pairs folded in and continue it with the same text; a file
-// whose recorded layout does not fit its state is refused, and the server serves on.
+// R = 4) load that file with the pairs folded in and continue it with the same text, also when
+// the file predates the layout metadata; a file whose recorded layout does not fit its state is
+// refused, and the server serves on.
 TEST(ServerDeferred, SessionsCarryPendingPairsAndLoadIntoOtherLayouts) {
   const std::string dir = make_model_dir();
   auto start = [&](int64_t defer) {
@@ -899,6 +900,10 @@ TEST(ServerDeferred, SessionsCarryPendingPairsAndLoadIntoOtherLayouts) {
     bad = md;
     bad["pair_dtype"] = "I32";
     ASSERT_TRUE(safetensors_write(dir + "/sessions/bad2.session", t, bad).is_ok());
+    auto old = md;  // as written before the layout was recorded
+    old.erase("defer_writeback");
+    old.erase("pair_dtype");
+    ASSERT_TRUE(safetensors_write(dir + "/sessions/old.session", t, old).is_ok());
   }
   auto b = start(0);
   auto refused = post(*b, "/v1/sessions/bad/restore", json::object());
@@ -907,6 +912,12 @@ TEST(ServerDeferred, SessionsCarryPendingPairsAndLoadIntoOtherLayouts) {
   refused = post(*b, "/v1/sessions/bad2/restore", json::object());
   EXPECT_EQ(refused.first, 400);
   EXPECT_NE(refused.second.dump().find("pair_dtype"), std::string::npos) << refused.second.dump();
+  ASSERT_EQ(post(*b, "/v1/sessions/old/restore", json::object()).first, 200) << "R found from the state's size";
+  json from_old = next;
+  from_old["session"] = "old";
+  auto old_cont = post(*b, "/v1/completions", from_old);
+  ASSERT_EQ(old_cont.first, 200) << old_cont.second.dump();
+  EXPECT_EQ(text(old_cont.second), warm_text);
   json plain = greedy;
   plain.update({{"prompt", "the lazy dog"}, {"max_tokens", 4}});
   EXPECT_EQ(post(*b, "/v1/completions", plain).first, 200) << "the server serves on";
