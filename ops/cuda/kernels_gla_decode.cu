@@ -258,9 +258,10 @@ __global__ void __launch_bounds__(kDecMaxDv) gla_decode_kernel(DecArgs a) {
 //               (k, v) appended as pair m;
 //   m + 1 = R:  S ← λ^R S_base + Σ_{j<R−1} λ^{R−1−j} k_jᵀ v_j + kᵀ v, written back; o = q̃ S.
 // At R = 8 a (slot, head) moves 85.5 KB per step on average in F32 instead of 147.5 KB
-// (lab/decode/deferred_lab: 0.472 against 0.749 ms per layer at 1,280 × 16 heads).
-// The block and thread layout are gla_decode_kernel's; the pairs, q̃, k, v and the scalars
-// λ^{m−j}(q̃·k_j) sit in shared memory as F32.
+// (lab/decode/deferred_lab: 0.472 against 0.749 ms per layer at 1,280 × 16 heads; this kernel,
+// with the gate: 0.514, a pending step 0.432 and the write-back step 1.09, BENCHMARKS.md).
+// The block and thread layout are gla_decode_kernel's; the pairs, q̃, k, v, g, w and the
+// scalars λ^{m−j}(q̃·k_j) sit in shared memory as F32.
 
 constexpr int kMaxDeferSteps = 16;
 
@@ -282,7 +283,8 @@ __device__ __forceinline__ int pending_count(const PendArgs& p, int64_t slot, in
   return p.cnt[slot * p.c_ss + h] & (R - 1);
 }
 
-// Shared memory of one deferred step: the pairs, q̃, k, v and the scalars as F32.
+// Shared memory of one deferred step: the pairs, q̃, k, v, g, w and the scalars as F32 (16-byte
+// aligned: the write-back step reads the pairs' v as float4).
 template <int R>
 struct alignas(16) DeferSmem {
   float qs[kDecMaxDk], ks[kDecMaxDk], vs[kDecMaxDv];
