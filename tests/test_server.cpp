@@ -877,7 +877,8 @@ TEST(ServerDeferred, SessionsCarryPendingPairsAndLoadIntoOtherLayouts) {
     EXPECT_EQ(text(cont.second), warm_text) << "R = " << defer << ": the converted session continues alike";
     b->stop();
   }
-  // The file's recorded layout must fit its state: R = 16 recorded over an R = 8 state.
+  // Copies of the file with its recorded layout wrong (R = 16 over an R = 8 state; an unknown
+  // pair dtype) or absent (as files were before the layout was recorded).
   {
     SafeTensorsReader r;
     ASSERT_TRUE(SafeTensorsReader::open(dir + "/sessions/s2.session", &r).is_ok());
