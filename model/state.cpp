@@ -45,6 +45,25 @@ void store_value(void* p, DType dt, int64_t i, double v) {
   }
 }
 
+// Count i (= layer·H + head) of a slot's pending counts [L, H] I32 at `counts` (host bytes).
+int32_t count_at(const char* counts, int64_t i) {
+  int32_t m = 0;
+  std::memcpy(&m, counts + 4 * i, 4);
+  return m;
+}
+
+// Every count of a host slot's tail in [0, R): a corrupt one would make the context wrong.
+Status check_counts(const Config& c, int64_t R, const char* counts) {
+  for (int64_t i = 0; i < c.num_layers * c.num_heads; ++i) {
+    const int32_t m = count_at(counts, i);
+    if (m < 0 || m >= R)
+      return Status::corrupt("state: pending count " + std::to_string(m) + " of layer " +
+                             std::to_string(i / c.num_heads) + " head " + std::to_string(i % c.num_heads) +
+                             " is outside [0, " + std::to_string(R) + ")");
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 Status StatePool::layout_for(const Config& c, DType dtype, PendingSpec pending, Layout* out) {
@@ -143,17 +162,7 @@ void StatePool::write_slot(Backend& be, int64_t s, const void* host) {
 
 Status StatePool::check_slot_bytes(const void* host) const {
   if (pending_.steps == 0) return Status::ok();
-  const int64_t n = cfg_.num_layers * cfg_.num_heads;
-  const char* counts = static_cast<const char*>(host) + layout_.count_offset;
-  for (int64_t i = 0; i < n; ++i) {
-    int32_t m = 0;
-    std::memcpy(&m, counts + 4 * i, 4);
-    if (m < 0 || m >= pending_.steps)
-      return Status::corrupt("state: pending count " + std::to_string(m) + " of layer " +
-                             std::to_string(i / cfg_.num_heads) + " head " + std::to_string(i % cfg_.num_heads) +
-                             " is outside [0, " + std::to_string(pending_.steps) + ")");
-  }
-  return Status::ok();
+  return check_counts(cfg_, pending_.steps, static_cast<const char*>(host) + layout_.count_offset);
 }
 
 Status StatePool::convert_slot(const Config& c, DType from_dtype, PendingSpec from, const void* src, DType to_dtype,
@@ -172,17 +181,14 @@ Status StatePool::convert_slot(const Config& c, DType from_dtype, PendingSpec fr
   for (int64_t i = 0; i < spec_elems; ++i) slot[static_cast<size_t>(i)] = load_value(src, from_dtype, i);
   if (from.steps != 0) {
     const char* base = static_cast<const char*>(src);
+    LAPLACE_RETURN_IF_ERROR(check_counts(c, from.steps, base + lf.count_offset));
     const int64_t P = from.steps - 1, ps = static_cast<int64_t>(dtype_size(from.pair_dtype));
     const std::vector<double> decay = c.decays();
     for (int64_t l = 0; l < L; ++l) {
       const char* pk = base + lf.tail_offset + l * H * P * (dk + dv) * ps;  // [H, P, dk]
       const char* pv = pk + H * P * dk * ps;                                  // [H, P, dv]
       for (int64_t h = 0; h < H; ++h) {
-        int32_t m = 0;
-        std::memcpy(&m, base + lf.count_offset + 4 * (l * H + h), 4);
-        if (m < 0 || m >= from.steps)
-          return Status::corrupt("state: pending count " + std::to_string(m) + " of layer " + std::to_string(l) +
-                                 " head " + std::to_string(h) + " is outside [0, " + std::to_string(from.steps) + ")");
+        const int32_t m = count_at(base + lf.count_offset, l * H + h);
         // S ← λ^m S + Σ_{j<m} λ^{m−1−j} k_jᵀ v_j (pair j is m − 1 − j steps old).
         double* S = slot.data() + l * lf.layer_elems + h * dk * dv;
         double pw = 1.0;
