@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(kDecMaxDv) gla_decode_kernel(DecArgs a) {
 //   m + 1 = R:  S ← λ^R S_base + Σ_{j<R−1} λ^{R−1−j} k_jᵀ v_j + kᵀ v, written back; o = q̃ S.
 // At R = 8 a (slot, head) moves 85.5 KB per step on average in F32 instead of 147.5 KB
 // (lab/decode/deferred_lab: 0.472 against 0.749 ms per layer at 1,280 × 16 heads; this kernel,
-// with the gate: 0.514, a pending step 0.432 and the write-back step 1.09, BENCHMARKS.md).
+// with the gate: 0.469, a pending step 0.404 and the write-back step 0.920, BENCHMARKS.md).
 // The block and thread layout are gla_decode_kernel's; the pairs, q̃, k, v, g, w and the
 // scalars λ^{m−j}(q̃·k_j) sit in shared memory as F32.
 
@@ -288,7 +288,7 @@ __device__ __forceinline__ int pending_count(const PendArgs& p, int64_t slot, in
 template <int R>
 struct alignas(16) DeferSmem {
   float qs[kDecMaxDk], ks[kDecMaxDk], vs[kDecMaxDv];
-  float pks[R - 1][kDecMaxDk];  // the write-back step scales pair j by λ^{R−1−j} in place
+  float pks[R - 1][kDecMaxDk + kDecUnroll];  // pair j scaled by λ^{R−1−j} (write-back); padded rows
   float pvs[R - 1][kDecMaxDv];
   float part[4][kDecMaxDv];
   float gs[kDecMaxDv], ws[kDecMaxDv];  // g, w (gate_stage)
@@ -296,6 +296,97 @@ struct alignas(16) DeferSmem {
   float lam_pow[R + 1];  // λ^0 … λ^R
   float rstd;
 };
+
+// q̃ = scale·q, k, v, g and w of a step into shared memory with every load issued before the
+// first store: loop by loop, each load costs the block a round trip to memory before the next
+// is issued. Element t of each vector is thread t's; longer vectors (not laplace-3b's shapes)
+// take a loop for the rest.
+template <int R>
+__device__ __forceinline__ void stage_inputs(const DecArgs& a, int64_t kq, int64_t kk, int64_t kv, int64_t kg,
+                                             DeferSmem<R>& sm) {
+  const int t = threadIdx.x, n = blockDim.x;
+  const bool hk = t < a.dk, hv = t < a.dv;
+  float q = 0.f, k = 0.f, v = 0.f, g = 0.f, w = 0.f;
+  if (hk) q = ldf(a.q, kq + t, a.q_dt), k = ldf(a.k, kk + t, a.k_dt);
+  if (hv) v = ldf(a.v, kv + t, a.v_dt), g = ldf(a.g, kg + t, a.g_dt);
+  if (hv && a.w) w = ldf(a.w, t, a.w_dt);
+  if (hk) sm.qs[t] = a.scale * q, sm.ks[t] = k;
+  if (hv) sm.vs[t] = v, sm.gs[t] = g, sm.ws[t] = w;
+  for (int i = t + n; i < a.dk; i += n) {
+    sm.qs[i] = a.scale * ldf(a.q, kq + i, a.q_dt);
+    sm.ks[i] = ldf(a.k, kk + i, a.k_dt);
+  }
+  for (int e = t + n; e < a.dv; e += n) {
+    sm.vs[e] = ldf(a.v, kv + e, a.v_dt);
+    sm.gs[e] = ldf(a.g, kg + e, a.g_dt);
+    if (a.w) sm.ws[e] = ldf(a.w, e, a.w_dt);
+  }
+}
+
+// The m pending pairs of (slot, head), k_j [dk] and v_j [dv] contiguous from pk0 and pv0, into
+// shared memory as F32, in 16-byte vectors with up to kPairVecs per thread in flight at once (at
+// R = 8 with BF16 pairs: at most 252 vectors, 2 per thread); a scalar loop where the rows are
+// not whole 16-byte vectors.
+constexpr int kPairVecs = 2;
+
+// λ^n as the kernels' lam_pow tables hold it: n products in F64, rounded to F32.
+__device__ __forceinline__ float lam_power(float lam, int n) {
+  double w = 1.0;
+  for (int i = 0; i < n; ++i) w *= static_cast<double>(lam);
+  return static_cast<float>(w);
+}
+
+// kScale (the write-back step, m = R − 1): pair j's k is stored as λ^{R−1−j} k_j, the
+// coefficients the fold multiplies by (the same F32 products as scaling it afterwards).
+template <int R, bool kScale>
+__device__ __forceinline__ void stage_pairs(const PendArgs& p, int64_t pk0, int64_t pv0, int m, int dk, int dv,
+                                            float lam, DeferSmem<R>& sm) {
+  constexpr int P = R - 1;
+  const int t = threadIdx.x, n = blockDim.x;
+  const int es = p.p_dt == kBF16 ? 2 : 4, per = 16 / es;
+  const char* gk = static_cast<const char*>(p.pk) + pk0 * es;
+  const char* gv = static_cast<const char*>(p.pv) + pv0 * es;
+  if (dk % per != 0 || dv % per != 0 || (reinterpret_cast<uintptr_t>(gk) | reinterpret_cast<uintptr_t>(gv)) % 16 != 0) {
+    for (int x = t; x < m * dk; x += n) {
+      const float k = ldf(p.pk, pk0 + x, p.p_dt);
+      sm.pks[x / dk][x % dk] = kScale ? k * lam_power(lam, P - x / dk) : k;
+    }
+    for (int x = t; x < m * dv; x += n) sm.pvs[x / dv][x % dv] = ldf(p.pv, pv0 + x, p.p_dt);
+    return;
+  }
+  const int nk = m * dk / per, nt = nk + m * dv / per;  // vectors of k, of k and v
+  for (int x0 = 0; x0 < nt; x0 += kPairVecs * n) {
+    uint4 r[kPairVecs];
+#pragma unroll
+    for (int u = 0; u < kPairVecs; ++u) {
+      const int x = x0 + u * n + t;
+      r[u] = x < nt ? *reinterpret_cast<const uint4*>(x < nk ? gk + 16 * static_cast<int64_t>(x)
+                                                             : gv + 16 * static_cast<int64_t>(x - nk))
+                    : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kPairVecs; ++u) {
+      const int x = x0 + u * n + t;
+      if (x >= nt) break;
+      const int e0 = (x < nk ? x : x - nk) * per;  // first element in the [m, d] rows
+      float* d = x < nk ? &sm.pks[e0 / dk][e0 % dk] : &sm.pvs[e0 / dv][e0 % dv];
+      const float c = kScale && x < nk ? lam_power(lam, P - e0 / dk) : 1.f;
+      if (es == 2) {
+        const uint32_t w[4] = {r[u].x, r[u].y, r[u].z, r[u].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[j]));
+          d[2 * j] = kScale ? f.x * c : f.x, d[2 * j + 1] = kScale ? f.y * c : f.y;
+        }
+      } else {
+        const float f[4] = {__uint_as_float(r[u].x), __uint_as_float(r[u].y), __uint_as_float(r[u].z),
+                            __uint_as_float(r[u].w)};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) d[j] = kScale ? f[j] * c : f[j];
+      }
+    }
+  }
+}
 
 // One step of (slot, head) with m pending pairs; kFlush: m = R − 1, the write-back step.
 // The two kinds of step are separate instances, each with only its own code.
@@ -316,23 +407,13 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
   const int r0 = rg * rows, r1 = min(a.dk, r0 + rows);
   float s[kDecUnroll][C];
   load_rows(src, a.sk, r0, r1, s);
-  gate_stage(a, b, h, sm.gs, sm.ws);
-  for (int i = tid; i < a.dk; i += blockDim.x) {
-    sm.qs[i] = a.scale * ldf(a.q, kq + i, a.q_dt);
-    sm.ks[i] = ldf(a.k, kk + i, a.k_dt);
-  }
-  for (int e = tid; e < a.dv; e += blockDim.x) sm.vs[e] = ldf(a.v, kv + e, a.v_dt);
-  for (int x = tid; x < m * a.dk; x += blockDim.x) sm.pks[x / a.dk][x % a.dk] = ldf(p.pk, pk0 + x, p.p_dt);
-  for (int x = tid; x < m * a.dv; x += blockDim.x) sm.pvs[x / a.dv][x % a.dv] = ldf(p.pv, pv0 + x, p.p_dt);
+  stage_inputs(a, kq, kk, kv, b * a.g_sb + h * a.g_sh, sm);
+  stage_pairs<R, kFlush>(p, pk0, pv0, m, a.dk, a.dv, a.lam[h], sm);
   if (tid == 0) {
     double w = 1.0;
     for (int i = 0; i <= R; ++i, w *= static_cast<double>(a.lam[h])) sm.lam_pow[i] = static_cast<float>(w);
   }
   __syncthreads();
-  if constexpr (kFlush) {  // the pair coefficients λ^{R−1−j} k_j[i], the products the fold needs
-    for (int x = tid; x < P * a.dk; x += blockDim.x) sm.pks[x / a.dk][x % a.dk] *= sm.lam_pow[P - x / a.dk];
-    __syncthreads();
-  }
   if constexpr (!kFlush) {  // one warp per dot product q̃·k_j (m + 1 ≤ R − 1 of them)
     const int warp = tid >> 5, lane = tid & 31, warps = blockDim.x >> 5;
     for (int j = warp; j <= m; j += warps) {
@@ -352,29 +433,38 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
   }
   for (int i0 = r0; i0 < r1; i0 += kDecUnroll) {
     if (i0 != r0) load_rows(src, a.sk, i0, r1, s);
+    if constexpr (kFlush) {
+      // S ← λ^R S_base + Σ_j λ^{R−1−j} k_jᵀ v_j + kᵀ v, each element's chain of fmas in the
+      // reference's order (ops/cpu/gla.cpp): pair by pair over the kDecUnroll rows in flight, so
+      // a pair's v is read from shared memory once per kDecUnroll rows, not once per row (row by
+      // row, those float4 reads were 4 of every 5 shared-memory wavefronts of the step; H200,
+      // R = 8, F32: the write-back step 1.10 → 0.96 ms). The loop over the pairs stays a loop:
+      // unrolled, the compiler issues every pair's loads ahead of their fmas and spills the rows
+      // in flight. Rows past r1 (zeros) are folded too and never used.
+#pragma unroll
+      for (int u = 0; u < kDecUnroll; ++u)
+#pragma unroll
+        for (int j = 0; j < C; ++j) s[u][j] = sm.lam_pow[R] * s[u][j];
+#pragma unroll 1
+      for (int jj = 0; jj < P; ++jj) {  // pair jj is R − 1 − jj tokens old
+        const float4 pv4 = *reinterpret_cast<const float4*>(&sm.pvs[jj][C * c]);
+        const float pv[C] = {pv4.x, pv4.y, pv4.z, pv4.w};
+        const float* kc = &sm.pks[jj][i0];  // rows are padded by kDecUnroll: no read past them
+#pragma unroll
+        for (int u = 0; u < kDecUnroll; ++u)
+#pragma unroll
+          for (int j = 0; j < C; ++j) s[u][j] = fmaf(kc[u], pv[j], s[u][j]);
+      }
+    }
 #pragma unroll
     for (int u = 0; u < kDecUnroll; ++u) {
       const int i = i0 + u;
       if (i >= r1) break;
       const float qq = sm.qs[i];
-      if constexpr (kFlush) {  // pair jj is R − 1 − jj tokens old
-        // Each column's chain of fmas is the reference's (ops/cpu/gla.cpp). The loop over the
-        // pairs stays a loop: unrolled, the compiler issues all 8·(R − 1) rows' pair loads ahead
-        // of their fmas and spills the rows in flight (ptxas: 336 bytes at R = 8, F32).
-        float x[C];
-#pragma unroll
-        for (int j = 0; j < C; ++j) x[j] = sm.lam_pow[R] * s[u][j];
-#pragma unroll 1
-        for (int jj = 0; jj < P; ++jj) {
-          const float kc = sm.pks[jj][i];
-          const float4 pv4 = *reinterpret_cast<const float4*>(&sm.pvs[jj][C * c]);
-          const float pv[C] = {pv4.x, pv4.y, pv4.z, pv4.w};
-#pragma unroll
-          for (int j = 0; j < C; ++j) x[j] = fmaf(kc, pv[j], x[j]);
-        }
+      if constexpr (kFlush) {
 #pragma unroll
         for (int j = 0; j < C; ++j) {
-          s[u][j] = fmaf(sm.ks[i], vt[j], x[j]);
+          s[u][j] = fmaf(sm.ks[i], vt[j], s[u][j]);
           acc[j] = fmaf(qq, s[u][j], acc[j]);
         }
         store_vec(dst + i * a.sk, s[u]);
@@ -410,9 +500,10 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
 // At most 64 registers (__launch_bounds__(256, 4)), so 5 decode blocks of dv = 192 threads fit
 // per SM. H200, 1,280 sequences × 16 heads, R = 8, F32 states (bench_ops): 0.514 ms per step,
 // against 0.524 at 80 registers (4 blocks, no spills) and 0.573 before the write-back's fold
-// became a loop (80 registers, spilling). Unbounded, the kernel took 118 registers and 2 blocks
-// per SM. The few bytes spilled at 64 (ptxas: 20 stored, 76 loaded at R = 8) are cheaper than
-// the fifth block.
+// became a loop (80 registers, spilling); 0.469 since the prologue's loads are all in flight
+// together and the fold runs pair by pair. Unbounded, the kernel took 118 registers and 2 blocks
+// per SM. The few bytes spilled at 64 (ptxas: 8 stored, 16 loaded at R = 8, F32) are cheaper
+// than the fifth block.
 template <class ST, int R>
 __global__ void __launch_bounds__(kDecMaxDv, 4) gla_decode_deferred_kernel(DecArgs a, PendArgs p) {
   static_assert(R >= 2 && R <= kMaxDeferSteps && (R & (R - 1)) == 0, "R: a power of two up to 16");
