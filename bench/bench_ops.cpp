@@ -405,10 +405,16 @@ int main(int argc, char** argv) {
         // about 1/R of every step's blocks write back beside the others' pending steps.
         for (int64_t s = 0; s < pend.count.shape[0]; ++s) e.fill(pend.count.slice(0, s, s + 1), static_cast<double>(s % R));
         const double mixed = time_ms(e, reps, cycle) / static_cast<double>(R);
+        // Heads out of step, as the engine runs after a prefill: the flush starts head h's
+        // cycle at phase h mod R (ops/backend.h), so 1/R of each sequence's heads write back
+        // at every step even when all sequences were admitted together.
+        e.gla_pending_flush(gp, sd, pend, slots);
+        const double phased = time_ms(e, reps, cycle) / static_cast<double>(R);
         const double every = sdt == DType::kF32 ? dec[3].ms : g16;
         std::printf("  gla_decode_gate_deferred R = %2lld, %s state: %.4f ms per step (%.2fx the every-step kernel); "
-                    "pending step %.4f ms, write-back step %.4f ms; sequences out of step %.4f ms\n",
-                    (long long)R, dtype_name(sdt), ms, every / ms, tp, tw, mixed);
+                    "pending step %.4f ms, write-back step %.4f ms; sequences out of step %.4f ms; "
+                    "heads out of step (engine) %.4f ms\n",
+                    (long long)R, dtype_name(sdt), ms, every / ms, tp, tw, mixed, phased);
       }
     }
   }

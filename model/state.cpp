@@ -52,14 +52,17 @@ int32_t count_at(const char* counts, int64_t i) {
   return m;
 }
 
-// Every count of a host slot's tail in [0, R): a corrupt one would make the context wrong.
+// Every count word of a host slot's tail valid for R (ops/backend.h: m + d < R): a corrupt one
+// would make the context wrong.
 Status check_counts(const Config& c, int64_t R, const char* counts) {
   for (int64_t i = 0; i < c.num_layers * c.num_heads; ++i) {
-    const int32_t m = count_at(counts, i);
-    if (m < 0 || m >= R)
-      return Status::corrupt("state: pending count " + std::to_string(m) + " of layer " +
+    const int32_t w = count_at(counts, i);
+    if (!pending_word_valid(w, R))
+      return Status::corrupt("state: pending count word " + std::to_string(w) + " of layer " +
                              std::to_string(i / c.num_heads) + " head " + std::to_string(i % c.num_heads) +
-                             " is outside [0, " + std::to_string(R) + ")");
+                             " is not valid for R = " + std::to_string(R) + " (m = " +
+                             std::to_string(pending_m(w)) + ", d = " + std::to_string(pending_d(w)) +
+                             "; m + d must be below R)");
   }
   return Status::ok();
 }
@@ -188,7 +191,7 @@ Status StatePool::convert_slot(const Config& c, DType from_dtype, PendingSpec fr
       const char* pk = base + lf.tail_offset + l * H * P * (dk + dv) * ps;  // [H, P, dk]
       const char* pv = pk + H * P * dk * ps;                                  // [H, P, dv]
       for (int64_t h = 0; h < H; ++h) {
-        const int32_t m = count_at(base + lf.count_offset, l * H + h);
+        const int32_t m = pending_m(count_at(base + lf.count_offset, l * H + h));
         // S ← λ^m S + Σ_{j<m} λ^{m−1−j} k_jᵀ v_j (pair j is m − 1 − j steps old).
         double* S = slot.data() + l * lf.layer_elems + h * dk * dv;
         double pw = 1.0;

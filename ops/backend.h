@@ -45,13 +45,31 @@ struct GlaParams {
 // it, pair 0 the oldest, and m. The entry's true state is
 //   λ^m S + Σ_{j<m} λ^{m−1−j} k_jᵀ v_j,
 // so a decode step can read S without writing it, and write it back every R-th step only.
+//
+// The count word of (entry, head) holds m in bits 0–15 and a phase d in bits 16–30: the
+// current cycle is R − d steps long, i.e. the step that finds m + 1 + d = R writes back, and
+// the next cycle starts with m = d = 0 (R steps). A flush starts the cycle after it with
+// d = pending_phase(h, R), so that sequences in lock-step (admitted together) write back
+// 1/R of their heads at each step instead of every head at every R-th step; which step
+// writes back depends on the sequence's own history only, never on the other sequences.
+// Valid words: 0 ≤ m, 0 ≤ d, m + d < R.
 struct GlaPending {
   Tensor k;      // [S, H, R−1, dk] the activations' dtype; dim-0 stride = the slot's
   Tensor v;      // [S, H, R−1, dv]
-  Tensor count;  // [S, H] I32: m per (entry, head), 0 ≤ m < R
+  Tensor count;  // [S, H] I32: the count word (m, d) per (entry, head)
   int64_t steps = 0;  // R
   bool defined() const { return steps > 0; }
 };
+
+constexpr int kPendingPhaseShift = 16;
+constexpr int32_t pending_word(int32_t m, int32_t d) { return m | (d << kPendingPhaseShift); }
+constexpr int32_t pending_m(int32_t word) { return word & ((1 << kPendingPhaseShift) - 1); }
+constexpr int32_t pending_d(int32_t word) { return word >> kPendingPhaseShift; }
+// The phase a flush gives head h: consecutive heads write back at consecutive steps.
+constexpr int32_t pending_phase(int64_t h, int64_t R) { return static_cast<int32_t>(h % R); }
+constexpr bool pending_word_valid(int32_t word, int64_t R) {
+  return word >= 0 && pending_m(word) + pending_d(word) < R;
+}
 
 struct AdamWParams {
   double lr = 0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, wd = 0;
@@ -158,15 +176,16 @@ class Backend {
                                const Tensor& slots, Tensor o, Tensor y);
 
   // gla_decode_gate for a pool with deferred write-back (GlaPending): o and y are those of
-  // the entries' true states, up to F32 rounding order. A step with m + 1 < R reads S and
-  // the m pairs, writes nothing to S, appends (k, v) as pair m and sets m ← m + 1; the R-th
-  // (m = R − 1) writes the true state after this token back to S and sets m ← 0. The
-  // states are F32 or BF16 (CUDA), F32 or F64 (CPU); R is 4, 8 or 16.
+  // the entries' true states, up to F32 rounding order. A step with m + 1 + d < R reads S
+  // and the m pairs, writes nothing to S, appends (k, v) as pair m and sets m ← m + 1; the
+  // last of the cycle (m + 1 + d = R) writes the true state after this token back to S and
+  // sets m ← 0, d ← 0. The states are F32 or BF16 (CUDA), F32 or F64 (CPU); R is 4, 8 or 16.
   virtual void gla_decode_gate_deferred(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
                                         const Tensor& g, const Tensor& w, double eps, Tensor states,
                                         const GlaPending& pend, const Tensor& slots, Tensor o, Tensor y);
   // Folds the pending pairs of entries slots[b] into their states (S ← the true state) and
-  // sets their counts to 0: before anything but a deferred decode step reads the states.
+  // sets their count words to (m = 0, d = pending_phase(h, R)), whether or not anything was
+  // pending: before anything but a deferred decode step reads the states.
   // slots [B] I32 on this device.
   virtual void gla_pending_flush(const GlaParams& p, Tensor states, const GlaPending& pend, const Tensor& slots);
 

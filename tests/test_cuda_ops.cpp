@@ -890,8 +890,9 @@ TEST_F(CudaOps, GlaDecodeSlotsF32Bf16StatesAndFusedGate) {
 }
 
 // Deferred write-back (kernels_gla_decode.cu, GlaPending) at the model's shapes: pending
-// pairs and counts start random (every m in [0, R) among the (slot, head)s, so flushes fall on
-// different steps), then 2R + 3 decode steps with new q, k, v, g each, against the CPU
+// pairs and count words start random (every m in [0, R) and phases d with m + d < R among the
+// (slot, head)s, so write-backs fall on different steps, some with fewer than R − 1 pairs),
+// then 2R + 3 decode steps with new q, k, v, g each, against the CPU
 // reference in F64 from the same rounded values; then the flush op, after which the states
 // are the true ones. Counts must match exactly; slots outside the batch keep every byte.
 TEST_F(CudaOps, GlaDecodeDeferredVsCpuReferenceAndFlush) {
@@ -908,7 +909,10 @@ TEST_F(CudaOps, GlaDecodeDeferredVsCpuReferenceAndFlush) {
       Buf pool = input({S, H, dk, dv}, sdt, kF64, 505);
       Buf pk = input({S, H, P, dk}, kBF16, kF64, 506), pv = input({S, H, P, dv}, kBF16, kF64, 507);
       std::vector<int32_t> counts(S * H);
-      for (size_t i = 0; i < counts.size(); ++i) counts[i] = static_cast<int32_t>((i * 5 + 1) % R);
+      for (size_t i = 0; i < counts.size(); ++i) {  // count words (m, d), m + d < R: some cycles shortened
+        const int32_t m = static_cast<int32_t>((i * 5 + 1) % R);
+        counts[i] = pending_word(m, static_cast<int32_t>((i * 3) % (R - m)));
+      }
       Buf cnt = ints(counts);
       auto pend = [&](bool dev) {
         GlaPending g;
@@ -955,13 +959,14 @@ TEST_F(CudaOps, GlaDecodeDeferredVsCpuReferenceAndFlush) {
         for (int64_t h = 0; h < H; ++h)
           EXPECT_EQ(static_cast<int32_t*>(c_after->t.data)[s * H + h], counts[s * H + h]) << "slot " << s;
       }
-      // The flush: states become the true ones and the counts 0.
+      // The flush: states become the true ones and the count words (0, pending_phase(h, R)).
       cpu_->gla_pending_flush(p, pool.r(), pend(false), slots.r());
       cuda_->gla_pending_flush(p, pool.d(), pend(true), slots.d());
       EXPECT_LE(err(pool), sdt == kF32 ? 1e-5 : 1e-2);
       auto c = down(cnt.d());
       for (int32_t s : sl)
-        for (int64_t h = 0; h < H; ++h) EXPECT_EQ(static_cast<int32_t*>(c->t.data)[s * H + h], 0);
+        for (int64_t h = 0; h < H; ++h)
+          EXPECT_EQ(static_cast<int32_t*>(c->t.data)[s * H + h], pending_word(0, pending_phase(h, R)));
     }
   }
 }

@@ -1155,19 +1155,21 @@ TEST(EngineDeferred, ConvertedSlotsContinueAsWrittenBackEveryStep) {
   }
   EXPECT_EQ(wrong, 0);
 
-  // A count outside [0, R) is refused.
-  std::vector<uint8_t> bad = fs8->state;
-  const int32_t eight = 8;
-  // The counts [L, H] end the slot (L·H = 4 here: 16 bytes, no padding); the first made R.
-  std::memcpy(bad.data() + bad.size() - 4 * c.num_layers * c.num_heads, &eight, 4);
-  std::vector<uint8_t> out;
-  Status st = StatePool::convert_slot(c, DType::kF32, d8, bad.data(), DType::kF32, none, &out);
-  EXPECT_EQ(st.code(), Status::Code::kCorrupt) << st.to_string();
+  // A count word that is not valid for R (m = R; m + d = R) is refused.
+  // The counts [L, H] end the slot (L·H = 4 here: 16 bytes, no padding); the first is made bad.
+  for (const int32_t word : {pending_word(8, 0), pending_word(3, 5)}) {
+    std::vector<uint8_t> bad = fs8->state;
+    std::memcpy(bad.data() + bad.size() - 4 * c.num_layers * c.num_heads, &word, 4);
+    std::vector<uint8_t> out;
+    Status st = StatePool::convert_slot(c, DType::kF32, d8, bad.data(), DType::kF32, none, &out);
+    EXPECT_EQ(st.code(), Status::Code::kCorrupt) << st.to_string();
+    EXPECT_NE(st.message().find("m + d must be below R"), std::string::npos) << st.to_string();
+  }
 }
 
 // Slot bytes: SPEC §1's state, then R − 1 pairs of (dk + dv) values per head and layer in the
-// activations' dtype, then L·H counts; a bad R and a snapshot with a count outside [0, R) are
-// refused with a clear error.
+// activations' dtype, then L·H count words; a bad R and a snapshot with a count word not valid
+// for R are refused with a clear error.
 TEST(EngineDeferred, SlotBytesBadOptionsAndCorruptCounts) {
   Config big;  // laplace-3b's shapes
   big.vocab_size = 92160, big.hidden_size = 3072, big.num_layers = 24, big.num_heads = 16;
@@ -1194,8 +1196,8 @@ TEST(EngineDeferred, SlotBytesBadOptionsAndCorruptCounts) {
   run_capturing(r, random_tokens(9, r.c.vocab_size, 750), 6, nullptr, &ps, &fs);
   ASSERT_TRUE(fs);
   auto bad = std::make_shared<StateSnapshot>(*fs);
-  // The counts are the slot's last L·H int32 values (16-byte padding aside): find one of the
-  // final snapshot's non-zero counts and make it R.
+  // The count words are the slot's last L·H int32 values (16-byte padding aside): find one of
+  // the final snapshot's with m > 0 and no phase (head 0's after a flush) and make its m R.
   const int64_t n = r.c.num_layers * r.c.num_heads;
   int32_t* counts = nullptr;
   for (int64_t off = static_cast<int64_t>(bad->state.size()) - 4 * n; off >= 0; off -= 4) {
@@ -1213,7 +1215,7 @@ TEST(EngineDeferred, SlotBytesBadOptionsAndCorruptCounts) {
   RequestId id;
   Status st = r.eng->submit(std::move(q), &id);
   EXPECT_FALSE(st.is_ok());
-  EXPECT_NE(st.message().find("pending count 4"), std::string::npos) << st.to_string();
+  EXPECT_NE(st.message().find("pending count word 4"), std::string::npos) << st.to_string();
 }
 
 // ---- the state cache: device tier (spare pool slots) in front of the host tier ------------------

@@ -543,15 +543,18 @@ TEST(GlaDeterminism, BitwiseRepeatAndThreadCount) {
 // ---- deferred write-back (ops/cpu/gla.cpp) ---------------------------------------------
 
 // The deferred decode against the recurrent form, step by step over 2R + 3 tokens from a
-// random start, three rows in scattered slots of a five-entry pool: the outputs agree, the
-// counts cycle through 0..R−1, a flush (of a copy, at every step) gives the recurrent
-// form's state, entries outside the batch keep every byte, and a flush with nothing
-// pending changes nothing.
+// random start, three rows in scattered slots of a five-entry pool, twice: from zero count
+// words (every head's cycle R steps), then after a flush of the run's own pool, which starts
+// each head's next cycle R − pending_phase(h, R) steps long. The outputs agree, the count
+// words follow ops/backend.h's rule, a flush (of a copy, at every step) gives the recurrent
+// form's state and phase words, entries outside the batch keep every byte, and a flush with
+// nothing pending changes no state bit.
 void check_deferred(DType dt, double tol) {
   const int64_t E = 5, B = 3, H = 3, dk = 8, dv = 12;
   const std::vector<int32_t> slot_ids = {4, 0, 2};
   Tensor slots(const_cast<int32_t*>(slot_ids.data()), DType::kI32, {B});
   const GlaParams p = make_params(GlaForm::kRecurrent, 1, fast_decays(H), dk);
+  auto used = [](int64_t e) { return e == 4 || e == 0 || e == 2; };
   for (int64_t R : {4, 8, 16}) {
     SCOPED_TRACE("R " + std::to_string(R));
     const Inputs start = random_inputs({E, 1, H, dk, dv}, dt, 40 + R);
@@ -559,24 +562,44 @@ void check_deferred(DType dt, double tol) {
     Owned pk = owned(dt, {E, H, R - 1, dk}), pv = owned(dt, {E, H, R - 1, dv});
     Owned cnt = owned(DType::kI32, {E, H});
     const GlaPending pend{*pk, *pv, *cnt, R};
-    for (int64_t t = 0; t < 2 * R + 3; ++t) {
-      const Inputs in = random_inputs({B, 1, H, dk, dv}, dt, 100 + 10 * t);
-      Owned o1 = owned(dt, {B, 1, H, dv}), o2 = owned(dt, {B, 1, H, dv});
-      cpu::gla_forward(p, *in.q, *in.k, *in.v, *o1, *plain, *plain, slots);
-      cpu::gla_decode_deferred(p, *in.q, *in.k, *in.v, *o2, *def, pend, slots);
-      EXPECT_LE(max_rel_error(*o2, *o1), tol) << "step " << t;
-      for (int64_t e = 0; e < E; ++e) {
-        const bool used = e == 4 || e == 0 || e == 2;
-        for (int64_t h = 0; h < H; ++h)
-          ASSERT_EQ(cnt->ptr<int32_t>()[e * H + h], used ? (t + 1) % R : 0) << "entry " << e << " step " << t;
+    std::vector<int32_t> expect(E * H, 0);  // the count words the rule gives
+    int64_t short_cycles = 0;               // write-backs with fewer than R − 1 pairs
+    for (int round = 0; round < 2; ++round) {
+      SCOPED_TRACE("round " + std::to_string(round));
+      if (round == 1) {  // the run's own flush: phases on
+        cpu::gla_pending_flush(p, *def, pend, slots);
+        for (int64_t e = 0; e < E; ++e)
+          for (int64_t h = 0; h < H; ++h)
+            if (used(e)) expect[e * H + h] = pending_word(0, pending_phase(h, R));
       }
-      // The true state, from copies (the run goes on with its pairs pending).
-      Owned sc = clone(*def, dt), kc = clone(*pk, dt), vc = clone(*pv, dt), cc = owned(DType::kI32, {E, H});
-      std::memcpy(cc->t.data, cnt->t.data, cnt->t.nbytes());
-      cpu::gla_pending_flush(p, *sc, {*kc, *vc, *cc, R}, slots);
-      EXPECT_LE(max_rel_error(*sc, *plain), tol) << "step " << t;
-      for (int64_t i = 0; i < E * H; ++i) ASSERT_EQ(cc->ptr<int32_t>()[i], 0);
+      for (int64_t t = 0; t < 2 * R + 3; ++t) {
+        const Inputs in = random_inputs({B, 1, H, dk, dv}, dt, 100 + 10 * t + 1000 * round);
+        Owned o1 = owned(dt, {B, 1, H, dv}), o2 = owned(dt, {B, 1, H, dv});
+        cpu::gla_forward(p, *in.q, *in.k, *in.v, *o1, *plain, *plain, slots);
+        cpu::gla_decode_deferred(p, *in.q, *in.k, *in.v, *o2, *def, pend, slots);
+        EXPECT_LE(max_rel_error(*o2, *o1), tol) << "step " << t;
+        for (int64_t e = 0; e < E; ++e) {
+          for (int64_t h = 0; h < H; ++h) {
+            int32_t& w = expect[e * H + h];
+            if (used(e)) {
+              const int32_t m = pending_m(w), d = pending_d(w);
+              if (m + 1 + d == R) short_cycles += m + 1 < R;
+              w = m + 1 + d == R ? 0 : pending_word(m + 1, d);
+            }
+            ASSERT_EQ(cnt->ptr<int32_t>()[e * H + h], w) << "entry " << e << " head " << h << " step " << t;
+          }
+        }
+        // The true state, from copies (the run goes on with its pairs pending).
+        Owned sc = clone(*def, dt), kc = clone(*pk, dt), vc = clone(*pv, dt), cc = owned(DType::kI32, {E, H});
+        std::memcpy(cc->t.data, cnt->t.data, cnt->t.nbytes());
+        cpu::gla_pending_flush(p, *sc, {*kc, *vc, *cc, R}, slots);
+        EXPECT_LE(max_rel_error(*sc, *plain), tol) << "step " << t;
+        for (int64_t e = 0; e < E; ++e)
+          for (int64_t h = 0; h < H; ++h)
+            ASSERT_EQ(cc->ptr<int32_t>()[e * H + h], used(e) ? pending_word(0, pending_phase(h, R)) : 0);
+      }
     }
+    EXPECT_GT(short_cycles, 0) << "no cycle shortened by a phase";
     for (int64_t e : {1, 3})
       EXPECT_TRUE(bitwise_equal(static_cast<Tensor>(*def).select(e), static_cast<Tensor>(*start.s0).select(e)));
     // Nothing pending: the flush leaves the states' bits alone.

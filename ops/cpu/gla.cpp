@@ -471,12 +471,13 @@ void backward_typed(const GlaParams& p, const Tensor& q, const Tensor& k, const 
 
 // ---- deferred write-back (ops/backend.h GlaPending; docs/serving.md §4) ----------------
 //
-// Per pool entry e and head h, with m = count[e][h] pending pairs (k_j, v_j) and qs = scale·q:
+// Per pool entry e and head h, with the count word (m, d) (ops/backend.h), m pending pairs
+// (k_j, v_j) and qs = scale·q:
 //   true state  T = λ^m S + Σ_{j<m} λ^{m−1−j} k_jᵀ v_j
-//   decode, m + 1 < R:  o = λ^{m+1} (qs S) + Σ_{j<m} λ^{m−j} (qs·k_j) v_j + (qs·k) v;
-//                       pair m ← (k, v), m ← m + 1; S untouched
-//   decode, m + 1 = R:  S ← λ^R S + Σ_{j<R−1} λ^{R−1−j} k_jᵀ v_j + kᵀ v; o = qs S; m ← 0
-//   flush:              S ← T; m ← 0
+//   decode, m + 1 + d < R:  o = λ^{m+1} (qs S) + Σ_{j<m} λ^{m−j} (qs·k_j) v_j + (qs·k) v;
+//                           pair m ← (k, v), m ← m + 1; S untouched
+//   decode, m + 1 + d = R:  S ← λ^{m+1} S + Σ_{j<m} λ^{m−j} k_jᵀ v_j + kᵀ v; o = qs S; m, d ← 0
+//   flush:                  S ← T; m ← 0, d ← pending_phase(h, R)
 // The CUDA kernels sum in another order, so the two agree to rounding only.
 
 constexpr int64_t kMaxPendingSteps = 16;
@@ -496,9 +497,11 @@ HeadPending<F> head_pending(const GlaPending& p, int64_t e, int64_t h) {
           static_cast<int32_t*>(p.count.data) + e * p.count.stride[0] + h * p.count.stride[1]};
 }
 
-int64_t pending_count(const int32_t* count, int64_t R) {
-  LAPLACE_CHECK(*count >= 0 && *count < R, "gla deferred: a pending count is out of range (corrupt slot?)");
-  return *count;
+// The count word's m and d, checked (a corrupt word would index past the pairs).
+void pending_count(const int32_t* count, int64_t R, int64_t* m, int64_t* d) {
+  LAPLACE_CHECK(pending_word_valid(*count, R), "gla deferred: a pending count is out of range (corrupt slot?)");
+  *m = pending_m(*count);
+  *d = pending_d(*count);
 }
 
 template <class F>
@@ -514,18 +517,19 @@ void deferred_decode_typed(const GlaParams& p, const Tensor& q, const Tensor& k,
     F* out = head_rows<F>(o, b, h)[0];
     const Rows<F> S = state_rows<F>(states, e, h);
     const HeadPending<F> pp = head_pending<F>(pend, e, h);
-    const int64_t m = pending_count(pp.count, R);
+    int64_t m = 0, d = 0;
+    pending_count(pp.count, R, &m, &d);
     F pw[kMaxPendingSteps + 1];
     decay_powers(p.decay[h], R, pw);
     std::vector<F> qs(dk);
     for (int64_t i = 0; i < dk; ++i) qs[i] = static_cast<F>(p.scale) * qr[i];
     std::fill(out, out + dv, F(0));
-    if (m + 1 == R) {  // the write-back step
+    if (m + 1 + d == R) {  // the write-back step
       for (int64_t i = 0; i < dk; ++i) {
         F* row = S[i];
         for (int64_t x = 0; x < dv; ++x) {
-          F t = pw[R] * row[x];
-          for (int64_t j = 0; j < R - 1; ++j) t += pw[R - 1 - j] * pp.k[j * dk + i] * pp.v[j * dv + x];
+          F t = pw[m + 1] * row[x];
+          for (int64_t j = 0; j < m; ++j) t += pw[m - j] * pp.k[j * dk + i] * pp.v[j * dv + x];
           row[x] = t + kr[i] * vr[x];
           out[x] += qs[i] * row[x];
         }
@@ -548,7 +552,7 @@ void deferred_decode_typed(const GlaParams& p, const Tensor& q, const Tensor& k,
     }
     std::copy(kr, kr + dk, pp.k + m * dk);
     std::copy(vr, vr + dv, pp.v + m * dv);
-    *pp.count = static_cast<int32_t>(m + 1);
+    *pp.count = pending_word(static_cast<int32_t>(m + 1), static_cast<int32_t>(d));
   }
 }
 
@@ -559,7 +563,9 @@ void pending_flush_typed(const GlaParams& p, Tensor states, const GlaPending& pe
   for (int64_t bh = 0; bh < B * H; ++bh) {
     const int64_t b = bh / H, h = bh % H, e = slot_of(slots, b);
     const HeadPending<F> pp = head_pending<F>(pend, e, h);
-    const int64_t m = pending_count(pp.count, pend.steps);
+    int64_t m = 0, d = 0;
+    pending_count(pp.count, pend.steps, &m, &d);
+    *pp.count = pending_word(0, pending_phase(h, pend.steps));
     if (m == 0) continue;
     F pw[kMaxPendingSteps + 1];
     decay_powers(p.decay[h], m, pw);
@@ -572,7 +578,6 @@ void pending_flush_typed(const GlaParams& p, Tensor states, const GlaPending& pe
         row[x] = t;
       }
     }
-    *pp.count = 0;
   }
 }
 

@@ -254,9 +254,10 @@ __global__ void __launch_bounds__(kDecMaxDv) gla_decode_kernel(DecArgs a) {
 //
 // A decode step must read every state (o = q̃S needs all of S) but need not write it. With
 // the m < R pending pairs (k_j, v_j) of (slot, head) beside S_base:
-//   m + 1 < R:  o = λ^{m+1} (q̃ S_base) + Σ_{j<m} λ^{m−j} (q̃·k_j) v_j + (q̃·k) v, no state write,
-//               (k, v) appended as pair m;
-//   m + 1 = R:  S ← λ^R S_base + Σ_{j<R−1} λ^{R−1−j} k_jᵀ v_j + kᵀ v, written back; o = q̃ S.
+//   m + 1 + d < R:  o = λ^{m+1} (q̃ S_base) + Σ_{j<m} λ^{m−j} (q̃·k_j) v_j + (q̃·k) v, no state
+//                   write, (k, v) appended as pair m;
+//   m + 1 + d = R:  S ← λ^{m+1} S_base + Σ_{j<m} λ^{m−j} k_jᵀ v_j + kᵀ v, written back; o = q̃ S,
+// d being the count word's phase (ops/backend.h: 0 but in a cycle started by a flush).
 // At R = 8 a (slot, head) moves 85.5 KB per step on average in F32 instead of 147.5 KB
 // (lab/decode/deferred_lab: 0.472 against 0.749 ms per layer at 1,280 × 16 heads; this kernel,
 // with the gate: 0.469, a pending step 0.404 and the write-back step 0.920, BENCHMARKS.md).
@@ -274,13 +275,17 @@ struct PendArgs {
   int64_t c_ss;
 };
 
-// m read from a slot, kept in [0, R) by a mask (R is a power of two): a corrupt count must not
-// send the kernel out of its pair arrays (the host validates counts it restores; padded rows
-// share the scratch slot). A min/max clamp in its place was observed on the H200 (CUDA 13.0)
-// to take the write-back step at every step, although its PTX compared the clamped count
-// correctly; the cause was not pinned down, and the mask passes the op and model tests.
-__device__ __forceinline__ int pending_count(const PendArgs& p, int64_t slot, int h, int R) {
-  return p.cnt[slot * p.c_ss + h] & (R - 1);
+// m and d of a slot's count word (ops/backend.h), each kept in [0, R) by a mask (R is a power
+// of two): a corrupt word must not send the kernel out of its pair arrays (the host validates
+// the words it restores; padded rows share the scratch slot). The write-back test is
+// m + 1 + d ≥ R, so a corrupt word with m + d ≥ R folds its m < R pairs. A min/max clamp in
+// the mask's place was observed on the H200 (CUDA 13.0) to take the write-back step at every
+// step, although its PTX compared the clamped count correctly; the cause was not pinned down,
+// and the mask passes the op and model tests.
+__device__ __forceinline__ void pending_count(const PendArgs& p, int64_t slot, int h, int R, int* m, int* d) {
+  const int32_t w = p.cnt[slot * p.c_ss + h];
+  *m = pending_m(w) & (R - 1);
+  *d = pending_d(w) & (R - 1);
 }
 
 // Shared memory of one deferred step: the pairs, q̃, k, v, g, w and the scalars as F32 (16-byte
@@ -288,7 +293,7 @@ __device__ __forceinline__ int pending_count(const PendArgs& p, int64_t slot, in
 template <int R>
 struct alignas(16) DeferSmem {
   float qs[kDecMaxDk], ks[kDecMaxDk], vs[kDecMaxDv];
-  float pks[R - 1][kDecMaxDk + kDecUnroll];  // pair j scaled by λ^{R−1−j} (write-back); padded rows
+  float pks[R - 1][kDecMaxDk + kDecUnroll];  // pair j scaled by λ^{m−j} (write-back); padded rows
   float pvs[R - 1][kDecMaxDv];
   float part[4][kDecMaxDv];
   float gs[kDecMaxDv], ws[kDecMaxDv];  // g, w (gate_stage)
@@ -336,12 +341,11 @@ __device__ __forceinline__ float lam_power(float lam, int n) {
   return static_cast<float>(w);
 }
 
-// kScale (the write-back step, m = R − 1): pair j's k is stored as λ^{R−1−j} k_j, the
-// coefficients the fold multiplies by (the same F32 products as scaling it afterwards).
+// kScale (the write-back step): pair j's k is stored as λ^{m−j} k_j, the coefficients the fold
+// multiplies by (the same F32 products as scaling it afterwards).
 template <int R, bool kScale>
 __device__ __forceinline__ void stage_pairs(const PendArgs& p, int64_t pk0, int64_t pv0, int m, int dk, int dv,
                                             float lam, DeferSmem<R>& sm) {
-  constexpr int P = R - 1;
   const int t = threadIdx.x, n = blockDim.x;
   const int es = p.p_dt == kBF16 ? 2 : 4, per = 16 / es;
   const char* gk = static_cast<const char*>(p.pk) + pk0 * es;
@@ -349,7 +353,7 @@ __device__ __forceinline__ void stage_pairs(const PendArgs& p, int64_t pk0, int6
   if (dk % per != 0 || dv % per != 0 || (reinterpret_cast<uintptr_t>(gk) | reinterpret_cast<uintptr_t>(gv)) % 16 != 0) {
     for (int x = t; x < m * dk; x += n) {
       const float k = ldf(p.pk, pk0 + x, p.p_dt);
-      sm.pks[x / dk][x % dk] = kScale ? k * lam_power(lam, P - x / dk) : k;
+      sm.pks[x / dk][x % dk] = kScale ? k * lam_power(lam, m - x / dk) : k;
     }
     for (int x = t; x < m * dv; x += n) sm.pvs[x / dv][x % dv] = ldf(p.pv, pv0 + x, p.p_dt);
     return;
@@ -370,7 +374,7 @@ __device__ __forceinline__ void stage_pairs(const PendArgs& p, int64_t pk0, int6
       if (x >= nt) break;
       const int e0 = (x < nk ? x : x - nk) * per;  // first element in the [m, d] rows
       float* d = x < nk ? &sm.pks[e0 / dk][e0 % dk] : &sm.pvs[e0 / dv][e0 % dv];
-      const float c = kScale && x < nk ? lam_power(lam, P - e0 / dk) : 1.f;
+      const float c = kScale && x < nk ? lam_power(lam, m - e0 / dk) : 1.f;
       if (es == 2) {
         const uint32_t w[4] = {r[u].x, r[u].y, r[u].z, r[u].w};
 #pragma unroll
@@ -388,12 +392,12 @@ __device__ __forceinline__ void stage_pairs(const PendArgs& p, int64_t pk0, int6
   }
 }
 
-// One step of (slot, head) with m pending pairs; kFlush: m = R − 1, the write-back step.
+// One step of (slot, head) with m pending pairs and phase d; kFlush: the write-back step.
 // The two kinds of step are separate instances, each with only its own code.
 template <class ST, int R, bool kFlush>
 __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& p, DeferSmem<R>& sm, int b, int h,
-                                              int64_t slot, int m) {
-  constexpr int C = DecShape<ST>::kCols, G = DecShape<ST>::kGroups, P = R - 1;
+                                              int64_t slot, int m, int d) {
+  constexpr int C = DecShape<ST>::kCols, G = DecShape<ST>::kGroups;
   static_assert(G <= 4, "DeferSmem holds 4 row groups");
   const int nv = a.dv / C, tid = threadIdx.x, c = tid % nv, rg = tid / nv;
   const int64_t kq = b * a.q_sb + h * a.q_sh, kk = b * a.k_sb + h * a.k_sh, kv = b * a.v_sb + h * a.v_sh;
@@ -434,7 +438,7 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
   for (int i0 = r0; i0 < r1; i0 += kDecUnroll) {
     if (i0 != r0) load_rows(src, a.sk, i0, r1, s);
     if constexpr (kFlush) {
-      // S ← λ^R S_base + Σ_j λ^{R−1−j} k_jᵀ v_j + kᵀ v, each element's chain of fmas in the
+      // S ← λ^{m+1} S_base + Σ_j λ^{m−j} k_jᵀ v_j + kᵀ v, each element's chain of fmas in the
       // reference's order (ops/cpu/gla.cpp): pair by pair over the kDecUnroll rows in flight, so
       // a pair's v is read from shared memory once per kDecUnroll rows, not once per row (row by
       // row, those float4 reads were 4 of every 5 shared-memory wavefronts of the step; H200,
@@ -444,9 +448,9 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
 #pragma unroll
       for (int u = 0; u < kDecUnroll; ++u)
 #pragma unroll
-        for (int j = 0; j < C; ++j) s[u][j] = sm.lam_pow[R] * s[u][j];
+        for (int j = 0; j < C; ++j) s[u][j] = sm.lam_pow[m + 1] * s[u][j];
 #pragma unroll 1
-      for (int jj = 0; jj < P; ++jj) {  // pair jj is R − 1 − jj tokens old
+      for (int jj = 0; jj < m; ++jj) {  // pair jj is m − jj tokens old
         const float4 pv4 = *reinterpret_cast<const float4*>(&sm.pvs[jj][C * c]);
         const float pv[C] = {pv4.x, pv4.y, pv4.z, pv4.w};
         const float* kc = &sm.pks[jj][i0];  // rows are padded by kDecUnroll: no read past them
@@ -493,7 +497,7 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
     for (int i = tid; i < a.dk; i += blockDim.x) stf(p.pk, pk0 + m * a.dk + i, p.p_dt, sm.ks[i]);
     for (int e = tid; e < a.dv; e += blockDim.x) stf(p.pv, pv0 + m * a.dv + e, p.p_dt, sm.vs[e]);
   }
-  if (tid == 0) p.cnt[slot * p.c_ss + h] = kFlush ? 0 : m + 1;
+  if (tid == 0) p.cnt[slot * p.c_ss + h] = kFlush ? 0 : pending_word(m + 1, d);
   gate_epilogue(a, b, h, sm.part[0], sm.gs, sm.ws, &sm.rstd);
 }
 
@@ -510,21 +514,26 @@ __global__ void __launch_bounds__(kDecMaxDv, 4) gla_decode_deferred_kernel(DecAr
   __shared__ DeferSmem<R> sm;
   const int b = blockIdx.x / a.H, h = blockIdx.x - b * a.H;
   const int64_t slot = a.slots ? a.slots[b] : b;
-  const int m = pending_count(p, slot, h, R);  // thread 0 rewrites it after the step's barriers
-  if (m + 1 == R) deferred_step<ST, R, true>(a, p, sm, b, h, slot, R - 1);
-  else deferred_step<ST, R, false>(a, p, sm, b, h, slot, m);
+  int m, d;
+  pending_count(p, slot, h, R, &m, &d);  // thread 0 rewrites the word after the step's barriers
+  if (m + 1 + d >= R) deferred_step<ST, R, true>(a, p, sm, b, h, slot, m, d);
+  else deferred_step<ST, R, false>(a, p, sm, b, h, slot, m, d);
 }
 
-// S ← λ^m S + Σ_{j<m} λ^{m−1−j} k_jᵀ v_j and m ← 0 for the (slot, head) of each block.
-// Run before a chunked forward reads the states; not on the decode path.
+// S ← λ^m S + Σ_{j<m} λ^{m−1−j} k_jᵀ v_j and the count word ← (0, pending_phase(h, R)) for the
+// (slot, head) of each block. Run before a chunked forward reads the states; not on the decode path.
 template <class ST>
 __global__ void gla_pending_flush_kernel(DecArgs a, PendArgs p, int R) {
   __shared__ float pks[kMaxDeferSteps - 1][kDecMaxDk], pvs[kMaxDeferSteps - 1][kDecMaxDv];
   __shared__ float lam_pow[kMaxDeferSteps];
   const int b = blockIdx.x / a.H, h = blockIdx.x - b * a.H, tid = threadIdx.x;
   const int64_t slot = a.slots[b];
-  const int m = pending_count(p, slot, h, R);
-  if (m == 0) return;
+  int m, d;
+  pending_count(p, slot, h, R, &m, &d);
+  if (m == 0) {
+    if (tid == 0) p.cnt[slot * p.c_ss + h] = pending_word(0, pending_phase(h, R));
+    return;
+  }
   const int64_t pk0 = slot * p.k_ss + h * p.k_sh, pv0 = slot * p.v_ss + h * p.v_sh;
   for (int x = tid; x < m * a.dk; x += blockDim.x) pks[x / a.dk][x % a.dk] = ldf(p.pk, pk0 + x, p.p_dt);
   for (int x = tid; x < m * a.dv; x += blockDim.x) pvs[x / a.dv][x % a.dv] = ldf(p.pv, pv0 + x, p.p_dt);
@@ -540,7 +549,7 @@ __global__ void gla_pending_flush_kernel(DecArgs a, PendArgs p, int R) {
     for (int j = 0; j < m; ++j) t = fmaf(lam_pow[m - 1 - j] * pks[j][i], pvs[j][e], t);
     S[i * a.sk + e] = static_cast<ST>(t);
   }
-  if (tid == 0) p.cnt[slot * p.c_ss + h] = 0;
+  if (tid == 0) p.cnt[slot * p.c_ss + h] = pending_word(0, pending_phase(h, R));
 }
 
 // The pending pairs and counts as kernel arguments; false when their layout is not the
