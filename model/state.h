@@ -60,15 +60,16 @@ class StatePool {
   void read_slot(Backend& be, int64_t s, void* host) const;
   void write_slot(Backend& be, int64_t s, const void* host);
   // Whether a host copy of a slot (slot_bytes() bytes, e.g. a snapshot read from a file)
-  // may be written into this pool: its pending counts, if any, are in [0, R). Kernels clamp
-  // a bad count rather than index outside the pairs, but the context would be wrong.
+  // may be written into this pool: its pending count words, if any, are valid for R
+  // (ops/backend.h: m + d < R). Kernels mask a bad word rather than index outside the pairs,
+  // but the context would be wrong.
   Status check_slot_bytes(const void* host) const;
   // A host copy of a slot laid out for (from_dtype, from), re-laid out for (to_dtype, to) in
   // `dst` (slot_bytes_for(c, to_dtype, to) bytes): the pending pairs folded into the GLA states
   // (the flush a chunked forward starts with, summed in F64 here), every value converted to
   // to_dtype (BF16: through F32, each rounding to nearest even) and an empty tail. So a session saved with one
   // --state-dtype / --defer-writeback loads into a server with another. Without pairs and with
-  // one dtype the bytes are copied unchanged. Fails on a count outside [0, R), like
+  // one dtype the bytes are copied unchanged. Fails on a count word not valid for R, like
   // check_slot_bytes.
   static Status convert_slot(const Config& c, DType from_dtype, PendingSpec from, const void* src, DType to_dtype,
                              PendingSpec to, std::vector<uint8_t>* dst);

@@ -1098,6 +1098,42 @@ TEST(EngineDeferred, SnapshotsCarryPendingPairs) {
   EXPECT_EQ(r.out[warm].tokens, r.out[cold].tokens);
 }
 
+// A prefill ends with every head's count word at its phase (the flush Model::forward runs first
+// sets (0, h mod R)), so head h's first write-back comes R − (h mod R) decode steps later and
+// the heads of sequences admitted together do not all write back at the same step; from there
+// the words follow ops/backend.h's rule. Read from the prompt and final snapshots' count words.
+TEST(EngineDeferred, PrefillStartsEachHeadsCycleAtItsPhase) {
+  const int64_t R = 4;
+  Rig r(deferred(R, 1), 7, small_config(8, 12, 4));
+  SnapshotPtr ps, fs;
+  run_capturing(r, random_tokens(7, r.c.vocab_size, 760), 7, nullptr, &ps, &fs);
+  ASSERT_TRUE(ps && fs);
+  const int64_t L = r.c.num_layers, H = r.c.num_heads;
+  auto words = [&](const SnapshotPtr& s) {  // the count words [L, H] end the slot (32 bytes: no padding)
+    std::vector<int32_t> w(static_cast<size_t>(L * H));
+    std::memcpy(w.data(), s->state.data() + s->state.size() - 4 * L * H, 4 * L * H);
+    return w;
+  };
+  const std::vector<int32_t> at_prompt = words(ps), at_end = words(fs);
+  const int64_t steps = static_cast<int64_t>(fs->tokens.size() - ps->tokens.size());  // tokens fed by decode
+  ASSERT_EQ(steps, 6);
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t h = 0; h < H; ++h) {
+      SCOPED_TRACE("layer " + std::to_string(l) + " head " + std::to_string(h));
+      int32_t w = at_prompt[static_cast<size_t>(l * H + h)];
+      EXPECT_EQ(w, pending_word(0, pending_phase(h, R)));
+      int64_t first = -1;
+      for (int64_t t = 0; t < steps; ++t) {
+        const int32_t m = pending_m(w), d = pending_d(w);
+        if (m + 1 + d == R && first < 0) first = t;
+        w = m + 1 + d == R ? 0 : pending_word(m + 1, d);
+      }
+      EXPECT_EQ(first, R - 1 - pending_phase(h, R)) << "the step of the first write-back";
+      EXPECT_EQ(at_end[static_cast<size_t>(l * H + h)], w);
+    }
+  }
+}
+
 // A slot converted to another layout (StatePool::convert_slot, what a server does with a session
 // saved under other --defer-writeback / --state-dtype options): pairs folded in, it matches the
 // state of writing back every step, and continuing from it gives that run's tokens; without pairs
