@@ -260,7 +260,8 @@ __global__ void __launch_bounds__(kDecMaxDv) gla_decode_kernel(DecArgs a) {
 // d being the count word's phase (ops/backend.h: 0 but in a cycle started by a flush).
 // At R = 8 a (slot, head) moves 85.5 KB per step on average in F32 instead of 147.5 KB
 // (lab/decode/deferred_lab: 0.472 against 0.749 ms per layer at 1,280 × 16 heads; this kernel,
-// with the gate: 0.469, a pending step 0.404 and the write-back step 0.920, BENCHMARKS.md).
+// with the gate: 0.469 in lock-step, 0.433 with the heads' write-backs phased as the engine runs
+// them, a pending step 0.404 and the write-back step 0.920; BENCHMARKS.md).
 // The block and thread layout are gla_decode_kernel's; the pairs, q̃, k, v, g, w and the
 // scalars λ^{m−j}(q̃·k_j) sit in shared memory as F32.
 
