@@ -5,6 +5,9 @@
 # COMMIT is written into every result line (the device's git HEAD may be stale).
 # The device tool returns at most 8 files from $OUT, so every stage appends to one log,
 # $OUT/run.log (the GPU tests and the build keep their own; results go to results.jsonl).
+# SMI=1 samples the clock, power and throttle reasons every 200 ms while the stages run
+# ($OUT/smi.csv) and summarises the loaded samples at the end: decode and training run at the
+# card's 700 W limit, where the clock (and so every figure) varies from card to card.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -22,6 +25,11 @@ cmake --build build-gpu -j "$(nproc)" --target laplace laplace_tests bench_ops b
 echo "build ok ($LAPLACE_COMMIT)"
 L=./build-gpu/laplace
 M3B="--config configs/laplace-3b.json --device cuda --dtype bf16"
+if [ "${SMI:-0}" = 1 ]; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv,noheader,nounits -lms 200 > "$OUT/smi.csv" 2>&1 &
+  SMI_PID=$!
+fi
 for s in $STAGES; do
   case $s in
     tests)
@@ -94,3 +102,12 @@ for s in $STAGES; do
     *) echo "unknown stage $s" ;;
   esac
 done
+if [ -n "${SMI_PID:-}" ]; then
+  kill "$SMI_PID"
+  # Samples above 300 W: SM clock and power ranges, and how many carried a throttle reason.
+  awk -F', *' '$3 + 0 > 300 { print $2, $3, ($5 == "0x0000000000000000" ? 0 : 1) }' "$OUT/smi.csv" |
+    sort -n | awk '{ c[NR] = $1; p += $2; t += $3; if (NR == 1 || $2 > pmax) pmax = $2 }
+      END { if (!NR) { print "smi: no sample above 300 W"; exit }
+            printf "smi: %d samples above 300 W: SM clock %d-%d MHz (median %d), mean power %.0f W (max %.0f), %d throttled\n",
+                   NR, c[1], c[NR], c[int((NR + 1) / 2)], p / NR, pmax, t }' | tee -a "$LOG"
+fi
