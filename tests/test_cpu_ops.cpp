@@ -15,6 +15,7 @@
 
 #include "ops/backend.h"
 #include "ops/cpu/cpu_backend.h"
+#include "ops/cpu/gemm_rows.h"
 #include "tests/test_util.h"
 
 namespace laplace {
@@ -196,6 +197,67 @@ TEST_F(CpuOps, GemmRealShapeLinear) {
     EXPECT_LE(e, tol(dt)) << dname(dt);
     std::printf("[gemm 4x9216x3072 %s] max rel err %.3g\n", dname(dt), e);
   }
+}
+
+// x·Wᵀ (the forward projections) goes through cpu::gemm_rows: a row's bits do not depend on
+// the other rows of the call, on its position, on the thread count, or on the AVX2 / portable
+// path; and it agrees with an F64 reference. Row tails (M mod 6), column tails (N mod 16 / 8),
+// strided operands and alpha / beta as the model uses them (1, 0) and (1, 1), and others.
+TEST_F(CpuOps, GemmRowsInvariantAcrossBatchPositionThreadsAndPaths) {
+  struct S { int64_t M, N, K; };
+  struct AB { double alpha, beta; };
+  auto bytes = [](const Tensor& t, int64_t r) {  // row r of a 2-D view
+    const char* p = static_cast<const char*>(t.data) + r * t.stride[0] * static_cast<int64_t>(dtype_size(t.dtype));
+    return std::vector<char>(p, p + t.shape[1] * static_cast<int64_t>(dtype_size(t.dtype)));
+  };
+  int paths = 0;  // code paths compared (the portable one at least)
+  for (DType dt : kFloatTypes) {
+    for (S s : {S{13, 17, 96}, S{7, 130, 3}, S{97, 33, 257}, S{6, 16, 1}, S{1, 1, 5}, S{9, 40, 64}}) {
+      for (AB ab : {AB{1.0, 0.0}, AB{1.0, 1.0}, AB{0.75, -0.5}}) {
+        SCOPED_TRACE(std::string(dname(dt)) + " M" + std::to_string(s.M) + " N" + std::to_string(s.N) + " K" +
+                     std::to_string(s.K) + " alpha " + std::to_string(ab.alpha) + " beta " + std::to_string(ab.beta));
+        OwnedTensor A(dt, {s.M, s.K + 3}), W(dt, {s.N, s.K + 1}), C0(dt, {s.M, s.N + 2});
+        fill_uniform(A, 40 + s.M);
+        fill_uniform(W, 50 + s.N);
+        fill_uniform(C0, 60 + s.K);
+        const Tensor a = A.t.slice(1, 0, s.K), w = W.t.slice(1, 1, 1 + s.K);
+        auto run = [&](const Tensor& x) {  // C = alpha·x·Wᵀ + beta·C0 rows
+          auto out = std::make_unique<OwnedTensor>(dt, std::initializer_list<int64_t>{x.shape[0], s.N + 2});
+          Tensor c = out->t.slice(1, 0, s.N);
+          for (int64_t r = 0; r < x.shape[0]; ++r) be->copy(c.slice(0, r, r + 1), C0.t.slice(0, r, r + 1).slice(1, 0, s.N));
+          be->gemm(x, false, w, true, c, ab.alpha, ab.beta);
+          return out;
+        };
+        const auto full = run(a);
+        const Tensor cf = full->t.slice(1, 0, s.N);
+        const std::vector<double> c0 = vals(C0.t.slice(1, 0, s.N));
+        EXPECT_LE(rel(cf, ref_gemm(a, false, w, true, c0, s.M, s.N, s.K, ab.alpha, ab.beta)), tol(dt));
+        // A row alone against its row in the batch (a one-row run adds C0's row 0, so with
+        // beta ≠ 0 only row 0 compares).
+        for (int64_t r : {int64_t{0}, s.M / 2, s.M - 1}) {
+          if (ab.beta != 0 && r != 0) continue;
+          const auto one = run(a.slice(0, r, r + 1));
+          EXPECT_EQ(bytes(one->t.slice(1, 0, s.N), 0), bytes(cf, r)) << "row " << r << " alone";
+        }
+        // Every code path this CPU has, and one thread, give the same bytes.
+        for (cpu::GemmPath path : {cpu::GemmPath::kPortable, cpu::GemmPath::kAvx2, cpu::GemmPath::kAvx512}) {
+          if (!cpu::gemm_rows_select(path)) continue;
+          ++paths;
+          const auto other = run(a);
+          cpu::gemm_rows_select(cpu::GemmPath::kBest);
+          for (int64_t r = 0; r < s.M; ++r)
+            ASSERT_EQ(bytes(other->t.slice(1, 0, s.N), r), bytes(cf, r)) << "path " << static_cast<int>(path) << ", row " << r;
+        }
+        const int threads = omp_get_max_threads();
+        omp_set_num_threads(1);
+        const auto single = run(a);
+        omp_set_num_threads(threads);
+        for (int64_t r = 0; r < s.M; ++r)
+          ASSERT_EQ(bytes(single->t.slice(1, 0, s.N), r), bytes(cf, r)) << "one thread, row " << r;
+      }
+    }
+  }
+  EXPECT_GT(paths, 0);
 }
 
 TEST_F(CpuOps, GemmBetaZeroIgnoresNaNAndEmptyK) {

@@ -21,6 +21,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "ops/cpu/gemm_rows.h"
 #include "ops/cpu/gla.h"
 
 namespace laplace {
@@ -793,7 +794,8 @@ void CpuBackend::scale(Tensor x, double alpha) {
   });
 }
 
-// c = alpha·op(a)·op(b) + beta·c via cblas (row-major, leading dims from stride[0]).
+// c = alpha·op(a)·op(b) + beta·c (row-major, leading dims from stride[0]): x·Wᵀ through
+// cpu::gemm_rows, the backward's other transposes through cblas.
 void CpuBackend::gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor c,
                       double alpha, double beta) {
   check_cpu(a);
@@ -821,6 +823,16 @@ void CpuBackend::gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans
     return;
   }
   const int lda = static_cast<int>(ld(a)), ldb = static_cast<int>(ld(b)), ldc = static_cast<int>(ld(c));
+  if (!trans_a && trans_b) {  // x·Wᵀ, the forward projections: row-invariant (ops/cpu/gemm_rows.h)
+    if (c.dtype == DType::kF32)
+      return cpu::gemm_rows<float>(M, N, K, static_cast<float>(alpha), static_cast<const float*>(a.data), lda,
+                                   static_cast<const float*>(b.data), ldb, static_cast<float>(beta),
+                                   static_cast<float*>(c.data), ldc);
+    if (c.dtype == DType::kF64)
+      return cpu::gemm_rows<double>(M, N, K, alpha, static_cast<const double*>(a.data), lda,
+                                    static_cast<const double*>(b.data), ldb, beta, static_cast<double*>(c.data), ldc);
+    LAPLACE_CHECK(false, "gemm: CPU backend computes in F32 or F64");
+  }
   const CBLAS_TRANSPOSE ta = trans_a ? CblasTrans : CblasNoTrans;
   const CBLAS_TRANSPOSE tb = trans_b ? CblasTrans : CblasNoTrans;
   const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);

@@ -1,6 +1,7 @@
 // CPU backend: every op of ops/backend.h in F32 and F64 (all float tensors of one call
-// share the dtype), on strided views whose innermost stride is 1. Dense products go
-// through OpenBLAS; row loops are parallelised with OpenMP; every reduction (parameter
+// share the dtype), on strided views whose innermost stride is 1. The forward products x·Wᵀ
+// go through cpu::gemm_rows (row-invariant: a row's bits do not depend on the batch), the
+// other products through OpenBLAS; row loops are parallelised with OpenMP; every reduction (parameter
 // gradients, embedding backward, sum_squares) runs in a fixed order that does not
 // depend on the thread count, so results are bitwise identical for any OMP_NUM_THREADS.
 // The GLA mixer forwards to ops/cpu/gla.h.
