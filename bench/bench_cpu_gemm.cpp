@@ -6,6 +6,7 @@
 // (a CPU property of the machine it runs on, quoted in BENCHMARKS.md with the machine).
 //
 // Usage: bench_cpu_gemm [--config configs/laplace-tiny.json] [--rows 1,16,512,2048] [--seconds 0.3]
+//                       [--path best|avx512|avx2|portable]
 #include <cblas.h>
 
 #include <chrono>
@@ -45,7 +46,18 @@ int main(int argc, char** argv) {
   app.add_option("--config", config, "model config (its projection shapes)");
   app.add_option("--rows", rows, "row counts M")->delimiter(',');
   app.add_option("--seconds", seconds, "time per measurement")->check(CLI::Range(0.01, 60.0));
+  std::string path = "best";
+  app.add_option("--path", path, "gemm_rows' code path")->check(CLI::IsMember({"best", "avx512", "avx2", "portable"}));
   CLI11_PARSE(app, argc, argv);
+  using laplace::cpu::GemmPath;
+  const GemmPath p = path == "avx512" ? GemmPath::kAvx512
+                     : path == "avx2" ? GemmPath::kAvx2
+                     : path == "portable" ? GemmPath::kPortable
+                                          : GemmPath::kBest;
+  if (!laplace::cpu::gemm_rows_select(p)) {
+    std::fprintf(stderr, "bench_cpu_gemm: this CPU (or build) has no %s path\n", path.c_str());
+    return 1;
+  }
   laplace::Config c;
   if (laplace::Status st = laplace::config_load(config, &c); !st.is_ok()) {
     std::fprintf(stderr, "bench_cpu_gemm: %s\n", st.to_string().c_str());

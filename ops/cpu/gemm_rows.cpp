@@ -137,9 +137,10 @@ __attribute__((target("avx512f"))) void tile_avx512(int64_t K, const double* a, 
   }
 }
 
-// Packing, AVX-512 F32: 16 × 16 blocks of B transposed in registers (unpack, shuffle, then
-// two 128-bit lane shuffles) instead of one scalar store per element, which made a one-row
-// product 5–10× slower than OpenBLAS's (the whole of B is packed for each call), 2–5× now.
+// Packing, F32 with AVX-512: 16 × 16 blocks of B transposed in registers (unpack, shuffle,
+// then two 128-bit lane shuffles) instead of one scalar store per element, which made a
+// one-row product 5–10× slower than OpenBLAS's (the whole of B is packed for each call), 2–5×
+// now. The same with AVX2 below; F64 packs element by element.
 // GCC 12 warns that the intrinsics' own undefined pass-through operand (__Y) may be used
 // uninitialised; it is not read (no mask).
 #pragma GCC diagnostic push
@@ -165,6 +166,45 @@ __attribute__((target("avx512f"))) inline void transpose16(__m512 (&r)[16]) {
     r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
     r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
   }
+}
+
+// The same for AVX2's panels of 16 columns: 8 × 8 blocks (unpack, shuffle, 128-bit permute).
+__attribute__((target("avx2"))) inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+    t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+  }
+  for (int i = 0; i < 8; ++i) r[i] = t[i];
+}
+
+// pack[k][j] = B[n0 + j][k] for a panel of 16 columns, zero columns past nc.
+__attribute__((target("avx2"))) void pack_avx2(const float* b, int64_t ldb, int64_t n0, int64_t nc, int64_t K,
+                                               float* pack) {
+  int64_t k0 = 0;
+  for (; k0 + 8 <= K; k0 += 8) {
+    for (int h = 0; h < 2; ++h) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) {
+        const int64_t j = h * 8 + i;
+        r[i] = j < nc ? _mm256_loadu_ps(b + (n0 + j) * ldb + k0) : _mm256_setzero_ps();
+      }
+      transpose8(r);
+      for (int kk = 0; kk < 8; ++kk) _mm256_storeu_ps(pack + (k0 + kk) * 16 + h * 8, r[kk]);
+    }
+  }
+  for (; k0 < K; ++k0)
+    for (int64_t j = 0; j < 16; ++j) pack[k0 * 16 + j] = j < nc ? b[(n0 + j) * ldb + k0] : 0.f;
 }
 
 // pack[k][j] = B[n0 + j][k] for a panel of 32 columns, zero columns past nc.
@@ -252,6 +292,7 @@ template <class T, Isa I>
 void pack_panel(const T* b, int64_t ldb, int64_t n0, int64_t nc, int64_t K, T* pack) {
 #ifdef LAPLACE_GEMM_ROWS_AVX2
   if constexpr (I == Isa::kAvx512 && std::is_same_v<T, float>) return pack_avx512(b, ldb, n0, nc, K, pack);
+  if constexpr (I == Isa::kAvx2 && std::is_same_v<T, float>) return pack_avx2(b, ldb, n0, nc, K, pack);
 #endif
   pack_scalar<T, Kernel<T, I>::NR>(b, ldb, n0, nc, K, pack);
 }
