@@ -2,11 +2,11 @@
 //   C[M,N] = alpha·A[M,K]·B[N,K]ᵀ + beta·C   (row-major, inner strides 1)
 // Element (m, n) is always the chain acc ← fma(A[m][k], B[n][k], acc) for k = 0, 1, …, K−1
 // from acc = 0, then alpha·acc (+ beta·C[m][n]), whatever M is, wherever row m sits in the
-// batch and whichever path (AVX-512, AVX2 or portable) runs it: an IEEE fma rounds once, in a
-// vector lane or in std::fma alike. So a sequence's activations do not depend on the other rows of
-// its batch (docs/serving.md §5); OpenBLAS's sgemm picks kernels by M and row position, which
-// changes the bits. Parallel over column panels and row blocks with OpenMP; the thread count
-// does not change any element's arithmetic either.
+// batch and whichever path (AVX-512, AVX2 or portable) runs it: an IEEE fma rounds once, in
+// a vector lane or in std::fma alike. So a sequence's activations do not depend on the other
+// rows of its batch (docs/serving.md §5); OpenBLAS's sgemm picks kernels by M and row
+// position, which changes the bits. Parallel over column panels and row blocks with OpenMP;
+// the thread count does not change any element's arithmetic either.
 #pragma once
 
 #include <cstdint>
