@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: build, run the engine's GPU tests, then the serving benchmarks of laplace-3b
 # (random bf16 weights); logs and JSON lines under $OUT. Stages run in the order given:
-#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson ops train lab declab overlap deferred cores ncu parity" COMMIT=abc123 scripts/device_decode.sh
+#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson ops train lab declab overlap deferred cores ncu nsys parity" COMMIT=abc123 scripts/device_decode.sh
 # COMMIT is written into every result line (the device's git HEAD may be stale).
 # The device tool returns at most 8 files from $OUT, so every stage appends to one log,
 # $OUT/run.log (the GPU tests and the build keep their own; results go to results.jsonl).
@@ -96,6 +96,14 @@ for s in $STAGES; do
       echo "ncu exit $?"
       grep -E "^  [a-z_].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Stall|ERR" \
         "$OUT/ncu.log" | head -${NCU_TAIL:-60} ;;
+    nsys)  # Nsight Systems trace of a deferred F32 decode run: idle time and kernels per step (scripts/nsys_step.py)
+      timeout 300 nsys profile -t cuda --cuda-graph-trace=node -o "$OUT/dec" --force-overwrite true \
+        $L bench decode $M3B --batch 1280 --steps 12 --warmup 3 --prompt-len 16 --prefill-chunk 16 --max-batch-tokens 24000 \
+        --state-dtype ${NSYS_STATE:-f32} --defer-writeback ${DEFER_R:-8} > "$OUT/nsys.log" 2>&1
+      echo "nsys exit $?"; grep -E "decode:" "$OUT/nsys.log"
+      nsys stats --report cuda_gpu_trace --format csv --output "$OUT/dec" "$OUT/dec.nsys-rep" >> "$OUT/nsys.log" 2>&1
+      python3 scripts/nsys_step.py "$OUT/dec_cuda_gpu_trace.csv" --steps 8 2>&1 | tee -a "$LOG"
+      rm -f "$OUT/dec.nsys-rep" "$OUT/dec.sqlite" "$OUT/dec_cuda_gpu_trace.csv" ;;
     parity)  # greedy tokens vs the PyTorch reference on this GPU (needs a trained model: carry runs/demo/model)
       python3 python/gpu_parity.py --model ${PARITY_MODEL:-runs/demo/model} --binary build-gpu/laplace 2>&1 |
         tee -a "$LOG" ;;
