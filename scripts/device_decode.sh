@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: build, run the engine's GPU tests, then the serving benchmarks of laplace-3b
 # (random bf16 weights); logs and JSON lines under $OUT. Stages run in the order given:
-#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson ops train lab declab overlap deferred cores ncu nsys parity" COMMIT=abc123 scripts/device_decode.sh
+#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson ops train lab declab overlap deferred cores ncu trace parity" COMMIT=abc123 scripts/device_decode.sh
 # COMMIT is written into every result line (the device's git HEAD may be stale).
 # The device tool returns at most 8 files from $OUT, so every stage appends to one log,
 # $OUT/run.log (the GPU tests and the build keep their own; results go to results.jsonl).
@@ -46,8 +46,8 @@ for s in $STAGES; do
       timeout 300 $L bench decode $M3B --batch 1280 --steps 20 --warmup 3 --prompt-len 16 --prefill-chunk 16 \
         --max-batch-tokens 24000 --state-dtype bf16 --accuracy-steps 256 --results "$R" --tag 3b_1280_bf16state 2>&1 | tee -a "$LOG" |
         grep -E "engine|decode:|bf16 vs" ;;
-    defer)  # deferred write-back (--defer-writeback R, DEFER_R, default 8): fp32 and bf16 states; accuracy vs fp32
-      for sd in fp32 bf16; do
+    defer)  # deferred write-back (--defer-writeback R, DEFER_R, default 8): DEFER_STATES (fp32 bf16); accuracy vs fp32
+      for sd in ${DEFER_STATES:-fp32 bf16}; do
         acc=""; [ "$sd" = fp32 ] && acc="--accuracy-steps ${DEFER_ACC:-256}"
         timeout 300 $L bench decode $M3B --batch 1280 --steps 48 --warmup 3 --prompt-len 16 --prefill-chunk 16 \
           --max-batch-tokens 24000 --state-dtype ${sd/fp32/f32} --defer-writeback ${DEFER_R:-8} $acc --results "$R" \
@@ -96,14 +96,15 @@ for s in $STAGES; do
       echo "ncu exit $?"
       grep -E "^  [a-z_].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Stall|ERR" \
         "$OUT/ncu.log" | head -${NCU_TAIL:-60} ;;
-    nsys)  # Nsight Systems trace of a deferred F32 decode run: idle time and kernels per step (scripts/nsys_step.py)
-      timeout 300 nsys profile -t cuda --cuda-graph-trace=node -o "$OUT/dec" --force-overwrite true \
+    trace)  # kernel timeline of a deferred F32 decode run (lab/trace/cupti_trace.cpp, CUPTI injection; no nsys there):
+      # idle time and kernel times per step (scripts/trace_step.py)
+      CUPTI_LIB=$(dirname "$(find /usr/local/cuda/ -name 'libcupti.so' | head -1)")
+      g++ -O2 -shared -fPIC -I/usr/local/cuda/include -I/usr/local/cuda/extras/CUPTI/include lab/trace/cupti_trace.cpp \
+        -L"$CUPTI_LIB" -Wl,-rpath,"$CUPTI_LIB" -lcupti -o build-gpu/libcupti_trace.so >> "$LOG" 2>&1 &&
+      CUDA_INJECTION64_PATH=$PWD/build-gpu/libcupti_trace.so CUPTI_TRACE_OUT=build-gpu/trace.csv timeout 300 \
         $L bench decode $M3B --batch 1280 --steps 12 --warmup 3 --prompt-len 16 --prefill-chunk 16 --max-batch-tokens 24000 \
-        --state-dtype ${NSYS_STATE:-f32} --defer-writeback ${DEFER_R:-8} > "$OUT/nsys.log" 2>&1
-      echo "nsys exit $?"; grep -E "decode:" "$OUT/nsys.log"
-      nsys stats --report cuda_gpu_trace --format csv --output "$OUT/dec" "$OUT/dec.nsys-rep" >> "$OUT/nsys.log" 2>&1
-      python3 scripts/nsys_step.py "$OUT/dec_cuda_gpu_trace.csv" --steps 8 2>&1 | tee -a "$LOG"
-      rm -f "$OUT/dec.nsys-rep" "$OUT/dec.sqlite" "$OUT/dec_cuda_gpu_trace.csv" ;;
+        --state-dtype ${TRACE_STATE:-f32} --defer-writeback ${DEFER_R:-8} 2>&1 | grep -E "decode:|cupti" | tee -a "$LOG"
+      python3 scripts/trace_step.py build-gpu/trace.csv --steps 8 2>&1 | tee -a "$LOG" ;;
     parity)  # greedy tokens vs the PyTorch reference on this GPU (needs a trained model: carry runs/demo/model)
       python3 python/gpu_parity.py --model ${PARITY_MODEL:-runs/demo/model} --binary build-gpu/laplace 2>&1 |
         tee -a "$LOG" ;;

@@ -1381,30 +1381,33 @@ __device__ __forceinline__ void conv_out8(const ConvVecArgs& a, const float (&wf
 // Decode (T = 1): one thread per (b, 8 channels) reads the window entries 1..K−1 of its slot
 // (entry 0 drops out) and u_0 once, writes c (and pre) and the shifted window
 // win_out[j] = u_{1−K+j} in the same pass. All its reads precede its writes and no other
-// thread touches this (slot, channels), so win_out may alias win_in.
-template <int K>
+// thread touches this (slot, channels), so win_out may alias win_in. DT fixes the dtype of u,
+// c, pre and w and WDT that of both windows (dt_as): with both fixed a thread's K loads are
+// all in flight at once (the decode step's case: BF16 activations, F32 or BF16 windows).
+template <int K, int DT = kDtAny, int WDT = kDtAny>
 __global__ void __launch_bounds__(kConvThreads) conv_decode_vec_kernel(ConvVecArgs a) {
   const int i = blockIdx.x * kConvThreads + threadIdx.x;
   if (i >= a.B * a.nq) return;
   const int b = i / a.nq, d0 = 8 * (i - b * a.nq);
   float wf[8][K];
-  load_conv_w<K>(a.w, a.wvec, d0, wf);
+  load_conv_w<K, DT>(a.w, a.wvec, d0, wf);
   const int64_t slot = a.slots ? a.slots[b] : b;
   float e[K][8];  // e[j] = u_{j−K+1}: window entries 1..K−1, then u_0
 #pragma unroll
   for (int j = 0; j + 1 < K; ++j) {
     if (a.win.p) {
-      ld8(a.win.p, slot * a.win.s0 + (j + 1) * a.win.s1 + d0, a.win.dt, true, e[j]);
+      ld8(a.win.p, slot * a.win.s0 + (j + 1) * a.win.s1 + d0, dt_as<WDT>(a.win.dt), true, e[j]);
     } else {
 #pragma unroll
       for (int k = 0; k < 8; ++k) e[j][k] = 0.f;
     }
   }
-  ld8(a.u.p, b * a.u.sb + d0, a.u.dt, true, e[K - 1]);
-  conv_out8<K>(a, wf, e, b * a.c.sb + d0, b * a.pre.sb + d0);
+  ld8(a.u.p, b * a.u.sb + d0, dt_as<DT>(a.u.dt), true, e[K - 1]);
+  conv_out8<K, DT>(a, wf, e, b * a.c.sb + d0, b * a.pre.sb + d0);
   if (a.wout.p) {
 #pragma unroll
-    for (int j = 0; j < K; ++j) st8(a.wout.p, slot * a.wout.s0 + j * a.wout.s1 + d0, a.wout.dt, true, e[j]);
+    for (int j = 0; j < K; ++j)
+      st8(a.wout.p, slot * a.wout.s0 + j * a.wout.s1 + d0, dt_as<WDT>(a.wout.dt), true, e[j]);
   }
 }
 
@@ -1493,7 +1496,15 @@ template <int K>
 void conv_vec_launch(const ConvVecArgs& a, cudaStream_t st) {
   const auto blocks = [](int64_t n) { return static_cast<unsigned>((n + kConvThreads - 1) / kConvThreads); };
   if (a.T == 1) {
-    conv_decode_vec_kernel<K><<<blocks(static_cast<int64_t>(a.B) * a.nq), kConvThreads, 0, st>>>(a);
+    const unsigned grid = blocks(static_cast<int64_t>(a.B) * a.nq);
+    const bool bf16 = a.u.dt == kBF16 && a.c.dt == kBF16 && (!a.pre.p || a.pre.dt == kBF16) && a.w.dt == kBF16 && a.wvec;
+    const auto win_is = [&a](int dt) { return (!a.win.p || a.win.dt == dt) && (!a.wout.p || a.wout.dt == dt); };
+    if (bf16 && win_is(kF32))
+      conv_decode_vec_kernel<K, kBF16, kF32><<<grid, kConvThreads, 0, st>>>(a);
+    else if (bf16 && win_is(kBF16))
+      conv_decode_vec_kernel<K, kBF16, kBF16><<<grid, kConvThreads, 0, st>>>(a);
+    else
+      conv_decode_vec_kernel<K><<<grid, kConvThreads, 0, st>>>(a);
     CUDA_CHECK_LAUNCH();
     return;
   }

@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
-"""Where a decode step's time goes, from an Nsight Systems GPU trace.
+"""Where a decode step's time goes, from a GPU kernel trace.
 
-Input: `nsys stats --report cuda_gpu_trace --format csv` of a `laplace bench decode` run
-profiled with `--cuda-graph-trace=node` (so every kernel of a replayed graph is its own row).
+Input: a CSV with the columns "Start (ns)", "Duration (ns)" and "Name", one row per kernel or
+copy, every node of a replayed CUDA graph its own row: lab/trace/cupti_trace.cpp writes it
+(CUPTI, on machines without Nsight Systems), as does `nsys stats --report cuda_gpu_trace
+--format csv` of a run profiled with `--cuda-graph-trace=node`.
 A step is taken to end with the argmax kernel (one per greedy decode step). For the last
 --steps steps it prints the step's wall time, the time some kernel or copy was running, the
 idle time between them (launch and dependency bubbles), the largest gaps with the kernels on
 either side, and the time per kernel name per step.
 
-  nsys stats --report cuda_gpu_trace --format csv --output trace run.nsys-rep
-  python3 scripts/nsys_step.py trace_cuda_gpu_trace.csv --steps 8
+  CUDA_INJECTION64_PATH=build-gpu/libcupti_trace.so CUPTI_TRACE_OUT=trace.csv laplace bench decode …
+  python3 scripts/trace_step.py trace.csv --steps 8
 """
 import argparse
 import collections
