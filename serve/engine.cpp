@@ -118,6 +118,8 @@ void EagerExecutor::forward_decode(const DecodeBatch& batch) {
   m_.forward(batch.tokens.data(), batch.width(), 1, decode_options(), &pool_, batch.slots.data());
 }
 
+void EagerExecutor::forward_decode_queued(int64_t width) { m_.forward_queued(width, 1, decode_options(), &pool_); }
+
 // ---- graph executor ------------------------------------------------------------------
 
 std::vector<int64_t> default_decode_widths(int64_t max_slots) {
@@ -160,33 +162,58 @@ Status GraphExecutor::create(Model& m, StatePool& pool, const std::vector<int64_
 
 void GraphExecutor::forward_decode(const DecodeBatch& batch) {
   const int64_t w = batch.width();
-  auto it = std::find_if(graphs_.begin(), graphs_.end(), [&](const auto& p) { return p.first == w; });
-  LAPLACE_CHECK(it != graphs_.end(), "graph decode: the batch width was not captured (engine widths and graphs differ)");
   for (int64_t b = 0; b < w; ++b) LAPLACE_CHECK(batch.slots[b] >= 0 && batch.slots[b] < pool_.slots(), "graph decode: bad slot");
   Backend& be = m_.backend();
   // Queued H2D copies into the buffers the graph reads, then the replay, in stream order.
   be.copy(m_.input_ids().slice(0, 0, w), Tensor(const_cast<int32_t*>(batch.tokens.data()), DType::kI32, {w}));
   be.copy(m_.input_slots().slice(0, 0, w), Tensor(const_cast<int32_t*>(batch.slots.data()), DType::kI32, {w}));
+  forward_decode_queued(w);
+}
+
+void GraphExecutor::forward_decode_queued(int64_t w) {
+  auto it = std::find_if(graphs_.begin(), graphs_.end(), [&](const auto& p) { return p.first == w; });
+  LAPLACE_CHECK(it != graphs_.end(), "graph decode: the batch width was not captured (engine widths and graphs differ)");
   it->second->launch();
   m_.set_replayed(w, 1, decode_options());
 }
 
-void EagerExecutor::decode_greedy(const DecodeBatch& batch, std::vector<int32_t>* ids) {
-  forward_decode(batch);
-  Backend& be = m_.backend();
-  const int64_t n = batch.live;
-  ids->resize(static_cast<size_t>(n));
+void EagerExecutor::queue_argmax(int64_t n) {
   if (n == 0) return;
+  Backend& be = m_.backend();
   if (n > ids_cap_) {
     if (ids_dev_) be.allocator().deallocate(ids_dev_);
     ids_dev_ = be.allocator().allocate(static_cast<size_t>(n) * sizeof(int32_t));
     LAPLACE_CHECK(ids_dev_ != nullptr, "decode_greedy: out of device memory for the token ids");
     ids_cap_ = n;
   }
-  const Tensor dev(ids_dev_, DType::kI32, {n}, be.device());
-  be.argmax_rows(m_.logits().slice(0, 0, n), dev);
-  be.copy(Tensor(ids->data(), DType::kI32, {n}), dev);
+  be.argmax_rows(m_.logits().slice(0, 0, n), Tensor(ids_dev_, DType::kI32, {n}, be.device()));
+}
+
+void EagerExecutor::collect_greedy(int64_t n, std::vector<int32_t>* ids) {
+  ids->resize(static_cast<size_t>(n));
+  if (n == 0) return;
+  LAPLACE_CHECK(n <= ids_cap_, "collect_greedy: more rows than the last argmax had");
+  Backend& be = m_.backend();
+  be.copy(Tensor(ids->data(), DType::kI32, {n}), Tensor(ids_dev_, DType::kI32, {n}, be.device()));
   be.synchronize();
+}
+
+void EagerExecutor::decode_greedy(const DecodeBatch& batch, std::vector<int32_t>* ids) {
+  forward_decode(batch);
+  queue_argmax(batch.live);
+  collect_greedy(batch.live, ids);
+}
+
+void EagerExecutor::chain_greedy(const DecodeBatch& batch) {
+  // The model's input buffers still hold the last decode's tokens and slots (the engine
+  // chains only when nothing else ran in between): its ids replace the live rows' tokens;
+  // padded rows keep token 0 and the scratch slot.
+  const int64_t n = batch.live;
+  LAPLACE_CHECK(n >= 1 && n <= ids_cap_, "chain_greedy: the batch is not the last greedy decode's");
+  Backend& be = m_.backend();
+  be.copy(m_.input_ids().slice(0, 0, n), Tensor(ids_dev_, DType::kI32, {n}, be.device()));
+  forward_decode_queued(batch.width());
+  queue_argmax(n);
 }
 
 void EagerExecutor::last_row_logits(int64_t b, std::vector<float>* row) { logits_rows_to_host(m_, b, 1, row); }
@@ -229,7 +256,9 @@ struct Engine::Seq {
 
 Engine::Engine(Model& m, const EngineOptions& opt) : model_(m), opt_(opt), t0_(std::chrono::steady_clock::now()) {}
 
-Engine::~Engine() = default;
+Engine::~Engine() {
+  if (in_flight_) model_.backend().synchronize();  // a queued decode still writes the pool
+}
 
 double Engine::now() const {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
@@ -472,13 +501,20 @@ int64_t Engine::width_for(int64_t n) const {
 
 Engine::StepPlan Engine::plan_step() {
   StepPlan p;
-  // One decode batch: every sequence past its prefill, in slot order.
-  for (const auto& up : by_slot_) {
-    Seq* s = up.get();
-    if (s && s->decoding && !s->done && !s->cancelled.load()) p.decode.push_back(s);
+  if (in_flight_) {  // queued by the last step: its rows are this step's decode
+    p.decode = std::move(in_flight_rows_);
+    p.batch = std::move(in_flight_batch_);
+    p.in_flight = true;
+    in_flight_ = false;
+  } else {
+    // One decode batch: every sequence past its prefill, in slot order.
+    for (const auto& up : by_slot_) {
+      Seq* s = up.get();
+      if (s && s->decoding && !s->done && !s->cancelled.load()) p.decode.push_back(s);
+    }
   }
   const int64_t n = static_cast<int64_t>(p.decode.size());
-  if (n > 0) {
+  if (n > 0 && !p.in_flight) {
     const int64_t w = width_for(n);
     p.batch.tokens.assign(static_cast<size_t>(w), 0);
     p.batch.slots.assign(static_cast<size_t>(w), scratch_slot());
@@ -551,8 +587,30 @@ bool Engine::device_greedy_row(const Seq* s) const {
   return s->sampler.plain_greedy() && !(s->req.top_logprobs >= 0 && s->req.on_logprobs);
 }
 
-void Engine::emit_token(Seq* s, int32_t tok, const float* logits, int64_t row) {
-  const double t = now();
+bool Engine::stops(const Seq* s, int32_t tok) const {
+  return (s->eos >= 0 && tok == s->eos) ||
+         std::find(s->req.stop_ids.begin(), s->req.stop_ids.end(), tok) != s->req.stop_ids.end() ||
+         s->info.generated_tokens + 1 >= s->req.max_tokens;
+}
+
+bool Engine::can_chain(const StepPlan& plan, const std::vector<int32_t>& ids) const {
+  if (!opt_.pipeline || !exec_->can_chain() || plan.batch.live == 0 || !plan.pieces.empty() || !prefilling_.empty())
+    return false;
+  {
+    // Every running sequence is a row (none waits to join the batch); the lock because
+    // cancel() between steps changes running_.
+    std::lock_guard<std::mutex> lk(mu_);
+    if (running_ != plan.batch.live) return false;
+  }
+  for (int64_t b = 0; b < plan.batch.live; ++b) {
+    const Seq* s = plan.decode[b];
+    if (s->done || s->cancelled.load() || stops(s, ids[static_cast<size_t>(b)])) return false;
+  }
+  return true;
+}
+
+void Engine::emit_token(Seq* s, int32_t tok, const float* logits, int64_t row, double t) {
+  if (t < 0) t = now();
   FinishInfo& info = s->info;
   if (info.first_token_time < 0) info.first_token_time = t;
   info.token_times.push_back(t);
@@ -563,7 +621,7 @@ void Engine::emit_token(Seq* s, int32_t tok, const float* logits, int64_t row) {
     s->req.on_logprobs(info.id, token_logprobs(logits, vocab_, tok, s->req.top_logprobs));
   }
   if (s->req.on_token && !s->cancelled.load()) s->req.on_token(info.id, tok);
-  FinishReason r;
+  FinishReason r;  // the rules of stops(), which counts this token as generated already
   if (s->eos >= 0 && tok == s->eos) {
     r = FinishReason::kEos;
   } else if (std::find(s->req.stop_ids.begin(), s->req.stop_ids.end(), tok) != s->req.stop_ids.end()) {
@@ -640,22 +698,32 @@ bool Engine::step() {
 
   // Decode first: running sequences get their token before new prompts are prefilled.
   if (!plan.decode.empty()) {
+    // A decode queued ahead was chained only from all-greedy rows, whose options are fixed.
     bool greedy = opt_.device_greedy;
-    for (int64_t b = 0; b < plan.batch.live && greedy; ++b) greedy = device_greedy_row(plan.decode[b]);
+    for (int64_t b = 0; b < plan.batch.live && greedy && !plan.in_flight; ++b) greedy = device_greedy_row(plan.decode[b]);
     const double t = now();
-    if (greedy) exec_->decode_greedy(plan.batch, &greedy_ids_);
+    if (plan.in_flight) exec_->collect_greedy(plan.batch.live, &greedy_ids_);
+    else if (greedy) exec_->decode_greedy(plan.batch, &greedy_ids_);
     else exec_->decode(plan.batch, &logits_);
+    // The next step's decode goes to the device now, before the host emits this one's.
+    if (greedy && can_chain(plan, greedy_ids_)) {
+      exec_->chain_greedy(plan.batch);
+      ++d.chained_decodes;
+      in_flight_ = true;
+      in_flight_rows_ = plan.decode;
+      in_flight_batch_ = plan.batch;
+    }
     d.decode_seconds += now() - t;
     ++d.decode_forwards;
     d.decode_tokens += plan.batch.live;
     d.padded_rows += plan.batch.width() - plan.batch.live;
-    const double ts = now();
+    const double ts = now();  // the time of this step's greedy tokens
     for (int64_t b = 0; b < plan.batch.live; ++b) {
       Seq* s = plan.decode[b];
       if (s->cancelled.load()) continue;
       if (greedy) {
         s->sampler.record(greedy_ids_[static_cast<size_t>(b)]);
-        emit_token(s, greedy_ids_[static_cast<size_t>(b)], nullptr, b);
+        emit_token(s, greedy_ids_[static_cast<size_t>(b)], nullptr, b, ts);
       } else {
         emit(s, logits_.data() + b * vocab_);
       }
@@ -694,6 +762,7 @@ bool Engine::step() {
     stats_.decode_tokens += d.decode_tokens;
     stats_.decode_forwards += d.decode_forwards;
     stats_.padded_rows += d.padded_rows;
+    stats_.chained_decodes += d.chained_decodes;
     stats_.generated_tokens += d.generated_tokens;
     stats_.prefill_seconds += d.prefill_seconds;
     stats_.decode_seconds += d.decode_seconds;

@@ -92,6 +92,13 @@ struct EngineOptions {
   // differ from R = 0 by F32 rounding order; for a given R they are batch invariant and
   // eager and graph decode give the same bits.
   int64_t defer_writeback = 0;
+  // Pipelined greedy decode: when a decode step leaves the next one's batch unchanged (every
+  // row greedy on the device, no row finishing or cancelled, no prefill in the step), the
+  // next step's forward is queued, fed the ids where they lie, before this step's tokens are
+  // emitted, so the device runs it while the host emits and calls back. The step that
+  // collects it starts from that batch (requests that start decoding meanwhile join the step
+  // after). Tokens and states are those of unpipelined decoding; only timing changes.
+  bool pipeline = true;
 };
 
 struct EngineStats {
@@ -101,6 +108,7 @@ struct EngineStats {
   int64_t decode_tokens = 0;      // live rows fed through decode forwards
   int64_t decode_forwards = 0;
   int64_t padded_rows = 0;        // padding rows run (decode_widths)
+  int64_t chained_decodes = 0;    // decode forwards queued ahead (EngineOptions::pipeline)
   int64_t generated_tokens = 0;   // tokens emitted through on_token
   int64_t submitted = 0, finished = 0, cancelled = 0;  // finished includes cancelled
   int64_t queued = 0, running = 0, free_slots = 0;     // now
@@ -156,6 +164,19 @@ class StepExecutor {
   virtual void decode_greedy(const DecodeBatch& batch, std::vector<int32_t>* ids) = 0;
   // Row b of the last forward's logits, as host F32 [V].
   virtual void last_row_logits(int64_t b, std::vector<float>* row) = 0;
+
+  // Pipelined greedy decode (optional; the engine calls these only when can_chain()).
+  // chain_greedy() queues the decode of `batch`, the batch of the last greedy decode or
+  // chain unchanged, with row b fed that decode's id of row b where it lies (no host round
+  // trip), then its argmax, and returns without waiting; collect_greedy() waits for it and
+  // gives the ids of rows [0, live). The engine queues step n + 1 this way before it emits
+  // step n's tokens, so the device does not wait for the host between steps.
+  virtual bool can_chain() const { return false; }
+  virtual void chain_greedy(const DecodeBatch& batch) { (void)batch; }
+  virtual void collect_greedy(int64_t live, std::vector<int32_t>* ids) {
+    (void)live;
+    (void)ids;
+  }
 };
 
 // Model::forward for every piece and batch (works on any backend).
@@ -166,10 +187,16 @@ class EagerExecutor : public StepExecutor {
   void decode(const DecodeBatch& batch, std::vector<float>* logits) override;
   void decode_greedy(const DecodeBatch& batch, std::vector<int32_t>* ids) override;
   void last_row_logits(int64_t b, std::vector<float>* row) override;
+  bool can_chain() const override { return true; }
+  void chain_greedy(const DecodeBatch& batch) override;
+  void collect_greedy(int64_t live, std::vector<int32_t>* ids) override;
   ~EagerExecutor() override;
 
  protected:
   virtual void forward_decode(const DecodeBatch& batch);  // the recurrent forward, logits left on the device
+  // The same forward of `width` rows whose tokens and slots are in the model's input buffers.
+  virtual void forward_decode_queued(int64_t width);
+  void queue_argmax(int64_t live);  // ids_dev_[0, live) = argmax of the logits' rows
   Model& m_;
   StatePool& pool_;
   void* ids_dev_ = nullptr;  // [ids_cap] I32 on the backend's device: the argmax of each row
@@ -193,6 +220,7 @@ class GraphExecutor : public EagerExecutor {
  private:
   GraphExecutor(Model& m, StatePool& pool) : EagerExecutor(m, pool) {}
   void forward_decode(const DecodeBatch& batch) override;
+  void forward_decode_queued(int64_t width) override;
   std::vector<std::pair<int64_t, std::unique_ptr<Graph>>> graphs_;  // by width, ascending
 };
 
@@ -257,6 +285,7 @@ class Engine {
     std::vector<PrefillPiece> pieces;
     std::vector<Seq*> decode;         // slot order; row b = decode[b]
     DecodeBatch batch;
+    bool in_flight = false;           // the decode was queued by the step before (collect it)
   };
 
   Engine(Model& m, const EngineOptions& opt);
@@ -272,8 +301,14 @@ class Engine {
   // Emits a token for seq (sampled from logits row) and finishes it when a stop rule hits.
   void emit(Seq* s, const float* logits);
   // The same for a token chosen already (device greedy): `logits` may be null, then row
-  // `row` of the executor's last forward is fetched if a final state needs it.
-  void emit_token(Seq* s, int32_t tok, const float* logits, int64_t row);
+  // `row` of the executor's last forward is fetched if a final state needs it. t: the
+  // token's time (now() when negative).
+  void emit_token(Seq* s, int32_t tok, const float* logits, int64_t row, double t = -1);
+  // Whether emitting tok ends s (eos, a stop id, max_tokens): emit_token's rules.
+  bool stops(const Seq* s, int32_t tok) const;
+  // Whether the decode after `plan`'s (whose rows chose `ids`) may be queued before they
+  // are emitted: see EngineOptions::pipeline.
+  bool can_chain(const StepPlan& plan, const std::vector<int32_t>& ids) const;
   bool device_greedy_row(const Seq* s) const;
   void start_decoding(Seq* s, const float* logits);
   // logits: the row that gave the last token (final snapshot); null when cancelled.
@@ -312,6 +347,10 @@ class Engine {
   std::vector<float> logits_;
   std::vector<float> row_logits_;   // one row fetched for a final state (device greedy)
   std::vector<int32_t> greedy_ids_;
+  // The decode queued ahead by a step (EngineOptions::pipeline), collected by the next.
+  bool in_flight_ = false;
+  std::vector<Seq*> in_flight_rows_;  // row b's sequence
+  DecodeBatch in_flight_batch_;
 };
 
 }  // namespace laplace

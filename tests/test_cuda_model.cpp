@@ -488,6 +488,7 @@ EngineRun run_engine(Model& m, EngineOptions o, bool greedy_only) {
 // shapes. And batch invariance: greedy tokens do not depend on the padded widths in use
 // (every batch padded to 8 vs the smallest of 1, 2, 4, 8). Both with the state written back
 // every step and with deferred write-back (R = 8: the whole slot, pairs and counts included).
+// And pipelined decode (the next step queued before the host emits) against unpipelined.
 TEST(CudaModel, GraphDecodeBitwiseEqualsEagerAndWidthInvariant) {
   LAPLACE_REQUIRE_CUDA(cuda);
   Config c = three_b_two_layers();
@@ -510,6 +511,15 @@ TEST(CudaModel, GraphDecodeBitwiseEqualsEagerAndWidthInvariant) {
     EXPECT_EQ(eager.tokens, graph.tokens);
     EXPECT_TRUE(eager.slots == graph.slots) << "graph decode changed the states' bytes";
     const EngineRun mixed = run_engine(m, o, true);
+    // All-greedy runs queue decodes ahead (EngineOptions::pipeline, fed the ids on the
+    // device); without that, the same tokens and state bytes.
+    EXPECT_GT(mixed.stats.chained_decodes, 0);
+    o.pipeline = false;
+    const EngineRun serial = run_engine(m, o, true);
+    EXPECT_EQ(serial.stats.chained_decodes, 0);
+    EXPECT_EQ(serial.tokens, mixed.tokens);
+    EXPECT_TRUE(serial.slots == mixed.slots) << "pipelined decode changed the states' bytes";
+    o.pipeline = true;
     o.decode_widths = {8};
     const EngineRun wide = run_engine(m, o, true);
     EXPECT_GT(wide.stats.padded_rows, mixed.stats.padded_rows);

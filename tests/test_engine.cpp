@@ -541,6 +541,66 @@ TEST(EngineCancel, FreesSlotAtOnceAndQueuedRequestTakesIt) {
   EXPECT_EQ(s.free_slots, 2);
 }
 
+// Pipelined decode (EngineOptions::pipeline): a step that leaves the next one's batch
+// unchanged queues it before emitting. The same script with and without it: requests
+// submitted between steps, one cancelled between steps while a decode is queued for it, one
+// cancelled from its own callback, a stop id: the same tokens, finish reasons and final
+// states byte for byte, the cancelled ones getting no token after cancel(), and the
+// pipelined run did queue decodes ahead (on the CPU the "queued" forward runs at once; the
+// bookkeeping is what this checks; CudaModel.* checks the GPU's).
+TEST(EnginePipeline, QueuedAheadGivesTheUnpipelinedTokensStatesAndFinishes) {
+  auto script = [](bool pipeline) {
+    EngineOptions o = opts(3, 8, 32);
+    o.pipeline = pipeline;
+    auto r = std::make_unique<Rig>(o);
+    std::vector<RequestId> ids;
+    for (int i = 0; i < 3; ++i) ids.push_back(r->add(random_tokens(5 + 4 * i, r->c.vocab_size, 20 + i), 30 + 7 * i));
+    Request cb = r->make(random_tokens(9, r->c.vocab_size, 30), 40);
+    auto inner = cb.on_token;
+    Engine* eng = r->eng.get();
+    int seen = 0;
+    cb.on_token = [&seen, eng, inner](RequestId id, int32_t t) {
+      inner(id, t);
+      if (++seen == 12) {
+        EXPECT_TRUE(eng->cancel(id));
+      }
+    };
+    ids.push_back(r->add(std::move(cb)));  // queued until a slot frees
+    size_t cancelled_at = 0;
+    for (int step = 0; !r->eng->idle(); ++step) {
+      if (step == 14) {
+        Request st = r->make(random_tokens(6, r->c.vocab_size, 31), 25);
+        st.stop_ids = {r->out[ids[0]].tokens.empty() ? 0 : r->out[ids[0]].tokens[0]};
+        ids.push_back(r->add(std::move(st)));
+      }
+      if (step == 18) {
+        cancelled_at = r->out[ids[1]].tokens.size();
+        EXPECT_TRUE(r->eng->cancel(ids[1]));
+      }
+      r->eng->step();
+    }
+    EXPECT_EQ(r->out[ids[1]].tokens.size(), cancelled_at);  // nothing after cancel()
+    EXPECT_EQ(r->out[ids[1]].info.reason, FinishReason::kCancelled);
+    EXPECT_EQ(r->out[ids[3]].tokens.size(), 12u);
+    return r;
+  };
+  const auto on = script(true), off = script(false);
+  EXPECT_GT(on->eng->stats().chained_decodes, 10);
+  EXPECT_EQ(off->eng->stats().chained_decodes, 0);
+  EXPECT_EQ(on->eng->stats().generated_tokens, off->eng->stats().generated_tokens);
+  ASSERT_EQ(on->out.size(), 5u);
+  ASSERT_EQ(off->out.size(), 5u);
+  for (const auto& [id, o] : off->out) {
+    SCOPED_TRACE(id);
+    const Outcome& p = on->out.at(id);
+    EXPECT_EQ(p.tokens, o.tokens);
+    EXPECT_EQ(p.finishes, 1);
+    EXPECT_EQ(p.info.reason, o.info.reason);
+    EXPECT_EQ(p.info.generated_tokens, o.info.generated_tokens);
+    EXPECT_TRUE(p.state == o.state) << "final state bytes differ";
+  }
+}
+
 TEST(EngineStop, StopIdsEosAndMaxTokens) {
   Config c = small_config();
   c.eos_token_id = -1;

@@ -303,8 +303,8 @@ TEST_F(ServerTest, MalformedRequestsGetTheRight4xxAndTheServerKeepsServing) {
       EXPECT_EQ(r.body["error"]["param"], c.param) << c.what << ": " << r.raw;
     }
   }
-  // Unknown fields are ignored.
-  Reply ok = post(C, R"({"prompt": "the quick", "max_tokens": 2, "user": "me", "frobnicate": [1, 2]})");
+  // Unknown fields are ignored (ignore_eos: an unseeded sample may be the EOS token).
+  Reply ok = post(C, R"({"prompt": "the quick", "max_tokens": 2, "ignore_eos": true, "user": "me", "frobnicate": [1, 2]})");
   EXPECT_EQ(ok.status, 200) << ok.raw;
   EXPECT_EQ(ok.body["usage"]["completion_tokens"], 2);
   EXPECT_TRUE(healthy());
