@@ -421,6 +421,7 @@ bool Engine::cancel(RequestId id) {
   if (it == live_.end()) return false;
   Seq* s = it->second;
   if (s->cancelled.exchange(true)) return false;
+  ++cancels_;
   if (s->slot < 0) {  // still queued
     auto q = std::find_if(queue_.begin(), queue_.end(), [&](const auto& p) { return p.get() == s; });
     LAPLACE_CHECK(q != queue_.end(), "cancel: queued request not in the queue");
@@ -593,19 +594,37 @@ bool Engine::stops(const Seq* s, int32_t tok) const {
          s->info.generated_tokens + 1 >= s->req.max_tokens;
 }
 
-bool Engine::can_chain(const StepPlan& plan, const std::vector<int32_t>& ids) const {
-  if (!opt_.pipeline || !exec_->can_chain() || plan.batch.live == 0 || !plan.pieces.empty() || !prefilling_.empty())
-    return false;
+bool Engine::can_chain(const StepPlan& plan, const std::vector<int32_t>& ids) {
+  const int64_t n = plan.batch.live;
+  if (!opt_.pipeline || !exec_->can_chain() || n == 0 || !plan.pieces.empty() || !prefilling_.empty()) return false;
+  int64_t cancels = 0;
   {
-    // Every running sequence is a row (none waits to join the batch); the lock because
-    // cancel() between steps changes running_.
+    // Every running sequence is a row (none waits to join the batch); under the lock
+    // because cancel() between steps changes running_.
     std::lock_guard<std::mutex> lk(mu_);
-    if (running_ != plan.batch.live) return false;
+    if (running_ != n) return false;
+    cancels = cancels_;
   }
-  for (int64_t b = 0; b < plan.batch.live; ++b) {
-    const Seq* s = plan.decode[b];
-    if (s->done || s->cancelled.load() || stops(s, ids[static_cast<size_t>(b)])) return false;
+  if (!plan.in_flight || cancels != chain_cancels_ || static_cast<int64_t>(chain_rows_.size()) != n) {
+    // A new batch (or a cancel since): read the rows' rules from their sequences.
+    chain_rows_.resize(static_cast<size_t>(n));
+    for (int64_t b = 0; b < n; ++b) {
+      const Seq* s = plan.decode[b];
+      if (s->done || s->cancelled.load()) return false;
+      chain_rows_[b] = {s->eos, s->req.max_tokens - s->info.generated_tokens, s->req.stop_ids.empty() ? nullptr : s};
+    }
+    chain_cancels_ = cancels;
   }
+  // stops() on the packed rows: would this step's token end the sequence?
+  for (int64_t b = 0; b < n; ++b) {
+    const ChainRow& r = chain_rows_[b];
+    const int32_t tok = ids[static_cast<size_t>(b)];
+    if ((r.eos >= 0 && tok == r.eos) || r.left <= 1 || (r.stop_ids && stops(r.stop_ids, tok))) {
+      chain_cancels_ = -1;  // the batch changes: rebuild next time
+      return false;
+    }
+  }
+  for (ChainRow& r : chain_rows_) --r.left;  // this step's token is emitted without a stop
   return true;
 }
 

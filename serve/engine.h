@@ -308,7 +308,7 @@ class Engine {
   bool stops(const Seq* s, int32_t tok) const;
   // Whether the decode after `plan`'s (whose rows chose `ids`) may be queued before they
   // are emitted: see EngineOptions::pipeline.
-  bool can_chain(const StepPlan& plan, const std::vector<int32_t>& ids) const;
+  bool can_chain(const StepPlan& plan, const std::vector<int32_t>& ids);
   bool device_greedy_row(const Seq* s) const;
   void start_decoding(Seq* s, const float* logits);
   // logits: the row that gave the last token (final snapshot); null when cancelled.
@@ -336,6 +336,7 @@ class Engine {
   std::vector<std::unique_ptr<Seq>> pending_finish_;  // cancelled outside a step
   std::vector<Seq*> cancel_in_step_;                // cancelled during a step
   bool in_step_ = false;
+  int64_t cancels_ = 0;  // cancel() calls that marked a running request
   EngineStats stats_;
 
   // Engine-thread state; cancel() touches it only under mu_ while !in_step_.
@@ -351,6 +352,17 @@ class Engine {
   bool in_flight_ = false;
   std::vector<Seq*> in_flight_rows_;  // row b's sequence
   DecodeBatch in_flight_batch_;
+  // can_chain()'s view of a batch's stop rules, one packed row per sequence, so that the
+  // check between collecting a step and queueing the next reads 1,280 small rows, not 1,280
+  // sequences (~180 µs of cache misses on the H200's host). Valid while the batch stays the
+  // same and no cancel() came (chain_cancels_).
+  struct ChainRow {
+    int32_t eos;
+    int64_t left;          // tokens its max_tokens still allows before this step's
+    const Seq* stop_ids;   // the sequence when it has stop ids, else null
+  };
+  std::vector<ChainRow> chain_rows_;
+  int64_t chain_cancels_ = -1;
 };
 
 }  // namespace laplace
