@@ -3,7 +3,6 @@
 #include "ops/cuda/cuda_backend.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -327,9 +326,6 @@ const CudaBackend::GemmPlan& CudaBackend::gemm_plan(const GemmKey& key) {
   cublasLtMatmulPreference_t pref;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   uint64_t ws = workspace_bytes_;
-  // Diagnostics: LAPLACE_GEMM_WORKSPACE caps the workspace the heuristic may plan with (a
-  // kernel that needs none also needs no memset of it before each call).
-  if (const char* cap = std::getenv("LAPLACE_GEMM_WORKSPACE")) ws = std::min<uint64_t>(ws, std::strtoull(cap, nullptr, 10));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
   // No split-K: its reductions would tie results to the algorithm's partitioning.
   uint32_t red = CUBLASLT_REDUCTION_SCHEME_NONE;
