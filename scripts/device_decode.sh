@@ -102,7 +102,7 @@ for s in $STAGES; do
       g++ -O2 -shared -fPIC -I/usr/local/cuda/include -I/usr/local/cuda/extras/CUPTI/include lab/trace/cupti_trace.cpp \
         -L"$CUPTI_LIB" -Wl,-rpath,"$CUPTI_LIB" -lcupti -o build-gpu/libcupti_trace.so >> "$LOG" 2>&1 &&
       CUDA_INJECTION64_PATH=$PWD/build-gpu/libcupti_trace.so CUPTI_TRACE_OUT=build-gpu/trace.csv timeout 300 \
-        $L bench decode $M3B --batch 1280 --steps 12 --warmup 3 --prompt-len 16 --prefill-chunk 16 --max-batch-tokens 24000 \
+        $L bench decode $M3B --batch 1280 --steps 12 --warmup 3 --prompt-len 16 --prefill-chunk 16 --max-batch-tokens 24000 --results "" \
         --state-dtype ${TRACE_STATE:-f32} --defer-writeback ${DEFER_R:-8} 2>&1 | grep -E "decode:|cupti" | tee -a "$LOG"
       python3 scripts/trace_step.py build-gpu/trace.csv --steps 8 2>&1 | tee -a "$LOG" ;;
     parity)  # greedy tokens vs the PyTorch reference on this GPU (needs a trained model: carry runs/demo/model)

@@ -336,7 +336,7 @@ class Engine {
   std::vector<std::unique_ptr<Seq>> pending_finish_;  // cancelled outside a step
   std::vector<Seq*> cancel_in_step_;                // cancelled during a step
   bool in_step_ = false;
-  int64_t cancels_ = 0;  // cancel() calls that marked a running request
+  int64_t cancels_ = 0;  // cancel() calls that marked a request (queued or running)
   EngineStats stats_;
 
   // Engine-thread state; cancel() touches it only under mu_ while !in_step_.

@@ -51,7 +51,8 @@ __global__ void argmax_rows_kernel(RView x, int32_t* out) {
 // time (~2 TB/s); here each thread keeps kArgUnroll float4 loads in flight. Thread t scans
 // the vectors t, t + blockDim, … in increasing column order and within a vector its lanes
 // left to right with the same strict >, so every thread holds the lowest index of its largest
-// value and the tree gives the same answer as the generic kernel.
+// value and the tree gives the generic kernel's answer (for rows without NaN, whose place
+// in the scan order decides).
 constexpr int kArgUnroll = 4;
 __global__ void argmax_rows_f32v_kernel(RView x, int32_t* out) {
   const float4* row = reinterpret_cast<const float4*>(static_cast<const float*>(x.p) + x.row(blockIdx.x));
