@@ -772,6 +772,8 @@ TEST_F(ServerTest, BoundedLoadEveryRequestCompletesOr429AndMemoryReturns) {
   const int64_t rss0 = process_resident_bytes();
   const int clients = 16, each = 4;
   std::atomic<int> ok{0}, busy{0}, other{0};
+  std::mutex why_mu;
+  std::string why;  // what the first request that got neither answer got
   std::vector<std::thread> th;
   for (int c = 0; c < clients; ++c)
     th.emplace_back([&, c] {
@@ -786,12 +788,17 @@ TEST_F(ServerTest, BoundedLoadEveryRequestCompletesOr429AndMemoryReturns) {
           ++ok;
         else if (r && r->status == 429)
           ++busy;
-        else
+        else {
           ++other;
+          std::lock_guard<std::mutex> lk(why_mu);
+          if (why.empty())
+            why = r ? "status " + std::to_string(r->status) + ": " + r->body.substr(0, 300)
+                    : "no response: " + httplib::to_string(r.error());
+        }
       }
     });
   for (auto& t : th) t.join();
-  EXPECT_EQ(other.load(), 0);
+  EXPECT_EQ(other.load(), 0) << why;
   EXPECT_EQ(ok + busy, clients * each);
   EXPECT_GT(ok.load(), 0);
   wait_idle();

@@ -16,18 +16,10 @@ __device__ __forceinline__ ArgBest better(ArgBest a, ArgBest b) {
   return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a;
 }
 
-// One block per row. Thread t scans columns t, t + blockDim, … keeping its first largest
-// (strict >, so the lowest index among its equals), then a warp and block tree with the
-// same rule: the result is the row's lowest index of its largest value, whatever the
-// thread count.
-__global__ void argmax_rows_kernel(RView x, int32_t* out) {
-  const int64_t row = blockIdx.x;
-  const int64_t base = x.row(row);
-  ArgBest best{-INFINITY, 0x7fffffff};
-  for (int64_t c = threadIdx.x; c < x.cols; c += blockDim.x) {
-    const float v = ldf(x.p, base + c, x.dt);
-    if (v > best.v || best.i == 0x7fffffff) best = ArgBest{v, static_cast<int>(c)};
-  }
+// The block's answer from each thread's (value, index): a warp and block tree with
+// better()'s rule, so the lowest index of the largest value whatever the thread count.
+// Thread 0 writes it (0 for an empty row).
+__device__ __forceinline__ void argmax_block_store(ArgBest best, int32_t* dst) {
   for (int o = 16; o > 0; o /= 2) {
     ArgBest other{__shfl_xor_sync(0xffffffffu, best.v, o), __shfl_xor_sync(0xffffffffu, best.i, o)};
     best = better(best, other);
@@ -42,8 +34,21 @@ __global__ void argmax_rows_kernel(RView x, int32_t* out) {
       ArgBest other{__shfl_xor_sync(0xffffffffu, best.v, o), __shfl_xor_sync(0xffffffffu, best.i, o)};
       best = better(best, other);
     }
-    if (lane == 0) out[row] = best.i == 0x7fffffff ? 0 : best.i;
+    if (lane == 0) *dst = best.i == 0x7fffffff ? 0 : best.i;
   }
+}
+
+// One block per row. Thread t scans columns t, t + blockDim, … keeping its first largest
+// (strict >, so the lowest index among its equals), then argmax_block_store's tree.
+__global__ void argmax_rows_kernel(RView x, int32_t* out) {
+  const int64_t row = blockIdx.x;
+  const int64_t base = x.row(row);
+  ArgBest best{-INFINITY, 0x7fffffff};
+  for (int64_t c = threadIdx.x; c < x.cols; c += blockDim.x) {
+    const float v = ldf(x.p, base + c, x.dt);
+    if (v > best.v || best.i == 0x7fffffff) best = ArgBest{v, static_cast<int>(c)};
+  }
+  argmax_block_store(best, out + row);
 }
 
 // The decode step's case: F32 rows, 16-byte aligned, cols % 4 == 0 (1,280 × 92,160 logits,
@@ -73,22 +78,7 @@ __global__ void argmax_rows_f32v_kernel(RView x, int32_t* out) {
     for (int u = 0; u < kArgUnroll; ++u) take(q[u], static_cast<int>(4 * (j + u * blockDim.x)));
   }
   for (; j < nv; j += blockDim.x) take(__ldcs(row + j), static_cast<int>(4 * j));
-  for (int o = 16; o > 0; o /= 2) {
-    ArgBest other{__shfl_xor_sync(0xffffffffu, best.v, o), __shfl_xor_sync(0xffffffffu, best.i, o)};
-    best = better(best, other);
-  }
-  __shared__ ArgBest warp_best[32];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  if (lane == 0) warp_best[warp] = best;
-  __syncthreads();
-  if (warp == 0) {
-    best = lane < warps ? warp_best[lane] : ArgBest{-INFINITY, 0x7fffffff};
-    for (int o = 16; o > 0; o /= 2) {
-      ArgBest other{__shfl_xor_sync(0xffffffffu, best.v, o), __shfl_xor_sync(0xffffffffu, best.i, o)};
-      best = better(best, other);
-    }
-    if (lane == 0) out[blockIdx.x] = best.i == 0x7fffffff ? 0 : best.i;
-  }
+  argmax_block_store(best, out + blockIdx.x);
 }
 
 }  // namespace cuda
