@@ -25,7 +25,7 @@ def column(header, *prefixes):
         for i, h in enumerate(header):
             if h.startswith(p):
                 return i
-    sys.exit(f"nsys_step: no column starting with {prefixes} in {header}")
+    sys.exit(f"trace_step: no column starting with {prefixes} in {header}")
 
 
 def short(name):
@@ -51,7 +51,7 @@ def main():
     ev = sorted((int(r[cs]), int(r[cd]), r[cn]) for r in body if len(r) > cn and r[cs].isdigit())
     ends = [i for i, e in enumerate(ev) if a.end_kernel in e[2]]
     if len(ends) < a.steps + 1:
-        sys.exit(f"nsys_step: {len(ends)} '{a.end_kernel}' kernels, need {a.steps + 1}")
+        sys.exit(f"trace_step: {len(ends)} '{a.end_kernel}' kernels, need {a.steps + 1}")
     per_name = collections.defaultdict(float)
     count = collections.Counter()
     gaps = []
