@@ -567,7 +567,10 @@ TEST(EnginePipeline, QueuedAheadGivesTheUnpipelinedTokensStatesAndFinishes) {
     };
     ids.push_back(r->add(std::move(cb)));  // queued until a slot frees
     size_t cancelled_at = 0;
+    int64_t chained_before_17 = 0, chained_after_17 = 0;
     for (int step = 0; !r->eng->idle(); ++step) {
+      if (step == 17) chained_before_17 = r->eng->stats().chained_decodes;
+      if (step == 18) chained_after_17 = r->eng->stats().chained_decodes;
       if (step == 14) {
         Request st = r->make(random_tokens(6, r->c.vocab_size, 31), 25);
         st.stop_ids = {r->out[ids[0]].tokens.empty() ? 0 : r->out[ids[0]].tokens[0]};
@@ -582,6 +585,9 @@ TEST(EnginePipeline, QueuedAheadGivesTheUnpipelinedTokensStatesAndFinishes) {
     EXPECT_EQ(r->out[ids[1]].tokens.size(), cancelled_at);  // nothing after cancel()
     EXPECT_EQ(r->out[ids[1]].info.reason, FinishReason::kCancelled);
     EXPECT_EQ(r->out[ids[3]].tokens.size(), 12u);
+    // With the pipeline, step 17 queued step 18's decode, so the cancel at 18 came with
+    // request 2's row already queued.
+    EXPECT_EQ(chained_after_17 - chained_before_17, pipeline ? 1 : 0);
     return r;
   };
   const auto on = script(true), off = script(false);
