@@ -342,6 +342,12 @@ __device__ __forceinline__ float lam_power(float lam, int n) {
   return static_cast<float>(w);
 }
 
+// out[i] = λ^i for i = 0 … n, lam_power's values, the block's threads striding over i (the
+// callers' barrier follows before anyone reads the table).
+__device__ __forceinline__ void lam_table(float lam, int n, float* out) {
+  for (int i = threadIdx.x; i <= n; i += blockDim.x) out[i] = lam_power(lam, i);
+}
+
 // kScale (the write-back step): pair j's k is stored as λ^{m−j} k_j, the coefficients the fold
 // multiplies by (the same F32 products as scaling it afterwards).
 template <int R, bool kScale>
@@ -414,10 +420,7 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
   load_rows(src, a.sk, r0, r1, s);
   stage_inputs(a, kq, kk, kv, b * a.g_sb + h * a.g_sh, sm);
   stage_pairs<R, kFlush>(p, pk0, pv0, m, a.dk, a.dv, a.lam[h], sm);
-  if (tid == 0) {
-    double w = 1.0;
-    for (int i = 0; i <= R; ++i, w *= static_cast<double>(a.lam[h])) sm.lam_pow[i] = static_cast<float>(w);
-  }
+  lam_table(a.lam[h], R, sm.lam_pow);
   __syncthreads();
   if constexpr (!kFlush) {  // one warp per dot product q̃·k_j (m + 1 ≤ R − 1 of them)
     const int warp = tid >> 5, lane = tid & 31, warps = blockDim.x >> 5;
@@ -538,10 +541,7 @@ __global__ void gla_pending_flush_kernel(DecArgs a, PendArgs p, int R) {
   const int64_t pk0 = slot * p.k_ss + h * p.k_sh, pv0 = slot * p.v_ss + h * p.v_sh;
   for (int x = tid; x < m * a.dk; x += blockDim.x) pks[x / a.dk][x % a.dk] = ldf(p.pk, pk0 + x, p.p_dt);
   for (int x = tid; x < m * a.dv; x += blockDim.x) pvs[x / a.dv][x % a.dv] = ldf(p.pv, pv0 + x, p.p_dt);
-  if (tid == 0) {
-    double w = 1.0;
-    for (int i = 0; i <= m; ++i, w *= static_cast<double>(a.lam[h])) lam_pow[i] = static_cast<float>(w);
-  }
+  lam_table(a.lam[h], m, lam_pow);
   __syncthreads();
   ST* S = static_cast<ST*>(a.s_out) + slot * a.ss + h * a.sh;
   for (int x = tid; x < a.dk * a.dv; x += blockDim.x) {
