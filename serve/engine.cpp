@@ -588,10 +588,12 @@ bool Engine::device_greedy_row(const Seq* s) const {
   return s->sampler.plain_greedy() && !(s->req.top_logprobs >= 0 && s->req.on_logprobs);
 }
 
-bool Engine::stops(const Seq* s, int32_t tok) const {
-  return (s->eos >= 0 && tok == s->eos) ||
-         std::find(s->req.stop_ids.begin(), s->req.stop_ids.end(), tok) != s->req.stop_ids.end() ||
-         s->info.generated_tokens + 1 >= s->req.max_tokens;
+bool Engine::stop_rule(const Seq* s, int32_t tok, int64_t generated, FinishReason* r) const {
+  if (s->eos >= 0 && tok == s->eos) *r = FinishReason::kEos;
+  else if (std::find(s->req.stop_ids.begin(), s->req.stop_ids.end(), tok) != s->req.stop_ids.end()) *r = FinishReason::kStop;
+  else if (generated >= s->req.max_tokens) *r = FinishReason::kLength;
+  else return false;
+  return true;
 }
 
 bool Engine::can_chain(const StepPlan& plan, const std::vector<int32_t>& ids) {
@@ -615,11 +617,13 @@ bool Engine::can_chain(const StepPlan& plan, const std::vector<int32_t>& ids) {
     }
     chain_cancels_ = cancels;
   }
-  // stops() on the packed rows: would this step's token end the sequence?
+  // stop_rule() on the packed rows: would this step's token end the sequence?
   for (int64_t b = 0; b < n; ++b) {
     const ChainRow& r = chain_rows_[b];
     const int32_t tok = ids[static_cast<size_t>(b)];
-    if ((r.eos >= 0 && tok == r.eos) || r.left <= 1 || (r.stop_ids && stops(r.stop_ids, tok))) {
+    FinishReason why;
+    if ((r.eos >= 0 && tok == r.eos) || r.left <= 1 ||
+        (r.stop_ids && stop_rule(r.stop_ids, tok, r.stop_ids->info.generated_tokens + 1, &why))) {
       chain_cancels_ = -1;  // the batch changes: rebuild next time
       return false;
     }
@@ -640,14 +644,8 @@ void Engine::emit_token(Seq* s, int32_t tok, const float* logits, int64_t row, d
     s->req.on_logprobs(info.id, token_logprobs(logits, vocab_, tok, s->req.top_logprobs));
   }
   if (s->req.on_token && !s->cancelled.load()) s->req.on_token(info.id, tok);
-  FinishReason r;  // the rules of stops(), which counts this token as generated already
-  if (s->eos >= 0 && tok == s->eos) {
-    r = FinishReason::kEos;
-  } else if (std::find(s->req.stop_ids.begin(), s->req.stop_ids.end(), tok) != s->req.stop_ids.end()) {
-    r = FinishReason::kStop;
-  } else if (info.generated_tokens >= s->req.max_tokens) {
-    r = FinishReason::kLength;
-  } else {
+  FinishReason r;
+  if (!stop_rule(s, tok, info.generated_tokens, &r)) {
     s->next = tok;
     return;
   }

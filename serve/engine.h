@@ -304,8 +304,9 @@ class Engine {
   // `row` of the executor's last forward is fetched if a final state needs it. t: the
   // token's time (now() when negative).
   void emit_token(Seq* s, int32_t tok, const float* logits, int64_t row, double t = -1);
-  // Whether emitting tok ends s (eos, a stop id, max_tokens): emit_token's rules.
-  bool stops(const Seq* s, int32_t tok) const;
+  // Whether tok ends s, `generated` tokens counting it (eos, then a stop id, then
+  // max_tokens), and why: emit_token's rules, which can_chain() applies ahead.
+  bool stop_rule(const Seq* s, int32_t tok, int64_t generated, FinishReason* r) const;
   // Whether the decode after `plan`'s (whose rows chose `ids`) may be queued before they
   // are emitted: see EngineOptions::pipeline.
   bool can_chain(const StepPlan& plan, const std::vector<int32_t>& ids);
