@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: build, run the engine's GPU tests, then the serving benchmarks of laplace-3b
 # (random bf16 weights); logs and JSON lines under $OUT. Stages run in the order given:
-#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson ops train lab declab overlap deferred cores ncu trace parity" COMMIT=abc123 scripts/device_decode.sh
+#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson ops train lab declab overlap deferred cores ncu trace ptrace algo parity" COMMIT=abc123 scripts/device_decode.sh
 # COMMIT is written into every result line (the device's git HEAD may be stale).
 # The device tool returns at most 8 files from $OUT, so every stage appends to one log,
 # $OUT/run.log (the GPU tests and the build keep their own; results go to results.jsonl).
@@ -105,6 +105,16 @@ for s in $STAGES; do
         $L bench decode $M3B --batch 1280 --steps 12 --warmup 3 --prompt-len 16 --prefill-chunk 16 --max-batch-tokens 24000 --results "" \
         --state-dtype ${TRACE_STATE:-f32} --defer-writeback ${DEFER_R:-8} 2>&1 | grep -E "decode:|cupti" | tee -a "$LOG"
       python3 scripts/trace_step.py build-gpu/trace.csv --steps 8 2>&1 | tee -a "$LOG" ;;
+    ptrace)  # kernel timeline of the 8,192-token prefill (as trace; each repetition is a run between host syncs)
+      CUPTI_LIB=$(dirname "$(find /usr/local/cuda/ -name 'libcupti.so' | head -1)")
+      g++ -O2 -shared -fPIC -I/usr/local/cuda/include -I/usr/local/cuda/extras/CUPTI/include lab/trace/cupti_trace.cpp \
+        -L"$CUPTI_LIB" -Wl,-rpath,"$CUPTI_LIB" -lcupti -o build-gpu/libcupti_trace.so >> "$LOG" 2>&1 &&
+      CUDA_INJECTION64_PATH=$PWD/build-gpu/libcupti_trace.so CUPTI_TRACE_OUT=build-gpu/ptrace.csv timeout 120 \
+        $L bench prefill $M3B --prompt-len 8192 --reps 3 --results "" 2>&1 | grep -E "prefill of|cupti" | tee -a "$LOG"
+      python3 scripts/trace_step.py build-gpu/ptrace.csv --steps 3 --split-gap-ms 1 --top ${TRACE_TOP:-40} 2>&1 | tee -a "$LOG" ;;
+    algo)  # lab/gemm/algo_lab: cuBLASLt's candidate algorithms at the model's gemm shapes (nodes, memsets, time)
+      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o build-gpu/algo_lab lab/gemm/algo_lab.cu -lcublasLt \
+        >> "$LOG" 2>&1 && timeout 300 ./build-gpu/algo_lab ${ALGO_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     parity)  # greedy tokens vs the PyTorch reference on this GPU (needs a trained model: carry runs/demo/model)
       python3 python/gpu_parity.py --model ${PARITY_MODEL:-runs/demo/model} --binary build-gpu/laplace 2>&1 |
         tee -a "$LOG" ;;

@@ -80,7 +80,7 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buf, size_t, size_t
       events->push_back({m->start, m->end, copy_name(m->copyKind)});
     } else if (rec->kind == CUPTI_ACTIVITY_KIND_MEMSET) {
       const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(rec);
-      events->push_back({m->start, m->end, "[CUDA memset]"});
+      events->push_back({m->start, m->end, "[CUDA memset " + std::to_string(m->bytes) + " B]"});
     }
   }
   std::free(buf);

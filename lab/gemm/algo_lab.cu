@@ -1,0 +1,340 @@
+// lab/gemm/algo_lab: what cuBLASLt's candidate algorithms launch and cost at laplace-3b's gemm
+// shapes, memsets included.
+//
+// A decode step's trace (BENCHMARKS.md, "Where a decode step's time goes") shows a memset before
+// every β = 0 gemm (qkvg, w12, head: 49 per step) and ~0.21 ms of idle gaps around them. The
+// production plan (ops/cuda/cuda_backend.cpp) takes cuBLASLt's first heuristic result under
+// these preferences: 32 MiB workspace, no split-K reduction, the operands' alignments. This lab
+// asks for the first --algos results under the same preferences and, per result:
+//   - captures one call into a CUDA graph and lists its nodes: kernels (grid, block, dynamic
+//     shared memory, name, read through the driver API) and memsets (bytes);
+//   - times a graph of --calls calls (median of --reps replays, ms per call), so launch gaps
+//     and memsets count as they do in the decode graph;
+//   - compares the output with result 0's: bytes equal or not, and the largest difference
+//     relative to the output's RMS.
+// Per shape it also runs the same with the β = 0 output given a distinct C (cin ≠ d), to see
+// whether the memset follows the aliasing.
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o algo_lab lab/gemm/algo_lab.cu -lcublasLt
+//   ./algo_lab [--M 1280] [--algos 8] [--calls 10] [--reps 20] [--only qkvg,w12,head] [--ws-mib 32]
+//
+// Shapes: row-major C[M, n] = X[M, k] · W[n, k]ᵀ, bf16 in, F32 accumulate; out bf16 (head: F32),
+// β = 0 in place (qkvg, w12, head) or β = 1 with C ≠ D (wo, w3: the residual adds), as the model.
+// Exit status 1 on any CUDA or cuBLASLt error.
+#include <cublasLt.h>
+#include <cuda.h>  // driver types only: the entry points come from cudaGetDriverEntryPointByVersion
+#include <cuda_bf16.h>
+#include <cudaTypedefs.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "../lab_host.h"
+
+#define CKB(x)                                                                                         \
+  do {                                                                                                 \
+    cublasStatus_t s_ = (x);                                                                           \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                                 \
+      std::fprintf(stderr, "%s:%d: %s: %s (%s)\n", __FILE__, __LINE__, #x, cublasLtGetStatusName(s_), \
+                   cublasLtGetStatusString(s_));                                                       \
+      std::exit(1);                                                                                    \
+    }                                                                                                  \
+  } while (0)
+
+namespace {
+
+struct Shape {
+  const char* name;
+  int n, k;
+  bool f32_out;  // head: F32 logits
+  float beta;    // 0: D = X·Wᵀ in place; 1: D = C + X·Wᵀ with C ≠ D
+};
+constexpr Shape kShapes[] = {{"qkvg", 9216, 3072, false, 0.f},
+                             {"wo", 3072, 3072, false, 1.f},
+                             {"w12", 16384, 3072, false, 0.f},
+                             {"w3", 3072, 8192, false, 1.f},
+                             {"head", 92160, 3072, true, 0.f}};
+
+struct Opts {
+  int M = 1280, algos = 8, calls = 10, reps = 20, ws_mib = 32;
+  std::string only;
+};
+
+__device__ inline float hash_unit(uint64_t i) {  // in [-1, 1)
+  uint64_t z = i * 0x9e3779b97f4a7c15ULL + 0x632be59bd9b4e019ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  z ^= z >> 31;
+  return static_cast<float>(static_cast<uint32_t>(z >> 40)) * 0x1p-23f - 1.0f;
+}
+
+__global__ void fill_bf16(__nv_bfloat16* p, uint64_t n, uint64_t seed, float scale) {
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x)
+    p[i] = __float2bfloat16_rn(scale * hash_unit(i + seed));
+}
+
+// ---- driver entry points (cuBLASLt's kernels are not the runtime's) ------------------------------
+struct DriverFns {
+  PFN_cuGraphKernelNodeGetParams_v12000 params = nullptr;
+  PFN_cuFuncGetName_v12030 fname = nullptr;
+  PFN_cuKernelGetName_v12030 kname = nullptr;
+};
+
+template <class T>
+T entry(const char* sym) {
+  void* fp = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  if (cudaGetDriverEntryPointByVersion(sym, &fp, 12030, cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<T>(fp);
+}
+
+// One line per node of a captured call: memsets with their bytes, kernels with launch shape.
+void print_nodes(const DriverFns& d, cudaGraph_t g, int* memsets) {
+  size_t n = 0;
+  CK(cudaGraphGetNodes(g, nullptr, &n));
+  std::vector<cudaGraphNode_t> nodes(n);
+  CK(cudaGraphGetNodes(g, nodes.data(), &n));
+  *memsets = 0;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType t;
+    CK(cudaGraphNodeGetType(node, &t));
+    if (t == cudaGraphNodeTypeMemset) {
+      cudaMemsetParams mp{};
+      CK(cudaGraphMemsetNodeGetParams(node, &mp));
+      ++*memsets;
+      std::printf("        memset %zu B (elem %u × %zu × %zu) value %u\n", mp.elementSize * mp.width * mp.height,
+                  mp.elementSize, mp.width, mp.height, mp.value);
+      continue;
+    }
+    if (t != cudaGraphNodeTypeKernel) {
+      std::printf("        node type %d\n", static_cast<int>(t));
+      continue;
+    }
+    CUDA_KERNEL_NODE_PARAMS_v2 kp{};
+    if (!d.params || d.params(reinterpret_cast<CUgraphNode>(node), &kp) != CUDA_SUCCESS) {
+      std::printf("        kernel n/a\n");
+      continue;
+    }
+    const char* name = nullptr;
+    if (kp.func && d.fname) d.fname(&name, kp.func);
+    else if (kp.kern && d.kname) d.kname(&name, kp.kern);
+    std::printf("        kernel grid %u (%u×%u×%u) block %u smem %u  %.140s\n", kp.gridDimX * kp.gridDimY * kp.gridDimZ,
+                kp.gridDimX, kp.gridDimY, kp.gridDimZ, kp.blockDimX * kp.blockDimY * kp.blockDimZ,
+                kp.sharedMemBytes, name ? name : "(name n/a)");
+  }
+}
+
+std::string algo_str(const cublasLtMatmulHeuristicResult_t& r) {
+  int32_t id = -1, splitk = -1;
+  uint32_t tile = 0, stages = 0, red = 0;
+  uint16_t cluster = 0;
+  size_t w = 0;
+  const cublasLtMatmulAlgo_t& a = r.algo;
+  cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof id, &w);
+  cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof tile, &w);
+  cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof stages, &w);
+  cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof splitk, &w);
+  cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &red, sizeof red, &w);
+  cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof cluster, &w);
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "algo %d tile %u stages %u splitK %d red %u cluster %u waves %.2f ws %zu", id, tile,
+                stages, splitk, red, cluster, r.wavesCount, r.workspaceSize);
+  return buf;
+}
+
+struct Bufs {
+  __nv_bfloat16 *x = nullptr, *w = nullptr;
+  void *c = nullptr, *d = nullptr, *ref = nullptr, *ws = nullptr;
+  size_t ws_bytes = 0;
+};
+
+// Largest |a − b| over RMS(b) and whether the bytes agree, of n outputs (F32 or bf16) on the host.
+void compare(const void* dev_a, const void* dev_b, size_t n, bool f32, double* rel, bool* same) {
+  const size_t bytes = n * (f32 ? 4 : 2);
+  std::vector<unsigned char> a(bytes), b(bytes);
+  CK(cudaMemcpy(a.data(), dev_a, bytes, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(b.data(), dev_b, bytes, cudaMemcpyDeviceToHost));
+  *same = std::memcmp(a.data(), b.data(), bytes) == 0;
+  double ss = 0, mx = 0;
+  for (size_t i = 0; i < n; ++i) {
+    float va, vb;
+    if (f32) {
+      std::memcpy(&va, &a[4 * i], 4), std::memcpy(&vb, &b[4 * i], 4);
+    } else {
+      uint16_t ha, hb;
+      std::memcpy(&ha, &a[2 * i], 2), std::memcpy(&hb, &b[2 * i], 2);
+      va = lab::bf2f(ha), vb = lab::bf2f(hb);
+    }
+    ss += static_cast<double>(vb) * vb;
+    mx = std::fmax(mx, std::fabs(static_cast<double>(va) - vb));
+  }
+  *rel = mx / std::sqrt(ss / static_cast<double>(n) + 1e-300);
+}
+
+void run_shape(const Opts& o, const Shape& s, bool distinct_c, cublasLtHandle_t lt, const DriverFns& drv,
+               const Bufs& b, cudaStream_t st) {
+  const cudaDataType_t out_t = s.f32_out ? CUDA_R_32F : CUDA_R_16BF;
+  const size_t out_n = static_cast<size_t>(o.M) * s.n, out_bytes = out_n * (s.f32_out ? 4 : 2);
+  cublasLtMatmulDesc_t desc;
+  CKB(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
+  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof opT));
+  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof opN));
+  cublasLtMatrixLayout_t lw, lx, ly;
+  CKB(cublasLtMatrixLayoutCreate(&lw, CUDA_R_16BF, s.k, s.n, s.k));
+  CKB(cublasLtMatrixLayoutCreate(&lx, CUDA_R_16BF, s.k, o.M, s.k));
+  CKB(cublasLtMatrixLayoutCreate(&ly, out_t, s.n, o.M, s.n));
+  cublasLtMatmulPreference_t pref;
+  CKB(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws = b.ws_bytes;
+  CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+  const uint32_t red = CUBLASLT_REDUCTION_SCHEME_NONE;  // production's rule
+  CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &red, sizeof red));
+  std::vector<cublasLtMatmulHeuristicResult_t> res(static_cast<size_t>(o.algos));
+  int found = 0;
+  CKB(cublasLtMatmulAlgoGetHeuristic(lt, desc, lw, lx, ly, ly, pref, o.algos, res.data(), &found));
+  CKB(cublasLtMatmulPreferenceDestroy(pref));
+  const bool in_place = s.beta == 0.f && !distinct_c;
+  void* cin = in_place ? b.d : b.c;
+  const double gflop = 2.0 * o.M * s.n * s.k * 1e-9;
+  std::printf("\n%s: M %d n %d k %d, %s out, beta %.0f, %s; %d candidates\n", s.name, o.M, s.n, s.k,
+              s.f32_out ? "F32" : "bf16", s.beta, in_place ? "C = D" : "C != D", found);
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  const float one = 1.f;
+  for (int i = 0; i < found; ++i) {
+    if (res[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    auto call = [&](cudaStream_t q) {
+      return cublasLtMatmul(lt, desc, &one, b.w, lw, b.x, lx, &s.beta, cin, ly, b.d, ly, &res[i].algo, b.ws,
+                            b.ws_bytes, q);
+    };
+    // One captured call: its nodes.
+    cudaGraph_t g1;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    const cublasStatus_t cs = call(st);
+    CK(cudaStreamEndCapture(st, &g1));
+    if (cs != CUBLAS_STATUS_SUCCESS) {
+      std::printf("  [%d] %s: capture failed (%s)\n", i, algo_str(res[i]).c_str(), cublasLtGetStatusName(cs));
+      CK(cudaGraphDestroy(g1));
+      continue;
+    }
+    std::printf("  [%d] %s\n", i, algo_str(res[i]).c_str());
+    int memsets = 0;
+    print_nodes(drv, g1, &memsets);
+    CK(cudaGraphDestroy(g1));
+    // Output against result 0's (β = 1: C is the same constant input every call, so repeat
+    // calls give the same D).
+    CK(cudaMemsetAsync(b.d, 0x7f, out_bytes, st));  // a stale D must not pass for a result
+    CKB(call(st));
+    CK(cudaStreamSynchronize(st));
+    double rel = 0;
+    bool same = true;
+    if (i == 0) CK(cudaMemcpy(b.ref, b.d, out_bytes, cudaMemcpyDeviceToDevice));
+    else compare(b.d, b.ref, out_n, s.f32_out, &rel, &same);
+    // `calls` calls in one graph, replayed.
+    cudaGraph_t g;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    for (int c = 0; c < o.calls; ++c) CKB(call(st));
+    CK(cudaStreamEndCapture(st, &g));
+    cudaGraphExec_t ge;
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    for (int w = 0; w < 3; ++w) CK(cudaGraphLaunch(ge, st));
+    std::vector<double> t;
+    for (int r = 0; r < o.reps; ++r) {
+      CK(cudaEventRecord(e0, st));
+      CK(cudaGraphLaunch(ge, st));
+      CK(cudaEventRecord(e1, st));
+      CK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, e0, e1));
+      t.push_back(ms / o.calls);
+    }
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(g));
+    const double ms = lab::median(t);
+    std::printf("      => %.4f ms per call (%.0f TFLOP/s), %d memset(s); vs [0]: %s, max diff / RMS %.2e\n", ms,
+                gflop / ms, memsets, i == 0 ? "reference" : (same ? "same bytes" : "differs"), rel);
+  }
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  CKB(cublasLtMatrixLayoutDestroy(lw));
+  CKB(cublasLtMatrixLayoutDestroy(lx));
+  CKB(cublasLtMatrixLayoutDestroy(ly));
+  CKB(cublasLtMatmulDescDestroy(desc));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Opts o;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i], v = argv[i + 1];
+    if (a == "--M") o.M = std::atoi(v.c_str());
+    else if (a == "--algos") o.algos = std::atoi(v.c_str());
+    else if (a == "--calls") o.calls = std::atoi(v.c_str());
+    else if (a == "--reps") o.reps = std::atoi(v.c_str());
+    else if (a == "--ws-mib") o.ws_mib = std::atoi(v.c_str());
+    else if (a == "--only") o.only = v;
+    else {
+      std::fprintf(stderr, "algo_lab: unknown option %s\n", a.c_str());
+      return 2;
+    }
+  }
+  if (o.M <= 0 || o.algos <= 0 || o.calls <= 0 || o.reps <= 0 || o.ws_mib < 0) {
+    std::fprintf(stderr, "algo_lab: sizes must be positive\n");
+    return 2;
+  }
+  DriverFns drv;
+  drv.params = entry<PFN_cuGraphKernelNodeGetParams_v12000>("cuGraphKernelNodeGetParams");
+  drv.fname = entry<PFN_cuFuncGetName_v12030>("cuFuncGetName");
+  drv.kname = entry<PFN_cuKernelGetName_v12030>("cuKernelGetName");
+  cublasLtHandle_t lt;
+  CKB(cublasLtCreate(&lt));
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  size_t max_w = 0, max_x = 0, max_out = 0;
+  for (const Shape& s : kShapes) {
+    max_w = std::max(max_w, static_cast<size_t>(s.n) * s.k);
+    max_x = std::max(max_x, static_cast<size_t>(o.M) * s.k);
+    max_out = std::max(max_out, static_cast<size_t>(o.M) * s.n * (s.f32_out ? 4 : 2));
+  }
+  Bufs b;
+  b.ws_bytes = static_cast<size_t>(o.ws_mib) << 20;
+  CK(cudaMalloc(&b.w, max_w * 2));  // [n, k] bf16
+  CK(cudaMalloc(&b.x, max_x * 2));  // [M, k] bf16
+  CK(cudaMalloc(&b.c, max_out));    // [M, n] the β = 1 input
+  CK(cudaMalloc(&b.d, max_out));    // [M, n] the output
+  CK(cudaMalloc(&b.ref, max_out));  // [M, n] result 0's output
+  if (b.ws_bytes) CK(cudaMalloc(&b.ws, b.ws_bytes));
+  fill_bf16<<<1024, 256>>>(b.w, max_w, 1, 0.02f);
+  fill_bf16<<<1024, 256>>>(b.x, max_x, 7, 1.0f);
+  fill_bf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(b.c), max_out / 2, 11, 1.0f);  // bits: also valid F32
+  CK(cudaGetLastError());
+  CK(cudaDeviceSynchronize());
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("algo_lab: %s, %d SMs, cuBLASLt %zu; M %d, %d candidates, %d calls per graph, median of %d\n", prop.name,
+              prop.multiProcessorCount, cublasLtGetVersion(), o.M, o.algos, o.calls, o.reps);
+  for (const Shape& s : kShapes) {
+    if (!o.only.empty() && ("," + o.only + ",").find(std::string(",") + s.name + ",") == std::string::npos) continue;
+    run_shape(o, s, false, lt, drv, b, st);
+    if (s.beta == 0.f) run_shape(o, s, true, lt, drv, b, st);
+  }
+  CK(cudaFree(b.w));
+  CK(cudaFree(b.x));
+  CK(cudaFree(b.c));
+  CK(cudaFree(b.d));
+  CK(cudaFree(b.ref));
+  if (b.ws) CK(cudaFree(b.ws));
+  CKB(cublasLtDestroy(lt));
+  return 0;
+}
