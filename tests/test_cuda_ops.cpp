@@ -26,6 +26,11 @@
 
 #include "ops/backend.h"
 #include "tests/test_util.h"
+#ifdef LAPLACE_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "ops/cuda/cuda_backend.h"
+#endif
 
 namespace laplace {
 namespace {
@@ -327,6 +332,68 @@ TEST_F(CudaOps, GemmAddResidualBF16) {
   EXPECT_TRUE(same_bytes(y2.t, x_out.d()));
   EXPECT_FALSE(same_bytes(y2.t, x_mid.d()));
 }
+
+#ifdef LAPLACE_HAVE_CUDA
+// A captured chain of the decode step's gemm shapes (β = 0, M = 1,280: qkvg 9216 × 3072, w12
+// 16384 × 3072 reading a strided slice of the first's output, then qkvg again) with an
+// element-wise op between each. Before such multi-wave gemms cuBLASLt queues a memset, which
+// capture() takes off the critical path (move_gemm_memsets). Replays must give eager's bytes,
+// twice with fresh inputs, and on sm_90 (cuBLASLt 13 on the H200 queues one before each of
+// these three gemms) the rewiring must have happened: the memsets moved are counted.
+TEST_F(CudaOps, GraphOfGemmsMovesMemsetsAndKeepsEagerBits) {
+  auto* be = dynamic_cast<CudaBackend*>(cuda_.get());
+  ASSERT_NE(be, nullptr);
+  const int64_t N = 1280, D = 3072, O = 9216, F = 16384;
+  Buf x = input({N, D}, kBF16, kF32, 90), w1 = input({O, D}, kBF16, kF32, 91, -0.05, 0.05);
+  Buf w2 = input({F, D}, kBF16, kF32, 92, -0.05, 0.05);
+  struct Outs {
+    std::unique_ptr<DevTensor> y1, y2, y3;
+  };
+  const auto make_outs = [&] {
+    Outs o;
+    o.y1 = std::make_unique<DevTensor>(*cuda_, kBF16, std::vector<int64_t>{N, O});
+    o.y2 = std::make_unique<DevTensor>(*cuda_, kBF16, std::vector<int64_t>{N, F});
+    o.y3 = std::make_unique<DevTensor>(*cuda_, kBF16, std::vector<int64_t>{N, O});
+    return o;
+  };
+  const auto queue = [&](const Outs& o) {
+    cuda_->gemm(x.d(), false, w1.d(), true, o.y1->t, 1.0, 0.0);
+    cuda_->scale(o.y1->t, 0.5);
+    Tensor y1s = o.y1->t;  // [N, D] columns 0..D−1 of y1, row stride O
+    y1s.shape[1] = D;
+    cuda_->gemm(y1s, false, w2.d(), true, o.y2->t, 1.0, 0.0);
+    cuda_->scale(o.y2->t, 2.0);
+    cuda_->gemm(x.d(), false, w1.d(), true, o.y3->t, 1.0, 0.0);
+  };
+  Outs eager = make_outs(), graph = make_outs();
+  const int64_t moved_before = be->graph_memsets_moved();
+  std::unique_ptr<Graph> g;
+  ASSERT_TRUE(cuda_->capture([&] { queue(graph); }, &g).is_ok());
+  const int64_t moved = be->graph_memsets_moved() - moved_before;
+  EXPECT_LE(moved, 3);
+  cudaDeviceProp prop{};
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, be->device_id()), cudaSuccess);
+  if (prop.major == 9) {
+    EXPECT_EQ(moved, 3) << "cuBLASLt queued no memset before these gemms on this sm_90";
+  }
+  std::printf("memsets moved off the critical path: %lld\n", static_cast<long long>(moved));
+  for (uint64_t seed : {93u, 94u}) {
+    Buf fresh = input({N, D}, kBF16, kF32, seed);
+    cuda_->copy(x.d(), fresh.d());
+    for (const Outs* o : {&eager, &graph}) {  // stale outputs must not pass for results
+      cuda_->fill(o->y1->t, 0.0);
+      cuda_->fill(o->y2->t, 0.0);
+      cuda_->fill(o->y3->t, 0.0);
+    }
+    queue(eager);
+    g->launch();
+    EXPECT_TRUE(same_bytes(graph.y1->t, eager.y1->t)) << "seed " << seed;
+    EXPECT_TRUE(same_bytes(graph.y2->t, eager.y2->t)) << "seed " << seed;
+    EXPECT_TRUE(same_bytes(graph.y3->t, eager.y3->t)) << "seed " << seed;
+    EXPECT_FALSE(same_bytes(graph.y1->t, graph.y3->t));  // y1 was halved after its gemm
+  }
+}
+#endif  // LAPLACE_HAVE_CUDA
 
 // ---- embedding -------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 #include "ops/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -68,6 +69,9 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   alloc_ = std::make_unique<CudaAllocator>(stream_);
   CUBLAS_CHECK(cublasLtCreate(&lt_));
   workspace_bytes_ = kWorkspaceBytes;
+  // Diagnostics: LAPLACE_GRAPH_GEMM_MEMSETS=keep captures cuBLASLt's memsets where it queued
+  // them (to time what move_gemm_memsets saves).
+  if (const char* v = std::getenv("LAPLACE_GRAPH_GEMM_MEMSETS")) move_memsets_ = std::strcmp(v, "keep") != 0;
   CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
   CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_f64_), sizeof(double)));
 }
@@ -116,16 +120,85 @@ class CudaGraph final : public Graph {
   cudaStream_t stream_;
 };
 
+std::vector<cudaGraphNode_t> graph_deps(cudaGraphNode_t n) {
+  size_t k = 0;
+  CUDA_CHECK(cudaGraphNodeGetDependencies(n, nullptr, nullptr, &k));
+  std::vector<cudaGraphNode_t> v(k);
+  if (k) CUDA_CHECK(cudaGraphNodeGetDependencies(n, v.data(), nullptr, &k));
+  return v;
+}
+
+std::vector<cudaGraphNode_t> graph_dependents(cudaGraphNode_t n) {
+  size_t k = 0;
+  CUDA_CHECK(cudaGraphNodeGetDependentNodes(n, nullptr, nullptr, &k));
+  std::vector<cudaGraphNode_t> v(k);
+  if (k) CUDA_CHECK(cudaGraphNodeGetDependentNodes(n, v.data(), nullptr, &k));
+  return v;
+}
+
+bool same_nodes(std::vector<cudaGraphNode_t> a, std::vector<cudaGraphNode_t> b) {
+  std::sort(a.begin(), a.end());
+  std::sort(b.begin(), b.end());
+  return a == b;
+}
+
 }  // namespace
+
+// Before a kernel that walks its tiles in several waves, cuBLASLt queues a memset of a 4-byte
+// counter (lab/gemm/algo_lab lists them: one before each β = 0 gemm of a decode step, 49 per
+// step). Captured as queued, the memset waits for the kernel before the gemm and the gemm for
+// the memset: two dependency hops, ~6.5 µs of idle GPU per gemm (scripts/trace_step.py). The
+// counter is cuBLASLt's and only its kernels touch it, so all the memset must follow is the
+// graph's previous gemm; the gemm still waits for its inputs. So P → M → K becomes P → K and
+// K_prev → M → K: the memset runs beside the kernels between the two gemms. No kernel and no
+// data dependency changes, nor do the results. Only the captured shape is rewired: K's one
+// dependency a memset whose one dependent is K and whose dependencies are what the capture
+// had reached when the gemm was queued.
+int64_t CudaBackend::move_gemm_memsets(cudaGraph_t graph) const {
+  int64_t moved = 0;
+  cudaGraphNode_t prev = nullptr;
+  for (const CapturedGemm& g : captured_gemms_) {
+    const std::vector<cudaGraphNode_t> kdeps = graph_deps(g.kernel);
+    cudaGraphNodeType type{};
+    if (kdeps.size() == 1) CUDA_CHECK(cudaGraphNodeGetType(kdeps[0], &type));
+    if (kdeps.size() == 1 && type == cudaGraphNodeTypeMemset && graph_dependents(kdeps[0]).size() == 1 &&
+        same_nodes(graph_deps(kdeps[0]), g.before)) {
+      const cudaGraphNode_t m = kdeps[0];
+      for (cudaGraphNode_t p : g.before) {
+        CUDA_CHECK(cudaGraphRemoveDependencies(graph, &p, &m, nullptr, 1));
+        CUDA_CHECK(cudaGraphAddDependencies(graph, &p, &g.kernel, nullptr, 1));
+      }
+      if (prev) CUDA_CHECK(cudaGraphAddDependencies(graph, &prev, &m, nullptr, 1));
+      ++moved;
+    }
+    prev = g.kernel;
+  }
+  return moved;
+}
+
+// The nodes the next op queued on the capturing stream will depend on.
+std::vector<cudaGraphNode_t> CudaBackend::capture_frontier() const {
+  cudaStreamCaptureStatus st{};
+  const cudaGraphNode_t* deps = nullptr;
+  size_t n = 0;
+  CUDA_CHECK(cudaStreamGetCaptureInfo(stream_, &st, nullptr, nullptr, &deps, nullptr, &n));
+  return st == cudaStreamCaptureStatusActive ? std::vector<cudaGraphNode_t>(deps, deps + n)
+                                             : std::vector<cudaGraphNode_t>{};
+}
 
 Status CudaBackend::capture(const std::function<void()>& queue_ops, std::unique_ptr<Graph>* out) {
   const int64_t syncs = host_syncs_;
   // Thread-local mode: other threads' CUDA calls (an HTTP thread's copies) are not drawn
   // into this capture nor invalidate it.
   CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  captured_gemms_.clear();
+  capturing_ = true;
   queue_ops();
+  capturing_ = false;
   cudaGraph_t graph = nullptr;
   const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+  if (end == cudaSuccess && host_syncs_ == syncs && move_memsets_) graph_memsets_moved_ += move_gemm_memsets(graph);
+  captured_gemms_.clear();
   if (end != cudaSuccess || host_syncs_ != syncs) {
     if (graph) cudaGraphDestroy(graph);
     (void)cudaGetLastError();
@@ -396,8 +469,17 @@ void CudaBackend::gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool 
                  std::min(pointer_alignment(c.data), pointer_alignment(cin.data)), 0};
   const GemmPlan& plan = gemm_plan(key);
   const float fa = static_cast<float>(alpha), fb = static_cast<float>(beta);
+  CapturedGemm rec;
+  if (capturing_) rec.before = capture_frontier();
   CUBLAS_CHECK(cublasLtMatmul(lt_, plan.desc, &fa, b.data, plan.lb, a.data, plan.la, &fb, cin.data, plan.lc, c.data,
                               plan.lc, &plan.algo, workspace_, workspace_bytes_, stream_));
+  if (capturing_) {
+    const std::vector<cudaGraphNode_t> after = capture_frontier();
+    if (after.size() == 1) {
+      rec.kernel = after[0];
+      captured_gemms_.push_back(std::move(rec));
+    }
+  }
 }
 
 // ---- factory -------------------------------------------------------------------------------------

@@ -191,6 +191,9 @@ class CudaBackend final : public Backend {
   // buffer. A training step queued between two readings that differ by 0 made the host
   // wait for the device nowhere (tests assert this).
   int64_t host_syncs() const { return host_syncs_; }
+  // cuBLASLt memsets that capture() took off the critical path of its graphs so far (see
+  // move_gemm_memsets in cuda_backend.cpp); tests read it.
+  int64_t graph_memsets_moved() const { return graph_memsets_moved_; }
 
  private:
   struct GemmPlan {
@@ -214,6 +217,19 @@ class CudaBackend final : public Backend {
   double* host_f64_ = nullptr;  // pinned, one double: sum_squares' result
   std::map<GemmKey, GemmPlan> gemm_plans_;
   int64_t host_syncs_ = 0;
+
+  // While capture() runs: each gemm's last captured node and the nodes the capture had
+  // reached when it was queued (its inputs' producers), in queue order.
+  struct CapturedGemm {
+    std::vector<cudaGraphNode_t> before;
+    cudaGraphNode_t kernel = nullptr;
+  };
+  bool capturing_ = false;
+  bool move_memsets_ = true;
+  std::vector<CapturedGemm> captured_gemms_;
+  int64_t graph_memsets_moved_ = 0;
+  std::vector<cudaGraphNode_t> capture_frontier() const;
+  int64_t move_gemm_memsets(cudaGraph_t graph) const;
 
   // Host-to-device copies are staged through pinned buffers so they need no stream sync:
   // the host data is copied into a free staging buffer at once (so the caller may reuse
