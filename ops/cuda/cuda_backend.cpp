@@ -70,8 +70,8 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   CUBLAS_CHECK(cublasLtCreate(&lt_));
   workspace_bytes_ = kWorkspaceBytes;
   // Diagnostics: LAPLACE_GRAPH_GEMM_MEMSETS=keep captures cuBLASLt's memsets where it queued
-  // them (to time what move_gemm_memsets saves).
-  if (const char* v = std::getenv("LAPLACE_GRAPH_GEMM_MEMSETS")) move_memsets_ = std::strcmp(v, "keep") != 0;
+  // them (to time what gather_gemm_memsets saves).
+  if (const char* v = std::getenv("LAPLACE_GRAPH_GEMM_MEMSETS")) gather_memsets_ = std::strcmp(v, "keep") != 0;
   CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
   CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_f64_), sizeof(double)));
 }
@@ -87,6 +87,7 @@ CudaBackend::~CudaBackend() {
   }
   if (lt_) cublasLtDestroy(lt_);
   if (workspace_) cudaFree(workspace_);
+  if (counters_) cudaFree(counters_);
   if (scratch_) cudaFree(scratch_);
   if (host_f64_) cudaFreeHost(host_f64_);
   for (Staging& st : staging_) {
@@ -145,35 +146,61 @@ bool same_nodes(std::vector<cudaGraphNode_t> a, std::vector<cudaGraphNode_t> b) 
 }  // namespace
 
 // Before a kernel that walks its tiles in several waves, cuBLASLt queues a memset of a 4-byte
-// counter (lab/gemm/algo_lab lists them: one before each β = 0 gemm of a decode step, 49 per
-// step). Captured as queued, the memset waits for the kernel before the gemm and the gemm for
-// the memset: two dependency hops, ~6.5 µs of idle GPU per gemm (scripts/trace_step.py). The
-// counter is cuBLASLt's and only its kernels touch it, so all the memset must follow is the
-// graph's previous gemm; the gemm still waits for its inputs. So P → M → K becomes P → K and
-// K_prev → M → K: the memset runs beside the kernels between the two gemms. No kernel and no
-// data dependency changes, nor do the results. Only the captured shape is rewired: K's one
-// dependency a memset whose one dependent is K and whose dependencies are what the capture
-// had reached when the gemm was queued.
-int64_t CudaBackend::move_gemm_memsets(cudaGraph_t graph) const {
-  int64_t moved = 0;
-  cudaGraphNode_t prev = nullptr;
+// tile counter it keeps in the workspace (lab/gemm/algo_lab: the heuristic asks for 4 bytes of
+// workspace; one memset before each β = 0 gemm of a decode step, 49 per step). Captured as
+// queued, each memset waits for the kernel before the gemm and the gemm for the memset: two
+// dependency hops, ~6.5 µs of idle GPU per gemm (scripts/trace_step.py). Hanging the memset
+// off the previous gemm instead (a branch beside the kernels in between) did not help: the
+// gemm then waits at the join. So while capturing, each gemm whose algorithm needs at most
+// kCounterSlot bytes of workspace gets its own slot of counters_ (gemm_add), and here every
+// memset that zeroes exactly such a gemm's slot is dropped (its producers now feed the gemm
+// directly) and one memset at the head of the graph zeroes all the slots instead. No kernel
+// and no data dependency changes, nor do the results; graphs never overlap (one stream), so
+// all graphs may share the slots. Only the captured shape is rewired: K's one dependency a
+// memset of 0 whose one dependent is K, whose target lies in K's slot, and whose dependencies
+// are what the capture had reached when the gemm was queued.
+int64_t CudaBackend::gather_gemm_memsets(cudaGraph_t graph) const {
+  int64_t dropped = 0, slots = 0;
   for (const CapturedGemm& g : captured_gemms_) {
+    if (g.slot < 0) continue;
+    slots = std::max<int64_t>(slots, g.slot + 1);
     const std::vector<cudaGraphNode_t> kdeps = graph_deps(g.kernel);
+    if (kdeps.size() != 1) continue;
+    const cudaGraphNode_t m = kdeps[0];
     cudaGraphNodeType type{};
-    if (kdeps.size() == 1) CUDA_CHECK(cudaGraphNodeGetType(kdeps[0], &type));
-    if (kdeps.size() == 1 && type == cudaGraphNodeTypeMemset && graph_dependents(kdeps[0]).size() == 1 &&
-        same_nodes(graph_deps(kdeps[0]), g.before)) {
-      const cudaGraphNode_t m = kdeps[0];
-      for (cudaGraphNode_t p : g.before) {
-        CUDA_CHECK(cudaGraphRemoveDependencies(graph, &p, &m, nullptr, 1));
-        CUDA_CHECK(cudaGraphAddDependencies(graph, &p, &g.kernel, nullptr, 1));
-      }
-      if (prev) CUDA_CHECK(cudaGraphAddDependencies(graph, &prev, &m, nullptr, 1));
-      ++moved;
-    }
-    prev = g.kernel;
+    CUDA_CHECK(cudaGraphNodeGetType(m, &type));
+    if (type != cudaGraphNodeTypeMemset) continue;
+    cudaMemsetParams mp{};
+    CUDA_CHECK(cudaGraphMemsetNodeGetParams(m, &mp));
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(counters_) + g.slot * kCounterSlot;
+    const uintptr_t dst = reinterpret_cast<uintptr_t>(mp.dst);
+    const size_t bytes = static_cast<size_t>(mp.elementSize) * mp.width;
+    if (mp.value != 0 || mp.height > 1 || dst < lo || dst + bytes > lo + kCounterSlot ||
+        graph_dependents(m).size() != 1 || !same_nodes(graph_deps(m), g.before))
+      continue;
+    CUDA_CHECK(cudaGraphDestroyNode(m));  // and its edges P → M → K
+    for (cudaGraphNode_t p : g.before) CUDA_CHECK(cudaGraphAddDependencies(graph, &p, &g.kernel, nullptr, 1));
+    ++dropped;
   }
-  return moved;
+  if (dropped == 0) return 0;
+  // The graph's roots, found before the new head joins them.
+  size_t n = 0;
+  CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &n));
+  std::vector<cudaGraphNode_t> nodes(n), roots;
+  if (n) CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &n));
+  for (cudaGraphNode_t x : nodes)
+    if (graph_deps(x).empty()) roots.push_back(x);
+  cudaMemsetParams zp{};
+  zp.dst = counters_;
+  zp.value = 0;
+  zp.elementSize = 4;
+  zp.width = static_cast<size_t>(slots) * kCounterSlot / 4;
+  zp.height = 1;
+  zp.pitch = 0;
+  cudaGraphNode_t head = nullptr;
+  CUDA_CHECK(cudaGraphAddMemsetNode(&head, graph, nullptr, 0, &zp));
+  for (cudaGraphNode_t r : roots) CUDA_CHECK(cudaGraphAddDependencies(graph, &head, &r, nullptr, 1));
+  return dropped;
 }
 
 // The nodes the next op queued on the capturing stream will depend on.
@@ -190,6 +217,7 @@ Status CudaBackend::capture(const std::function<void()>& queue_ops, std::unique_
   const int64_t syncs = host_syncs_;
   // Thread-local mode: other threads' CUDA calls (an HTTP thread's copies) are not drawn
   // into this capture nor invalidate it.
+  if (gather_memsets_ && !counters_) CUDA_CHECK(cudaMalloc(&counters_, kCounterSlots * kCounterSlot));
   CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   captured_gemms_.clear();
   capturing_ = true;
@@ -197,7 +225,7 @@ Status CudaBackend::capture(const std::function<void()>& queue_ops, std::unique_
   capturing_ = false;
   cudaGraph_t graph = nullptr;
   const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
-  if (end == cudaSuccess && host_syncs_ == syncs && move_memsets_) graph_memsets_moved_ += move_gemm_memsets(graph);
+  if (end == cudaSuccess && host_syncs_ == syncs) graph_memsets_moved_ += gather_gemm_memsets(graph);
   captured_gemms_.clear();
   if (end != cudaSuccess || host_syncs_ != syncs) {
     if (graph) cudaGraphDestroy(graph);
@@ -418,6 +446,7 @@ const CudaBackend::GemmPlan& CudaBackend::gemm_plan(const GemmKey& key) {
     check_failed(__FILE__, __LINE__, "cublasLtMatmulAlgoGetHeuristic", msg.c_str());
   }
   plan.algo = res.algo;
+  plan.ws_needed = res.workspaceSize;
   return gemm_plans_.emplace(key, plan).first->second;
 }
 
@@ -469,10 +498,22 @@ void CudaBackend::gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool 
                  std::min(pointer_alignment(c.data), pointer_alignment(cin.data)), 0};
   const GemmPlan& plan = gemm_plan(key);
   const float fa = static_cast<float>(alpha), fb = static_cast<float>(beta);
+  // While capturing, a gemm whose algorithm needs little workspace (a tile counter) gets a
+  // slot of its own, so that capture() can zero all slots at once (gather_gemm_memsets).
   CapturedGemm rec;
-  if (capturing_) rec.before = capture_frontier();
+  void* ws = workspace_;
+  size_t ws_bytes = workspace_bytes_;
+  if (capturing_) {
+    rec.before = capture_frontier();
+    const int64_t slot = static_cast<int64_t>(captured_gemms_.size());
+    if (counters_ && plan.ws_needed <= kCounterSlot && slot < kCounterSlots) {
+      rec.slot = slot;
+      ws = static_cast<char*>(counters_) + slot * kCounterSlot;
+      ws_bytes = kCounterSlot;
+    }
+  }
   CUBLAS_CHECK(cublasLtMatmul(lt_, plan.desc, &fa, b.data, plan.lb, a.data, plan.la, &fb, cin.data, plan.lc, c.data,
-                              plan.lc, &plan.algo, workspace_, workspace_bytes_, stream_));
+                              plan.lc, &plan.algo, ws, ws_bytes, stream_));
   if (capturing_) {
     const std::vector<cudaGraphNode_t> after = capture_frontier();
     if (after.size() == 1) {

@@ -191,8 +191,8 @@ class CudaBackend final : public Backend {
   // buffer. A training step queued between two readings that differ by 0 made the host
   // wait for the device nowhere (tests assert this).
   int64_t host_syncs() const { return host_syncs_; }
-  // cuBLASLt memsets that capture() took off the critical path of its graphs so far (see
-  // move_gemm_memsets in cuda_backend.cpp); tests read it.
+  // cuBLASLt memsets that capture() replaced by one at the head of their graph so far (see
+  // gather_gemm_memsets in cuda_backend.cpp); tests read it.
   int64_t graph_memsets_moved() const { return graph_memsets_moved_; }
 
  private:
@@ -200,6 +200,7 @@ class CudaBackend final : public Backend {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
     cublasLtMatmulAlgo_t algo{};
+    size_t ws_needed = 0;  // the workspace the algorithm asks for (bytes)
   };
   using GemmKey = std::array<int64_t, 15>;
   const GemmPlan& gemm_plan(const GemmKey& key);
@@ -218,18 +219,23 @@ class CudaBackend final : public Backend {
   std::map<GemmKey, GemmPlan> gemm_plans_;
   int64_t host_syncs_ = 0;
 
-  // While capture() runs: each gemm's last captured node and the nodes the capture had
-  // reached when it was queued (its inputs' producers), in queue order.
+  // While capture() runs: each gemm's last captured node, the nodes the capture had reached
+  // when it was queued (its inputs' producers) and its workspace slot in counters_ (−1: the
+  // shared workspace), in queue order. See gather_gemm_memsets.
   struct CapturedGemm {
     std::vector<cudaGraphNode_t> before;
     cudaGraphNode_t kernel = nullptr;
+    int64_t slot = -1;
   };
+  static constexpr size_t kCounterSlot = 256;     // bytes per captured gemm (cuBLASLt's alignment)
+  static constexpr int64_t kCounterSlots = 4096;  // gemms per graph that get one
   bool capturing_ = false;
-  bool move_memsets_ = true;
+  bool gather_memsets_ = true;
+  void* counters_ = nullptr;  // [kCounterSlots × kCounterSlot] bytes, allocated at the first capture
   std::vector<CapturedGemm> captured_gemms_;
   int64_t graph_memsets_moved_ = 0;
   std::vector<cudaGraphNode_t> capture_frontier() const;
-  int64_t move_gemm_memsets(cudaGraph_t graph) const;
+  int64_t gather_gemm_memsets(cudaGraph_t graph) const;
 
   // Host-to-device copies are staged through pinned buffers so they need no stream sync:
   // the host data is copied into a free staging buffer at once (so the caller may reuse
