@@ -337,7 +337,7 @@ TEST_F(CudaOps, GemmAddResidualBF16) {
 // A captured chain of the decode step's gemm shapes (β = 0, M = 1,280: qkvg 9216 × 3072, w12
 // 16384 × 3072 reading a strided slice of the first's output, then qkvg again) with an
 // element-wise op between each. Before such multi-wave gemms cuBLASLt queues a memset of a
-// tile counter, which capture() replaces by one memset at the head of the graph
+// tile counter, which capture() replaces by one zeroing kernel at the head of the graph
 // (gather_gemm_memsets). Replays must give eager's bytes, twice with fresh inputs (and a second
 // replay the same: the counters are zeroed again), and on sm_90 (cuBLASLt 13 on the H200
 // queues one before each of these three gemms) the rewiring must have happened: the memsets

@@ -152,18 +152,17 @@ bool same_nodes(std::vector<cudaGraphNode_t> a, std::vector<cudaGraphNode_t> b) 
 // dependency hops, ~6.5 µs of idle GPU per gemm (scripts/trace_step.py). Hanging the memset
 // off the previous gemm instead (a branch beside the kernels in between) did not help: the
 // gemm then waits at the join. So while capturing, each gemm whose algorithm needs at most
-// kCounterSlot bytes of workspace gets its own slot of counters_ (gemm_add), and here every
-// memset that zeroes exactly such a gemm's slot is dropped (its producers now feed the gemm
-// directly) and one memset at the head of the graph zeroes all the slots instead. No kernel
+// kCounterSlot bytes of workspace gets its own slot of counters_ (gemm_add), the graph's first
+// node zeroes all slots (a fill kernel: capture()), and here every memset that zeroes exactly
+// such a gemm's slot is dropped (its producers now feed the gemm directly). No kernel
 // and no data dependency changes, nor do the results; graphs never overlap (one stream), so
 // all graphs may share the slots. Only the captured shape is rewired: K's one dependency a
 // memset of 0 whose one dependent is K, whose target lies in K's slot, and whose dependencies
 // are what the capture had reached when the gemm was queued.
 int64_t CudaBackend::gather_gemm_memsets(cudaGraph_t graph) const {
-  int64_t dropped = 0, slots = 0;
+  int64_t dropped = 0;
   for (const CapturedGemm& g : captured_gemms_) {
     if (g.slot < 0) continue;
-    slots = std::max<int64_t>(slots, g.slot + 1);
     const std::vector<cudaGraphNode_t> kdeps = graph_deps(g.kernel);
     if (kdeps.size() != 1) continue;
     const cudaGraphNode_t m = kdeps[0];
@@ -182,24 +181,6 @@ int64_t CudaBackend::gather_gemm_memsets(cudaGraph_t graph) const {
     for (cudaGraphNode_t p : g.before) CUDA_CHECK(cudaGraphAddDependencies(graph, &p, &g.kernel, nullptr, 1));
     ++dropped;
   }
-  if (dropped == 0) return 0;
-  // The graph's roots, found before the new head joins them.
-  size_t n = 0;
-  CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &n));
-  std::vector<cudaGraphNode_t> nodes(n), roots;
-  if (n) CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &n));
-  for (cudaGraphNode_t x : nodes)
-    if (graph_deps(x).empty()) roots.push_back(x);
-  cudaMemsetParams zp{};
-  zp.dst = counters_;
-  zp.value = 0;
-  zp.elementSize = 4;
-  zp.width = static_cast<size_t>(slots) * kCounterSlot / 4;
-  zp.height = 1;
-  zp.pitch = 0;
-  cudaGraphNode_t head = nullptr;
-  CUDA_CHECK(cudaGraphAddMemsetNode(&head, graph, nullptr, 0, &zp));
-  for (cudaGraphNode_t r : roots) CUDA_CHECK(cudaGraphAddDependencies(graph, &head, &r, nullptr, 1));
   return dropped;
 }
 
@@ -220,6 +201,10 @@ Status CudaBackend::capture(const std::function<void()>& queue_ops, std::unique_
   if (gather_memsets_ && !counters_) CUDA_CHECK(cudaMalloc(&counters_, kCounterSlots * kCounterSlot));
   CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   captured_gemms_.clear();
+  if (counters_) {  // every replay starts with its gemms' counters at zero (gather_gemm_memsets)
+    const int64_t words = kCounterSlots * static_cast<int64_t>(kCounterSlot / 4);
+    fill(Tensor::make(counters_, DType::kF32, &words, 1, Device::kCUDA), 0.0);
+  }
   capturing_ = true;
   queue_ops();
   capturing_ = false;

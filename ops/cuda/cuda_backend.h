@@ -191,7 +191,7 @@ class CudaBackend final : public Backend {
   // buffer. A training step queued between two readings that differ by 0 made the host
   // wait for the device nowhere (tests assert this).
   int64_t host_syncs() const { return host_syncs_; }
-  // cuBLASLt memsets that capture() replaced by one at the head of their graph so far (see
+  // cuBLASLt memsets that capture() replaced by one zeroing at the head of their graph so far (see
   // gather_gemm_memsets in cuda_backend.cpp); tests read it.
   int64_t graph_memsets_moved() const { return graph_memsets_moved_; }
 
@@ -228,7 +228,7 @@ class CudaBackend final : public Backend {
     int64_t slot = -1;
   };
   static constexpr size_t kCounterSlot = 256;     // bytes per captured gemm (cuBLASLt's alignment)
-  static constexpr int64_t kCounterSlots = 4096;  // gemms per graph that get one
+  static constexpr int64_t kCounterSlots = 1024;  // gemms per graph that get one
   bool capturing_ = false;
   bool gather_memsets_ = true;
   void* counters_ = nullptr;  // [kCounterSlots × kCounterSlot] bytes, allocated at the first capture
