@@ -723,12 +723,14 @@ bool Engine::step() {
     else if (greedy) exec_->decode_greedy(plan.batch, &greedy_ids_);
     else exec_->decode(plan.batch, &logits_);
     // The next step's decode goes to the device now, before the host emits this one's.
+    const double tc = now();
     if (greedy && can_chain(plan, greedy_ids_)) {
       exec_->chain_greedy(plan.batch);
       ++d.chained_decodes;
       in_flight_ = true;
       in_flight_rows_ = plan.decode;
       in_flight_batch_ = plan.batch;
+      d.chain_seconds += now() - tc;
     }
     d.decode_seconds += now() - t;
     ++d.decode_forwards;
@@ -784,6 +786,7 @@ bool Engine::step() {
     stats_.prefill_seconds += d.prefill_seconds;
     stats_.decode_seconds += d.decode_seconds;
     stats_.sample_seconds += d.sample_seconds;
+    stats_.chain_seconds += d.chain_seconds;
     in_step_ = false;
   }
   done_.clear();

@@ -113,6 +113,10 @@ struct EngineStats {
   int64_t submitted = 0, finished = 0, cancelled = 0;  // finished includes cancelled
   int64_t queued = 0, running = 0, free_slots = 0;     // now
   double prefill_seconds = 0, decode_seconds = 0, sample_seconds = 0;  // executor / host sampling time
+  // Of decode_seconds, the host's time from a step's ids in hand to the next step queued
+  // (the stop check and chain_greedy: the copy, the replay's launch, the argmax). With the
+  // device caught up, the GPU idles for about this long between pipelined steps.
+  double chain_seconds = 0;
 };
 
 // Usable slots (the scratch slot not counted) whose pool fits in budget_bytes, as

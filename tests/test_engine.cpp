@@ -593,6 +593,11 @@ TEST(EnginePipeline, QueuedAheadGivesTheUnpipelinedTokensStatesAndFinishes) {
   const auto on = script(true), off = script(false);
   EXPECT_GT(on->eng->stats().chained_decodes, 10);
   EXPECT_EQ(off->eng->stats().chained_decodes, 0);
+  // The time spent queueing ahead is counted (on the CPU the chained forward runs inside it)
+  // and is part of the decode time; without the pipeline there is none.
+  EXPECT_GT(on->eng->stats().chain_seconds, 0.0);
+  EXPECT_LE(on->eng->stats().chain_seconds, on->eng->stats().decode_seconds);
+  EXPECT_EQ(off->eng->stats().chain_seconds, 0.0);
   EXPECT_EQ(on->eng->stats().generated_tokens, off->eng->stats().generated_tokens);
   ASSERT_EQ(on->out.size(), 5u);
   ASSERT_EQ(off->out.size(), 5u);
