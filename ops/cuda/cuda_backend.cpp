@@ -201,6 +201,7 @@ Status CudaBackend::capture(const std::function<void()>& queue_ops, std::unique_
   if (gather_memsets_ && !counters_) CUDA_CHECK(cudaMalloc(&counters_, kCounterSlots * kCounterSlot));
   CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   captured_gemms_.clear();
+  slots_used_ = 0;
   if (counters_) {  // every replay starts with its gemms' counters at zero (gather_gemm_memsets)
     const int64_t words = kCounterSlots * static_cast<int64_t>(kCounterSlot / 4);
     fill(Tensor::make(counters_, DType::kF32, &words, 1, Device::kCUDA), 0.0);
@@ -490,10 +491,10 @@ void CudaBackend::gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool 
   size_t ws_bytes = workspace_bytes_;
   if (capturing_) {
     rec.before = capture_frontier();
-    const int64_t slot = static_cast<int64_t>(captured_gemms_.size());
-    if (counters_ && plan.ws_needed <= kCounterSlot && slot < kCounterSlots) {
-      rec.slot = slot;
-      ws = static_cast<char*>(counters_) + slot * kCounterSlot;
+    // A slot handed out is never handed out again in this capture, recorded or not.
+    if (counters_ && plan.ws_needed <= kCounterSlot && slots_used_ < kCounterSlots) {
+      rec.slot = slots_used_++;
+      ws = static_cast<char*>(counters_) + rec.slot * kCounterSlot;
       ws_bytes = kCounterSlot;
     }
   }

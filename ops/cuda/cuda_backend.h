@@ -233,6 +233,7 @@ class CudaBackend final : public Backend {
   bool gather_memsets_ = true;
   void* counters_ = nullptr;  // [kCounterSlots × kCounterSlot] bytes, allocated at the first capture
   std::vector<CapturedGemm> captured_gemms_;
+  int64_t slots_used_ = 0;  // of counters_, in the capture running
   int64_t graph_memsets_moved_ = 0;
   std::vector<cudaGraphNode_t> capture_frontier() const;
   int64_t gather_gemm_memsets(cudaGraph_t graph) const;
