@@ -38,8 +38,6 @@
 // Summary per dtype: one layer of the full batch unsplit (state of all 2·half sequences on all
 // SMs, then the 4 gemms at M = 2·half on all SMs, in one graph) against 2 steps of f or g.
 #include <cublasLt.h>
-#include <cuda.h>  // driver types only: the entry points come from cudaGetDriverEntryPointByVersion
-#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <cmath>
@@ -51,18 +49,10 @@
 #include <utility>
 #include <vector>
 
+#include "../lab_cublas.h"
+#include "../lab_driver.h"
 #include "../lab_host.h"
 #include "decode_v3.cuh"
-
-#define CKB(x)                                                                                              \
-  do {                                                                                                      \
-    cublasStatus_t s_ = (x);                                                                                \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                                      \
-      std::fprintf(stderr, "%s:%d: %s: %s (%s)\n", __FILE__, __LINE__, #x, cublasLtGetStatusName(s_),      \
-                   cublasLtGetStatusString(s_));                                                            \
-      std::exit(1);                                                                                         \
-    }                                                                                                       \
-  } while (0)
 
 namespace {
 
@@ -169,94 +159,22 @@ void enqueue_gemms(cublasLtHandle_t lt, const Plan& p, const GemmBufs& g, int ro
 // ---- what the gemms actually launch ------------------------------------------------------------
 // The SM target only steers cuBLASLt's choice; whether the kernel it picks really stays on
 // target - N SMs is seen in its grid (a persistent kernel's grid is its SM count; a tiled one with
-// more CTAs than SMs floods every SM). cuBLASLt's kernels are not the runtime's, so their node
-// parameters are read through the driver API (runtime cudaGraphKernelNodeGetParams can fail on
-// them), fetched by entry point to avoid linking -lcuda. Informational: failures print "n/a".
-struct DriverFns {
-  PFN_cuGraphKernelNodeGetParams_v12000 params = nullptr;
-  PFN_cuGraphKernelNodeGetAttribute_v11000 attr = nullptr;
-  PFN_cuFuncGetName_v12030 fname = nullptr;
-  PFN_cuKernelGetName_v12030 kname = nullptr;
-};
-
-template <class T>
-T entry(const char* sym) {
-  void* fp = nullptr;
-  cudaDriverEntryPointQueryResult q{};
-  if (cudaGetDriverEntryPointByVersion(sym, &fp, 12030, cudaEnableDefault, &q) != cudaSuccess ||
-      q != cudaDriverEntryPointSuccess) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  return reinterpret_cast<T>(fp);
-}
-
-DriverFns load_driver_fns() {
-  DriverFns d;
-  d.params = entry<PFN_cuGraphKernelNodeGetParams_v12000>("cuGraphKernelNodeGetParams");
-  d.attr = entry<PFN_cuGraphKernelNodeGetAttribute_v11000>("cuGraphKernelNodeGetAttribute");
-  d.fname = entry<PFN_cuFuncGetName_v12030>("cuFuncGetName");
-  d.kname = entry<PFN_cuKernelGetName_v12030>("cuKernelGetName");
-  return d;
-}
+// more CTAs than SMs floods every SM), read from the captured graph (lab_driver.h).
+using lab::DriverFns;
+using lab::load_driver_fns;
 
 void print_launches(const DriverFns& d, cudaStream_t s0, const std::function<void(cudaStream_t)>& enqueue) {
   cudaGraph_t g;
   CK(cudaStreamBeginCapture(s0, cudaStreamCaptureModeThreadLocal));
   enqueue(s0);
   CK(cudaStreamEndCapture(s0, &g));
-  size_t n = 0;
-  CK(cudaGraphGetNodes(g, nullptr, &n));
-  std::vector<cudaGraphNode_t> nodes(n);
-  CK(cudaGraphGetNodes(g, nodes.data(), &n));
-  for (cudaGraphNode_t node : nodes) {
-    cudaGraphNodeType t;
-    CK(cudaGraphNodeGetType(node, &t));
-    if (t != cudaGraphNodeTypeKernel) {
-      std::printf("        node type %d\n", static_cast<int>(t));
-      continue;
-    }
-    CUDA_KERNEL_NODE_PARAMS_v2 kp{};
-    if (!d.params || d.params(reinterpret_cast<CUgraphNode>(node), &kp) != CUDA_SUCCESS) {
-      std::printf("        kernel n/a\n");
-      continue;
-    }
-    const char* name = nullptr;
-    if (kp.func && d.fname) d.fname(&name, kp.func);
-    else if (kp.kern && d.kname) d.kname(&name, kp.kern);
-    CUkernelNodeAttrValue_v1 cv{};
-    const bool has_cluster = d.attr && d.attr(reinterpret_cast<CUgraphNode>(node),
-                                              CU_KERNEL_NODE_ATTRIBUTE_CLUSTER_DIMENSION, &cv) == CUDA_SUCCESS;
-    std::printf("        grid %u×%u×%u (%u CTAs) block %u dyn smem %u cluster %s%u×%u×%u  %.160s\n", kp.gridDimX,
-                kp.gridDimY, kp.gridDimZ, kp.gridDimX * kp.gridDimY * kp.gridDimZ,
-                kp.blockDimX * kp.blockDimY * kp.blockDimZ, kp.sharedMemBytes, has_cluster ? "" : "(n/a) ",
-                cv.clusterDim.x, cv.clusterDim.y, cv.clusterDim.z, name ? name : "(name n/a)");
-  }
+  lab::print_graph_nodes(d, g);
   CK(cudaGraphDestroy(g));
 }
 
 void print_plan(const Plan& p) {
-  for (int i = 0; i < 4; ++i) {
-    const cublasLtMatmulAlgo_t& a = p.res[i].algo;
-    int32_t id = -1, splitk = -1;
-    uint32_t tile = 0, stages = 0, swz = 0, custom = 0, red = 0;
-    uint16_t cluster = 0, inner = 0;
-    size_t w = 0;
-    // Informational getters: a failure leaves the -1/0 defaults.
-    cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof id, &w);
-    cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof tile, &w);
-    cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof stages, &w);
-    cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof splitk, &w);
-    cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &red, sizeof red, &w);
-    cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swz, sizeof swz, &w);
-    cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &custom, sizeof custom, &w);
-    cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof cluster, &w);
-    cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, &inner, sizeof inner, &w);
-    std::printf("    %-4s M %d target %3d: algo %d tile %u stages %u splitK %d red %u swizzle %u custom %u cluster-id %u "
-                "inner %u waves %.2f ws %zu\n",
-                kProj[i].name, p.M, p.target, id, tile, stages, splitk, red, swz, custom, cluster, inner,
-                p.res[i].wavesCount, p.res[i].workspaceSize);
-  }
+  for (int i = 0; i < 4; ++i)
+    std::printf("    %-4s M %d target %3d: %s\n", kProj[i].name, p.M, p.target, lab::algo_config_str(p.res[i]).c_str());
 }
 
 // ---- the state kernel ----------------------------------------------------------------------------

@@ -22,9 +22,7 @@
 // β = 0 in place (qkvg, w12, head) or β = 1 with C ≠ D (wo, w3: the residual adds), as the model.
 // Exit status 1 on any CUDA or cuBLASLt error.
 #include <cublasLt.h>
-#include <cuda.h>  // driver types only: the entry points come from cudaGetDriverEntryPointByVersion
 #include <cuda_bf16.h>
-#include <cudaTypedefs.h>
 
 #include <cmath>
 #include <cstdio>
@@ -33,17 +31,9 @@
 #include <string>
 #include <vector>
 
+#include "../lab_cublas.h"
+#include "../lab_driver.h"
 #include "../lab_host.h"
-
-#define CKB(x)                                                                                         \
-  do {                                                                                                 \
-    cublasStatus_t s_ = (x);                                                                           \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                                 \
-      std::fprintf(stderr, "%s:%d: %s: %s (%s)\n", __FILE__, __LINE__, #x, cublasLtGetStatusName(s_), \
-                   cublasLtGetStatusString(s_));                                                       \
-      std::exit(1);                                                                                    \
-    }                                                                                                  \
-  } while (0)
 
 namespace {
 
@@ -77,78 +67,7 @@ __global__ void fill_bf16(__nv_bfloat16* p, uint64_t n, uint64_t seed, float sca
     p[i] = __float2bfloat16_rn(scale * hash_unit(i + seed));
 }
 
-// ---- driver entry points (cuBLASLt's kernels are not the runtime's) ------------------------------
-struct DriverFns {
-  PFN_cuGraphKernelNodeGetParams_v12000 params = nullptr;
-  PFN_cuFuncGetName_v12030 fname = nullptr;
-  PFN_cuKernelGetName_v12030 kname = nullptr;
-};
-
-template <class T>
-T entry(const char* sym) {
-  void* fp = nullptr;
-  cudaDriverEntryPointQueryResult q{};
-  if (cudaGetDriverEntryPointByVersion(sym, &fp, 12030, cudaEnableDefault, &q) != cudaSuccess ||
-      q != cudaDriverEntryPointSuccess) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  return reinterpret_cast<T>(fp);
-}
-
-// One line per node of a captured call: memsets with their bytes, kernels with launch shape.
-void print_nodes(const DriverFns& d, cudaGraph_t g, int* memsets) {
-  size_t n = 0;
-  CK(cudaGraphGetNodes(g, nullptr, &n));
-  std::vector<cudaGraphNode_t> nodes(n);
-  CK(cudaGraphGetNodes(g, nodes.data(), &n));
-  *memsets = 0;
-  for (cudaGraphNode_t node : nodes) {
-    cudaGraphNodeType t;
-    CK(cudaGraphNodeGetType(node, &t));
-    if (t == cudaGraphNodeTypeMemset) {
-      cudaMemsetParams mp{};
-      CK(cudaGraphMemsetNodeGetParams(node, &mp));
-      ++*memsets;
-      std::printf("        memset %zu B (elem %u × %zu × %zu) value %u\n", mp.elementSize * mp.width * mp.height,
-                  mp.elementSize, mp.width, mp.height, mp.value);
-      continue;
-    }
-    if (t != cudaGraphNodeTypeKernel) {
-      std::printf("        node type %d\n", static_cast<int>(t));
-      continue;
-    }
-    CUDA_KERNEL_NODE_PARAMS_v2 kp{};
-    if (!d.params || d.params(reinterpret_cast<CUgraphNode>(node), &kp) != CUDA_SUCCESS) {
-      std::printf("        kernel n/a\n");
-      continue;
-    }
-    const char* name = nullptr;
-    if (kp.func && d.fname) d.fname(&name, kp.func);
-    else if (kp.kern && d.kname) d.kname(&name, kp.kern);
-    std::printf("        kernel grid %u (%u×%u×%u) block %u smem %u  %.140s\n", kp.gridDimX * kp.gridDimY * kp.gridDimZ,
-                kp.gridDimX, kp.gridDimY, kp.gridDimZ, kp.blockDimX * kp.blockDimY * kp.blockDimZ,
-                kp.sharedMemBytes, name ? name : "(name n/a)");
-  }
-}
-
-std::string algo_str(const cublasLtMatmulHeuristicResult_t& r) {
-  int32_t id = -1, splitk = -1;
-  uint32_t tile = 0, stages = 0, red = 0;
-  uint16_t cluster = 0;
-  size_t w = 0;
-  const cublasLtMatmulAlgo_t& a = r.algo;
-  cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof id, &w);
-  cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof tile, &w);
-  cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof stages, &w);
-  cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof splitk, &w);
-  cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &red, sizeof red, &w);
-  cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof cluster, &w);
-  char buf[200];
-  std::snprintf(buf, sizeof buf, "algo %d tile %u stages %u splitK %d red %u cluster %u waves %.2f ws %zu", id, tile,
-                stages, splitk, red, cluster, r.wavesCount, r.workspaceSize);
-  return buf;
-}
+using lab::DriverFns;
 
 struct Bufs {
   __nv_bfloat16 *x = nullptr, *w = nullptr;
@@ -223,13 +142,12 @@ void run_shape(const Opts& o, const Shape& s, bool distinct_c, cublasLtHandle_t 
     const cublasStatus_t cs = call(st);
     CK(cudaStreamEndCapture(st, &g1));
     if (cs != CUBLAS_STATUS_SUCCESS) {
-      std::printf("  [%d] %s: capture failed (%s)\n", i, algo_str(res[i]).c_str(), cublasLtGetStatusName(cs));
+      std::printf("  [%d] %s: capture failed (%s)\n", i, lab::algo_config_str(res[i]).c_str(), cublasLtGetStatusName(cs));
       CK(cudaGraphDestroy(g1));
       continue;
     }
-    std::printf("  [%d] %s\n", i, algo_str(res[i]).c_str());
-    int memsets = 0;
-    print_nodes(drv, g1, &memsets);
+    std::printf("  [%d] %s\n", i, lab::algo_config_str(res[i]).c_str());
+    const int memsets = lab::print_graph_nodes(drv, g1);
     CK(cudaGraphDestroy(g1));
     // Output against result 0's (β = 1: C is the same constant input every call, so repeat
     // calls give the same D).
@@ -293,10 +211,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "algo_lab: sizes must be positive\n");
     return 2;
   }
-  DriverFns drv;
-  drv.params = entry<PFN_cuGraphKernelNodeGetParams_v12000>("cuGraphKernelNodeGetParams");
-  drv.fname = entry<PFN_cuFuncGetName_v12030>("cuFuncGetName");
-  drv.kname = entry<PFN_cuKernelGetName_v12030>("cuKernelGetName");
+  const DriverFns drv = lab::load_driver_fns();
   cublasLtHandle_t lt;
   CKB(cublasLtCreate(&lt));
   cudaStream_t st;

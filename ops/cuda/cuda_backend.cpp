@@ -121,21 +121,17 @@ class CudaGraph final : public Graph {
   cudaStream_t stream_;
 };
 
-std::vector<cudaGraphNode_t> graph_deps(cudaGraphNode_t n) {
+// A node's dependencies or dependents (get = cudaGraphNodeGetDependencies / …DependentNodes).
+using NodeListFn = cudaError_t (*)(cudaGraphNode_t, cudaGraphNode_t*, cudaGraphEdgeData*, size_t*);
+std::vector<cudaGraphNode_t> node_list(cudaGraphNode_t n, NodeListFn get) {
   size_t k = 0;
-  CUDA_CHECK(cudaGraphNodeGetDependencies(n, nullptr, nullptr, &k));
+  CUDA_CHECK(get(n, nullptr, nullptr, &k));
   std::vector<cudaGraphNode_t> v(k);
-  if (k) CUDA_CHECK(cudaGraphNodeGetDependencies(n, v.data(), nullptr, &k));
+  if (k) CUDA_CHECK(get(n, v.data(), nullptr, &k));
   return v;
 }
-
-std::vector<cudaGraphNode_t> graph_dependents(cudaGraphNode_t n) {
-  size_t k = 0;
-  CUDA_CHECK(cudaGraphNodeGetDependentNodes(n, nullptr, nullptr, &k));
-  std::vector<cudaGraphNode_t> v(k);
-  if (k) CUDA_CHECK(cudaGraphNodeGetDependentNodes(n, v.data(), nullptr, &k));
-  return v;
-}
+std::vector<cudaGraphNode_t> graph_deps(cudaGraphNode_t n) { return node_list(n, cudaGraphNodeGetDependencies); }
+std::vector<cudaGraphNode_t> graph_dependents(cudaGraphNode_t n) { return node_list(n, cudaGraphNodeGetDependentNodes); }
 
 bool same_nodes(std::vector<cudaGraphNode_t> a, std::vector<cudaGraphNode_t> b) {
   std::sort(a.begin(), a.end());
