@@ -9,7 +9,8 @@
 //   - captures one call into a CUDA graph and lists its nodes: kernels (grid, block, dynamic
 //     shared memory, name, read through the driver API) and memsets (bytes);
 //   - times a graph of --calls calls (median of --reps replays, ms per call), so launch gaps
-//     and memsets count as they do in the decode graph;
+//     and memsets count as they do in the decode graph; the candidates' replays are
+//     interleaved round by round, so the clock's drift under load falls on all of them alike;
 //   - compares the output with result 0's: bytes equal or not, and the largest difference
 //     relative to the output's RMS.
 // Per shape it also runs the same with the β = 0 output given a distinct C (cin ≠ d), to see
@@ -24,6 +25,7 @@
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -130,6 +132,14 @@ void run_shape(const Opts& o, const Shape& s, bool distinct_c, cublasLtHandle_t 
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   const float one = 1.f;
+  struct Cand {
+    int i = 0, memsets = 0;
+    bool same = true;
+    double rel = 0;
+    cudaGraphExec_t exec = nullptr;
+    std::vector<double> ms;
+  };
+  std::vector<Cand> cands;
   for (int i = 0; i < found; ++i) {
     if (res[i].state != CUBLAS_STATUS_SUCCESS) continue;
     auto call = [&](cudaStream_t q) {
@@ -146,41 +156,50 @@ void run_shape(const Opts& o, const Shape& s, bool distinct_c, cublasLtHandle_t 
       CK(cudaGraphDestroy(g1));
       continue;
     }
+    Cand c;
+    c.i = i;
     std::printf("  [%d] %s\n", i, lab::algo_config_str(res[i]).c_str());
-    const int memsets = lab::print_graph_nodes(drv, g1);
+    c.memsets = lab::print_graph_nodes(drv, g1);
     CK(cudaGraphDestroy(g1));
     // Output against result 0's (β = 1: C is the same constant input every call, so repeat
     // calls give the same D).
     CK(cudaMemsetAsync(b.d, 0x7f, out_bytes, st));  // a stale D must not pass for a result
     CKB(call(st));
     CK(cudaStreamSynchronize(st));
-    double rel = 0;
-    bool same = true;
-    if (i == 0) CK(cudaMemcpy(b.ref, b.d, out_bytes, cudaMemcpyDeviceToDevice));
-    else compare(b.d, b.ref, out_n, s.f32_out, &rel, &same);
-    // `calls` calls in one graph, replayed.
+    if (cands.empty()) CK(cudaMemcpy(b.ref, b.d, out_bytes, cudaMemcpyDeviceToDevice));
+    else compare(b.d, b.ref, out_n, s.f32_out, &c.rel, &c.same);
+    // `calls` calls in one graph, replayed below.
     cudaGraph_t g;
     CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    for (int c = 0; c < o.calls; ++c) CKB(call(st));
+    for (int k = 0; k < o.calls; ++k) CKB(call(st));
     CK(cudaStreamEndCapture(st, &g));
-    cudaGraphExec_t ge;
-    CK(cudaGraphInstantiate(&ge, g, 0));
-    for (int w = 0; w < 3; ++w) CK(cudaGraphLaunch(ge, st));
-    std::vector<double> t;
-    for (int r = 0; r < o.reps; ++r) {
+    CK(cudaGraphInstantiate(&c.exec, g, 0));
+    CK(cudaGraphDestroy(g));
+    for (int w = 0; w < 3; ++w) CK(cudaGraphLaunch(c.exec, st));
+    cands.push_back(std::move(c));
+  }
+  // Timing: `reps` rounds, each replaying every candidate's graph once, the starting candidate
+  // rotating, so that the card's clock drifting under load (±5 % over seconds) falls on all
+  // candidates alike rather than on whichever ran last.
+  const size_t nc = cands.size();
+  for (int r = 0; r < o.reps; ++r) {
+    for (size_t j = 0; j < nc; ++j) {
+      Cand& c = cands[(j + static_cast<size_t>(r)) % nc];
       CK(cudaEventRecord(e0, st));
-      CK(cudaGraphLaunch(ge, st));
+      CK(cudaGraphLaunch(c.exec, st));
       CK(cudaEventRecord(e1, st));
       CK(cudaEventSynchronize(e1));
       float ms = 0;
       CK(cudaEventElapsedTime(&ms, e0, e1));
-      t.push_back(ms / o.calls);
+      c.ms.push_back(ms / o.calls);
     }
-    CK(cudaGraphExecDestroy(ge));
-    CK(cudaGraphDestroy(g));
-    const double ms = lab::median(t);
-    std::printf("      => %.4f ms per call (%.0f TFLOP/s), %d memset(s); vs [0]: %s, max diff / RMS %.2e\n", ms,
-                gflop / ms, memsets, i == 0 ? "reference" : (same ? "same bytes" : "differs"), rel);
+  }
+  for (Cand& c : cands) {
+    const double ms = lab::median(c.ms);
+    std::printf("  [%d] => %.4f ms per call (%.0f TFLOP/s; min %.4f), %d memset(s); vs [0]: %s, max diff / RMS %.2e\n",
+                c.i, ms, gflop / ms, *std::min_element(c.ms.begin(), c.ms.end()), c.memsets,
+                c.i == cands.front().i ? "reference" : (c.same ? "same bytes" : "differs"), c.rel);
+    CK(cudaGraphExecDestroy(c.exec));
   }
   CK(cudaEventDestroy(e0));
   CK(cudaEventDestroy(e1));
