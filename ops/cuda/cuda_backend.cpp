@@ -192,9 +192,10 @@ std::vector<cudaGraphNode_t> CudaBackend::capture_frontier() const {
 
 Status CudaBackend::capture(const std::function<void()>& queue_ops, std::unique_ptr<Graph>* out) {
   const int64_t syncs = host_syncs_;
+  // Allocated before the capture: cudaMalloc may not be called while capturing.
+  if (gather_memsets_ && !counters_) CUDA_CHECK(cudaMalloc(&counters_, kCounterSlots * kCounterSlot));
   // Thread-local mode: other threads' CUDA calls (an HTTP thread's copies) are not drawn
   // into this capture nor invalidate it.
-  if (gather_memsets_ && !counters_) CUDA_CHECK(cudaMalloc(&counters_, kCounterSlots * kCounterSlot));
   CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   captured_gemms_.clear();
   slots_used_ = 0;
