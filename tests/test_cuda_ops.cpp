@@ -995,6 +995,17 @@ TEST_F(CudaOps, GlaDecodeDeferredVsCpuReferenceAndFlush) {
         g.steps = R;
         return g;
       };
+      // A BF16 pool with contiguous rows takes the bulk-copy kernel; the same states with padded
+      // rows (row stride dv + 8), with copies of the pairs and counts, take the per-thread one,
+      // which must give the same bits at every step.
+      DevTensor padded(*cuda_, sdt, {S, H, dk, dv + 8}), pk2(*cuda_, kBF16, {S, H, P, dk}),
+          pv2(*cuda_, kBF16, {S, H, P, dv}), cnt2(*cuda_, DType::kI32, {S, H}), pool2(*cuda_, sdt, {S, H, dk, dv});
+      const Tensor pool_padded = padded.t.slice(3, 0, dv);
+      cuda_->copy(pool_padded, pool.d());
+      cuda_->copy(pk2.t, pk.d());
+      cuda_->copy(pv2.t, pv.d());
+      cuda_->copy(cnt2.t, cnt.d().reshape({S, H}));
+      const GlaPending pend2{pk2.t, pv2.t, cnt2.t, R};
       auto before = down(pool.d());
       auto pk_before = down(pk.d());
       double worst_o = 0, worst_y = 0;
@@ -1007,11 +1018,21 @@ TEST_F(CudaOps, GlaDecodeDeferredVsCpuReferenceAndFlush) {
                                        o.r(), y.r());
         cuda_->gla_decode_gate_deferred(p, q.d(), k.d(), v.d(), g.d(), w.d(), 1e-5, pool.d(), pend(true), slots.d(),
                                         o.d(), y.d());
+        DevTensor o2(*cuda_, kBF16, {B, 1, H, dv}), y2(*cuda_, kBF16, {B, 1, H, dv});
+        cuda_->gla_decode_gate_deferred(p, q.d(), k.d(), v.d(), g.d(), w.d(), 1e-5, pool_padded, pend2, slots.d(),
+                                        o2.t, y2.t);
+        EXPECT_TRUE(same_bytes(o2.t, o.d())) << "padded rows, o, step " << t;
+        EXPECT_TRUE(same_bytes(y2.t, y.d())) << "padded rows, y, step " << t;
         worst_o = std::max(worst_o, err(o));
         worst_y = std::max(worst_y, err(y));
         auto c = down(cnt.d());
         ASSERT_EQ(std::memcmp(c->t.data, cnt.r().data, counts.size() * 4), 0) << "counts after step " << t;
       }
+      cuda_->copy(pool2.t, pool_padded);
+      EXPECT_TRUE(same_bytes(pool2.t, pool.d())) << "padded rows, states";
+      EXPECT_TRUE(same_bytes(pk2.t, pk.d())) << "padded rows, pending k";
+      EXPECT_TRUE(same_bytes(pv2.t, pv.d())) << "padded rows, pending v";
+      EXPECT_TRUE(same_bytes(cnt2.t, cnt.d().reshape({S, H}))) << "padded rows, counts";
       // BF16 outputs (≤ 1e-2); y's norm reads the rounded o, the reference the exact one. A
       // BF16 pool's written-back states carry one rounding each (the reference none).
       EXPECT_LE(worst_o, sdt == kF32 ? 1e-2 : 2e-2);

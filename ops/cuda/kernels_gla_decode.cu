@@ -14,11 +14,12 @@
 //
 // BF16 states with contiguous rows move through shared memory by Hopper bulk copies instead
 // (kBulk; lab/decode v2: 3.82 against 2.85 TB/s at 1,280 sequences × 16 heads; F32 states
-// stream at 3.9 TB/s either way and keep the per-thread loads).
+// stream at 3.9 TB/s either way and keep the per-thread loads), in the deferred kernel too.
 //
 // The gate epilogue reproduces rmsnorm_gate_fwd_kernel (kernels_norm.cu) operation for
 // operation, o rounded to its dtype first, so fused and unfused decode give the same bits.
 #include <string>
+#include <type_traits>
 
 #include "ops/cuda/bulk_copy.cuh"
 #include "ops/cuda/cuda_common.cuh"
@@ -401,23 +402,45 @@ __device__ __forceinline__ void stage_pairs(const PendArgs& p, int64_t pk0, int6
 
 // One step of (slot, head) with m pending pairs and phase d; kFlush: the write-back step.
 // The two kinds of step are separate instances, each with only its own code.
-template <class ST, int R, bool kFlush>
-__device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& p, DeferSmem<R>& sm, int b, int h,
-                                              int64_t slot, int m, int d) {
+// kBulk (BF16 states, bulk_fits): the state [dk, dv] arrives in sS by G bulk copies, one per
+// row group on its own barrier of bar, issued before anything else; the rows are then read
+// from shared memory, and a write-back step stores them to global memory as before. The
+// arithmetic and its order are unchanged (the same bits).
+template <class ST, int R, bool kFlush, bool kBulk>
+__device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& p, DeferSmem<R>& sm, ST* sS,
+                                              uint64_t* bar, int b, int h, int64_t slot, int m, int d) {
   constexpr int C = DecShape<ST>::kCols, G = DecShape<ST>::kGroups;
   static_assert(G <= 4, "DeferSmem holds 4 row groups");
   const int nv = a.dv / C, tid = threadIdx.x, c = tid % nv, rg = tid / nv;
   const int64_t kq = b * a.q_sb + h * a.q_sh, kk = b * a.k_sb + h * a.k_sh, kv = b * a.v_sb + h * a.v_sh;
   const int64_t pk0 = slot * p.k_ss + h * p.k_sh, pv0 = slot * p.v_ss + h * p.v_sh;
-  // The state rows do not depend on the prologue: the first kDecUnroll of them are in flight
-  // while q, k, v, the pairs, g and w are staged and the dot products computed.
+  // The state rows do not depend on the prologue: without kBulk the first kDecUnroll of them
+  // are in flight while q, k, v, the pairs, g and w are staged and the dot products computed.
   const int64_t base = slot * a.ss + h * a.sh + C * c;
-  const ST* src = static_cast<const ST*>(a.s_in) + base;
+  const ST* src = kBulk ? sS + C * c : static_cast<const ST*>(a.s_in) + base;
+  const int64_t sk = kBulk ? a.dv : a.sk;  // src's row stride
   [[maybe_unused]] ST* dst = static_cast<ST*>(a.s_out) + base;
   const int rows = (a.dk + G - 1) / G;
   const int r0 = rg * rows, r1 = min(a.dk, r0 + rows);
   float s[kDecUnroll][C];
-  load_rows(src, a.sk, r0, r1, s);
+  if constexpr (kBulk) {
+    // The copies first: they are the long pole. Each barrier completes once (parity 0); the
+    // block's first barrier below orders the init before anyone waits.
+    if (tid == 0) {
+      const ST* gs = static_cast<const ST*>(a.s_in) + slot * a.ss + h * a.sh;
+      const uint32_t piece = static_cast<uint32_t>(rows * a.dv * static_cast<int>(sizeof(ST)));
+#pragma unroll
+      for (int g = 0; g < G; ++g) mbar_init(&bar[g], 1);
+      fence_barrier_init();
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        mbar_arrive_expect_tx(&bar[g], piece);
+        bulk_g2s(sS + g * rows * a.dv, gs + g * rows * a.dv, piece, &bar[g]);
+      }
+    }
+  } else {
+    load_rows(src, sk, r0, r1, s);
+  }
   stage_inputs(a, kq, kk, kv, b * a.g_sb + h * a.g_sh, sm);
   stage_pairs<R, kFlush>(p, pk0, pv0, m, a.dk, a.dv, a.lam[h], sm);
   lam_table(a.lam[h], R, sm.lam_pow);
@@ -439,8 +462,12 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
     acc[j] = 0.f;
     vt[j] = sm.vs[C * c + j];
   }
+  if constexpr (kBulk) {
+    mbar_wait(&bar[rg], 0);
+    load_rows(src, sk, r0, r1, s);
+  }
   for (int i0 = r0; i0 < r1; i0 += kDecUnroll) {
-    if (i0 != r0) load_rows(src, a.sk, i0, r1, s);
+    if (i0 != r0) load_rows(src, sk, i0, r1, s);
     if constexpr (kFlush) {
       // S ← λ^{m+1} S_base + Σ_j λ^{m−j} k_jᵀ v_j + kᵀ v, each element's chain of fmas in the
       // reference's order (ops/cpu/gla.cpp): pair by pair over the kDecUnroll rows in flight, so
@@ -512,16 +539,19 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
 // together and the fold runs pair by pair. Unbounded, the kernel took 118 registers and 2 blocks
 // per SM. The few bytes spilled at 64 (ptxas: 8 stored, 16 loaded at R = 8, F32) are cheaper
 // than the fifth block.
-template <class ST, int R>
+template <class ST, int R, bool kBulk>
 __global__ void __launch_bounds__(kDecMaxDv, 4) gla_decode_deferred_kernel(DecArgs a, PendArgs p) {
   static_assert(R >= 2 && R <= kMaxDeferSteps && (R & (R - 1)) == 0, "R: a power of two up to 16");
   __shared__ DeferSmem<R> sm;
+  __shared__ uint64_t bar[kBulk ? DecShape<ST>::kGroups : 1];
+  extern __shared__ __align__(128) unsigned char state_smem[];  // kBulk: the state [dk, dv]
+  ST* sS = reinterpret_cast<ST*>(state_smem);
   const int b = blockIdx.x / a.H, h = blockIdx.x - b * a.H;
   const int64_t slot = a.slots ? a.slots[b] : b;
   int m, d;
   pending_count(p, slot, h, R, &m, &d);  // thread 0 rewrites the word after the step's barriers
-  if (m + 1 + d >= R) deferred_step<ST, R, true>(a, p, sm, b, h, slot, m, d);
-  else deferred_step<ST, R, false>(a, p, sm, b, h, slot, m, d);
+  if (m + 1 + d >= R) deferred_step<ST, R, true, kBulk>(a, p, sm, sS, bar, b, h, slot, m, d);
+  else deferred_step<ST, R, false, kBulk>(a, p, sm, sS, bar, b, h, slot, m, d);
 }
 
 // S ← λ^m S + Σ_{j<m} λ^{m−1−j} k_jᵀ v_j and the count word ← (0, pending_phase(h, R)) for the
@@ -572,16 +602,6 @@ bool pend_args(const GlaPending& pend, const DecArgs& a, PendArgs* out) {
   return true;
 }
 
-template <class ST>
-void launch_deferred(int R, unsigned grid, unsigned threads, cudaStream_t st, const DecArgs& a, const PendArgs& p) {
-  switch (R) {
-    case 4: gla_decode_deferred_kernel<ST, 4><<<grid, threads, 0, st>>>(a, p); break;
-    case 8: gla_decode_deferred_kernel<ST, 8><<<grid, threads, 0, st>>>(a, p); break;
-    case 16: gla_decode_deferred_kernel<ST, 16><<<grid, threads, 0, st>>>(a, p); break;
-    default: LAPLACE_CHECK(false, "gla deferred decode: R must be 4, 8 or 16");
-  }
-}
-
 // q/k/v/g/o/y as [B, 1, H, d] views with the last dim contiguous; false if not.
 bool act_view(const Tensor& t, int64_t B, int64_t H, int64_t d, const void** p, int* dt, int64_t* sb, int64_t* sh) {
   if (!t.defined()) return true;
@@ -609,13 +629,45 @@ bool bulk_fits(const DecArgs& a, const Tensor& s_in, const Tensor& s_out) {
          aligned(s_out.data, 16);
 }
 
-// Launches kernel with `smem` bytes of dynamic shared memory, raising the kernel's limit above
-// the default 48 KB first when needed (dk·dv·2 ≤ 64 KB here; laplace-3b's 36 KB needs no raise).
-template <class Kernel>
-void launch_with_smem(Kernel kernel, unsigned grid, unsigned threads, size_t smem, cudaStream_t st, const DecArgs& a) {
-  if (smem > 48 * 1024)
+// Launches kernel with `smem` bytes of dynamic shared memory (the bulk-copy kernels: dk·dv·2 ≤
+// 64 KB), raising the kernel's limit first when its static and dynamic shared memory together
+// pass the default 48 KB (the deferred kernel at laplace-3b's shapes: 19 + 36 KB), and asking for
+// the largest shared-memory carveout: these kernels stream the state through shared memory, and
+// at laplace-3b's shapes it fits 4 deferred blocks per SM (5 every-step ones) only at the largest.
+template <class Kernel, class... Args>
+void launch_with_smem(Kernel kernel, unsigned grid, unsigned threads, size_t smem, cudaStream_t st,
+                      const Args&... args) {
+  cudaFuncAttributes fa{};
+  CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+  if (smem + fa.sharedSizeBytes > 48 * 1024)
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  kernel<<<grid, threads, smem, st>>>(a);
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                  cudaSharedmemCarveoutMaxShared));
+  kernel<<<grid, threads, smem, st>>>(args...);
+}
+
+// The deferred kernel for R pending steps; bulk: BF16 states through bulk copies (bulk_fits).
+template <class ST>
+void launch_deferred(int R, bool bulk, unsigned grid, unsigned threads, cudaStream_t st, const DecArgs& a,
+                     const PendArgs& p) {
+  if constexpr (std::is_same_v<ST, __nv_bfloat16>) {
+    if (bulk) {
+      const size_t smem = static_cast<size_t>(a.dk) * a.dv * sizeof(ST);
+      switch (R) {
+        case 4: return launch_with_smem(gla_decode_deferred_kernel<ST, 4, true>, grid, threads, smem, st, a, p);
+        case 8: return launch_with_smem(gla_decode_deferred_kernel<ST, 8, true>, grid, threads, smem, st, a, p);
+        case 16: return launch_with_smem(gla_decode_deferred_kernel<ST, 16, true>, grid, threads, smem, st, a, p);
+        default: LAPLACE_CHECK(false, "gla deferred decode: R must be 4, 8 or 16");
+      }
+    }
+  }
+  LAPLACE_CHECK(!bulk, "gla deferred decode: bulk copies are for BF16 states");
+  switch (R) {
+    case 4: gla_decode_deferred_kernel<ST, 4, false><<<grid, threads, 0, st>>>(a, p); break;
+    case 8: gla_decode_deferred_kernel<ST, 8, false><<<grid, threads, 0, st>>>(a, p); break;
+    case 16: gla_decode_deferred_kernel<ST, 16, false><<<grid, threads, 0, st>>>(a, p); break;
+    default: LAPLACE_CHECK(false, "gla deferred decode: R must be 4, 8 or 16");
+  }
 }
 
 }  // namespace
@@ -747,10 +799,11 @@ void CudaBackend::gla_decode_gate_deferred(const GlaParams& p, const Tensor& q, 
                 "multiple of 4, F32/BF16 states, pending pairs [S, H, R−1, d], counts [S, H] I32)");
   if (a.B == 0) return;
   const unsigned grid = static_cast<unsigned>(a.B * a.H), threads = static_cast<unsigned>(a.dv);
+  const int R = static_cast<int>(pend.steps);
   if (sdt == DType::kBF16)
-    cuda::launch_deferred<__nv_bfloat16>(static_cast<int>(pend.steps), grid, threads, stream(), a, pa);
+    cuda::launch_deferred<__nv_bfloat16>(R, cuda::bulk_fits(a, states, states), grid, threads, stream(), a, pa);
   else
-    cuda::launch_deferred<float>(static_cast<int>(pend.steps), grid, threads, stream(), a, pa);
+    cuda::launch_deferred<float>(R, false, grid, threads, stream(), a, pa);
   CUDA_CHECK_LAUNCH();
 }
 
