@@ -609,7 +609,7 @@ bool pend_args(const GlaPending& pend, const DecArgs& a, PendArgs* out) {
   if (c.device != Device::kCUDA || c.dtype != DType::kI32 || c.ndim != 2 || c.shape[1] != a.H || c.stride[1] != 1)
     return false;
   *out = PendArgs{k.data, v.data, k.dtype == DType::kBF16 ? kBF16 : kF32, k.stride[0], k.stride[1], v.stride[0],
-                  v.stride[1], static_cast<int32_t*>(c.data), c.stride[0], 0};
+                  v.stride[1], static_cast<int32_t*>(c.data), c.stride[0]};
   return true;
 }
 
