@@ -18,7 +18,6 @@
 //
 // The gate epilogue reproduces rmsnorm_gate_fwd_kernel (kernels_norm.cu) operation for
 // operation, o rounded to its dtype first, so fused and unfused decode give the same bits.
-#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -276,7 +275,6 @@ struct PendArgs {
   int64_t k_ss, k_sh, v_ss, v_sh;
   int32_t* cnt;  // (slot, h) at cnt + slot·c_ss + h
   int64_t c_ss;
-  int prefetch;  // kBulk: blocks ahead whose state a block's first step prefetches into L2 (0: none)
 };
 
 // m and d of a slot's count word (ops/backend.h), each kept in [0, R) by a mask (R is a power
@@ -438,15 +436,6 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
       for (int g = 0; g < G; ++g) {
         mbar_arrive_expect_tx(&bar[g], piece);
         bulk_g2s(sS + g * rows * a.dv, gs + g * rows * a.dv, piece, &bar[g]);
-      }
-      // The state of the block p.prefetch places ahead (about one wave of resident blocks)
-      // into L2: it starts when this one ends, and its copies then wait on L2, not HBM, so
-      // HBM keeps streaming while the resident blocks are in their prologues and epilogues.
-      const int64_t ahead = static_cast<int64_t>(blockIdx.x) + p.prefetch;
-      if (p.prefetch > 0 && ahead < static_cast<int64_t>(a.B) * a.H) {
-        const int b2 = static_cast<int>(ahead / a.H), h2 = static_cast<int>(ahead - static_cast<int64_t>(b2) * a.H);
-        const int64_t slot2 = a.slots ? a.slots[b2] : b2;
-        bulk_prefetch_l2(static_cast<const ST*>(a.s_in) + slot2 * a.ss + h2 * a.sh, G * piece);
       }
     }
   } else {
@@ -645,41 +634,16 @@ bool bulk_fits(const DecArgs& a, const Tensor& s_in, const Tensor& s_out) {
 // pass the default 48 KB (the deferred kernel at laplace-3b's shapes: 19 + 36 KB), and asking for
 // the largest shared-memory carveout: these kernels stream the state through shared memory, and
 // at laplace-3b's shapes it fits 4 deferred blocks per SM (5 every-step ones) only at the largest.
-template <class Kernel>
-void smem_attributes(Kernel kernel, size_t smem) {
+template <class Kernel, class... Args>
+void launch_with_smem(Kernel kernel, unsigned grid, unsigned threads, size_t smem, cudaStream_t st,
+                      const Args&... args) {
   cudaFuncAttributes fa{};
   CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
   if (smem + fa.sharedSizeBytes > 48 * 1024)
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                   cudaSharedmemCarveoutMaxShared));
-}
-template <class Kernel, class... Args>
-void launch_with_smem(Kernel kernel, unsigned grid, unsigned threads, size_t smem, cudaStream_t st,
-                      const Args&... args) {
-  smem_attributes(kernel, smem);
   kernel<<<grid, threads, smem, st>>>(args...);
-}
-
-// The bulk-copy deferred kernel with its L2 prefetch distance: the blocks resident at once
-// (occupancy × SMs), or LAPLACE_DECODE_PREFETCH blocks (0: none), a knob for bench_ops.
-template <class Kernel>
-void launch_bulk_deferred(Kernel kernel, unsigned grid, unsigned threads, size_t smem, cudaStream_t st,
-                          const DecArgs& a, PendArgs p) {
-  static const int knob = [] {
-    const char* v = std::getenv("LAPLACE_DECODE_PREFETCH");
-    return v ? std::atoi(v) : -1;
-  }();
-  p.prefetch = knob;
-  if (knob < 0) {
-    int dev = 0, sms = 0, per_sm = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    smem_attributes(kernel, smem);  // the occupancy depends on them
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, static_cast<int>(threads), smem));
-    p.prefetch = per_sm * sms;
-  }
-  launch_with_smem(kernel, grid, threads, smem, st, a, p);
 }
 
 // The deferred kernel for R pending steps; bulk: BF16 states through bulk copies (bulk_fits).
@@ -690,9 +654,9 @@ void launch_deferred(int R, bool bulk, unsigned grid, unsigned threads, cudaStre
     if (bulk) {
       const size_t smem = static_cast<size_t>(a.dk) * a.dv * sizeof(ST);
       switch (R) {
-        case 4: return launch_bulk_deferred(gla_decode_deferred_kernel<ST, 4, true>, grid, threads, smem, st, a, p);
-        case 8: return launch_bulk_deferred(gla_decode_deferred_kernel<ST, 8, true>, grid, threads, smem, st, a, p);
-        case 16: return launch_bulk_deferred(gla_decode_deferred_kernel<ST, 16, true>, grid, threads, smem, st, a, p);
+        case 4: return launch_with_smem(gla_decode_deferred_kernel<ST, 4, true>, grid, threads, smem, st, a, p);
+        case 8: return launch_with_smem(gla_decode_deferred_kernel<ST, 8, true>, grid, threads, smem, st, a, p);
+        case 16: return launch_with_smem(gla_decode_deferred_kernel<ST, 16, true>, grid, threads, smem, st, a, p);
         default: LAPLACE_CHECK(false, "gla deferred decode: R must be 4, 8 or 16");
       }
     }
