@@ -417,6 +417,31 @@ int main(int argc, char** argv) {
                     (long long)R, dtype_name(sdt), ms, every / ms, tp, tw, mixed, phased);
       }
     }
+    // The BF16 deferred kernel without its bulk copies, for comparison in the same run: the same
+    // states with padded rows (row stride dv + 8) take the per-thread loads (bulk_fits in
+    // kernels_gla_decode.cu), with the heads phased as above.
+    {
+      const int64_t R8 = 8;
+      StatePool pd;
+      Arena pad;
+      if (!pd.create(c, *be, B + 1, bf, {R8, bf}).is_ok() ||
+          !pad.create({{"padded", bf, {B + 1, H, dk, dv + 8}}}, be->allocator(), "bench_ops padded").is_ok()) {
+        std::fprintf(stderr, "bench_ops: out of memory for the padded state pool\n");
+        return 1;
+      }
+      const Tensor sd = pad.tensor(0).slice(3, 0, dv);
+      const GlaPending pend = pd.pending(0);
+      e.gla_pending_flush(gp, sd, pend, slots);
+      const double phased = time_ms(e, reps, [&] {
+                              for (int64_t i = 0; i < R8; ++i)
+                                e.gla_decode_gate_deferred(gp, qh, kh, vh, gh, t("onorm_w"), 1e-5, sd, pend, slots,
+                                                           oh, yh);
+                            }) /
+                            static_cast<double>(R8);
+      std::printf("  gla_decode_gate_deferred R =  8, BF16 state, rows padded to dv + 8 (per-thread loads, no bulk "
+                  "copies): heads out of step (engine) %.4f ms\n",
+                  phased);
+    }
   }
   if (only == "decode") return 0;
 
