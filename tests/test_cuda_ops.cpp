@@ -399,6 +399,62 @@ TEST_F(CudaOps, GraphOfGemmsMovesMemsetsAndKeepsEagerBits) {
     EXPECT_FALSE(same_bytes(graph.y1->t, graph.y3->t));  // y1 was halved after its gemm
   }
 }
+
+// Gemm tuning (gemm_tune in cuda_backend.cpp): the first eager call of a large shape times
+// cuBLASLt's candidates on its operands and may switch to another. At laplace-3b's decode
+// shapes (β = 0 with BF16 and F32 outputs, and the residual add in place with β = 1) the
+// outputs must be the bytes of a backend that does not tune, on the tuning call and on a later
+// one with new inputs. On sm_90 every one of these shapes has candidates with the pick's bytes
+// (lab/gemm/algo_lab), so each must have been timed.
+TEST_F(CudaOps, GemmTuningKeepsTheHeuristicPicksBytes) {
+  auto* be = dynamic_cast<CudaBackend*>(cuda_.get());
+  ASSERT_NE(be, nullptr);
+  std::string why;
+  std::unique_ptr<Backend> plain_owner = make_cuda_backend(&why);
+  auto* plain = dynamic_cast<CudaBackend*>(plain_owner.get());
+  ASSERT_NE(plain, nullptr) << why;
+  plain->set_gemm_tuning(false);
+  be->set_gemm_tuning(true);
+  const int64_t M = 1280, D = 3072, O = 9216, F = 8192, W = 16384;
+  Buf x = input({M, D}, kBF16, kF32, 95), w1 = input({O, D}, kBF16, kF32, 96, -0.05, 0.05);
+  Buf w2 = input({W, D}, kBF16, kF32, 97, -0.05, 0.05), w3 = input({D, F}, kBF16, kF32, 98, -0.05, 0.05);
+  Buf h = input({M, F}, kBF16, kF32, 99), r = input({M, D}, kBF16, kF32, 100);
+  DevTensor y1(*cuda_, kBF16, {M, O}), y2(*cuda_, kF32, {M, W}), y3(*cuda_, kBF16, {M, D});
+  DevTensor z1(*cuda_, kBF16, {M, O}), z2(*cuda_, kF32, {M, W}), z3(*cuda_, kBF16, {M, D});
+  const auto queue = [&](Backend& b, DevTensor& o1, DevTensor& o2, DevTensor& o3) {
+    b.gemm(x.d(), false, w1.d(), true, o1.t, 1.0, 0.0);
+    b.gemm(x.d(), false, w2.d(), true, o2.t, 1.0, 0.0);
+    b.copy(o3.t, r.d());
+    b.gemm(h.d(), false, w3.d(), true, o3.t, 1.0, 1.0);  // o3 += h·w3ᵀ
+  };
+  const int64_t tuned_before = be->gemm_shapes_tuned();
+  for (uint64_t seed : {101u, 102u}) {
+    if (seed == 102u) {  // new inputs: the tuned plans are reused
+      Buf fresh = input({M, D}, kBF16, kF32, seed), fresh_h = input({M, F}, kBF16, kF32, seed + 10);
+      cuda_->copy(x.d(), fresh.d());
+      cuda_->copy(h.d(), fresh_h.d());
+    }
+    cuda_->synchronize();
+    queue(*cuda_, y1, y2, y3);
+    cuda_->synchronize();
+    queue(*plain, z1, z2, z3);
+    plain->synchronize();
+    EXPECT_TRUE(same_bytes(y1.t, z1.t)) << "qkvg-shaped, BF16 out, seed " << seed;
+    EXPECT_TRUE(same_bytes(y2.t, z2.t)) << "w12-shaped, F32 out, seed " << seed;
+    EXPECT_TRUE(same_bytes(y3.t, z3.t)) << "w3-shaped, in place, β = 1, seed " << seed;
+    EXPECT_FALSE(same_bytes(y3.t, r.d()));  // the residual add did add
+  }
+  const int64_t tuned = be->gemm_shapes_tuned() - tuned_before;
+  std::printf("gemm shapes tuned: %lld, switched from the heuristic's pick so far: %lld\n",
+              static_cast<long long>(tuned), static_cast<long long>(be->gemm_shapes_switched()));
+  EXPECT_LE(tuned, 3);
+  EXPECT_EQ(plain->gemm_shapes_tuned(), 0);
+  cudaDeviceProp prop{};
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, be->device_id()), cudaSuccess);
+  if (prop.major == 9) {
+    EXPECT_EQ(tuned, 3) << "these shapes' candidates were not timed on this sm_90";
+  }
+}
 #endif  // LAPLACE_HAVE_CUDA
 
 // ---- embedding -------------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 #include "ops/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -72,6 +74,10 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   // Diagnostics: LAPLACE_GRAPH_GEMM_MEMSETS=keep captures cuBLASLt's memsets where it queued
   // them (to time what gather_gemm_memsets saves).
   if (const char* v = std::getenv("LAPLACE_GRAPH_GEMM_MEMSETS")) gather_memsets_ = std::strcmp(v, "keep") != 0;
+  if (const char* v = std::getenv("LAPLACE_GEMM_TUNE")) {
+    gemm_tune_ = std::strcmp(v, "0") != 0;
+    gemm_tune_verbose_ = std::strcmp(v, "verbose") == 0;
+  }
   CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
   CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_f64_), sizeof(double)));
 }
@@ -384,7 +390,13 @@ void CudaBackend::copy(Tensor dst, const Tensor& src) {
 // gets (B, A) as its (A, B): its first operand is B with op = trans_b ? T : N, stored as a
 // column-major [cols(B) x rows(B)] matrix, and likewise for A; its output is C as [N x M].
 
-const CudaBackend::GemmPlan& CudaBackend::gemm_plan(const GemmKey& key) {
+// Tuning (gemm_tune): shapes of at least kTuneMinFlops get up to kTuneCandidates of the
+// heuristic's candidates. Below ~10 GFLOP a gemm runs in tens of microseconds, where the
+// candidates' differences drown in the timing's noise.
+constexpr int kTuneCandidates = 8;
+constexpr double kTuneMinFlops = 1e10;
+
+CudaBackend::GemmPlan& CudaBackend::gemm_plan(const GemmKey& key) {
   auto it = gemm_plans_.find(key);
   if (it != gemm_plans_.end()) return it->second;
   const auto ta = static_cast<cudaDataType_t>(key[0]), tb = static_cast<cudaDataType_t>(key[1]),
@@ -418,18 +430,23 @@ const CudaBackend::GemmPlan& CudaBackend::gemm_plan(const GemmKey& key) {
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_a, sizeof(al_a)));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
-  cublasLtMatmulHeuristicResult_t res{};
+  const double flops = 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
+  const int want = gemm_tune_ && flops >= kTuneMinFlops ? kTuneCandidates : 1;
+  std::vector<cublasLtMatmulHeuristicResult_t> res(static_cast<size_t>(want));
   int found = 0;
-  cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(lt_, plan.desc, plan.lb, plan.la, plan.lc, plan.lc, pref, 1, &res, &found);
+  cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt_, plan.desc, plan.lb, plan.la, plan.lc, plan.lc, pref, want,
+                                                     res.data(), &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
     std::string msg = "gemm: cuBLASLt has no algorithm for M=" + std::to_string(M) + " N=" + std::to_string(N) +
                       " K=" + std::to_string(K) + " (dtypes/alignment/leading dimensions unsupported)";
     check_failed(__FILE__, __LINE__, "cublasLtMatmulAlgoGetHeuristic", msg.c_str());
   }
-  plan.algo = res.algo;
-  plan.ws_needed = res.workspaceSize;
+  res.resize(static_cast<size_t>(found));
+  plan.algo = res[0].algo;
+  plan.ws_needed = res[0].workspaceSize;
+  if (found >= 2) plan.candidates = std::move(res);
+  else plan.settled = true;
   return gemm_plans_.emplace(key, plan).first->second;
 }
 
@@ -479,8 +496,18 @@ void CudaBackend::gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool 
                  static_cast<int64_t>(cuda_type(c.dtype)), trans_a ? 1 : 0, trans_b ? 1 : 0, M, N, K, lda, ldb, ldc,
                  pointer_alignment(a.data), pointer_alignment(b.data),
                  std::min(pointer_alignment(c.data), pointer_alignment(cin.data)), 0};
-  const GemmPlan& plan = gemm_plan(key);
+  GemmPlan& plan = gemm_plan(key);
   const float fa = static_cast<float>(alpha), fb = static_cast<float>(beta);
+  if (!plan.settled) {
+    // A plan first used inside a capture keeps the heuristic's pick: a graph and the eager
+    // calls after it then run one kernel (no timing is possible while capturing anyway).
+    if (capturing_) {
+      plan.settled = true;
+    } else {
+      const size_t span = static_cast<size_t>((M - 1) * ldc + N) * dtype_size(c.dtype);
+      gemm_tune(plan, GemmCall{b.data, a.data, cin.data, c.data, fa, fb, span}, key);
+    }
+  }
   // While capturing, a gemm whose algorithm needs little workspace (a tile counter) gets a
   // slot of its own, so that capture() can zero all slots at once (gather_gemm_memsets).
   CapturedGemm rec;
@@ -504,6 +531,88 @@ void CudaBackend::gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool 
       captured_gemms_.push_back(std::move(rec));
     }
   }
+}
+
+// The first eager call of a plan with several candidates times them on its own operands:
+// each candidate runs once and its output's fingerprint is compared with the heuristic pick's
+// (only candidates with the same bytes may be chosen, so tuning never changes a result:
+// cuBLASLt's candidates here differ in tiles and scheduling, not in the order of the sums,
+// lab/gemm/algo_lab); then rounds in which every such candidate runs in turn (clocks and heat
+// then weigh on all alike), and the fastest median wins if it beats the pick by 2 %. An
+// in-place call with β ≠ 0 writes into a temporary instead, so C is intact for the real call
+// that follows; if none can be allocated, the pick stays. LAPLACE_GEMM_TUNE=verbose prints
+// the outcome.
+void CudaBackend::gemm_tune(GemmPlan& plan, const GemmCall& call, const GemmKey& key) {
+  plan.settled = true;
+  void* d = call.d;
+  void* tmp = nullptr;
+  if (call.beta != 0.f && call.c == call.d) {
+    tmp = alloc_->allocate(call.d_span);
+    if (!tmp) return;
+    d = tmp;
+  }
+  auto run = [&](const cublasLtMatmulAlgo_t& algo) {
+    return cublasLtMatmul(lt_, plan.desc, &call.alpha, call.lt_a, plan.lb, call.lt_b, plan.la, &call.beta, call.c,
+                          plan.lc, d, plan.lc, &algo, workspace_, workspace_bytes_, stream_) == CUBLAS_STATUS_SUCCESS;
+  };
+  std::vector<size_t> same;  // candidates with the pick's bytes (the pick first)
+  if (run(plan.candidates[0].algo)) {
+    same.push_back(0);
+    const uint64_t ref = fingerprint(d, call.d_span);
+    for (size_t i = 1; i < plan.candidates.size(); ++i)
+      if (run(plan.candidates[i].algo) && fingerprint(d, call.d_span) == ref) same.push_back(i);
+  }
+  (void)cudaGetLastError();  // a candidate that failed to launch leaves no error behind
+  size_t best = 0;
+  std::vector<float> med(same.size(), 0.f);
+  if (same.size() >= 2) {
+    ++gemm_shapes_tuned_;
+    // Each timing covers ≥ ~0.25 ms of gemms (at 500 TFLOP/s), at most 50 calls.
+    const double flops = 2.0 * static_cast<double>(key[5]) * static_cast<double>(key[6]) * static_cast<double>(key[7]);
+    const int reps = static_cast<int>(std::clamp(std::ceil(0.25e-3 / (flops / 5e14)), 1.0, 50.0));
+    constexpr int kRounds = 7;
+    std::vector<std::vector<float>> ms(same.size());
+    cudaEvent_t e0, e1;
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    for (int r = 0; r < kRounds; ++r) {
+      for (size_t j = 0; j < same.size(); ++j) {
+        CUDA_CHECK(cudaEventRecord(e0, stream_));
+        for (int i = 0; i < reps; ++i) run(plan.candidates[same[j]].algo);
+        CUDA_CHECK(cudaEventRecord(e1, stream_));
+        CUDA_CHECK(cudaEventSynchronize(e1));
+        ++host_syncs_;
+        float t = 0.f;
+        CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+        ms[j].push_back(t / static_cast<float>(reps));
+      }
+    }
+    CUDA_CHECK(cudaEventDestroy(e0));
+    CUDA_CHECK(cudaEventDestroy(e1));
+    for (size_t j = 0; j < same.size(); ++j) {
+      std::sort(ms[j].begin(), ms[j].end());
+      med[j] = ms[j][kRounds / 2];
+    }
+    const size_t j = static_cast<size_t>(std::min_element(med.begin(), med.end()) - med.begin());
+    if (j != 0 && med[j] < 0.98f * med[0]) best = j;
+    if (best != 0) {
+      ++gemm_shapes_switched_;
+      plan.algo = plan.candidates[same[best]].algo;
+      plan.ws_needed = plan.candidates[same[best]].workspaceSize;
+    }
+  }
+  if (tmp) {
+    synchronize();
+    alloc_->deallocate(tmp);
+  }
+  if (gemm_tune_verbose_)
+    std::fprintf(stderr,
+                 "laplace: gemm tune M %lld N %lld K %lld: %zu candidates, %zu with the pick's bytes; candidate %zu, "
+                 "%.4f ms (the pick %.4f ms)\n",
+                 static_cast<long long>(key[5]), static_cast<long long>(key[6]), static_cast<long long>(key[7]),
+                 plan.candidates.size(), same.size(), same.empty() ? size_t{0} : same[best],
+                 same.size() >= 2 ? static_cast<double>(med[best]) : 0.0,
+                 same.size() >= 2 ? static_cast<double>(med[0]) : 0.0);
 }
 
 // ---- factory -------------------------------------------------------------------------------------

@@ -194,6 +194,18 @@ class CudaBackend final : public Backend {
   // cuBLASLt memsets that capture() replaced by one zeroing at the head of their graph so far (see
   // gather_gemm_memsets in cuda_backend.cpp); tests read it.
   int64_t graph_memsets_moved() const { return graph_memsets_moved_; }
+  // Gemm tuning (gemm_tune in cuda_backend.cpp): the first eager call of a large gemm shape
+  // times cuBLASLt's candidate algorithms on its own operands and keeps the fastest of those
+  // whose output has the heuristic pick's bytes. On by default; LAPLACE_GEMM_TUNE=0 turns it
+  // off, =verbose prints each choice. Only shapes not yet planned are affected by a change.
+  void set_gemm_tuning(bool on) { gemm_tune_ = on; }
+  // Shapes whose candidates were timed, and those of them now running another candidate
+  // than the heuristic's first; tests and benchmarks read them.
+  int64_t gemm_shapes_tuned() const { return gemm_shapes_tuned_; }
+  int64_t gemm_shapes_switched() const { return gemm_shapes_switched_; }
+  // A fingerprint of `bytes` bytes of device memory (order-independent 64-bit hash of the
+  // words and their positions): equal bytes give equal values. Synchronises.
+  uint64_t fingerprint(const void* p, size_t bytes);
 
  private:
   struct GemmPlan {
@@ -201,9 +213,24 @@ class CudaBackend final : public Backend {
     cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
     cublasLtMatmulAlgo_t algo{};
     size_t ws_needed = 0;  // the workspace the algorithm asks for (bytes)
+    // Tuning: the heuristic's candidates in its order (algo is candidates[0] until tuned),
+    // with their workspace sizes; settled once tuned or first used in a capture.
+    std::vector<cublasLtMatmulHeuristicResult_t> candidates;
+    bool settled = false;
   };
   using GemmKey = std::array<int64_t, 15>;
-  const GemmPlan& gemm_plan(const GemmKey& key);
+  GemmPlan& gemm_plan(const GemmKey& key);
+  // Operands of one cublasLtMatmul call in cuBLASLt's order, D = α·A·B + β·C: its A is our b
+  // (layout lb), its B our a (layout la); d_span: bytes from d to the end of its last row.
+  struct GemmCall {
+    const void* lt_a;
+    const void* lt_b;
+    const void* c;
+    void* d;
+    float alpha, beta;
+    size_t d_span;
+  };
+  void gemm_tune(GemmPlan& plan, const GemmCall& call, const GemmKey& key);
 
   int device_ = 0;
   int num_sms_ = 0;
@@ -235,6 +262,9 @@ class CudaBackend final : public Backend {
   std::vector<CapturedGemm> captured_gemms_;
   int64_t slots_used_ = 0;  // of counters_, in the capture running
   int64_t graph_memsets_moved_ = 0;
+  bool gemm_tune_ = true;
+  bool gemm_tune_verbose_ = false;
+  int64_t gemm_shapes_tuned_ = 0, gemm_shapes_switched_ = 0;
   std::vector<cudaGraphNode_t> capture_frontier() const;
   int64_t gather_gemm_memsets(cudaGraph_t graph) const;
 

@@ -1,6 +1,7 @@
 // Element-wise CUDA ops: view builders, dtype-converting copy, fill, axpy, scale,
 // sum_squares, AdamW, Muon momentum/apply, SwiGLU. All memory-bound, grid-stride loops.
 #include <cmath>
+#include <cstring>
 
 #include "ops/cuda/cuda_common.cuh"
 
@@ -526,6 +527,57 @@ void CudaBackend::swiglu_backward(const Tensor& dh, const Tensor& ab, Tensor dab
     swiglu_bwd_kernel<<<grid_for(vdh.rows * F, 256), 256, 0, stream_>>>(vdh, vab, vdab, F);
   }
   CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace laplace
+
+// ---- fingerprint (gemm tuning's check that two outputs have the same bytes) ---------------
+
+namespace laplace {
+namespace cuda {
+
+// splitmix64's finaliser: every input bit reaches every output bit.
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// out += Σ mix(word_i ^ mix(i)) over the 8-byte words of p (when p is 8-byte aligned), then
+// over the tail bytes each with its position: a sum modulo 2^64, so the value does not depend
+// on the order in which the blocks add their parts.
+__global__ void fingerprint_kernel(const unsigned char* p, int64_t n, unsigned long long* out) {
+  __shared__ unsigned long long sh[32];
+  const int64_t words = reinterpret_cast<uintptr_t>(p) % 8 == 0 ? n / 8 : 0;
+  const auto* w = reinterpret_cast<const unsigned long long*>(p);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  unsigned long long acc = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < words; i += stride)
+    acc += mix64(w[i] ^ mix64(static_cast<unsigned long long>(i)));
+  for (int64_t i = words * 8 + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride)
+    acc += mix64(static_cast<unsigned long long>(p[i]) ^ mix64(~static_cast<unsigned long long>(i)));
+  acc = block_sum(acc, sh);
+  if (threadIdx.x == 0) atomicAdd(out, acc);
+}
+
+}  // namespace cuda
+
+uint64_t CudaBackend::fingerprint(const void* p, size_t bytes) {
+  auto* acc = static_cast<unsigned long long*>(scratch(sizeof(unsigned long long)));
+  CUDA_CHECK(cudaMemsetAsync(acc, 0, sizeof(unsigned long long), stream_));
+  if (bytes > 0) {
+    const int64_t n = static_cast<int64_t>(bytes);
+    const unsigned grid = static_cast<unsigned>(std::min<int64_t>(1024, (n / 8 + 255) / 256 + 1));
+    cuda::fingerprint_kernel<<<grid, 256, 0, stream_>>>(static_cast<const unsigned char*>(p), n, acc);
+    CUDA_CHECK_LAUNCH();
+  }
+  CUDA_CHECK(cudaMemcpyAsync(host_f64_, acc, sizeof(unsigned long long), cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  ++host_syncs_;
+  uint64_t v = 0;
+  std::memcpy(&v, host_f64_, sizeof v);
+  return v;
 }
 
 }  // namespace laplace
