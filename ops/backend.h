@@ -95,6 +95,12 @@ class Backend {
   // device work (NCCL collectives) order itself with the backend's without host syncs.
   virtual void* native_stream() { return nullptr; }
 
+  // Whether the backend may tune its kernels on their first use (CUDA: a large gemm shape's
+  // cuBLASLt algorithm, timed on its first eager call; results are unchanged by it). On by
+  // default; the engine turns it off once warmed up, so that no request's latency pays for a
+  // shape's first use. The CPU backend does not tune.
+  virtual void set_tuning(bool on) { (void)on; }
+
   // Records the ops `queue_ops` queues into a Graph instead of running them. Nothing in
   // queue_ops may read host memory or wait for the device (copies to or from the host,
   // synchronize, sum_squares, a growing scratch buffer): the capture then fails with an

@@ -329,6 +329,10 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
   } else {
     e->exec_ = std::make_unique<EagerExecutor>(model, e->pool_);
   }
+  // The graphs' warm-ups have tuned the decode shapes (Backend::set_tuning); from here on a
+  // shape's first use (a prefill tail of a new length, an eager decode width) takes the
+  // library's pick rather than stalling a request while candidates are timed.
+  model.backend().set_tuning(false);
   e->by_slot_.resize(static_cast<size_t>(opt.max_slots));
   for (int64_t s = 0; s < opt.max_slots; ++s) e->free_slots_.insert(static_cast<int32_t>(s));
   *out = std::move(e);

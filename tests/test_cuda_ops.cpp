@@ -413,8 +413,8 @@ TEST_F(CudaOps, GemmTuningKeepsTheHeuristicPicksBytes) {
   std::unique_ptr<Backend> plain_owner = make_cuda_backend(&why);
   auto* plain = dynamic_cast<CudaBackend*>(plain_owner.get());
   ASSERT_NE(plain, nullptr) << why;
-  plain->set_gemm_tuning(false);
-  be->set_gemm_tuning(true);
+  plain->set_tuning(false);
+  be->set_tuning(true);
   const int64_t M = 1280, D = 3072, O = 9216, F = 8192, W = 16384;
   Buf x = input({M, D}, kBF16, kF32, 95), w1 = input({O, D}, kBF16, kF32, 96, -0.05, 0.05);
   Buf w2 = input({W, D}, kBF16, kF32, 97, -0.05, 0.05), w3 = input({D, F}, kBF16, kF32, 98, -0.05, 0.05);

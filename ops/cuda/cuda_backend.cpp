@@ -75,7 +75,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   // them (to time what gather_gemm_memsets saves).
   if (const char* v = std::getenv("LAPLACE_GRAPH_GEMM_MEMSETS")) gather_memsets_ = std::strcmp(v, "keep") != 0;
   if (const char* v = std::getenv("LAPLACE_GEMM_TUNE")) {
-    gemm_tune_ = std::strcmp(v, "0") != 0;
+    gemm_tune_ = gemm_tune_allowed_ = std::strcmp(v, "0") != 0;
     gemm_tune_verbose_ = std::strcmp(v, "verbose") == 0;
   }
   CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));

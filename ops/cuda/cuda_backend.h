@@ -197,8 +197,9 @@ class CudaBackend final : public Backend {
   // Gemm tuning (gemm_tune in cuda_backend.cpp): the first eager call of a large gemm shape
   // times cuBLASLt's candidate algorithms on its own operands and keeps the fastest of those
   // whose output has the heuristic pick's bytes. On by default; LAPLACE_GEMM_TUNE=0 turns it
-  // off, =verbose prints each choice. Only shapes not yet planned are affected by a change.
-  void set_gemm_tuning(bool on) { gemm_tune_ = on; }
+  // off for the process, =verbose prints each choice. Shapes planned while it is off keep
+  // the heuristic's pick; tuned ones keep their choice.
+  void set_tuning(bool on) override { gemm_tune_ = on && gemm_tune_allowed_; }
   // Shapes whose candidates were timed, and those of them now running another candidate
   // than the heuristic's first; tests and benchmarks read them.
   int64_t gemm_shapes_tuned() const { return gemm_shapes_tuned_; }
@@ -263,6 +264,7 @@ class CudaBackend final : public Backend {
   int64_t slots_used_ = 0;  // of counters_, in the capture running
   int64_t graph_memsets_moved_ = 0;
   bool gemm_tune_ = true;
+  bool gemm_tune_allowed_ = true;  // false under LAPLACE_GEMM_TUNE=0
   bool gemm_tune_verbose_ = false;
   int64_t gemm_shapes_tuned_ = 0, gemm_shapes_switched_ = 0;
   std::vector<cudaGraphNode_t> capture_frontier() const;
