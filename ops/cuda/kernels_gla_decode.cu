@@ -149,6 +149,22 @@ __device__ __forceinline__ void load_rows(const ST* src, int64_t sk, int i0, int
   }
 }
 
+// Thread 0 of a block: the state of one (slot, head) [G·rows, dv] from gs into sS by G bulk
+// copies of `piece` bytes, row group g completing on bar[g]. Each barrier completes once
+// (parity 0); a block barrier must come between this and any thread's wait.
+template <int G, class ST>
+__device__ __forceinline__ void state_load_bulk(const ST* gs, ST* sS, int rows, int dv, uint32_t piece,
+                                                uint64_t* bar) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) mbar_init(&bar[g], 1);
+  fence_barrier_init();
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    mbar_arrive_expect_tx(&bar[g], piece);
+    bulk_g2s(sS + g * rows * dv, gs + g * rows * dv, piece, &bar[g]);
+  }
+}
+
 // kBulk (BF16 states, see gla_decode_forward): the state reaches shared memory through G bulk
 // copies, one per row group, each completing on its own mbarrier so that group 0 computes
 // while the others still arrive; the updated rows go back into shared memory and G bulk
@@ -170,19 +186,9 @@ __global__ void __launch_bounds__(kDecMaxDv) gla_decode_kernel(DecArgs a) {
   ST* sS = reinterpret_cast<ST*>(state_smem);
   // kBulk: one bulk copy per row group, each of `piece` bytes, both ways.
   [[maybe_unused]] const uint32_t piece = static_cast<uint32_t>(rows * a.dv * static_cast<int>(sizeof(ST)));
-  if constexpr (kBulk) {
-    // The copies first: they are the long pole. Each barrier completes once (parity 0).
-    if (tid == 0) {
-      const ST* gs = static_cast<const ST*>(a.s_in) + slot * a.ss + h * a.sh;
-#pragma unroll
-      for (int p = 0; p < G; ++p) mbar_init(&bar[p], 1);
-      fence_barrier_init();
-#pragma unroll
-      for (int p = 0; p < G; ++p) {
-        mbar_arrive_expect_tx(&bar[p], piece);
-        bulk_g2s(sS + p * rows * a.dv, gs + p * rows * a.dv, piece, &bar[p]);
-      }
-    }
+  if constexpr (kBulk) {  // the copies first: they are the long pole
+    if (tid == 0)
+      state_load_bulk<G>(static_cast<const ST*>(a.s_in) + slot * a.ss + h * a.sh, sS, rows, a.dv, piece, bar);
   }
   for (int i = tid; i < a.dk; i += blockDim.x) {
     qs[i] = a.scale * ldf(a.q, b * a.q_sb + h * a.q_sh + i, a.q_dt);
@@ -423,20 +429,10 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
   const int rows = (a.dk + G - 1) / G;
   const int r0 = rg * rows, r1 = min(a.dk, r0 + rows);
   float s[kDecUnroll][C];
-  if constexpr (kBulk) {
-    // The copies first: they are the long pole. Each barrier completes once (parity 0); the
-    // block's first barrier below orders the init before anyone waits.
+  if constexpr (kBulk) {  // the copies first: they are the long pole
     if (tid == 0) {
-      const ST* gs = static_cast<const ST*>(a.s_in) + slot * a.ss + h * a.sh;
       const uint32_t piece = static_cast<uint32_t>(rows * a.dv * static_cast<int>(sizeof(ST)));
-#pragma unroll
-      for (int g = 0; g < G; ++g) mbar_init(&bar[g], 1);
-      fence_barrier_init();
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        mbar_arrive_expect_tx(&bar[g], piece);
-        bulk_g2s(sS + g * rows * a.dv, gs + g * rows * a.dv, piece, &bar[g]);
-      }
+      state_load_bulk<G>(static_cast<const ST*>(a.s_in) + slot * a.ss + h * a.sh, sS, rows, a.dv, piece, bar);
     }
   } else {
     load_rows(src, sk, r0, r1, s);
