@@ -393,8 +393,16 @@ void CudaBackend::copy(Tensor dst, const Tensor& src) {
 // Tuning (gemm_tune): shapes of at least kTuneMinFlops get up to kTuneCandidates of the
 // heuristic's candidates. Below ~10 GFLOP a gemm runs in tens of microseconds, where the
 // candidates' differences drown in the timing's noise.
+namespace {
+
 constexpr int kTuneCandidates = 8;
 constexpr double kTuneMinFlops = 1e10;
+
+double gemm_flops(int64_t M, int64_t N, int64_t K) {
+  return 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
+}
+
+}  // namespace
 
 CudaBackend::GemmPlan& CudaBackend::gemm_plan(const GemmKey& key) {
   auto it = gemm_plans_.find(key);
@@ -430,8 +438,7 @@ CudaBackend::GemmPlan& CudaBackend::gemm_plan(const GemmKey& key) {
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_a, sizeof(al_a)));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
-  const double flops = 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
-  const int want = gemm_tune_ && flops >= kTuneMinFlops ? kTuneCandidates : 1;
+  const int want = gemm_tune_ && gemm_flops(M, N, K) >= kTuneMinFlops ? kTuneCandidates : 1;
   std::vector<cublasLtMatmulHeuristicResult_t> res(static_cast<size_t>(want));
   int found = 0;
   cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt_, plan.desc, plan.lb, plan.la, plan.lc, plan.lc, pref, want,
@@ -446,7 +453,6 @@ CudaBackend::GemmPlan& CudaBackend::gemm_plan(const GemmKey& key) {
   plan.algo = res[0].algo;
   plan.ws_needed = res[0].workspaceSize;
   if (found >= 2) plan.candidates = std::move(res);
-  else plan.settled = true;
   return gemm_plans_.emplace(key, plan).first->second;
 }
 
@@ -498,11 +504,11 @@ void CudaBackend::gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool 
                  std::min(pointer_alignment(c.data), pointer_alignment(cin.data)), 0};
   GemmPlan& plan = gemm_plan(key);
   const float fa = static_cast<float>(alpha), fb = static_cast<float>(beta);
-  if (!plan.settled) {
+  if (!plan.candidates.empty()) {
     // A plan first used inside a capture keeps the heuristic's pick: a graph and the eager
     // calls after it then run one kernel (no timing is possible while capturing anyway).
     if (capturing_) {
-      plan.settled = true;
+      plan.candidates.clear();
     } else {
       const size_t span = static_cast<size_t>((M - 1) * ldc + N) * dtype_size(c.dtype);
       gemm_tune(plan, GemmCall{b.data, a.data, cin.data, c.data, fa, fb, span}, key);
@@ -543,7 +549,8 @@ void CudaBackend::gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool 
 // that follows; if none can be allocated, the pick stays. LAPLACE_GEMM_TUNE=verbose prints
 // the outcome.
 void CudaBackend::gemm_tune(GemmPlan& plan, const GemmCall& call, const GemmKey& key) {
-  plan.settled = true;
+  const std::vector<cublasLtMatmulHeuristicResult_t> cands = std::move(plan.candidates);
+  plan.candidates.clear();  // tuned from here on, whatever happens below
   void* d = call.d;
   void* tmp = nullptr;
   if (call.beta != 0.f && call.c == call.d) {
@@ -556,11 +563,11 @@ void CudaBackend::gemm_tune(GemmPlan& plan, const GemmCall& call, const GemmKey&
                           plan.lc, d, plan.lc, &algo, workspace_, workspace_bytes_, stream_) == CUBLAS_STATUS_SUCCESS;
   };
   std::vector<size_t> same;  // candidates with the pick's bytes (the pick first)
-  if (run(plan.candidates[0].algo)) {
+  if (run(cands[0].algo)) {
     same.push_back(0);
     const uint64_t ref = fingerprint(d, call.d_span);
-    for (size_t i = 1; i < plan.candidates.size(); ++i)
-      if (run(plan.candidates[i].algo) && fingerprint(d, call.d_span) == ref) same.push_back(i);
+    for (size_t i = 1; i < cands.size(); ++i)
+      if (run(cands[i].algo) && fingerprint(d, call.d_span) == ref) same.push_back(i);
   }
   (void)cudaGetLastError();  // a candidate that failed to launch leaves no error behind
   size_t best = 0;
@@ -568,7 +575,7 @@ void CudaBackend::gemm_tune(GemmPlan& plan, const GemmCall& call, const GemmKey&
   if (same.size() >= 2) {
     ++gemm_shapes_tuned_;
     // Each timing covers ≥ ~0.25 ms of gemms (at 500 TFLOP/s), at most 50 calls.
-    const double flops = 2.0 * static_cast<double>(key[5]) * static_cast<double>(key[6]) * static_cast<double>(key[7]);
+    const double flops = gemm_flops(key[5], key[6], key[7]);
     const int reps = static_cast<int>(std::clamp(std::ceil(0.25e-3 / (flops / 5e14)), 1.0, 50.0));
     constexpr int kRounds = 7;
     std::vector<std::vector<float>> ms(same.size());
@@ -578,7 +585,7 @@ void CudaBackend::gemm_tune(GemmPlan& plan, const GemmCall& call, const GemmKey&
     for (int r = 0; r < kRounds; ++r) {
       for (size_t j = 0; j < same.size(); ++j) {
         CUDA_CHECK(cudaEventRecord(e0, stream_));
-        for (int i = 0; i < reps; ++i) run(plan.candidates[same[j]].algo);
+        for (int i = 0; i < reps; ++i) run(cands[same[j]].algo);
         CUDA_CHECK(cudaEventRecord(e1, stream_));
         CUDA_CHECK(cudaEventSynchronize(e1));
         ++host_syncs_;
@@ -597,8 +604,8 @@ void CudaBackend::gemm_tune(GemmPlan& plan, const GemmCall& call, const GemmKey&
     if (j != 0 && med[j] < 0.98f * med[0]) best = j;
     if (best != 0) {
       ++gemm_shapes_switched_;
-      plan.algo = plan.candidates[same[best]].algo;
-      plan.ws_needed = plan.candidates[same[best]].workspaceSize;
+      plan.algo = cands[same[best]].algo;
+      plan.ws_needed = cands[same[best]].workspaceSize;
     }
   }
   if (tmp) {
@@ -610,7 +617,7 @@ void CudaBackend::gemm_tune(GemmPlan& plan, const GemmCall& call, const GemmKey&
                  "laplace: gemm tune M %lld N %lld K %lld: %zu candidates, %zu with the pick's bytes; candidate %zu, "
                  "%.4f ms (the pick %.4f ms)\n",
                  static_cast<long long>(key[5]), static_cast<long long>(key[6]), static_cast<long long>(key[7]),
-                 plan.candidates.size(), same.size(), same.empty() ? size_t{0} : same[best],
+                 cands.size(), same.size(), same.empty() ? size_t{0} : same[best],
                  same.size() >= 2 ? static_cast<double>(med[best]) : 0.0,
                  same.size() >= 2 ? static_cast<double>(med[0]) : 0.0);
 }

@@ -214,10 +214,9 @@ class CudaBackend final : public Backend {
     cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
     cublasLtMatmulAlgo_t algo{};
     size_t ws_needed = 0;  // the workspace the algorithm asks for (bytes)
-    // Tuning: the heuristic's candidates in its order (algo is candidates[0] until tuned),
-    // with their workspace sizes; settled once tuned or first used in a capture.
+    // While the plan awaits tuning: the heuristic's candidates in its order, with their
+    // workspace sizes (algo is candidates[0]); emptied once tuned or first used in a capture.
     std::vector<cublasLtMatmulHeuristicResult_t> candidates;
-    bool settled = false;
   };
   using GemmKey = std::array<int64_t, 15>;
   GemmPlan& gemm_plan(const GemmKey& key);
