@@ -25,6 +25,13 @@ cmake --build build-gpu -j "$(nproc)" --target laplace laplace_tests bench_ops b
 echo "build ok ($LAPLACE_COMMIT)"
 L=./build-gpu/laplace
 M3B="--config configs/laplace-3b.json --device cuda --dtype bf16"
+# lab/trace/cupti_trace.cpp as build-gpu/libcupti_trace.so (stages trace and ptrace).
+build_tracer() {
+  local lib
+  lib=$(dirname "$(find /usr/local/cuda/ -name 'libcupti.so' | head -1)")
+  g++ -O2 -shared -fPIC -I/usr/local/cuda/include -I/usr/local/cuda/extras/CUPTI/include lab/trace/cupti_trace.cpp \
+    -L"$lib" -Wl,-rpath,"$lib" -lcupti -o build-gpu/libcupti_trace.so >> "$LOG" 2>&1
+}
 if [ "${SMI:-0}" = 1 ]; then
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
     --format=csv,noheader,nounits -lms 200 > "$OUT/smi.csv" 2>&1 &
@@ -98,17 +105,13 @@ for s in $STAGES; do
         "$OUT/ncu.log" | head -${NCU_TAIL:-60} ;;
     trace)  # kernel timeline of a deferred F32 decode run (lab/trace/cupti_trace.cpp, CUPTI injection; no nsys there):
       # idle time and kernel times per step (scripts/trace_step.py)
-      CUPTI_LIB=$(dirname "$(find /usr/local/cuda/ -name 'libcupti.so' | head -1)")
-      g++ -O2 -shared -fPIC -I/usr/local/cuda/include -I/usr/local/cuda/extras/CUPTI/include lab/trace/cupti_trace.cpp \
-        -L"$CUPTI_LIB" -Wl,-rpath,"$CUPTI_LIB" -lcupti -o build-gpu/libcupti_trace.so >> "$LOG" 2>&1 &&
+      build_tracer &&
       CUDA_INJECTION64_PATH=$PWD/build-gpu/libcupti_trace.so CUPTI_TRACE_OUT=build-gpu/trace.csv timeout 300 \
         $L bench decode $M3B --batch 1280 --steps 12 --warmup 3 --prompt-len 16 --prefill-chunk 16 --max-batch-tokens 24000 --results "" \
         --state-dtype ${TRACE_STATE:-f32} --defer-writeback ${DEFER_R:-8} 2>&1 | grep -E "decode:|cupti" | tee -a "$LOG"
       python3 scripts/trace_step.py build-gpu/trace.csv --steps 8 2>&1 | tee -a "$LOG" ;;
     ptrace)  # kernel timeline of the 8,192-token prefill (as trace; each repetition is a run between host syncs)
-      CUPTI_LIB=$(dirname "$(find /usr/local/cuda/ -name 'libcupti.so' | head -1)")
-      g++ -O2 -shared -fPIC -I/usr/local/cuda/include -I/usr/local/cuda/extras/CUPTI/include lab/trace/cupti_trace.cpp \
-        -L"$CUPTI_LIB" -Wl,-rpath,"$CUPTI_LIB" -lcupti -o build-gpu/libcupti_trace.so >> "$LOG" 2>&1 &&
+      build_tracer &&
       CUDA_INJECTION64_PATH=$PWD/build-gpu/libcupti_trace.so CUPTI_TRACE_OUT=build-gpu/ptrace.csv timeout 120 \
         $L bench prefill $M3B --prompt-len 8192 --reps 3 --results "" 2>&1 | grep -E "prefill of|cupti" | tee -a "$LOG"
       python3 scripts/trace_step.py build-gpu/ptrace.csv --steps 3 --split-gap-ms 1 --top ${TRACE_TOP:-40} 2>&1 | tee -a "$LOG" ;;
