@@ -1,6 +1,7 @@
 #include "serve/server.h"
 
 #include <httplib.h>
+#include <sys/socket.h>
 
 #include <atomic>
 #include <chrono>
@@ -115,6 +116,7 @@ struct Server::Impl {
   std::string name;
   httplib::Server http;
   int port = 0;
+  int listen_fd = -1;  // the listening socket, seen through http's socket-options hook
 
   // Loading.
   std::atomic<bool> ready{false};
@@ -955,6 +957,13 @@ struct Server::Impl {
     http.set_read_timeout(opt.read_timeout_s, 0);
     http.set_write_timeout(opt.write_timeout_s, 0);
     http.set_keep_alive_max_count(100);
+    // SO_REUSEADDR only: cpp-httplib's default also sets SO_REUSEPORT, which would let a
+    // second server bind our port and silently take half of its connections.
+    http.set_socket_options([this](socket_t sock) {
+      int yes = 1;
+      ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+      listen_fd = sock;
+    });
 
     http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
       http_requests.fetch_add(1);
@@ -1055,6 +1064,17 @@ Status Server::start() {
       return Status::io_error("cannot bind to " + m.opt.host + ":" + std::to_string(m.opt.port) +
                               " (in use, or not an address of this machine)");
     m.port = m.opt.port;
+  }
+  // cpp-httplib listens with a backlog of 5, compiled into Debian's library. A burst of more
+  // connections than that overflows the accept queue; the kernel then drops the handshakes'
+  // last packets and the clients' first data, which come back only by retransmission, up to
+  // seconds later: requests stall, or time out half-read. Listening again on a listening
+  // socket sets a new backlog (Linux), capped by net.core.somaxconn.
+  if (m.listen_fd >= 0) {
+    int accepting = 0;
+    socklen_t len = sizeof(accepting);
+    if (::getsockopt(m.listen_fd, SOL_SOCKET, SO_ACCEPTCONN, &accepting, &len) == 0 && accepting)
+      ::listen(m.listen_fd, SOMAXCONN);
   }
   m.listener = std::thread([&m] { m.http.listen_after_bind(); });
   m.loader = std::thread([&m] {
