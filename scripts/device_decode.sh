@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: build, run the engine's GPU tests, then the serving benchmarks of laplace-3b
 # (random bf16 weights); logs and JSON lines under $OUT. Stages run in the order given:
-#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson ops train lab declab overlap deferred cores ncu trace ptrace algo parity" COMMIT=abc123 scripts/device_decode.sh
+#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson ops train lab declab overlap deferred cores ncu trace ptrace algo wgmma parity" COMMIT=abc123 scripts/device_decode.sh
 # COMMIT is written into every result line (the device's git HEAD may be stale).
 # The device tool returns at most 8 files from $OUT, so every stage appends to one log,
 # $OUT/run.log (the GPU tests and the build keep their own; results go to results.jsonl).
@@ -18,11 +18,15 @@ mkdir -p "$OUT"
 R="$OUT/results.jsonl"
 LOG="$OUT/run.log"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >> "$LOG" 2>&1
-cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a ${CMAKE_EXTRA:-} \
-  > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-cmake --build build-gpu -j "$(nproc)" --target laplace laplace_tests bench_ops bench_train >> "$OUT/build.log" 2>&1 ||
-  { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -60; exit 1; }
-echo "build ok ($LAPLACE_COMMIT)"
+if [ "${BUILD:-1}" = 1 ]; then  # BUILD=0: lab stages only (each compiles its own program)
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a ${CMAKE_EXTRA:-} \
+    > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+  cmake --build build-gpu -j "$(nproc)" --target laplace laplace_tests bench_ops bench_train >> "$OUT/build.log" 2>&1 ||
+    { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -60; exit 1; }
+  echo "build ok ($LAPLACE_COMMIT)"
+else
+  mkdir -p build-gpu
+fi
 L=./build-gpu/laplace
 M3B="--config configs/laplace-3b.json --device cuda --dtype bf16"
 # lab/trace/cupti_trace.cpp as build-gpu/libcupti_trace.so (stages trace and ptrace).
@@ -118,6 +122,13 @@ for s in $STAGES; do
     algo)  # lab/gemm/algo_lab: cuBLASLt's candidate algorithms at the model's gemm shapes (nodes, memsets, time)
       nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o build-gpu/algo_lab lab/gemm/algo_lab.cu -lcublasLt \
         >> "$LOG" 2>&1 && timeout 300 ./build-gpu/algo_lab ${ALGO_ARGS:-} 2>&1 | tee -a "$LOG" ;;
+    wgmma)  # lab/gemm/wgmma_lab: the hand-written TMA + wgmma gemm against cuBLASLt; one process per version, so
+      # that a version that traps (an mbarrier wait timing out) does not hide the others
+      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o build-gpu/wgmma_lab lab/gemm/wgmma_lab.cu \
+        -lcublasLt >> "$LOG" 2>&1 &&
+      for v in ${WGMMA_VERSIONS:-1 2 3 4}; do
+        timeout 120 ./build-gpu/wgmma_lab --versions $v ${WGMMA_ARGS:-} 2>&1 | tee -a "$LOG" | grep -E "^  v|TFLOP/s|PASS|FAIL|rror|timed out"
+      done ;;
     parity)  # greedy tokens vs the PyTorch reference on this GPU (needs a trained model: carry runs/demo/model)
       python3 python/gpu_parity.py --model ${PARITY_MODEL:-runs/demo/model} --binary build-gpu/laplace 2>&1 |
         tee -a "$LOG" ;;

@@ -46,7 +46,7 @@ constexpr int kSmemBudget = 232448;                  // opt-in shared memory per
 constexpr int kPartBytes = 2 * (G - 1) * kDv * 4;    // double-buffered partial outputs
 constexpr int kMaxStages = 12;
 
-template <class ST, int kSplit>
+template <class ST, int kSplit, int kStageCap = kMaxStages>
 struct Cfg {
   static constexpr int kRows = kDk / kSplit;  // rows per unit
   static constexpr int kGroupRows = kRows / G;
@@ -54,7 +54,7 @@ struct Cfg {
   static constexpr int kPieceBytes = kRows * kDv * static_cast<int>(sizeof(ST));
   static constexpr int kStageBytes = kPieceBytes + kQkvBytes;
   static constexpr int kFit = (kSmemBudget - kPartBytes) / (kStageBytes + 16);  // + barrier, slot
-  static constexpr int kStages = kFit < kMaxStages ? kFit : kMaxStages;
+  static constexpr int kStages = kFit < kStageCap ? kFit : kStageCap;
   static constexpr int kPartOff = kStages * kStageBytes;  // float [2][G - 1][kDv]
   static constexpr int kBarOff = kPartOff + kPartBytes;   // uint64 [kStages]
   static constexpr int kSlotOff = kBarOff + kStages * 8;  // int64 [kStages]: the unit's slot
@@ -64,9 +64,12 @@ struct Cfg {
   static_assert(kStages >= 2 && kBytes <= kSmemBudget, "stage ring");
 };
 
-template <class ST, bool kBulkStore, int kSplit>
-__global__ void __launch_bounds__(kThreads, 1) decode_v3(DecArgs a) {
-  using K = Cfg<ST, kSplit>;
+// kStageCap and kMinBlocks make a small-footprint variant (overlap_lab --co): a ring of few
+// stages and registers capped for kMinBlocks blocks per SM, so that one block can share an SM
+// with a gemm CTA.
+template <class ST, bool kBulkStore, int kSplit, int kStageCap = kMaxStages, int kMinBlocks = 1>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) decode_v3(DecArgs a) {
+  using K = Cfg<ST, kSplit, kStageCap>;
   constexpr int NS = K::kStages, U = K::kUnroll;
   extern __shared__ __align__(128) unsigned char smem[];
   float* part = reinterpret_cast<float*>(smem + K::kPartOff);

@@ -10,7 +10,16 @@
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o overlap_lab lab/decode/overlap_lab.cu -lcublasLt
 //   ./overlap_lab [--N 0,40,52,66,80] [--reps 20] [--steps 8] [--dtypes f32,bf16] [--prio 0,1]
-//                 [--splitk 0] [--half 640]
+//                 [--splitk 0] [--half 640] [--co 0|1|2|4] [--cands 16]
+//
+// --co S (co-residency; the SM split above never paid): instead of giving the two kernels
+// different SMs, let them share every SM. The state kernel becomes v3 with a 2-stage ring of
+// units of dk/S rows and registers capped for 3 blocks per SM (so ~112 per thread), grid = one
+// block per SM; each gemm takes, among cuBLASLt's first --cands candidates (heuristic order),
+// the first whose every kernel leaves beside one CTA the registers and shared memory of one
+// state block (read from the captured graph's kernel nodes, lab_driver.h). Each candidate's
+// footprint is printed, so even a run that finds none answers the question: does cuBLASLt have
+// a kernel at these shapes that lets a state-stream block share its SM? --N is then 0 only.
 //
 // Per state dtype, N and (for the concurrent variants) prio, one line each (median of `reps`
 // timed calls after 3 warm-ups, CUDA events on s0):
@@ -70,7 +79,7 @@ struct Proj {
 constexpr Proj kProj[4] = {{"qkvg", 9216, 3072}, {"wo", 3072, 3072}, {"w12", 16384, 3072}, {"w3", 3072, 8192}};
 
 struct Opts {
-  int half = 640, reps = 20, steps = 8;
+  int half = 640, reps = 20, steps = 8, co = 0, cands = 16;
   bool splitk = false;
   std::vector<int> Ns = {0, 40, 52, 66, 80}, prios = {0, 1};
   std::vector<std::string> dtypes = {"f32", "bf16"};
@@ -94,10 +103,11 @@ struct Plan {
   int M = 0, target = 0;
   cublasLtMatmulDesc_t desc{};
   cublasLtMatrixLayout_t lw[4]{}, lx[4]{}, ly[4]{};
-  cublasLtMatmulHeuristicResult_t res[4]{};
+  cublasLtMatmulHeuristicResult_t res[4]{};                 // the ones used
+  std::vector<cublasLtMatmulHeuristicResult_t> cands[4];    // the first `ncands`, heuristic order
 };
 
-Plan make_plan(cublasLtHandle_t lt, int M, int target, bool splitk) {
+Plan make_plan(cublasLtHandle_t lt, int M, int target, bool splitk, int ncands = 1) {
   Plan p;
   p.M = M, p.target = target;
   CKB(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -120,11 +130,15 @@ Plan make_plan(cublasLtHandle_t lt, int M, int target, bool splitk) {
     CKB(cublasLtMatrixLayoutCreate(&p.lx[i], CUDA_R_16BF, q.k, M, q.k));
     CKB(cublasLtMatrixLayoutCreate(&p.ly[i], CUDA_R_16BF, q.n, M, q.n));
     int found = 0;
-    CKB(cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.lw[i], p.lx[i], p.ly[i], p.ly[i], pref, 1, &p.res[i], &found));
-    if (found == 0 || p.res[i].state != CUBLAS_STATUS_SUCCESS) {
+    p.cands[i].resize(static_cast<size_t>(std::max(ncands, 1)));
+    CKB(cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.lw[i], p.lx[i], p.ly[i], p.ly[i], pref,
+                                       static_cast<int>(p.cands[i].size()), p.cands[i].data(), &found));
+    p.cands[i].resize(static_cast<size_t>(found));
+    if (found == 0 || p.cands[i][0].state != CUBLAS_STATUS_SUCCESS) {
       std::fprintf(stderr, "overlap_lab: no cuBLASLt algorithm for %s M=%d target %d\n", q.name, M, target);
       std::exit(1);
     }
+    p.res[i] = p.cands[i][0];
   }
   CKB(cublasLtMatmulPreferenceDestroy(pref));
   return p;
@@ -177,6 +191,63 @@ void print_plan(const Plan& p) {
     std::printf("    %-4s M %d target %3d: %s\n", kProj[i].name, p.M, p.target, lab::algo_config_str(p.res[i]).c_str());
 }
 
+// --co: per gemm, the first candidate whose every kernel leaves `room_regs` registers and
+// `room_smem` bytes of shared memory of an SM beside one of its CTAs; its footprint and that of
+// every candidate before it printed. False if a gemm has none.
+bool choose_coresident(cublasLtHandle_t lt, Plan& p, const GemmBufs& g, const DriverFns& drv, cudaStream_t st,
+                       int room_regs, int room_smem) {
+  bool all = true;
+  for (int i = 0; i < 4; ++i) {
+    const float one = 1.f, zero = 0.f;
+    const size_t yo = static_cast<size_t>(p.M) * kProj[i].n, xo = static_cast<size_t>(p.M) * kProj[i].k;
+    int chosen = -1;
+    for (size_t j = 0; j < p.cands[i].size() && chosen < 0; ++j) {
+      const cublasLtMatmulHeuristicResult_t& r = p.cands[i][j];
+      if (r.state != CUBLAS_STATUS_SUCCESS) continue;
+      cudaGraph_t gr;
+      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      const cublasStatus_t cs = cublasLtMatmul(lt, p.desc, &one, g.w[i], p.lw[i], g.x[i] + xo, p.lx[i], &zero,
+                                               g.y[i] + yo, p.ly[i], g.y[i] + yo, p.ly[i], &r.algo, g.ws[1], kWsBytes, st);
+      CK(cudaStreamEndCapture(st, &gr));
+      int regs = 0, smem = 0, kernels = 0;
+      bool known = cs == CUBLAS_STATUS_SUCCESS;
+      size_t n = 0;
+      CK(cudaGraphGetNodes(gr, nullptr, &n));
+      std::vector<cudaGraphNode_t> nodes(n);
+      CK(cudaGraphGetNodes(gr, nodes.data(), &n));
+      for (cudaGraphNode_t node : nodes) {
+        cudaGraphNodeType t;
+        CK(cudaGraphNodeGetType(node, &t));
+        if (t != cudaGraphNodeTypeKernel) continue;
+        CUDA_KERNEL_NODE_PARAMS_v2 kp{};
+        const char* name = nullptr;
+        if (!lab::kernel_node_info(drv, node, &kp, &name)) {
+          known = false;
+          continue;
+        }
+        const lab::CtaFootprint f = lab::kernel_node_footprint(drv, kp);
+        if (f.regs < 0 || f.smem < 0) known = false;
+        regs = std::max(regs, f.regs), smem = std::max(smem, f.smem);
+        ++kernels;
+      }
+      CK(cudaGraphDestroy(gr));
+      const bool fits = known && kernels > 0 && regs <= room_regs && smem <= room_smem;
+      std::printf("    %-4s [%zu] %s\n           largest CTA: %d registers, %d B shared%s -> %s\n", kProj[i].name, j,
+                  lab::algo_config_str(r).c_str(), regs, smem, known ? "" : " (unknown)",
+                  fits ? "fits beside a state block" : "no room");
+      if (fits) chosen = static_cast<int>(j);
+    }
+    if (chosen < 0) {
+      std::printf("    %-4s: none of %zu candidates leaves %d registers and %d B beside its CTA\n", kProj[i].name,
+                  p.cands[i].size(), room_regs, room_smem);
+      all = false;
+    } else {
+      p.res[i] = p.cands[i][static_cast<size_t>(chosen)];
+    }
+  }
+  return all;
+}
+
 // ---- the state kernel ----------------------------------------------------------------------------
 struct StateKernel {
   void (*k)(DecArgs) = nullptr;
@@ -195,6 +266,25 @@ struct StateKernel {
     CK(cudaLaunchKernelEx(&cfg, k, a));
   }
 };
+
+// v3 as run beside the gemms: the full-budget ring (co = 0) or, for --co S, units of dk/S rows
+// in a 2-stage ring with registers capped for 3 blocks per SM.
+template <class ST>
+StateKernel state_kernel(int co) {
+  StateKernel sk;
+  switch (co) {
+    case 0: sk.k = v3::decode_v3<ST, true, 1>, sk.smem = v3::Cfg<ST, 1>::kBytes; break;
+    case 1: sk.k = v3::decode_v3<ST, true, 1, 2, 3>, sk.smem = v3::Cfg<ST, 1, 2>::kBytes; break;
+    case 2: sk.k = v3::decode_v3<ST, true, 2, 2, 3>, sk.smem = v3::Cfg<ST, 2, 2>::kBytes; break;
+    default: sk.k = v3::decode_v3<ST, true, 4, 2, 3>, sk.smem = v3::Cfg<ST, 4, 2>::kBytes; break;
+  }
+  int least = 0, greatest = 0;
+  CK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  sk.prio_value = greatest;
+  CK(cudaFuncSetAttribute(sk.k, cudaFuncAttributeMaxDynamicSharedMemorySize, sk.smem));
+  CK(cudaFuncSetAttribute(sk.k, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+  return sk;
+}
 
 struct Ctx {
   cudaStream_t s0, s1, s2;
@@ -250,14 +340,19 @@ int run_dtype(const Opts& opt, Ctx& c, const GemmBufs& gb, const DriverFns& drv,
   const int64_t npairs = static_cast<int64_t>(B) * H, state_elems = npairs * DK * DV;
   const size_t state_bytes = static_cast<size_t>(state_elems) * sizeof(ST), o_bytes = npairs * DV * 4;
 
-  StateKernel sk;
-  sk.k = v3::decode_v3<ST, true, 1>;
-  sk.smem = v3::Cfg<ST, 1>::kBytes;
-  int least = 0, greatest = 0;
-  CK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  sk.prio_value = greatest;
-  CK(cudaFuncSetAttribute(sk.k, cudaFuncAttributeMaxDynamicSharedMemorySize, sk.smem));
-  CK(cudaFuncSetAttribute(sk.k, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+  // sk runs beside the gemms; sk_full is the unsplit layer's (the full ring).
+  const StateKernel sk = state_kernel<ST>(opt.co), sk_full = state_kernel<ST>(0);
+  // What one state block holds of an SM, hence what a gemm CTA may use beside it (--co).
+  int room_regs = 0, room_smem = 0;
+  {
+    cudaFuncAttributes fa{};
+    CK(cudaFuncGetAttributes(&fa, sk.k));
+    const int regs = (fa.numRegs + 7) / 8 * 8 * v3::kThreads, smem = static_cast<int>(fa.sharedSizeBytes) + sk.smem + 1024;
+    room_regs = 65536 - regs, room_smem = 233472 - smem;
+    std::printf("\n%s state kernel (co %d): %d regs/thread × %d threads = %d registers, %d B shared per block "
+                "(ring of %d B); beside one block an SM has %d registers and %d B left\n",
+                dtname, opt.co, fa.numRegs, v3::kThreads, regs, smem, sk.smem, room_regs, room_smem);
+  }
 
   // decode_lab's inputs and layout: slots b -> 7919·b mod B (halves get disjoint slot sets),
   // q, k, v BF16 in [-1, 1), lam in [0.95, 0.99], o F32.
@@ -357,9 +452,14 @@ int run_dtype(const Opts& opt, Ctx& c, const GemmBufs& gb, const DriverFns& drv,
   std::vector<std::pair<int, std::pair<double, double>>> per_layer;  // N -> best {f, g} ms per step
   for (int N : opt.Ns) {
     const int grid = N > 0 ? N : c.sms, target = N > 0 ? c.sms - N : 0;
-    Plan p = make_plan(c.lt, half, target, opt.splitk);
+    Plan p = make_plan(c.lt, half, target, opt.splitk, opt.co ? opt.cands : 1);
     std::printf("\n-- N %d: state grid %d, gemm SM target %d (%s)\n", N, grid, target,
-                N > 0 ? "split" : "no split: both on all SMs");
+                opt.co ? "co-resident: both on every SM" : N > 0 ? "split" : "no split: both on all SMs");
+    if (opt.co && !choose_coresident(c.lt, p, gb, drv, c.s0, room_regs, room_smem)) {
+      std::printf("  %-5s co %d: no co-resident gemm set at M = %d; skipped\n", dtname, opt.co, half);
+      destroy_plan(p);
+      continue;
+    }
     // Run the gemms once eagerly before any capture: cuBLASLt's (lazily loaded) kernels and their
     // attributes are then set up outside a capture.
     enqueue_gemms(c.lt, p, gb, half, 1, c.s0);
@@ -455,10 +555,10 @@ int run_dtype(const Opts& opt, Ctx& c, const GemmBufs& gb, const DriverFns& drv,
     CK(cudaStreamSynchronize(c.s0));
     if (show_gemms) print_plan(p);
     cudaGraphExec_t gu = capture(c, [&] {
-      sk.launch(full, c.sms, false, c.s0);
+      sk_full.launch(full, c.sms, false, c.s0);
       enqueue_gemms(c.lt, p, gb, 0, 0, c.s0);
     });
-    const double tsa = time_ms(c, [&] { sk.launch(full, c.sms, false, c.s0); });
+    const double tsa = time_ms(c, [&] { sk_full.launch(full, c.sms, false, c.s0); });
     const double tga = time_ms(c, [&] { enqueue_gemms(c.lt, p, gb, 0, 0, c.s0); });
     const double tu = time_ms(c, [&] { CK(cudaGraphLaunch(gu, c.s0)); });
     CK(cudaGraphExecDestroy(gu));
@@ -493,7 +593,7 @@ int main(int argc, char** argv) {
   auto usage = [] {
     std::fprintf(stderr,
                  "usage: overlap_lab [--N 0,40,52,66,80] [--reps 20] [--steps 8] [--dtypes f32,bf16] [--prio 0,1] "
-                 "[--splitk 0|1] [--half 640]\n");
+                 "[--splitk 0|1] [--half 640] [--co 0|1|2|4] [--cands 16]\n");
     return 2;
   };
   for (int i = 1; i < argc; i += 2) {
@@ -509,14 +609,18 @@ int main(int argc, char** argv) {
     else if (key == "--steps") opt.steps = std::atoi(val.c_str());
     else if (key == "--half") opt.half = std::atoi(val.c_str());
     else if (key == "--splitk") opt.splitk = std::atoi(val.c_str()) != 0;
+    else if (key == "--co") opt.co = std::atoi(val.c_str());
+    else if (key == "--cands") opt.cands = std::atoi(val.c_str());
     else if (key == "--dtypes") opt.dtypes = split_list(val);
     else return usage();
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   const int sms = prop.multiProcessorCount;
-  if (opt.reps < 1 || opt.steps < 1 || opt.half < 1 || opt.Ns.empty() || opt.prios.empty() || opt.dtypes.empty())
+  if (opt.reps < 1 || opt.steps < 1 || opt.half < 1 || opt.Ns.empty() || opt.prios.empty() || opt.dtypes.empty() ||
+      (opt.co != 0 && opt.co != 1 && opt.co != 2 && opt.co != 4) || opt.cands < 1)
     return usage();
+  if (opt.co) opt.Ns = {0};  // co-resident: both kernels on every SM
   for (int N : opt.Ns)
     if (N < 0 || N >= sms) return usage();
   for (const auto& d : opt.dtypes)

@@ -1,0 +1,494 @@
+// lab/gemm/wgmma_lab: a hand-written bf16 gemm (TMA + wgmma) at the decode step's shapes, against
+// cuBLASLt. The first step towards one kernel per decode layer that streams the GLA states on some
+// warps while others run the projections (BENCHMARKS.md: the BF16 target needs the state stream
+// hidden under the gemms, and cuBLASLt's kernels leave no room beside them; lab/decode/cores_lab's
+// mma.sync gemm role reached 211 TFLOP/s, far below the ≥ 620 that design needs). Such a kernel
+// needs a gemm it owns: this lab builds that gemm alone first, validated and timed.
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o wgmma_lab lab/gemm/wgmma_lab.cu -lcublasLt
+//   ./wgmma_lab [--M 640,1280] [--only qkvg,wo,w12,w3] [--calls 10] [--reps 15] [--versions 1,2,3,4]
+//
+// Y[M, N] = X[M, K] · W[N, K]ᵀ, bf16 in, F32 accumulate, bf16 out (the model's projections, β = 0).
+// One block of 384 threads per SM (launch bounds (384, 1)): warpgroup 0 is the producer (one thread
+// issues the TMA loads of X and W tiles into a ring of shared stages; setmaxnreg gives the group
+// 40 registers), warpgroups 1 and 2 consume (each owns 64 rows of the 128-row tile, wgmma from
+// shared memory, 232 registers). Stages complete on "full" mbarriers (TMA transaction bytes) and
+// are handed back on "empty" ones (one arrival per consumer warpgroup). Tiles: BM = 128, BK = 64,
+// BN per version; tile t covers rows (t mod M/BM)·BM and columns (t div M/BM)·BN, so CTAs that run
+// together share a weight tile (X is small and stays in L2).
+//   v1  BN 128, 4 stages, each k-block's MMAs waited for before its stage is handed back
+//   v2  BN 128, 5 stages, one k-block's MMAs kept in flight (wait_group 1; the stage before is
+//       handed back)
+//   v3  BN 256, 4 stages, as v2 (twice the MMA work per byte of X loaded; 128 accumulators)
+//   v4  v2 persistent: grid = SMs, each CTA walks tiles t = x, x + grid, ...; the ring runs on
+//       across tiles, so the next tile's loads overlap this tile's epilogue (the form a fused
+//       decode-layer kernel would take)
+// The epilogue stores each thread's bf16 pairs straight to global memory (no shared staging yet).
+//
+// Checks, per shape and version: Y poisoned (NaN) before the run, then against cuBLASLt's Y of the
+// same inputs: NaNs (unwritten), max |Δ| / RMS(Y_cublas) (bound 2e-2: both round to bf16 after F32
+// sums in different orders), share of bit-equal outputs (informational); and 256 sampled entries
+// against an F64 dot product of the same bf16 inputs (bound 1e-2 of the samples' RMS) for both.
+// Timing: a CUDA graph of `calls` calls per kernel, replays interleaved round-robin over the
+// versions and cuBLASLt (`reps` rounds, median), TFLOP/s. Exit status 1 on a failed check.
+#include <cublasLt.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "../lab_cublas.h"
+#include "../lab_host.h"
+#include "wgmma_common.cuh"
+
+namespace {
+
+using namespace gemm_lab;
+using bf16 = __nv_bfloat16;
+
+constexpr int BM = 128, BK = 64, kThreads = 384;
+
+template <int BN, int kStages>
+struct Smem {
+  static constexpr int kA = BM * BK * 2, kB = BN * BK * 2;  // bytes per stage (1,024-aligned)
+  static constexpr int kStage = kA + kB;
+  static constexpr int kBarOff = kStages * kStage;
+  static constexpr int kBytes = kBarOff + 2 * kStages * 8 + 1024;  // + alignment slack
+  static_assert(kA % 1024 == 0 && kB % 1024 == 0, "swizzle atoms");
+};
+
+template <int BN, int kStages, bool kOverlap>
+__global__ void __launch_bounds__(kThreads, 1)
+    gemm_tma_wgmma(const __grid_constant__ CUtensorMap mx, const __grid_constant__ CUtensorMap mw, bf16* y, int M,
+                   int N, int K) {
+  using S = Smem<BN, kStages>;
+  constexpr int kAcc = BN / 2;  // F32 accumulators per thread (64 rows × BN / 128 threads)
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem =
+      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::kBarOff);
+  uint64_t* empty = full + kStages;
+  const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+  const int mt = M / BM, tiles = mt * (N / BN), nk = K / BK;
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);   // the producer's arrive.expect_tx; the TMA bytes complete it
+      mbar_init(&empty[s], 2);  // one arrival per consumer warpgroup
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ---- producer ----
+    setmaxnreg_dec<40>();
+    if (t == 0) {
+      int it = 0;  // k-blocks issued by this CTA, over all its tiles: the ring's position
+      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int m0 = (tile % mt) * BM, n0 = (tile / mt) * BN;
+        for (int kb = 0; kb < nk; ++kb, ++it) {
+          const int s = it % kStages;
+          // Fill f = it / kStages of stage s needs fill f − 1 consumed: empty[s]'s phase f − 1.
+          if (it >= kStages) mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+          unsigned char* st = smem + s * S::kStage;
+          mbar_arrive_expect_tx(&full[s], S::kStage);
+          tma_load_2d(st, &mx, kb * BK, m0, &full[s]);
+          tma_load_2d(st + S::kA, &mw, kb * BK, n0, &full[s]);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumers: warpgroup c = wg − 1 owns rows [64c, 64c + 64) of each tile ----
+  setmaxnreg_inc<232>();
+  const int c = wg - 1;
+  int it = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int m0 = (tile % mt) * BM, n0 = (tile / mt) * BN;
+    float d[kAcc];
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) d[i] = 0.f;
+    int prev = -1;  // kOverlap: the stage whose MMAs may still be running
+    for (int kb = 0; kb < nk; ++kb, ++it) {
+      const int s = it % kStages;
+      mbar_wait(&full[s], (it / kStages) & 1);
+      const unsigned char* st = smem + s * S::kStage;
+      const unsigned char* a = st + c * 64 * BK * 2;  // this warpgroup's 64 rows: 8 atoms in
+      const unsigned char* b = st + S::kA;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) {
+        if constexpr (BN == 128) wgmma_m64n128k16(d, desc_k128(a + 32 * kk), desc_k128(b + 32 * kk));
+        else wgmma_m64n256k16(d, desc_k128(a + 32 * kk), desc_k128(b + 32 * kk));
+      }
+      wgmma_commit();
+      if constexpr (kOverlap) {
+        wgmma_wait<1>();  // the previous k-block's MMAs are done: its stage can go back
+        if (prev >= 0 && t == 0) mbar_arrive(&empty[prev]);
+        prev = s;
+      } else {
+        wgmma_wait<0>();
+        if (t == 0) mbar_arrive(&empty[s]);
+      }
+    }
+    if constexpr (kOverlap) {
+      wgmma_wait<0>();
+      if (prev >= 0 && t == 0) mbar_arrive(&empty[prev]);
+    }
+    fence_regs(d);
+    // Epilogue: bf16 pairs straight to global memory.
+    const int r = m0 + 64 * c + frag_row(t), c0 = n0 + frag_col(t);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const int col = c0 + 8 * j;
+      *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(r) * N + col) =
+          __floats2bfloat162_rn(d[4 * j], d[4 * j + 1]);
+      *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(r + 8) * N + col) =
+          __floats2bfloat162_rn(d[4 * j + 2], d[4 * j + 3]);
+    }
+  }
+}
+
+// ---- host ------------------------------------------------------------------------------------
+
+struct Shape {
+  const char* name;
+  int n, k;
+};
+constexpr Shape kShapes[] = {{"qkvg", 9216, 3072}, {"wo", 3072, 3072}, {"w12", 16384, 3072}, {"w3", 3072, 8192}};
+
+struct Version {
+  int id;
+  const char* what;
+  int bn, smem;
+  bool persistent;
+  void (*k)(CUtensorMap, CUtensorMap, bf16*, int, int, int);
+};
+
+template <int BN, int kStages, bool kOverlap>
+Version make_version(int id, const char* what, bool persistent) {
+  auto k = gemm_tma_wgmma<BN, kStages, kOverlap>;
+  const int smem = Smem<BN, kStages>::kBytes;
+  CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  return Version{id, what, BN, smem, persistent, k};
+}
+
+__device__ inline float hash_unit(uint64_t i) {  // in [-1, 1)
+  uint64_t z = i * 0x9e3779b97f4a7c15ULL + 0x632be59bd9b4e019ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  z ^= z >> 31;
+  return static_cast<float>(static_cast<uint32_t>(z >> 40)) * 0x1p-23f - 1.0f;
+}
+__global__ void fill_bf16(bf16* p, uint64_t n, uint64_t seed, float scale) {
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x)
+    p[i] = __float2bfloat16_rn(scale * hash_unit(i + seed));
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 get_encoder() {
+  void* fp = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fp, 12000, cudaEnableDefault, &q));
+  if (q != cudaDriverEntryPointSuccess || !fp) {
+    std::fprintf(stderr, "wgmma_lab: cuTensorMapEncodeTiled is not available\n");
+    std::exit(1);
+  }
+  return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fp);
+}
+
+// A row-major [rows, k] bf16 matrix read in boxes of {64 along k, box_rows rows}, 128-byte swizzle.
+CUtensorMap make_map(PFN_cuTensorMapEncodeTiled_v12000 enc, const bf16* p, int rows, int k, int box_rows) {
+  CUtensorMap m;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k) * 2};
+  const cuuint32_t box[2] = {BK, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t estr[2] = {1, 1};
+  const CUresult r = enc(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16*>(p), dims, strides, box, estr,
+                         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::fprintf(stderr, "wgmma_lab: cuTensorMapEncodeTiled failed (%d) for [%d, %d] box %d\n", static_cast<int>(r),
+                 rows, k, box_rows);
+    std::exit(1);
+  }
+  return m;
+}
+
+// cuBLASLt's pick for the same product, as production calls it (TN, no split-K reduction).
+struct Lt {
+  cublasLtMatmulDesc_t desc{};
+  cublasLtMatrixLayout_t lw{}, lx{}, ly{};
+  cublasLtMatmulHeuristicResult_t res{};
+};
+Lt make_lt(cublasLtHandle_t lt, int M, int n, int k, size_t ws) {
+  Lt p;
+  CKB(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
+  CKB(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof opT));
+  CKB(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof opN));
+  CKB(cublasLtMatrixLayoutCreate(&p.lw, CUDA_R_16BF, k, n, k));
+  CKB(cublasLtMatrixLayoutCreate(&p.lx, CUDA_R_16BF, k, M, k));
+  CKB(cublasLtMatrixLayoutCreate(&p.ly, CUDA_R_16BF, n, M, n));
+  cublasLtMatmulPreference_t pref;
+  CKB(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t w = ws;
+  CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &w, sizeof w));
+  const uint32_t red = CUBLASLT_REDUCTION_SCHEME_NONE;
+  CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &red, sizeof red));
+  int found = 0;
+  CKB(cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.lw, p.lx, p.ly, p.ly, pref, 1, &p.res, &found));
+  CKB(cublasLtMatmulPreferenceDestroy(pref));
+  if (found == 0) {
+    std::fprintf(stderr, "wgmma_lab: no cuBLASLt algorithm\n");
+    std::exit(1);
+  }
+  return p;
+}
+void destroy_lt(Lt& p) {
+  CKB(cublasLtMatrixLayoutDestroy(p.lw));
+  CKB(cublasLtMatrixLayoutDestroy(p.lx));
+  CKB(cublasLtMatrixLayoutDestroy(p.ly));
+  CKB(cublasLtMatmulDescDestroy(p.desc));
+}
+
+std::vector<uint16_t> to_host(const bf16* p, size_t n) {
+  std::vector<uint16_t> h(n);
+  CK(cudaMemcpy(h.data(), p, n * 2, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+struct Check {
+  size_t nan = 0;
+  double rel_max = 0, equal = 0;
+};
+// a against the reference b (both [M, n] bf16 on the host).
+Check compare(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  Check c;
+  double ss = 0, mx = 0;
+  size_t eq = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const float va = lab::bf2f(a[i]), vb = lab::bf2f(b[i]);
+    if (std::isnan(va)) {
+      ++c.nan;
+      continue;
+    }
+    ss += static_cast<double>(vb) * vb;
+    mx = std::max(mx, std::fabs(static_cast<double>(va) - vb));
+    eq += a[i] == b[i];
+  }
+  c.rel_max = mx / std::sqrt(ss / static_cast<double>(a.size()) + 1e-300);
+  c.equal = static_cast<double>(eq) / static_cast<double>(a.size());
+  return c;
+}
+
+// Largest |y − F64 dot| over `samples` random entries, relative to the samples' RMS.
+double f64_check(const std::vector<uint16_t>& y, const std::vector<uint16_t>& x, const std::vector<uint16_t>& w,
+                 int M, int n, int k, int samples, uint64_t seed) {
+  double ss = 0, mx = 0;
+  uint64_t z = seed;
+  for (int s = 0; s < samples; ++s) {
+    z = z * 6364136223846793005ULL + 1442695040888963407ULL;
+    const int i = static_cast<int>((z >> 33) % static_cast<uint64_t>(M));
+    z = z * 6364136223846793005ULL + 1442695040888963407ULL;
+    const int j = static_cast<int>((z >> 33) % static_cast<uint64_t>(n));
+    double ref = 0;
+    for (int kk = 0; kk < k; ++kk)
+      ref += static_cast<double>(lab::bf2f(x[static_cast<size_t>(i) * k + kk])) *
+             lab::bf2f(w[static_cast<size_t>(j) * k + kk]);
+    ss += ref * ref;
+    mx = std::max(mx, std::fabs(lab::bf2f(y[static_cast<size_t>(i) * n + j]) - ref));
+  }
+  return mx / std::sqrt(ss / samples + 1e-300);
+}
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  for (size_t p = 0; p <= s.size();) {
+    size_t e = s.find(',', p);
+    if (e == std::string::npos) e = s.size();
+    if (e > p) out.push_back(s.substr(p, e - p));
+    p = e + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int> Ms = {640, 1280}, want = {1, 2, 3, 4};
+  std::string only;
+  int calls = 10, reps = 15;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i], v = argv[i + 1];
+    auto ints = [&](std::vector<int>& dst) {
+      dst.clear();
+      for (const auto& s : split_list(v)) dst.push_back(std::atoi(s.c_str()));
+    };
+    if (a == "--M") ints(Ms);
+    else if (a == "--versions") ints(want);
+    else if (a == "--only") only = v;
+    else if (a == "--calls") calls = std::atoi(v.c_str());
+    else if (a == "--reps") reps = std::atoi(v.c_str());
+    else {
+      std::fprintf(stderr,
+                   "usage: wgmma_lab [--M 640,1280] [--only qkvg,wo,w12,w3] [--calls 10] [--reps 15] "
+                   "[--versions 1,2,3,4]\n");
+      return 2;
+    }
+  }
+  for (int M : Ms)
+    if (M <= 0 || M % BM) {
+      std::fprintf(stderr, "wgmma_lab: M must be a positive multiple of %d\n", BM);
+      return 2;
+    }
+  if (calls < 1 || reps < 1) return 2;
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, 0));
+  if (prop.major != 9) {
+    std::fprintf(stderr, "wgmma_lab: needs an sm_90 GPU (this is sm_%d%d)\n", prop.major, prop.minor);
+    return 2;
+  }
+  const int sms = prop.multiProcessorCount;
+  std::printf("wgmma_lab: %s, %d SMs, cuBLASLt %zu; %d calls per graph, median of %d interleaved rounds\n", prop.name,
+              sms, cublasLtGetVersion(), calls, reps);
+
+  std::vector<Version> all = {make_version<128, 4, false>(1, "BN128 4 stages, wait 0", false),
+                              make_version<128, 5, true>(2, "BN128 5 stages, 1 k-block in flight", false),
+                              make_version<256, 4, true>(3, "BN256 4 stages, 1 k-block in flight", false),
+                              make_version<128, 5, true>(4, "v2 persistent (grid = SMs)", true)};
+  std::vector<Version> vs;
+  for (const Version& v : all)
+    if (std::find(want.begin(), want.end(), v.id) != want.end()) vs.push_back(v);
+
+  const auto enc = get_encoder();
+  cublasLtHandle_t lt;
+  CKB(cublasLtCreate(&lt));
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  const size_t ws_bytes = size_t{32} << 20;
+  void* ws = nullptr;
+  CK(cudaMalloc(&ws, ws_bytes));
+  int fails = 0;
+
+  std::vector<std::string> summary;
+  for (int M : Ms) {
+    for (const Shape& sh : kShapes) {
+      if (!only.empty() && ("," + only + ",").find(std::string(",") + sh.name + ",") == std::string::npos) continue;
+      const size_t nx = static_cast<size_t>(M) * sh.k, nw = static_cast<size_t>(sh.n) * sh.k,
+                   ny = static_cast<size_t>(M) * sh.n;
+      bf16 *x, *w, *y, *yref;
+      CK(cudaMalloc(&x, nx * 2));
+      CK(cudaMalloc(&w, nw * 2));
+      CK(cudaMalloc(&y, ny * 2));
+      CK(cudaMalloc(&yref, ny * 2));
+      fill_bf16<<<1024, 256, 0, st>>>(x, nx, 7 + M, 1.0f);
+      CK(cudaGetLastError());
+      fill_bf16<<<1024, 256, 0, st>>>(w, nw, 1000003ull * sh.n + sh.k, 0.02f);
+      CK(cudaGetLastError());
+      const double gflop = 2.0 * M * sh.n * sh.k * 1e-9;
+      std::printf("\n%s: M %d N %d K %d (%.1f GFLOP)\n", sh.name, M, sh.n, sh.k, gflop);
+
+      Lt p = make_lt(lt, M, sh.n, sh.k, ws_bytes);
+      const float one = 1.f, zero = 0.f;
+      auto lt_call = [&](cudaStream_t s) {
+        CKB(cublasLtMatmul(lt, p.desc, &one, w, p.lw, x, p.lx, &zero, yref, p.ly, yref, p.ly, &p.res.algo, ws,
+                           ws_bytes, s));
+      };
+      lt_call(st);
+      CK(cudaStreamSynchronize(st));
+      const auto hx = to_host(x, nx), hw = to_host(w, nw), href = to_host(yref, ny);
+      const double lt_f64 = f64_check(href, hx, hw, M, sh.n, sh.k, 256, 99);
+      std::printf("  cuBLASLt  %s\n            vs F64 (256 samples): max |Δ| / RMS %.2e\n",
+                  lab::algo_config_str(p.res).c_str(), lt_f64);
+      if (!(lt_f64 < 1e-2)) ++fails;
+
+      struct Timed {
+        std::string what;
+        cudaGraphExec_t g = nullptr;
+        std::vector<double> ms;
+      };
+      std::vector<Timed> timed;
+      auto capture = [&](const std::string& what, const std::function<void(cudaStream_t)>& call) {
+        cudaGraph_t g;
+        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        for (int i = 0; i < calls; ++i) call(st);
+        CK(cudaStreamEndCapture(st, &g));
+        Timed tm;
+        tm.what = what;
+        CK(cudaGraphInstantiate(&tm.g, g, 0));
+        CK(cudaGraphDestroy(g));
+        timed.push_back(std::move(tm));
+      };
+      capture("cuBLASLt", lt_call);
+
+      for (const Version& v : vs) {
+        if (sh.n % v.bn) {
+          std::printf("  v%d: N %% %d != 0, skipped\n", v.id, v.bn);
+          continue;
+        }
+        const CUtensorMap mx = make_map(enc, x, M, sh.k, BM), mw = make_map(enc, w, sh.n, sh.k, v.bn);
+        const int tiles = (M / BM) * (sh.n / v.bn), grid = v.persistent ? std::min(tiles, sms) : tiles;
+        auto call = [&, v, mx, mw, grid](cudaStream_t s) {
+          v.k<<<grid, kThreads, v.smem, s>>>(mx, mw, y, M, sh.n, sh.k);
+          CK(cudaGetLastError());
+        };
+        CK(cudaMemsetAsync(y, 0xff, ny * 2, st));  // NaN: an unwritten output shows
+        call(st);
+        CK(cudaStreamSynchronize(st));
+        const auto hy = to_host(y, ny);
+        const Check c = compare(hy, href);
+        const double f64 = f64_check(hy, hx, hw, M, sh.n, sh.k, 256, 99);
+        const bool ok = c.nan == 0 && c.rel_max < 2e-2 && f64 < 1e-2;
+        fails += !ok;
+        std::printf("  v%d %-38s grid %4d, %6d B smem: unwritten %zu, vs cuBLASLt max |Δ| / RMS %.2e (%.1f %% "
+                    "bit-equal), vs F64 %.2e  %s\n",
+                    v.id, v.what, grid, v.smem, c.nan, c.rel_max, 100 * c.equal, f64, ok ? "PASS" : "FAIL");
+        if (ok) capture("v" + std::to_string(v.id), call);
+      }
+
+      for (Timed& tm : timed) CK(cudaGraphLaunch(tm.g, st));  // warm-up
+      CK(cudaStreamSynchronize(st));
+      for (int r = 0; r < reps; ++r)
+        for (size_t j = 0; j < timed.size(); ++j) {
+          Timed& tm = timed[(j + static_cast<size_t>(r)) % timed.size()];
+          CK(cudaEventRecord(e0, st));
+          CK(cudaGraphLaunch(tm.g, st));
+          CK(cudaEventRecord(e1, st));
+          CK(cudaEventSynchronize(e1));
+          float ms = 0;
+          CK(cudaEventElapsedTime(&ms, e0, e1));
+          tm.ms.push_back(ms / calls);
+        }
+      const double base = lab::median(timed.front().ms);
+      for (Timed& tm : timed) {
+        const double ms = lab::median(tm.ms);
+        char line[256];
+        std::snprintf(line, sizeof line, "  %-5s M %5d %-9s %8.4f ms  %5.0f TFLOP/s  (%.2f× cuBLASLt; min %.4f)",
+                      sh.name, M, tm.what.c_str(), ms, gflop / ms, base / ms,
+                      *std::min_element(tm.ms.begin(), tm.ms.end()));
+        summary.push_back(line);  // printed at the end, all shapes together
+        CK(cudaGraphExecDestroy(tm.g));
+      }
+      destroy_lt(p);
+      for (void* ptr : {static_cast<void*>(x), static_cast<void*>(w), static_cast<void*>(y), static_cast<void*>(yref)})
+        CK(cudaFree(ptr));
+    }
+  }
+  std::printf("\ntimes (graph of %d calls, median of %d rounds):\n", calls, reps);
+  for (const auto& l : summary) std::printf("%s\n", l.c_str());
+  CK(cudaFree(ws));
+  CKB(cublasLtDestroy(lt));
+  std::printf("\n%s: %d failed check(s)\n", fails ? "FAIL" : "PASS", fails);
+  return fails ? 1 : 0;
+}
