@@ -10,7 +10,7 @@
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o overlap_lab lab/decode/overlap_lab.cu -lcublasLt
 //   ./overlap_lab [--N 0,40,52,66,80] [--reps 20] [--steps 8] [--dtypes f32,bf16] [--prio 0,1]
-//                 [--splitk 0] [--half 640] [--co 0|1|2|4] [--cands 16]
+//                 [--splitk 0] [--half 640] [--co 0|1|2|4] [--cands 16] [--gemm cublas|ours]
 //
 // --co S (co-residency; the SM split above never paid): instead of giving the two kernels
 // different SMs, let them share every SM. The state kernel becomes v3 with a 2-stage ring of
@@ -20,6 +20,11 @@
 // state block (read from the captured graph's kernel nodes, lab_driver.h). Each candidate's
 // footprint is printed, so even a run that finds none answers the question: does cuBLASLt have
 // a kernel at these shapes that lets a state-stream block share its SM? --N is then 0 only.
+//
+// --gemm ours (with --co): the four gemms run as lab/gemm's own TMA + wgmma kernel
+// (wgmma_gemm.cuh, wgmma_lab's v5: BN 128, 4 stages, 120-register cap, ~129 KB of shared memory
+// and 384 × 90 registers per CTA), which leaves an SM room for a state block by construction;
+// the unsplit baseline keeps cuBLASLt (production's gemms).
 //
 // Per state dtype, N and (for the concurrent variants) prio, one line each (median of `reps`
 // timed calls after 3 warm-ups, CUDA events on s0):
@@ -61,6 +66,7 @@
 #include "../lab_cublas.h"
 #include "../lab_driver.h"
 #include "../lab_host.h"
+#include "../gemm/wgmma_gemm.cuh"
 #include "decode_v3.cuh"
 
 namespace {
@@ -80,6 +86,7 @@ constexpr Proj kProj[4] = {{"qkvg", 9216, 3072}, {"wo", 3072, 3072}, {"w12", 163
 
 struct Opts {
   int half = 640, reps = 20, steps = 8, co = 0, cands = 16;
+  bool ours = false;  // --gemm ours
   bool splitk = false;
   std::vector<int> Ns = {0, 40, 52, 66, 80}, prios = {0, 1};
   std::vector<std::string> dtypes = {"f32", "bf16"};
@@ -167,6 +174,37 @@ void enqueue_gemms(cublasLtHandle_t lt, const Plan& p, const GemmBufs& g, int ro
     const size_t xo = static_cast<size_t>(row0) * kProj[i].k, yo = static_cast<size_t>(row0) * kProj[i].n;
     CKB(cublasLtMatmul(lt, p.desc, &one, g.w[i], p.lw[i], g.x[i] + xo, p.lx[i], &zero, g.y[i] + yo, p.ly[i],
                        g.y[i] + yo, p.ly[i], &p.res[i].algo, g.ws[wsi], kWsBytes, st));
+  }
+}
+
+// ---- our own gemm (--gemm ours) ------------------------------------------------------------------
+// wgmma_lab's v5: BN 128, 4 stages, one k-block in flight, 120 registers per thread at most.
+constexpr auto kOurGemm = gemm_lab::gemm_tma_wgmma<128, 4, true, 120>;
+constexpr int kOurBn = 128, kOurSmem = gemm_lab::Smem<128, 4>::kBytes;
+
+// Tensor maps of both halves' X rows and of the weights, per projection.
+struct OurGemms {
+  CUtensorMap mx[4][2], mw[4];
+};
+OurGemms make_our_gemms(const GemmBufs& g, int half) {
+  static const auto enc = gemm_lab::get_encoder();
+  CK(cudaFuncSetAttribute(kOurGemm, cudaFuncAttributeMaxDynamicSharedMemorySize, kOurSmem));
+  OurGemms o;
+  for (int i = 0; i < 4; ++i) {
+    for (int h = 0; h < 2; ++h)
+      o.mx[i][h] = gemm_lab::make_map(enc, g.x[i] + static_cast<size_t>(h) * half * kProj[i].k, half, kProj[i].k,
+                                      gemm_lab::BM);
+    o.mw[i] = gemm_lab::make_map(enc, g.w[i], kProj[i].n, kProj[i].k, kOurBn);
+  }
+  return o;
+}
+void enqueue_our_gemms(const OurGemms& o, const GemmBufs& g, int half, int h, cudaStream_t st) {
+  for (int i = 0; i < 4; ++i) {
+    const int tiles = (half / gemm_lab::BM) * (kProj[i].n / kOurBn);
+    kOurGemm<<<tiles, gemm_lab::kThreads, kOurSmem, st>>>(o.mx[i][h], o.mw[i],
+                                                           g.y[i] + static_cast<size_t>(h) * half * kProj[i].n, half,
+                                                           kProj[i].n, kProj[i].k);
+    CK(cudaGetLastError());
   }
 }
 
@@ -455,7 +493,15 @@ int run_dtype(const Opts& opt, Ctx& c, const GemmBufs& gb, const DriverFns& drv,
     Plan p = make_plan(c.lt, half, target, opt.splitk, opt.co ? opt.cands : 1);
     std::printf("\n-- N %d: state grid %d, gemm SM target %d (%s)\n", N, grid, target,
                 opt.co ? "co-resident: both on every SM" : N > 0 ? "split" : "no split: both on all SMs");
-    if (opt.co && !choose_coresident(c.lt, p, gb, drv, c.s0, room_regs, room_smem)) {
+    if (opt.ours) {
+      cudaFuncAttributes fa{};
+      CK(cudaFuncGetAttributes(&fa, kOurGemm));
+      const int regs = (fa.numRegs + 7) / 8 * 8 * gemm_lab::kThreads,
+                smem = static_cast<int>(fa.sharedSizeBytes) + kOurSmem + 1024;
+      std::printf("    our gemm (wgmma_lab v5): %d regs/thread × %d = %d registers, %d B shared per CTA -> %s\n",
+                  fa.numRegs, gemm_lab::kThreads, regs, smem,
+                  regs <= room_regs && smem <= room_smem ? "fits beside a state block" : "NO ROOM beside a state block");
+    } else if (opt.co && !choose_coresident(c.lt, p, gb, drv, c.s0, room_regs, room_smem)) {
       std::printf("  %-5s co %d: no co-resident gemm set at M = %d; skipped\n", dtname, opt.co, half);
       destroy_plan(p);
       continue;
@@ -464,7 +510,7 @@ int run_dtype(const Opts& opt, Ctx& c, const GemmBufs& gb, const DriverFns& drv,
     // attributes are then set up outside a capture.
     enqueue_gemms(c.lt, p, gb, half, 1, c.s0);
     CK(cudaStreamSynchronize(c.s0));
-    if (show_gemms) {  // the picks depend on M and the target only, not on the state dtype
+    if (show_gemms && !opt.ours) {  // the picks depend on M and the target only, not on the state dtype
       print_plan(p);
       for (int i = 0; i < 4; ++i) {
         std::printf("    %-4s launches:\n", kProj[i].name);
@@ -477,7 +523,11 @@ int run_dtype(const Opts& opt, Ctx& c, const GemmBufs& gb, const DriverFns& drv,
       }
     }
     auto state = [&](int h, bool prio, cudaStream_t st) { sk.launch(hargs[h], grid, prio, st); };
-    auto gemms = [&](int h, cudaStream_t st) { enqueue_gemms(c.lt, p, gb, h * half, h, st); };
+    const OurGemms ours = opt.ours ? make_our_gemms(gb, half) : OurGemms{};
+    auto gemms = [&](int h, cudaStream_t st) {
+      if (opt.ours) enqueue_our_gemms(ours, gb, half, h, st);
+      else enqueue_gemms(c.lt, p, gb, h * half, h, st);
+    };
 
     const double ta = time_ms(c, [&] { state(0, false, c.s0); });
     const double tb = time_ms(c, [&] { gemms(1, c.s0); });
@@ -593,7 +643,7 @@ int main(int argc, char** argv) {
   auto usage = [] {
     std::fprintf(stderr,
                  "usage: overlap_lab [--N 0,40,52,66,80] [--reps 20] [--steps 8] [--dtypes f32,bf16] [--prio 0,1] "
-                 "[--splitk 0|1] [--half 640] [--co 0|1|2|4] [--cands 16]\n");
+                 "[--splitk 0|1] [--half 640] [--co 0|1|2|4] [--cands 16] [--gemm cublas|ours]\n");
     return 2;
   };
   for (int i = 1; i < argc; i += 2) {
@@ -611,6 +661,7 @@ int main(int argc, char** argv) {
     else if (key == "--splitk") opt.splitk = std::atoi(val.c_str()) != 0;
     else if (key == "--co") opt.co = std::atoi(val.c_str());
     else if (key == "--cands") opt.cands = std::atoi(val.c_str());
+    else if (key == "--gemm" && (val == "cublas" || val == "ours")) opt.ours = val == "ours";
     else if (key == "--dtypes") opt.dtypes = split_list(val);
     else return usage();
   }
@@ -618,7 +669,8 @@ int main(int argc, char** argv) {
   CK(cudaGetDeviceProperties(&prop, 0));
   const int sms = prop.multiProcessorCount;
   if (opt.reps < 1 || opt.steps < 1 || opt.half < 1 || opt.Ns.empty() || opt.prios.empty() || opt.dtypes.empty() ||
-      (opt.co != 0 && opt.co != 1 && opt.co != 2 && opt.co != 4) || opt.cands < 1)
+      (opt.co != 0 && opt.co != 1 && opt.co != 2 && opt.co != 4) || opt.cands < 1 || (opt.ours && !opt.co) ||
+      (opt.ours && opt.half % gemm_lab::BM != 0))
     return usage();
   if (opt.co) opt.Ns = {0};  // co-resident: both kernels on every SM
   for (int N : opt.Ns)

@@ -6,10 +6,10 @@
 // needs a gemm it owns: this lab builds that gemm alone first, validated and timed.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o wgmma_lab lab/gemm/wgmma_lab.cu -lcublasLt
-//   ./wgmma_lab [--M 640,1280] [--only qkvg,wo,w12,w3] [--calls 10] [--reps 15] [--versions 1,2,3,4]
+//   ./wgmma_lab [--M 640,1280] [--only qkvg,wo,w12,w3] [--calls 10] [--reps 15] [--versions 1,2,3,4,5]
 //
 // Y[M, N] = X[M, K] · W[N, K]ᵀ, bf16 in, F32 accumulate, bf16 out (the model's projections, β = 0).
-// One block of 384 threads per SM (launch bounds (384, 1)): warpgroup 0 is the producer (one thread
+// One block of 384 threads per SM (a 168-register cap): warpgroup 0 is the producer (one thread
 // issues the TMA loads of X and W tiles into a ring of shared stages; setmaxnreg gives the group
 // 40 registers), warpgroups 1 and 2 consume (each owns 64 rows of the 128-row tile, wgmma from
 // shared memory, 232 registers). Stages complete on "full" mbarriers (TMA transaction bytes) and
@@ -23,6 +23,10 @@
 //   v4  v2 persistent: grid = SMs, each CTA walks tiles t = x, x + grid, ...; the ring runs on
 //       across tiles, so the next tile's loads overlap this tile's epilogue (the form a fused
 //       decode-layer kernel would take)
+//   v5  "co": v2 with 4 stages (129 KB) and 120 registers per thread (46,080 per CTA), leaving
+//       an SM room for a state block beside each CTA (lab/decode/overlap_lab --gemm ours); no
+//       setmaxnreg
+// The kernel is in wgmma_gemm.cuh.
 // The epilogue stores each thread's bf16 pairs straight to global memory (no shared staging yet).
 //
 // Checks, per shape and version: Y poisoned (NaN) before the run, then against cuBLASLt's Y of the
@@ -45,117 +49,11 @@
 
 #include "../lab_cublas.h"
 #include "../lab_host.h"
-#include "wgmma_common.cuh"
+#include "wgmma_gemm.cuh"
 
 namespace {
 
 using namespace gemm_lab;
-using bf16 = __nv_bfloat16;
-
-constexpr int BM = 128, BK = 64, kThreads = 384;
-
-template <int BN, int kStages>
-struct Smem {
-  static constexpr int kA = BM * BK * 2, kB = BN * BK * 2;  // bytes per stage (1,024-aligned)
-  static constexpr int kStage = kA + kB;
-  static constexpr int kBarOff = kStages * kStage;
-  static constexpr int kBytes = kBarOff + 2 * kStages * 8 + 1024;  // + alignment slack
-  static_assert(kA % 1024 == 0 && kB % 1024 == 0, "swizzle atoms");
-};
-
-template <int BN, int kStages, bool kOverlap>
-__global__ void __launch_bounds__(kThreads, 1)
-    gemm_tma_wgmma(const __grid_constant__ CUtensorMap mx, const __grid_constant__ CUtensorMap mw, bf16* y, int M,
-                   int N, int K) {
-  using S = Smem<BN, kStages>;
-  constexpr int kAcc = BN / 2;  // F32 accumulators per thread (64 rows × BN / 128 threads)
-  extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem =
-      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::kBarOff);
-  uint64_t* empty = full + kStages;
-  const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
-  const int mt = M / BM, tiles = mt * (N / BN), nk = K / BK;
-
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);   // the producer's arrive.expect_tx; the TMA bytes complete it
-      mbar_init(&empty[s], 2);  // one arrival per consumer warpgroup
-    }
-    fence_barrier_init();
-  }
-  __syncthreads();
-
-  if (wg == 0) {  // ---- producer ----
-    setmaxnreg_dec<40>();
-    if (t == 0) {
-      int it = 0;  // k-blocks issued by this CTA, over all its tiles: the ring's position
-      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int m0 = (tile % mt) * BM, n0 = (tile / mt) * BN;
-        for (int kb = 0; kb < nk; ++kb, ++it) {
-          const int s = it % kStages;
-          // Fill f = it / kStages of stage s needs fill f − 1 consumed: empty[s]'s phase f − 1.
-          if (it >= kStages) mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-          unsigned char* st = smem + s * S::kStage;
-          mbar_arrive_expect_tx(&full[s], S::kStage);
-          tma_load_2d(st, &mx, kb * BK, m0, &full[s]);
-          tma_load_2d(st + S::kA, &mw, kb * BK, n0, &full[s]);
-        }
-      }
-    }
-    return;
-  }
-
-  // ---- consumers: warpgroup c = wg − 1 owns rows [64c, 64c + 64) of each tile ----
-  setmaxnreg_inc<232>();
-  const int c = wg - 1;
-  int it = 0;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int m0 = (tile % mt) * BM, n0 = (tile / mt) * BN;
-    float d[kAcc];
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) d[i] = 0.f;
-    int prev = -1;  // kOverlap: the stage whose MMAs may still be running
-    for (int kb = 0; kb < nk; ++kb, ++it) {
-      const int s = it % kStages;
-      mbar_wait(&full[s], (it / kStages) & 1);
-      const unsigned char* st = smem + s * S::kStage;
-      const unsigned char* a = st + c * 64 * BK * 2;  // this warpgroup's 64 rows: 8 atoms in
-      const unsigned char* b = st + S::kA;
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) {
-        if constexpr (BN == 128) wgmma_m64n128k16(d, desc_k128(a + 32 * kk), desc_k128(b + 32 * kk));
-        else wgmma_m64n256k16(d, desc_k128(a + 32 * kk), desc_k128(b + 32 * kk));
-      }
-      wgmma_commit();
-      if constexpr (kOverlap) {
-        wgmma_wait<1>();  // the previous k-block's MMAs are done: its stage can go back
-        if (prev >= 0 && t == 0) mbar_arrive(&empty[prev]);
-        prev = s;
-      } else {
-        wgmma_wait<0>();
-        if (t == 0) mbar_arrive(&empty[s]);
-      }
-    }
-    if constexpr (kOverlap) {
-      wgmma_wait<0>();
-      if (prev >= 0 && t == 0) mbar_arrive(&empty[prev]);
-    }
-    fence_regs(d);
-    // Epilogue: bf16 pairs straight to global memory.
-    const int r = m0 + 64 * c + frag_row(t), c0 = n0 + frag_col(t);
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      const int col = c0 + 8 * j;
-      *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(r) * N + col) =
-          __floats2bfloat162_rn(d[4 * j], d[4 * j + 1]);
-      *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(r + 8) * N + col) =
-          __floats2bfloat162_rn(d[4 * j + 2], d[4 * j + 3]);
-    }
-  }
-}
 
 // ---- host ------------------------------------------------------------------------------------
 
@@ -173,9 +71,9 @@ struct Version {
   void (*k)(CUtensorMap, CUtensorMap, bf16*, int, int, int);
 };
 
-template <int BN, int kStages, bool kOverlap>
+template <int BN, int kStages, bool kOverlap, int kRegs = 168>
 Version make_version(int id, const char* what, bool persistent) {
-  auto k = gemm_tma_wgmma<BN, kStages, kOverlap>;
+  auto k = gemm_tma_wgmma<BN, kStages, kOverlap, kRegs>;
   const int smem = Smem<BN, kStages>::kBytes;
   CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   return Version{id, what, BN, smem, persistent, k};
@@ -191,35 +89,6 @@ __device__ inline float hash_unit(uint64_t i) {  // in [-1, 1)
 __global__ void fill_bf16(bf16* p, uint64_t n, uint64_t seed, float scale) {
   for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x)
     p[i] = __float2bfloat16_rn(scale * hash_unit(i + seed));
-}
-
-PFN_cuTensorMapEncodeTiled_v12000 get_encoder() {
-  void* fp = nullptr;
-  cudaDriverEntryPointQueryResult q{};
-  CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fp, 12000, cudaEnableDefault, &q));
-  if (q != cudaDriverEntryPointSuccess || !fp) {
-    std::fprintf(stderr, "wgmma_lab: cuTensorMapEncodeTiled is not available\n");
-    std::exit(1);
-  }
-  return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fp);
-}
-
-// A row-major [rows, k] bf16 matrix read in boxes of {64 along k, box_rows rows}, 128-byte swizzle.
-CUtensorMap make_map(PFN_cuTensorMapEncodeTiled_v12000 enc, const bf16* p, int rows, int k, int box_rows) {
-  CUtensorMap m;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k) * 2};
-  const cuuint32_t box[2] = {BK, static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t estr[2] = {1, 1};
-  const CUresult r = enc(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16*>(p), dims, strides, box, estr,
-                         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    std::fprintf(stderr, "wgmma_lab: cuTensorMapEncodeTiled failed (%d) for [%d, %d] box %d\n", static_cast<int>(r),
-                 rows, k, box_rows);
-    std::exit(1);
-  }
-  return m;
 }
 
 // cuBLASLt's pick for the same product, as production calls it (TN, no split-K reduction).
@@ -323,7 +192,7 @@ std::vector<std::string> split_list(const std::string& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<int> Ms = {640, 1280}, want = {1, 2, 3, 4};
+  std::vector<int> Ms = {640, 1280}, want = {1, 2, 3, 4, 5};
   std::string only;
   int calls = 10, reps = 15;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -340,7 +209,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: wgmma_lab [--M 640,1280] [--only qkvg,wo,w12,w3] [--calls 10] [--reps 15] "
-                   "[--versions 1,2,3,4]\n");
+                   "[--versions 1,2,3,4,5]\n");
       return 2;
     }
   }
@@ -363,7 +232,8 @@ int main(int argc, char** argv) {
   std::vector<Version> all = {make_version<128, 4, false>(1, "BN128 4 stages, wait 0", false),
                               make_version<128, 5, true>(2, "BN128 5 stages, 1 k-block in flight", false),
                               make_version<256, 4, true>(3, "BN256 4 stages, 1 k-block in flight", false),
-                              make_version<128, 5, true>(4, "v2 persistent (grid = SMs)", true)};
+                              make_version<128, 5, true>(4, "v2 persistent (grid = SMs)", true),
+                              make_version<128, 4, true, 120>(5, "co: BN128 4 stages, 120 registers", false)};
   std::vector<Version> vs;
   for (const Version& v : all)
     if (std::find(want.begin(), want.end(), v.id) != want.end()) vs.push_back(v);

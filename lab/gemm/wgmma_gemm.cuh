@@ -1,0 +1,160 @@
+// lab/gemm: the hand-written bf16 gemm (TMA + wgmma) of wgmma_lab.cu, as a header so that other
+// labs (lab/decode/overlap_lab --gemm ours) run the same kernel. Y[M, N] = X[M, K] · W[N, K]ᵀ,
+// bf16 in, F32 accumulate, bf16 out; M a multiple of 128, N of BN, K of 64; X, W and Y rows
+// 16-byte aligned (tensor maps). wgmma_lab.cu's header describes the design and the versions.
+#pragma once
+
+#include <cudaTypedefs.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "../lab_host.h"
+#include "wgmma_common.cuh"
+
+namespace gemm_lab {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int BM = 128, BK = 64, kThreads = 384;
+
+template <int BN, int kStages>
+struct Smem {
+  static constexpr int kA = BM * BK * 2, kB = BN * BK * 2;  // bytes per stage (1,024-aligned)
+  static constexpr int kStage = kA + kB;
+  static constexpr int kBarOff = kStages * kStage;
+  static constexpr int kBytes = kBarOff + 2 * kStages * 8 + 1024;  // + alignment slack
+  static_assert(kA % 1024 == 0 && kB % 1024 == 0, "swizzle atoms");
+};
+
+// kRegs: the register cap at launch, per thread (ptxas allocates every role within it). At 168
+// (= 65,536 / 384, one block per SM) the producer gives registers back and the consumers take
+// them (setmaxnreg 40 / 232). Below that the block leaves registers of its SM free for another
+// kernel's block (lab/decode/overlap_lab --gemm ours: a state block beside each gemm CTA), and
+// no role reallocates.
+template <int BN, int kStages, bool kOverlap, int kRegs = 168>
+__global__ void __maxnreg__(kRegs)
+    gemm_tma_wgmma(const __grid_constant__ CUtensorMap mx, const __grid_constant__ CUtensorMap mw, bf16* y, int M,
+                   int N, int K) {
+  using S = Smem<BN, kStages>;
+  constexpr int kAcc = BN / 2;  // F32 accumulators per thread (64 rows × BN / 128 threads)
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem =
+      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::kBarOff);
+  uint64_t* empty = full + kStages;
+  const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+  const int mt = M / BM, tiles = mt * (N / BN), nk = K / BK;
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);   // the producer's arrive.expect_tx; the TMA bytes complete it
+      mbar_init(&empty[s], 2);  // one arrival per consumer warpgroup
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ---- producer ----
+    if constexpr (kRegs >= 168) setmaxnreg_dec<40>();
+    if (t == 0) {
+      int it = 0;  // k-blocks issued by this CTA, over all its tiles: the ring's position
+      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int m0 = (tile % mt) * BM, n0 = (tile / mt) * BN;
+        for (int kb = 0; kb < nk; ++kb, ++it) {
+          const int s = it % kStages;
+          // Fill f = it / kStages of stage s needs fill f − 1 consumed: empty[s]'s phase f − 1.
+          if (it >= kStages) mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+          unsigned char* st = smem + s * S::kStage;
+          mbar_arrive_expect_tx(&full[s], S::kStage);
+          tma_load_2d(st, &mx, kb * BK, m0, &full[s]);
+          tma_load_2d(st + S::kA, &mw, kb * BK, n0, &full[s]);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumers: warpgroup c = wg − 1 owns rows [64c, 64c + 64) of each tile ----
+  if constexpr (kRegs >= 168) setmaxnreg_inc<232>();
+  const int c = wg - 1;
+  int it = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int m0 = (tile % mt) * BM, n0 = (tile / mt) * BN;
+    float d[kAcc];
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) d[i] = 0.f;
+    int prev = -1;  // kOverlap: the stage whose MMAs may still be running
+    for (int kb = 0; kb < nk; ++kb, ++it) {
+      const int s = it % kStages;
+      mbar_wait(&full[s], (it / kStages) & 1);
+      const unsigned char* st = smem + s * S::kStage;
+      const unsigned char* a = st + c * 64 * BK * 2;  // this warpgroup's 64 rows: 8 atoms in
+      const unsigned char* b = st + S::kA;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) {
+        if constexpr (BN == 128) wgmma_m64n128k16(d, desc_k128(a + 32 * kk), desc_k128(b + 32 * kk));
+        else wgmma_m64n256k16(d, desc_k128(a + 32 * kk), desc_k128(b + 32 * kk));
+      }
+      wgmma_commit();
+      if constexpr (kOverlap) {
+        wgmma_wait<1>();  // the previous k-block's MMAs are done: its stage can go back
+        if (prev >= 0 && t == 0) mbar_arrive(&empty[prev]);
+        prev = s;
+      } else {
+        wgmma_wait<0>();
+        if (t == 0) mbar_arrive(&empty[s]);
+      }
+    }
+    if constexpr (kOverlap) {
+      wgmma_wait<0>();
+      if (prev >= 0 && t == 0) mbar_arrive(&empty[prev]);
+    }
+    fence_regs(d);
+    // Epilogue: bf16 pairs straight to global memory.
+    const int r = m0 + 64 * c + frag_row(t), c0 = n0 + frag_col(t);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const int col = c0 + 8 * j;
+      *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(r) * N + col) =
+          __floats2bfloat162_rn(d[4 * j], d[4 * j + 1]);
+      *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(r + 8) * N + col) =
+          __floats2bfloat162_rn(d[4 * j + 2], d[4 * j + 3]);
+    }
+  }
+}
+
+// ---- host: tensor maps --------------------------------------------------------------------------
+// The driver's encoder, fetched at run time (the labs need not link -lcuda); nullptr if absent.
+inline PFN_cuTensorMapEncodeTiled_v12000 get_encoder() {
+  void* fp = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fp, 12000, cudaEnableDefault, &q));
+  if (q != cudaDriverEntryPointSuccess || !fp) {
+    std::fprintf(stderr, "wgmma_lab: cuTensorMapEncodeTiled is not available\n");
+    std::exit(1);
+  }
+  return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fp);
+}
+
+// A row-major [rows, k] bf16 matrix read in boxes of {64 along k, box_rows rows}, 128-byte swizzle.
+inline CUtensorMap make_map(PFN_cuTensorMapEncodeTiled_v12000 enc, const bf16* p, int rows, int k, int box_rows) {
+  CUtensorMap m;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k) * 2};
+  const cuuint32_t box[2] = {BK, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t estr[2] = {1, 1};
+  const CUresult r = enc(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16*>(p), dims, strides, box, estr,
+                         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::fprintf(stderr, "wgmma_lab: cuTensorMapEncodeTiled failed (%d) for [%d, %d] box %d\n", static_cast<int>(r),
+                 rows, k, box_rows);
+    std::exit(1);
+  }
+  return m;
+}
+
+}  // namespace gemm_lab
