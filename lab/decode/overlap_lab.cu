@@ -93,6 +93,7 @@ struct Opts {
 };
 
 using lab::median;
+using lab::split_list;
 
 using decode_lab::Rng;  // decode_lab's inputs generator
 
@@ -623,17 +624,6 @@ int run_dtype(const Opts& opt, Ctx& c, const GemmBufs& gb, const DriverFns& drv,
   for (void* ptr : std::initializer_list<void*>{states, pristine, ref1, refS, q, k, v, o, oref1, orefS, slots, ndiff})
     CK(cudaFree(ptr));
   return fails;
-}
-
-std::vector<std::string> split_list(const std::string& s) {
-  std::vector<std::string> out;
-  for (size_t p = 0; p <= s.size();) {
-    size_t e = s.find(',', p);
-    if (e == std::string::npos) e = s.size();
-    if (e > p) out.push_back(s.substr(p, e - p));
-    p = e + 1;
-  }
-  return out;
 }
 
 }  // namespace

@@ -35,6 +35,7 @@
 
 #include "../lab_cublas.h"
 #include "../lab_driver.h"
+#include "../lab_fill.cuh"
 #include "../lab_host.h"
 
 namespace {
@@ -56,18 +57,7 @@ struct Opts {
   std::string only;
 };
 
-__device__ inline float hash_unit(uint64_t i) {  // in [-1, 1)
-  uint64_t z = i * 0x9e3779b97f4a7c15ULL + 0x632be59bd9b4e019ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  z ^= z >> 31;
-  return static_cast<float>(static_cast<uint32_t>(z >> 40)) * 0x1p-23f - 1.0f;
-}
-
-__global__ void fill_bf16(__nv_bfloat16* p, uint64_t n, uint64_t seed, float scale) {
-  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x)
-    p[i] = __float2bfloat16_rn(scale * hash_unit(i + seed));
-}
+using lab::fill_bf16;
 
 using lab::DriverFns;
 

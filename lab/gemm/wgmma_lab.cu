@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "../lab_cublas.h"
+#include "../lab_fill.cuh"
 #include "../lab_host.h"
 #include "wgmma_gemm.cuh"
 
@@ -79,17 +80,8 @@ Version make_version(int id, const char* what, bool persistent) {
   return Version{id, what, BN, smem, persistent, k};
 }
 
-__device__ inline float hash_unit(uint64_t i) {  // in [-1, 1)
-  uint64_t z = i * 0x9e3779b97f4a7c15ULL + 0x632be59bd9b4e019ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  z ^= z >> 31;
-  return static_cast<float>(static_cast<uint32_t>(z >> 40)) * 0x1p-23f - 1.0f;
-}
-__global__ void fill_bf16(bf16* p, uint64_t n, uint64_t seed, float scale) {
-  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x)
-    p[i] = __float2bfloat16_rn(scale * hash_unit(i + seed));
-}
+using lab::fill_bf16;
+using lab::split_list;
 
 // cuBLASLt's pick for the same product, as production calls it (TN, no split-K reduction).
 struct Lt {
@@ -176,17 +168,6 @@ double f64_check(const std::vector<uint16_t>& y, const std::vector<uint16_t>& x,
     mx = std::max(mx, std::fabs(lab::bf2f(y[static_cast<size_t>(i) * n + j]) - ref));
   }
   return mx / std::sqrt(ss / samples + 1e-300);
-}
-
-std::vector<std::string> split_list(const std::string& s) {
-  std::vector<std::string> out;
-  for (size_t p = 0; p <= s.size();) {
-    size_t e = s.find(',', p);
-    if (e == std::string::npos) e = s.size();
-    if (e > p) out.push_back(s.substr(p, e - p));
-    p = e + 1;
-  }
-  return out;
 }
 
 }  // namespace
