@@ -18,6 +18,13 @@
 // The roles sync only among themselves (named barriers 1 and 2), so each runs at the pace its
 // resources allow. The question is how close "both" comes to max(gemm alone, state alone).
 //
+// The wgmma family (after the first results: the mma.sync role reached 211 TFLOP/s, where the
+// design needs ≥ 370 for F32 states and more for BF16): the same state role beside lab/gemm's
+// TMA + wgmma gemm (wgmma_gemm.cuh's gemm_produce / gemm_consume: BN 128, 4 stages, one k-block
+// in flight). 480 threads: warps 0-7 are the two consumer warpgroups (wgmma needs warpgroups
+// that start at a warp index divisible by 4), warp 8's first thread the TMA producer, warps
+// 9-14 the state role; 136 registers a thread (65,536 / 480), no setmaxnreg.
+//
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o cores_lab lab/decode/cores_lab.cu
 //   ./cores_lab [--B 640] [--M 640] [--reps 20] [--sustain 20] [--problems qkvg,wo,w12,w3]
 //
@@ -28,7 +35,8 @@
 // ~2e-3 is expected, 1e-2 the bound). Exit status 1 on a failed check.
 //
 // Lines (median ms of `reps` single calls | mean of `sustain` back to back): v1 alone (B·H
-// blocks, the production layout), gemm role alone, state role alone (UNROLL 8 and 24), both;
+// blocks, the production layout), gemm role alone, state role alone (UNROLL 8 and 24), both,
+// then the wgmma family's gemm alone, state alone (UNROLL 8) and both (8, 24);
 // then "hidden" = (gemm + state − both) / min(gemm, state): 0 = the roles serialise, 1 = the
 // shorter one is hidden completely.
 #include <cuda_bf16.h>
@@ -44,6 +52,7 @@
 #include <string>
 #include <vector>
 
+#include "../gemm/wgmma_gemm.cuh"
 #include "../lab_host.h"
 #include "decode_v1.cuh"
 
@@ -202,10 +211,11 @@ __device__ void gemm_role(const GemmList& g, __nv_bfloat16* sm) {
 }
 
 // ---- state role: decode_v1's block as 6 warps of a shared block -----------------------------
-template <class ST, int UNROLL>
+// kBase: the block's first state-role thread.
+template <class ST, int UNROLL, int kBase = kGemmThreads>
 __device__ void state_role(const DecArgs& a, float* qs, float* ks, float (*part)[DV]) {
   constexpr int C = 4, G = 4;
-  const int tid = threadIdx.x - kGemmThreads;
+  const int tid = threadIdx.x - kBase;
   const int nv = DV / C, c = tid % nv, rg = tid / nv;
   constexpr int rows = (DK + G - 1) / G;
   const int r0 = rg * rows, r1 = min(DK, r0 + rows);
@@ -277,6 +287,58 @@ __global__ void __launch_bounds__(kThreads, 1) cores_kernel(GemmList g, DecArgs 
   } else {
     if constexpr (kState) state_role<ST, UNROLL>(d, qs, ks, part);
   }
+}
+
+// ---- the wgmma family: lab/gemm's roles beside the state role ------------------------------------
+constexpr int kWgBn = 128, kWgStages = 4;
+constexpr int kWgProducer = 8 * 32;                       // warp 8's first thread
+constexpr int kWgStateBase = 9 * 32;                      // warps 9-14
+constexpr int kWgThreads = kWgStateBase + kStateThreads;  // 480
+constexpr int kWgSmem = gemm_lab::Smem<kWgBn, kWgStages>::kBytes;
+
+// The problems as tensor maps (kernel parameter space, where TMA may read them).
+struct WgList {
+  CUtensorMap x[kMaxProblems], w[kMaxProblems];
+  __nv_bfloat16* y[kMaxProblems];
+  int M[kMaxProblems], N[kMaxProblems], K[kMaxProblems];
+  int n = 0;
+};
+
+template <class ST, bool kGemm, bool kState, int UNROLL>
+__global__ void __launch_bounds__(kWgThreads, 1) cores_wgmma_kernel(const __grid_constant__ WgList L, DecArgs d) {
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ float qs[DK], ks[DK];
+  __shared__ float part[4][DV];
+  const auto ring = gemm_lab::Ring<kWgBn, kWgStages>::carve(smem_raw);
+  int total = 0;
+  for (int p = 0; p < L.n; ++p) total += (L.M[p] / BM) * (L.N[p] / kWgBn);
+  // Problems back to back; inside one, m-minor (as tile_of above).
+  auto tile_of = [&](int t) {
+    int p = 0;
+    for (;;) {
+      const int tm = L.M[p] / BM, tiles = tm * (L.N[p] / kWgBn);
+      if (t < tiles || p + 1 == L.n)
+        return gemm_lab::TileInfo{&L.x[p], &L.w[p], L.y[p], L.N[p], (t % tm) * BM, (t / tm) * kWgBn, L.K[p] / 64};
+      t -= tiles;
+      ++p;
+    }
+  };
+  if (threadIdx.x == 0) ring.init();
+  __syncthreads();
+  // The other roles branch off and return; the consumers fall through. With the consumer code
+  // inside an if-branch instead, ptxas serialised the MMAs (warning C7518, "WG.DP in divergent
+  // path"), whatever the branch's condition.
+  const int wg = threadIdx.x / 128;
+  if (wg >= 2) {
+    if (threadIdx.x >= kWgStateBase) {
+      if constexpr (kState) state_role<ST, UNROLL, kWgStateBase>(d, qs, ks, part);
+    } else if (threadIdx.x == kWgProducer) {
+      if constexpr (kGemm) gemm_lab::gemm_produce(ring, total, blockIdx.x, gridDim.x, tile_of);
+    }
+    return;
+  }
+  if constexpr (kGemm)
+    gemm_lab::gemm_consume<kWgBn, kWgStages, true>(ring, wg, threadIdx.x % 128, total, blockIdx.x, gridDim.x, tile_of);
 }
 
 // Deterministic bf16 matrices from an element hash (decode_common's state_init, exact on host
@@ -359,6 +421,20 @@ int main(int argc, char** argv) {
     ++gl.n;
   }
 
+  // The same problems as tensor maps, for the wgmma family.
+  static_assert(BM == gemm_lab::BM, "one tile height for both families");
+  WgList wl;
+  {
+    const auto enc = gemm_lab::get_encoder();
+    for (int p = 0; p < gl.n; ++p) {
+      const Gemm& g = gl.p[p];
+      wl.x[p] = gemm_lab::make_map(enc, g.A, g.M, g.K, gemm_lab::BM);
+      wl.w[p] = gemm_lab::make_map(enc, g.W, g.N, g.K, kWgBn);
+      wl.y[p] = g.C, wl.M[p] = g.M, wl.N[p] = g.N, wl.K[p] = g.K;
+    }
+    wl.n = gl.n;
+  }
+
   // ---- states of B sequences (F32), decode_lab's inputs
   const int64_t npairs = static_cast<int64_t>(B) * H, state_elems = npairs * DK * DV;
   const size_t state_bytes = static_cast<size_t>(state_elems) * 4;
@@ -396,24 +472,40 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(sref, states, state_bytes, cudaMemcpyDeviceToDevice));
   CK(cudaMemcpy(oref, o, npairs * DV * 4, cudaMemcpyDeviceToDevice));
 
+  // family 0: the mma.sync gemm role (448 threads); 1: the wgmma roles (480 threads).
   struct Variant {
     std::string name;
     bool gemm, state;
-    void (*k)(GemmList, DecArgs);
+    int family;
+    const void* fn;
+    std::function<void()> launch;
+  };
+  auto mma_var = [&](const char* name, bool gemm, bool state, void (*k)(GemmList, DecArgs)) {
+    return Variant{name, gemm, state, 0, reinterpret_cast<const void*>(k),
+                   [&, k] { k<<<sms, kThreads, kGemmSmem>>>(gl, a); }};
+  };
+  auto wg_var = [&](const char* name, bool gemm, bool state, void (*k)(WgList, DecArgs)) {
+    return Variant{name, gemm, state, 1, reinterpret_cast<const void*>(k),
+                   [&, k] { k<<<sms, kWgThreads, kWgSmem>>>(wl, a); }};
   };
   const std::vector<Variant> vars = {
-      {"gemm role alone", true, false, cores_kernel<float, true, false, 8>},
-      {"state role alone, unroll 8", false, true, cores_kernel<float, false, true, 8>},
-      {"state role alone, unroll 24", false, true, cores_kernel<float, false, true, 24>},
-      {"both, unroll 8", true, true, cores_kernel<float, true, true, 8>},
-      {"both, unroll 24", true, true, cores_kernel<float, true, true, 24>},
+      mma_var("gemm role alone", true, false, cores_kernel<float, true, false, 8>),
+      mma_var("state role alone, unroll 8", false, true, cores_kernel<float, false, true, 8>),
+      mma_var("state role alone, unroll 24", false, true, cores_kernel<float, false, true, 24>),
+      mma_var("both, unroll 8", true, true, cores_kernel<float, true, true, 8>),
+      mma_var("both, unroll 24", true, true, cores_kernel<float, true, true, 24>),
+      wg_var("wgmma gemm alone", true, false, cores_wgmma_kernel<float, true, false, 8>),
+      wg_var("wgmma: state alone, unroll 8", false, true, cores_wgmma_kernel<float, false, true, 8>),
+      wg_var("wgmma: both, unroll 8", true, true, cores_wgmma_kernel<float, true, true, 8>),
+      wg_var("wgmma: both, unroll 24", true, true, cores_wgmma_kernel<float, true, true, 24>),
   };
   for (const Variant& var : vars) {
-    CK(cudaFuncSetAttribute(var.k, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmem));
+    const int smem = var.family ? kWgSmem : kGemmSmem, threads = var.family ? kWgThreads : kThreads;
+    CK(cudaFuncSetAttribute(var.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     cudaFuncAttributes fa;
-    CK(cudaFuncGetAttributes(&fa, var.k));
+    CK(cudaFuncGetAttributes(&fa, var.fn));
     int occ = 0;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, var.k, kThreads, kGemmSmem));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, var.fn, threads, smem));
     std::printf("  %-28s %3d registers, %5zu bytes spilled, %d block(s) per SM\n", var.name.c_str(), fa.numRegs,
                 static_cast<size_t>(fa.localSizeBytes), occ);
   }
@@ -454,14 +546,14 @@ int main(int argc, char** argv) {
     const double t = timed([&] { decode_lab::v1::gla_decode_kernel<float><<<static_cast<unsigned>(npairs), DV>>>(a); }, &sus);
     std::printf("  %-28s %8.4f ms | %8.4f ms sustained  %5.3f TB/s\n", "v1 alone (B·H blocks)", t, sus, sbytes / (sus * 1e9));
   }
-  double t_gemm = 0, t_state[2] = {0, 0};
+  double t_gemm[2] = {0, 0}, t_state[2][2] = {{0, 0}, {0, 0}};  // [family], [family][unroll 24]
   std::vector<uint16_t> hc;
   for (const Variant& var : vars) {
     // Validation run from the pristine states.
     CK(cudaMemcpy(states, pristine, state_bytes, cudaMemcpyDeviceToDevice));
     CK(cudaMemset(o, 0xff, npairs * DV * 4));
     for (int p = 0; p < gl.n; ++p) CK(cudaMemset(gl.p[p].C, 0xff, static_cast<size_t>(M) * gl.p[p].N * 2));
-    var.k<<<sms, kThreads, kGemmSmem>>>(gl, a);
+    var.launch();
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
     std::string check;
@@ -509,21 +601,26 @@ int main(int argc, char** argv) {
       fails += !(worst <= 1e-2);
     }
     double sus = 0;
-    const double t = timed([&] { var.k<<<sms, kThreads, kGemmSmem>>>(gl, a); }, &sus);
+    const double t = timed(var.launch, &sus);
     std::string rate;
     char buf[96];
+    const bool u24 = var.name.find("24") != std::string::npos;
     if (var.gemm && !var.state) {
-      t_gemm = sus;
+      t_gemm[var.family] = sus;
       std::snprintf(buf, sizeof buf, "  %.0f TFLOP/s", flop / (sus * 1e9));
       rate = buf;
     } else if (var.state && !var.gemm) {
-      t_state[var.name.find("24") != std::string::npos] = sus;
+      t_state[var.family][u24] = sus;
       std::snprintf(buf, sizeof buf, "  %5.3f TB/s", sbytes / (sus * 1e9));
       rate = buf;
     } else {
-      const double ts = t_state[var.name.find("24") != std::string::npos];
-      std::snprintf(buf, sizeof buf, "  hidden %.2f (alone: %.4f + %.4f ms)", (t_gemm + ts - sus) / std::min(t_gemm, ts),
-                    t_gemm, ts);
+      // The wgmma family has no unroll-24 state-alone line: the state role is the same code, so
+      // the mma.sync family's figure stands in for it.
+      double ts = t_state[var.family][u24];
+      if (ts == 0) ts = t_state[0][u24];
+      const double tg = t_gemm[var.family];
+      std::snprintf(buf, sizeof buf, "  hidden %.2f (alone: %.4f + %.4f ms)", (tg + ts - sus) / std::min(tg, ts), tg,
+                    ts);
       rate = buf;
     }
     std::printf("  %-28s %8.4f ms | %8.4f ms sustained%s |%s\n", var.name.c_str(), t, sus, rate.c_str(), check.c_str());

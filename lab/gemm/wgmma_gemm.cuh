@@ -27,69 +27,80 @@ struct Smem {
   static_assert(kA % 1024 == 0 && kB % 1024 == 0, "swizzle atoms");
 };
 
-// kRegs: the register cap at launch, per thread (ptxas allocates every role within it). At 168
-// (= 65,536 / 384, one block per SM) the producer gives registers back and the consumers take
-// them (setmaxnreg 40 / 232). Below that the block leaves registers of its SM free for another
-// kernel's block (lab/decode/overlap_lab --gemm ours: a state block beside each gemm CTA), and
-// no role reallocates.
-template <int BN, int kStages, bool kOverlap, int kRegs = 168>
-__global__ void __maxnreg__(kRegs)
-    gemm_tma_wgmma(const __grid_constant__ CUtensorMap mx, const __grid_constant__ CUtensorMap mw, bf16* y, int M,
-                   int N, int K) {
-  using S = Smem<BN, kStages>;
-  constexpr int kAcc = BN / 2;  // F32 accumulators per thread (64 rows × BN / 128 threads)
-  extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem =
-      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::kBarOff);
-  uint64_t* empty = full + kStages;
-  const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
-  const int mt = M / BM, tiles = mt * (N / BN), nk = K / BK;
+// ---- the two roles, as device functions (wgmma_lab's kernel below; lab/decode/cores_lab runs
+// them beside a state role in one block) ----------------------------------------------------------
+// Where a tile's operands and output are: X and W tensor maps (boxes {64, BM} and {64, BN}), the
+// output's row pitch, the tile's first row and column, and its number of 64-wide k-blocks.
+struct TileInfo {
+  const CUtensorMap* mx;
+  const CUtensorMap* mw;
+  bf16* y;
+  int n, m0, n0, nk;
+};
 
-  if (threadIdx.x == 0) {
+// The stage ring in shared memory: kStages × (X tile, W tile), then the full and empty barriers.
+template <int BN, int kStages>
+struct Ring {
+  unsigned char* smem;  // 1,024-aligned
+  uint64_t* full;       // [kStages] TMA bytes landed (count 1: the producer's arrive.expect_tx)
+  uint64_t* empty;      // [kStages] stage consumed (count 2: one arrival per consumer warpgroup)
+  __device__ static Ring carve(unsigned char* raw) {
+    using S = Smem<BN, kStages>;
+    Ring r;
+    r.smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+    r.full = reinterpret_cast<uint64_t*>(r.smem + S::kBarOff);
+    r.empty = r.full + kStages;
+    return r;
+  }
+  // One thread, before the block-wide barrier that precedes both roles.
+  __device__ void init() const {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);   // the producer's arrive.expect_tx; the TMA bytes complete it
-      mbar_init(&empty[s], 2);  // one arrival per consumer warpgroup
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 2);
     }
     fence_barrier_init();
   }
-  __syncthreads();
+};
 
-  if (wg == 0) {  // ---- producer ----
-    if constexpr (kRegs >= 168) setmaxnreg_dec<40>();
-    if (t == 0) {
-      int it = 0;  // k-blocks issued by this CTA, over all its tiles: the ring's position
-      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int m0 = (tile % mt) * BM, n0 = (tile / mt) * BN;
-        for (int kb = 0; kb < nk; ++kb, ++it) {
-          const int s = it % kStages;
-          // Fill f = it / kStages of stage s needs fill f − 1 consumed: empty[s]'s phase f − 1.
-          if (it >= kStages) mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-          unsigned char* st = smem + s * S::kStage;
-          mbar_arrive_expect_tx(&full[s], S::kStage);
-          tma_load_2d(st, &mx, kb * BK, m0, &full[s]);
-          tma_load_2d(st + S::kA, &mw, kb * BK, n0, &full[s]);
-        }
-      }
+// Producer (one thread): the tiles t = first, first + stride, ... < tiles, each's k-blocks in
+// order, into the ring. `tile_of(t)` gives a TileInfo.
+template <int BN, int kStages, class TileOf>
+__device__ void gemm_produce(const Ring<BN, kStages>& ring, int tiles, int first, int stride, TileOf tile_of) {
+  using S = Smem<BN, kStages>;
+  int it = 0;  // k-blocks issued, over all tiles: the ring's position
+  for (int tile = first; tile < tiles; tile += stride) {
+    const TileInfo ti = tile_of(tile);
+    for (int kb = 0; kb < ti.nk; ++kb, ++it) {
+      const int s = it % kStages;
+      // Fill f = it / kStages of stage s needs fill f − 1 consumed: empty[s]'s phase f − 1.
+      if (it >= kStages) mbar_wait(&ring.empty[s], ((it / kStages) & 1) ^ 1);
+      unsigned char* st = ring.smem + s * S::kStage;
+      mbar_arrive_expect_tx(&ring.full[s], S::kStage);
+      tma_load_2d(st, ti.mx, kb * BK, ti.m0, &ring.full[s]);
+      tma_load_2d(st + S::kA, ti.mw, kb * BK, ti.n0, &ring.full[s]);
     }
-    return;
   }
+}
 
-  // ---- consumers: warpgroup c = wg − 1 owns rows [64c, 64c + 64) of each tile ----
-  if constexpr (kRegs >= 168) setmaxnreg_inc<232>();
-  const int c = wg - 1;
+// Consumer warpgroup c (0 or 1: rows [64c, 64c + 64) of each tile), thread t of its 128: the same
+// tiles as the producer, wgmma from the ring, bf16 pairs straight to the output.
+template <int BN, int kStages, bool kOverlap, class TileOf>
+__device__ void gemm_consume(const Ring<BN, kStages>& ring, int c, int t, int tiles, int first, int stride,
+                             TileOf tile_of) {
+  using S = Smem<BN, kStages>;
+  constexpr int kAcc = BN / 2;  // F32 accumulators per thread (64 rows × BN / 128 threads)
   int it = 0;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int m0 = (tile % mt) * BM, n0 = (tile / mt) * BN;
+  for (int tile = first; tile < tiles; tile += stride) {
+    const TileInfo ti = tile_of(tile);
     float d[kAcc];
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) d[i] = 0.f;
     int prev = -1;  // kOverlap: the stage whose MMAs may still be running
-    for (int kb = 0; kb < nk; ++kb, ++it) {
+    for (int kb = 0; kb < ti.nk; ++kb, ++it) {
       const int s = it % kStages;
-      mbar_wait(&full[s], (it / kStages) & 1);
-      const unsigned char* st = smem + s * S::kStage;
+      mbar_wait(&ring.full[s], (it / kStages) & 1);
+      const unsigned char* st = ring.smem + s * S::kStage;
       const unsigned char* a = st + c * 64 * BK * 2;  // this warpgroup's 64 rows: 8 atoms in
       const unsigned char* b = st + S::kA;
       wgmma_fence();
@@ -101,29 +112,55 @@ __global__ void __maxnreg__(kRegs)
       wgmma_commit();
       if constexpr (kOverlap) {
         wgmma_wait<1>();  // the previous k-block's MMAs are done: its stage can go back
-        if (prev >= 0 && t == 0) mbar_arrive(&empty[prev]);
+        if (prev >= 0 && t == 0) mbar_arrive(&ring.empty[prev]);
         prev = s;
       } else {
         wgmma_wait<0>();
-        if (t == 0) mbar_arrive(&empty[s]);
+        if (t == 0) mbar_arrive(&ring.empty[s]);
       }
     }
     if constexpr (kOverlap) {
       wgmma_wait<0>();
-      if (prev >= 0 && t == 0) mbar_arrive(&empty[prev]);
+      if (prev >= 0 && t == 0) mbar_arrive(&ring.empty[prev]);
     }
     fence_regs(d);
-    // Epilogue: bf16 pairs straight to global memory.
-    const int r = m0 + 64 * c + frag_row(t), c0 = n0 + frag_col(t);
+    const int r = ti.m0 + 64 * c + frag_row(t), c0 = ti.n0 + frag_col(t);
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       const int col = c0 + 8 * j;
-      *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(r) * N + col) =
+      *reinterpret_cast<__nv_bfloat162*>(ti.y + static_cast<int64_t>(r) * ti.n + col) =
           __floats2bfloat162_rn(d[4 * j], d[4 * j + 1]);
-      *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(r + 8) * N + col) =
+      *reinterpret_cast<__nv_bfloat162*>(ti.y + static_cast<int64_t>(r + 8) * ti.n + col) =
           __floats2bfloat162_rn(d[4 * j + 2], d[4 * j + 3]);
     }
   }
+}
+
+// One gemm. Tile t covers rows (t mod M/BM)·BM and columns (t div M/BM)·BN, so CTAs that run
+// together share a weight tile; a grid smaller than the tiles makes the kernel persistent.
+// kRegs: the register cap at launch, per thread (ptxas allocates every role within it). At 168
+// (= 65,536 / 384, one block per SM) the producer gives registers back and the consumers take
+// them (setmaxnreg 40 / 232). Below that the block leaves registers of its SM free for another
+// kernel's block (lab/decode/overlap_lab --gemm ours: a state block beside each gemm CTA), and
+// no role reallocates.
+template <int BN, int kStages, bool kOverlap, int kRegs = 168>
+__global__ void __maxnreg__(kRegs)
+    gemm_tma_wgmma(const __grid_constant__ CUtensorMap mx, const __grid_constant__ CUtensorMap mw, bf16* y, int M,
+                   int N, int K) {
+  extern __shared__ unsigned char smem_raw[];
+  const Ring<BN, kStages> ring = Ring<BN, kStages>::carve(smem_raw);
+  const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+  const int mt = M / BM, tiles = mt * (N / BN);
+  auto tile_of = [&](int tile) { return TileInfo{&mx, &mw, y, N, (tile % mt) * BM, (tile / mt) * BN, K / BK}; };
+  if (threadIdx.x == 0) ring.init();
+  __syncthreads();
+  if (wg == 0) {  // producer warpgroup: one thread issues
+    if constexpr (kRegs >= 168) setmaxnreg_dec<40>();
+    if (t == 0) gemm_produce(ring, tiles, blockIdx.x, gridDim.x, tile_of);
+    return;
+  }
+  if constexpr (kRegs >= 168) setmaxnreg_inc<232>();
+  gemm_consume<BN, kStages, kOverlap>(ring, wg - 1, t, tiles, blockIdx.x, gridDim.x, tile_of);
 }
 
 // ---- host: tensor maps --------------------------------------------------------------------------
