@@ -126,7 +126,7 @@ for s in $STAGES; do
       # that a version that traps (an mbarrier wait timing out) does not hide the others
       nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o build-gpu/wgmma_lab lab/gemm/wgmma_lab.cu \
         -lcublasLt >> "$LOG" 2>&1 &&
-      for v in ${WGMMA_VERSIONS:-1 2 3 4 5}; do
+      for v in ${WGMMA_VERSIONS:-1 2 3 4 5 6}; do
         timeout 120 ./build-gpu/wgmma_lab --versions $v ${WGMMA_ARGS:-} 2>&1 | tee -a "$LOG" | grep -E "^  v|TFLOP/s|PASS|FAIL|rror|timed out"
       done ;;
     parity)  # greedy tokens vs the PyTorch reference on this GPU (needs a trained model: carry runs/demo/model)

@@ -6,7 +6,7 @@
 // needs a gemm it owns: this lab builds that gemm alone first, validated and timed.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o wgmma_lab lab/gemm/wgmma_lab.cu -lcublasLt
-//   ./wgmma_lab [--M 640,1280] [--only qkvg,wo,w12,w3] [--calls 10] [--reps 15] [--versions 1,2,3,4,5]
+//   ./wgmma_lab [--M 640,1280] [--only qkvg,wo,w12,w3] [--calls 10] [--reps 15] [--versions 1,2,3,4,5,6]
 //
 // Y[M, N] = X[M, K] · W[N, K]ᵀ, bf16 in, F32 accumulate, bf16 out (the model's projections, β = 0).
 // One block of 384 threads per SM (a 168-register cap): warpgroup 0 is the producer (one thread
@@ -26,6 +26,7 @@
 //   v5  "co": v2 with 4 stages (129 KB) and 120 registers per thread (46,080 per CTA), leaving
 //       an SM room for a state block beside each CTA (lab/decode/overlap_lab --gemm ours); no
 //       setmaxnreg
+//   v6  v3 persistent (grid = SMs)
 // The kernel is in wgmma_gemm.cuh.
 // The epilogue stores each thread's bf16 pairs straight to global memory (no shared staging yet).
 //
@@ -173,7 +174,7 @@ double f64_check(const std::vector<uint16_t>& y, const std::vector<uint16_t>& x,
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<int> Ms = {640, 1280}, want = {1, 2, 3, 4, 5};
+  std::vector<int> Ms = {640, 1280}, want = {1, 2, 3, 4, 5, 6};
   std::string only;
   int calls = 10, reps = 15;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -190,7 +191,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: wgmma_lab [--M 640,1280] [--only qkvg,wo,w12,w3] [--calls 10] [--reps 15] "
-                   "[--versions 1,2,3,4,5]\n");
+                   "[--versions 1,2,3,4,5,6]\n");
       return 2;
     }
   }
@@ -214,7 +215,8 @@ int main(int argc, char** argv) {
                               make_version<128, 5, true>(2, "BN128 5 stages, 1 k-block in flight", false),
                               make_version<256, 4, true>(3, "BN256 4 stages, 1 k-block in flight", false),
                               make_version<128, 5, true>(4, "v2 persistent (grid = SMs)", true),
-                              make_version<128, 4, true, 120>(5, "co: BN128 4 stages, 120 registers", false)};
+                              make_version<128, 4, true, 120>(5, "co: BN128 4 stages, 120 registers", false),
+                              make_version<256, 4, true>(6, "v3 persistent (grid = SMs)", true)};
   std::vector<Version> vs;
   for (const Version& v : all)
     if (std::find(want.begin(), want.end(), v.id) != want.end()) vs.push_back(v);
