@@ -26,9 +26,11 @@
 // 9-14 the state role; 136 registers a thread (65,536 / 480), no setmaxnreg.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o cores_lab lab/decode/cores_lab.cu
-//   ./cores_lab [--B 640] [--M 640] [--reps 20] [--sustain 20] [--problems qkvg,wo,w12,w3]
+//   ./cores_lab [--B 640] [--M 640] [--reps 20] [--sustain 20] [--problems qkvg,wo,w12,w3] [--states f32|bf16]
 //
-// --B: sequences whose states stream (half of 1,280); --M: rows of the gemms (the other half).
+// --B: sequences whose states stream (half of 1,280); --M: rows of the gemms (the other half);
+// --states: the state dtype (bf16: half the bytes per state, the 90,000 tokens/s target's case;
+// the state role and v1 then load 8-byte BF16 vectors).
 // Validation: the state role's states and o must equal v1's bit for bit (count of differing
 // 16-byte words, as decode_lab); every gemm's output is checked at 256 sampled entries against
 // an F64 dot product of the same bf16 inputs (relative to the samples' RMS; bf16 output, so
@@ -359,13 +361,20 @@ const Shape kShapes[] = {{"qkvg", 9216, D}, {"wo", D, H * DV}, {"w12", 2 * F, D}
 
 using lab::median;
 
+template <class T>
+struct Tag {
+  using type = T;
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int B = 640, M = 640, reps = 20, sustain = 20;
-  std::string problems = "qkvg,wo,w12,w3";
+  std::string problems = "qkvg,wo,w12,w3", states_dt = "f32";
   auto usage = [] {
-    std::fprintf(stderr, "usage: cores_lab [--B 640] [--M 640] [--reps 20] [--sustain 20] [--problems qkvg,wo,w12,w3]\n");
+    std::fprintf(stderr,
+                 "usage: cores_lab [--B 640] [--M 640] [--reps 20] [--sustain 20] [--problems qkvg,wo,w12,w3] "
+                 "[--states f32|bf16]\n");
     return 2;
   };
   for (int i = 1; i < argc; i += 2) {
@@ -376,6 +385,7 @@ int main(int argc, char** argv) {
     else if (k == "--reps") reps = std::atoi(v.c_str());
     else if (k == "--sustain") sustain = std::atoi(v.c_str());
     else if (k == "--problems") problems = v;
+    else if (k == "--states" && (v == "f32" || v == "bf16")) states_dt = v;
     else return usage();
   }
   if (B < 1 || M < BM || M % BM != 0 || reps < 1 || sustain < 1) {
@@ -435,15 +445,17 @@ int main(int argc, char** argv) {
     wl.n = gl.n;
   }
 
-  // ---- states of B sequences (F32), decode_lab's inputs
+  // ---- states of B sequences (F32 or BF16), decode_lab's inputs
+  const bool bf16_states = states_dt == "bf16";
   const int64_t npairs = static_cast<int64_t>(B) * H, state_elems = npairs * DK * DV;
-  const size_t state_bytes = static_cast<size_t>(state_elems) * 4;
+  const size_t state_bytes = static_cast<size_t>(state_elems) * (bf16_states ? 2 : 4);
   std::vector<uint16_t> hq(npairs * DK), hk(npairs * DK), hv(npairs * DV);
   decode_lab::Rng rs{12345};
   for (auto& x : hq) x = f2bf(static_cast<float>(2 * rs.uniform() - 1));
   for (auto& x : hk) x = f2bf(static_cast<float>(2 * rs.uniform() - 1));
   for (auto& x : hv) x = f2bf(static_cast<float>(2 * rs.uniform() - 1));
-  float *states, *pristine, *sref, *o, *oref;
+  void *states, *pristine, *sref;
+  float *o, *oref;
   __nv_bfloat16 *q, *k, *v;
   unsigned long long* ndiff;
   CK(cudaMalloc(&states, state_bytes));
@@ -458,7 +470,11 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(q, hq.data(), hq.size() * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(k, hk.data(), hk.size() * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(v, hv.data(), hv.size() * 2, cudaMemcpyHostToDevice));
-  decode_lab::init_states<float><<<4096, 256>>>(pristine, static_cast<uint64_t>(state_elems));
+  if (bf16_states)
+    decode_lab::init_states<__nv_bfloat16>
+        <<<4096, 256>>>(static_cast<__nv_bfloat16*>(pristine), static_cast<uint64_t>(state_elems));
+  else
+    decode_lab::init_states<float><<<4096, 256>>>(static_cast<float*>(pristine), static_cast<uint64_t>(state_elems));
   CK(cudaGetLastError());
   DecArgs a = decode_lab::lab_args(B, H, DK, DV);
   a.q = q, a.k = k, a.v = v, a.o = o;
@@ -467,7 +483,11 @@ int main(int argc, char** argv) {
 
   // v1's bits: one step from the pristine states.
   CK(cudaMemcpy(states, pristine, state_bytes, cudaMemcpyDeviceToDevice));
-  decode_lab::v1::gla_decode_kernel<float><<<static_cast<unsigned>(npairs), DV>>>(a);
+  auto v1_step = [&] {
+    if (bf16_states) decode_lab::v1::gla_decode_kernel<__nv_bfloat16><<<static_cast<unsigned>(npairs), DV>>>(a);
+    else decode_lab::v1::gla_decode_kernel<float><<<static_cast<unsigned>(npairs), DV>>>(a);
+  };
+  v1_step();
   CK(cudaGetLastError());
   CK(cudaMemcpy(sref, states, state_bytes, cudaMemcpyDeviceToDevice));
   CK(cudaMemcpy(oref, o, npairs * DV * 4, cudaMemcpyDeviceToDevice));
@@ -488,17 +508,21 @@ int main(int argc, char** argv) {
     return Variant{name, gemm, state, 1, reinterpret_cast<const void*>(k),
                    [&, k] { k<<<sms, kWgThreads, kWgSmem>>>(wl, a); }};
   };
-  const std::vector<Variant> vars = {
-      mma_var("gemm role alone", true, false, cores_kernel<float, true, false, 8>),
-      mma_var("state role alone, unroll 8", false, true, cores_kernel<float, false, true, 8>),
-      mma_var("state role alone, unroll 24", false, true, cores_kernel<float, false, true, 24>),
-      mma_var("both, unroll 8", true, true, cores_kernel<float, true, true, 8>),
-      mma_var("both, unroll 24", true, true, cores_kernel<float, true, true, 24>),
-      wg_var("wgmma gemm alone", true, false, cores_wgmma_kernel<float, true, false, 8>),
-      wg_var("wgmma: state alone, unroll 8", false, true, cores_wgmma_kernel<float, false, true, 8>),
-      wg_var("wgmma: both, unroll 8", true, true, cores_wgmma_kernel<float, true, true, 8>),
-      wg_var("wgmma: both, unroll 24", true, true, cores_wgmma_kernel<float, true, true, 24>),
+  auto variants = [&](auto tag) {
+    using ST = typename decltype(tag)::type;
+    return std::vector<Variant>{
+        mma_var("gemm role alone", true, false, cores_kernel<ST, true, false, 8>),
+        mma_var("state role alone, unroll 8", false, true, cores_kernel<ST, false, true, 8>),
+        mma_var("state role alone, unroll 24", false, true, cores_kernel<ST, false, true, 24>),
+        mma_var("both, unroll 8", true, true, cores_kernel<ST, true, true, 8>),
+        mma_var("both, unroll 24", true, true, cores_kernel<ST, true, true, 24>),
+        wg_var("wgmma gemm alone", true, false, cores_wgmma_kernel<ST, true, false, 8>),
+        wg_var("wgmma: state alone, unroll 8", false, true, cores_wgmma_kernel<ST, false, true, 8>),
+        wg_var("wgmma: both, unroll 8", true, true, cores_wgmma_kernel<ST, true, true, 8>),
+        wg_var("wgmma: both, unroll 24", true, true, cores_wgmma_kernel<ST, true, true, 24>),
+    };
   };
+  const std::vector<Variant> vars = bf16_states ? variants(Tag<__nv_bfloat16>{}) : variants(Tag<float>{});
   for (const Variant& var : vars) {
     const int smem = var.family ? kWgSmem : kGemmSmem, threads = var.family ? kWgThreads : kThreads;
     CK(cudaFuncSetAttribute(var.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -535,7 +559,8 @@ int main(int argc, char** argv) {
     return median(t);
   };
   const double sbytes = 2.0 * static_cast<double>(state_bytes);
-  std::printf("states: %d sequences x %d heads, %.3f GB read + written; gemms (M = %d):", B, H, sbytes / 1e9, M);
+  std::printf("%s states: %d sequences x %d heads, %.3f GB read + written; gemms (M = %d):", bf16_states ? "BF16" : "F32",
+              B, H, sbytes / 1e9, M);
   for (const auto& n : names) std::printf(" %s", n.c_str());
   std::printf(", %.1f GFLOP\n", flop / 1e9);
 
@@ -543,7 +568,7 @@ int main(int argc, char** argv) {
   // v1 alone (production layout) for reference.
   {
     double sus = 0;
-    const double t = timed([&] { decode_lab::v1::gla_decode_kernel<float><<<static_cast<unsigned>(npairs), DV>>>(a); }, &sus);
+    const double t = timed(v1_step, &sus);
     std::printf("  %-28s %8.4f ms | %8.4f ms sustained  %5.3f TB/s\n", "v1 alone (B·H blocks)", t, sus, sbytes / (sus * 1e9));
   }
   double t_gemm[2] = {0, 0}, t_state[2][2] = {{0, 0}, {0, 0}};  // [family], [family][unroll 24]
