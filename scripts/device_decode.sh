@@ -98,8 +98,10 @@ for s in $STAGES; do
         >> "$LOG" 2>&1 && for r in ${DEFERRED_R:-4 8 16}; do timeout 120 ./build-gpu/deferred_lab --R $r --steps 16 \
         ${DEFERRED_ARGS:-} 2>&1 | tee -a "$LOG"; done ;;
     cores)  # lab/decode/cores_lab: gemm tiles and the state stream as two roles of one block on every SM
+      # (CORES_STATES: the state dtypes, one run each)
       nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o build-gpu/cores_lab lab/decode/cores_lab.cu \
-        >> "$LOG" 2>&1 && timeout 300 ./build-gpu/cores_lab ${CORES_ARGS:-} 2>&1 | tee -a "$LOG" ;;
+        >> "$LOG" 2>&1 && for sd in ${CORES_STATES:-f32 bf16}; do
+        timeout 300 ./build-gpu/cores_lab --states $sd ${CORES_ARGS:-} 2>&1 | tee -a "$LOG"; done ;;
     ncu)  # kernel metrics (Nsight Compute) of the kernels matching NCU_KERNELS in bench_ops --only NCU_SECTION
       timeout 300 ncu --kernel-name "regex:${NCU_KERNELS:-layernorm_fwd|conv_prefill|rmsnorm_gate_fwd}" --launch-skip 1 \
         --launch-count ${NCU_COUNT:-3} --section SpeedOfLight --section Occupancy --section LaunchStats \
