@@ -31,9 +31,10 @@
 // The epilogue stores each thread's bf16 pairs straight to global memory (no shared staging yet).
 //
 // Checks, per shape and version: Y poisoned (NaN) before the run, then against cuBLASLt's Y of the
-// same inputs: NaNs (unwritten), max |Δ| / RMS(Y_cublas) (bound 2e-2: both round to bf16 after F32
-// sums in different orders), share of bit-equal outputs (informational); and 256 sampled entries
-// against an F64 dot product of the same bf16 inputs (bound 1e-2 of the samples' RMS) for both.
+// same inputs: NaNs (unwritten), ‖Δ‖ / ‖Y_cublas‖ (bound 1e-2: both round to bf16 after F32 sums
+// in different orders, ~3e-3), the largest |Δ| / RMS and the share of bit-equal outputs
+// (informational); and 256 sampled entries against an F64 dot product of the same bf16 inputs
+// (‖Δ‖ / ‖ref‖, bound 1e-2) for both.
 // Timing: a CUDA graph of `calls` calls per kernel, replays interleaved round-robin over the
 // versions and cuBLASLt (`reps` rounds, median), TFLOP/s. Exit status 1 on a failed check.
 #include <cublasLt.h>
@@ -127,14 +128,18 @@ std::vector<uint16_t> to_host(const bf16* p, size_t n) {
   return h;
 }
 
+// ‖a − b‖ / ‖b‖ is the checked figure: two bf16 roundings of F32 sums in different orders differ
+// by an ulp here and there (2^-8 of a value, ~0.3 % in this norm); the largest |Δ| over all
+// entries, relative to the RMS, is printed too, but an ulp at a 5σ entry is already ~4 % of the
+// RMS, so it is no pass/fail figure.
 struct Check {
   size_t nan = 0;
-  double rel_max = 0, equal = 0;
+  double rel_rms = 0, rel_max = 0, equal = 0;
 };
 // a against the reference b (both [M, n] bf16 on the host).
 Check compare(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
   Check c;
-  double ss = 0, mx = 0;
+  double ss = 0, se = 0, mx = 0;
   size_t eq = 0;
   for (size_t i = 0; i < a.size(); ++i) {
     const float va = lab::bf2f(a[i]), vb = lab::bf2f(b[i]);
@@ -142,19 +147,22 @@ Check compare(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
       ++c.nan;
       continue;
     }
+    const double e = static_cast<double>(va) - vb;
     ss += static_cast<double>(vb) * vb;
-    mx = std::max(mx, std::fabs(static_cast<double>(va) - vb));
+    se += e * e;
+    mx = std::max(mx, std::fabs(e));
     eq += a[i] == b[i];
   }
+  c.rel_rms = std::sqrt(se / (ss + 1e-300));
   c.rel_max = mx / std::sqrt(ss / static_cast<double>(a.size()) + 1e-300);
   c.equal = static_cast<double>(eq) / static_cast<double>(a.size());
   return c;
 }
 
-// Largest |y − F64 dot| over `samples` random entries, relative to the samples' RMS.
+// ‖y − F64 dot‖ / ‖F64 dot‖ over `samples` random entries.
 double f64_check(const std::vector<uint16_t>& y, const std::vector<uint16_t>& x, const std::vector<uint16_t>& w,
                  int M, int n, int k, int samples, uint64_t seed) {
-  double ss = 0, mx = 0;
+  double ss = 0, se = 0;
   uint64_t z = seed;
   for (int s = 0; s < samples; ++s) {
     z = z * 6364136223846793005ULL + 1442695040888963407ULL;
@@ -165,10 +173,11 @@ double f64_check(const std::vector<uint16_t>& y, const std::vector<uint16_t>& x,
     for (int kk = 0; kk < k; ++kk)
       ref += static_cast<double>(lab::bf2f(x[static_cast<size_t>(i) * k + kk])) *
              lab::bf2f(w[static_cast<size_t>(j) * k + kk]);
+    const double e = lab::bf2f(y[static_cast<size_t>(i) * n + j]) - ref;
     ss += ref * ref;
-    mx = std::max(mx, std::fabs(lab::bf2f(y[static_cast<size_t>(i) * n + j]) - ref));
+    se += e * e;
   }
-  return mx / std::sqrt(ss / samples + 1e-300);
+  return std::sqrt(se / (ss + 1e-300));
 }
 
 }  // namespace
@@ -262,7 +271,7 @@ int main(int argc, char** argv) {
       CK(cudaStreamSynchronize(st));
       const auto hx = to_host(x, nx), hw = to_host(w, nw), href = to_host(yref, ny);
       const double lt_f64 = f64_check(href, hx, hw, M, sh.n, sh.k, 256, 99);
-      std::printf("  cuBLASLt  %s\n            vs F64 (256 samples): max |Δ| / RMS %.2e\n",
+      std::printf("  cuBLASLt  %s\n            vs F64 (256 samples): ‖Δ‖ / ‖ref‖ %.2e\n",
                   lab::algo_config_str(p.res).c_str(), lt_f64);
       if (!(lt_f64 < 1e-2)) ++fails;
 
@@ -302,11 +311,11 @@ int main(int argc, char** argv) {
         const auto hy = to_host(y, ny);
         const Check c = compare(hy, href);
         const double f64 = f64_check(hy, hx, hw, M, sh.n, sh.k, 256, 99);
-        const bool ok = c.nan == 0 && c.rel_max < 2e-2 && f64 < 1e-2;
+        const bool ok = c.nan == 0 && c.rel_rms < 1e-2 && f64 < 1e-2;
         fails += !ok;
-        std::printf("  v%d %-38s grid %4d, %6d B smem: unwritten %zu, vs cuBLASLt max |Δ| / RMS %.2e (%.1f %% "
-                    "bit-equal), vs F64 %.2e  %s\n",
-                    v.id, v.what, grid, v.smem, c.nan, c.rel_max, 100 * c.equal, f64, ok ? "PASS" : "FAIL");
+        std::printf("  v%d %-38s grid %4d, %6d B smem: unwritten %zu, vs cuBLASLt ‖Δ‖ / ‖ref‖ %.2e (max |Δ| / RMS "
+                    "%.2e, %.1f %% bit-equal), vs F64 %.2e  %s\n",
+                    v.id, v.what, grid, v.smem, c.nan, c.rel_rms, c.rel_max, 100 * c.equal, f64, ok ? "PASS" : "FAIL");
         if (ok) capture("v" + std::to_string(v.id), call);
       }
 
