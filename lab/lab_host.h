@@ -48,4 +48,31 @@ inline double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// Times CUDA graphs against each other: `rounds` rounds, each replaying every graph once on
+// `st`, the starting graph rotating, so that the card's clock drifting under load (±5 % over
+// seconds) falls on all graphs alike rather than on whichever ran last. Returns, per graph, the
+// ms of each replay divided by `calls_per_graph` (ms per call).
+inline std::vector<std::vector<double>> time_graphs_interleaved(const std::vector<cudaGraphExec_t>& graphs,
+                                                                cudaStream_t st, int rounds, int calls_per_graph) {
+  std::vector<std::vector<double>> ms(graphs.size());
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  const size_t n = graphs.size();
+  for (int r = 0; r < rounds; ++r)
+    for (size_t j = 0; j < n; ++j) {
+      const size_t g = (j + static_cast<size_t>(r)) % n;
+      CK(cudaEventRecord(e0, st));
+      CK(cudaGraphLaunch(graphs[g], st));
+      CK(cudaEventRecord(e1, st));
+      CK(cudaEventSynchronize(e1));
+      float t = 0;
+      CK(cudaEventElapsedTime(&t, e0, e1));
+      ms[g].push_back(t / calls_per_graph);
+    }
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  return ms;
+}
+
 }  // namespace lab

@@ -103,62 +103,31 @@ __global__ void fill_bf16(__nv_bfloat16* p, uint64_t n, uint64_t seed, float sca
 }
 
 // ---- cuBLASLt ----------------------------------------------------------------------------------
-// Row-major C[M,n] = X·Wᵀ is column-major Cᵀ[n,M] = W'ᵀ·X' with W' = W read column-major ([k,n],
-// ld k, op T) and X' = X read column-major ([k,M], ld k, op N): the "TN" layout cuBLASLt is
-// fastest at. The SM target is a desc attribute, so each (M, target) gets its own desc and its
-// own heuristic pick.
+// The four projections as lab_cublas.h's TN gemms. The SM target is a desc attribute, so each
+// (M, target) gets its own descs and heuristic picks.
 struct Plan {
   int M = 0, target = 0;
-  cublasLtMatmulDesc_t desc{};
-  cublasLtMatrixLayout_t lw[4]{}, lx[4]{}, ly[4]{};
-  cublasLtMatmulHeuristicResult_t res[4]{};                 // the ones used
-  std::vector<cublasLtMatmulHeuristicResult_t> cands[4];    // the first `ncands`, heuristic order
+  lab::TnGemm g[4];                          // cands: the first `ncands`, heuristic order
+  cublasLtMatmulHeuristicResult_t res[4]{};  // the ones used
 };
 
 Plan make_plan(cublasLtHandle_t lt, int M, int target, bool splitk, int ncands = 1) {
   Plan p;
   p.M = M, p.target = target;
-  CKB(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
-  const int32_t sm = target;
-  CKB(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof opT));
-  CKB(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof opN));
-  CKB(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sm, sizeof sm));
-  cublasLtMatmulPreference_t pref;
-  CKB(cublasLtMatmulPreferenceCreate(&pref));
-  const uint64_t ws = kWsBytes;
-  CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-  if (!splitk) {  // production's rule (ops/cuda/cuda_backend.cpp: no split-K reductions)
-    const uint32_t red = CUBLASLT_REDUCTION_SCHEME_NONE;
-    CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &red, sizeof red));
-  }
   for (int i = 0; i < 4; ++i) {
     const Proj& q = kProj[i];
-    CKB(cublasLtMatrixLayoutCreate(&p.lw[i], CUDA_R_16BF, q.k, q.n, q.k));
-    CKB(cublasLtMatrixLayoutCreate(&p.lx[i], CUDA_R_16BF, q.k, M, q.k));
-    CKB(cublasLtMatrixLayoutCreate(&p.ly[i], CUDA_R_16BF, q.n, M, q.n));
-    int found = 0;
-    p.cands[i].resize(static_cast<size_t>(std::max(ncands, 1)));
-    CKB(cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.lw[i], p.lx[i], p.ly[i], p.ly[i], pref,
-                                       static_cast<int>(p.cands[i].size()), p.cands[i].data(), &found));
-    p.cands[i].resize(static_cast<size_t>(found));
-    if (found == 0 || p.cands[i][0].state != CUBLAS_STATUS_SUCCESS) {
+    p.g[i] = lab::tn_gemm_create(lt, M, q.n, q.k, CUDA_R_16BF, kWsBytes, ncands, target, splitk);
+    if (p.g[i].cands.empty() || p.g[i].cands[0].state != CUBLAS_STATUS_SUCCESS) {
       std::fprintf(stderr, "overlap_lab: no cuBLASLt algorithm for %s M=%d target %d\n", q.name, M, target);
       std::exit(1);
     }
-    p.res[i] = p.cands[i][0];
+    p.res[i] = p.g[i].cands[0];
   }
-  CKB(cublasLtMatmulPreferenceDestroy(pref));
   return p;
 }
 
 void destroy_plan(Plan& p) {
-  for (int i = 0; i < 4; ++i) {
-    CKB(cublasLtMatrixLayoutDestroy(p.lw[i]));
-    CKB(cublasLtMatrixLayoutDestroy(p.lx[i]));
-    CKB(cublasLtMatrixLayoutDestroy(p.ly[i]));
-  }
-  CKB(cublasLtMatmulDescDestroy(p.desc));
+  for (lab::TnGemm& g : p.g) lab::tn_gemm_destroy(g);
 }
 
 // One set of weights (shared by every call: 226 MB, far beyond L2, so reuse flatters nothing);
@@ -173,8 +142,8 @@ void enqueue_gemms(cublasLtHandle_t lt, const Plan& p, const GemmBufs& g, int ro
   const float one = 1.f, zero = 0.f;
   for (int i = 0; i < 4; ++i) {
     const size_t xo = static_cast<size_t>(row0) * kProj[i].k, yo = static_cast<size_t>(row0) * kProj[i].n;
-    CKB(cublasLtMatmul(lt, p.desc, &one, g.w[i], p.lw[i], g.x[i] + xo, p.lx[i], &zero, g.y[i] + yo, p.ly[i],
-                       g.y[i] + yo, p.ly[i], &p.res[i].algo, g.ws[wsi], kWsBytes, st));
+    CKB(cublasLtMatmul(lt, p.g[i].desc, &one, g.w[i], p.g[i].lw, g.x[i] + xo, p.g[i].lx, &zero, g.y[i] + yo,
+                       p.g[i].ly, g.y[i] + yo, p.g[i].ly, &p.res[i].algo, g.ws[wsi], kWsBytes, st));
   }
 }
 
@@ -240,13 +209,13 @@ bool choose_coresident(cublasLtHandle_t lt, Plan& p, const GemmBufs& g, const Dr
     const float one = 1.f, zero = 0.f;
     const size_t yo = static_cast<size_t>(p.M) * kProj[i].n, xo = static_cast<size_t>(p.M) * kProj[i].k;
     int chosen = -1;
-    for (size_t j = 0; j < p.cands[i].size() && chosen < 0; ++j) {
-      const cublasLtMatmulHeuristicResult_t& r = p.cands[i][j];
+    for (size_t j = 0; j < p.g[i].cands.size() && chosen < 0; ++j) {
+      const cublasLtMatmulHeuristicResult_t& r = p.g[i].cands[j];
       if (r.state != CUBLAS_STATUS_SUCCESS) continue;
       cudaGraph_t gr;
       CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-      const cublasStatus_t cs = cublasLtMatmul(lt, p.desc, &one, g.w[i], p.lw[i], g.x[i] + xo, p.lx[i], &zero,
-                                               g.y[i] + yo, p.ly[i], g.y[i] + yo, p.ly[i], &r.algo, g.ws[1], kWsBytes, st);
+      const cublasStatus_t cs = cublasLtMatmul(lt, p.g[i].desc, &one, g.w[i], p.g[i].lw, g.x[i] + xo, p.g[i].lx,
+                                               &zero, g.y[i] + yo, p.g[i].ly, g.y[i] + yo, p.g[i].ly, &r.algo, g.ws[1], kWsBytes, st);
       CK(cudaStreamEndCapture(st, &gr));
       int regs = 0, smem = 0, kernels = 0;
       bool known = cs == CUBLAS_STATUS_SUCCESS;
@@ -278,10 +247,10 @@ bool choose_coresident(cublasLtHandle_t lt, Plan& p, const GemmBufs& g, const Dr
     }
     if (chosen < 0) {
       std::printf("    %-4s: none of %zu candidates leaves %d registers and %d B beside its CTA\n", kProj[i].name,
-                  p.cands[i].size(), room_regs, room_smem);
+                  p.g[i].cands.size(), room_regs, room_smem);
       all = false;
     } else {
-      p.res[i] = p.cands[i][static_cast<size_t>(chosen)];
+      p.res[i] = p.g[i].cands[static_cast<size_t>(chosen)];
     }
   }
   return all;
@@ -518,8 +487,8 @@ int run_dtype(const Opts& opt, Ctx& c, const GemmBufs& gb, const DriverFns& drv,
         print_launches(drv, c.s0, [&](cudaStream_t st) {
           const float one = 1.f, zero = 0.f;
           const size_t yo = static_cast<size_t>(half) * kProj[i].n, xo = static_cast<size_t>(half) * kProj[i].k;
-          CKB(cublasLtMatmul(c.lt, p.desc, &one, gb.w[i], p.lw[i], gb.x[i] + xo, p.lx[i], &zero, gb.y[i] + yo,
-                             p.ly[i], gb.y[i] + yo, p.ly[i], &p.res[i].algo, gb.ws[1], kWsBytes, st));
+          CKB(cublasLtMatmul(c.lt, p.g[i].desc, &one, gb.w[i], p.g[i].lw, gb.x[i] + xo, p.g[i].lx, &zero,
+                             gb.y[i] + yo, p.g[i].ly, gb.y[i] + yo, p.g[i].ly, &p.res[i].algo, gb.ws[1], kWsBytes, st));
         });
       }
     }

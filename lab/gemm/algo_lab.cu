@@ -94,33 +94,16 @@ void run_shape(const Opts& o, const Shape& s, bool distinct_c, cublasLtHandle_t 
                const Bufs& b, cudaStream_t st) {
   const cudaDataType_t out_t = s.f32_out ? CUDA_R_32F : CUDA_R_16BF;
   const size_t out_n = static_cast<size_t>(o.M) * s.n, out_bytes = out_n * (s.f32_out ? 4 : 2);
-  cublasLtMatmulDesc_t desc;
-  CKB(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
-  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof opT));
-  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof opN));
-  cublasLtMatrixLayout_t lw, lx, ly;
-  CKB(cublasLtMatrixLayoutCreate(&lw, CUDA_R_16BF, s.k, s.n, s.k));
-  CKB(cublasLtMatrixLayoutCreate(&lx, CUDA_R_16BF, s.k, o.M, s.k));
-  CKB(cublasLtMatrixLayoutCreate(&ly, out_t, s.n, o.M, s.n));
-  cublasLtMatmulPreference_t pref;
-  CKB(cublasLtMatmulPreferenceCreate(&pref));
-  const uint64_t ws = b.ws_bytes;
-  CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-  const uint32_t red = CUBLASLT_REDUCTION_SCHEME_NONE;  // production's rule
-  CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &red, sizeof red));
-  std::vector<cublasLtMatmulHeuristicResult_t> res(static_cast<size_t>(o.algos));
-  int found = 0;
-  CKB(cublasLtMatmulAlgoGetHeuristic(lt, desc, lw, lx, ly, ly, pref, o.algos, res.data(), &found));
-  CKB(cublasLtMatmulPreferenceDestroy(pref));
+  lab::TnGemm tg = lab::tn_gemm_create(lt, o.M, s.n, s.k, out_t, b.ws_bytes, o.algos);
+  const cublasLtMatmulDesc_t desc = tg.desc;
+  const cublasLtMatrixLayout_t lw = tg.lw, lx = tg.lx, ly = tg.ly;
+  const std::vector<cublasLtMatmulHeuristicResult_t>& res = tg.cands;
+  const int found = static_cast<int>(res.size());
   const bool in_place = s.beta == 0.f && !distinct_c;
   void* cin = in_place ? b.d : b.c;
   const double gflop = 2.0 * o.M * s.n * s.k * 1e-9;
   std::printf("\n%s: M %d n %d k %d, %s out, beta %.0f, %s; %d candidates\n", s.name, o.M, s.n, s.k,
               s.f32_out ? "F32" : "bf16", s.beta, in_place ? "C = D" : "C != D", found);
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
   const float one = 1.f;
   struct Cand {
     int i = 0, memsets = 0;
@@ -168,21 +151,12 @@ void run_shape(const Opts& o, const Shape& s, bool distinct_c, cublasLtHandle_t 
     for (int w = 0; w < 3; ++w) CK(cudaGraphLaunch(c.exec, st));
     cands.push_back(std::move(c));
   }
-  // Timing: `reps` rounds, each replaying every candidate's graph once, the starting candidate
-  // rotating, so that the card's clock drifting under load (±5 % over seconds) falls on all
-  // candidates alike rather than on whichever ran last.
-  const size_t nc = cands.size();
-  for (int r = 0; r < o.reps; ++r) {
-    for (size_t j = 0; j < nc; ++j) {
-      Cand& c = cands[(j + static_cast<size_t>(r)) % nc];
-      CK(cudaEventRecord(e0, st));
-      CK(cudaGraphLaunch(c.exec, st));
-      CK(cudaEventRecord(e1, st));
-      CK(cudaEventSynchronize(e1));
-      float ms = 0;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
-      c.ms.push_back(ms / o.calls);
-    }
+  // Timing: `reps` rounds over all candidates, interleaved (lab_host.h).
+  {
+    std::vector<cudaGraphExec_t> execs;
+    for (const Cand& c : cands) execs.push_back(c.exec);
+    const auto ms = lab::time_graphs_interleaved(execs, st, o.reps, o.calls);
+    for (size_t j = 0; j < cands.size(); ++j) cands[j].ms = ms[j];
   }
   for (Cand& c : cands) {
     const double ms = lab::median(c.ms);
@@ -191,12 +165,7 @@ void run_shape(const Opts& o, const Shape& s, bool distinct_c, cublasLtHandle_t 
                 c.i == cands.front().i ? "reference" : (c.same ? "same bytes" : "differs"), c.rel);
     CK(cudaGraphExecDestroy(c.exec));
   }
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
-  CKB(cublasLtMatrixLayoutDestroy(lw));
-  CKB(cublasLtMatrixLayoutDestroy(lx));
-  CKB(cublasLtMatrixLayoutDestroy(ly));
-  CKB(cublasLtMatmulDescDestroy(desc));
+  lab::tn_gemm_destroy(tg);
 }
 
 }  // namespace

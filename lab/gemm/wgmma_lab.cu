@@ -85,43 +85,6 @@ Version make_version(int id, const char* what, bool persistent) {
 using lab::fill_bf16;
 using lab::split_list;
 
-// cuBLASLt's pick for the same product, as production calls it (TN, no split-K reduction).
-struct Lt {
-  cublasLtMatmulDesc_t desc{};
-  cublasLtMatrixLayout_t lw{}, lx{}, ly{};
-  cublasLtMatmulHeuristicResult_t res{};
-};
-Lt make_lt(cublasLtHandle_t lt, int M, int n, int k, size_t ws) {
-  Lt p;
-  CKB(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
-  CKB(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof opT));
-  CKB(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof opN));
-  CKB(cublasLtMatrixLayoutCreate(&p.lw, CUDA_R_16BF, k, n, k));
-  CKB(cublasLtMatrixLayoutCreate(&p.lx, CUDA_R_16BF, k, M, k));
-  CKB(cublasLtMatrixLayoutCreate(&p.ly, CUDA_R_16BF, n, M, n));
-  cublasLtMatmulPreference_t pref;
-  CKB(cublasLtMatmulPreferenceCreate(&pref));
-  const uint64_t w = ws;
-  CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &w, sizeof w));
-  const uint32_t red = CUBLASLT_REDUCTION_SCHEME_NONE;
-  CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &red, sizeof red));
-  int found = 0;
-  CKB(cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.lw, p.lx, p.ly, p.ly, pref, 1, &p.res, &found));
-  CKB(cublasLtMatmulPreferenceDestroy(pref));
-  if (found == 0) {
-    std::fprintf(stderr, "wgmma_lab: no cuBLASLt algorithm\n");
-    std::exit(1);
-  }
-  return p;
-}
-void destroy_lt(Lt& p) {
-  CKB(cublasLtMatrixLayoutDestroy(p.lw));
-  CKB(cublasLtMatrixLayoutDestroy(p.lx));
-  CKB(cublasLtMatrixLayoutDestroy(p.ly));
-  CKB(cublasLtMatmulDescDestroy(p.desc));
-}
-
 std::vector<uint16_t> to_host(const bf16* p, size_t n) {
   std::vector<uint16_t> h(n);
   CK(cudaMemcpy(h.data(), p, n * 2, cudaMemcpyDeviceToHost));
@@ -235,9 +198,6 @@ int main(int argc, char** argv) {
   CKB(cublasLtCreate(&lt));
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
   const size_t ws_bytes = size_t{32} << 20;
   void* ws = nullptr;
   CK(cudaMalloc(&ws, ws_bytes));
@@ -261,10 +221,15 @@ int main(int argc, char** argv) {
       const double gflop = 2.0 * M * sh.n * sh.k * 1e-9;
       std::printf("\n%s: M %d N %d K %d (%.1f GFLOP)\n", sh.name, M, sh.n, sh.k, gflop);
 
-      Lt p = make_lt(lt, M, sh.n, sh.k, ws_bytes);
+      // cuBLASLt's pick for the same product, as production calls it.
+      lab::TnGemm p = lab::tn_gemm_create(lt, M, sh.n, sh.k, CUDA_R_16BF, ws_bytes, 1);
+      if (p.cands.empty()) {
+        std::fprintf(stderr, "wgmma_lab: no cuBLASLt algorithm\n");
+        return 1;
+      }
       const float one = 1.f, zero = 0.f;
       auto lt_call = [&](cudaStream_t s) {
-        CKB(cublasLtMatmul(lt, p.desc, &one, w, p.lw, x, p.lx, &zero, yref, p.ly, yref, p.ly, &p.res.algo, ws,
+        CKB(cublasLtMatmul(lt, p.desc, &one, w, p.lw, x, p.lx, &zero, yref, p.ly, yref, p.ly, &p.cands[0].algo, ws,
                            ws_bytes, s));
       };
       lt_call(st);
@@ -272,7 +237,7 @@ int main(int argc, char** argv) {
       const auto hx = to_host(x, nx), hw = to_host(w, nw), href = to_host(yref, ny);
       const double lt_f64 = f64_check(href, hx, hw, M, sh.n, sh.k, 256, 99);
       std::printf("  cuBLASLt  %s\n            vs F64 (256 samples): ‖Δ‖ / ‖ref‖ %.2e\n",
-                  lab::algo_config_str(p.res).c_str(), lt_f64);
+                  lab::algo_config_str(p.cands[0]).c_str(), lt_f64);
       if (!(lt_f64 < 1e-2)) ++fails;
 
       struct Timed {
@@ -321,17 +286,12 @@ int main(int argc, char** argv) {
 
       for (Timed& tm : timed) CK(cudaGraphLaunch(tm.g, st));  // warm-up
       CK(cudaStreamSynchronize(st));
-      for (int r = 0; r < reps; ++r)
-        for (size_t j = 0; j < timed.size(); ++j) {
-          Timed& tm = timed[(j + static_cast<size_t>(r)) % timed.size()];
-          CK(cudaEventRecord(e0, st));
-          CK(cudaGraphLaunch(tm.g, st));
-          CK(cudaEventRecord(e1, st));
-          CK(cudaEventSynchronize(e1));
-          float ms = 0;
-          CK(cudaEventElapsedTime(&ms, e0, e1));
-          tm.ms.push_back(ms / calls);
-        }
+      {
+        std::vector<cudaGraphExec_t> execs;
+        for (const Timed& tm : timed) execs.push_back(tm.g);
+        const auto ms = lab::time_graphs_interleaved(execs, st, reps, calls);
+        for (size_t j = 0; j < timed.size(); ++j) timed[j].ms = ms[j];
+      }
       const double base = lab::median(timed.front().ms);
       for (Timed& tm : timed) {
         const double ms = lab::median(tm.ms);
@@ -342,7 +302,7 @@ int main(int argc, char** argv) {
         summary.push_back(line);  // printed at the end, all shapes together
         CK(cudaGraphExecDestroy(tm.g));
       }
-      destroy_lt(p);
+      lab::tn_gemm_destroy(p);
       for (void* ptr : {static_cast<void*>(x), static_cast<void*>(w), static_cast<void*>(y), static_cast<void*>(yref)})
         CK(cudaFree(ptr));
     }
