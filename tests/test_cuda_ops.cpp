@@ -1065,6 +1065,9 @@ TEST_F(CudaOps, GlaDecodeDeferredVsCpuReferenceAndFlush) {
       auto before = down(pool.d());
       auto pk_before = down(pk.d());
       double worst_o = 0, worst_y = 0;
+      auto* be = dynamic_cast<CudaBackend*>(cuda_.get());
+      ASSERT_NE(be, nullptr);
+      int64_t attr_calls = be->kernel_attr_calls();
       for (int64_t t = 0; t < 2 * R + 3; ++t) {
         const uint64_t sd = 600 + 10 * t;
         Buf q = input({B, 1, H, dk}, kBF16, kF64, sd), k = input({B, 1, H, dk}, kBF16, kF64, sd + 1),
@@ -1077,6 +1080,13 @@ TEST_F(CudaOps, GlaDecodeDeferredVsCpuReferenceAndFlush) {
         DevTensor o2(*cuda_, kBF16, {B, 1, H, dv}), y2(*cuda_, kBF16, {B, 1, H, dv});
         cuda_->gla_decode_gate_deferred(p, q.d(), k.d(), v.d(), g.d(), w.d(), 1e-5, pool_padded, pend2, slots.d(),
                                         o2.t, y2.t);
+        // The bulk-copy kernel (BF16, contiguous rows) needs its shared-memory attributes raised:
+        // at its first launch (a new kernel for each R), never again (CudaBackend::kernel_smem).
+        if (t == 0 && sdt == kBF16) {
+          EXPECT_GT(be->kernel_attr_calls(), attr_calls) << "first launch";
+        }
+        if (t == 0) attr_calls = be->kernel_attr_calls();
+        EXPECT_EQ(be->kernel_attr_calls(), attr_calls) << "attributes set again at step " << t;
         EXPECT_TRUE(same_bytes(o2.t, o.d())) << "padded rows, o, step " << t;
         EXPECT_TRUE(same_bytes(y2.t, y.d())) << "padded rows, y, step " << t;
         worst_o = std::max(worst_o, err(o));

@@ -239,6 +239,28 @@ bool CudaBackend::memory_info(size_t* free_bytes, size_t* total_bytes) {
   return cudaMemGetInfo(free_bytes, total_bytes) == cudaSuccess;
 }
 
+void CudaBackend::kernel_smem_set(const void* kernel, size_t dyn_bytes, bool max_carveout) {
+  auto it = kernel_attrs_.find(kernel);
+  if (it == kernel_attrs_.end()) {  // start from the kernel's current limit: never lower it
+    cudaFuncAttributes fa{};
+    CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+    ++kernel_attr_calls_;
+    it = kernel_attrs_.emplace(kernel, KernelAttrs{static_cast<size_t>(fa.maxDynamicSharedSizeBytes), false}).first;
+  }
+  KernelAttrs& ka = it->second;
+  if (dyn_bytes > ka.smem_limit) {
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dyn_bytes)));
+    ++kernel_attr_calls_;
+    ka.smem_limit = dyn_bytes;
+  }
+  if (max_carveout && !ka.carveout) {
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    cudaSharedmemCarveoutMaxShared));
+    ++kernel_attr_calls_;
+    ka.carveout = true;
+  }
+}
+
 void* CudaBackend::scratch(size_t bytes) {
   if (bytes <= scratch_bytes_) return scratch_;
   size_t n = scratch_bytes_ ? scratch_bytes_ : (1u << 20);

@@ -204,6 +204,17 @@ class CudaBackend final : public Backend {
   // than the heuristic's first; tests and benchmarks read them.
   int64_t gemm_shapes_tuned() const { return gemm_shapes_tuned_; }
   int64_t gemm_shapes_switched() const { return gemm_shapes_switched_; }
+  // Readies `kernel` for launches with `dyn_bytes` of dynamic shared memory: raises its limit
+  // to dyn_bytes and, with max_carveout, asks for the largest shared-memory carveout. Each
+  // attribute is set once per value that raises it: cudaFuncSetAttribute is a host API call of a
+  // few µs, which eager launches (one per layer per decode step) would otherwise pay each time.
+  // Like the rest of the backend, for one host thread at a time.
+  template <class Kernel>
+  void kernel_smem(Kernel* kernel, size_t dyn_bytes, bool max_carveout = false) {
+    kernel_smem_set(reinterpret_cast<const void*>(kernel), dyn_bytes, max_carveout);
+  }
+  // CUDA function-attribute calls (reads and sets) made by kernel_smem so far; tests read it.
+  int64_t kernel_attr_calls() const { return kernel_attr_calls_; }
   // A fingerprint of `bytes` bytes of device memory (order-independent 64-bit hash of the
   // words and their positions): equal bytes give equal values. Synchronises.
   uint64_t fingerprint(const void* p, size_t bytes);
@@ -245,6 +256,15 @@ class CudaBackend final : public Backend {
   double* host_f64_ = nullptr;  // pinned, one double: sum_squares' result
   std::map<GemmKey, GemmPlan> gemm_plans_;
   int64_t host_syncs_ = 0;
+  // Per kernel: the dynamic shared-memory limit set so far (0: none) and whether the
+  // carveout was set (kernel_smem).
+  struct KernelAttrs {
+    size_t smem_limit = 0;
+    bool carveout = false;
+  };
+  std::map<const void*, KernelAttrs> kernel_attrs_;
+  int64_t kernel_attr_calls_ = 0;
+  void kernel_smem_set(const void* kernel, size_t dyn_bytes, bool max_carveout);
 
   // While capture() runs: each gemm's last captured node, the nodes the capture had reached
   // when it was queued (its inputs' producers) and its workspace slot in counters_ (−1: the

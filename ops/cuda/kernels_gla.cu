@@ -414,11 +414,6 @@ int gla_chunk(const GlaParams& p, int kind, int T, int dk, int dv, int max_smem)
   return L;
 }
 
-template <class K>
-void set_smem(K kernel, size_t bytes) {
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-}
-
 }  // namespace cuda
 
 using namespace cuda;
@@ -448,7 +443,7 @@ void CudaBackend::gla_forward(const GlaParams& p, const Tensor& q, const Tensor&
   if (gla_tc_forward(*this, p, q, k, v, o, s_in, s_out, slots)) return;  // tensor-core path
   a.L = gla_chunk(p, kGlaFwd, a.T, a.dk, a.dv, max_smem_optin());
   const size_t bytes = gla_smem_floats(kGlaFwd, a.L, a.dk, a.dv) * sizeof(float);
-  set_smem(gla_fwd_kernel, bytes);
+  kernel_smem(gla_fwd_kernel, bytes);
   gla_fwd_kernel<<<static_cast<unsigned>(a.B * a.H), kGlaThreads, bytes, stream_>>>(a, vq, vk, vv, vo, si, so, ps);
   CUDA_CHECK_LAUNCH();
 }
@@ -475,7 +470,7 @@ void CudaBackend::gla_backward(const GlaParams& p, const Tensor& q, const Tensor
     GlaArgs a1 = a;
     a1.L = gla_chunk(p, kGlaBwdDq, a.T, a.dk, a.dv, max_smem_optin());
     const size_t bytes = gla_smem_floats(kGlaBwdDq, a1.L, a.dk, a.dv) * sizeof(float);
-    set_smem(gla_bwd_dq_kernel, bytes);
+    kernel_smem(gla_bwd_dq_kernel, bytes);
     gla_bwd_dq_kernel<<<grid, kGlaThreads, bytes, stream_>>>(a1, vk, vv, vdo, vdq, si);
     CUDA_CHECK_LAUNCH();
   }
@@ -483,7 +478,7 @@ void CudaBackend::gla_backward(const GlaParams& p, const Tensor& q, const Tensor
     GlaArgs a2 = a;
     a2.L = gla_chunk(p, kGlaBwdDkv, a.T, a.dk, a.dv, max_smem_optin());
     const size_t bytes = gla_smem_floats(kGlaBwdDkv, a2.L, a.dk, a.dv) * sizeof(float);
-    set_smem(gla_bwd_dkv_kernel, bytes);
+    kernel_smem(gla_bwd_dkv_kernel, bytes);
     gla_bwd_dkv_kernel<<<grid, kGlaThreads, bytes, stream_>>>(a2, vq, vk, vv, vdo, vdk, vdv, sgo, sgi);
     CUDA_CHECK_LAUNCH();
   }

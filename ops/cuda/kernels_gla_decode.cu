@@ -626,33 +626,29 @@ bool bulk_fits(const DecArgs& a, const Tensor& s_in, const Tensor& s_out) {
 }
 
 // Launches kernel with `smem` bytes of dynamic shared memory (the bulk-copy kernels: dk·dv·2 ≤
-// 64 KB), raising the kernel's limit first when its static and dynamic shared memory together
-// pass the default 48 KB (the deferred kernel at laplace-3b's shapes: 19 + 36 KB), and asking for
-// the largest shared-memory carveout: these kernels stream the state through shared memory, and
-// at laplace-3b's shapes it fits 4 deferred blocks per SM (5 every-step ones) only at the largest.
+// 64 KB; with their static shared memory, laplace-3b's deferred kernel needs 19 + 36 KB, past the
+// default 48 KB) and the largest shared-memory carveout: these kernels stream the state through
+// shared memory, and at laplace-3b's shapes it fits 4 deferred blocks per SM (5 every-step ones)
+// only at the largest.
 template <class Kernel, class... Args>
-void launch_with_smem(Kernel kernel, unsigned grid, unsigned threads, size_t smem, cudaStream_t st,
+void launch_with_smem(CudaBackend& be, Kernel kernel, unsigned grid, unsigned threads, size_t smem,
                       const Args&... args) {
-  cudaFuncAttributes fa{};
-  CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-  if (smem + fa.sharedSizeBytes > 48 * 1024)
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                  cudaSharedmemCarveoutMaxShared));
-  kernel<<<grid, threads, smem, st>>>(args...);
+  be.kernel_smem(kernel, smem, /*max_carveout=*/true);
+  kernel<<<grid, threads, smem, be.stream()>>>(args...);
 }
 
 // The deferred kernel for R pending steps; bulk: BF16 states through bulk copies (bulk_fits).
 template <class ST>
-void launch_deferred(int R, bool bulk, unsigned grid, unsigned threads, cudaStream_t st, const DecArgs& a,
+void launch_deferred(CudaBackend& be, int R, bool bulk, unsigned grid, unsigned threads, const DecArgs& a,
                      const PendArgs& p) {
+  cudaStream_t st = be.stream();
   if constexpr (std::is_same_v<ST, __nv_bfloat16>) {
     if (bulk) {
       const size_t smem = static_cast<size_t>(a.dk) * a.dv * sizeof(ST);
       switch (R) {
-        case 4: return launch_with_smem(gla_decode_deferred_kernel<ST, 4, true>, grid, threads, smem, st, a, p);
-        case 8: return launch_with_smem(gla_decode_deferred_kernel<ST, 8, true>, grid, threads, smem, st, a, p);
-        case 16: return launch_with_smem(gla_decode_deferred_kernel<ST, 16, true>, grid, threads, smem, st, a, p);
+        case 4: return launch_with_smem(be, gla_decode_deferred_kernel<ST, 4, true>, grid, threads, smem, a, p);
+        case 8: return launch_with_smem(be, gla_decode_deferred_kernel<ST, 8, true>, grid, threads, smem, a, p);
+        case 16: return launch_with_smem(be, gla_decode_deferred_kernel<ST, 16, true>, grid, threads, smem, a, p);
         default: LAPLACE_CHECK(false, "gla deferred decode: R must be 4, 8 or 16");
       }
     }
@@ -761,8 +757,8 @@ bool gla_decode_forward(CudaBackend& be, const GlaParams& p, const Tensor& q, co
   if (sdt == DType::kBF16 && bulk_fits(a, s_in, s_out)) {
     using BF = __nv_bfloat16;
     const size_t smem = static_cast<size_t>(a.dk) * a.dv * sizeof(BF);
-    if (gate) launch_with_smem(gla_decode_kernel<BF, true, true>, grid, threads, smem, st, a);
-    else launch_with_smem(gla_decode_kernel<BF, false, true>, grid, threads, smem, st, a);
+    if (gate) launch_with_smem(be, gla_decode_kernel<BF, true, true>, grid, threads, smem, a);
+    else launch_with_smem(be, gla_decode_kernel<BF, false, true>, grid, threads, smem, a);
   } else if (sdt == DType::kBF16) {
     if (gate) gla_decode_kernel<__nv_bfloat16, true, false><<<grid, threads, 0, st>>>(a);
     else gla_decode_kernel<__nv_bfloat16, false, false><<<grid, threads, 0, st>>>(a);
@@ -797,9 +793,9 @@ void CudaBackend::gla_decode_gate_deferred(const GlaParams& p, const Tensor& q, 
   const unsigned grid = static_cast<unsigned>(a.B * a.H), threads = static_cast<unsigned>(a.dv);
   const int R = static_cast<int>(pend.steps);
   if (sdt == DType::kBF16)
-    cuda::launch_deferred<__nv_bfloat16>(R, cuda::bulk_fits(a, states, states), grid, threads, stream(), a, pa);
+    cuda::launch_deferred<__nv_bfloat16>(*this, R, cuda::bulk_fits(a, states, states), grid, threads, a, pa);
   else
-    cuda::launch_deferred<float>(R, false, grid, threads, stream(), a, pa);
+    cuda::launch_deferred<float>(*this, R, false, grid, threads, a, pa);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -969,10 +969,6 @@ gla_tc::Args tc_args(const GlaParams& p, const Tensor& q) {
   for (int h = 0; h < a.H; ++h) a.lam[h] = p.decay[h];
   return a;
 }
-template <class K>
-void tc_smem(K kernel, int bytes) {
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-}
 
 }  // namespace
 
@@ -998,8 +994,8 @@ bool gla_tc_forward(CudaBackend& be, const GlaParams& p, const Tensor& q, const 
   cudaStream_t stream = be.stream();
 
   constexpr int st_smem = gla_tc::state_smem_bytes<DK, DV>(), fo_smem = gla_tc::fwd_smem_bytes<DK, DV>();
-  tc_smem(gla_tc::state_kernel<DK, DV, false, gla_tc::kOutHiLo>, st_smem);
-  tc_smem(gla_tc::fwd_o_kernel<DK, DV>, fo_smem);
+  be.kernel_smem(gla_tc::state_kernel<DK, DV, false, gla_tc::kOutHiLo>, st_smem);
+  be.kernel_smem(gla_tc::fwd_o_kernel<DK, DV>, fo_smem);
   const dim3 sgrid(DV / gla_tc::kSlice, a.B * a.H * a.G);
   gla_tc::state_kernel<DK, DV, false, gla_tc::kOutHiLo><<<sgrid, gla_tc::kStateThreads, st_smem, stream>>>(
       a, tc_act(k), tc_act(v), tc_state(s_in), ps, tc_state(s_out), states, gend);
@@ -1037,25 +1033,25 @@ bool gla_tc_backward(CudaBackend& be, const GlaParams& p, const Tensor& q, const
   const dim3 sgrid(DV / gla_tc::kSlice, a.B * a.H);
   const unsigned cgrid = static_cast<unsigned>(static_cast<int64_t>(a.B) * a.H * a.N);
   if (dq.defined()) {
-    tc_smem(gla_tc::state_kernel<DK, DV, false, gla_tc::kOutHi, false>, st_smem);
+    be.kernel_smem(gla_tc::state_kernel<DK, DV, false, gla_tc::kOutHi, false>, st_smem);
     gla_tc::state_kernel<DK, DV, false, gla_tc::kOutHi, false><<<sgrid, gla_tc::kStateThreads, st_smem, stream>>>(
         a, tc_act(k), tc_act(v), tc_state(s_in), nullptr, gla_tc::StV{}, sst);
     CUDA_CHECK_LAUNCH();
   }
   if (dk.defined() || dv.defined() || ds_in.defined()) {
-    tc_smem(gla_tc::state_kernel<DK, DV, true, gla_tc::kOutHi, false>, st_smem);
+    be.kernel_smem(gla_tc::state_kernel<DK, DV, true, gla_tc::kOutHi, false>, st_smem);
     gla_tc::state_kernel<DK, DV, true, gla_tc::kOutHi, false><<<sgrid, gla_tc::kStateThreads, st_smem, stream>>>(
         a, tc_act(q), tc_act(d_o), tc_state(ds_out), nullptr, tc_state(ds_in), gst);
     CUDA_CHECK_LAUNCH();
   }
   if (dq.defined() || dk.defined()) {
-    tc_smem(gla_tc::bwd_dqk_kernel<DK, DV>, dqk_smem);
+    be.kernel_smem(gla_tc::bwd_dqk_kernel<DK, DV>, dqk_smem);
     gla_tc::bwd_dqk_kernel<DK, DV><<<cgrid, gla_tc::kThreads, dqk_smem, stream>>>(
         a, tc_act(q), tc_act(k), tc_act(v), tc_act(d_o), tc_out(dq), tc_out(dk), sst, gst);
     CUDA_CHECK_LAUNCH();
   }
   if (dv.defined()) {
-    tc_smem(gla_tc::bwd_dv_kernel<DK, DV>, dv_smem);
+    be.kernel_smem(gla_tc::bwd_dv_kernel<DK, DV>, dv_smem);
     gla_tc::bwd_dv_kernel<DK, DV><<<cgrid, gla_tc::kThreads, dv_smem, stream>>>(a, tc_act(q), tc_act(k), tc_act(d_o),
                                                                                tc_out(dv), gst);
     CUDA_CHECK_LAUNCH();

@@ -2035,8 +2035,7 @@ void CudaBackend::cross_entropy_backward(const Tensor& logits, const Tensor& tar
     const size_t stash = static_cast<size_t>(vx.cols) * (vx.dt == kBF16 ? 2 : 4);
     constexpr size_t kStaticSmem = 2 * 32 * sizeof(float);  // block_ms_combine's arrays
     if (stash + kStaticSmem <= static_cast<size_t>(max_smem_optin())) {
-      CUDA_CHECK(cudaFuncSetAttribute(ce_bwd_vec_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(stash)));
+      kernel_smem(ce_bwd_vec_kernel<true>, stash);
       ce_bwd_vec_kernel<true><<<grid, kCeStashThreads, stash, stream_>>>(vx, pt, sc, vd);
     } else {
       ce_bwd_vec_kernel<false><<<grid, kCeVecThreads, 0, stream_>>>(vx, pt, sc, vd);
