@@ -71,14 +71,15 @@ for s in $STAGES; do
       timeout 400 $L bench decode $M3B --batch 1280 --steps 10 --warmup 2 --prompt-len 1 --prefill-chunk 1 \
         --max-batch-tokens 24000 --layers-sweep --sweep-max-layers ${SWEEP_MAX:-4} --results "$R" --tag 3b_1280 2>&1 | tee -a "$LOG" |
         grep -E "layers|decode:" ;;
-    prompt)  # decode cost after 2,048- vs 8,192-token prompts (SPEC §3: <= +0.5%)
+    prompt)  # decode cost after 2,048- vs 8,192-token prompts (SPEC §3: <= +0.5%); PROMPT_ARGS: more options
+      # (e.g. --defer-writeback 8), PROMPT_TAG: a suffix for the tag that says so
       timeout 150 $L bench decode $M3B --batch ${PROMPT_BATCH:-128} --steps 20 --warmup 3 --prompt-len 2048 \
-        --prefill-chunk 2048 --max-batch-tokens 16384 --compare-prompt-len 8192 --results "$R" --tag 3b_${PROMPT_BATCH:-128} \
-        2>&1 | tee -a "$LOG" | grep -E "decode" ;;
+        --prefill-chunk 2048 --max-batch-tokens 16384 --compare-prompt-len 8192 --results "$R" \
+        --tag 3b_${PROMPT_BATCH:-128}${PROMPT_TAG:-} ${PROMPT_ARGS:-} 2>&1 | tee -a "$LOG" | grep -E "decode" ;;
     poisson)  # staggered arrivals: throughput, TTFT and TPOT p50/p99
       timeout 120 $L bench serve $M3B --rate ${RATE:-64} --count ${COUNT:-1024} --prompt-len 128 --prompt-len-max 1024 \
         --output-len 128 --output-len-max 512 --max-slots 1280 --max-batch-tokens 4096 --prefill-chunk 512 \
-        --results "$R" 2>&1 | tee -a "$LOG" | tail -12 ;;
+        --results "$R" ${POISSON_ARGS:-} 2>&1 | tee -a "$LOG" | tail -12 ;;
     ops)  # per-op times of one decode step and one 8,192-token prefill
       ./build-gpu/bench/bench_ops ${OPS_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     train)  # the training step of laplace-3b (issue 4: >= 30,000 tok/s, optimizer included); ACCUM micro-batches
