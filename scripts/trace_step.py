@@ -32,6 +32,7 @@ def column(header, *prefixes):
 
 
 def short(name):
+    name = name.replace("(anonymous namespace)::", "")  # or the next line would cut the name there
     name = re.sub(r"\(.*", "", name)  # drop the argument list
     name = re.sub(r"^void ", "", name)
     name = re.sub(r"<.*", "<…>", name) if len(name) > 70 else name
