@@ -74,6 +74,9 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   // Diagnostics: LAPLACE_GRAPH_GEMM_MEMSETS=keep captures cuBLASLt's memsets where it queued
   // them (to time what gather_gemm_memsets saves).
   if (const char* v = std::getenv("LAPLACE_GRAPH_GEMM_MEMSETS")) gather_memsets_ = std::strcmp(v, "keep") != 0;
+  // Diagnostics: LAPLACE_GRAPH_COUNTERS=tail zeroes the gathered counters at the end of each
+  // graph instead of at its head (to time whether a zeroing root node delays the graph's start).
+  if (const char* v = std::getenv("LAPLACE_GRAPH_COUNTERS")) counters_at_tail_ = std::strcmp(v, "tail") == 0;
   if (const char* v = std::getenv("LAPLACE_GEMM_TUNE")) {
     gemm_tune_ = gemm_tune_allowed_ = std::strcmp(v, "0") != 0;
     gemm_tune_verbose_ = std::strcmp(v, "verbose") == 0;
@@ -199,19 +202,23 @@ std::vector<cudaGraphNode_t> CudaBackend::capture_frontier() const {
 Status CudaBackend::capture(const std::function<void()>& queue_ops, std::unique_ptr<Graph>* out) {
   const int64_t syncs = host_syncs_;
   // Allocated before the capture: cudaMalloc may not be called while capturing.
-  if (gather_memsets_ && !counters_) CUDA_CHECK(cudaMalloc(&counters_, kCounterSlots * kCounterSlot));
+  if (gather_memsets_ && !counters_) {
+    CUDA_CHECK(cudaMalloc(&counters_, kCounterSlots * kCounterSlot));
+    CUDA_CHECK(cudaMemset(counters_, 0, kCounterSlots * kCounterSlot));  // the first replay's, when zeroed at the tail
+  }
+  const int64_t counter_words = kCounterSlots * static_cast<int64_t>(kCounterSlot / 4);
   // Thread-local mode: other threads' CUDA calls (an HTTP thread's copies) are not drawn
   // into this capture nor invalidate it.
   CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   captured_gemms_.clear();
   slots_used_ = 0;
-  if (counters_) {  // every replay starts with its gemms' counters at zero (gather_gemm_memsets)
-    const int64_t words = kCounterSlots * static_cast<int64_t>(kCounterSlot / 4);
-    fill(Tensor::make(counters_, DType::kF32, &words, 1, Device::kCUDA), 0.0);
-  }
+  // Every replay starts with its gemms' counters at zero (gather_gemm_memsets): zeroed by the
+  // graph's first node, or by its last (and at allocation) under LAPLACE_GRAPH_COUNTERS=tail.
+  if (counters_ && !counters_at_tail_) fill(Tensor::make(counters_, DType::kF32, &counter_words, 1, Device::kCUDA), 0.0);
   capturing_ = true;
   queue_ops();
   capturing_ = false;
+  if (counters_ && counters_at_tail_) fill(Tensor::make(counters_, DType::kF32, &counter_words, 1, Device::kCUDA), 0.0);
   cudaGraph_t graph = nullptr;
   const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
   if (end == cudaSuccess && host_syncs_ == syncs) graph_memsets_moved_ += gather_gemm_memsets(graph);
