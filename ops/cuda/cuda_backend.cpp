@@ -74,8 +74,10 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   // Diagnostics: LAPLACE_GRAPH_GEMM_MEMSETS=keep captures cuBLASLt's memsets where it queued
   // them (to time what gather_gemm_memsets saves).
   if (const char* v = std::getenv("LAPLACE_GRAPH_GEMM_MEMSETS")) gather_memsets_ = std::strcmp(v, "keep") != 0;
-  // Diagnostics: LAPLACE_GRAPH_COUNTERS=tail zeroes the gathered counters at the end of each
-  // graph instead of at its head (to time whether a zeroing root node delays the graph's start).
+  // LAPLACE_GRAPH_COUNTERS=tail zeroes the gathered counters at the end of each graph instead of
+  // at its head. In a traced F32 decode run (BENCHMARKS.md, 2026-12-02) the next step's graph
+  // then started 0.25 ms after its input copy instead of 0.58 (0.05 with the memsets kept, i.e.
+  // an unedited graph). Not the default until the graph-vs-eager bitwise tests have run with it.
   if (const char* v = std::getenv("LAPLACE_GRAPH_COUNTERS")) counters_at_tail_ = std::strcmp(v, "tail") == 0;
   if (const char* v = std::getenv("LAPLACE_GEMM_TUNE")) {
     gemm_tune_ = gemm_tune_allowed_ = std::strcmp(v, "0") != 0;
@@ -204,7 +206,9 @@ Status CudaBackend::capture(const std::function<void()>& queue_ops, std::unique_
   // Allocated before the capture: cudaMalloc may not be called while capturing.
   if (gather_memsets_ && !counters_) {
     CUDA_CHECK(cudaMalloc(&counters_, kCounterSlots * kCounterSlot));
-    CUDA_CHECK(cudaMemset(counters_, 0, kCounterSlots * kCounterSlot));  // the first replay's, when zeroed at the tail
+    // Zero for the first replay when the graphs zero them at their tail; on the backend's
+    // stream, which does not wait for the legacy default stream.
+    CUDA_CHECK(cudaMemsetAsync(counters_, 0, kCounterSlots * kCounterSlot, stream_));
   }
   const int64_t counter_words = kCounterSlots * static_cast<int64_t>(kCounterSlot / 4);
   // Thread-local mode: other threads' CUDA calls (an HTTP thread's copies) are not drawn
