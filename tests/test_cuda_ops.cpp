@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -337,67 +338,84 @@ TEST_F(CudaOps, GemmAddResidualBF16) {
 // A captured chain of the decode step's gemm shapes (β = 0, M = 1,280: qkvg 9216 × 3072, w12
 // 16384 × 3072 reading a strided slice of the first's output, then qkvg again) with an
 // element-wise op between each. Before such multi-wave gemms cuBLASLt queues a memset of a
-// tile counter, which capture() replaces by one zeroing kernel at the head of the graph
-// (gather_gemm_memsets). Replays must give eager's bytes, twice with fresh inputs (and a second
-// replay the same: the counters are zeroed again), and on sm_90 (cuBLASLt 13 on the H200
+// tile counter, which capture() replaces by one zeroing kernel at the head (or, under
+// LAPLACE_GRAPH_COUNTERS=tail, the end) of the graph (gather_gemm_memsets). Replays must give
+// eager's bytes, twice with fresh inputs (and a second replay the same: the counters are zeroed
+// again), and on sm_90 (cuBLASLt 13 on the H200
 // queues one before each of these three gemms) the rewiring must have happened: the memsets
 // replaced are counted.
 TEST_F(CudaOps, GraphOfGemmsMovesMemsetsAndKeepsEagerBits) {
-  auto* be = dynamic_cast<CudaBackend*>(cuda_.get());
-  ASSERT_NE(be, nullptr);
-  const int64_t N = 1280, D = 3072, O = 9216, F = 16384;
-  Buf x = input({N, D}, kBF16, kF32, 90), w1 = input({O, D}, kBF16, kF32, 91, -0.05, 0.05);
-  Buf w2 = input({F, D}, kBF16, kF32, 92, -0.05, 0.05);
-  struct Outs {
-    std::unique_ptr<DevTensor> y1, y2, y3;
-  };
-  const auto make_outs = [&] {
-    Outs o;
-    o.y1 = std::make_unique<DevTensor>(*cuda_, kBF16, std::vector<int64_t>{N, O});
-    o.y2 = std::make_unique<DevTensor>(*cuda_, kBF16, std::vector<int64_t>{N, F});
-    o.y3 = std::make_unique<DevTensor>(*cuda_, kBF16, std::vector<int64_t>{N, O});
-    return o;
-  };
-  const auto queue = [&](const Outs& o) {
-    cuda_->gemm(x.d(), false, w1.d(), true, o.y1->t, 1.0, 0.0);
-    cuda_->scale(o.y1->t, 0.5);
-    Tensor y1s = o.y1->t;  // [N, D] columns 0..D−1 of y1, row stride O
-    y1s.shape[1] = D;
-    cuda_->gemm(y1s, false, w2.d(), true, o.y2->t, 1.0, 0.0);
-    cuda_->scale(o.y2->t, 2.0);
-    cuda_->gemm(x.d(), false, w1.d(), true, o.y3->t, 1.0, 0.0);
-  };
-  Outs eager = make_outs(), graph = make_outs();
-  const int64_t moved_before = be->graph_memsets_moved();
-  std::unique_ptr<Graph> g;
-  ASSERT_TRUE(cuda_->capture([&] { queue(graph); }, &g).is_ok());
-  const int64_t moved = be->graph_memsets_moved() - moved_before;
-  EXPECT_LE(moved, 3);
-  cudaDeviceProp prop{};
-  ASSERT_EQ(cudaGetDeviceProperties(&prop, be->device_id()), cudaSuccess);
-  if (prop.major == 9) {
-    EXPECT_EQ(moved, 3) << "cuBLASLt's memsets before these gemms were not gathered on this sm_90";
-  }
-  std::printf("memsets gathered at the graph's head: %lld\n", static_cast<long long>(moved));
-  for (uint64_t seed : {93u, 94u}) {
-    Buf fresh = input({N, D}, kBF16, kF32, seed);
-    cuda_->copy(x.d(), fresh.d());
-    for (const Outs* o : {&eager, &graph}) {  // stale outputs must not pass for results
-      cuda_->fill(o->y1->t, 0.0);
-      cuda_->fill(o->y2->t, 0.0);
-      cuda_->fill(o->y3->t, 0.0);
+  // Twice: counters zeroed by the graph's first node (the default), then by its last, on a
+  // backend made under LAPLACE_GRAPH_COUNTERS=tail (the arena zeroed once when allocated).
+  const auto check = [&] {
+    auto* be = dynamic_cast<CudaBackend*>(cuda_.get());
+    ASSERT_NE(be, nullptr);
+    const int64_t N = 1280, D = 3072, O = 9216, F = 16384;
+    Buf x = input({N, D}, kBF16, kF32, 90), w1 = input({O, D}, kBF16, kF32, 91, -0.05, 0.05);
+    Buf w2 = input({F, D}, kBF16, kF32, 92, -0.05, 0.05);
+    struct Outs {
+      std::unique_ptr<DevTensor> y1, y2, y3;
+    };
+    const auto make_outs = [&] {
+      Outs o;
+      o.y1 = std::make_unique<DevTensor>(*cuda_, kBF16, std::vector<int64_t>{N, O});
+      o.y2 = std::make_unique<DevTensor>(*cuda_, kBF16, std::vector<int64_t>{N, F});
+      o.y3 = std::make_unique<DevTensor>(*cuda_, kBF16, std::vector<int64_t>{N, O});
+      return o;
+    };
+    const auto queue = [&](const Outs& o) {
+      cuda_->gemm(x.d(), false, w1.d(), true, o.y1->t, 1.0, 0.0);
+      cuda_->scale(o.y1->t, 0.5);
+      Tensor y1s = o.y1->t;  // [N, D] columns 0..D−1 of y1, row stride O
+      y1s.shape[1] = D;
+      cuda_->gemm(y1s, false, w2.d(), true, o.y2->t, 1.0, 0.0);
+      cuda_->scale(o.y2->t, 2.0);
+      cuda_->gemm(x.d(), false, w1.d(), true, o.y3->t, 1.0, 0.0);
+    };
+    Outs eager = make_outs(), graph = make_outs();
+    const int64_t moved_before = be->graph_memsets_moved();
+    std::unique_ptr<Graph> g;
+    ASSERT_TRUE(cuda_->capture([&] { queue(graph); }, &g).is_ok());
+    const int64_t moved = be->graph_memsets_moved() - moved_before;
+    EXPECT_LE(moved, 3);
+    cudaDeviceProp prop{};
+    ASSERT_EQ(cudaGetDeviceProperties(&prop, be->device_id()), cudaSuccess);
+    if (prop.major == 9) {
+      EXPECT_EQ(moved, 3) << "cuBLASLt's memsets before these gemms were not gathered on this sm_90";
     }
-    queue(eager);
-    g->launch();
-    if (seed == 94u) {  // a replay right after another: every counter must be back at zero
-      cuda_->fill(graph.y2->t, 0.0);
+    std::printf("memsets gathered: %lld\n", static_cast<long long>(moved));
+    for (uint64_t seed : {93u, 94u}) {
+      Buf fresh = input({N, D}, kBF16, kF32, seed);
+      cuda_->copy(x.d(), fresh.d());
+      for (const Outs* o : {&eager, &graph}) {  // stale outputs must not pass for results
+        cuda_->fill(o->y1->t, 0.0);
+        cuda_->fill(o->y2->t, 0.0);
+        cuda_->fill(o->y3->t, 0.0);
+      }
+      queue(eager);
       g->launch();
+      if (seed == 94u) {  // a replay right after another: every counter must be back at zero
+        cuda_->fill(graph.y2->t, 0.0);
+        g->launch();
+      }
+      EXPECT_TRUE(same_bytes(graph.y1->t, eager.y1->t)) << "seed " << seed;
+      EXPECT_TRUE(same_bytes(graph.y2->t, eager.y2->t)) << "seed " << seed;
+      EXPECT_TRUE(same_bytes(graph.y3->t, eager.y3->t)) << "seed " << seed;
+      EXPECT_FALSE(same_bytes(graph.y1->t, graph.y3->t));  // y1 was halved after its gemm
     }
-    EXPECT_TRUE(same_bytes(graph.y1->t, eager.y1->t)) << "seed " << seed;
-    EXPECT_TRUE(same_bytes(graph.y2->t, eager.y2->t)) << "seed " << seed;
-    EXPECT_TRUE(same_bytes(graph.y3->t, eager.y3->t)) << "seed " << seed;
-    EXPECT_FALSE(same_bytes(graph.y1->t, graph.y3->t));  // y1 was halved after its gemm
+  };
+  check();
+  ::setenv("LAPLACE_GRAPH_COUNTERS", "tail", 1);
+  std::string why;
+  std::unique_ptr<Backend> tail = make_cuda_backend(&why);
+  ::unsetenv("LAPLACE_GRAPH_COUNTERS");
+  ASSERT_NE(tail, nullptr) << why;
+  std::swap(cuda_, tail);  // input(), same_bytes() and the rest use cuda_
+  {
+    SCOPED_TRACE("counters zeroed at the graph's tail");
+    check();
   }
+  std::swap(cuda_, tail);
 }
 
 // Gemm tuning (gemm_tune in cuda_backend.cpp): the first eager call of a large shape times
