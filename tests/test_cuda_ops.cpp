@@ -341,9 +341,8 @@ TEST_F(CudaOps, GemmAddResidualBF16) {
 // tile counter, which capture() replaces by one zeroing kernel at the head (or, under
 // LAPLACE_GRAPH_COUNTERS=tail, the end) of the graph (gather_gemm_memsets). Replays must give
 // eager's bytes, twice with fresh inputs (and a second replay the same: the counters are zeroed
-// again), and on sm_90 (cuBLASLt 13 on the H200
-// queues one before each of these three gemms) the rewiring must have happened: the memsets
-// replaced are counted.
+// again), and on sm_90 (cuBLASLt 13 on the H200 queues one before each of these three gemms) the
+// rewiring must have happened: the memsets replaced are counted.
 TEST_F(CudaOps, GraphOfGemmsMovesMemsetsAndKeepsEagerBits) {
   // Twice: counters zeroed by the graph's first node (the default), then by its last, on a
   // backend made under LAPLACE_GRAPH_COUNTERS=tail (the arena zeroed once when allocated).
