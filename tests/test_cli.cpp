@@ -4,9 +4,13 @@
 #include <sys/wait.h>
 
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <string>
+
+#include <nlohmann/json.hpp>
 
 #include "tests/test_util.h"
 
@@ -147,6 +151,37 @@ TEST(Cli, GenerateAndEvalAcceptText) {
   CmdResult no = run("generate --model " + dir + "/m --prompt 'alpha'");
   EXPECT_EQ(no.exit_code, 1);
   EXPECT_NE(no.output.find("tokenizer"), std::string::npos);
+}
+
+// `bench decode --compare-prompt-len`: the decode after the first prompt length, after the
+// second, then after the first again; the change is reported against the mean of the two
+// first-length runs, each figure as a JSON line.
+TEST(Cli, BenchDecodeComparesPromptLengthsAgainstABaselineBeforeAndAfter) {
+  std::string dir = testing::make_temp_dir("cli_bench");
+  const std::string results = dir + "/r.jsonl";
+  CmdResult r = run("bench decode --config " + kSrc + "/configs/laplace-tiny.json --device cpu --batch 2 --steps 2 " +
+                    "--warmup 1 --prompt-len 4 --prefill-chunk 4 --compare-prompt-len 12 --tag t --results " + results);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("decode after 12-token prompts"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(" after: "), std::string::npos) << r.output;
+  std::ifstream f(results);
+  std::map<std::string, double> v;
+  for (std::string line; std::getline(f, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    v[j.at("bench").get<std::string>()] = j.at("value").get<double>();
+  }
+  for (const char* name : {"decode_ms_per_step_t", "decode_ms_per_step_prompt12_t", "decode_ms_per_step_prompt4_t",
+                           "decode_baseline_drift_pct_prompt4_t", "decode_cost_increase_pct_prompt4_to_12"}) {
+    ASSERT_EQ(v.count(name), 1u) << name;
+    EXPECT_TRUE(std::isfinite(v[name])) << name;
+  }
+  // The baseline is the mean of the runs before and after, the change is against it, and the
+  // drift relates the two: all three from the printed step times.
+  const double before = v["decode_ms_per_step_t"], base = v["decode_ms_per_step_prompt4_t"];
+  const double after = 2 * base - before, longer = v["decode_ms_per_step_prompt12_t"];
+  EXPECT_GT(after, 0);
+  EXPECT_NEAR(v["decode_baseline_drift_pct_prompt4_t"], 100 * (after / before - 1), 1e-6 * std::abs(after / before) * 100);
+  EXPECT_NEAR(v["decode_cost_increase_pct_prompt4_to_12"], 100 * (longer / base - 1), 1e-9 + 1e-6 * std::abs(longer / base) * 100);
 }
 
 }  // namespace
