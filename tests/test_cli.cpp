@@ -176,7 +176,7 @@ TEST(Cli, BenchDecodeComparesPromptLengthsAgainstABaselineBeforeAndAfter) {
     EXPECT_TRUE(std::isfinite(v[name])) << name;
   }
   // The baseline is the mean of the runs before and after, the change is against it, and the
-  // drift relates the two: all three from the printed step times.
+  // drift relates the two: all three from the recorded step times.
   const double before = v["decode_ms_per_step_t"], base = v["decode_ms_per_step_prompt4_t"];
   const double after = 2 * base - before, longer = v["decode_ms_per_step_prompt12_t"];
   EXPECT_GT(after, 0);
