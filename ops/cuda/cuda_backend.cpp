@@ -210,7 +210,10 @@ Status CudaBackend::capture(const std::function<void()>& queue_ops, std::unique_
     // stream, which does not wait for the legacy default stream.
     CUDA_CHECK(cudaMemsetAsync(counters_, 0, kCounterSlots * kCounterSlot, stream_));
   }
-  const int64_t counter_words = kCounterSlots * static_cast<int64_t>(kCounterSlot / 4);
+  const auto zero_counters = [this] {
+    const int64_t words = kCounterSlots * static_cast<int64_t>(kCounterSlot / 4);
+    fill(Tensor::make(counters_, DType::kF32, &words, 1, Device::kCUDA), 0.0);
+  };
   // Thread-local mode: other threads' CUDA calls (an HTTP thread's copies) are not drawn
   // into this capture nor invalidate it.
   CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
@@ -218,11 +221,11 @@ Status CudaBackend::capture(const std::function<void()>& queue_ops, std::unique_
   slots_used_ = 0;
   // Every replay starts with its gemms' counters at zero (gather_gemm_memsets): zeroed by the
   // graph's first node, or by its last (and at allocation) under LAPLACE_GRAPH_COUNTERS=tail.
-  if (counters_ && !counters_at_tail_) fill(Tensor::make(counters_, DType::kF32, &counter_words, 1, Device::kCUDA), 0.0);
+  if (counters_ && !counters_at_tail_) zero_counters();
   capturing_ = true;
   queue_ops();
   capturing_ = false;
-  if (counters_ && counters_at_tail_) fill(Tensor::make(counters_, DType::kF32, &counter_words, 1, Device::kCUDA), 0.0);
+  if (counters_ && counters_at_tail_) zero_counters();
   cudaGraph_t graph = nullptr;
   const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
   if (end == cudaSuccess && host_syncs_ == syncs) graph_memsets_moved_ += gather_gemm_memsets(graph);
