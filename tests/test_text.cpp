@@ -137,6 +137,53 @@ TEST(Tokenizer, RoundTripAsciiAndUtf8) {
   }
 }
 
+// Byte fallback end to end: any byte string, broken UTF-8, NULs and a literal U+2581
+// included, comes back byte for byte through decode_bytes.
+TEST(Tokenizer, AnyByteStringRoundTripsThroughDecodeBytes) {
+  Tokenizer t = load_shared();
+  std::vector<std::string> texts = {
+      std::string("nul\0inside", 10),
+      "\xff\xfe invalid lead bytes \x80\xbf",
+      "truncated \xe6\x97",                  // a 3-byte sequence cut short at the end
+      "\xed\xa0\x80 surrogate, \xc0\xaf overlong, \xf4\x90\x80\x80 past U+10FFFF",
+      "literal \xe2\x96\x81 marker \xe2\x96\x81\xe2\x96\x81 twice",
+      "plain text stays one SentencePiece call",
+  };
+  uint64_t s = 42;
+  for (int n : {1, 2, 7, 64, 1000}) {  // random bytes of several lengths
+    std::string r(n, '\0');
+    for (char& c : r) {
+      s = s * 6364136223846793005ULL + 1442695040888963407ULL;
+      c = static_cast<char>(s >> 56);
+    }
+    texts.push_back(r);
+  }
+  for (const std::string& text : texts) {
+    std::vector<int32_t> ids;
+    ASSERT_TRUE(t.encode(text, &ids).is_ok());
+    for (int32_t id : ids) ASSERT_NE(id, t.unk_id());
+    std::string back;
+    ASSERT_TRUE(t.decode_bytes(ids, &back).is_ok());
+    EXPECT_EQ(back, text);
+    // The text decoder still gives well-formed UTF-8 (U+FFFD for broken sequences).
+    std::string shown;
+    ASSERT_TRUE(t.decode(ids, &shown).is_ok());
+    std::vector<int32_t> again;
+    ASSERT_TRUE(t.encode(shown, &again).is_ok());
+    std::string shown_back;
+    ASSERT_TRUE(t.decode_bytes(again, &shown_back).is_ok());
+    EXPECT_EQ(shown_back, shown);
+  }
+  // A literal U+2581 now survives the text decoder too (it used to come back as a space).
+  std::vector<int32_t> ids;
+  ASSERT_TRUE(t.encode("a\xe2\x96\x81" "b", &ids).is_ok());
+  std::string back;
+  ASSERT_TRUE(t.decode(ids, &back).is_ok());
+  EXPECT_EQ(back, "a\xe2\x96\x81" "b");
+  // Out-of-range ids are refused by decode_bytes as by decode.
+  EXPECT_FALSE(t.decode_bytes({0, 1 << 20}, &back).is_ok());
+}
+
 TEST(Tokenizer, DecodeOutOfRangeIsAnError) {
   Tokenizer t = load_shared();
   std::string out;

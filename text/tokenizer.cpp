@@ -3,7 +3,9 @@
 #include <sentencepiece_processor.h>
 #include <sentencepiece_trainer.h>
 
+#include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -147,18 +149,125 @@ Status Tokenizer::load_from_bytes(const std::string& bytes, const std::string& n
                            " bytes) is not a valid SentencePiece model: " + sp_message(s));
   }
   if (sp->GetPieceSize() <= 0) return Status::corrupt("tokenizer model " + name + " has no pieces");
+  std::array<int32_t, 256> byte_ids;
+  byte_ids.fill(-1);
+  for (int id = 0; id < sp->GetPieceSize(); ++id) {
+    if (!sp->IsByte(id)) continue;
+    const std::string& p = sp->IdToPiece(id);
+    if (p.size() == 6 && p.compare(0, 3, "<0x") == 0 && p[5] == '>')
+      byte_ids[std::strtol(p.substr(3, 2).c_str(), nullptr, 16) & 0xFF] = id;
+  }
   out->sp_ = std::move(sp);
   out->path_ = name;
+  out->byte_ids_ = byte_ids;
   return Status::ok();
 }
 
+namespace {
+
+// Length of the well-formed UTF-8 sequence at s[i] (RFC 3629: no overlongs, no surrogates,
+// nothing past U+10FFFF), or 0 if the byte there does not start one.
+size_t utf8_sequence_length(const std::string& s, size_t i) {
+  const auto b = [&](size_t k) { return static_cast<unsigned char>(s[k]); };
+  const unsigned char c = b(i);
+  const size_t left = s.size() - i;
+  if (c < 0x80) return 1;
+  const auto cont = [&](size_t k) { return (b(k) & 0xC0) == 0x80; };
+  if (c >= 0xC2 && c <= 0xDF) return left >= 2 && cont(i + 1) ? 2 : 0;
+  if (c >= 0xE0 && c <= 0xEF) {
+    if (left < 3 || !cont(i + 1) || !cont(i + 2)) return 0;
+    if (c == 0xE0 && b(i + 1) < 0xA0) return 0;   // overlong
+    if (c == 0xED && b(i + 1) >= 0xA0) return 0;  // surrogate
+    return 3;
+  }
+  if (c >= 0xF0 && c <= 0xF4) {
+    if (left < 4 || !cont(i + 1) || !cont(i + 2) || !cont(i + 3)) return 0;
+    if (c == 0xF0 && b(i + 1) < 0x90) return 0;   // overlong
+    if (c == 0xF4 && b(i + 1) >= 0x90) return 0;  // past U+10FFFF
+    return 4;
+  }
+  return 0;
+}
+
+// SentencePiece's whitespace marker U+2581 ("▁"): in input text it would decode as a space.
+constexpr char kSpaceMarker[] = "\xE2\x96\x81";
+
+}  // namespace
+
 Status Tokenizer::encode(const std::string& text, std::vector<int32_t>* ids) const {
   if (!sp_) return Status::invalid_argument("tokenizer is not loaded");
+  // SentencePiece sees only well-formed UTF-8 without U+2581; every other byte (a broken
+  // sequence, or a literal U+2581) becomes its byte piece, so decode_bytes inverts encode
+  // for any byte string. Text without such bytes is one SentencePiece call, as before.
+  ids->clear();
   std::vector<int> v;
-  sentencepiece::util::Status s = sp_->Encode(text, &v);
-  if (!s.ok()) return Status::invalid_argument("tokenizer encode failed: " + sp_message(s));
-  ids->assign(v.begin(), v.end());
+  size_t run = 0, i = 0;
+  const auto flush = [&](size_t end) -> Status {
+    if (end == run) return Status::ok();
+    sentencepiece::util::Status s =
+        run == 0 && end == text.size() ? sp_->Encode(text, &v) : sp_->Encode(text.substr(run, end - run), &v);
+    if (!s.ok()) return Status::invalid_argument("tokenizer encode failed: " + sp_message(s));
+    ids->insert(ids->end(), v.begin(), v.end());
+    return Status::ok();
+  };
+  while (i < text.size()) {
+    size_t n = utf8_sequence_length(text, i);
+    if (n == 3 && text.compare(i, 3, kSpaceMarker) == 0) n = 0;
+    if (n > 0) {
+      i += n;
+      continue;
+    }
+    LAPLACE_RETURN_IF_ERROR(flush(i));
+    const size_t bytes = text.compare(i, 3, kSpaceMarker) == 0 ? 3 : 1;
+    for (size_t k = 0; k < bytes; ++k) {
+      const int32_t id = byte_ids_[static_cast<unsigned char>(text[i + k])];
+      if (id < 0) {
+        char hex[8];
+        std::snprintf(hex, sizeof hex, "0x%02X", static_cast<unsigned char>(text[i + k]));
+        return Status::invalid_argument(std::string("tokenizer ") + path_ + " has no byte piece for " + hex +
+                                        " (train it with byte fallback)");
+      }
+      ids->push_back(id);
+    }
+    i += bytes;
+    run = i;
+  }
+  return flush(text.size());
+}
+
+Status Tokenizer::decode_bytes(const std::vector<int32_t>& ids, std::string* bytes) const {
+  if (!sp_) return Status::invalid_argument("tokenizer is not loaded");
+  const int64_t v = vocab_size();
+  std::string out;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int32_t id = ids[i];
+    if (id < 0 || id >= v) {
+      return Status::invalid_argument("cannot decode token id " + std::to_string(id) + " at position " +
+                                      std::to_string(i) + ": out of range [0, " + std::to_string(v) + ")");
+    }
+    if (sp_->IsControl(id)) continue;
+    if (sp_->IsByte(id)) {
+      out.push_back(static_cast<char>(byte_of_id(id)));
+      continue;
+    }
+    const std::string& p = sp_->IdToPiece(id);
+    for (size_t k = 0; k < p.size();) {
+      if (p.compare(k, 3, kSpaceMarker) == 0) {
+        out.push_back(' ');
+        k += 3;
+      } else {
+        out.push_back(p[k++]);
+      }
+    }
+  }
+  *bytes = std::move(out);
   return Status::ok();
+}
+
+int Tokenizer::byte_of_id(int32_t id) const {
+  // Byte pieces are spelled "<0xNN>".
+  const std::string& p = sp_->IdToPiece(id);
+  return static_cast<int>(std::strtol(p.substr(3, 2).c_str(), nullptr, 16));
 }
 
 Status Tokenizer::decode(const std::vector<int32_t>& ids, std::string* text) const {

@@ -5,10 +5,11 @@
 //   <unk> = 0, <s> (bos) = 1, </s> (eos) = 2, <pad> = 3,
 // then the user-defined special tokens (4, 5, ...), then the 256 byte pieces
 // <0x00>..<0xFF>, then the learned pieces. Text is not normalised (identity rule, whitespace kept), so
-// decode(encode(s)) == s for any valid UTF-8 string s that does not contain
-// U+2581 ("▁", SentencePiece's whitespace marker, which decodes to a space).
+// decode(encode(s)) == s for any valid UTF-8 string s, and decode_bytes(encode(s)) == s
+// for any byte string s (bytes SentencePiece cannot take go to their byte pieces).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -40,11 +41,17 @@ class Tokenizer {
 
   bool is_loaded() const { return sp_ != nullptr; }
 
-  // Text -> ids. No bos/eos is added.
+  // Bytes -> ids. No bos/eos is added. Well-formed UTF-8 goes through SentencePiece;
+  // any other byte, and the three bytes of a literal U+2581, become byte pieces, so
+  // decode_bytes(encode(s)) == s for every byte string s (binary data included).
   Status encode(const std::string& text, std::vector<int32_t>* ids) const;
   // Ids -> text. Any id outside [0, vocab_size()) is an invalid_argument error
   // naming its position. Control ids (bos/eos/pad) decode to nothing.
+  // The result is always well-formed UTF-8: byte pieces that do not form a sequence
+  // decode to U+FFFD (what streamed text and JSON need).
   Status decode(const std::vector<int32_t>& ids, std::string* text) const;
+  // Ids -> the exact bytes encode() read (the inverse of encode for any byte string).
+  Status decode_bytes(const std::vector<int32_t>& ids, std::string* bytes) const;
 
   int64_t vocab_size() const;
   // -1 when the model does not define the token.
@@ -62,8 +69,11 @@ class Tokenizer {
   const std::string& path() const { return path_; }
 
  private:
+  int byte_of_id(int32_t id) const;
+
   std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_;
   std::string path_;
+  std::array<int32_t, 256> byte_ids_{};  // byte value -> its byte piece's id, -1 if none
 };
 
 struct TokenizerTrainOptions {
