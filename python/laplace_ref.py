@@ -168,11 +168,15 @@ def gla_recurrent(q, k, v, lam, scale, S0=None):
     return torch.stack(outs, dim=1), S
 
 
-def gla_chunked(q, k, v, lam, scale, S0=None, chunk=128):
+def gla_chunked(q, k, v, lam, scale, S0=None, chunk=128, state_dtype=None):
     """Chunks of `chunk` tokens (the tail chunk may be shorter, length n). In chunk with entering S:
-    o_i = lam^{i+1} q_i S + sum_{j<=i} lam^{i-j} (q_i.k_j) v_j ;  S <- lam^n S + sum_j lam^{n-1-j} k_j^T v_j."""
+    o_i = lam^{i+1} q_i S + sum_{j<=i} lam^{i-j} (q_i.k_j) v_j ;  S <- lam^n S + sum_j lam^{n-1-j} k_j^T v_j.
+    state_dtype: the dtype S is carried in between chunks (default q's); bf16 training carries it in
+    fp32 (SPEC §1: S is fp32), the products stay in q's dtype."""
     T, dt = q.shape[1], q.dtype
     S = _init_state(q, v, S0)
+    sdt = state_dtype or dt
+    S = S.to(sdt)
     q = q * scale
     lam = lam.to(torch.float64).to(q.device)
     outs = []
@@ -184,9 +188,10 @@ def gla_chunked(q, k, v, lam, scale, S0=None, chunk=128):
         Dm = torch.where(diff >= 0, lam[:, None, None] ** diff.clamp(min=0), torch.zeros((), dtype=torch.float64))
         A = torch.einsum("bihk,bjhk->bhij", qc, kc) * Dm.to(dt)      # intra-chunk, causal incl. diagonal
         o = torch.einsum("bhij,bjhv->bihv", A, vc)
-        o = o + torch.einsum("bihk,hi,bhkv->bihv", qc, (lam[:, None] ** (i + 1)).to(dt), S)
+        o = o + torch.einsum("bihk,hi,bhkv->bihv", qc, (lam[:, None] ** (i + 1)).to(dt), S.to(dt))
         decay_k = (lam[:, None] ** (n - 1 - i)).to(dt)
-        S = (lam ** n).to(dt)[None, :, None, None] * S + torch.einsum("bjhk,hj,bjhv->bhkv", kc, decay_k, vc)
+        S = (lam ** n).to(sdt)[None, :, None, None] * S + \
+            torch.einsum("bjhk,hj,bjhv->bhkv", kc, decay_k, vc).to(sdt)
         outs.append(o)
     return torch.cat(outs, dim=1), S
 
@@ -261,9 +266,10 @@ class Laplace(torch.nn.Module):
         return [(torch.zeros(B, c.H, c.dk, c.dv, dtype=dt), torch.zeros(B, c.K, c.D, dtype=dt))
                 for _ in range(c.L)]
 
-    def forward(self, tokens, state=None, mixer="chunked", chunk=None):
+    def forward(self, tokens, state=None, mixer="chunked", chunk=None, state_dtype=None):
         """tokens [B,T] int64; state: list over layers of (gla_state [B,H,dk,dv], conv_window [B,K,D])
-        or None (zeros). Returns (logits [B,T,V], new state)."""
+        or None (zeros). Returns (logits [B,T,V], new state). state_dtype: see gla_chunked (under bf16
+        autocast, fp32 keeps the GLA state and the output RMSNorm in fp32 as the CUDA path does)."""
         c = self.cfg
         B, T = tokens.shape
         chunk = chunk or c.C
@@ -291,7 +297,7 @@ class Laplace(torch.nn.Module):
             v = qkvg[..., 2 * hk:2 * hk + hv].reshape(B, T, c.H, c.dv)
             g = qkvg[..., 2 * hk + hv:].reshape(B, T, c.H, c.dv)
             if mixer == "chunked":
-                o, S = gla_chunked(q, k, v, lam, scale, S0, chunk)
+                o, S = gla_chunked(q, k, v, lam, scale, S0, chunk, state_dtype)
             elif mixer == "recurrent":
                 o, S = gla_recurrent(q, k, v, lam, scale, S0)
             elif mixer == "quadratic":
@@ -299,6 +305,8 @@ class Laplace(torch.nn.Module):
             else:
                 raise ValueError(mixer)
             # per-head RMSNorm (weight [dv] shared by heads) times SiLU gate
+            if state_dtype is not None:
+                o = o.to(state_dtype)
             o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.eps) * self._w(p + "onorm.weight")
             y = (o * F.silu(g)).reshape(B, T, hv)
             x = x + y @ self._w(p + "wo.weight").t()

@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# On the H200 (the `device` tool): the laplace-125m run of docs/quality.md and its PyTorch parity run.
+#
+#   stages (STAGES, in order): build data bench train ref wait
+#   build  CUDA build of the `laplace` program in build-gpu/
+#   data   the carried corpus slice (.carry/corpus/docs.carry.jsonl.xz, from scripts/corpus.sh --carry)
+#          tokenized on every core into runs/data/ with the carried tokenizer (.carry/corpus/tokenizer.model)
+#   bench  whole-step throughput at B=16 × T=2048, alone on the GPU: one step = one micro-batch, and one
+#          step = two (the run's shape); bench lines into $OUT/results.jsonl
+#   train  the run, in the background (setsid: it outlives this call while the machine is held): steps
+#          1..STOP1, then a resume to STEPS, metrics and TensorBoard events in runs/ours
+#   ref    the PyTorch reference trainer on the same init, data order and schedule for REF_STEPS steps,
+#          in the background beside it, metrics in runs/ref
+#   wait   waits up to WAIT_S seconds for both, then copies what exists to $OUT
+# A later call with STAGES=wait (on the same warm machine) picks up the runs where they are.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT" runs
+STAGES=${STAGES:-"build data bench train ref wait"}
+PY=${PY:-python3}
+LAPLACE=build-gpu/laplace
+CFG=configs/laplace-125m.json
+COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# The run (docs/quality.md): 3,052 steps × 65,536 tokens = 200.0M tokens.
+STEPS=${STEPS:-3052}
+STOP1=${STOP1:-1526}
+REF_STEPS=${REF_STEPS:-1000}
+HP=(--batch 16 --seq 2048 --grad-accum 2 --steps "$STEPS" --lr "${LR:-1.5e-3}" --warmup "${WARMUP:-150}"
+    --schedule cosine --min-lr-frac 0.1 --wd 0.1 --max-grad-norm 1.0 --eval-every 250 --eval-batches 8)
+DATA=(--data 'runs/data/train_*.bin' --val-data 'runs/data/val_*.bin')
+DATA_Q="--data 'runs/data/train_*.bin' --val-data 'runs/data/val_*.bin'"  # the same, for the background shells
+WAIT_S=${WAIT_S:-540}
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/summary.txt"; }
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,noheader >> "$OUT/summary.txt" 2>&1
+
+if has build; then
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
+    -DLAPLACE_TESTS=OFF -DLAPLACE_BENCH=OFF > runs/configure.log 2>&1 || { tail -30 runs/configure.log; exit 1; }
+  cmake --build build-gpu -j "$(nproc)" --target laplace > runs/build.log 2>&1 ||
+    { grep -E "error|FAILED" -A3 runs/build.log | head -60; exit 1; }
+  stamp "build ok"
+fi
+
+if has data; then
+  mkdir -p runs/data
+  xz -dc -T0 .carry/corpus/docs.carry.jsonl.xz > runs/docs.jsonl || { stamp "no corpus slice"; exit 1; }
+  cp .carry/corpus/tokenizer.model runs/tokenizer.model
+  $LAPLACE data prepare --input runs/docs.jsonl --tokenizer runs/tokenizer.model --out runs/data \
+    --val-fraction 0.01 --overwrite 2>&1 | tee -a "$OUT/summary.txt" || exit 1
+  stamp "data ok"
+fi
+
+if has bench; then
+  # Whole steps, optimizer included, alone on the GPU. Steps 0-4 are warm-up (first-use costs).
+  $PY python/laplace_ref.py init --config "$CFG" --seed 1 --out runs/init.safetensors || exit 1
+  for accum in 1 2; do
+    $LAPLACE train --config "$CFG" --init runs/init.safetensors "${DATA[@]}" --out "runs/bench_a$accum" \
+      --device cuda --dtype bf16 --batch 16 --seq 2048 --grad-accum $accum --steps 60 --lr 1.5e-3 --warmup 10 \
+      --wd 0.1 --no-shuffle --peak-tflops 989 --log-every 20 > "runs/bench_a$accum.log" 2>&1 ||
+      { tail -20 "runs/bench_a$accum.log"; exit 1; }
+    $PY - "$accum" "$COMMIT" >> "$OUT/results.jsonl" <<'EOF'
+import json, statistics, sys, time
+accum, commit = int(sys.argv[1]), sys.argv[2]
+rows = [json.loads(l) for l in open("runs/bench_a%d/metrics.jsonl" % accum) if '"loss"' in l][5:]
+tps = statistics.median(r["tokens_per_s"] for r in rows)
+mfu = statistics.median(r["mfu"] for r in rows)
+tag = "laplace125m_t2048" + ("" if accum == 2 else "_b16_accum1")
+date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+note = "whole steps incl. optimizer, B=16 x T=2048 x accum %d (%d tokens/step), bf16, median of steps 5-59" % (
+    accum, 32768 * accum)
+cmd = "scripts/device_train125m.sh (stage bench)"
+for name, v, unit in (("train_tok_s_" + tag, tps, "tokens/s"), ("train_mfu_" + tag, mfu, "fraction of 989 TFLOP/s")):
+    print(json.dumps({"bench": name, "value": round(v, 4 if unit != "tokens/s" else 0), "unit": unit,
+                      "device": "NVIDIA H200", "commit": commit, "date": date, "note": note, "command": cmd}))
+EOF
+    stamp "bench accum $accum: $(tail -1 "$OUT/results.jsonl")"
+  done
+fi
+
+if has train; then
+  [ -f runs/init.safetensors ] || $PY python/laplace_ref.py init --config "$CFG" --seed 1 --out runs/init.safetensors
+  rm -rf runs/ours
+  setsid nohup bash -c "
+    $LAPLACE train --config $CFG --init runs/init.safetensors $DATA_Q --tokenizer runs/tokenizer.model \
+      --out runs/ours --device cuda --dtype bf16 ${HP[*]} --no-shuffle --peak-tflops 989 --log-every 50 \
+      --ckpt-every 500 --stop-after $STOP1 --tensorboard runs/ours/tb &&
+    $LAPLACE train --config $CFG --init runs/init.safetensors $DATA_Q --tokenizer runs/tokenizer.model \
+      --out runs/ours --device cuda --dtype bf16 ${HP[*]} --no-shuffle --peak-tflops 989 --log-every 50 \
+      --ckpt-every 500 --resume auto --tensorboard runs/ours/tb
+    echo exit \$? > runs/ours.done" > runs/ours.log 2>&1 < /dev/null &
+  stamp "train started"
+fi
+
+if has ref; then
+  rm -rf runs/ref
+  setsid nohup bash -c "
+    PYTHONUNBUFFERED=1 $PY python/reference_trainer.py --config $CFG --init runs/init.safetensors $DATA_Q \
+      --out runs/ref ${HP[*]} --stop-after $REF_STEPS --amp bf16 --ns-mode bf16 --log-every 50
+    echo exit \$? > runs/ref.done" > runs/ref.log 2>&1 < /dev/null &
+  stamp "reference started"
+fi
+
+collect() {
+  cp runs/ours/metrics.jsonl "$OUT/ours_metrics.jsonl" 2>/dev/null
+  cp runs/ref/metrics.jsonl "$OUT/ref_metrics.jsonl" 2>/dev/null
+  tar czf "$OUT/logs.tar.gz" runs/*.log runs/*.done runs/ours/tb runs/data/prepare.json runs/bench_a*/metrics.jsonl \
+    2>/dev/null
+}
+
+if has wait; then
+  while (( $(date +%s) - t0 < WAIT_S )); do
+    [ -f runs/ours.done ] && [ -f runs/ref.done ] && break
+    sleep 10
+  done
+  stamp "ours: $(grep -E '^step' runs/ours.log 2>/dev/null | tail -1) $(cat runs/ours.done 2>/dev/null)"
+  stamp "ref:  $(grep -E '^step' runs/ref.log 2>/dev/null | tail -1) $(cat runs/ref.done 2>/dev/null)"
+  if [ -f runs/ours.done ] && [ -d runs/ours/tb ]; then
+    $PY scripts/check_tensorboard.py runs/ours/tb >> "$OUT/summary.txt" 2>&1; stamp "tensorboard check exit $?"
+  fi
+fi
+collect
+tail -5 runs/ours.log 2>/dev/null
+tail -3 runs/ref.log 2>/dev/null
