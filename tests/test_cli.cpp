@@ -146,6 +146,18 @@ TEST(Cli, GenerateAndEvalAcceptText) {
   CmdResult dec = run("tokenizer decode --tokenizer " + dir + "/tok.model --ids " + enc.output.substr(0, enc.output.size() - 1));
   ASSERT_EQ(dec.exit_code, 0) << dec.output;
   EXPECT_EQ(dec.output, "river light\n");
+  // Every --dtype its help offers on the CPU generates (f64 used to abort on the state pool's
+  // dtype), and f64 gives the same greedy ids as f32 on this model.
+  CmdResult g32 = run("generate --model " + dir + "/m --prompt-ids 5,6,7 --max-tokens 8 --dtype f32");
+  CmdResult g64 = run("generate --model " + dir + "/m --prompt-ids 5,6,7 --max-tokens 8 --dtype f64");
+  ASSERT_EQ(g32.exit_code, 0) << g32.output;
+  ASSERT_EQ(g64.exit_code, 0) << g64.output;
+  const auto ids_line = [](const std::string& out) {
+    const size_t p = out.find("ids=");
+    return p == std::string::npos ? std::string() : out.substr(p, out.find('\n', p) - p);
+  };
+  EXPECT_NE(ids_line(g32.output), "") << g32.output;
+  EXPECT_EQ(ids_line(g64.output), ids_line(g32.output));
   // Without a tokenizer, text is refused with a clear message.
   std::remove((dir + "/m/tokenizer.model").c_str());
   CmdResult no = run("generate --model " + dir + "/m --prompt 'alpha'");
