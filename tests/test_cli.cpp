@@ -52,6 +52,19 @@ TEST(Cli, Info3bPrintsSpecSizes) {
   EXPECT_NE(r.output.find("state_bytes_per_sequence=29491200\n"), std::string::npos) << r.output;
 }
 
+// The real-model presets (docs/quality.md): the shapes of the published small-model anchors.
+TEST(Cli, InfoPrintsThe125mAnd350mCounts) {
+  CmdResult a = run("info --config " + kSrc + "/configs/laplace-125m.json");
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  EXPECT_NE(a.output.find("body_params=84934656\n"), std::string::npos) << a.output;
+  EXPECT_NE(a.output.find("total_params=135343872\n"), std::string::npos) << a.output;
+  EXPECT_NE(a.output.find("state_bytes_per_sequence=3686400\n"), std::string::npos) << a.output;
+  CmdResult b = run("info --config " + kSrc + "/configs/laplace-350m.json");
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_NE(b.output.find("body_params=283115520\n"), std::string::npos) << b.output;
+  EXPECT_NE(b.output.find("total_params=350427648\n"), std::string::npos) << b.output;
+}
+
 TEST(Cli, BadConfigsFailCleanly) {
   std::string dir = testing::make_temp_dir("cli");
   const std::pair<std::string, std::string> cases[] = {
