@@ -19,7 +19,7 @@ OUT=${OUT:-out}
 mkdir -p "$OUT" runs
 STAGES=${STAGES:-"build data bench train ref wait"}
 PY=${PY:-python3}
-LAPLACE=build-gpu/laplace
+LAPLACE=${LAPLACE:-build-gpu/laplace}
 CFG=configs/laplace-125m.json
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 # The run (docs/quality.md): 3,052 steps × 65,536 tokens = 200.0M tokens.
@@ -90,7 +90,11 @@ if has train; then
       --ckpt-every 500 --stop-after $STOP1 --tensorboard runs/ours/tb &&
     $LAPLACE train --config $CFG --init runs/init.safetensors $DATA_Q --tokenizer runs/tokenizer.model \
       --out runs/ours --device cuda --dtype bf16 ${HP[*]} --no-shuffle --peak-tflops 989 --log-every 50 \
-      --ckpt-every 500 --resume auto --tensorboard runs/ours/tb
+      --ckpt-every 500 --resume auto --tensorboard runs/ours/tb &&
+    $LAPLACE eval --model runs/ours --data 'runs/data/val_*.bin' --batch 16 --seq 2048 --device cuda \
+      --dtype bf16 > runs/ours_eval.log 2>&1 &&
+    $LAPLACE generate --model runs/ours --prompt 'static int' --max-tokens 120 --temperature 0.7 --top-k 40 \
+      --seed 1 --device cuda --dtype bf16 > runs/ours_sample.log 2>&1
     echo exit \$? > runs/ours.done" > runs/ours.log 2>&1 < /dev/null &
   stamp "train started"
 fi
