@@ -45,6 +45,7 @@
 #include <cuda_runtime.h>
 
 #include "ops/cuda/cuda_backend.h"
+#include "core/rng.h"
 #endif
 
 namespace {
@@ -94,10 +95,9 @@ struct Rng {
   uint64_t s;
   explicit Rng(uint64_t seed) : s(seed) {}
   uint64_t next() {
-    uint64_t z = (s += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
+    const uint64_t z = splitmix64_hash(s);
+    s += kSplitMixGamma;
+    return z;
   }
   double uniform() { return (static_cast<double>(next() >> 11) + 0.5) * 0x1.0p-53; }  // (0, 1)
 };

@@ -8,6 +8,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/rng.h"
+
 namespace laplace {
 
 struct SamplingOptions {
@@ -21,22 +23,17 @@ struct SamplingOptions {
   uint64_t seed = 0;
 };
 
-// splitmix64: a small, well-mixed generator with a portable output.
+// The sampler's generator (core/rng.h), with its state exposed for snapshots.
 class Rng {
  public:
-  explicit Rng(uint64_t seed = 0) : s_(seed) {}
-  uint64_t next() {
-    uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
-  uint64_t state() const { return s_; }
-  void set_state(uint64_t s) { s_ = s; }
+  explicit Rng(uint64_t seed = 0) : g_{seed} {}
+  uint64_t next() { return g_.next(); }
+  double uniform() { return g_.uniform(); }  // [0, 1)
+  uint64_t state() const { return g_.state; }
+  void set_state(uint64_t s) { g_.state = s; }
 
  private:
-  uint64_t s_;
+  SplitMix64 g_;
 };
 
 class Sampler {

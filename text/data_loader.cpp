@@ -1,5 +1,7 @@
 #include "text/data_loader.h"
 
+#include "core/rng.h"
+
 #include <glob.h>
 
 #include <algorithm>
@@ -14,36 +16,11 @@ namespace {
 // The shuffle RNG, spelled out so other implementations can reproduce it
 // (docs/data.md): SplitMix64 seeded by mixing (seed, epoch, stream id), and
 // Fisher–Yates with unbiased rejection sampling.
-uint64_t fmix64(uint64_t x) {
-  uint64_t z = x + 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-struct SplitMix64 {
-  uint64_t state;
-  uint64_t next() {
-    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  // Uniform in [0, m), m >= 1, without modulo bias.
-  uint64_t below(uint64_t m) {
-    const uint64_t threshold = (0 - m) % m;  // 2^64 mod m
-    while (true) {
-      const uint64_t x = next();
-      if (x >= threshold) return x % m;
-    }
-  }
-};
-
 // stream = 0 for the shard order of an epoch, 1 + file index for a shard's windows.
 uint64_t stream_seed(uint64_t seed, int64_t epoch, int64_t stream) {
-  uint64_t h = fmix64(seed);
-  h = fmix64(h ^ static_cast<uint64_t>(epoch));
-  return fmix64(h ^ static_cast<uint64_t>(stream));
+  uint64_t h = splitmix64_hash(seed);
+  h = splitmix64_hash(h ^ static_cast<uint64_t>(epoch));
+  return splitmix64_hash(h ^ static_cast<uint64_t>(stream));
 }
 
 void permutation(int64_t n, uint64_t seed, std::vector<int64_t>* out) {

@@ -1,5 +1,7 @@
 #include "text/prepare.h"
 
+#include "core/rng.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -18,16 +20,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-uint64_t fmix64(uint64_t x) {
-  uint64_t z = x + 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
 // u(seed, i) in [0, 1): the held-out test of document i.
 double doc_uniform(uint64_t seed, int64_t i) {
-  const uint64_t h = fmix64(fmix64(seed) ^ static_cast<uint64_t>(i));
+  const uint64_t h = splitmix64_hash(splitmix64_hash(seed) ^ static_cast<uint64_t>(i));
   return static_cast<double>(h >> 11) * (1.0 / 9007199254740992.0);  // 2^-53
 }
 

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "ops/cuda/cuda_common.cuh"
+#include "core/rng.h"
 
 namespace laplace {
 namespace cuda {
@@ -537,12 +538,7 @@ namespace laplace {
 namespace cuda {
 
 // splitmix64's finaliser: every input bit reaches every output bit.
-__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) { return splitmix64_hash(z); }
 
 // out += Σ mix(word_i ^ mix(i)) over the 8-byte words of p (when p is 8-byte aligned), then
 // over the tail bytes each with its position: a sum modulo 2^64, so the value does not depend
