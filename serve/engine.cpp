@@ -67,31 +67,6 @@ Status resolve_slots(const Config& c, const EngineOptions& o, DType st, int64_t*
 
 // ---- executor ------------------------------------------------------------------------
 
-void logits_rows_to_host(const Model& m, int64_t first, int64_t rows, std::vector<float>* out) {
-  const Tensor all = m.logits();
-  LAPLACE_CHECK(first >= 0 && rows >= 0 && first + rows <= all.shape[0], "logits_rows_to_host: no such rows");
-  const int64_t V = all.shape[1];
-  out->resize(static_cast<size_t>(rows * V));
-  if (rows == 0) return;
-  const Tensor src = all.slice(0, first, first + rows);
-  Backend& be = m.backend();
-  if (src.dtype == DType::kF32) {
-    be.copy(Tensor(out->data(), DType::kF32, {rows, V}), src);
-  } else if (src.dtype == DType::kF64) {
-    std::vector<double> d(static_cast<size_t>(rows * V));
-    be.copy(Tensor(d.data(), DType::kF64, {rows, V}), src);
-    be.synchronize();
-    std::copy(d.begin(), d.end(), out->begin());
-  } else {
-    LAPLACE_CHECK(src.dtype == DType::kBF16, "logits_rows_to_host: unsupported dtype");
-    std::vector<uint16_t> h(static_cast<size_t>(rows * V));
-    be.copy(Tensor(h.data(), DType::kBF16, {rows, V}), src);
-    be.synchronize();
-    for (size_t i = 0; i < h.size(); ++i) (*out)[i] = bf16_to_float(h[i]);
-  }
-  be.synchronize();
-}
-
 void EagerExecutor::prefill(const PrefillPiece& piece, std::vector<float>* logits) {
   ForwardOptions fo;
   fo.form = GlaForm::kChunked;

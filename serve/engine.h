@@ -32,6 +32,7 @@
 #include "core/status.h"
 #include "model/model.h"
 #include "model/state.h"
+#include "serve/generate.h"
 #include "serve/request.h"
 #include "serve/state_cache.h"
 
@@ -227,9 +228,6 @@ class GraphExecutor : public EagerExecutor {
   void forward_decode_queued(int64_t width) override;
   std::vector<std::pair<int64_t, std::unique_ptr<Graph>>> graphs_;  // by width, ascending
 };
-
-// Rows [first, first + rows) of the model's last logits, as host F32 [rows × V].
-void logits_rows_to_host(const Model& m, int64_t first, int64_t rows, std::vector<float>* out);
 
 class Engine {
  public:

@@ -4,26 +4,33 @@
 
 namespace laplace {
 
-void logits_row_to_host(const Model& m, int64_t row, std::vector<float>* out) {
-  Tensor src = m.logits().select(row);
-  const int64_t V = src.numel();
-  out->resize(V);
+void logits_rows_to_host(const Model& m, int64_t first, int64_t rows, std::vector<float>* out) {
+  const Tensor all = m.logits();
+  LAPLACE_CHECK(first >= 0 && rows >= 0 && first + rows <= all.shape[0], "logits_rows_to_host: no such rows");
+  const int64_t V = all.shape[1];
+  out->resize(static_cast<size_t>(rows * V));
+  if (rows == 0) return;
+  const Tensor src = all.slice(0, first, first + rows);
   Backend& be = m.backend();
   if (src.dtype == DType::kF32) {
-    be.copy(Tensor(out->data(), DType::kF32, {V}), src);
+    be.copy(Tensor(out->data(), DType::kF32, {rows, V}), src);
   } else if (src.dtype == DType::kF64) {
-    std::vector<double> d(V);
-    be.copy(Tensor(d.data(), DType::kF64, {V}), src);
+    std::vector<double> d(static_cast<size_t>(rows * V));
+    be.copy(Tensor(d.data(), DType::kF64, {rows, V}), src);
     be.synchronize();
     std::copy(d.begin(), d.end(), out->begin());
   } else {
-    LAPLACE_CHECK(src.dtype == DType::kBF16, "logits_row_to_host: unsupported dtype");
-    std::vector<uint16_t> h(V);
-    be.copy(Tensor(h.data(), DType::kBF16, {V}), src);
+    LAPLACE_CHECK(src.dtype == DType::kBF16, "logits_rows_to_host: unsupported dtype");
+    std::vector<uint16_t> h(static_cast<size_t>(rows * V));
+    be.copy(Tensor(h.data(), DType::kBF16, {rows, V}), src);
     be.synchronize();
-    for (int64_t i = 0; i < V; ++i) (*out)[i] = bf16_to_float(h[i]);
+    for (size_t i = 0; i < h.size(); ++i) (*out)[i] = bf16_to_float(h[i]);
   }
   be.synchronize();
+}
+
+void logits_row_to_host(const Model& m, int64_t row, std::vector<float>* out) {
+  logits_rows_to_host(m, row, 1, out);
 }
 
 void prefill(Model& m, StatePool& pool, int32_t slot, const std::vector<int32_t>& tokens,

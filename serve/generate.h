@@ -17,7 +17,10 @@ struct GenerateOptions {
   std::vector<int32_t> stop_ids;  // generation ends after emitting one of these
 };
 
-// Copies logits row `row` of the model's last forward to the host as F32.
+// Rows [first, first + rows) of the model's last logits, as host F32 [rows × V]; the one
+// place that converts the model's logits dtype for the host.
+void logits_rows_to_host(const Model& m, int64_t first, int64_t rows, std::vector<float>* out);
+// Row `row` alone, as host F32 [V].
 void logits_row_to_host(const Model& m, int64_t row, std::vector<float>* out);
 
 // Feeds `tokens` into slot `slot` of `pool` (chunked form, in pieces of at most the
