@@ -64,6 +64,10 @@ Status run_train(TrainArgs& a) {
       return Status::invalid_argument(
           "--batch auto and --tokens-per-step choose a single-process memory plan; distributed training takes "
           "--batch and --grad-accum per rank (docs/distributed.md)");
+    if (!a.o.tensorboard_dir.empty())
+      return Status::unsupported(
+          "--tensorboard is written by single-process training only; distributed runs write metrics.jsonl "
+          "(scripts/plot_metrics.py plots it)");
     // FSDP-style data parallel, one rank per process (P = 1 without mpirun): over MPI on
     // CPUs, over NCCL on GPUs (one GPU per rank; this picks it, so it comes first).
     std::unique_ptr<Communicator> comm;
@@ -170,6 +174,8 @@ void add_train(CLI::App& app) {
   cmd->add_option("--init", o.init_ckpt, "start from these weights instead of a seeded init");
   cmd->add_option("--resume", o.resume, "resume from a checkpoint.safetensors ('auto': --out's, if present)");
   cmd->add_option("--tokenizer", o.tokenizer, "tokenizer.model to copy into --out");
+  cmd->add_option("--tensorboard", o.tensorboard_dir,
+                  "also write TensorBoard event files (loss, val_loss, lr, grad_norm, tokens_per_s, mfu) here");
   cmd->add_option("--batch", a->batch,
                   "sequences per micro-batch, or 'auto': the largest that fits the device (memory plan)");
   cmd->add_option("--tokens-per-step", o.tokens_per_step,

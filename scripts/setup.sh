@@ -8,7 +8,7 @@ PACKAGES=(
   libopenblas-dev libopenblas0-openmp libsentencepiece-dev sentencepiece nlohmann-json3-dev libcli11-dev libcpp-httplib-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libopenmpi-dev openmpi-bin
-  python3 python3-numpy python3-torch
+  python3 python3-numpy python3-torch python3-matplotlib
   fortunes fortunes-min
   curl
 )

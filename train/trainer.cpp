@@ -192,6 +192,11 @@ Status Trainer::setup() {
     if (!opt_.quiet) std::printf("resumed from %s at step %lld\n", resume.c_str(), (long long)progress_.step);
   }
   if (mixed_) copy_masters_to_weights(*be_, masters_, model_.weight_arena());
+  if (!opt_.tensorboard_dir.empty()) {
+    // A new file per process; its START tells TensorBoard to drop older points from here on.
+    LAPLACE_RETURN_IF_ERROR(tensorboard_.open(opt_.tensorboard_dir));
+    LAPLACE_RETURN_IF_ERROR(tensorboard_.write_session_start(progress_.step));
+  }
   x_.resize(opt_.batch * opt_.seq);
   y_.resize(opt_.batch * opt_.seq);
   if (!opt_.quiet) {
@@ -244,6 +249,14 @@ void Trainer::append_metrics(const std::string& line) {
   f << line << "\n";
 }
 
+void Trainer::write_tensorboard(int64_t step, const std::vector<ScalarValue>& values) {
+  if (!tensorboard_.is_open()) return;
+  const Status st = tensorboard_.write_scalars(step, values);
+  if (st.is_ok()) return;
+  std::fprintf(stderr, "laplace: %s; no more TensorBoard output\n", st.to_string().c_str());
+  (void)tensorboard_.close();
+}
+
 void Trainer::log_line(const StepLog& s) {
   nlohmann::ordered_json j;
   j["step"] = s.step;
@@ -256,6 +269,10 @@ void Trainer::log_line(const StepLog& s) {
   j["elapsed_s"] = s.elapsed_s;
   j["skipped"] = s.skipped;
   append_metrics(j.dump());
+  std::vector<ScalarValue> tb = {
+      {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm}, {"tokens_per_s", s.tokens_per_s}};
+  if (opt_.peak_flops > 0) tb.push_back({"mfu", s.mfu});
+  write_tensorboard(s.step, tb);
   if (opt_.quiet || (s.step % opt_.log_every != 0 && s.step + 1 != opt_.steps)) return;
   const double per_step = s.elapsed_s / static_cast<double>(s.step + 1 - first_step_);
   char mfu[32] = "";
@@ -337,6 +354,7 @@ Status Trainer::run(const std::function<void(const StepLog&)>& on_step) {
       j["step"] = step;
       j["val_loss"] = vl;
       append_metrics(j.dump());
+      write_tensorboard(step, {{"val_loss", vl}});
     }
     if (opt_.stop_after > 0 && step + 1 >= opt_.stop_after && step + 1 < opt_.steps) {
       if (!opt_.quiet) std::printf("stopping after step %lld as asked; resume with --resume\n", (long long)(step + 1));

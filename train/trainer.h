@@ -24,6 +24,7 @@
 #include "train/memory_plan.h"
 #include "train/optimizer.h"
 #include "train/schedule.h"
+#include "train/tensorboard.h"
 
 namespace laplace {
 
@@ -35,6 +36,7 @@ struct TrainOptions {
   std::string out_dir;                // checkpoint.safetensors, model.safetensors, config.json, metrics.jsonl
   std::string resume;                 // checkpoint to resume from ("auto": out_dir's, if any)
   std::string tokenizer;              // copied into out_dir so it is a complete model directory
+  std::string tensorboard_dir;        // optional: TensorBoard event files (train/tensorboard.h)
 
   int64_t batch = 8, seq = 256, grad_accum = 1, steps = 100;
   // Memory plan (train/memory_plan.h). batch_auto: choose the micro-batch (and, unless
@@ -113,6 +115,9 @@ class Trainer {
   Status create_loss_buffers();
   void log_line(const StepLog& s);
   void append_metrics(const std::string& json_line);
+  // One step's scalars to the TensorBoard file, if any; a failed write warns once and
+  // stops the TensorBoard output (training goes on).
+  void write_tensorboard(int64_t step, const std::vector<ScalarValue>& values);
 
   TrainOptions opt_;
   Config cfg_;
@@ -131,6 +136,7 @@ class Trainer {
   MemoryPlan plan_;
   Arena loss_bufs_;
   Tensor targets_dev_, losses_dev_, loss_sum_;
+  EventWriter tensorboard_;
 };
 
 }  // namespace laplace
