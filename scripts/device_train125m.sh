@@ -3,20 +3,22 @@
 #
 #   stages (STAGES, in order): build data bench train ref wait
 #   build  CUDA build of the `laplace` program in build-gpu/
-#   data   the carried corpus slice (.carry/corpus/docs.carry.jsonl.xz, from scripts/corpus.sh --carry)
-#          tokenized on every core into runs/data/ with the carried tokenizer (.carry/corpus/tokenizer.model)
+#   data   the carried corpus slice ($CORPUS/docs.carry.jsonl.xz, from scripts/corpus.sh --carry)
+#          tokenized on every core into $RUNS/data/ with the carried tokenizer (.carry/corpus/tokenizer.model)
 #   bench  whole-step throughput at B=16 × T=2048, alone on the GPU: one step = one micro-batch, and one
 #          step = two (the run's shape); bench lines into $OUT/results.jsonl
 #   train  the run, in the background (setsid: it outlives this call while the machine is held): steps
-#          1..STOP1, then a resume to STEPS, metrics and TensorBoard events in runs/ours
+#          1..STOP1, then a resume to STEPS, metrics and TensorBoard events in $RUNS/ours
 #   ref    the PyTorch reference trainer on the same init, data order and schedule for REF_STEPS steps,
-#          in the background beside it, metrics in runs/ref
+#          in the background beside it, metrics in $RUNS/ref
 #   wait   waits up to WAIT_S seconds for both, then copies what exists to $OUT
 # A later call with STAGES=wait (on the same warm machine) picks up the runs where they are.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
-mkdir -p "$OUT" runs
+RUNS=${RUNS:-runs}      # work dir: shards, checkpoints, logs (kept between calls while the machine is held)
+CORPUS=${CORPUS:-.carry/corpus}
+mkdir -p "$OUT" "$RUNS"
 STAGES=${STAGES:-"build data bench train ref wait"}
 PY=${PY:-python3}
 LAPLACE=${LAPLACE:-build-gpu/laplace}
@@ -28,8 +30,8 @@ STOP1=${STOP1:-1526}
 REF_STEPS=${REF_STEPS:-1000}
 HP=(--batch 16 --seq 2048 --grad-accum 2 --steps "$STEPS" --lr "${LR:-1.5e-3}" --warmup "${WARMUP:-150}"
     --schedule cosine --min-lr-frac 0.1 --wd 0.1 --max-grad-norm 1.0 --eval-every 250 --eval-batches 8)
-DATA=(--data 'runs/data/train_*.bin' --val-data 'runs/data/val_*.bin')
-DATA_Q="--data 'runs/data/train_*.bin' --val-data 'runs/data/val_*.bin'"  # the same, for the background shells
+DATA=(--data "$RUNS/data/train_*.bin" --val-data "$RUNS/data/val_*.bin")
+DATA_Q="--data '$RUNS/data/train_*.bin' --val-data '$RUNS/data/val_*.bin'"  # the same, for the background shells
 WAIT_S=${WAIT_S:-540}
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/summary.txt"; }
@@ -39,33 +41,33 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,
 
 if has build; then
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
-    -DLAPLACE_TESTS=OFF -DLAPLACE_BENCH=OFF > runs/configure.log 2>&1 || { tail -30 runs/configure.log; exit 1; }
-  cmake --build build-gpu -j "$(nproc)" --target laplace > runs/build.log 2>&1 ||
-    { grep -E "error|FAILED" -A3 runs/build.log | head -60; exit 1; }
+    -DLAPLACE_TESTS=OFF -DLAPLACE_BENCH=OFF > $RUNS/configure.log 2>&1 || { tail -30 $RUNS/configure.log; exit 1; }
+  cmake --build build-gpu -j "$(nproc)" --target laplace > $RUNS/build.log 2>&1 ||
+    { grep -E "error|FAILED" -A3 $RUNS/build.log | head -60; exit 1; }
   stamp "build ok"
 fi
 
 if has data; then
-  mkdir -p runs/data
-  xz -dc -T0 .carry/corpus/docs.carry.jsonl.xz > runs/docs.jsonl || { stamp "no corpus slice"; exit 1; }
-  cp .carry/corpus/tokenizer.model runs/tokenizer.model
-  $LAPLACE data prepare --input runs/docs.jsonl --tokenizer runs/tokenizer.model --out runs/data \
+  mkdir -p $RUNS/data
+  xz -dc -T0 $CORPUS/docs.carry.jsonl.xz > $RUNS/docs.jsonl || { stamp "no corpus slice"; exit 1; }
+  cp $CORPUS/tokenizer.model $RUNS/tokenizer.model
+  $LAPLACE data prepare --input $RUNS/docs.jsonl --tokenizer $RUNS/tokenizer.model --out $RUNS/data \
     --val-fraction 0.01 --overwrite 2>&1 | tee -a "$OUT/summary.txt" || exit 1
   stamp "data ok"
 fi
 
 if has bench; then
   # Whole steps, optimizer included, alone on the GPU. Steps 0-4 are warm-up (first-use costs).
-  $PY python/laplace_ref.py init --config "$CFG" --seed 1 --out runs/init.safetensors || exit 1
+  $PY python/laplace_ref.py init --config "$CFG" --seed 1 --out $RUNS/init.safetensors || exit 1
   for accum in 1 2; do
-    $LAPLACE train --config "$CFG" --init runs/init.safetensors "${DATA[@]}" --out "runs/bench_a$accum" \
+    $LAPLACE train --config "$CFG" --init $RUNS/init.safetensors "${DATA[@]}" --out "$RUNS/bench_a$accum" \
       --device cuda --dtype bf16 --batch 16 --seq 2048 --grad-accum $accum --steps 60 --lr 1.5e-3 --warmup 10 \
-      --wd 0.1 --no-shuffle --peak-tflops 989 --log-every 20 > "runs/bench_a$accum.log" 2>&1 ||
-      { tail -20 "runs/bench_a$accum.log"; exit 1; }
-    $PY - "$accum" "$COMMIT" >> "$OUT/results.jsonl" <<'EOF'
+      --wd 0.1 --no-shuffle --peak-tflops 989 --log-every 20 > "$RUNS/bench_a$accum.log" 2>&1 ||
+      { tail -20 "$RUNS/bench_a$accum.log"; exit 1; }
+    $PY - "$accum" "$COMMIT" "$RUNS" >> "$OUT/results.jsonl" <<'EOF'
 import json, statistics, sys, time
-accum, commit = int(sys.argv[1]), sys.argv[2]
-rows = [json.loads(l) for l in open("runs/bench_a%d/metrics.jsonl" % accum) if '"loss"' in l][5:]
+accum, commit, runs = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+rows = [json.loads(l) for l in open("%s/bench_a%d/metrics.jsonl" % (runs, accum)) if '"loss"' in l][5:]
 tps = statistics.median(r["tokens_per_s"] for r in rows)
 mfu = statistics.median(r["mfu"] for r in rows)
 tag = "laplace125m_t2048" + ("" if accum == 2 else "_b16_accum1")
@@ -82,50 +84,50 @@ EOF
 fi
 
 if has train; then
-  [ -f runs/init.safetensors ] || $PY python/laplace_ref.py init --config "$CFG" --seed 1 --out runs/init.safetensors
-  rm -rf runs/ours
+  [ -f $RUNS/init.safetensors ] || $PY python/laplace_ref.py init --config "$CFG" --seed 1 --out $RUNS/init.safetensors
+  rm -rf $RUNS/ours
   setsid nohup bash -c "
-    $LAPLACE train --config $CFG --init runs/init.safetensors $DATA_Q --tokenizer runs/tokenizer.model \
-      --out runs/ours --device cuda --dtype bf16 ${HP[*]} --no-shuffle --peak-tflops 989 --log-every 50 \
-      --ckpt-every 500 --stop-after $STOP1 --tensorboard runs/ours/tb &&
-    $LAPLACE train --config $CFG --init runs/init.safetensors $DATA_Q --tokenizer runs/tokenizer.model \
-      --out runs/ours --device cuda --dtype bf16 ${HP[*]} --no-shuffle --peak-tflops 989 --log-every 50 \
-      --ckpt-every 500 --resume auto --tensorboard runs/ours/tb &&
-    $LAPLACE eval --model runs/ours --data 'runs/data/val_*.bin' --batch 16 --seq 2048 --device cuda \
-      --dtype bf16 > runs/ours_eval.log 2>&1 &&
-    $LAPLACE generate --model runs/ours --prompt 'static int' --max-tokens 120 --temperature 0.7 --top-k 40 \
-      --seed 1 --device cuda --dtype bf16 > runs/ours_sample.log 2>&1
-    echo exit \$? > runs/ours.done" > runs/ours.log 2>&1 < /dev/null &
+    $LAPLACE train --config $CFG --init $RUNS/init.safetensors $DATA_Q --tokenizer $RUNS/tokenizer.model \
+      --out $RUNS/ours --device cuda --dtype bf16 ${HP[*]} --no-shuffle --peak-tflops 989 --log-every 50 \
+      --ckpt-every 500 --stop-after $STOP1 --tensorboard $RUNS/ours/tb &&
+    $LAPLACE train --config $CFG --init $RUNS/init.safetensors $DATA_Q --tokenizer $RUNS/tokenizer.model \
+      --out $RUNS/ours --device cuda --dtype bf16 ${HP[*]} --no-shuffle --peak-tflops 989 --log-every 50 \
+      --ckpt-every 500 --resume auto --tensorboard $RUNS/ours/tb &&
+    $LAPLACE eval --model $RUNS/ours --data '$RUNS/data/val_*.bin' --batch 16 --seq 2048 --device cuda \
+      --dtype bf16 > $RUNS/ours_eval.log 2>&1 &&
+    $LAPLACE generate --model $RUNS/ours --prompt 'static int' --max-tokens 120 --temperature 0.7 --top-k 40 \
+      --seed 1 --device cuda --dtype bf16 > $RUNS/ours_sample.log 2>&1
+    echo exit \$? > $RUNS/ours.done" > $RUNS/ours.log 2>&1 < /dev/null &
   stamp "train started"
 fi
 
 if has ref; then
-  rm -rf runs/ref
+  rm -rf $RUNS/ref
   setsid nohup bash -c "
-    PYTHONUNBUFFERED=1 $PY python/reference_trainer.py --config $CFG --init runs/init.safetensors $DATA_Q \
-      --out runs/ref ${HP[*]} --stop-after $REF_STEPS --amp bf16 --ns-mode bf16 --log-every 50
-    echo exit \$? > runs/ref.done" > runs/ref.log 2>&1 < /dev/null &
+    PYTHONUNBUFFERED=1 $PY python/reference_trainer.py --config $CFG --init $RUNS/init.safetensors $DATA_Q \
+      --out $RUNS/ref ${HP[*]} --stop-after $REF_STEPS --amp bf16 --ns-mode bf16 --log-every 50
+    echo exit \$? > $RUNS/ref.done" > $RUNS/ref.log 2>&1 < /dev/null &
   stamp "reference started"
 fi
 
 collect() {
-  cp runs/ours/metrics.jsonl "$OUT/ours_metrics.jsonl" 2>/dev/null
-  cp runs/ref/metrics.jsonl "$OUT/ref_metrics.jsonl" 2>/dev/null
-  tar czf "$OUT/logs.tar.gz" runs/*.log runs/*.done runs/ours/tb runs/data/prepare.json runs/bench_a*/metrics.jsonl \
+  cp $RUNS/ours/metrics.jsonl "$OUT/ours_metrics.jsonl" 2>/dev/null
+  cp $RUNS/ref/metrics.jsonl "$OUT/ref_metrics.jsonl" 2>/dev/null
+  tar czf "$OUT/logs.tar.gz" $RUNS/*.log $RUNS/*.done $RUNS/ours/tb $RUNS/data/prepare.json $RUNS/bench_a*/metrics.jsonl \
     2>/dev/null
 }
 
 if has wait; then
   while (( $(date +%s) - t0 < WAIT_S )); do
-    [ -f runs/ours.done ] && [ -f runs/ref.done ] && break
+    [ -f $RUNS/ours.done ] && [ -f $RUNS/ref.done ] && break
     sleep 10
   done
-  stamp "ours: $(grep -E '^step' runs/ours.log 2>/dev/null | tail -1) $(cat runs/ours.done 2>/dev/null)"
-  stamp "ref:  $(grep -E '^step' runs/ref.log 2>/dev/null | tail -1) $(cat runs/ref.done 2>/dev/null)"
-  if [ -f runs/ours.done ] && [ -d runs/ours/tb ]; then
-    $PY scripts/check_tensorboard.py runs/ours/tb >> "$OUT/summary.txt" 2>&1; stamp "tensorboard check exit $?"
+  stamp "ours: $(grep -E '^step' $RUNS/ours.log 2>/dev/null | tail -1) $(cat $RUNS/ours.done 2>/dev/null)"
+  stamp "ref:  $(grep -E '^step' $RUNS/ref.log 2>/dev/null | tail -1) $(cat $RUNS/ref.done 2>/dev/null)"
+  if [ -f $RUNS/ours.done ] && [ -d $RUNS/ours/tb ]; then
+    $PY scripts/check_tensorboard.py $RUNS/ours/tb >> "$OUT/summary.txt" 2>&1; stamp "tensorboard check exit $?"
   fi
 fi
 collect
-tail -5 runs/ours.log 2>/dev/null
-tail -3 runs/ref.log 2>/dev/null
+tail -5 $RUNS/ours.log 2>/dev/null
+tail -3 $RUNS/ref.log 2>/dev/null
