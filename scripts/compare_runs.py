@@ -40,6 +40,47 @@ def read(path):
     return train, val
 
 
+def moving_average(xs, n):
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= n:
+            acc -= xs[i - n]
+        out.append(acc / min(i + 1, n))
+    return out
+
+
+def plot(path, steps, ot, rt, ov, rv, labels, last):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        fail("--plot needs matplotlib (Debian: python3-matplotlib)")
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    for runs, val, name, color in ((ot, ov, labels[0], "C0"), (rt, rv, labels[1], "C1")):
+        ys = [runs[s] for s in steps]
+        ax.plot(steps, ys, color=color, alpha=0.25, linewidth=0.6)
+        ax.plot(steps, moving_average(ys, 20), color=color, linewidth=1.4, label=name + " (train, 20-step mean)")
+        vs = sorted(s for s in val if s <= steps[-1])
+        if vs:
+            ax.plot(vs, [val[s] for s in vs], "o--", color=color, markersize=4, label=name + " (validation)")
+    ax.set_ylabel("loss (nats)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    d = [ot[s] - rt[s] for s in steps]
+    bx.plot(steps, d, color="0.6", linewidth=0.5, label="per step")
+    bx.plot(steps, moving_average(d, 20), color="k", linewidth=1.2, label="20-step mean")
+    bx.axhline(0, color="k", linewidth=0.5)
+    bx.axvspan(steps[-min(last, len(steps))], steps[-1], color="C2", alpha=0.1, label="last %d steps" % last)
+    bx.set_ylabel("Δ loss (%s − %s)" % tuple(labels))
+    bx.set_xlabel("step")
+    bx.legend(fontsize=8)
+    bx.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("ours")
@@ -50,6 +91,8 @@ def main(argv=None):
     p.add_argument("--commit", default="unknown")
     p.add_argument("--device", default="unknown")
     p.add_argument("--command", default="")
+    p.add_argument("--plot", help="also draw both curves over the common steps and their difference (.png/.svg)")
+    p.add_argument("--labels", default="laplace,reference", help="the two runs' names in the plot")
     a = p.parse_args(argv)
     (ot, ov), (rt, rv) = read(a.ours), read(a.ref)
     steps = sorted(set(ot) & set(rt))
@@ -67,6 +110,8 @@ def main(argv=None):
         out.update(val_step=s, ours_val_loss=ov[s], ref_val_loss=rv[s], val_rel_diff=abs(ov[s] - rv[s]) / rv[s])
         out["val_by_step"] = {str(s): [ov[s], rv[s]] for s in vsteps}
     print(json.dumps(out, indent=1))
+    if a.plot:
+        plot(a.plot, steps, ot, rt, ov, rv, a.labels.split(",", 1), a.last)
     if a.results:
         date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         note = "steps %d-%d (0-based) of %d common; ours %s vs reference %s" % (tail[0], tail[-1], len(steps),
