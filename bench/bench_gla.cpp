@@ -1,4 +1,4 @@
-// bench_gla: the CUDA GLA mixer (SPEC §1, chunked form, C = 128) at the training shape of
+// bench_gla: the CUDA GLA mixer (docs/model.md §4, chunked form, C = 128) at the training shape of
 // laplace-3b: B = 8, T = 2048, H = 16, dk = 96, dv = 192, BF16 q/k/v/dO, F32 state math.
 //
 //   forward          gla_forward (o BF16, zero initial state, no final state)
@@ -195,7 +195,7 @@ int main(int argc, char** argv) {
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
 
-  // FLOPs of the chunked algorithm (as SPEC §2 counts the mixer: 3·H·(C(dk+dv) + 4·dk·dv)
+  // FLOPs of the chunked algorithm (as docs/model.md §7 counts the mixer: 3·H·(C(dk+dv) + 4·dk·dv)
   // per token for fwd+bwd), for an achieved-rate figure.
   const double flops_fb = 3.0 * static_cast<double>(B * T) * static_cast<double>(H) *
                           (128.0 * static_cast<double>(dk + dv) + 4.0 * static_cast<double>(dk * dv));

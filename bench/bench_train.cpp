@@ -1,4 +1,4 @@
-// bench_train: whole training steps of laplace-3b (SPEC §2) on one GPU: BF16 weights and
+// bench_train: whole training steps of laplace-3b (docs/training.md) on one GPU: BF16 weights and
 // compute, F32 master weights, F32 gradients, Muon (body matrices) + AdamW (the rest),
 // gradient-norm clipping, then masters → BF16 weights. The same pieces as `laplace train`
 // (train/trainer.h: make_optimizer_params, copy_masters_to_weights), driven directly so
@@ -182,7 +182,7 @@ int run(const Args& a) {
     if (st.is_ok()) st = masters.create(weight_specs(cfg, DType::kF32), be->allocator(), "master weights");
     if (st.is_ok()) st = grads.create(weight_specs(cfg, DType::kF32), be->allocator(), "gradients");
     OptimizerConfig oc;
-    oc.ns_bf16 = true;  // SPEC §2: Newton–Schulz in bf16 on the GPU
+    oc.ns_bf16 = true;  // docs/training.md §6: Newton–Schulz in bf16 on the GPU
     oc.lr = a.lr;
     oc.weight_decay = 0.1;
     if (st.is_ok()) st = opt.init(*be, make_optimizer_params(cfg, masters, grads, false), oc);

@@ -176,7 +176,7 @@ Status run_generate(const GenerateArgs& g) {
     if (t >= c.vocab_size) return Status::invalid_argument("prompt token id " + std::to_string(t) + " ≥ vocab_size");
   LAPLACE_RETURN_IF_ERROR(lm.model.plan({1, g.prefill_chunk, false, false}));
   StatePool pool;
-  // The state is F32 (SPEC §1) except for an F64 model, whose verification runs keep it in F64.
+  // The state is F32 (docs/model.md §5) except for an F64 model, whose verification runs keep it in F64.
   const DType state_dtype = lm.model.dtype() == DType::kF64 ? DType::kF64 : DType::kF32;
   LAPLACE_RETURN_IF_ERROR(pool.create(c, *lm.backend, 1, state_dtype));
   GenerateOptions opt;

@@ -4,7 +4,7 @@
 // then the data section. The JSON maps each tensor name to
 //   {"dtype": "F32", "shape": [9216, 3072], "data_offsets": [begin, end]}
 // (offsets relative to the start of the data section) plus an optional
-// "__metadata__" object of string -> string. Tensor names follow SPEC §1
+// "__metadata__" object of string -> string. Tensor names follow docs/model.md §2
 // ("model.layers.0.wqkvg.weight", ...).
 //
 // The reader maps the file and validates the whole header up front, so that

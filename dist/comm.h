@@ -1,4 +1,4 @@
-// Communicator: the collectives distributed training needs (SPEC §2 "Distributed"),
+// Communicator: the collectives distributed training needs (docs/distributed.md),
 // over raw typed host buffers, with an MPI implementation (dist/comm_mpi.cpp, Open MPI
 // on CPUs; a stub that says so when the build has no MPI) and a single-process one
 // (P = 1) used when the program was not started by mpirun.

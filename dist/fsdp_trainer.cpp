@@ -198,7 +198,7 @@ Status FsdpTrainer::setup_local() {
     max_unit = std::max(max_unit, u.rows * u.cols);
     ns_.plan(u.rows, u.cols);
   }
-  // SPEC §2: Newton–Schulz in BF16 on the GPU (as the single-GPU trainer); the CPU keeps
+  // docs/training.md §6: Newton–Schulz in BF16 on the GPU (as the single-GPU trainer); the CPU keeps
   // the master dtype so the F32 reference can check it.
   ns_.dtype = dev_ == Device::kCUDA ? DType::kBF16 : dtype_;
   // The orthogonalised update o overwrites u in place: both exchanges read a unit's u
@@ -507,7 +507,7 @@ StepResult FsdpTrainer::optimizer_step(double lr, DistStepTraffic* traffic) {
   const OptimizerConfig& cfg = opt_.optim;
   StepResult r;
   r.grad_norm = grad_norm();
-  if (!std::isfinite(r.grad_norm)) {  // before any state changes (SPEC §5)
+  if (!std::isfinite(r.grad_norm)) {  // before any state changes (docs/training.md §6)
     r.skipped = true;
     return r;
   }

@@ -1,4 +1,4 @@
-// FSDP-style data-parallel training (SPEC §2 "Distributed") behind
+// FSDP-style data-parallel training (docs/distributed.md) behind
 // `mpirun -np P laplace train …` (or `laplace train --distributed` in one process).
 //
 // Every rank holds, for every parameter, the rows shard_rows(rows, rank, P) (dist/plan.h)

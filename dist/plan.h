@@ -1,4 +1,4 @@
-// Global-shape planning for FSDP-style training (SPEC §2 "Distributed"): row shards,
+// Global-shape planning for FSDP-style training (docs/distributed.md): row shards,
 // Muon owners and the Muon traffic formula. Everything here is a pure function of the
 // config, the flags and the rank count, so every rank computes the same plan without
 // communicating (the trainer still hashes the owner assignment and checks it on all

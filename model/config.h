@@ -1,4 +1,4 @@
-// Model configuration: the HF-style config.json of SPEC §1 ("model_type": "laplace").
+// Model configuration: the HF-style config.json of docs/model.md §1 ("model_type": "laplace").
 #pragma once
 
 #include <cstdint>
@@ -29,16 +29,16 @@ struct Config {
   int64_t qk_dim() const { return num_heads * head_k_dim; }   // H·dk
   int64_t v_dim() const { return num_heads * head_v_dim; }    // H·dv
 
-  // Parameters of the 4 body matrices per layer (what Muon optimises).
+  // Parameters of the 4 body matrices per layer (what Muon optimises; docs/model.md §6).
   int64_t body_params() const;
   // All parameters (embedding, head unless tied, norms, conv).
   int64_t total_params() const;
-  // Bytes of one sequence's decode state: L × (H·dk·dv + K·D) fp32 values.
+  // Bytes of one sequence's decode state: L × (H·dk·dv + K·D) fp32 values (docs/model.md §5).
   int64_t state_bytes_per_sequence() const;
-  // Training FLOPs per token, SPEC §2: 6·(body + V·D) + L·3·H·(C(dk+dv) + 4·dk·dv).
+  // Training FLOPs per token, docs/model.md §7: 6·(body + V·D) + L·3·H·(C(dk+dv) + 4·dk·dv).
   double train_flops_per_token() const;
 
-  // λ_h = 1 − 2^(−5−h), h = 0..H−1 (fixed decay per head).
+  // λ_h = 1 − 2^(−5−h), h = 0..H−1 (fixed decay per head; docs/model.md §3).
   std::vector<double> decays() const;
 
   Status validate() const;

@@ -1,4 +1,4 @@
-// The Laplace model of SPEC §1: one definition that drives training (forward +
+// The Laplace model (docs/model.md §2): one definition that drives training (forward +
 // backward, chunked mixer), prefill (chunked mixer from and into decode states) and
 // decode (one token per sequence, recurrent mixer, states updated in place).
 // All arithmetic goes through a Backend, so the same code runs on CPU and CUDA.

@@ -1,4 +1,4 @@
-// Decode states: one fixed-size slot per live sequence (SPEC §1 "Inference state").
+// Decode states: one fixed-size slot per live sequence (docs/model.md §5).
 // A slot holds, for each layer l, the H GLA states [H, dk, dv] followed by the conv
 // window of the last K conv inputs [K, D], all F32, so a slot is exactly
 // Config::state_bytes_per_sequence() bytes and a whole sequence's context is one
@@ -30,8 +30,8 @@ struct PendingSpec {
 
 class StatePool {
  public:
-  // Allocates `slots` zeroed slots on the backend's device. States are F32 (SPEC
-  // §1); F64 exists for the CPU backend's verification runs of F64 models; BF16 (half
+  // Allocates `slots` zeroed slots on the backend's device. States are F32 (docs/model.md
+  // §5); F64 exists for the CPU backend's verification runs of F64 models; BF16 (half
   // the bytes, one rounding per update) is the serving option for BF16 models on CUDA.
   Status create(const Config& c, Backend& be, int64_t slots, DType dtype = DType::kF32, PendingSpec pending = {});
   // Bytes of one slot for these options (what create() gives slot_bytes()).

@@ -1,5 +1,5 @@
 // The model's parameters: one Arena carved by a size table with the canonical
-// names of SPEC §1. The same table carves gradient arenas, so a gradient has the
+// names of docs/model.md §2. The same table carves gradient arenas, so a gradient has the
 // name and shape of its parameter.
 #pragma once
 
@@ -39,7 +39,7 @@ ModelWeights weights_bind(const Config& c, const Arena& arena);
 
 // True for the four body matrices per layer that Muon optimises.
 bool is_body_matrix(const std::string& name);
-// Row blocks orthogonalised separately (SPEC §2): q,k,v,g of W_qkvg; a,b of W_12.
+// Row blocks orthogonalised separately (docs/training.md §6): q,k,v,g of W_qkvg; a,b of W_12.
 std::vector<int64_t> muon_blocks(const Config& c, const std::string& name);
 // Parameters that AdamW decays (embedding and head).
 bool is_decayed_by_adamw(const std::string& name);

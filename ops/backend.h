@@ -151,7 +151,7 @@ class Backend {
                                   const Tensor& mean, const Tensor& rstd, Tensor dx,
                                   bool accumulate_dx, Tensor dw, Tensor db) = 0;
 
-  // Causal depthwise conv + SiLU, SPEC §1. u,c,pre [B,T,D]; w [D,K].
+  // Causal depthwise conv + SiLU, docs/model.md §2. u,c,pre [B,T,D]; w [D,K].
   // win_in/win_out [S,K,D]: the last K conv inputs of each sequence (u_{<0} = 0 when
   // win_in is undefined); win_out receives the last K inputs after this call and may
   // alias win_in. pre (optional) receives the pre-activation for the backward.
@@ -161,7 +161,7 @@ class Backend {
   virtual void conv_silu_backward(const Tensor& dc, const Tensor& u, const Tensor& w,
                                   const Tensor& pre, Tensor du, Tensor dw) = 0;
 
-  // GLA mixer, SPEC §1. q,k [B,T,H,dk]; v,o [B,T,H,dv]; states [S,H,dk,dv].
+  // GLA mixer, docs/model.md §4. q,k [B,T,H,dk]; v,o [B,T,H,dv]; states [S,H,dk,dv].
   // s_in undefined means S_0 = 0; s_out (optional) gets the final state and may alias s_in.
   virtual void gla_forward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
                            Tensor o, const Tensor& s_in, Tensor s_out, const Tensor& slots) = 0;
@@ -232,7 +232,7 @@ class Backend {
   virtual void row_sum_squares(const Tensor& x, Tensor out) = 0;
   // x *= alpha.
   virtual void scale(Tensor x, double alpha) = 0;
-  // AdamW (SPEC §2): m ← β1 m + (1−β1) g; v ← β2 v + (1−β2) g²;
+  // AdamW (docs/training.md §6): m ← β1 m + (1−β1) g; v ← β2 v + (1−β2) g²;
   // w ← w·(1 − lr·wd) − lr · (m/(1−β1^t)) / (√(v/(1−β2^t)) + eps), t = p.step (1-based).
   virtual void adamw_update(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p) = 0;
   // Muon momentum: m ← μ·m + g; u = g + μ·m (Nesterov) or u = m.
@@ -259,7 +259,7 @@ class Backend {
   // x *= 1 / (√ss + eps), ss a device scalar: Newton–Schulz's X = G / (‖G‖_F + eps).
   virtual void scale_by_inv_norm(Tensor x, const Tensor& ss, double eps) = 0;
   // adamw_update / muon_momentum / muon_apply that do nothing when the device scalar
-  // `skip` is non-zero (a non-finite gradient norm: SPEC §2, nothing is touched).
+  // `skip` is non-zero (a non-finite gradient norm: docs/training.md §6, nothing is touched).
   virtual void adamw_update_gated(Tensor w, const Tensor& g, Tensor m, Tensor v, const AdamWParams& p,
                                   const Tensor& skip) = 0;
   virtual void muon_momentum_gated(const Tensor& g, Tensor m, Tensor u, double mu, bool nesterov,

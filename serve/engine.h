@@ -83,11 +83,11 @@ struct EngineOptions {
   // Eager decode with the widths graphs would use (default_decode_widths when none are
   // given): the same kernels and shapes as graph decode, without graphs (--eager).
   bool default_widths = false;
-  // State dtype: kF32 (SPEC §1; F64 models get F64), or kBF16 for BF16 models on CUDA:
+  // State dtype: kF32 (docs/model.md §5; F64 models get F64), or kBF16 for BF16 models on CUDA:
   // half the bytes per slot, so about twice the slots and half the decode state traffic,
   // at the cost of one BF16 rounding of the state per token (docs/serving.md).
   DType state_dtype = DType::kF32;
-  // Deferred write-back (docs/serving.md §4): 0 = off (SPEC §1's slot); R = 4, 8 or 16 reads
+  // Deferred write-back (docs/serving.md §4): 0 = off (docs/model.md §5's slot); R = 4, 8 or 16 reads
   // each state every decode step but writes it back every R-th, keeping the last R − 1
   // tokens' (k, v) in a tail of the slot (+5 % bytes for laplace-3b at R = 8). Tokens may
   // differ from R = 0 by F32 rounding order; for a given R they are batch invariant and

@@ -32,7 +32,7 @@ enum class StateSource : uint8_t {
 };
 const char* state_source_name(StateSource s);  // "empty", "snapshot", "device_cache", "host_cache"
 
-// A sequence's whole context as one fixed-size value (SPEC §1): the bytes of its state
+// A sequence's whole context as one fixed-size value (docs/model.md §5): the bytes of its state
 // slot after `tokens`, and the logits those tokens leave for the next one. A request
 // that starts from a snapshot continues that context exactly as if its tokens had been
 // fed again; one snapshot may seed many requests (forks) since it is never modified.

@@ -1,4 +1,4 @@
-// Config parsing, validation and the size arithmetic of SPEC §1/§2.
+// Config parsing, validation and the size arithmetic of docs/model.md §5–§7.
 #include <gtest/gtest.h>
 
 #include <cmath>

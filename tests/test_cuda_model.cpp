@@ -218,7 +218,7 @@ TEST(CudaModel, ThreeBShapesTwoLayersMatchCpu) {
   compare_with_cpu(*cuda, three_b_two_layers(), 1, 256, 11);  // two chunks of 128
 }
 
-// SPEC §1/§3: prefill + recurrent decode on CUDA equals the CUDA full forward, and greedy
+// docs/model.md §5: prefill + recurrent decode on CUDA equals the CUDA full forward, and greedy
 // decoding follows the CPU F32 model.
 TEST(CudaModel, PrefillDecodeMatchesForwardAndCpuGreedy) {
   LAPLACE_REQUIRE_CUDA(cuda);

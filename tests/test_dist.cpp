@@ -1,4 +1,4 @@
-// Distributed training (SPEC §2, issue 7): the Communicator, the global-shape plan, and
+// Distributed training (docs/distributed.md, issue 7): the Communicator, the global-shape plan, and
 // `mpirun -np P laplace train` end to end on a model small enough that some Muon units
 // have fewer rows than ranks and some ranks hold empty shards.
 #include <gtest/gtest.h>

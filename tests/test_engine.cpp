@@ -794,7 +794,7 @@ TEST(EngineSlots, BytesPerSlotAndSlotsFromMemory) {
     EXPECT_LE(static_cast<int64_t>(Arena::planned_bytes({{"s", DType::kF32, {s + 1, bytes / 4}}})), budget);
     EXPECT_GT(static_cast<int64_t>(Arena::planned_bytes({{"s", DType::kF32, {s + 2, bytes / 4}}})), budget);
   }
-  // laplace-3b: 29,491,200 bytes per slot (SPEC §1); 80 GiB hold 2,911 slots + scratch.
+  // laplace-3b: 29,491,200 bytes per slot (docs/model.md §5); 80 GiB hold 2,911 slots + scratch.
   Config big;
   big.vocab_size = 92160, big.hidden_size = 3072, big.num_layers = 24, big.num_heads = 16;
   big.head_k_dim = 96, big.head_v_dim = 192, big.ffn_size = 8192;
@@ -1252,7 +1252,7 @@ TEST(EngineDeferred, ConvertedSlotsContinueAsWrittenBackEveryStep) {
   }
 }
 
-// Slot bytes: SPEC §1's state, then R − 1 pairs of (dk + dv) values per head and layer in the
+// Slot bytes: docs/model.md §5's state, then R − 1 pairs of (dk + dv) values per head and layer in the
 // activations' dtype, then L·H count words; a bad R and a snapshot with a count word not valid
 // for R are refused with a clear error.
 TEST(EngineDeferred, SlotBytesBadOptionsAndCorruptCounts) {

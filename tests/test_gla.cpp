@@ -1,4 +1,4 @@
-// Tests of the CPU GLA mixer (ops/cpu/gla.cpp), SPEC §1 "Three forms of the mixer":
+// Tests of the CPU GLA mixer (ops/cpu/gla.cpp), docs/model.md §4 (the three forms of the mixer):
 // the quadratic, recurrent and chunked forms agree; states chain, alias and live in
 // slot pools; strided q/k/v views work; the backward matches finite differences; and
 // results are bitwise deterministic.
@@ -34,7 +34,7 @@ struct Dims {
   int64_t B, T, H, dk, dv;
 };
 
-// λ_h = 1 − 2^(−5−h), the model's decays (SPEC §1).
+// λ_h = 1 − 2^(−5−h), the model's decays (docs/model.md §3).
 std::vector<double> model_decays(int64_t H) {
   std::vector<double> d;
   for (int64_t h = 0; h < H; ++h) d.push_back(1.0 - std::ldexp(1.0, static_cast<int>(-5 - h)));

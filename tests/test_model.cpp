@@ -36,7 +36,7 @@ double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
 
 class ModelTest : public ::testing::TestWithParam<DType> {};
 
-// SPEC §1: decoding after a prefill of T tokens gives the logits of a full forward
+// docs/model.md §5: decoding after a prefill of T tokens gives the logits of a full forward
 // over T+1 tokens.
 TEST_P(ModelTest, PrefillThenStepEqualsForward) {
   const DType dt = GetParam();

@@ -89,7 +89,7 @@ Vec matmul(const Vec& a, const Vec& b, int64_t r, int64_t k, int64_t c) {
   return o;
 }
 
-// The reference of SPEC §2, literally: normalise, transpose when tall, iterate, transpose back.
+// The reference of docs/training.md §6, literally: normalise, transpose when tall, iterate, transpose back.
 Vec ref_ns(const Vec& g, int64_t r, int64_t c, int steps = 5) {
   double ss = 0;
   for (double v : g) ss += v * v;

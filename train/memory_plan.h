@@ -5,7 +5,7 @@
 //
 // Buffer classes (each an Arena; sizes include the arena's 256-byte alignment padding):
 //   weights           weight_specs(c, model dtype)
-//   masters           F32 copies of the weights (BF16 models only, SPEC §2)
+//   masters           F32 copies of the weights (BF16 models only, docs/training.md)
 //   gradients         weight_specs(c, F32 or the compute dtype)
 //   optimizer         Muon momentum / AdamW m, v (param dtype) + the Muon update buffer +
 //                     Newton–Schulz scratch + the step's device scalars (Optimizer::init)

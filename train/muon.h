@@ -1,4 +1,4 @@
-// Muon's orthogonalisation (SPEC §2): a quintic Newton–Schulz iteration written only
+// Muon's orthogonalisation (docs/training.md §6): a quintic Newton–Schulz iteration written only
 // in terms of Backend calls (gemm, sum_squares, scale, copy), so every backend runs it.
 //
 // Contract (a PyTorch reference reproduces it):

@@ -1,8 +1,8 @@
-// The optimizer of SPEC §2: Muon for the body matrices, AdamW for everything else,
+// The optimizer of docs/training.md §6: Muon for the body matrices, AdamW for everything else,
 // global gradient-norm clipping and skipping of non-finite steps. Written only in
 // terms of Backend calls, so it runs on any backend.
 //
-// Row-shardable by construction (for FSDP, SPEC §2 "Distributed"): every state tensor
+// Row-shardable by construction (for FSDP, docs/distributed.md): every state tensor
 // (Muon momentum, AdamW m and v) has the shape of its parameter, and every step phase
 // except Newton–Schulz is element-wise, so it works unchanged on a row shard
 // [row_begin, row_end) of a parameter. A Muon step is therefore three functions:
@@ -38,7 +38,7 @@ struct Param {
   // means fused. W_qkvg: {H·dk, H·dk, H·dv, H·dv}; W_12: {F, F}.
   std::vector<int64_t> blocks;
   // Weight decay. AdamW params: as given (true for embeddings/head only). Muon params
-  // are always decayed (SPEC §2), whatever this says.
+  // are always decayed (docs/training.md §6), whatever this says.
   bool decay = false;
 };
 
@@ -54,7 +54,7 @@ struct OptimizerConfig {
   MuonScale scale = MuonScale::kRms;
   // Global gradient-norm clipping; 0 = off.
   double max_grad_norm = 1.0;
-  // Newton–Schulz in bf16 (SPEC §2; the CUDA trainer's choice). Off: in the master dtype
+  // Newton–Schulz in bf16 (docs/training.md §6; the CUDA trainer's choice). Off: in the master dtype
   // (the CPU path, which the F32 PyTorch reference checks).
   bool ns_bf16 = false;
 

@@ -1,4 +1,4 @@
-// Learning-rate schedules (SPEC §2). Steps are 0-based; step total_steps−1 is the last.
+// Learning-rate schedules (docs/training.md). Steps are 0-based; step total_steps−1 is the last.
 //   warmup  : s < warmup_steps ⇒ lr·(s+1)/warmup_steps (takes precedence over the rest)
 //   constant: lr
 //   cosine  : min_lr + (lr − min_lr)·½(1 + cos(π·p)), p = (s − warmup)/(total − 1 − warmup)

@@ -1,4 +1,4 @@
-// CPU GLA mixer, SPEC §1 "Three forms of the mixer": the quadratic, recurrent and
+// CPU GLA mixer, docs/model.md §4 (the three forms of the mixer): the quadratic, recurrent and
 // chunked forward forms and the chunk-wise backward, in F32 and F64; and the reference of
 // deferred state write-back (a decode option, docs/serving.md §4).
 //
@@ -131,7 +131,7 @@ struct HeadIn {
   double lambda;
 };
 
-// ---- chunk math (SPEC §1, chunked form) ---------------------------------------------
+// ---- chunk math (docs/model.md §4, chunked form) -------------------------------------
 
 // out[i][j] = λ^{i−j} (x_i · y_j) for 0 ≤ j ≤ i < len (the masked intra-chunk "attention"
 // matrix); entries j > i are left untouched and never read. x [len, d] row-major,
@@ -147,7 +147,7 @@ void masked_decayed_scores(const F* x, const F* yt, int64_t len, int64_t d, int6
   }
 }
 
-// o_i = λ^{i+1} qs_i S_n + Σ_{j≤i} A_ij v_j  (SPEC: chunked output), written to o rows
+// o_i = λ^{i+1} qs_i S_n + Σ_{j≤i} A_ij v_j  (docs/model.md §4: chunked output), written to o rows
 // [t0, t0+len). qs [len, dk], v [len, dv], A from masked_decayed_scores(qs, kᵀ).
 template <class F>
 void chunk_outputs(const F* qs, const F* v, const F* A, const F* S, int64_t len, int64_t dk,

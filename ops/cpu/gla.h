@@ -1,4 +1,4 @@
-// CPU GLA mixer kernels (SPEC §1), F32 and F64. The CPU backend forwards its
+// CPU GLA mixer kernels (docs/model.md §4), F32 and F64. The CPU backend forwards its
 // gla_forward/gla_backward here; argument meanings are those of ops/backend.h.
 #pragma once
 

@@ -295,7 +295,7 @@ void CudaBackend::row_sum_squares(const Tensor& x, Tensor out) {
 
 namespace cuda {
 
-// AdamW, SPEC §2 (F32 math; bias corrections bc1 = 1−β1^t, bc2 = 1−β2^t from the host):
+// AdamW, docs/training.md §6 (F32 math; bias corrections bc1 = 1−β1^t, bc2 = 1−β2^t from the host):
 //   m ← β1 m + (1−β1) g;  v ← β2 v + (1−β2) g²;
 //   w ← w·(1 − lr·wd) − lr · (m/bc1) / (√(v/bc2) + eps)
 struct AdamWArgs {

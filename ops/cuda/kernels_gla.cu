@@ -1,4 +1,4 @@
-// GLA mixer on CUDA (SPEC §1), generic path: one 256-thread block per (b, h) walks the chunks
+// GLA mixer on CUDA (docs/model.md §4), generic path: one 256-thread block per (b, h) walks the chunks
 // in order with the fp32 state in shared memory. The model's shapes (dk = 96, dv = 192, bf16)
 // take the tensor-core path of kernels_gla_tc.cu instead (tried first by gla_forward /
 // gla_backward below); this one serves every other shape, F32 inputs and decode steps. All matrix products are

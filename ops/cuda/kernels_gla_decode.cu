@@ -1,4 +1,4 @@
-// GLA decode step on CUDA (SPEC §1, recurrent form, T = 1), optionally fused with the
+// GLA decode step on CUDA (docs/model.md §4, recurrent form, T = 1), optionally fused with the
 // mixer's output gate. Per sequence b and head h, with state S [dk, dv] in slot slots[b]:
 //   S ← λ_h S + kᵀ v          (in place)
 //   o = (scale·q) S           [dv]

@@ -819,7 +819,7 @@ void CudaBackend::layernorm_backward(const Tensor& dy, const Tensor& x, const Te
   float* sc = static_cast<float*>(scratch((stat_floats + part_floats + 64) * sizeof(float)));
   if (!pm) {
     // The forward's statistics were not kept: recompute them. eps is not an argument of the
-    // backward, so the model's norm_eps (SPEC §1, 1e-5) is assumed; pass mean/rstd otherwise.
+    // backward, so the model's norm_eps (docs/model.md §1, 1e-5) is assumed; pass mean/rstd otherwise.
     launch_layernorm_fwd(vx, Vec{}, Vec{}, 1e-5f, RView{}, sc, sc + N, stream_);
     pm = sc;
     pr = sc + N;
@@ -1148,7 +1148,7 @@ void CudaBackend::rmsnorm_gate_backward(const Tensor& dy, const Tensor& o, const
   float* sc = static_cast<float*>(scratch((stat_floats + part_floats + 64) * sizeof(float)));
   if (!pr) {
     // eps is not an argument of the backward: the model keeps rstd from the forward. Without
-    // it we use the model's eps (SPEC §1 norm_eps = 1e-5).
+    // it we use the model's eps (docs/model.md §1: norm_eps = 1e-5).
     launch_rmsnorm_gate_fwd(vo, vg, Vec{}, 1e-5f, RView{}, sc, stream_);
     pr = sc;
   }
