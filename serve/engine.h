@@ -356,9 +356,9 @@ class Engine {
   std::vector<Seq*> in_flight_rows_;  // row b's sequence
   DecodeBatch in_flight_batch_;
   // can_chain()'s view of a batch's stop rules, one packed row per sequence, so that the
-  // check between collecting a step and queueing the next reads 1,280 small rows, not 1,280
-  // sequences (~180 µs of cache misses on the H200's host). Valid while the batch stays the
-  // same and no cancel() came (chain_cancels_).
+  // check between collecting a step and queueing the next reads one small row per sequence
+  // instead of walking the sequences themselves, whose cache misses showed in the step time at
+  // 1,280 sequences. Valid while the batch stays the same and no cancel() came (chain_cancels_).
   struct ChainRow {
     int32_t eos;
     int64_t left;          // tokens its max_tokens still allows before this step's

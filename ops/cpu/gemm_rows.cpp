@@ -138,9 +138,9 @@ __attribute__((target("avx512f"))) void tile_avx512(int64_t K, const double* a, 
 }
 
 // Packing, F32 with AVX-512: 16 × 16 blocks of B transposed in registers (unpack, shuffle,
-// then two 128-bit lane shuffles) instead of one scalar store per element, which made a
-// one-row product 5–10× slower than OpenBLAS's (the whole of B is packed for each call), 2–5×
-// now. The same with AVX2 below; F64 packs element by element.
+// then two 128-bit lane shuffles) instead of one scalar store per element: the whole of B is
+// packed for each call, so packing is most of a one-row product's time (BENCHMARKS.md, CPU).
+// The same with AVX2 below; F64 packs element by element.
 // GCC 12 warns that the intrinsics' own undefined pass-through operand (__Y) may be used
 // uninitialised; it is not read (no mask).
 #pragma GCC diagnostic push

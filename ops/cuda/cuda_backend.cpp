@@ -75,9 +75,9 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   // them (to time what gather_gemm_memsets saves).
   if (const char* v = std::getenv("LAPLACE_GRAPH_GEMM_MEMSETS")) gather_memsets_ = std::strcmp(v, "keep") != 0;
   // LAPLACE_GRAPH_COUNTERS=tail zeroes the gathered counters at the end of each graph instead of
-  // at its head. In a traced F32 decode run (BENCHMARKS.md, 2026-12-02) the next step's graph
-  // then started 0.25 ms after its input copy instead of 0.58 (0.05 with the memsets kept, i.e.
-  // an unedited graph). Not the default until the graph-vs-eager bitwise tests have run with it.
+  // at its head, so that a replay does not begin with the fill kernel: a graph rooted at it
+  // starts later after the step's input copy (the trace is in BENCHMARKS.md's History). Not the
+  // default until the graph-vs-eager bitwise tests have run with it.
   if (const char* v = std::getenv("LAPLACE_GRAPH_COUNTERS")) counters_at_tail_ = std::strcmp(v, "tail") == 0;
   if (const char* v = std::getenv("LAPLACE_GEMM_TUNE")) {
     gemm_tune_ = gemm_tune_allowed_ = std::strcmp(v, "0") != 0;
@@ -153,12 +153,12 @@ bool same_nodes(std::vector<cudaGraphNode_t> a, std::vector<cudaGraphNode_t> b) 
 }  // namespace
 
 // Before a kernel that walks its tiles in several waves, cuBLASLt queues a memset of a 4-byte
-// tile counter it keeps in the workspace (lab/gemm/algo_lab: the heuristic asks for 4 bytes of
-// workspace; one memset before each β = 0 gemm of a decode step, 49 per step). Captured as
-// queued, each memset waits for the kernel before the gemm and the gemm for the memset: two
-// dependency hops, ~6.5 µs of idle GPU per gemm (scripts/trace_step.py). Hanging the memset
-// off the previous gemm instead (a branch beside the kernels in between) did not help: the
-// gemm then waits at the join. So while capturing, each gemm whose algorithm needs at most
+// tile counter it keeps in the workspace (the heuristic asks for 4 bytes of workspace;
+// lab/gemm/algo_lab lists the nodes each candidate launches). Captured as queued, each memset
+// waits for the kernel before the gemm and the gemm for the memset: two dependency hops of
+// idle GPU per gemm, which a decode step pays dozens of times (BENCHMARKS.md's History has the
+// traces). Hanging the memset off the previous gemm instead (a branch beside the kernels in
+// between) does not help: the gemm then waits at the join. So while capturing, each gemm whose algorithm needs at most
 // kCounterSlot bytes of workspace gets its own slot of counters_ (gemm_add), the graph's first
 // node zeroes all slots (a fill kernel: capture()), and here every memset that zeroes exactly
 // such a gemm's slot is dropped (its producers now feed the gemm directly). No kernel

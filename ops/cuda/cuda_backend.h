@@ -206,8 +206,9 @@ class CudaBackend final : public Backend {
   int64_t gemm_shapes_switched() const { return gemm_shapes_switched_; }
   // Readies `kernel` for launches with `dyn_bytes` of dynamic shared memory: raises its limit
   // to dyn_bytes and, with max_carveout, asks for the largest shared-memory carveout. Each
-  // attribute is set once per value that raises it: cudaFuncSetAttribute is a host API call of a
-  // few µs, which eager launches (one per layer per decode step) would otherwise pay each time.
+  // attribute is set once per value that raises it: cudaFuncSetAttribute is a host API call
+  // dearer than a launch, which eager launches (one per layer per decode step) would otherwise
+  // pay each time.
   // Like the rest of the backend, for one host thread at a time.
   template <class Kernel>
   void kernel_smem(Kernel* kernel, size_t dyn_bytes, bool max_carveout = false) {

@@ -13,8 +13,9 @@
 // the batch and of the other slots).
 //
 // BF16 states with contiguous rows move through shared memory by Hopper bulk copies instead
-// (kBulk; lab/decode v2: 3.82 against 2.85 TB/s at 1,280 sequences × 16 heads; F32 states
-// stream at 3.9 TB/s either way and keep the per-thread loads), in the deferred kernel too.
+// (kBulk), in the deferred kernel too: per-thread loads of 8-byte BF16 vectors stay well below
+// the copy bandwidth, which F32 states reach with the per-thread loads they keep (figures in
+// BENCHMARKS.md's History).
 //
 // The gate epilogue reproduces rmsnorm_gate_fwd_kernel (kernels_norm.cu) operation for
 // operation, o rounded to its dtype first, so fused and unfused decode give the same bits.
@@ -41,8 +42,8 @@ struct DecShape<float> {
   static constexpr int kCols = 4, kGroups = 4;
 };
 // BF16 keeps F32's 4 × 4 shape with 8-byte vectors: 8 BF16 columns × 8 groups (16-byte
-// vectors) measured slower on the H200 (2.59 against 3.03 TB/s at 1,280 × 16 heads), and so did
-// 16 rows in flight instead of kDecUnroll's 8 (2.07 TB/s).
+// vectors) is slower, and so are 16 rows in flight instead of kDecUnroll's 8 (BENCHMARKS.md's
+// History).
 template <>
 struct DecShape<__nv_bfloat16> {
   static constexpr int kCols = 4, kGroups = 4;
@@ -265,10 +266,10 @@ __global__ void __launch_bounds__(kDecMaxDv) gla_decode_kernel(DecArgs a) {
 //                   write, (k, v) appended as pair m;
 //   m + 1 + d = R:  S ← λ^{m+1} S_base + Σ_{j<m} λ^{m−j} k_jᵀ v_j + kᵀ v, written back; o = q̃ S,
 // d being the count word's phase (ops/backend.h: 0 but in a cycle started by a flush).
-// At R = 8 a (slot, head) moves 85.5 KB per step on average in F32 instead of 147.5 KB
-// (lab/decode/deferred_lab: 0.472 against 0.749 ms per layer at 1,280 × 16 heads; this kernel,
-// with the gate: 0.469 in lock-step, 0.433 with the heads' write-backs phased as the engine runs
-// them, a pending step 0.404 and the write-back step 0.920; BENCHMARKS.md).
+// At R = 8 a (slot, head) moves 85.5 KB per step on average in F32 instead of 147.5 KB. The
+// write-back step, which folds the pairs into every element, costs more than twice a pending
+// step, so the engine phases the heads' write-backs (the count word's d) rather than let every
+// head of a batch admitted together write back in the same step (timings in BENCHMARKS.md).
 // The block and thread layout are gla_decode_kernel's; the pairs, q̃, k, v, g, w and the
 // scalars λ^{m−j}(q̃·k_j) sit in shared memory as F32.
 
@@ -286,10 +287,10 @@ struct PendArgs {
 // m and d of a slot's count word (ops/backend.h), each kept in [0, R) by a mask (R is a power
 // of two): a corrupt word must not send the kernel out of its pair arrays (the host validates
 // the words it restores; padded rows share the scratch slot). The write-back test is
-// m + 1 + d ≥ R, so a corrupt word with m + d ≥ R folds its m < R pairs. A min/max clamp in
-// the mask's place was observed on the H200 (CUDA 13.0) to take the write-back step at every
-// step, although its PTX compared the clamped count correctly; the cause was not pinned down,
-// and the mask passes the op and model tests.
+// m + 1 + d ≥ R, so a corrupt word with m + d ≥ R folds its m < R pairs. Keep the mask: a
+// min/max clamp in its place took the write-back step at every step on the GPU (CUDA 13.0,
+// sm_90a) although its PTX compared the clamped count correctly; the cause was not found, and
+// the mask passes the op and model tests (BENCHMARKS.md's History).
 __device__ __forceinline__ void pending_count(const PendArgs& p, int64_t slot, int h, int R, int* m, int* d) {
   const int32_t w = p.cnt[slot * p.c_ss + h];
   *m = pending_m(w) & (R - 1);
@@ -468,8 +469,8 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
       // S ← λ^{m+1} S_base + Σ_j λ^{m−j} k_jᵀ v_j + kᵀ v, each element's chain of fmas in the
       // reference's order (ops/cpu/gla.cpp): pair by pair over the kDecUnroll rows in flight, so
       // a pair's v is read from shared memory once per kDecUnroll rows, not once per row (row by
-      // row, those float4 reads were 4 of every 5 shared-memory wavefronts of the step; H200,
-      // R = 8, F32: the write-back step 1.10 → 0.96 ms). The loop over the pairs stays a loop:
+      // row, those float4 reads were 4 of every 5 shared-memory wavefronts of the step). The
+      // loop over the pairs stays a loop:
       // unrolled, the compiler issues every pair's loads ahead of their fmas and spills the rows
       // in flight. Rows past r1 (zeros) are folded too and never used.
 #pragma unroll
@@ -529,12 +530,9 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
 }
 
 // At most 64 registers (__launch_bounds__(256, 4)), so 5 decode blocks of dv = 192 threads fit
-// per SM. H200, 1,280 sequences × 16 heads, R = 8, F32 states (bench_ops): 0.514 ms per step,
-// against 0.524 at 80 registers (4 blocks, no spills) and 0.573 before the write-back's fold
-// became a loop (80 registers, spilling); 0.469 since the prologue's loads are all in flight
-// together and the fold runs pair by pair. Unbounded, the kernel took 118 registers and 2 blocks
-// per SM. The few bytes spilled at 64 (ptxas: 8 stored, 16 loaded at R = 8, F32) are cheaper
-// than the fifth block.
+// per SM: unbounded, the kernel takes ~118 registers and 2 blocks per SM, and at 80 registers
+// 4 blocks fit without spills. The few bytes spilled at 64 (ptxas: 8 stored, 16 loaded at
+// R = 8, F32) cost less than the fifth block gains (BENCHMARKS.md's History).
 template <class ST, int R, bool kBulk>
 __global__ void __launch_bounds__(kDecMaxDv, 4) gla_decode_deferred_kernel(DecArgs a, PendArgs p) {
   static_assert(R >= 2 && R <= kMaxDeferSteps && (R & (R - 1)) == 0, "R: a power of two up to 16");
@@ -616,7 +614,7 @@ bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(
 // Whether the BF16 bulk-copy variant applies: states read and written (in place or not), rows
 // contiguous (sk = dv), dk a multiple of the row groups, and every (slot, head) state and row
 // group starting 16-byte aligned (piece sizes rows·dv·2 bytes, multiples of 16). Only BF16:
-// lab/decode measured F32 states at the same 3.9 TB/s either way.
+// F32 states stream as fast with per-thread loads.
 bool bulk_fits(const DecArgs& a, const Tensor& s_in, const Tensor& s_out) {
   constexpr int G = DecShape<__nv_bfloat16>::kGroups;
   if (!s_in.defined() || !s_out.defined() || a.sk != a.dv || a.dk % G != 0) return false;

@@ -588,10 +588,9 @@ void layernorm_vec_dispatch(int64_t nv, const RView& x, const Vec& w, const Vec&
 // all loads issued before the first barrier (lab/norm v2). Sums over the block: each warp's
 // butterfly, then the warps' partials in warp order, read by every thread in the same order
 // (deterministic; another order than the warp-per-row kernels, so bits differ from theirs).
-// Measured on the H200 (2026-12-01): dx 0.108 against 0.236 ms at 16,384 × 3,072 in lab/norm.
-// The forward went the other way in the lab (0.093 against 0.062 ms) but this way in
-// bench_ops (0.0996 against 0.1174) while production read dtypes at run time (see dt_as in
-// cuda_common.cuh); with x's dtype fixed, BF16 rows take the warp-per-row forward again.
+// Wide rows take this dx kernel. For the forward it pays only against a warp-per-row kernel
+// that reads dtypes at run time (see dt_as in cuda_common.cuh): with x's dtype fixed, BF16
+// rows take the warp-per-row forward (launch_layernorm_fwd; BENCHMARKS.md's History).
 constexpr int kLnRowMinVec = 4;       // wider rows than 256·4 columns take the block-per-row kernels
 constexpr int kLnRowMaxThreads = 1024;  // D ≤ 8192
 
@@ -727,7 +726,7 @@ void launch_layernorm_fwd(const RView& x, const Vec& w, const Vec& b, float eps,
                   (w.p && aligned16(w.p) ? kLnVecW : 0) | (b.p && aligned16(b.p) ? kLnVecB : 0);
   const bool warp_rows = D > 0 && D % 8 == 0 && nv <= kLnMaxVec;
   if (warp_rows && bf16_rows(x)) {
-    // BF16 x: one warp per row with x's dtype fixed (lab/norm v1: 3.2 TB/s at 16,384 × 3,072).
+    // BF16 x: one warp per row with x's dtype fixed (the fastest forward for BF16 rows).
     layernorm_vec_dispatch<kBF16>(nv, x, w, b, eps, y, mean, rstd, vec, st);
   } else if (ln_row_fits(N, D)) {
     // Wide rows otherwise: one block per row (faster than a warp with a run-time dtype).
@@ -1889,8 +1888,8 @@ __global__ void ce_bwd_kernel(RView x, const int32_t* targets, float scale, RVie
 // it uses any (the generic kernels have one 2-byte load in flight per thread), takes their max
 // first and folds them into its (m, s) with one rescale of s, with no data-dependent branch.
 // The exponentials are 2^(x·log2e − m·log2e) on the SFU (ex2.approx, relative error ~2^-22,
-// one FFMA + one MUFU per element instead of expf's ~10 instructions: at 4 TB/s the generic
-// arithmetic is close to the memory time). The threads' (m, s) are combined by the generic
+// one FFMA + one MUFU per element instead of expf's ~10 instructions: at HBM bandwidth the
+// generic arithmetic takes about as long as the loads). The threads' (m, s) are combined by the generic
 // kernels' fixed tree, so the order depends only on V and the block size; results agree with
 // the generic kernels to rounding, not bitwise.
 

@@ -51,9 +51,9 @@ __global__ void argmax_rows_kernel(RView x, int32_t* out) {
   argmax_block_store(best, out + row);
 }
 
-// The decode step's case: F32 rows, 16-byte aligned, cols % 4 == 0 (1,280 × 92,160 logits,
-// 472 MB read once). The generic kernel's loads go through a run-time dtype branch one at a
-// time (~2 TB/s); here each thread keeps kArgUnroll float4 loads in flight. Thread t scans
+// The decode step's case: F32 rows, 16-byte aligned, cols % 4 == 0 (a whole batch's logits,
+// read once). The generic kernel's loads go through a run-time dtype branch one at a time,
+// about half the copy bandwidth; here each thread keeps kArgUnroll float4 loads in flight. Thread t scans
 // the vectors t, t + blockDim, … in increasing column order and within a vector its lanes
 // left to right with the same strict >, so every thread holds the lowest index of its largest
 // value and the tree gives the generic kernel's answer (for rows without NaN, whose place
