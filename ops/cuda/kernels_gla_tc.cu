@@ -35,9 +35,9 @@
 // ~1.6e-3 relative each if rounded once to bf16; the forward's budget (2.5e-3 total, of which the
 // final bf16 rounding of o alone costs 1.66e-3) does not allow that, so the forward splits each
 // such value into hi = bf16(x) and lo = bf16(x − hi) and runs two mma's (error ~1e-5). The
-// backward (budget 5e-3) rounds each such value once, its state scans included (v5; their
-// states are stored as one bf16 plane anyway): measured dq 2.58e-3, dk/dv 2.83e-3, d(initial
-// state) 1.66e-3, against 2.35e-3 / 2.5e-6 with split scans that took 35% longer.
+// backward (budget 5e-3) rounds each such value once, its state scans included (their states
+// are stored as one bf16 plane anyway): its errors stay within budget, and split scans would
+// lower them at the cost of a third more scan time (BENCHMARKS.md's History).
 #include "ops/cuda/cuda_common.cuh"
 
 #include <cuda_bf16.h>
@@ -47,9 +47,10 @@
 
 namespace laplace::cuda::gla_tc {
 
-// Forward precision switches. Measured (H200, B8 T2048, o vs fp64): both on 1.66e-3 (the bf16
-// rounding of o alone), A single-rounded 1.73e-3 (fwd_o 3% faster), S single-rounded 2.29e-3
-// (10% faster, too close to the 2.5e-3 bound). Both stay on.
+// Forward precision switches: the hi/lo split of the decayed block A and of the state S. Both
+// stay on. With both, o's error is that of its final bf16 rounding alone; rounding A once
+// saves little, and rounding S once brings the error too close to the 2.5e-3 bound for the
+// time it saves (BENCHMARKS.md's History).
 #ifndef GLA_A_LO
 #define GLA_A_LO 1
 #endif
@@ -197,14 +198,14 @@ __device__ __forceinline__ void store2(void* p, int dt, int64_t off, float x0, f
 // = G_n; final to sfin = ds_in. OUT = kOutHiLo stores each state as two bf16 planes (hi, lo:
 // fp32-exact for the forward's output kernel), kOutHi as one bf16 plane (the backward's).
 //
-// v2 vs v1: v1 converted the decayed X rows to hi/lo in shared memory through registers, one
-// serial global load at a time, and ran 16 dependent steps per block at 0.22 ms per scan. v2
-// copies raw bf16 tiles with cp.async, double-buffered (the next chunk loads while this one
-// multiplies), and applies the row weights and the hi/lo split to the A fragments in registers
-// right after ldmatrix. 256 blocks of 107 KB: two per SM, one wave on 132 SMs.
-// v4: states leave through shared memory as 16-byte row pieces (see step 3).
-// v5: XSPLIT = false rounds the weighted rows once (one mma instead of two): for the
-// backward's scans, whose states are stored as one bf16 plane anyway.
+// The scan is a chain of dependent steps, so it is latency-bound unless loads overlap the
+// math: it copies raw bf16 tiles with cp.async, double-buffered (the next chunk loads while
+// this one multiplies), and applies the row weights and the hi/lo split to the A fragments in
+// registers right after ldmatrix (converting them in shared memory, one serial global load at a
+// time, left it latency-bound). 256 blocks of 107 KB: two per SM, one wave on 132 SMs. States
+// leave through shared memory as 16-byte row pieces (see step 3). XSPLIT = false rounds the
+// weighted rows once (one mma instead of two): for the backward's scans, whose states are
+// stored as one bf16 plane anyway.
 constexpr int kStateThreads = 192;
 constexpr int kSlice = 96;  // dv columns per block
 constexpr int kOutHiLo = 0, kOutHi = 1;
@@ -424,11 +425,11 @@ __global__ void __launch_bounds__(kStateThreads) state_kernel(Args a, Act X, Act
 //
 // v7: grid (⌈DK·DV / (4·kFixThreads)⌉, B·H, G − 1), blockIdx.z + 1 = the group whose chunk
 // states the block fixes; each thread owns four consecutive elements (c, e..e+3) of one head's
-// state. v6 had one thread walk every group with a double-precision pow per chunk: 156 µs at
-// B = 1, T = 8,192 (ncu), more than the scan kernel itself (103 µs). Now each thread rebuilds the
-// carry entering its own group from gend, the powers of λ come from tables in shared memory,
-// and the loads of kFixUnroll chunks are issued before any of their stores. The expressions and
-// their order are v6's, so the bits are too.
+// state. Each thread rebuilds the carry entering its own group from gend (one thread walking
+// every group, with a double-precision pow per chunk, took longer than the scan itself), the
+// powers of λ come from tables in shared memory, and the loads of kFixUnroll chunks are issued
+// before any of their stores. The expressions and their order are those of a walk over the
+// groups in order, so the bits do not depend on how the groups are spread over blocks.
 constexpr int kFixThreads = 256, kFixVec = 4, kFixUnroll = 4;
 constexpr int kFixTab = 256;  // chunk weights λ^{128·j} tabled for j < kFixTab (more: computed)
 constexpr int kMaxGroups = 128;  // G ≤ kScanBlocks / 2 (plan_groups)
