@@ -217,6 +217,7 @@ Status Trainer::validate(int64_t batches, double* loss) {
   double sum = 0;
   for (int64_t i = 0; i < batches; ++i) {
     val_loader_.next(x_.data(), y_.data());
+    if (opt_.target_mask) opt_.target_mask(x_.data(), y_.data(), opt_.batch, opt_.seq);
     model_.forward(x_.data(), opt_.batch, opt_.seq, ForwardOptions{});
     sum += model_.loss(y_.data());
   }
@@ -289,6 +290,7 @@ void Trainer::enqueue_step(int64_t step) {
   const int64_t N = opt_.batch * opt_.seq;
   for (int64_t micro = 0; micro < opt_.grad_accum; ++micro) {
     train_loader_.next(x_.data(), y_.data());
+    if (opt_.target_mask) opt_.target_mask(x_.data(), y_.data(), opt_.batch, opt_.seq);
     model_.forward(x_.data(), opt_.batch, opt_.seq, ForwardOptions{});
     // Model::loss's arithmetic with the sum left on the device (Model::loss would read the
     // losses back): the mean over the counted targets, added up over micro-batches.

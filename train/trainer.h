@@ -61,6 +61,11 @@ struct TrainOptions {
   std::string device = "cpu";
   DType dtype = DType::kF32;
   bool quiet = false;
+  // Optional: sees each batch's inputs and targets ([batch, seq], row-major) before the
+  // loss, training and validation alike, and may set targets to −1, which the loss and its
+  // mean ignore (`laplace eval mqar` keeps its answer positions only). Trainer only; the
+  // FSDP trainer does not call it.
+  std::function<void(const int32_t* x, int32_t* y, int64_t batch, int64_t seq)> target_mask;
 };
 
 // True for model dtypes that train F32 master copies of their weights (BF16).
