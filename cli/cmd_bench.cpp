@@ -41,30 +41,6 @@ namespace {
 
 // ---- results -----------------------------------------------------------------------------
 
-std::string device_description(const std::string& device) {
-#ifdef LAPLACE_HAVE_CUDA
-  if (device == "cuda") {
-    cudaDeviceProp prop{};
-    int dev = 0;
-    if (cudaGetDevice(&dev) == cudaSuccess && cudaGetDeviceProperties(&prop, dev) == cudaSuccess) return prop.name;
-    return "cuda";
-  }
-#endif
-  std::string model = "cpu";
-  std::ifstream f("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      auto c = line.find(':');
-      if (c != std::string::npos) model = line.substr(c + 2);
-      break;
-    }
-  }
-  return model + " x" + std::to_string(std::thread::hardware_concurrency());
-}
-
-
-
 // Free device memory minus a reserve (CUDA), for deriving the slot count.
 Status device_state_budget(const std::string& device, int64_t reserve, int64_t* budget) {
 #ifdef LAPLACE_HAVE_CUDA
@@ -276,7 +252,7 @@ Status run_bench_decode(const DecodeArgs& a) {
   bool random = false;
   LAPLACE_RETURN_IF_ERROR(make_model(a.model, a.seed, 0, &lm, &random));
   const Config& c = lm.model.config();
-  BenchLog res{a.results, device_description(a.model.device), BenchLog::commit_hash(), BenchLog::iso_date_utc(), a.tag, ""};
+  BenchLog res{a.results, device_description(a.model.device), BenchLog::commit_hash(), BenchLog::iso_date_utc(), a.tag, "", BenchLog::command_line()};
   char note[512];
   std::snprintf(note, sizeof note, "bench decode: %s, batch %lld, prompt %lld, %lld steps",
                 shape_note(c, a.model.dtype, random).c_str(), (long long)a.batch, (long long)a.prompt_len,
@@ -428,7 +404,7 @@ Status run_bench_prefill(const PrefillArgs& a) {
     if (i >= a.warmup) ms.push_back(t);
   }
   const double med = percentile(ms, 50);
-  BenchLog res{a.results, device_description(a.model.device), BenchLog::commit_hash(), BenchLog::iso_date_utc(), a.tag, ""};
+  BenchLog res{a.results, device_description(a.model.device), BenchLog::commit_hash(), BenchLog::iso_date_utc(), a.tag, "", BenchLog::command_line()};
   char note[512];
   std::snprintf(note, sizeof note, "bench prefill: %s, one %lld-token prompt, median of %lld", shape_note(c, a.model.dtype, random).c_str(),
                 (long long)a.prompt_len, (long long)a.reps);
@@ -548,7 +524,7 @@ Status run_bench_serve(const ServeArgs& a) {
   }
   const double span = std::max(last_finish, end) - start;
   const EngineStats s = eng->stats();
-  BenchLog res{a.results, device_description(a.model.device), BenchLog::commit_hash(), BenchLog::iso_date_utc(), a.tag, ""};
+  BenchLog res{a.results, device_description(a.model.device), BenchLog::commit_hash(), BenchLog::iso_date_utc(), a.tag, "", BenchLog::command_line()};
   char note[512];
   std::snprintf(note, sizeof note,
                 "bench serve: %s, %lld requests at %.3g/s, prompts %lld-%lld, outputs %lld-%lld, %lld slots, "

@@ -4,8 +4,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <thread>
 
 #include "model/config.h"
+
+#ifdef LAPLACE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 namespace laplace::cli {
 
@@ -32,6 +38,28 @@ Status ModelArgs::resolve() {
   }
   if (config.empty()) return Status::invalid_argument("no model given: pass --model DIR or --config FILE");
   return Status::ok();
+}
+
+std::string device_description(const std::string& device) {
+#ifdef LAPLACE_HAVE_CUDA
+  if (device == "cuda") {
+    cudaDeviceProp prop{};
+    int dev = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess && cudaGetDeviceProperties(&prop, dev) == cudaSuccess) return prop.name;
+    return "cuda";
+  }
+#endif
+  std::string model = "cpu";
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      auto c = line.find(':');
+      if (c != std::string::npos) model = line.substr(c + 2);
+      break;
+    }
+  }
+  return model + " x" + std::to_string(std::thread::hardware_concurrency());
 }
 
 Status parse_dtype(const std::string& s, DType* out) {

@@ -47,6 +47,10 @@ Status engine_decode_options(const std::string& device, const std::string& state
 // "123", "64k", "512M", "2G" (binary multiples) → bytes.
 Status parse_bytes(const std::string& s, int64_t* out);
 
+// What BenchLog records as the device: the GPU's name for "cuda", else the CPU model and
+// its thread count ("AMD EPYC 7R32 x16").
+std::string device_description(const std::string& device);
+
 // Prints "laplace: error: <status>" and returns the exit code 1 (0 when ok).
 int report(const Status& st);
 

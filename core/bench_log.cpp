@@ -7,6 +7,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include <nlohmann/json.hpp>
 
@@ -21,6 +22,7 @@ void BenchLog::add(const std::string& name, double value, const std::string& uni
   j["commit"] = commit;
   j["date"] = date;
   j["note"] = how;
+  if (!command.empty()) j["command"] = command;
   const std::string line = j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   std::printf("%s\n", line.c_str());
   if (path.empty()) return;
@@ -53,6 +55,29 @@ std::string BenchLog::commit_hash(const std::string& given) {
   }
   while (!out.empty() && (out.back() == '\n' || out.back() == '\r' || out.back() == ' ')) out.pop_back();
   return out.empty() ? "unknown" : out;
+}
+
+std::string BenchLog::command_line() {
+  std::ifstream f("/proc/self/cmdline", std::ios::binary);
+  std::string all((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::string out, arg;
+  auto flush = [&] {
+    if (!out.empty()) out += ' ';
+    if (arg.find_first_of(" \t'\"") == std::string::npos && !arg.empty()) {
+      out += arg;
+    } else {
+      out += '\'';
+      for (char c : arg) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+      out += '\'';
+    }
+    arg.clear();
+  };
+  for (char c : all) {
+    if (c == '\0') flush();
+    else arg += c;
+  }
+  if (!arg.empty()) flush();
+  return out;
 }
 
 double bench_median(std::vector<double> v) {

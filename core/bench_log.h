@@ -1,6 +1,7 @@
 // BenchLog: one JSON line per benchmark figure, printed and appended to a results
 // file (bench/results.jsonl), in the form BENCHMARKS.md's tables are built from:
 // {"bench": NAME, "value": X, "unit": U, "device": …, "commit": …, "date": …, "note": …}
+// and, when `command` is set, "command": the command line that measured it.
 #pragma once
 
 #include <string>
@@ -15,6 +16,7 @@ struct BenchLog {
   std::string date;    // see iso_date_utc()
   std::string tag;     // appended to every name as "_tag" when not empty
   std::string note;    // how the figure was measured
+  std::string command; // the command line that produced it (command_line()); empty: not written
 
   void add(const std::string& name, double value, const std::string& unit) const { add(name, value, unit, note); }
   void add(const std::string& name, double value, const std::string& unit, const std::string& note) const;
@@ -23,6 +25,9 @@ struct BenchLog {
   static std::string iso_date_utc();
   // `given` if set, else $LAPLACE_COMMIT, else `git rev-parse --short HEAD`, else "unknown".
   static std::string commit_hash(const std::string& given = "");
+  // This process's command line from /proc/self/cmdline, arguments joined by spaces (those
+  // with spaces or quotes single-quoted); empty where it cannot be read.
+  static std::string command_line();
 };
 
 // The median of timings (the mean of the middle two for an even count; 0 for none): what
