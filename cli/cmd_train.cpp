@@ -244,7 +244,11 @@ void add_eval(CLI::App& app) {
   cmd->add_option("--seq", a->seq, "tokens per sequence")->check(CLI::Range(1, 1 << 24));
   cmd->add_option("--max-batches", a->max_batches, "stop after N batches (0 = one pass)")
       ->check(CLI::NonNegativeNumber);
-  cmd->callback([a] { g_exit_code = report(run_eval(*a)); });
+  add_eval_mqar(cmd);
+  cmd->callback([a, cmd] {
+    if (!cmd->get_subcommands().empty()) return;  // `eval mqar` ran instead
+    g_exit_code = report(run_eval(*a));
+  });
 }
 
 }  // namespace laplace::cli

@@ -60,6 +60,8 @@ void add_init(CLI::App& app);
 void add_forward(CLI::App& app);
 void add_generate(CLI::App& app);
 void add_eval(CLI::App& app);
+// `eval mqar` (cli/cmd_mqar.cpp), a subcommand of `eval`.
+void add_eval_mqar(CLI::App* eval);
 void add_train(CLI::App& app);
 void add_tokenizer(CLI::App& app);
 void add_data(CLI::App& app);
