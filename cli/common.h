@@ -69,6 +69,8 @@ void add_debug(CLI::App& app);
 void add_bench(CLI::App& app);
 void add_dist(CLI::App& app);
 void add_serve(CLI::App& app);
+// `export hf` (cli/cmd_export.cpp).
+void add_export(CLI::App& app);
 
 // Set by subcommand callbacks; main returns it.
 extern int g_exit_code;

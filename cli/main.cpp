@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   laplace::cli::add_bench(app);
   laplace::cli::add_dist(app);
   laplace::cli::add_serve(app);
+  laplace::cli::add_export(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
