@@ -8,7 +8,7 @@ PACKAGES=(
   libopenblas-dev libopenblas0-openmp libsentencepiece-dev sentencepiece nlohmann-json3-dev libcli11-dev libcpp-httplib-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libopenmpi-dev openmpi-bin
-  python3 python3-numpy python3-torch python3-matplotlib
+  python3 python3-numpy python3-torch python3-matplotlib python3-sentencepiece python3-setuptools python3-pip
   fortunes fortunes-min
   curl
 )
