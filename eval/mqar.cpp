@@ -526,19 +526,24 @@ Status mqar_run_grid(const MqarOptions& o, const std::function<void(const MqarRe
     fs::create_directories(work, ec);
     if (ec) return Status::io_error("cannot create " + work + ": " + ec.message());
   }
+  // Points that do not fit are announced before any training, not hours into a grid.
   int64_t points = 0, done = 0;
-  for (int64_t seq : o.seq_lens)
-    for (int64_t p : o.pairs) points += o.fits(p, seq) ? static_cast<int64_t>(o.states.size()) : 0;
+  for (int64_t seq : o.seq_lens) {
+    for (int64_t p : o.pairs) {
+      if (o.fits(p, seq)) {
+        points += static_cast<int64_t>(o.states.size());
+        continue;
+      }
+      const MqarTask t{o.vocab, seq, p, o.power_a};
+      std::fprintf(stderr, "mqar: skipping pairs %lld at seq %lld: %s\n", (long long)p, (long long)seq,
+                   t.validate().message().c_str());
+    }
+  }
 
   Status st;
   for (int64_t seq : o.seq_lens) {
     for (int64_t p : o.pairs) {
-      if (!o.fits(p, seq)) {
-        const MqarTask t{o.vocab, seq, p, o.power_a};
-        std::fprintf(stderr, "mqar: skipping pairs %lld at seq %lld: %s\n", (long long)p, (long long)seq,
-                     t.validate().message().c_str());
-        continue;
-      }
+      if (!o.fits(p, seq)) continue;
       MqarGenerator gen;
       st = MqarGenerator::create(MqarTask{o.vocab, seq, p, o.power_a}, &gen);
       if (!st.is_ok()) break;

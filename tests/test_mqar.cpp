@@ -315,6 +315,12 @@ TEST(MqarCli, SameSeedSameBytes) {
   }
   EXPECT_EQ(n, 4);
   EXPECT_EQ(pairs, (std::set<int64_t>{2, 4}));
+  // The point that does not fit is named on stderr before any training.
+  const CmdResult c = run(grid);
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  EXPECT_NE(c.output.find("skipping pairs 8 at seq 16: MQAR (vocab 32, seq 16, pairs 8): 8 pairs do not fit"),
+            std::string::npos)
+      << c.output;
 
   // --results: one line per point in bench/results.jsonl's format, with the command.
   std::istringstream res(slurp(dir + "/results.jsonl"));
