@@ -59,9 +59,9 @@ fi
 if has bench; then
   # Whole steps, optimizer included, alone on the GPU. Steps 0-4 are warm-up (first-use costs).
   $PY python/laplace_ref.py init --config "$CFG" --seed 1 --out $RUNS/init.safetensors || exit 1
-  for accum in 1 2; do
+  for accum in ${BENCH_ACCUMS:-2}; do
     $LAPLACE train --config "$CFG" --init $RUNS/init.safetensors "${DATA[@]}" --out "$RUNS/bench_a$accum" \
-      --device cuda --dtype bf16 --batch 16 --seq 2048 --grad-accum $accum --steps 60 --lr 1.5e-3 --warmup 10 \
+      --device cuda --dtype bf16 --batch 16 --seq 2048 --grad-accum $accum --steps ${BENCH_STEPS:-40} --lr 1.5e-3 --warmup 10 \
       --wd 0.1 --no-shuffle --peak-tflops 989 --log-every 20 > "$RUNS/bench_a$accum.log" 2>&1 ||
       { tail -20 "$RUNS/bench_a$accum.log"; exit 1; }
     $PY - "$accum" "$COMMIT" "$RUNS" >> "$OUT/results.jsonl" <<'EOF'
@@ -72,8 +72,8 @@ tps = statistics.median(r["tokens_per_s"] for r in rows)
 mfu = statistics.median(r["mfu"] for r in rows)
 tag = "laplace125m_t2048" + ("" if accum == 2 else "_b16_accum1")
 date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-note = "whole steps incl. optimizer, B=16 x T=2048 x accum %d (%d tokens/step), bf16, median of steps 5-59" % (
-    accum, 32768 * accum)
+note = "whole steps incl. optimizer, B=16 x T=2048 x accum %d (%d tokens/step), bf16, median of steps 5-%d" % (
+    accum, 32768 * accum, len(rows) + 4)
 cmd = "scripts/device_train125m.sh (stage bench)"
 for name, v, unit in (("train_tok_s_" + tag, tps, "tokens/s"), ("train_mfu_" + tag, mfu, "fraction of 989 TFLOP/s")):
     print(json.dumps({"bench": name, "value": round(v, 4 if unit != "tokens/s" else 0), "unit": unit,
