@@ -8,6 +8,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -172,13 +174,74 @@ static void maybe_kill_for_test(const std::string& path, std::FILE* f) {
   ::kill(::getpid(), SIGKILL);
 }
 
-Status write_file_atomic(const std::string& path, const std::function<Status(std::FILE*)>& writer) {
-  // Same directory as the target: rename(2) is atomic only within one filesystem.
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  TempFileGuard guard(tmp);
+namespace {
 
-  int fd = open_retry(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+// `NAME.tmp.<pid>[.<n>]`: the pid of the writer (0 when `file` is not such a name).
+long temporary_owner(const std::string& file, std::string* target) {
+  const size_t at = file.rfind(".tmp.");
+  if (at == std::string::npos || at == 0) return 0;
+  const std::string tail = file.substr(at + 5);
+  const size_t dot = tail.find('.');
+  const std::string pid = tail.substr(0, dot);
+  const std::string seq = dot == std::string::npos ? "" : tail.substr(dot + 1);
+  auto digits = [](const std::string& x) {
+    return !x.empty() && x.size() <= 10 && std::all_of(x.begin(), x.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  if (!digits(pid) || (dot != std::string::npos && !digits(seq))) return 0;
+  *target = file.substr(0, at);
+  return std::atol(pid.c_str());
+}
+
+bool process_gone(long pid) { return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH; }
+
+}  // namespace
+
+int64_t remove_stale_temporaries(const std::string& dir, const std::string& name_suffix) {
+  int64_t removed = 0;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string file = it->path().filename().string();
+    std::string target;
+    const long pid = temporary_owner(file, &target);
+    if (pid == 0 || (!name_suffix.empty() && (target.size() < name_suffix.size() ||
+                                              target.compare(target.size() - name_suffix.size(), name_suffix.size(),
+                                                             name_suffix) != 0)))
+      continue;
+    if (process_gone(pid) && ::unlink(it->path().c_str()) == 0) ++removed;
+  }
+  return removed;
+}
+
+int64_t remove_stale_temporaries_of(const std::string& path) {
+  const std::filesystem::path p(path);
+  const std::string name = p.filename().string();
+  int64_t removed = 0;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(parent_dir(path), ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string file = it->path().filename().string();
+    std::string target;
+    const long pid = temporary_owner(file, &target);
+    if (pid != 0 && target == name && process_gone(pid) && ::unlink(it->path().c_str()) == 0) ++removed;
+  }
+  return removed;
+}
+
+Status write_file_atomic(const std::string& path, const std::function<Status(std::FILE*)>& writer, unsigned mode) {
+  // What a crashed writer of this path left behind (its process is gone) goes first.
+  remove_stale_temporaries_of(path);
+  // Same directory as the target: rename(2) is atomic only within one filesystem. A
+  // temporary of its own per write (pid and a counter, created O_EXCL): writers never
+  // share one, so concurrent writes of a path cannot interleave their bytes.
+  static std::atomic<uint64_t> counter{0};
+  std::string tmp;
+  int fd = -1;
+  for (int attempt = 0; attempt < 16 && fd < 0; ++attempt) {
+    tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter.fetch_add(1));
+    fd = open_retry(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, static_cast<mode_t>(mode));
+    if (fd < 0 && errno != EEXIST) break;
+  }
   if (fd < 0) return errno_status(path, "cannot create temporary file " + tmp, errno);
+  TempFileGuard guard(tmp);
   std::FILE* f = ::fdopen(fd, "wb");
   if (f == nullptr) {
     int e = errno;
@@ -217,8 +280,8 @@ Status write_file_atomic(const std::string& path, const std::function<Status(std
   return Status::ok();
 }
 
-Status write_file_atomic(const std::string& path, const void* data, size_t n) {
-  return write_file_atomic(path, [data, n](std::FILE* f) { return write_all(f, data, n); });
+Status write_file_atomic(const std::string& path, const void* data, size_t n, unsigned mode) {
+  return write_file_atomic(path, [data, n](std::FILE* f) { return write_all(f, data, n); }, mode);
 }
 
 // ---- MappedFile ----

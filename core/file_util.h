@@ -24,17 +24,31 @@ Status read_file(const std::string& path, std::string* out);
 Status write_all(std::FILE* f, const void* data, size_t n);
 
 // Crash-safe replacement of `path`:
-//   1. creates `path + ".tmp.<pid>"` in the same directory (so the rename below
-//      stays within one filesystem and is atomic),
+//   1. creates `path + ".tmp.<pid>.<n>"` (n: a per-process counter; O_EXCL, so no
+//      two writers, threads or processes, ever share a temporary) in the same
+//      directory (so the rename below stays within one filesystem and is atomic),
+//      with permissions `mode` (before the umask); temporaries of `path` left by
+//      processes that no longer exist (a crash, kill -9) are removed first,
 //   2. calls writer(f) on it, then checks fflush, fsyncs the file and closes it,
 //   3. renames the temp file over `path`, then fsyncs the directory so the new
 //      directory entry itself survives a power loss.
 // On any failure (including the writer returning an error or throwing) the
 // temp file is removed and the previous file at `path`, if any, is untouched;
-// the returned error names `path`. Two threads of one process must not write
-// the same path at the same time (they would share the temp name).
-Status write_file_atomic(const std::string& path, const std::function<Status(std::FILE*)>& writer);
-Status write_file_atomic(const std::string& path, const void* data, size_t n);
+// the returned error names `path`. Concurrent writers of one path each write
+// their own temporary; the last rename wins, and the file is always one of them whole.
+Status write_file_atomic(const std::string& path, const std::function<Status(std::FILE*)>& writer,
+                         unsigned mode = 0666);
+Status write_file_atomic(const std::string& path, const void* data, size_t n, unsigned mode = 0666);
+
+// Removes the temporaries of write_file_atomic in `dir` (`NAME.tmp.<pid>[.<n>]`) whose
+// process is gone (not a process of this machine now: kill(pid, 0) fails with ESRCH);
+// `name_suffix` non-empty limits it to NAMEs ending so (".session"). A temporary of a
+// live writer is left alone. Returns how many were removed (errors are ignored: this is
+// tidying). Temporaries written from another machine into a shared directory look
+// like dead processes' here: do not share such a directory between machines.
+int64_t remove_stale_temporaries(const std::string& dir, const std::string& name_suffix = "");
+// The same for one target path's temporaries (`path.tmp.*`).
+int64_t remove_stale_temporaries_of(const std::string& path);
 
 // A read-only, private memory map of a whole file (for large checkpoints and
 // data shards: pages load on demand and are shared with the page cache).

@@ -100,10 +100,11 @@ struct NamedTensor {
 // compact JSON exactly as Python's safetensors writes it ("__metadata__" first,
 // then the tensors in layout order, fields dtype, shape, data_offsets), padded
 // with spaces to a multiple of 8 bytes. "__metadata__" holds `metadata` with
-// "format" set to "pt" (a caller's "format" value is replaced).
+// "format" set to "pt" (a caller's "format" value is replaced). `mode`: the
+// file's permissions (before the umask; 0600 for files only their owner may read).
 // Errors: invalid_argument (empty, duplicate or reserved names, invalid UTF-8,
 // a tensor that is not CPU/contiguous), io_error / not_found (the file).
 Status safetensors_write(const std::string& path, const std::vector<NamedTensor>& tensors,
-                         const std::map<std::string, std::string>& metadata);
+                         const std::map<std::string, std::string>& metadata, unsigned mode = 0666);
 
 }  // namespace laplace

@@ -4,7 +4,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <sys/wait.h>
+
 #include <algorithm>
+#include <atomic>
+#include <thread>
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
@@ -147,6 +151,67 @@ TEST(FileUtil, ThrowingWriterLeavesNoTemp) {
                std::runtime_error);
   EXPECT_EQ(slurp(path), "precious");
   EXPECT_EQ(list_dir(dir), std::vector<std::string>{"ckpt.bin"});
+  fs::remove_all(dir);
+}
+
+// Threads writing one path at once each write a temporary of their own: the file is always
+// one writer's bytes whole (with the temporary shared by pid, as it was, writers truncated
+// and interleaved each other's bytes).
+TEST(FileUtil, ConcurrentAtomicWritesOfOnePathNeverMix) {
+  std::string dir = testing::make_temp_dir("fu");
+  std::string path = dir + "/shared.bin";
+  std::vector<std::string> contents;
+  for (int t = 0; t < 4; ++t) contents.push_back(std::string(200000 + 1000 * t, static_cast<char>('a' + t)));
+  std::atomic<int> failures{0};
+  for (int round = 0; round < 10; ++round) {
+    std::vector<std::thread> th;
+    for (int t = 0; t < 4; ++t)
+      th.emplace_back([&, t] {
+        if (!write_file_atomic(path, contents[t].data(), contents[t].size()).is_ok()) ++failures;
+      });
+    for (auto& x : th) x.join();
+    const std::string got = slurp(path);
+    EXPECT_TRUE(std::find(contents.begin(), contents.end(), got) != contents.end())
+        << "round " << round << ": " << got.size() << " bytes, not one writer's whole file";
+  }
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(list_dir(dir), std::vector<std::string>{"shared.bin"});
+  fs::remove_all(dir);
+}
+
+// Temporaries whose writer process is gone (a crash, kill -9) are removed: by
+// remove_stale_temporaries, and by the next atomic write of the same path. A live
+// writer's temporary (this process's) stays.
+TEST(FileUtil, StaleTemporariesOfDeadWritersAreRemoved) {
+  std::string dir = testing::make_temp_dir("fu");
+  const pid_t child = fork();
+  if (child == 0) _exit(0);
+  ASSERT_GT(child, 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);  // reaped: its pid names no process now
+  const std::string dead = std::to_string(child), live = std::to_string(getpid());
+  for (const std::string& name : std::vector<std::string>{"checkpoint.safetensors.tmp." + dead, "checkpoint.safetensors.tmp." + dead + ".3",
+                                  "a.session.tmp." + dead + ".0", "a.session.tmp." + live + ".0", "keep.tmp.notapid",
+                                  "b.session"})
+    ASSERT_TRUE(write_file_atomic(dir + "/" + name, "x", 1).is_ok());
+  EXPECT_EQ(remove_stale_temporaries(dir, ".session"), 1);
+  EXPECT_EQ(list_dir(dir), (std::vector<std::string>{"a.session.tmp." + live + ".0", "b.session",
+                                                     "checkpoint.safetensors.tmp." + dead,
+                                                     "checkpoint.safetensors.tmp." + dead + ".3", "keep.tmp.notapid"}));
+  // The next save of the checkpoint takes its dead writers' temporaries with it.
+  ASSERT_TRUE(write_file_atomic(dir + "/checkpoint.safetensors", "ckpt", 4).is_ok());
+  EXPECT_EQ(list_dir(dir), (std::vector<std::string>{"a.session.tmp." + live + ".0", "b.session",
+                                                     "checkpoint.safetensors", "keep.tmp.notapid"}));
+  EXPECT_EQ(remove_stale_temporaries(dir), 0);
+  fs::remove_all(dir);
+}
+
+TEST(FileUtil, AtomicWriteTakesTheModeItIsGiven) {
+  std::string dir = testing::make_temp_dir("fu");
+  ASSERT_TRUE(write_file_atomic(dir + "/secret", "x", 1, 0600).is_ok());
+  struct stat st {};
+  ASSERT_EQ(::stat((dir + "/secret").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
   fs::remove_all(dir);
 }
 
