@@ -6,7 +6,7 @@
 #include "cli/common.h"
 #include "core/file_util.h"
 
-#ifdef LAPLACE_HAVE_HTTPLIB
+#ifdef LAPLACE_HAVE_SERVER
 #include "serve/server.h"
 #endif
 
@@ -14,7 +14,7 @@ namespace laplace::cli {
 
 namespace {
 
-#ifdef LAPLACE_HAVE_HTTPLIB
+#ifdef LAPLACE_HAVE_SERVER
 volatile std::sig_atomic_t g_stop = 0;
 void on_signal(int) { g_stop = 1; }
 #endif
@@ -22,7 +22,9 @@ void on_signal(int) { g_stop = 1; }
 struct ServeArgs {
   std::string model_dir, name, host = "127.0.0.1", api_key, api_key_file, device = "cpu", dtype = "f32";
   std::string session_dir;
-  int port = 8000, threads = 16, read_timeout = 10;
+  int port = 8000, threads = 4, read_timeout = 10;
+  int64_t max_sessions = 1024, max_session_mb = 0, session_disk_mb = 0, max_session_files = 0, max_connections = 0;
+  double grace_seconds = 30;
   int64_t max_slots = 0, max_queue = 64, max_batch_tokens = 2048, prefill_chunk = 256;
   int64_t max_tokens = 4096, max_prompt_tokens = 32768, max_request_kb = 1024, cache_mb = 256, max_n = 16;
   int64_t cache_slots = -1;  // the state cache's device tier; -1 = as many as the live slots
@@ -33,9 +35,9 @@ struct ServeArgs {
 };
 
 Status run_serve(const ServeArgs& a) {
-#ifndef LAPLACE_HAVE_HTTPLIB
+#ifndef LAPLACE_HAVE_SERVER
   (void)a;
-  return Status::unsupported("this laplace was built without cpp-httplib (apt-get install libcpp-httplib-dev)");
+  return Status::unsupported("this laplace was built without the HTTP server (Boost.Asio and Beast headers: apt-get install libboost-dev)");
 #else
   ServerOptions o;
   o.model_dir = a.model_dir;
@@ -65,6 +67,11 @@ Status run_serve(const ServeArgs& a) {
   o.session_dir = a.session_dir;
   o.threads = a.threads;
   o.read_timeout_s = a.read_timeout;
+  o.max_sessions = a.max_sessions;
+  o.max_session_bytes = a.max_session_mb << 20;
+  o.max_session_disk_bytes = a.session_disk_mb << 20;
+  o.max_session_files = a.max_session_files;
+  o.max_connections = a.max_connections;
   Server server(o);
   LAPLACE_RETURN_IF_ERROR(server.start());
   std::printf("laplace serve: listening on http://%s:%d (model %s loading)\n", a.host.c_str(), server.port(),
@@ -80,8 +87,12 @@ Status run_serve(const ServeArgs& a) {
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
   while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  std::printf("laplace serve: stopping\n");
-  server.stop();
+  // SIGTERM / SIGINT: a graceful stop (nothing new admitted; running requests get
+  // --grace-seconds to finish, then an error event or object each).
+  std::printf("laplace serve: stopping (grace %.0f s)\n", a.grace_seconds);
+  std::fflush(stdout);
+  server.shutdown(a.grace_seconds);
+  std::printf("laplace serve: stopped\n");
   return Status::ok();
 #endif
 }
@@ -120,8 +131,23 @@ void add_serve(CLI::App& app) {
                   "as the live slots, taken from --memory-budget when --max-slots is 0)")
       ->check(CLI::Range(int64_t{-1}, int64_t{1} << 30));
   cmd->add_option("--session-dir", a->session_dir, "directory for sessions saved to disk");
-  cmd->add_option("--threads", a->threads, "HTTP worker threads")->check(CLI::Range(2, 1024));
-  cmd->add_option("--read-timeout", a->read_timeout, "seconds a silent client is kept")->check(CLI::Range(1, 3600));
+  cmd->add_option("--threads", a->threads, "HTTP event-loop threads (connections are not threads)")
+      ->check(CLI::Range(1, 64));
+  cmd->add_option("--read-timeout", a->read_timeout,
+                  "seconds a request's header, and then its body, may take to arrive (absolute deadlines)")
+      ->check(CLI::Range(1, 3600));
+  cmd->add_option("--max-connections", a->max_connections, "open connections at most (0 = from the descriptor limit)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--max-sessions", a->max_sessions, "named sessions in memory at most")->check(CLI::PositiveNumber);
+  cmd->add_option("--max-session-mb", a->max_session_mb, "host memory the named sessions may hold (0 = no bound)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--session-disk-mb", a->session_disk_mb, "bytes of session files in --session-dir (0 = no bound)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--max-session-files", a->max_session_files, "session files in --session-dir (0 = no bound)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--grace-seconds", a->grace_seconds,
+                  "on SIGTERM: seconds running requests get to finish before they are ended")
+      ->check(CLI::Range(0.0, 3600.0));
   cmd->callback([a] { g_exit_code = report(run_serve(*a)); });
 }
 

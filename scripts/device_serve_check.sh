@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (the H200 of the `device` tool): build `laplace serve` and the server
-# tests there, with cpp-httplib compiled from the carried source (.carry/httplib, made on
-# Debian by scripts/carry_httplib.sh; the machine has no cpp-httplib and no network), then
+# tests there, with the Boost.Asio/Beast headers carried in .carry/boost (made on Debian by
+# scripts/carry_boost.sh; the machine has no Boost and no network), then
 #   1. the engine-cache and server tests on the CPU (the carried build works there);
 #   2. the server tests with the servers on the GPU (LAPLACE_SERVER_TEST_DEVICE=cuda);
 #   3. `laplace serve --device cuda` on laplace-tiny (random weights) driven with curl:
@@ -23,12 +23,12 @@ DEVICE=${DEVICE:-cuda}
 BUILD=${BUILD:-build-srv-gpu}
 t0=$SECONDS
 if [ -z "${NO_BUILD:-}" ]; then
-  [ -f .carry/httplib/httplib.cc ] || { echo "no .carry/httplib: run scripts/carry_httplib.sh on Debian and carry .carry"; exit 1; }
+  [ -f .carry/boost/boost/beast/http.hpp ] || { echo "no .carry/boost: run scripts/carry_boost.sh on Debian and carry .carry/boost"; exit 1; }
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
   gen=()
   command -v ninja > /dev/null && gen=(-G Ninja)
   cmake -S . -B "$BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
-    -DLAPLACE_BENCH=OFF -DLAPLACE_MPI=OFF -DLAPLACE_HTTPLIB_ROOT=.carry/httplib > "$OUT/configure.log" 2>&1 ||
+    -DLAPLACE_BENCH=OFF -DLAPLACE_MPI=OFF -DLAPLACE_BOOST_ROOT=.carry/boost > "$OUT/configure.log" 2>&1 ||
     { tail -30 "$OUT/configure.log"; echo "DEVICE SERVE CHECK: FAIL (configure)"; exit 1; }
   grep -E "laplace: (CUDA|HTTP)" "$OUT/configure.log"
   cmake --build "$BUILD" -j "$(nproc)" --target laplace laplace_tests > "$OUT/build.log" 2>&1 ||

@@ -5,7 +5,7 @@ set -euo pipefail
 
 PACKAGES=(
   build-essential cmake ninja-build pkg-config
-  libopenblas-dev libopenblas0-openmp libsentencepiece-dev sentencepiece nlohmann-json3-dev libcli11-dev libcpp-httplib-dev
+  libopenblas-dev libopenblas0-openmp libsentencepiece-dev sentencepiece nlohmann-json3-dev libcli11-dev libboost-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libopenmpi-dev openmpi-bin
   python3 python3-numpy python3-torch python3-matplotlib python3-sentencepiece python3-setuptools python3-pip

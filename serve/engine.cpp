@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdio>
+#include <limits>
 
 namespace laplace {
 
@@ -73,6 +75,13 @@ void EagerExecutor::prefill(const PrefillPiece& piece, std::vector<float>* logit
   fo.last_logits_only = true;
   m_.forward(piece.tokens, 1, piece.n, fo, &pool_, &piece.slot);
   if (logits) logits_rows_to_host(m_, 0, 1, logits);
+}
+
+void EagerExecutor::prefill_all(const PrefillPiece& piece, std::vector<float>* logits) {
+  ForwardOptions fo;
+  fo.form = GlaForm::kChunked;
+  m_.forward(piece.tokens, 1, piece.n, fo, &pool_, &piece.slot);
+  logits_rows_to_host(m_, 0, piece.n, logits);
 }
 
 EagerExecutor::~EagerExecutor() {
@@ -224,6 +233,7 @@ struct Engine::Seq {
   // The logits after the start state's tokens (a cache hit or the initial snapshot): the
   // first token's when nothing is left to prefill.
   std::shared_ptr<const std::vector<float>> start_logits;
+  std::vector<TokenLogprobs> prompt_lps;  // Request::prompt_logprobs, one per prompt token fed so far
   bool done = false;        // finished or cancelled (set under mu_)
   std::atomic<bool> cancelled{false};
   FinishInfo info;
@@ -369,6 +379,12 @@ Status Engine::submit(Request req, RequestId* id) {
   if (!(so.top_p > 0 && so.top_p <= 1)) return Status::invalid_argument("request: top_p must be in (0, 1]");
   if (!(so.min_p >= 0 && so.min_p <= 1)) return Status::invalid_argument("request: min_p must be in [0, 1]");
   if (!(so.repetition_penalty > 0)) return Status::invalid_argument("request: repetition_penalty must be > 0");
+  for (const auto& [t, bias] : so.logit_bias)
+    if (t < 0 || t >= vocab_ || !std::isfinite(bias))
+      return Status::invalid_argument("request: logit_bias token id " + std::to_string(t) + " outside [0, " +
+                                      std::to_string(vocab_) + ") or bias not finite");
+  if (req.prompt_logprobs && req.top_logprobs < 0)
+    return Status::invalid_argument("request: prompt_logprobs needs top_logprobs ≥ 0");
   const int32_t eos = req.eos_id.has_value() ? *req.eos_id : default_eos_;
   auto s = std::make_unique<Seq>(std::move(req), eos);
   s->info.prompt_tokens = static_cast<int64_t>(s->req.prompt.size());  // tokens actually fed
@@ -454,7 +470,9 @@ void Engine::start_context(Seq* s) {
   const SnapshotPtr& init = s->req.initial_state;
   const size_t init_tokens = init ? init->tokens.size() : 0;
   CacheHit hit;
-  if (s->req.use_cache && cache_on_) hit = cache_->restore(s->context_tokens(), init_tokens, s->slot);
+  // Prompt log-probabilities need every position's logits: no cache hit may skip them.
+  if (s->req.use_cache && cache_on_ && !s->req.prompt_logprobs)
+    hit = cache_->restore(s->context_tokens(), init_tokens, s->slot);
   FinishInfo& info = s->info;
   if (hit.source != StateSource::kEmpty) {  // the slot holds the cached prefix now
     info.start = hit.source;
@@ -470,6 +488,17 @@ void Engine::start_context(Seq* s) {
     pool_.reset(be, s->slot);  // a new, empty context
   }
   info.prompt_tokens = static_cast<int64_t>(s->req.prompt.size()) - s->prefilled;
+  if (s->req.prompt_logprobs && !s->req.prompt.empty()) {
+    const int k = std::max(s->req.top_logprobs, 0);
+    if (init) {
+      s->prompt_lps.push_back(token_logprobs(init->logits.data(), vocab_, s->req.prompt[0], k));
+    } else {
+      TokenLogprobs none;
+      none.token = s->req.prompt[0];
+      none.logprob = std::numeric_limits<float>::quiet_NaN();
+      s->prompt_lps.push_back(none);
+    }
+  }
 }
 
 int64_t Engine::width_for(int64_t n) const {
@@ -512,13 +541,16 @@ Engine::StepPlan Engine::plan_step() {
     const int64_t len = static_cast<int64_t>(s->req.prompt.size());
     int64_t pos = s->prefilled;
     bool stop = false;
+    // Pieces that keep every position's logits fit the model's logits buffer.
+    const int64_t chunk =
+        s->req.prompt_logprobs ? std::max<int64_t>(1, std::min(opt_.prefill_chunk, model_.logit_rows())) : opt_.prefill_chunk;
     while (pos < len) {
-      const int64_t piece = std::min(opt_.prefill_chunk, len - pos);
+      const int64_t piece = std::min(chunk, len - pos);
       if (!p.pieces.empty() && piece > budget) {
         stop = true;
         break;
       }
-      p.pieces.push_back({s->req.prompt.data() + pos, piece, s->slot, pos + piece == len});
+      p.pieces.push_back({s->req.prompt.data() + pos, piece, s->slot, pos + piece == len, s->req.prompt_logprobs});
       p.prefill.push_back(s);
       budget -= piece;
       pos += piece;
@@ -591,7 +623,7 @@ bool Engine::can_chain(const StepPlan& plan, const std::vector<int32_t>& ids) {
     chain_rows_.resize(static_cast<size_t>(n));
     for (int64_t b = 0; b < n; ++b) {
       const Seq* s = plan.decode[b];
-      if (s->done || s->cancelled.load()) return false;
+      if (s->done || s->cancelled.load() || s->req.stop_after) return false;
       chain_rows_[b] = {s->eos, s->req.max_tokens - s->info.generated_tokens, s->req.stop_ids.empty() ? nullptr : s};
     }
     chain_cancels_ = cancels;
@@ -625,8 +657,11 @@ void Engine::emit_token(Seq* s, int32_t tok, const float* logits, int64_t row, d
   if (s->req.on_token && !s->cancelled.load()) s->req.on_token(info.id, tok);
   FinishReason r;
   if (!stop_rule(s, tok, info.generated_tokens, &r)) {
-    s->next = tok;
-    return;
+    if (!(s->req.stop_after && !s->cancelled.load() && s->req.stop_after(info.id, tok))) {
+      s->next = tok;
+      return;
+    }
+    r = FinishReason::kStop;  // the caller saw a stop: as if tok were a stop id
   }
   if (!logits && (s->req.capture_final_state || (s->req.cache_final_state && cache_on_))) {
     exec_->last_row_logits(row, &row_logits_);  // only a finishing row's final state needs them
@@ -656,6 +691,8 @@ void Engine::start_decoding(Seq* s, const float* logits) {
                                : snapshot(s, logits, false);
     s->req.on_prompt_state(s->info.id, st);
   }
+  if (s->req.prompt_logprobs && s->req.on_prompt_logprobs && !s->cancelled.load())
+    s->req.on_prompt_logprobs(s->info.id, s->prompt_lps);
   emit(s, logits);
 }
 
@@ -734,14 +771,29 @@ bool Engine::step() {
     if (s->cancelled.load()) continue;
     const PrefillPiece& piece = plan.pieces[i];
     const double t = now();
-    exec_->prefill(piece, piece.last ? &logits_ : nullptr);
+    const float* last_logits = logits_.data();
+    if (piece.all_logits) {
+      exec_->prefill_all(piece, &logits_);
+      // Row r predicts the token after position prefilled + r.
+      const int k = std::max(s->req.top_logprobs, 0);
+      const int64_t len = static_cast<int64_t>(s->req.prompt.size());
+      for (int64_t r = 0; r < piece.n; ++r) {
+        const int64_t next = s->prefilled + r + 1;
+        if (next < len)
+          s->prompt_lps.push_back(token_logprobs(logits_.data() + r * vocab_, vocab_, s->req.prompt[next], k));
+      }
+      last_logits = logits_.data() + (piece.n - 1) * vocab_;
+    } else {
+      exec_->prefill(piece, piece.last ? &logits_ : nullptr);
+      last_logits = logits_.data();
+    }
     d.prefill_seconds += now() - t;
     ++d.prefill_forwards;
     d.prefill_tokens += piece.n;
     s->prefilled += piece.n;
     if (piece.last) {
       const double ts = now();
-      start_decoding(s, logits_.data());
+      start_decoding(s, last_logits);
       ++d.generated_tokens;
       d.sample_seconds += now() - ts;
     }

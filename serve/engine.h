@@ -152,6 +152,7 @@ struct PrefillPiece {
   int64_t n = 0;
   int32_t slot = -1;
   bool last = false;  // the prompt's last piece: its last-token logits are needed
+  bool all_logits = false;  // every position's logits are needed (Request::prompt_logprobs)
 };
 
 // Runs the forwards a step needs. The eager executor calls Model::forward.
@@ -161,6 +162,9 @@ class StepExecutor {
   // Chunked-form forward of one piece into its slot (state read and updated in place).
   // With logits non-null, leaves the last token's logits there as F32 [V].
   virtual void prefill(const PrefillPiece& piece, std::vector<float>* logits) = 0;
+  // The same forward leaving every position's logits, [n × V] row-major (n ≤ the model's
+  // logit rows).
+  virtual void prefill_all(const PrefillPiece& piece, std::vector<float>* logits) = 0;
   // Recurrent-form forward of one decode batch (states updated in place in their slots);
   // leaves the F32 logits of rows [0, live) in logits, [live × V] row-major.
   virtual void decode(const DecodeBatch& batch, std::vector<float>* logits) = 0;
@@ -189,6 +193,7 @@ class EagerExecutor : public StepExecutor {
  public:
   EagerExecutor(Model& m, StatePool& pool) : m_(m), pool_(pool) {}
   void prefill(const PrefillPiece& piece, std::vector<float>* logits) override;
+  void prefill_all(const PrefillPiece& piece, std::vector<float>* logits) override;
   void decode(const DecodeBatch& batch, std::vector<float>* logits) override;
   void decode_greedy(const DecodeBatch& batch, std::vector<int32_t>* ids) override;
   void last_row_logits(int64_t b, std::vector<float>* row) override;

@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
 namespace laplace {
 
@@ -155,9 +156,45 @@ std::optional<ApiError> parse_completion_params(const json& b, bool chat, const 
     }
   }
 
+  if (!chat) LAPLACE_API_TRY(get_bool(b, "echo", &p.echo));
   p.max_tokens = chat ? lim.default_chat_max_tokens : lim.default_max_tokens;
-  LAPLACE_API_TRY(get_int(b, "max_tokens", 1, lim.max_tokens, &p.max_tokens));
+  // max_tokens 0 only asks for something with echo (the prompt's log-probabilities).
+  LAPLACE_API_TRY(get_int(b, "max_tokens", p.echo ? 0 : 1, lim.max_tokens, &p.max_tokens));
   LAPLACE_API_TRY(get_int(b, "max_completion_tokens", 1, lim.max_tokens, &p.max_tokens));
+
+  // Fields we do not implement: a 400 rather than an answer to another question.
+  if (!chat) {
+    int64_t best_of = 1;
+    LAPLACE_API_TRY(get_int(b, "best_of", 1, INT64_MAX, &best_of));
+    if (best_of != 1) return bad("best_of", "'best_of' is not supported (use n and pick on the client)");
+    std::string suffix;
+    LAPLACE_API_TRY(get_string(b, "suffix", &suffix));
+    if (!suffix.empty()) return bad("suffix", "'suffix' (insertion) is not supported");
+  } else {
+    for (const char* k : {"tools", "functions"})
+      if (b.contains(k) && !b[k].is_null() && !(b[k].is_array() && b[k].empty()))
+        return bad(k, std::string("'") + k + "' (tool calls) is not supported");
+    if (b.contains("response_format") && !b["response_format"].is_null()) {
+      const json& rf = b["response_format"];
+      if (!rf.is_object() || !rf.contains("type") || rf["type"] != "text")
+        return bad("response_format", "only {\"type\": \"text\"} is supported as 'response_format'");
+    }
+  }
+
+  if (b.contains("logit_bias") && !b["logit_bias"].is_null()) {
+    const json& lb = b["logit_bias"];
+    if (!lb.is_object()) return bad("logit_bias", "'logit_bias' must be an object of token id -> bias");
+    if (lb.size() > 1024) return bad("logit_bias", "'logit_bias' may name at most 1024 tokens");
+    for (const auto& [key, v] : lb.items()) {
+      char* end = nullptr;
+      const long long id = std::strtoll(key.c_str(), &end, 10);
+      if (key.empty() || *end != '\0' || id < 0 || id > INT32_MAX || !std::isdigit(static_cast<unsigned char>(key[0])))
+        return bad("logit_bias", "'logit_bias' keys must be token ids (non-negative integers as strings)");
+      if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < -100 || v.get<double>() > 100)
+        return bad("logit_bias", "'logit_bias' values must be numbers between -100 and 100");
+      p.sampling.logit_bias.emplace_back(static_cast<int32_t>(id), static_cast<float>(v.get<double>()));
+    }
+  }
 
   double temperature = 1.0, top_p = 1.0, min_p = 0.0, presence = 0.0, frequency = 0.0, repetition = 1.0;
   LAPLACE_API_TRY(get_number(b, "temperature", 0.0, 2.0, &temperature));
@@ -176,6 +213,7 @@ std::optional<ApiError> parse_completion_params(const json& b, bool chat, const 
   p.sampling.frequency_penalty = frequency;
   p.sampling.repetition_penalty = repetition;
   p.sampling.top_k = top_k < 0 ? 0 : top_k;  // -1 (vLLM's "off") = 0
+  std::sort(p.sampling.logit_bias.begin(), p.sampling.logit_bias.end());
 
   if (b.contains("seed") && !b["seed"].is_null()) {
     const json& s = b["seed"];
@@ -233,6 +271,8 @@ std::optional<ApiError> parse_completion_params(const json& b, bool chat, const 
   if (!p.save_session.empty() && !valid_session_name(p.save_session))
     return bad("save_session", "session names are 1-64 characters of [A-Za-z0-9_.-], not starting with '.'");
   if (!p.save_session.empty() && p.n > 1) return bad("save_session", "'save_session' needs n = 1");
+  if (p.echo && p.logprobs < 0 && p.max_tokens == 0)
+    return bad("max_tokens", "'max_tokens' 0 needs 'echo' with 'logprobs' (there is nothing else to return)");
   LAPLACE_API_TRY(get_bool(b, "cache", &p.cache));
   LAPLACE_API_TRY(get_bool(b, "ignore_eos", &p.ignore_eos));
   *out = std::move(p);

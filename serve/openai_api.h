@@ -4,7 +4,9 @@
 //
 // Unknown fields are ignored (clients send many); a known field with a wrong type or an
 // out-of-range value is an ApiError (HTTP 400, type "invalid_request_error", `param`
-// naming the field), as OpenAI answers.
+// naming the field), as OpenAI answers. Known fields this server does not implement
+// (best_of > 1, a suffix, tools, a structured response_format) are a 400 too: ignoring
+// them would answer something else than what was asked.
 #pragma once
 
 #include <cstdint>
@@ -54,6 +56,10 @@ struct CompletionParams {
   bool stream = false;
   bool include_usage = false;
   int logprobs = -1;  // -1 = none; else the number of top alternatives (0..20)
+  // /v1/completions: the prompt's text comes back before the completion's, and with
+  // logprobs its tokens' log-probabilities too (the first one null: nothing predicts it).
+  // max_tokens may then be 0 (score the prompt, generate nothing).
+  bool echo = false;
   // Extensions (named sessions, SPEC §3): start from a session's context, and/or save the
   // context after this request under a name. cache=false bypasses the prefix cache.
   std::string session;

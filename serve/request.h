@@ -112,6 +112,21 @@ struct Request {
   bool cache_prompt_state = false;
   bool cache_final_state = false;
 
+  // Log-probabilities of the prompt's own tokens (OpenAI's echo with logprobs): entry i is
+  // prompt[i] under the logits before it, with the top_logprobs best (top_logprobs ≥ 0
+  // needed). Entry 0 comes from initial_state's logits; without one nothing predicts it and
+  // its logprob is NaN. Prefill then keeps every position's logits (pieces of at most the
+  // model's logit rows) and the state cache is not looked up (its hit would skip them).
+  // on_prompt_logprobs gets them all at once, before the first token's callbacks.
+  bool prompt_logprobs = false;
+  std::function<void(RequestId, const std::vector<TokenLogprobs>&)> on_prompt_logprobs;
+  // Called after on_token for each token that no stop rule ended: true ends the request
+  // there, reason kStop, exactly as if the token were one of stop_ids (final state and
+  // state cache included) — a stop that only the caller can see, e.g. a stop string in
+  // the decoded text. A request with it never joins a pipelined decode (its end cannot be
+  // known ahead).
+  std::function<bool(RequestId, int32_t token)> stop_after;
+
   // Called on the thread running Engine::step(), never under the engine's lock, so
   // they may call submit() and cancel(). on_token gets every generated token in order
   // (a stop/eos token included); on_finish is called exactly once per accepted request.

@@ -35,6 +35,8 @@ int32_t Sampler::sample(const float* logits, int64_t V) {
     if (t < 0 || t >= V) continue;
     work_[t] -= static_cast<float>(opt_.frequency_penalty * static_cast<double>(n) + opt_.presence_penalty);
   }
+  for (const auto& [t, bias] : opt_.logit_bias)
+    if (t >= 0 && t < V) work_[t] += bias;
 
   int32_t token;
   if (opt_.temperature <= 0.0) {
@@ -91,7 +93,7 @@ int32_t Sampler::sample(const float* logits, int64_t V) {
 
 bool Sampler::plain_greedy() const {
   return opt_.temperature <= 0.0 && opt_.repetition_penalty == 1.0 && opt_.frequency_penalty == 0.0 &&
-         opt_.presence_penalty == 0.0;
+         opt_.presence_penalty == 0.0 && opt_.logit_bias.empty();
 }
 
 void Sampler::record(int32_t token) {

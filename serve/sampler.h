@@ -21,6 +21,9 @@ struct SamplingOptions {
   double frequency_penalty = 0.0;
   double repetition_penalty = 1.0;  // 1 = off (CTRL-style: divide positive logits)
   uint64_t seed = 0;
+  // Added to the logits before sampling (OpenAI's logit_bias: token id, bias in [-100, 100];
+  // -100 in effect bans a token, 100 all but forces it). After the penalties.
+  std::vector<std::pair<int32_t, float>> logit_bias;
 };
 
 // The sampler's generator (core/rng.h), with its state exposed for snapshots.

@@ -3,9 +3,11 @@
 // boundary, n > 1 as forks of one prefill, and named sessions (save / restore / fork /
 // delete a whole context). See docs/serving.md §"HTTP server".
 //
-// Threads: cpp-httplib's worker pool parses requests and streams answers; ONE engine
-// thread runs Engine::step() whenever there is work. Engine callbacks (engine thread)
-// hand tokens to per-request jobs under the job's lock; HTTP threads wait on the job.
+// Threads: a few HTTP event-loop threads (serve/http_server.h) parse requests and write
+// answers, thousands of connections each; ONE engine thread runs Engine::step() whenever
+// there is work. Engine callbacks (engine thread) hand tokens to per-request jobs under
+// the job's lock; after each step the engine thread wakes the connections of the jobs
+// that moved. The parts: serve/server_impl.h.
 #pragma once
 
 #include <cstdint>
@@ -36,10 +38,17 @@ struct ServerOptions {
   ApiLimits limits;
   int64_t cache_bytes = int64_t(256) << 20;  // the state cache's host-RAM tier; 0 = none
   std::string session_dir;   // where sessions are saved to disk; "" = memory only
-  int64_t max_sessions = 1024;
-  int threads = 16;          // HTTP worker threads
-  int read_timeout_s = 10;   // a client that sends nothing for this long is dropped
-  int write_timeout_s = 10;
+  int64_t max_sessions = 1024;        // sessions in memory
+  int64_t max_session_bytes = 0;      // host bytes they hold; 0 = no bound
+  int64_t max_session_disk_bytes = 0; // bytes of session files; 0 = no bound
+  int64_t max_session_files = 0;      // session files; 0 = no bound
+  int threads = 4;           // HTTP event-loop threads (not per connection)
+  // A request's header must be in within read_timeout_s of the server waiting for it, and
+  // its body within read_timeout_s of the header's end: absolute deadlines, which bytes
+  // trickled in do not extend. An idle keep-alive connection is closed after it too.
+  int read_timeout_s = 10;
+  int write_timeout_s = 10;  // a client that reads nothing for this long is dropped
+  int64_t max_connections = 0;  // 0 = from RLIMIT_NOFILE (raised to its hard limit)
 };
 
 struct ServerCounters {
@@ -47,6 +56,7 @@ struct ServerCounters {
   StateCacheStats cache;
   int64_t http_requests = 0, rejected_429 = 0, client_disconnects = 0, sessions = 0;
   int64_t outstanding = 0;  // engine requests submitted and not finished
+  int64_t connections = 0;  // open HTTP connections
 };
 
 class Server {
@@ -63,6 +73,14 @@ class Server {
   Status wait_ready();
   // Stops accepting, cancels running requests, joins every thread. Idempotent.
   void stop();
+  // Graceful stop (SIGTERM): admits nothing new (503 + Retry-After; /health 503
+  // "stopping"), lets running requests finish for up to grace_seconds, then ends each
+  // answer still running — a stream with an error event and [DONE], a whole answer with an
+  // error object (a 503 when its head has not gone out) — and stops.
+  void shutdown(double grace_seconds);
+  // While held, the engine runs no step: requests are admitted (or refused) as usual and
+  // wait. For tests that need requests to stay in flight, and for maintenance.
+  void hold_engine(bool held);
   // Blocks until stop() (from another thread or a signal handler's flag).
   void wait();
 

@@ -82,4 +82,30 @@ if [ ! -d "$HERE/openai_client/node_modules/openai" ]; then
   fail "tests/openai_client/node_modules is missing: run scripts/setup.sh (npm ci there)"
 fi
 LAPLACE_URL=$URL LAPLACE_MODEL=tiny LAPLACE_API_KEY=$KEY node --test "$HERE/openai_client/test.mjs"
+
+# --- SIGTERM: a graceful stop ends a running stream with an error event and [DONE], exit 0 ---
+kill "$SERVER_PID"; wait "$SERVER_PID" || fail "the first server did not exit 0 on SIGTERM"
+SERVER_PID=
+"$LAPLACE" serve --model "$WORK/model" --name tiny --port 0 --max-slots 2 --max-tokens 1000000 --grace-seconds 0.5 \
+  > "$WORK/server2.log" 2>&1 &
+SERVER_PID=$!
+for _ in $(seq 1 200); do
+  grep -q "ready" "$WORK/server2.log" 2>/dev/null && break
+  kill -0 "$SERVER_PID" 2>/dev/null || { cat "$WORK/server2.log"; fail "server exited"; }
+  sleep 0.1
+done
+PORT=$(sed -n 's/.*listening on http:\/\/127.0.0.1:\([0-9]*\).*/\1/p' "$WORK/server2.log")
+curl -sN "http://127.0.0.1:$PORT/v1/completions" \
+  -d '{"prompt":"The quick","max_tokens":900000,"ignore_eos":true,"stream":true}' > "$WORK/stream.txt" &
+CURL_PID=$!
+for _ in $(seq 1 200); do [ -s "$WORK/stream.txt" ] && break; sleep 0.05; done
+[ -s "$WORK/stream.txt" ] || fail "the stream did not start"
+kill -TERM "$SERVER_PID"
+status=0; wait "$SERVER_PID" || status=$?
+SERVER_PID=
+wait "$CURL_PID" || true
+[ "$status" = 0 ] || fail "laplace serve exited $status on SIGTERM: $(tail -3 "$WORK/server2.log")"
+tail -c 400 "$WORK/stream.txt" | grep -q '"code":"server_shutdown"' || fail "no error event: $(tail -c 300 "$WORK/stream.txt")"
+[ "$(tail -n 2 "$WORK/stream.txt" | head -n 1)" = "data: [DONE]" ] || fail "no [DONE] at the end: $(tail -c 200 "$WORK/stream.txt")"
+check "SIGTERM: the stream ends with an error event and [DONE]; exit 0"
 echo "$passed passed, 0 failed"

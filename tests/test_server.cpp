@@ -1,14 +1,25 @@
 // The HTTP server (serve/server.h) over real sockets on 127.0.0.1, CPU backend, a small
 // random-weight model with a trained 400-piece tokenizer. Hostile input, the exact state
 // cache, forks, sessions, the bounded queue and a bounded load test.
-#ifdef LAPLACE_HAVE_HTTPLIB
+#ifdef LAPLACE_HAVE_SERVER
 
 #include <arpa/inet.h>
+#include <malloc.h>
+#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <condition_variable>
+#include <csignal>
+#include <limits>
+#include <sstream>
+#include <tuple>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -17,7 +28,6 @@
 #include <thread>
 
 #include <gtest/gtest.h>
-#include <httplib.h>
 
 #include <nlohmann/json.hpp>
 
@@ -26,6 +36,7 @@
 #include "model/model.h"
 #include "serve/metrics.h"
 #include "serve/server.h"
+#include "tests/http_client.h"
 #include "tests/test_util.h"
 #include "text/tokenizer.h"
 
@@ -34,6 +45,7 @@ namespace {
 
 using nlohmann::json;
 namespace fs = std::filesystem;
+namespace httpc = laplace::testing::httpc;
 
 const char* kKey = "secret-key";
 
@@ -112,8 +124,8 @@ class ServerTest : public ::testing::Test {
     delete dir_;
   }
 
-  static httplib::Client client(bool key = true) {
-    httplib::Client c("127.0.0.1", server_->port());
+  static httpc::Client client(bool key = true) {
+    httpc::Client c("127.0.0.1", server_->port());
     c.set_read_timeout(60, 0);
     if (key) c.set_bearer_token_auth(kKey);
     return c;
@@ -129,7 +141,7 @@ class ServerTest : public ::testing::Test {
     return post_on(c, path, body);
   }
   // The same over an existing client (its kept-alive connection, if it has one).
-  static Reply post_on(httplib::Client& c, const std::string& path, const std::string& body) {
+  static Reply post_on(httpc::Client& c, const std::string& path, const std::string& body) {
     auto r = c.Post(path, body, "application/json");
     Reply out;
     if (!r) return out;
@@ -321,7 +333,7 @@ TEST_F(ServerTest, KeyIsRequiredOnEveryRoute) {
   }
   Reply r = post("/v1/completions", R"({"prompt": "a"})", /*key=*/false);
   EXPECT_EQ(r.status, 401);
-  httplib::Client wrong("127.0.0.1", server_->port());
+  httpc::Client wrong("127.0.0.1", server_->port());
   wrong.set_bearer_token_auth("secret-kez");
   auto w = wrong.Get("/v1/models");
   ASSERT_TRUE(w);
@@ -402,7 +414,7 @@ TEST_F(ServerTest, ClientThatLeavesMidStreamHasItsGenerationCancelled) {
 TEST_F(ServerTest, NonStreamingClientThatTimesOutIsCancelledToo) {
   const int64_t before = server_->counters().client_disconnects;
   {
-    httplib::Client c("127.0.0.1", server_->port());
+    httpc::Client c("127.0.0.1", server_->port());
     c.set_bearer_token_auth(kKey);
     c.set_read_timeout(0, 300000);  // gives up after 0.3 s
     auto r = c.Post("/v1/completions", R"({"prompt": "a", "max_tokens": 90000, "ignore_eos": true})",
@@ -492,7 +504,7 @@ TEST_F(ServerTest, TinyDeviceTierDemotesToHostExactlyAndLeaksNoSlot) {
   ASSERT_TRUE(srv.start().is_ok());
   ASSERT_TRUE(srv.wait_ready().is_ok());
   auto call = [&](const json& body) {
-    httplib::Client c("127.0.0.1", srv.port());
+    httpc::Client c("127.0.0.1", srv.port());
     c.set_read_timeout(60, 0);
     auto r = c.Post("/v1/completions", body.dump(), "application/json");
     Reply out;
@@ -583,7 +595,7 @@ TEST_F(ServerTest, TinyDeviceTierDemotesToHostExactlyAndLeaksNoSlot) {
   // The cache is still exact after the load.
   Reply again = call(req(1, true));
   EXPECT_EQ(text_of(again), cold[1]);
-  httplib::Client mc("127.0.0.1", srv.port());
+  httpc::Client mc("127.0.0.1", srv.port());
   auto m = mc.Get("/metrics");
   ASSERT_TRUE(m);
   EXPECT_EQ(metric(m->body, "laplace_cache_device_slots"), 1);
@@ -793,7 +805,7 @@ TEST_F(ServerTest, BoundedLoadEveryRequestCompletesOr429AndMemoryReturns) {
           std::lock_guard<std::mutex> lk(why_mu);
           if (why.empty())
             why = r ? "status " + std::to_string(r->status) + ": " + r->body.substr(0, 300)
-                    : "no response: " + httplib::to_string(r.error());
+                    : "no response: " + httpc::to_string(r.error());
         }
       }
     });
@@ -834,7 +846,7 @@ TEST(ServerDeferred, SessionsCarryPendingPairsAndLoadIntoOtherLayouts) {
     return srv;
   };
   auto post = [](Server& srv, const std::string& path, const json& body) {
-    httplib::Client c("127.0.0.1", srv.port());
+    httpc::Client c("127.0.0.1", srv.port());
     c.set_read_timeout(60, 0);
     auto r = c.Post(path, body.dump(), "application/json");
     return r ? std::make_pair(r->status, json::parse(r->body, nullptr, false)) : std::make_pair(0, json());
@@ -853,7 +865,7 @@ TEST(ServerDeferred, SessionsCarryPendingPairsAndLoadIntoOtherLayouts) {
     auto warm = post(*a, "/v1/completions", next);
     ASSERT_EQ(warm.first, 200) << warm.second.dump();
     warm_text = text(warm.second);
-    httplib::Client c("127.0.0.1", a->port());
+    httpc::Client c("127.0.0.1", a->port());
     auto info = c.Get("/v1/sessions/s2");
     ASSERT_TRUE(info && info->status == 200);
     std::vector<int32_t> ctx = json::parse(info->body)["token_ids"].get<std::vector<int32_t>>();
@@ -941,7 +953,7 @@ TEST(ServerLoading, HealthIs503AndRequestsAre503WhenTheModelCannotLoad) {
   Server s(o);
   ASSERT_TRUE(s.start().is_ok());
   EXPECT_FALSE(s.wait_ready().is_ok());
-  httplib::Client c("127.0.0.1", s.port());
+  httpc::Client c("127.0.0.1", s.port());
   auto h = c.Get("/health");
   ASSERT_TRUE(h);
   EXPECT_EQ(h->status, 503);
@@ -982,7 +994,7 @@ TEST(ServerLoading, PortInUseIsRefusedAndAConnectionBurstIsAnsweredInFull) {
   std::vector<std::thread> th;
   for (int i = 0; i < clients; ++i)
     th.emplace_back([&] {
-      httplib::Client c("127.0.0.1", a.port());
+      httpc::Client c("127.0.0.1", a.port());
       c.set_read_timeout(30, 0);
       go.arrive_and_wait();
       auto r = c.Post("/v1/completions", R"({"prompt": "a burst"})", "application/json");
@@ -990,7 +1002,7 @@ TEST(ServerLoading, PortInUseIsRefusedAndAConnectionBurstIsAnsweredInFull) {
         ++answered;
       } else {
         std::lock_guard<std::mutex> lk(why_mu);
-        if (why.empty()) why = r ? "status " + std::to_string(r->status) : "no response: " + httplib::to_string(r.error());
+        if (why.empty()) why = r ? "status " + std::to_string(r->status) : "no response: " + httpc::to_string(r.error());
       }
     });
   for (auto& t : th) t.join();
@@ -998,7 +1010,873 @@ TEST(ServerLoading, PortInUseIsRefusedAndAConnectionBurstIsAnsweredInFull) {
   a.stop();
 }
 
+// ==== issue 29: the transport ==================================================================
+
+// Reads what the server sends until it closes the connection or `seconds` pass.
+std::string read_until_close(int fd, double seconds) {
+  std::string out;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  char buf[8192];
+  while (std::chrono::steady_clock::now() < end) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 100) <= 0) continue;
+    const ssize_t n = read(fd, buf, sizeof buf);
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+std::string post_request(const std::string& body, const std::string& version = "HTTP/1.1",
+                         const std::string& extra = "") {
+  return "POST /v1/completions " + version + "\r\nHost: x\r\nAuthorization: Bearer " + std::string(kKey) +
+         "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n" + extra +
+         "\r\n" + body;
+}
+
+// The part of an HTTP answer after its head (raw: chunk framing included).
+std::string body_of(const std::string& http) {
+  const size_t at = http.find("\r\n\r\n");
+  return at == std::string::npos ? "" : http.substr(at + 4);
+}
+std::string head_of(const std::string& http) { return http.substr(0, http.find("\r\n\r\n")); }
+
+// A client trickling its header one byte every 100 ms, or its body after a whole header, is
+// dropped when the phase's absolute deadline (the read timeout, 1 s here) passes: the bytes
+// do not extend it (cpp-httplib's per-read timeout let a trickle hold a thread for good).
+TEST_F(ServerTest, TricklingClientsCannotExtendTheReadDeadlines) {
+  const int port = server_->port();
+  for (bool in_body : {false, true}) {
+    int fd = connect_local(port);
+    ASSERT_GE(fd, 0);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + std::string(kKey) +
+                       "\r\nContent-Length: 1000\r\n";
+    if (in_body) head += "\r\n";
+    ASSERT_EQ(send(fd, head.data(), head.size(), MSG_NOSIGNAL), static_cast<ssize_t>(head.size()));
+    bool dropped = false;
+    for (int i = 0; i < 40 && !dropped; ++i) {  // 4 s of trickling at most
+      const char* byte = in_body ? "a" : (i % 2 ? "y" : "X");
+      if (send(fd, byte, 1, MSG_NOSIGNAL) != 1) dropped = true;
+      pollfd p{fd, POLLIN, 0};
+      if (!dropped && poll(&p, 1, 100) > 0) {  // the pace of the trickle: 100 ms a byte
+        char buf[512];
+        dropped = read(fd, buf, sizeof buf) <= 0;
+      }
+    }
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_TRUE(dropped) << (in_body ? "body" : "header") << ": still connected after " << waited << " s";
+    EXPECT_LT(waited, 2.0) << (in_body ? "body" : "header") << ": the deadline is 1 s";
+    close(fd);
+  }
+  EXPECT_TRUE(healthy());
+}
+
+// HTTP/1.0 has no chunked encoding: a stream is the raw body ended by the close, a whole
+// answer carries its length.
+TEST_F(ServerTest, Http10IsAnsweredWithoutChunking) {
+  const int port = server_->port();
+  const std::string streamed = raw_exchange(
+      port, post_request(R"({"prompt": "the quick", "max_tokens": 4, "stream": true, "ignore_eos": true})", "HTTP/1.0"));
+  EXPECT_EQ(status_of(streamed), 200) << streamed.substr(0, 200);
+  EXPECT_EQ(head_of(streamed).find("hunked"), std::string::npos) << head_of(streamed);
+  const std::string sb = body_of(streamed);
+  EXPECT_EQ(sb.rfind("data: {", 0), 0u) << sb.substr(0, 80);
+  ASSERT_GE(sb.size(), 14u);
+  EXPECT_EQ(sb.substr(sb.size() - 14), "data: [DONE]\n\n");
+  const std::string whole = raw_exchange(
+      port, post_request(R"({"prompt": "the quick", "max_tokens": 4, "ignore_eos": true})", "HTTP/1.0"));
+  EXPECT_EQ(status_of(whole), 200);
+  EXPECT_EQ(head_of(whole).find("hunked"), std::string::npos) << head_of(whole);
+  const json j = json::parse(body_of(whole), nullptr, false);
+  ASSERT_TRUE(j.is_object()) << body_of(whole);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 4);
+}
+
+// Three requests in one write, the last asking to close: three answers, in order.
+TEST_F(ServerTest, PipelinedRequestsAreAnsweredInOrder) {
+  const std::string auth = "Authorization: Bearer " + std::string(kKey) + "\r\n";
+  const std::string reqs = "GET /v1/models HTTP/1.1\r\nHost: x\r\n" + auth + "\r\n" +
+                           post_request(R"({"prompt": "the lazy dog", "max_tokens": 3, "ignore_eos": true})") +
+                           "GET /health HTTP/1.1\r\nHost: x\r\n" + auth + "Connection: close\r\n\r\n";
+  const std::string out = raw_exchange(server_->port(), reqs);
+  const size_t a = out.find("HTTP/1.1 200"), b = out.find("HTTP/1.1 200", a + 1), c = out.find("HTTP/1.1 200", b + 1);
+  ASSERT_NE(c, std::string::npos) << out;
+  EXPECT_NE(out.substr(a, b - a).find("\"object\":\"list\""), std::string::npos);
+  EXPECT_NE(out.substr(b, c - b).find("text_completion"), std::string::npos);
+  EXPECT_NE(out.substr(c).find("\"status\":\"ok\""), std::string::npos);
+}
+
+// A client that sends its request and then shuts down its sending side still gets its answer.
+TEST_F(ServerTest, HalfClosedClientIsStillAnswered) {
+  for (bool stream : {false, true}) {
+    int fd = connect_local(server_->port());
+    ASSERT_GE(fd, 0);
+    json body = {{"prompt", "the quick"}, {"max_tokens", 5}, {"ignore_eos", true}, {"stream", stream}};
+    const std::string req = post_request(body.dump());
+    ASSERT_EQ(write(fd, req.data(), req.size()), static_cast<ssize_t>(req.size()));
+    shutdown(fd, SHUT_WR);
+    const std::string out = read_until_close(fd, 10);
+    close(fd);
+    EXPECT_EQ(status_of(out), 200) << out.substr(0, 200);
+    EXPECT_NE(out.find(stream ? "data: [DONE]" : "\"completion_tokens\":5"), std::string::npos) << out;
+  }
+}
+
+// An invalid Content-Length is a 400 at once, not a wait for the read timeout (1 s here).
+TEST_F(ServerTest, InvalidContentLengthIsRefusedAtOnce) {
+  for (const char* cl : {"Content-Length: -5\r\n", "Content-Length: abc\r\n", "Content-Length: 1e3\r\n",
+                         "Content-Length: 5\r\nContent-Length: 6\r\n", "Content-Length: 99999999999999999999999\r\n"}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string out = raw_exchange(server_->port(), "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " +
+                                                              std::string(kKey) + "\r\n" + cl + "\r\n{\"prompt\":");
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_TRUE(status_of(out) == 400 || status_of(out) == 413) << cl << out.substr(0, 100);
+    EXPECT_LT(waited, 0.5) << cl;
+  }
+  EXPECT_TRUE(healthy());
+}
+
+TEST_F(ServerTest, UnauthorizedCarriesWwwAuthenticate) {
+  auto c = client(false);
+  auto r = c.Get("/v1/models");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 401);
+  EXPECT_EQ(r->get_header_value("WWW-Authenticate").rfind("Bearer", 0), 0u) << r->get_header_value("WWW-Authenticate");
+}
+
+// ==== issue 29: correct answers ====================================================================
+
+TEST_F(ServerTest, NLargerThanSlotsAndQueueIs400NotA429) {
+  // 2 slots + 4 queued: n = 7 can never run.
+  Reply r = post("/v1/completions", json{{"prompt", "a"}, {"n", 7}, {"max_tokens", 2}});
+  EXPECT_EQ(r.status, 400) << r.raw;
+  EXPECT_EQ(r.body["error"]["param"], "n");
+  Reply ok = post("/v1/completions", json{{"prompt", "a"}, {"n", 6}, {"max_tokens", 2}, {"ignore_eos", true}});
+  EXPECT_EQ(ok.status, 200) << ok.raw;
+  wait_idle();
+}
+
+TEST_F(ServerTest, UnsupportedFieldsAre400) {
+  const std::string H = "/v1/chat/completions";
+  const std::vector<std::tuple<std::string, std::string, std::string>> cases = {
+      {"/v1/completions", R"({"prompt": "a", "best_of": 3})", "best_of"},
+      {"/v1/completions", R"({"prompt": "a", "suffix": "and then"})", "suffix"},
+      {H, R"({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]})", "tools"},
+      {H, R"({"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}})",
+       "response_format"},
+      {"/v1/completions", R"({"prompt": "a", "logit_bias": {"x": 1}})", "logit_bias"},
+      {"/v1/completions", R"({"prompt": "a", "logit_bias": {"5": 500}})", "logit_bias"},
+      {"/v1/completions", R"({"prompt": "a", "logit_bias": {"99999": 5}})", "logit_bias"},
+  };
+  for (const auto& [path, body, param] : cases) {
+    Reply r = post(path, body);
+    EXPECT_EQ(r.status, 400) << body << ": " << r.raw;
+    EXPECT_EQ(r.body["error"]["param"], param) << body;
+  }
+  // What means "nothing special" is accepted.
+  EXPECT_EQ(post("/v1/completions", R"({"prompt": "a", "max_tokens": 1, "best_of": 1, "suffix": null})").status, 200);
+  wait_idle();
+}
+
+// text_offset: each token's character offset in the choice's text, continued across chunks.
+TEST_F(ServerTest, LogprobsTextOffsetsAreFilled) {
+  for (bool stream : {false, true}) {
+    json req = {{"prompt", "the quick brown"}, {"max_tokens", 8}, {"temperature", 0}, {"ignore_eos", true},
+                {"logprobs", 1}, {"stream", stream}};
+    std::vector<std::string> tokens;
+    std::vector<int64_t> offsets;
+    std::string text;
+    Reply r = post("/v1/completions", req);
+    ASSERT_EQ(r.status, 200) << r.raw;
+    if (!stream) {
+      text = text_of(r);
+      for (const auto& t : r.body["choices"][0]["logprobs"]["tokens"]) tokens.push_back(t);
+      for (const auto& o : r.body["choices"][0]["logprobs"]["text_offset"]) offsets.push_back(o);
+    } else {
+      std::istringstream in(r.raw);
+      std::string line;
+      while (std::getline(in, line)) {
+        if (line.rfind("data: {", 0) != 0) continue;
+        const json c = json::parse(line.substr(6))["choices"][0];
+        text += c["text"].get<std::string>();
+        if (c["logprobs"].is_null()) continue;
+        for (const auto& t : c["logprobs"]["tokens"]) tokens.push_back(t);
+        for (const auto& o : c["logprobs"]["text_offset"]) offsets.push_back(o);
+      }
+    }
+    ASSERT_EQ(tokens.size(), 8u);
+    ASSERT_EQ(offsets.size(), 8u);
+    int64_t at = 0;
+    for (size_t k = 0; k < tokens.size(); ++k) {
+      EXPECT_EQ(offsets[k], at) << "token " << k << (stream ? " (stream)" : "");
+      for (unsigned char ch : tokens[k]) at += (ch & 0xC0) != 0x80;
+    }
+    EXPECT_GT(at, 0);
+  }
+  wait_idle();
+}
+
+// logit_bias moves greedy decoding: +100 on a token makes it every token; -100 on the
+// greedy choice bans it.
+TEST_F(ServerTest, LogitBiasIsApplied) {
+  const json base = {{"prompt", "the quick brown"}, {"max_tokens", 6}, {"temperature", 0}, {"ignore_eos", true},
+                     {"logprobs", 0}};
+  Reply plain = post("/v1/completions", base);
+  ASSERT_EQ(plain.status, 200);
+  const auto greedy = plain.body["choices"][0]["logprobs"]["tokens"];
+  const std::vector<int32_t> fox = encode(" fox");
+  ASSERT_FALSE(fox.empty());
+  json forced = base;
+  forced["logit_bias"] = {{std::to_string(fox[0]), 100}};
+  Reply f = post("/v1/completions", forced);
+  ASSERT_EQ(f.status, 200) << f.raw;
+  std::string piece;
+  ASSERT_TRUE(tok_->decode({fox[0]}, &piece).is_ok());
+  std::string want;
+  for (int i = 0; i < 6; ++i) want += piece;
+  EXPECT_EQ(text_of(f), want);
+  // The first greedy token banned: the first token differs.
+  Reply first = post("/v1/completions", json{{"prompt", "the quick brown"}, {"max_tokens", 1}, {"temperature", 0},
+                                             {"logprobs", 1}});
+  const std::string top = first.body["choices"][0]["logprobs"]["tokens"][0];
+  std::vector<int32_t> top_ids;
+  ASSERT_TRUE(tok_->encode(top, &top_ids).is_ok());
+  json banned = base;
+  banned["max_tokens"] = 1;
+  banned["logit_bias"] = json::object();
+  // The id of the greedy token: the engine's argmax; find it by trying the vocabulary's ids of its text.
+  for (int32_t id = 0; id < 400; ++id) {
+    std::string t;
+    if (tok_->decode({id}, &t).is_ok() && t == top) banned["logit_bias"][std::to_string(id)] = -100;
+  }
+  ASSERT_FALSE(banned["logit_bias"].empty());
+  Reply b = post("/v1/completions", banned);
+  ASSERT_EQ(b.status, 200) << b.raw;
+  EXPECT_NE(b.body["choices"][0]["logprobs"]["tokens"][0], top);
+  (void)greedy;
+  wait_idle();
+}
+
+// echo + logprobs scores the prompt: its text comes back first, the first token's
+// log-probability is null, and each later one equals the log-probability the model gives
+// that token when generating it after the tokens before (forced by logit_bias; the reported
+// log-probabilities are the raw logits'). max_tokens 0 generates nothing.
+TEST_F(ServerTest, EchoWithLogprobsReturnsThePromptsLogprobs) {
+  const std::vector<int32_t> ids = encode("the quick brown fox jumps");
+  ASSERT_GE(ids.size(), 4u);
+  Reply e = post("/v1/completions", json{{"prompt", ids}, {"echo", true}, {"logprobs", 1}, {"max_tokens", 0}});
+  ASSERT_EQ(e.status, 200) << e.raw;
+  std::string prompt_text;
+  ASSERT_TRUE(tok_->decode(ids, &prompt_text).is_ok());
+  EXPECT_EQ(text_of(e), prompt_text);
+  EXPECT_EQ(e.body["usage"]["completion_tokens"], 0);
+  const json lp = e.body["choices"][0]["logprobs"];
+  ASSERT_EQ(lp["token_logprobs"].size(), ids.size());
+  EXPECT_TRUE(lp["token_logprobs"][0].is_null());
+  EXPECT_TRUE(lp["top_logprobs"][0].is_null());
+  EXPECT_EQ(lp["text_offset"][0], 0);
+  for (size_t k = 1; k < ids.size(); ++k) {
+    const std::vector<int32_t> before(ids.begin(), ids.begin() + static_cast<ptrdiff_t>(k));
+    Reply g = post("/v1/completions", json{{"prompt", before},
+                                           {"max_tokens", 1},
+                                           {"temperature", 0},
+                                           {"logprobs", 1},
+                                           {"cache", false},
+                                           {"logit_bias", {{std::to_string(ids[k]), 100}}}});
+    ASSERT_EQ(g.status, 200) << g.raw;
+    EXPECT_NEAR(lp["token_logprobs"][k].get<double>(), g.body["choices"][0]["logprobs"]["token_logprobs"][0].get<double>(),
+                1e-4)
+        << "position " << k;
+  }
+  // With generation: the text is the prompt's and then the completion's, the logprobs the
+  // prompt's and then the completion's.
+  Reply e2 = post("/v1/completions", json{{"prompt", "the quick brown"}, {"echo", true}, {"logprobs", 0},
+                                          {"max_tokens", 3}, {"ignore_eos", true}, {"temperature", 0}});
+  ASSERT_EQ(e2.status, 200);
+  EXPECT_EQ(text_of(e2).rfind("the quick brown", 0), 0u) << text_of(e2);
+  EXPECT_EQ(e2.body["choices"][0]["logprobs"]["tokens"].size(), encode("the quick brown").size() + 3);
+  wait_idle();
+}
+
+TEST_F(ServerTest, ErrorsDoNotRevealAbsolutePathsAndSessionFilesAreOwnerOnly) {
+  ASSERT_EQ(post("/v1/sessions", json{{"name", "private"}, {"prompt", "the quick"}}).status, 200);
+  Reply saved = post("/v1/sessions/private/save", std::string("{}"));
+  ASSERT_EQ(saved.status, 200) << saved.raw;
+  struct stat st {};
+  ASSERT_EQ(::stat(saved.body["path"].get<std::string>().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  // A damaged file: the error names what is wrong, not where the server keeps its files.
+  std::ofstream(*dir_ + "/sessions/broken.session", std::ios::binary) << "short";
+  Reply bad = post("/v1/sessions/broken/restore", std::string("{}"));
+  EXPECT_EQ(bad.status, 400) << bad.raw;
+  EXPECT_EQ(bad.raw.find(*dir_), std::string::npos) << bad.raw;
+  EXPECT_EQ(bad.raw.find("/tmp"), std::string::npos) << bad.raw;
+}
+
+// ==== issue 29: sessions ============================================================================
+
+// Saves of one name from many clients at once, while the session under that name changes
+// between two contexts: the file is always one whole save. (With one temporary per process
+// the saves truncated and interleaved each other: files empty, cut short, or mixing two
+// sessions' bytes that restored with 200 and the wrong state.)
+TEST_F(ServerTest, ConcurrentSavesOfOneNameNeverMixSessions) {
+  ASSERT_EQ(post("/v1/sessions", json{{"name", "mixA"}, {"prompt", "the quick brown fox jumps over the lazy dog"}}).status,
+            200);
+  ASSERT_EQ(post("/v1/sessions", json{{"name", "mixB"}, {"prompt", "why did the programmer quit"}}).status, 200);
+  const auto ctx = [&](const char* n) { return get(std::string("/v1/sessions/") + n).body["token_ids"]; };
+  const json a = ctx("mixA"), b = ctx("mixB");
+  for (int round = 0; round < 6; ++round) {
+    std::vector<std::thread> th;
+    std::atomic<int> failed{0};
+    for (int t = 0; t < 6; ++t)
+      th.emplace_back([&, t] {
+        for (int i = 0; i < 3; ++i) {
+          if (post(std::string("/v1/sessions/") + ((t + i) % 2 ? "mixA" : "mixB") + "/fork", json{{"name", "mix"}}).status != 200)
+            ++failed;
+          if (post("/v1/sessions/mix/save", std::string("{}")).status != 200) ++failed;
+        }
+      });
+    for (auto& x : th) x.join();
+    EXPECT_EQ(failed.load(), 0);
+    auto cl = client();
+    ASSERT_EQ(cl.Delete("/v1/sessions/mix")->status, 200);
+    Reply r = post("/v1/sessions/mix/restore", std::string("{}"));
+    ASSERT_EQ(r.status, 200) << "round " << round << ": " << r.raw;
+    const json got = ctx("mix");
+    EXPECT_TRUE(got == a || got == b) << "round " << round << ": a context of neither session";
+  }
+  for (const auto& e : fs::directory_iterator(*dir_ + "/sessions"))
+    EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
+}
+
+// save_session when a stop string ends the request: the context up to the stop is kept (it
+// was silently skipped, the request being cancelled at the stop).
+TEST_F(ServerTest, SaveSessionWorksWhenAStopStringEndsTheRequest) {
+  const json base = {{"prompt", "the lazy dog"}, {"max_tokens", 12}, {"temperature", 0}, {"ignore_eos", true}};
+  Reply plain = post("/v1/completions", base);
+  ASSERT_EQ(plain.status, 200);
+  const std::string text = text_of(plain);
+  ASSERT_GE(text.size(), 6u) << text;
+  // Two printable ASCII characters from the middle on (the random model emits other bytes too).
+  std::string stop;
+  for (size_t at = text.size() / 2; at + 2 <= text.size() && stop.empty(); ++at)
+    if (std::isalnum(static_cast<unsigned char>(text[at])) && std::isalnum(static_cast<unsigned char>(text[at + 1])))
+      stop = text.substr(at, 2);
+  ASSERT_FALSE(stop.empty()) << text;
+  json req = base;
+  req["stop"] = stop;
+  req["save_session"] = "stopped";
+  Reply r = post("/v1/completions", req);
+  ASSERT_EQ(r.status, 200) << r.raw;
+  EXPECT_EQ(r.body["choices"][0]["finish_reason"], "stop");
+  Reply s = get("/v1/sessions/stopped");
+  ASSERT_EQ(s.status, 200) << "the session was not saved: " << s.raw;
+  const std::vector<int32_t> ctx = s.body["token_ids"].get<std::vector<int32_t>>();
+  const std::vector<int32_t> prompt = encode("the lazy dog");
+  EXPECT_GT(ctx.size(), prompt.size());
+  EXPECT_LT(ctx.size(), prompt.size() + 12) << "the context ends at the stop";
+  // It continues exactly like its context fed again.
+  json cont = {{"prompt", " over"}, {"session", "stopped"}, {"max_tokens", 5}, {"temperature", 0}, {"ignore_eos", true}};
+  std::vector<int32_t> full = ctx;
+  const std::vector<int32_t> over = encode(" over");
+  full.insert(full.end(), over.begin(), over.end());
+  Reply c1 = post("/v1/completions", cont);
+  Reply c2 = post("/v1/completions", json{{"prompt", full}, {"max_tokens", 5}, {"temperature", 0}, {"cache", false},
+                                          {"ignore_eos", true}});
+  EXPECT_EQ(text_of(c1), text_of(c2));
+  wait_idle();
+}
+
+// A state or logits that are not finite are refused at restore (they were taken, and every
+// continuation answered garbage).
+TEST_F(ServerTest, RestoreRefusesNonFiniteStates) {
+  ASSERT_EQ(post("/v1/sessions", json{{"name", "finite"}, {"prompt", "the quick brown fox"}}).status, 200);
+  ASSERT_EQ(post("/v1/sessions/finite/save", std::string("{}")).status, 200);
+  SafeTensorsReader r;
+  ASSERT_TRUE(SafeTensorsReader::open(*dir_ + "/sessions/finite.session", &r).is_ok());
+  for (const char* which : {"state", "logits"}) {
+    std::vector<NamedTensor> t;
+    std::vector<std::vector<uint8_t>> keep;
+    keep.reserve(4);
+    for (const char* name : {"state", "logits", "snapshot_tokens", "context"}) {
+      const SafeTensorInfo* info = r.find(name);
+      ASSERT_NE(info, nullptr);
+      keep.emplace_back(r.bytes(*info), r.bytes(*info) + info->nbytes());
+      if (std::string(name) == which) {
+        float* f = reinterpret_cast<float*>(keep.back().data());
+        f[keep.back().size() / sizeof(float) / 2] = std::numeric_limits<float>::quiet_NaN();
+      }
+      t.push_back({name, Tensor(keep.back().data(), info->dtype, {info->shape[0]})});
+    }
+    ASSERT_TRUE(safetensors_write(*dir_ + "/sessions/nonfinite.session", t, r.metadata()).is_ok());
+    Reply bad = post("/v1/sessions/nonfinite/restore", std::string("{}"));
+    EXPECT_EQ(bad.status, 400) << which << ": " << bad.raw;
+    EXPECT_NE(bad.raw.find("finite"), std::string::npos) << bad.raw;
+  }
+  EXPECT_EQ(get("/v1/sessions/nonfinite").status, 404);
+}
+
+// POST /v1/sessions is admitted like any request: with every slot and queue place taken
+// (the engine held, so they stay taken) it is a 429 with Retry-After, not a prefill that
+// blocks a thread behind them.
+TEST_F(ServerTest, SessionCreationIsAdmittedLikeAnyRequest) {
+  wait_idle();
+  server_->hold_engine(true);
+  std::vector<int> fds;
+  for (int i = 0; i < 6; ++i) {  // 2 slots + 4 queued
+    int fd = connect_local(server_->port());
+    ASSERT_GE(fd, 0);
+    const std::string req =
+        post_request(json{{"prompt", "held " + std::to_string(i)}, {"max_tokens", 3}, {"stream", true}}.dump(),
+                     "HTTP/1.1", "Connection: close\r\n");
+    ASSERT_EQ(write(fd, req.data(), req.size()), static_cast<ssize_t>(req.size()));
+    char buf[64];
+    ASSERT_GT(read(fd, buf, sizeof buf), 0);  // the stream's head: admitted
+    EXPECT_EQ(std::string(buf, 12), "HTTP/1.1 200");
+    fds.push_back(fd);
+  }
+  auto c = client();
+  auto r = c.Post("/v1/sessions", json{{"name", "blocked"}, {"prompt", "the quick"}}.dump(), "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 429) << r->body;
+  EXPECT_EQ(r->get_header_value("Retry-After"), "1");
+  server_->hold_engine(false);
+  for (int fd : fds) {
+    EXPECT_NE(read_until_close(fd, 20).find("data: [DONE]"), std::string::npos);
+    close(fd);
+  }
+  wait_idle();
+  EXPECT_EQ(post("/v1/sessions", json{{"name", "blocked"}, {"prompt", "the quick"}}).status, 200);
+}
+
+// The caps on sessions hold for every way in — create, fork, save_session, restore — with a
+// 429 and Retry-After; save_session at the cap is refused before it runs (it answered 200 and
+// saved nothing); the disk caps refuse a save with 507.
+TEST(ServerSessions, CapsHoldForEveryWayInAndOnDisk) {
+  const std::string dir = make_model_dir();
+  ServerOptions o;
+  o.model_dir = dir;
+  o.port = 0;
+  o.device = server_device();
+  o.engine.max_slots = 2;
+  o.session_dir = dir + "/sessions";
+  o.max_sessions = 2;
+  o.max_session_files = 1;
+  Server srv(o);
+  ASSERT_TRUE(srv.start().is_ok());
+  ASSERT_TRUE(srv.wait_ready().is_ok());
+  auto call = [&](const std::string& path, const json& body) {
+    httpc::Client c("127.0.0.1", srv.port());
+    auto r = c.Post(path, body.dump(), "application/json");
+    return r ? std::make_tuple(r->status, r->get_header_value("Retry-After"), r->body)
+             : std::make_tuple(0, std::string(), std::string());
+  };
+  EXPECT_EQ(std::get<0>(call("/v1/sessions", json{{"name", "a"}, {"prompt", "the quick"}})), 200);
+  EXPECT_EQ(std::get<0>(call("/v1/sessions", json{{"name", "b"}, {"prompt", "the lazy"}})), 200);
+  for (const auto& [path, body] : std::vector<std::pair<std::string, json>>{
+           {"/v1/sessions", json{{"name", "c"}, {"prompt", "a fortune"}}},
+           {"/v1/sessions/a/fork", json{{"name", "c"}}},
+           {"/v1/completions", json{{"prompt", "the dog"}, {"max_tokens", 2}, {"save_session", "c"}}}}) {
+    const auto [status, retry, text] = call(path, body);
+    EXPECT_EQ(status, 429) << path << ": " << text;
+    EXPECT_EQ(retry, "1") << path;
+  }
+  httpc::Client g("127.0.0.1", srv.port());
+  EXPECT_EQ(g.Get("/v1/sessions/c")->status, 404) << "nothing saved";
+  // Replacing a session that exists is within the cap.
+  EXPECT_EQ(std::get<0>(call("/v1/completions", json{{"prompt", " dog"}, {"session", "a"}, {"max_tokens", 2},
+                                                      {"save_session", "a"}, {"ignore_eos", true}})),
+            200);
+  // Disk: one file at most.
+  EXPECT_EQ(std::get<0>(call("/v1/sessions/a/save", json::object())), 200);
+  const auto [st, ra, text] = call("/v1/sessions/b/save", json::object());
+  EXPECT_EQ(st, 507) << text;
+  // A restore of a third name is held to the cap too (it bypassed it).
+  fs::copy_file(dir + "/sessions/a.session", dir + "/sessions/c.session");
+  const auto [rs, rra, rtext] = call("/v1/sessions/c/restore", json::object());
+  EXPECT_EQ(rs, 429) << rtext;
+  EXPECT_EQ(rra, "1");
+  EXPECT_EQ(srv.counters().sessions, 2);
+  srv.stop();
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+// A `laplace serve` killed (SIGKILL) in the middle of saving a session leaves the previous
+// save whole; the next server removes the dead writer's temporary at start and restores it.
+TEST(ServerSessions, KillDuringASaveLeavesTheLastSaveWholeAndItsTemporaryIsCleaned) {
+  const std::string dir = make_model_dir();
+  const std::string sdir = dir + "/sessions";
+  int out[2];
+  ASSERT_EQ(pipe(out), 0);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(out[1], 1);
+    close(out[0]);
+    setenv("LAPLACE_TEST_KILL_DURING_WRITE", ".session:2", 1);
+    execl(LAPLACE_BINARY, LAPLACE_BINARY, "serve", "--model", dir.c_str(), "--port", "0", "--max-slots", "2",
+          "--session-dir", sdir.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(out[1]);
+  std::string log;
+  int port = 0;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (log.find("ready") == std::string::npos && std::chrono::steady_clock::now() < until) {
+    pollfd p{out[0], POLLIN, 0};
+    if (poll(&p, 1, 200) <= 0) continue;
+    char buf[512];
+    const ssize_t n = read(out[0], buf, sizeof buf);
+    if (n <= 0) break;
+    log.append(buf, static_cast<size_t>(n));
+  }
+  const size_t at = log.find("127.0.0.1:");
+  ASSERT_NE(at, std::string::npos) << log;
+  port = std::atoi(log.c_str() + at + 10);
+  ASSERT_NE(log.find("ready"), std::string::npos) << log;
+  httpc::Client c("127.0.0.1", port);
+  ASSERT_EQ(c.Post("/v1/sessions", R"({"name": "s", "prompt": "the quick brown fox"})", "application/json")->status, 200);
+  ASSERT_EQ(c.Post("/v1/sessions/s/save", "{}", "application/json")->status, 200);
+  httpc::Client c2("127.0.0.1", port);
+  ASSERT_EQ(c2.Post("/v1/sessions", R"({"name": "s", "prompt": "why did the programmer quit"})", "application/json")->status,
+            200);
+  auto killed = c2.Post("/v1/sessions/s/save", "{}", "application/json");  // the second write: killed half way
+  EXPECT_FALSE(killed);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  close(out[0]);
+  int temporaries = 0;
+  for (const auto& e : fs::directory_iterator(sdir)) temporaries += e.path().filename().string().find(".tmp.") != std::string::npos;
+  EXPECT_EQ(temporaries, 1) << "the killed save's temporary";
+  ServerOptions o;
+  o.model_dir = dir;
+  o.port = 0;
+  o.engine.max_slots = 2;
+  o.session_dir = sdir;
+  Server srv(o);
+  ASSERT_TRUE(srv.start().is_ok());
+  ASSERT_TRUE(srv.wait_ready().is_ok());
+  for (const auto& e : fs::directory_iterator(sdir))
+    EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << "not cleaned: " << e.path();
+  httpc::Client c3("127.0.0.1", srv.port());
+  auto r = c3.Post("/v1/sessions/s/restore", "{}", "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+  auto info = c3.Get("/v1/sessions/s");
+  Tokenizer tok;
+  ASSERT_TRUE(Tokenizer::load(dir + "/tokenizer.model", &tok).is_ok());
+  std::vector<int32_t> first;
+  ASSERT_TRUE(tok.encode("the quick brown fox", &first).is_ok());
+  EXPECT_EQ(json::parse(info->body)["token_ids"].get<std::vector<int32_t>>(), first) << "the first save, whole";
+  srv.stop();
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+// ==== issue 29: graceful stop ==========================================================================
+
+struct RawStream {
+  int fd = -1;
+  std::string got;
+};
+
+RawStream open_stream(int port, const json& body, bool read_head) {
+  RawStream s;
+  s.fd = connect_local(port);
+  const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
+                          std::to_string(body.dump().size()) + "\r\nConnection: close\r\n\r\n" + body.dump();
+  (void)!write(s.fd, req.data(), req.size());
+  if (read_head) {
+    timeval tv{30, 0};
+    setsockopt(s.fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    char buf[4096];
+    const ssize_t n = read(s.fd, buf, sizeof buf);
+    if (n > 0) s.got.append(buf, static_cast<size_t>(n));
+  }
+  return s;
+}
+
+// Within the grace, running requests finish normally and new ones are refused with 503.
+TEST(ServerShutdown, RunningRequestsFinishWithinTheGrace) {
+  const std::string dir = make_model_dir();
+  ServerOptions o;
+  o.model_dir = dir;
+  o.port = 0;
+  o.device = server_device();
+  o.engine.max_slots = 2;
+  Server srv(o);
+  ASSERT_TRUE(srv.start().is_ok());
+  ASSERT_TRUE(srv.wait_ready().is_ok());
+  const int port = srv.port();
+  srv.hold_engine(true);  // both requests stay running until the stop has begun
+  RawStream s = open_stream(port, json{{"prompt", "the quick"}, {"max_tokens", 300}, {"stream", true}, {"ignore_eos", true}}, true);
+  RawStream w = open_stream(port, json{{"prompt", "the lazy"}, {"max_tokens", 200}, {"ignore_eos", true}}, false);
+  ASSERT_EQ(status_of(s.got), 200);
+  for (int i = 0; i < 5000 && srv.counters().outstanding < 2; ++i) std::this_thread::yield();
+  ASSERT_EQ(srv.counters().outstanding, 2);
+  std::thread stopper([&] { srv.shutdown(60); });
+  // Refused while draining (the first answer that says so; each is a request, not a sleep).
+  int refused = 0;
+  std::string retry;
+  for (int i = 0; i < 20000 && !refused; ++i) {
+    httpc::Client c("127.0.0.1", port);
+    auto r = c.Post("/v1/completions", R"({"prompt": "late", "max_tokens": 2})", "application/json");
+    if (r && r->status == 503) {
+      refused = 1;
+      retry = r->get_header_value("Retry-After");
+    }
+  }
+  EXPECT_EQ(refused, 1);
+  EXPECT_EQ(retry, "1");
+  srv.hold_engine(false);
+  const std::string sb = s.got + read_until_close(s.fd, 60);
+  const std::string wb = read_until_close(w.fd, 60);
+  stopper.join();
+  EXPECT_NE(sb.find("data: [DONE]"), std::string::npos);
+  EXPECT_EQ(sb.find("server_shutdown"), std::string::npos) << "finished within the grace";
+  EXPECT_EQ(status_of(wb), 200);
+  EXPECT_NE(wb.find("\"completion_tokens\":200"), std::string::npos) << wb.substr(0, 300);
+  close(s.fd);
+  close(w.fd);
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+// After the grace, a stream ends with an error event and [DONE]; a non-streamed answer whose
+// head went out gets an error object as its body, never an empty 200.
+TEST(ServerShutdown, AfterTheGraceAnswersEndWithAnErrorNeverEmpty) {
+  const std::string dir = make_model_dir();
+  ServerOptions o;
+  o.model_dir = dir;
+  o.port = 0;
+  o.device = server_device();
+  o.engine.max_slots = 2;
+  o.limits.max_tokens = 100000;
+  Server srv(o);
+  ASSERT_TRUE(srv.start().is_ok());
+  ASSERT_TRUE(srv.wait_ready().is_ok());
+  const int port = srv.port();
+  const json endless = {{"prompt", "the quick"}, {"max_tokens", 90000}, {"ignore_eos", true}};
+  json st = endless;
+  st["stream"] = true;
+  RawStream s = open_stream(port, st, true);
+  RawStream w = open_stream(port, endless, true);  // its head comes with the first space (0.5 s)
+  ASSERT_EQ(status_of(s.got), 200);
+  ASSERT_EQ(status_of(w.got), 200);
+  srv.shutdown(0.2);
+  const std::string sb = s.got + read_until_close(s.fd, 10);
+  const std::string wb = w.got + read_until_close(w.fd, 10);
+  const size_t err = sb.find("\"code\":\"server_shutdown\"");
+  EXPECT_NE(err, std::string::npos) << sb.substr(sb.size() > 300 ? sb.size() - 300 : 0);
+  EXPECT_NE(sb.find("data: [DONE]", err == std::string::npos ? 0 : err), std::string::npos);
+  // The non-streamed body: whitespace, then an error object.
+  std::string body;
+  std::istringstream in(body_of(wb));
+  for (std::string line; std::getline(in, line);) {  // drop the chunk framing
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.find_first_not_of("0123456789abcdef") == std::string::npos) continue;
+    body += line;
+  }
+  const json j = json::parse(body, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << wb.substr(0, 400);
+  EXPECT_EQ(j["error"]["code"], "server_shutdown");
+  close(s.fd);
+  close(w.fd);
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+// ==== issue 29: load ==================================================================================
+
+// 2,200 streaming connections at once to a server of 512 slots and a queue of 1,536 (tiny
+// model, CPU, loopback): with the engine held until every client has its answer's head,
+// exactly 2,048 are accepted and 152 get 429 with Retry-After; then every accepted stream
+// completes with all its tokens and [DONE]; /health answers within 50 ms (p99) throughout;
+// the resident memory returns to its baseline. Twice: the first round is the warm-up the
+// baseline is taken after. Run alone (ctest server_load): its latency bound assumes the
+// machine is not shared with other tests.
+TEST(ServerLoad, TwoThousandStreamsCompleteOr429WhileHealthStaysFast) {
+  if (!std::getenv("LAPLACE_SERVER_LOAD")) GTEST_SKIP() << "run by ctest as server_load (alone), LAPLACE_SERVER_LOAD=1";
+  const int conns = 2200, accepted_want = 2048, tokens = 64;
+  rlimit rl{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &rl), 0);
+  rl.rlim_cur = rl.rlim_max;
+  setrlimit(RLIMIT_NOFILE, &rl);
+  getrlimit(RLIMIT_NOFILE, &rl);
+  if (rl.rlim_cur < static_cast<rlim_t>(2 * conns + 256)) GTEST_SKIP() << "RLIMIT_NOFILE hard limit " << rl.rlim_max;
+  const std::string dir = make_model_dir();
+  ServerOptions o;
+  o.model_dir = dir;
+  o.port = 0;
+  o.device = "cpu";
+  o.engine.max_slots = 512;
+  o.max_queue = accepted_want - 512;
+  o.cache_bytes = 0;
+  o.engine.cache_slots = 0;
+  o.threads = 2;
+  o.read_timeout_s = 30;
+  Server srv(o);
+  ASSERT_TRUE(srv.start().is_ok());
+  ASSERT_TRUE(srv.wait_ready().is_ok());
+  const int port = srv.port();
+
+  struct Conn {
+    int fd = -1;
+    std::string out, in;
+    size_t sent = 0;
+    int status = 0;
+    bool closed = false;
+  };
+  auto round = [&](int r, std::vector<double>* health_ms) {
+    srv.hold_engine(true);
+    std::atomic<bool> done{false};
+    std::mutex mu;
+    std::condition_variable cv;
+    std::thread health([&] {
+      httpc::Client c("127.0.0.1", port);
+      c.set_keep_alive(true);
+      c.set_read_timeout(10);
+      while (!done.load()) {
+        const auto t0 = std::chrono::steady_clock::now();
+        auto h = c.Get("/health");
+        const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        health_ms->push_back(h && h->status == 200 ? ms : 1e9);
+        std::unique_lock<std::mutex> lk(mu);
+        cv.wait_for(lk, std::chrono::milliseconds(5), [&] { return done.load(); });  // the poll's pace
+      }
+    });
+    std::vector<Conn> cs(conns);
+    const int ep = epoll_create1(0);
+    for (int i = 0; i < conns; ++i) {
+      Conn& c = cs[i];
+      c.fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+      ASSERT_GE(c.fd, 0) << "socket " << i;
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_port = htons(static_cast<uint16_t>(port));
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      connect(c.fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+      const json body = {{"prompt", "stream " + std::to_string(r) + " " + std::to_string(i)},
+                         {"max_tokens", tokens}, {"stream", true}, {"ignore_eos", true}, {"temperature", 0},
+                         {"stream_options", {{"include_usage", true}}}};
+      c.out = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+              "Content-Length: " + std::to_string(body.dump().size()) + "\r\n\r\n" + body.dump();
+      epoll_event ev{};
+      ev.events = EPOLLIN | EPOLLOUT;
+      ev.data.u32 = static_cast<uint32_t>(i);
+      epoll_ctl(ep, EPOLL_CTL_ADD, c.fd, &ev);
+    }
+    int with_status = 0, open = conns;
+    bool released = false;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    std::vector<epoll_event> evs(512);
+    while (open > 0 && std::chrono::steady_clock::now() < deadline) {
+      const int n = epoll_wait(ep, evs.data(), static_cast<int>(evs.size()), 100);
+      for (int k = 0; k < n; ++k) {
+        Conn& c = cs[evs[k].data.u32];
+        if ((evs[k].events & EPOLLOUT) && c.sent < c.out.size()) {
+          const ssize_t w = send(c.fd, c.out.data() + c.sent, c.out.size() - c.sent, MSG_NOSIGNAL);
+          if (w > 0) c.sent += static_cast<size_t>(w);
+          if (c.sent == c.out.size()) {
+            epoll_event ev{};
+            ev.events = EPOLLIN;
+            ev.data.u32 = evs[k].data.u32;
+            epoll_ctl(ep, EPOLL_CTL_MOD, c.fd, &ev);
+          }
+        }
+        if (evs[k].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) {
+          char buf[16384];
+          for (;;) {
+            const ssize_t got = read(c.fd, buf, sizeof buf);
+            if (got > 0) {
+              c.in.append(buf, static_cast<size_t>(got));
+              continue;
+            }
+            if (got == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
+              c.closed = true;
+              epoll_ctl(ep, EPOLL_CTL_DEL, c.fd, nullptr);
+              close(c.fd);
+              --open;
+            }
+            break;
+          }
+          if (c.status == 0 && c.in.size() >= 12) {
+            c.status = status_of(c.in);
+            ++with_status;
+          }
+        }
+      }
+      if (!released && with_status == conns) {
+        // Every client has its answer's head (or its whole 429): now let the engine run.
+        int ok = 0;
+        for (const Conn& c : cs) ok += c.status == 200;
+        EXPECT_EQ(ok, accepted_want) << "round " << r;
+        srv.hold_engine(false);
+        released = true;
+      }
+    }
+    close(ep);
+    if (!released) srv.hold_engine(false);
+    done.store(true);
+    cv.notify_all();
+    health.join();
+    EXPECT_EQ(open, 0) << "round " << r << ": connections still open at the deadline";
+    int ok = 0, busy = 0, bad = 0;
+    std::string why;
+    for (const Conn& c : cs) {
+      if (c.status == 200) {
+        const bool complete = c.in.find("\"completion_tokens\":" + std::to_string(tokens)) != std::string::npos &&
+                              c.in.find("data: [DONE]") != std::string::npos;
+        (complete ? ok : bad)++;
+        if (!complete && why.empty()) why = c.in.substr(0, 600);
+      } else if (c.status == 429) {
+        ++busy;
+        if (c.in.find("Retry-After: 1") == std::string::npos) {
+          ++bad;
+          if (why.empty()) why = c.in;
+        }
+      } else {
+        ++bad;
+        if (why.empty()) why = "status " + std::to_string(c.status) + ": " + c.in.substr(0, 300);
+      }
+    }
+    EXPECT_EQ(ok, accepted_want) << "round " << r;
+    EXPECT_EQ(busy, conns - accepted_want) << "round " << r;
+    EXPECT_EQ(bad, 0) << "round " << r << ": " << why;
+  };
+  auto settle = [&] {
+    // Every connection closed on the server's side and every request finished (bounded).
+    for (int i = 0; i < 400 && (srv.counters().outstanding != 0 || srv.counters().connections > 0); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    malloc_trim(0);
+  };
+  std::vector<double> warm_ms, ms;
+  const auto t0 = std::chrono::steady_clock::now();
+  round(0, &warm_ms);
+  settle();
+  const int64_t rss0 = process_resident_bytes();
+  round(1, &ms);
+  settle();
+  const int64_t rss1 = process_resident_bytes();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_GT(ms.size(), 10u);
+  std::sort(ms.begin(), ms.end());
+  const double p99 = ms[static_cast<size_t>(0.99 * static_cast<double>(ms.size() - 1))];
+  std::printf("server load: 2 rounds of %d connections in %.1f s; /health p50 %.2f ms, p99 %.2f ms, max %.2f ms "
+              "(%zu probes); rss %.1f -> %.1f MiB\n",
+              conns, secs, ms[ms.size() / 2], p99, ms.back(), ms.size(), rss0 / 1048576.0, rss1 / 1048576.0);
+  EXPECT_LT(p99, 50.0);
+  EXPECT_EQ(srv.counters().outstanding, 0);
+  EXPECT_EQ(srv.counters().engine.free_slots, 512);
+  EXPECT_LT(rss1 - rss0, int64_t(32) << 20) << "rss " << rss0 << " -> " << rss1;
+  srv.stop();
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
 }  // namespace
 }  // namespace laplace
 
-#endif  // LAPLACE_HAVE_HTTPLIB
+#endif  // LAPLACE_HAVE_SERVER

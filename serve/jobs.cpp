@@ -1,0 +1,626 @@
+// Completions: a request's engine work (n choices), what the engine's callbacks feed it,
+// and its answer (serve/server_impl.h).
+#include <chrono>
+#include <cmath>
+#include <random>
+
+#include "serve/server_impl.h"
+
+namespace laplace {
+
+using nlohmann::json;
+
+namespace {
+
+const char* finish_reason_api(FinishReason r) {
+  switch (r) {
+    case FinishReason::kLength: return "length";
+    case FinishReason::kStop:
+    case FinishReason::kEos: return "stop";
+    case FinishReason::kCancelled: return "cancelled";
+  }
+  return "stop";
+}
+
+int64_t unix_time() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string random_id(const char* prefix) {
+  static std::atomic<uint64_t> counter{0};
+  static const uint64_t base = std::random_device{}();
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%s-%016llx%04llx", prefix, (unsigned long long)base,
+                (unsigned long long)(counter.fetch_add(1) & 0xffff));
+  return buf;
+}
+
+// Characters in s as a client decodes the JSON string we send: UTF-8 code points, and each
+// invalid sequence one U+FFFD (what dump_json puts there).
+int64_t text_chars(const std::string& s) {
+  int64_t n = 0;
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  for (size_t i = 0, size = s.size(); i < size; ++n) {
+    const unsigned char c = p[i];
+    const size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    if (len == 0) {  // a stray continuation byte or an invalid lead: one replacement
+      ++i;
+      continue;
+    }
+    size_t k = 1;
+    while (k < len && i + k < size && (p[i + k] & 0xC0) == 0x80) ++k;
+    i += k;  // whole (one character) or cut short (one replacement for what was there)
+  }
+  return n;
+}
+
+// r continues `start` (a snapshot of a prefix of `tokens`, or null) and feeds the rest.
+void start_from(const SnapshotPtr& start, const std::vector<int32_t>& tokens, Request* r) {
+  const size_t covered = start ? start->tokens.size() : 0;
+  r->initial_state = start;
+  r->prompt.assign(tokens.begin() + static_cast<ptrdiff_t>(covered), tokens.end());
+}
+
+}  // namespace
+
+void Server::Impl::memo_put(const std::string& text, const std::vector<int32_t>& ids) {
+  std::lock_guard<std::mutex> lk(memo_mu);
+  if (memo.emplace(text, ids).second) memo_order.push_back(text);
+  while (memo_order.size() > 4096) {
+    memo.erase(memo_order.front());
+    memo_order.pop_front();
+  }
+}
+
+std::optional<ApiError> Server::Impl::tokenize(Job& job) {
+  const CompletionParams& p = job.p;
+  std::vector<int32_t> ids;
+  if (p.chat) {
+    std::vector<ChatTemplate::Piece> pieces;
+    Status st = chat_tmpl.render(p.messages, &pieces);
+    if (!st.is_ok()) return ApiError{400, st.message(), "invalid_request_error", "messages", ""};
+    for (const auto& piece : pieces) {
+      if (piece.assistant_content) {
+        std::lock_guard<std::mutex> lk(memo_mu);
+        auto it = memo.find(piece.text);
+        if (it != memo.end()) {
+          ids.insert(ids.end(), it->second.begin(), it->second.end());
+          continue;
+        }
+      }
+      std::vector<int32_t> part;
+      Status e = tok.encode(piece.text, &part);
+      if (!e.is_ok()) return ApiError{400, e.message(), "invalid_request_error", "messages", ""};
+      ids.insert(ids.end(), part.begin(), part.end());
+    }
+  } else if (p.prompt_is_ids) {
+    for (int32_t t : p.prompt_ids)
+      if (t >= model.config().vocab_size)
+        return ApiError{400, "prompt token id " + std::to_string(t) + " is outside the vocabulary (" +
+                                 std::to_string(model.config().vocab_size) + ")",
+                        "invalid_request_error", "prompt", ""};
+    ids = p.prompt_ids;
+  } else {
+    Status e = tok.encode(p.prompt_text, &ids);
+    if (!e.is_ok()) return ApiError{400, e.message(), "invalid_request_error", "prompt", ""};
+  }
+  for (const auto& [t, bias] : p.sampling.logit_bias)
+    if (t >= model.config().vocab_size)
+      return ApiError{400, "logit_bias names token id " + std::to_string(t) + ", outside the vocabulary (" +
+                               std::to_string(model.config().vocab_size) + ")",
+                      "invalid_request_error", "logit_bias", ""};
+  job.prompt.clear();
+  if (!p.session.empty()) {
+    std::optional<Session> s = sessions.get(p.session);
+    if (!s)
+      return ApiError{404, "session '" + p.session + "' does not exist", "invalid_request_error", "session",
+                      "session_not_found"};
+    job.prompt = s->context;
+    job.prompt_state = s->snap;  // a candidate start
+  }
+  job.own = ids;
+  job.prompt.insert(job.prompt.end(), ids.begin(), ids.end());
+  if (job.prompt.empty()) {
+    if (tok.bos_id() >= 0) {
+      job.prompt.push_back(tok.bos_id());  // an empty prompt starts a document
+    } else {
+      return ApiError{400, "the prompt is empty", "invalid_request_error", p.chat ? "messages" : "prompt", ""};
+    }
+  }
+  if (static_cast<int64_t>(job.prompt.size()) > opt.max_prompt_tokens)
+    return ApiError{400,
+                    "the prompt has " + std::to_string(job.prompt.size()) + " tokens; this server accepts at most " +
+                        std::to_string(opt.max_prompt_tokens),
+                    "invalid_request_error", p.chat ? "messages" : "prompt", "context_length_exceeded"};
+  if (p.echo) {
+    if (p.prompt_is_ids) {
+      if (!tok.decode(ids, &job.echo_text).is_ok()) job.echo_text.clear();
+    } else {
+      job.echo_text = p.prompt_text;
+    }
+  }
+  return std::nullopt;
+}
+
+Request Server::Impl::make_request(const std::shared_ptr<Job>& job, size_t i) {
+  const CompletionParams& p = job->p;
+  Request r;
+  r.sampling = p.sampling;
+  r.sampling.seed = p.sampling.seed + i;  // choices differ; choice 0 keeps the given seed
+  r.max_tokens = std::max<int64_t>(p.max_tokens, 1);
+  r.top_logprobs = p.logprobs;
+  r.eos_id = job->eos;
+  // The cache keeps the final context itself (device tier first); a host snapshot is
+  // made only when a session needs one.
+  r.use_cache = cache_on(*job);
+  r.cache_final_state = cache_on(*job);
+  r.capture_final_state = !p.save_session.empty();
+  std::weak_ptr<Job> wj = job;
+  r.on_logprobs = [wj, i](RequestId, const TokenLogprobs& lp) {
+    if (auto j = wj.lock()) {
+      std::lock_guard<std::mutex> lk(j->mu);
+      j->choices[i].logprobs.push_back(lp);
+    }
+  };
+  r.on_token = [this, wj, i](RequestId id, int32_t t) { on_token(wj.lock(), i, id, t); };
+  r.on_finish = [this, wj, i](const FinishInfo& f) { on_finish(wj.lock(), i, f); };
+  if (!p.save_session.empty() && !job->stops.empty()) {
+    // A stop string ends the request at its token with the final state captured, so the
+    // session is saved (a cancel would leave none).
+    r.stop_after = [wj, i](RequestId, int32_t) {
+      auto j = wj.lock();
+      if (!j) return false;
+      std::lock_guard<std::mutex> lk(j->mu);
+      return j->choices[i].stop_now;
+    };
+  }
+  return r;
+}
+
+void Server::Impl::mark_dirty(const std::shared_ptr<Job>& j) {
+  // Engine thread (every caller is an engine callback): woken after the step.
+  if (!j->dirty.exchange(true)) dirty_jobs.push_back(j);
+}
+
+void Server::Impl::on_token(const std::shared_ptr<Job>& j, size_t i, RequestId id, int32_t t) {
+  if (!j) return;
+  bool cancel = false;
+  {
+    std::lock_guard<std::mutex> lk(j->mu);
+    Choice& c = j->choices[i];
+    if (c.text_done) return;
+    c.tokens.push_back(t);
+    if (j->discard_first) {
+      // echo with max_tokens 0: the token only gave the prompt its log-probabilities.
+      c.text_done = true;
+      c.finish_reason = "length";
+    } else {
+      if (t != j->eos) c.pending += c.text->push(t);
+      if (c.text->stopped()) {
+        c.text_done = true;
+        c.finish_reason = "stop";
+        if (!j->p.save_session.empty() && i == 0) c.stop_now = true;  // Request::stop_after ends it here
+        else cancel = true;  // the rest of this sequence is not wanted
+      }
+    }
+  }
+  mark_dirty(j);
+  if (cancel) engine->cancel(id);
+}
+
+void Server::Impl::on_finish(const std::shared_ptr<Job>& j, size_t i, const FinishInfo& f) {
+  outstanding.fetch_sub(1);
+  if (f.first_token_time >= 0) {
+    ttft.observe(f.ttft());
+    e2e.observe(f.finish_time - f.submit_time);
+    for (size_t k = 1; k < f.token_times.size(); ++k) itl.observe(f.token_times[k] - f.token_times[k - 1]);
+  }
+  if (f.admit_time >= 0) queue_time.observe(f.admit_time - f.submit_time);
+  generation_tokens_total.fetch_add(f.generated_tokens);
+  if (!j) return;
+  {
+    std::lock_guard<std::mutex> lk(j->mu);
+    Choice& c = j->choices[i];
+    c.info = f;
+    if (i == 0) j->cached_tokens = f.cached_tokens;
+    c.finished = true;
+    ++j->finished;
+    if (!c.text_done) {
+      c.text_done = true;
+      c.finish_reason = finish_reason_api(f.reason);
+      if (f.reason != FinishReason::kCancelled) c.pending += c.text->finish();
+    }
+    // Choice 0 ended before its prompt state could seed the others: they never start.
+    if (i == 0 && !j->forked) {
+      j->forked = true;
+      for (size_t k = 1; k < j->choices.size(); ++k) {
+        j->choices[k].finished = j->choices[k].text_done = true;
+        j->choices[k].finish_reason = "cancelled";
+        ++j->finished;
+        outstanding.fetch_sub(1);  // counted at submit, never started
+      }
+    }
+    if (j->p.chat && c.finish_reason != "cancelled") {
+      // Remember which tokens produced this reply (without a trailing end-of-sequence).
+      std::vector<int32_t> ids = c.text->tokens();
+      if (!ids.empty() && ids.back() == j->eos) ids.pop_back();
+      std::string text;
+      if (tok.decode(ids, &text).is_ok() && text == c.text->sent()) memo_put(text, ids);
+    }
+    if (j->session_ticket && i == 0) {
+      // The room was reserved at admission: a finished request's context is always kept.
+      SnapshotPtr snap = f.final_state ? f.final_state : j->prompt_state;
+      if (f.reason != FinishReason::kCancelled && snap) {
+        Session s;
+        s.context = j->prompt;
+        s.context.insert(s.context.end(), c.tokens.begin(), c.tokens.end());
+        s.snap = std::move(snap);
+        sessions.commit(j->session_ticket, std::move(s));
+      } else {
+        sessions.release(j->session_ticket);
+      }
+      j->session_ticket = 0;
+    }
+  }
+  mark_dirty(j);
+  jobs_cv.notify_all();
+}
+
+// The prompt is in the state (the engine has cached it): start choices 1..n-1 from it.
+void Server::Impl::on_prompt_state(const std::shared_ptr<Job>& j, const SnapshotPtr& st) {
+  if (!j) return;
+  std::lock_guard<std::mutex> lk(j->mu);
+  j->prompt_state = st;
+  if (j->forked) return;
+  j->forked = true;
+  for (size_t k = 1; k < j->choices.size(); ++k) {
+    Choice& c = j->choices[k];
+    if (j->abandoned) {
+      c.finished = c.text_done = true;
+      c.finish_reason = "cancelled";
+      ++j->finished;
+      outstanding.fetch_sub(1);  // counted when the job was admitted
+      continue;
+    }
+    Request r = make_request(j, k);
+    r.initial_state = st;  // a fork: no prefill of its own
+    Status s = engine->submit(std::move(r), &c.id);
+    if (!s.is_ok()) {
+      outstanding.fetch_sub(1);
+      c.finished = c.text_done = true;
+      c.finish_reason = "cancelled";
+      ++j->finished;
+    } else {
+      c.submitted = true;
+    }
+  }
+}
+
+void Server::Impl::cancel_job(const std::shared_ptr<Job>& j) {
+  std::vector<RequestId> ids;
+  {
+    std::lock_guard<std::mutex> lk(j->mu);
+    j->abandoned = true;
+    for (auto& c : j->choices)
+      if (c.submitted && !c.finished) ids.push_back(c.id);
+  }
+  for (RequestId id : ids) engine->cancel(id);
+  kick();
+}
+
+void Server::Impl::register_job(const std::shared_ptr<Job>& j) {
+  std::lock_guard<std::mutex> lk(jobs_mu);
+  j->serial = next_serial++;
+  live_jobs[j->serial] = j;
+}
+
+void Server::Impl::unregister_job(Job& j) {
+  {
+    std::lock_guard<std::mutex> lk(jobs_mu);
+    live_jobs.erase(j.serial);
+  }
+  jobs_cv.notify_all();
+}
+
+// ---- answers ------------------------------------------------------------------------------
+
+json Server::Impl::logprobs_json(const Job& j, Choice& c, const std::vector<TokenLogprobs>& lps, size_t from,
+                                 size_t to, bool with_prompt) {
+  if (j.p.chat) {
+    json content = json::array();
+    for (size_t k = from; k < to; ++k) {
+      const TokenLogprobs& lp = lps[k];
+      auto entry = [&](int32_t t, float v) {
+        const std::string s = token_text(tok, t);
+        json bytes = json::array();
+        for (unsigned char ch : s) bytes.push_back(ch);
+        return json{{"token", s}, {"logprob", v}, {"bytes", bytes}};
+      };
+      json e = entry(lp.token, lp.logprob);
+      json top = json::array();
+      for (const auto& [t, v] : lp.top) top.push_back(entry(t, v));
+      e["top_logprobs"] = top;
+      content.push_back(e);
+    }
+    return json{{"content", content}};
+  }
+  json tokens = json::array(), token_lps = json::array(), tops = json::array(), offsets = json::array();
+  auto add = [&](const TokenLogprobs& lp) {
+    const std::string s = token_text(tok, lp.token);
+    tokens.push_back(s);
+    if (std::isnan(lp.logprob)) {
+      token_lps.push_back(nullptr);  // nothing before it predicts the first token
+      tops.push_back(nullptr);
+    } else {
+      token_lps.push_back(lp.logprob);
+      json top = json::object();
+      for (const auto& [t, v] : lp.top) top[token_text(tok, t)] = v;
+      tops.push_back(top);
+    }
+    // Where the token's text starts in the choice's text (prompt included when echoed).
+    offsets.push_back(c.lp_offset);
+    c.lp_offset += text_chars(s);
+  };
+  if (with_prompt)
+    for (const TokenLogprobs& lp : j.prompt_lps) add(lp);
+  for (size_t k = from; k < to; ++k) add(lps[k]);
+  return json{{"tokens", tokens}, {"token_logprobs", token_lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
+}
+
+json Server::Impl::usage_json(const Job& j) {
+  int64_t gen = 0;
+  for (const auto& c : j.choices) gen += static_cast<int64_t>(c.tokens.size());
+  if (j.discard_first) gen = 0;
+  const int64_t prompt = static_cast<int64_t>(j.prompt.size());
+  return json{{"prompt_tokens", prompt},
+              {"completion_tokens", gen},
+              {"total_tokens", prompt + gen},
+              {"prompt_tokens_details", {{"cached_tokens", j.cached_tokens}}}};
+}
+
+json Server::Impl::final_json(Job& j) {
+  json choices = json::array();
+  for (size_t i = 0; i < j.choices.size(); ++i) {
+    Choice& c = j.choices[i];
+    json ch = {{"index", i}, {"finish_reason", c.finish_reason == "cancelled" ? "stop" : c.finish_reason}};
+    const size_t nlp = j.discard_first ? 0 : std::min(c.logprobs.size(), c.tokens.size());
+    const bool echo = j.p.echo && !j.p.chat;
+    c.lp_offset = 0;
+    if (j.p.chat) {
+      ch["message"] = {{"role", "assistant"}, {"content", c.text->sent()}};
+      ch["logprobs"] = j.p.logprobs >= 0 ? logprobs_json(j, c, c.logprobs, 0, nlp, false) : json(nullptr);
+    } else {
+      ch["text"] = (echo ? j.echo_text : std::string()) + c.text->sent();
+      ch["logprobs"] = j.p.logprobs >= 0 ? logprobs_json(j, c, c.logprobs, 0, nlp, echo) : json(nullptr);
+    }
+    choices.push_back(ch);
+  }
+  return json{{"id", j.api_id},
+              {"object", j.p.chat ? "chat.completion" : "text_completion"},
+              {"created", j.created},
+              {"model", name},
+              {"system_fingerprint", "laplace-" + config_fingerprint},
+              {"choices", choices},
+              {"usage", usage_json(j)}};
+}
+
+json Server::Impl::chunk_json(Job& j, json choices) {
+  return json{{"id", j.api_id},
+              {"object", j.p.chat ? "chat.completion.chunk" : "text_completion"},
+              {"created", j.created},
+              {"model", name},
+              {"system_fingerprint", "laplace-" + config_fingerprint},
+              {"choices", std::move(choices)}};
+}
+
+// Stream chunks for whatever the choices produced since the last call (job locked).
+void Server::Impl::drain_stream(Job& j, std::string* out) {
+  const bool echo = j.p.echo && !j.p.chat;
+  for (size_t i = 0; i < j.choices.size(); ++i) {
+    Choice& c = j.choices[i];
+    const size_t nlp = j.discard_first ? 0 : std::min(c.logprobs.size(), c.tokens.size());
+    const bool has_lp = j.p.logprobs >= 0 && nlp > c.lp_sent;
+    const bool end = c.text_done && c.finished && !c.end_sent;
+    // The echoed prompt goes out with the choice's first chunk (and, asked for, its
+    // log-probabilities, which are there once the first token is).
+    const bool echo_now = echo && !c.echo_sent && (!c.tokens.empty() || end);
+    if (c.pending.empty() && !has_lp && !end && !echo_now) continue;
+    json ch = {{"index", i}};
+    if (j.p.chat) {
+      json delta = json::object();
+      if (c.first) delta["role"] = "assistant";
+      if (!c.pending.empty() || c.first) delta["content"] = c.pending;
+      ch["delta"] = delta;
+    } else {
+      ch["text"] = (echo_now ? j.echo_text : std::string()) + c.pending;
+    }
+    const bool lp_prompt = echo_now && j.p.logprobs >= 0;
+    ch["logprobs"] = has_lp || lp_prompt ? logprobs_json(j, c, c.logprobs, c.lp_sent, nlp, lp_prompt) : json(nullptr);
+    if (echo_now) c.echo_sent = true;
+    c.lp_sent = nlp;
+    c.first = false;
+    ch["finish_reason"] = end ? json(c.finish_reason == "cancelled" ? "stop" : c.finish_reason) : json(nullptr);
+    *out += "data: " + dump_json(chunk_json(j, json::array({ch}))) + "\n\n";
+    c.pending.clear();
+    if (end) c.end_sent = true;
+  }
+}
+
+// The answer's producer (an event loop; see http::Producer).
+void Server::Impl::produce(const std::shared_ptr<Job>& job, bool tick, http::Chunk* out) {
+  std::lock_guard<std::mutex> lk(job->mu);
+  if (job->closed) {
+    out->done = true;
+    return;
+  }
+  const bool done = job->all_finished();
+  if (job->p.stream) {
+    drain_stream(*job, &out->data);
+    // (cut first: the cancels it made may have finished the choices since.)
+    if (job->cut) {
+      // The graceful stop's grace ran out: say so, then end the stream as streams end.
+      const ApiError e = api_error(503, "the server is shutting down; the request was stopped", "server_error",
+                                   "server_shutdown");
+      out->data += "data: " + dump_json(e.to_json()) + "\n\ndata: [DONE]\n\n";
+      out->done = true;
+      requests_error.fetch_add(1);
+    } else if (done) {
+      if (job->p.include_usage) {
+        json u = chunk_json(*job, json::array());
+        u["usage"] = usage_json(*job);
+        out->data += "data: " + dump_json(u) + "\n\n";
+      }
+      out->data += "data: [DONE]\n\n";
+      out->done = true;
+      requests_ok.fetch_add(1);
+    } else if (tick && out->data.empty()) {
+      out->data = ": keep-alive\n\n";
+    }
+  } else {
+    if (job->cut) {
+      http::Response r = busy_response(503, "the server is shutting down; the request was stopped", "server_shutdown");
+      if (job->head_sent) out->data = std::move(r.body);  // the status went out already: the body says it
+      else out->whole = std::move(r);
+      out->done = true;
+      requests_error.fetch_add(1);
+    } else if (done) {
+      http::Response r = json_response(200, final_json(*job));
+      if (job->head_sent) out->data = std::move(r.body);
+      else out->whole = std::move(r);
+      out->done = true;
+      requests_ok.fetch_add(1);
+    } else if (tick) {
+      // Leading whitespace is valid JSON; writing is how a client that left is noticed.
+      out->data = " ";
+      job->head_sent = true;
+    }
+  }
+  if (out->done) {
+    job->closed = true;
+    std::lock_guard<std::mutex> jl(jobs_mu);
+    live_jobs.erase(job->serial);
+    jobs_cv.notify_all();
+  }
+}
+
+void Server::Impl::handle_completion(const http::Request& req, const http::ExchangePtr& ex, bool chat) {
+  json body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded())
+    return ex->respond(error_response(
+        api_error(400, "the request body is not valid JSON (or not valid UTF-8)", "invalid_request_error")));
+  auto job = std::make_shared<Job>();
+  if (auto e = parse_completion_params(body, chat, opt.limits, &job->p)) return ex->respond(error_response(*e));
+  if (!job->p.model.empty() && job->p.model != name)
+    return ex->respond(error_response(api_error(
+        404, "The model '" + job->p.model + "' does not exist (this server serves '" + name + "')",
+        "invalid_request_error", "model_not_found", "model")));
+  const int64_t n = job->p.n;
+  // n choices are n engine requests at once: more than the slots and the queue can ever
+  // hold is a request that can never succeed, not a busy server.
+  if (n > admission_limit())
+    return ex->respond(error_response(api_error(
+        400, "n = " + std::to_string(n) + " is more than this server can run at once (" +
+                 std::to_string(admission_limit()) + ": slots + queue)",
+        "invalid_request_error", "", "n")));
+  job->eos = tok.eos_id() >= 0 && !job->p.ignore_eos ? tok.eos_id() : -1;
+  if (auto e = tokenize(*job)) return ex->respond(error_response(*e));
+  if (draining.load())
+    return ex->respond(busy_response(503, "the server is shutting down", "server_shutdown"));
+  if (!admit(n)) {
+    rejected_429.fetch_add(1);
+    return ex->respond(busy_response(429,
+                                     "the server is at capacity (" + std::to_string(outstanding.load()) +
+                                         " requests running or queued); retry shortly",
+                                     "rate_limit_exceeded"));
+  }
+  if (!job->p.save_session.empty()) {
+    // Room for the session it will save, now: full means a 429 before any work, never a
+    // 200 with nothing saved.
+    const int64_t bound = engine->slot_bytes() + model.config().vocab_size * 4 +
+                          8 * static_cast<int64_t>(job->prompt.size() + job->p.max_tokens) + 64;
+    Status st = sessions.reserve(job->p.save_session, bound, &job->session_ticket);
+    if (!st.is_ok()) {
+      outstanding.fetch_sub(n);
+      rejected_429.fetch_add(1);
+      return ex->respond(busy_response(429, st.message(), "too_many_sessions"));
+    }
+  }
+  if (!job->p.seed_given) job->p.sampling.seed = std::random_device{}() * 0x100000001ull + std::random_device{}();
+  if (chat) job->stops = chat_tmpl.stop;
+  job->stops.insert(job->stops.end(), job->p.stop.begin(), job->p.stop.end());
+  job->api_id = random_id(chat ? "chatcmpl" : "cmpl");
+  job->created = unix_time();
+  job->choices.resize(static_cast<size_t>(n));
+  for (auto& c : job->choices) c.text = std::make_unique<TextStream>(&tok, job->stops);
+  job->discard_first = job->p.echo && job->p.max_tokens == 0;
+  job->ex = ex;
+  prompt_tokens_total.fetch_add(static_cast<int64_t>(job->prompt.size()));
+
+  // Where to start: the session's own state, or (chosen by the engine when the request
+  // gets its slot, r.use_cache) the longest cached prefix if that covers more.
+  const SnapshotPtr start = job->prompt_state;
+  job->prompt_state = nullptr;
+  Request r = make_request(job, 0);
+  start_from(start, job->prompt, &r);
+  r.cache_prompt_state = cache_on(*job);
+  const bool echo_lps = job->p.echo && job->p.logprobs >= 0 && !job->own.empty();
+  if (echo_lps) {
+    // The prompt's own tokens' log-probabilities: every one of them is fed (no cache hit
+    // skips any), and the session's state, when there is one, predicts the first.
+    r.prompt_logprobs = true;
+    r.use_cache = false;
+    std::weak_ptr<Job> wj = job;
+    const size_t own = job->own.size();
+    r.on_prompt_logprobs = [wj, own](RequestId, const std::vector<TokenLogprobs>& lps) {
+      auto j = wj.lock();
+      if (!j) return;
+      std::lock_guard<std::mutex> lk(j->mu);
+      const size_t take = std::min(own, lps.size());
+      j->prompt_lps.assign(lps.end() - static_cast<ptrdiff_t>(take), lps.end());
+    };
+  }
+  // A host snapshot of the prompt only where one is needed: forks and sessions.
+  if (n > 1 || !job->p.save_session.empty()) {
+    r.capture_prompt_state = true;
+    std::weak_ptr<Job> wj = job;
+    r.on_prompt_state = [this, wj](RequestId, const SnapshotPtr& st) { on_prompt_state(wj.lock(), st); };
+  } else {
+    job->forked = true;
+  }
+  {
+    std::lock_guard<std::mutex> lk(job->mu);
+    Status st = engine->submit(std::move(r), &job->choices[0].id);
+    if (!st.is_ok()) {
+      outstanding.fetch_sub(n);
+      if (job->session_ticket) sessions.release(job->session_ticket);
+      return ex->respond(error_response(api_error(400, st.message(), "invalid_request_error")));
+    }
+    job->choices[0].submitted = true;
+  }
+  register_job(job);
+  kick();
+
+  http::StreamHead head;
+  head.status = 200;
+  head.content_type = job->p.stream ? "text/event-stream" : "application/json";
+  head.headers.push_back({"Cache-Control", "no-cache"});
+  // A whole answer ready before the first tick goes out with its own status and length;
+  // after that the head goes out with whitespace (a write notices a client that left).
+  head.defer = !job->p.stream;
+  ex->stream(
+      std::move(head), [this, job](bool tick, http::Chunk* out) { produce(job, tick, out); },
+      [this, job] {
+        // The connection failed or the server stopped before the answer was done.
+        {
+          std::lock_guard<std::mutex> lk(job->mu);
+          if (job->closed) return;
+          job->closed = true;
+        }
+        disconnects.fetch_add(1);
+        cancel_job(job);
+        unregister_job(*job);
+      });
+}
+
+}  // namespace laplace

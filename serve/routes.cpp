@@ -1,0 +1,379 @@
+// The routes of `laplace serve` (docs/serving.md §9): authentication and readiness before
+// any body is read, then health, models, metrics, completions (serve/jobs.cpp) and sessions.
+#include <regex>
+
+#include "serve/server_impl.h"
+
+namespace laplace {
+
+using nlohmann::json;
+
+std::string dump_json(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+http::Response json_response(int status, const json& j) {
+  http::Response r;
+  r.status = status;
+  r.body = dump_json(j);
+  return r;
+}
+
+std::string redact_paths(const std::string& msg) {
+  // An absolute path: a '/' at the start of a word, then at least one more component.
+  static const std::regex abs(R"((^|[\s'"(=:,])(/[^\s'"():,]*/)([^\s'"():,/]*))");
+  return std::regex_replace(msg, abs, "$1$3");
+}
+
+http::Response error_response(const ApiError& e) {
+  ApiError clean = e;
+  clean.message = redact_paths(e.message);
+  return json_response(e.http_status, clean.to_json());
+}
+
+ApiError api_error(int status, const std::string& msg, const std::string& type, const std::string& code,
+                   const std::string& param) {
+  return ApiError{status, msg, type, param, code};
+}
+
+http::Response busy_response(int status, const std::string& msg, const std::string& code) {
+  http::Response r = error_response(
+      api_error(status, msg, status == 429 ? "rate_limit_exceeded" : "server_error", code));
+  r.headers.push_back({"Retry-After", "1"});
+  return r;
+}
+
+std::optional<http::Response> Server::Impl::check_head(const http::Request& req) {
+  http_requests.fetch_add(1);
+  if (!opt.api_key.empty()) {
+    const std::string want = "Bearer " + opt.api_key;
+    const std::string got = req.header("Authorization");
+    // Constant-time comparison: the time taken does not tell how much of a key matched.
+    unsigned diff = got.size() != want.size();
+    for (size_t i = 0; i < want.size(); ++i) diff |= static_cast<unsigned>(want[i] ^ (i < got.size() ? got[i] : 0));
+    if (diff) {
+      http::Response r = error_response(api_error(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                                                  "invalid_request_error", "invalid_api_key"));
+      r.headers.push_back({"WWW-Authenticate", "Bearer realm=\"laplace\""});
+      return r;
+    }
+  }
+  if (!ready.load() && req.path != "/health" && req.path != "/metrics") {
+    if (load_failed.load())
+      return busy_response(503, "the model failed to load: " + load_status.message(), "model_load_failed");
+    return busy_response(503, "the model is loading", "model_loading");
+  }
+  return std::nullopt;
+}
+
+json Server::Impl::session_json(const std::string& n, const Session& s) {
+  return json{{"name", n},
+              {"object", "session"},
+              {"tokens", s.context.size()},
+              {"cached_tokens", s.snap ? s.snap->tokens.size() : 0},
+              {"state_bytes", s.snap ? s.snap->state.size() : 0}};
+}
+
+namespace {
+
+std::vector<std::string> split_path(const std::string& path) {
+  std::vector<std::string> out;
+  size_t at = 0;
+  while (at < path.size()) {
+    if (path[at] == '/') {
+      ++at;
+      continue;
+    }
+    size_t next = path.find('/', at);
+    if (next == std::string::npos) next = path.size();
+    out.push_back(path.substr(at, next - at));
+    at = next;
+  }
+  return out;
+}
+
+http::Response not_found() { return error_response(api_error(404, "no such route", "invalid_request_error")); }
+
+http::Response method_not_allowed(const std::string& allow) {
+  http::Response r = error_response(api_error(405, "method not allowed", "invalid_request_error"));
+  r.headers.push_back({"Allow", allow});
+  return r;
+}
+
+}  // namespace
+
+void Server::Impl::route(http::Request&& req, http::ExchangePtr ex) {
+  try {
+    const std::vector<std::string> p = split_path(req.path);
+    const std::string& m = req.method;
+    const bool get = m == "GET" || m == "HEAD";
+    if (p.size() == 1 && p[0] == "health") {
+      if (!get) return ex->respond(method_not_allowed("GET"));
+      if (ready.load() && !draining.load()) return ex->respond(json_response(200, json{{"status", "ok"}}));
+      const char* s = draining.load() ? "stopping" : load_failed.load() ? "failed" : "loading";
+      http::Response r = json_response(503, json{{"status", s}});
+      if (!load_failed.load()) r.headers.push_back({"Retry-After", "1"});
+      return ex->respond(std::move(r));
+    }
+    if (p.size() == 1 && p[0] == "metrics") {
+      if (!get) return ex->respond(method_not_allowed("GET"));
+      http::Response r;
+      r.content_type = "text/plain; version=0.0.4";
+      r.body = metrics_text();
+      return ex->respond(std::move(r));
+    }
+    if (p.empty() || p[0] != "v1") return ex->respond(not_found());
+    auto model_json = [this] {
+      return json{{"id", name}, {"object", "model"}, {"created", 0}, {"owned_by", "laplace"}};
+    };
+    if (p.size() >= 2 && p[1] == "models") {
+      if (!get) return ex->respond(method_not_allowed("GET"));
+      if (p.size() == 2)
+        return ex->respond(json_response(200, json{{"object", "list"}, {"data", json::array({model_json()})}}));
+      std::string id = req.path.substr(req.path.find("/models/") + 8);
+      if (id != name)
+        return ex->respond(error_response(
+            api_error(404, "The model '" + id + "' does not exist", "invalid_request_error", "model_not_found")));
+      return ex->respond(json_response(200, model_json()));
+    }
+    if (p.size() == 2 && p[1] == "completions") {
+      if (m != "POST") return ex->respond(method_not_allowed("POST"));
+      return handle_completion(req, ex, false);
+    }
+    if (p.size() == 3 && p[1] == "chat" && p[2] == "completions") {
+      if (m != "POST") return ex->respond(method_not_allowed("POST"));
+      return handle_completion(req, ex, true);
+    }
+    if (p.size() >= 2 && p[1] == "sessions") {
+      if (p.size() == 2) {
+        if (m == "POST") return handle_session_create(req, ex);
+        if (!get) return ex->respond(method_not_allowed("GET, POST"));
+        json data = json::array();
+        for (const auto& [n, s] : sessions.list()) data.push_back(session_json(n, s));
+        return ex->respond(json_response(200, json{{"object", "list"}, {"data", data}}));
+      }
+      if (p.size() == 3) {
+        if (!get && m != "DELETE") return ex->respond(method_not_allowed("GET, DELETE"));
+        return handle_session_op(req, ex, p[2], "");
+      }
+      if (p.size() == 4 && (p[3] == "fork" || p[3] == "save" || p[3] == "restore")) {
+        if (m != "POST") return ex->respond(method_not_allowed("POST"));
+        return handle_session_op(req, ex, p[2], p[3]);
+      }
+    }
+    return ex->respond(not_found());
+  } catch (const std::exception& e) {
+    ex->respond(error_response(api_error(500, e.what(), "server_error")));
+  }
+}
+
+// ---- sessions --------------------------------------------------------------------------------
+
+void Server::Impl::handle_session_create(const http::Request& req, const http::ExchangePtr& ex) {
+  json b = json::parse(req.body, nullptr, false);
+  if (b.is_discarded() || !b.is_object())
+    return ex->respond(error_response(api_error(400, "the request body must be a JSON object", "invalid_request_error")));
+  if (!b.contains("name") || !b["name"].is_string() || !valid_session_name(b["name"].get<std::string>()))
+    return ex->respond(error_response(
+        api_error(400, "'name' must be 1-64 characters of [A-Za-z0-9_.-]", "invalid_request_error", "", "name")));
+  const std::string n = b["name"].get<std::string>();
+  // Prefill the prompt: a one-token completion whose prompt state is kept.
+  json creq = {{"prompt", b.contains("prompt") ? b["prompt"] : json("")}, {"max_tokens", 1}, {"temperature", 0}};
+  auto job = std::make_shared<Job>();
+  if (auto e = parse_completion_params(creq, false, opt.limits, &job->p)) return ex->respond(error_response(*e));
+  job->eos = tok.eos_id();
+  if (auto e = tokenize(*job)) return ex->respond(error_response(*e));
+  if (draining.load()) return ex->respond(busy_response(503, "the server is shutting down", "server_shutdown"));
+  // Admitted like any request: it takes a slot for its prefill.
+  if (!admit(1)) {
+    rejected_429.fetch_add(1);
+    return ex->respond(busy_response(429, "the server is at capacity; retry shortly", "rate_limit_exceeded"));
+  }
+  struct Pending {
+    SnapshotPtr snap;
+    uint64_t ticket = 0;
+    std::vector<int32_t> prompt;
+  };
+  auto pend = std::make_shared<Pending>();
+  pend->prompt = job->prompt;
+  const int64_t bound = engine->slot_bytes() + model.config().vocab_size * 4 + 8 * static_cast<int64_t>(job->prompt.size()) + 64;
+  Status rs = sessions.reserve(n, bound, &pend->ticket);
+  if (!rs.is_ok()) {
+    outstanding.fetch_sub(1);
+    rejected_429.fetch_add(1);
+    return ex->respond(busy_response(429, rs.message(), "too_many_sessions"));
+  }
+  Request r;
+  r.initial_state = nullptr;
+  r.prompt = job->prompt;
+  r.use_cache = r.cache_prompt_state = cache_on(*job);
+  r.max_tokens = 1;
+  r.sampling.temperature = 0;
+  r.eos_id = -1;
+  r.capture_prompt_state = true;
+  r.on_prompt_state = [pend](RequestId, const SnapshotPtr& st) { pend->snap = st; };
+  // The engine thread answers when the prefill is done: no HTTP thread waits for it.
+  r.on_finish = [this, pend, ex, n](const FinishInfo&) {
+    outstanding.fetch_sub(1);
+    jobs_cv.notify_all();
+    if (!pend->snap) {
+      sessions.release(pend->ticket);
+      return ex->respond(error_response(api_error(500, "the prompt could not be prefilled", "server_error")));
+    }
+    Session s{pend->prompt, pend->snap};
+    json out = session_json(n, s);
+    sessions.commit(pend->ticket, std::move(s));
+    ex->respond(json_response(200, out));
+  };
+  RequestId id;
+  Status st = engine->submit(std::move(r), &id);
+  if (!st.is_ok()) {
+    outstanding.fetch_sub(1);
+    sessions.release(pend->ticket);
+    return ex->respond(error_response(api_error(400, st.message(), "invalid_request_error")));
+  }
+  kick();
+}
+
+void Server::Impl::handle_session_op(const http::Request& req, const http::ExchangePtr& ex, const std::string& n,
+                                     const std::string& op) {
+  if (!valid_session_name(n))
+    return ex->respond(error_response(api_error(400, "invalid session name", "invalid_request_error", "", "name")));
+  const auto memory_only = [&] {
+    ex->respond(error_response(api_error(400, "this server keeps sessions in memory only (start it with --session-dir)",
+                                         "invalid_request_error")));
+  };
+  if (op == "restore") {
+    if (!sessions.has_dir()) return memory_only();
+    // Reading and checking a file (up to a state's size: 29.5 MB for laplace-3b) is file
+    // work: off the event loop.
+    return run_file_work([this, ex, n] {
+      Session s;
+      Status st = sessions.read(n, [&](const std::string& path) { return session_file_read(path, session_format(), &s); });
+      if (!st.is_ok())
+        return ex->respond(error_response(api_error(st.code() == Status::Code::kNotFound ? 404 : 400, st.message(),
+                                                    "invalid_request_error", "session_file_invalid")));
+      json out = session_json(n, s);
+      Status put = sessions.put(n, std::move(s));  // the caps hold for restored sessions too
+      if (!put.is_ok()) {
+        rejected_429.fetch_add(1);
+        return ex->respond(busy_response(429, put.message(), "too_many_sessions"));
+      }
+      ex->respond(json_response(200, out));
+    });
+  }
+  std::optional<Session> it = sessions.get(n);
+  if (!it)
+    return ex->respond(error_response(
+        api_error(404, "session '" + n + "' does not exist", "invalid_request_error", "session_not_found")));
+  if (req.method == "GET" || req.method == "HEAD") {
+    json out = session_json(n, *it);
+    std::string text;
+    if (tok.decode(it->context, &text).is_ok()) out["text"] = text;
+    out["token_ids"] = it->context;
+    return ex->respond(json_response(200, out));
+  }
+  if (req.method == "DELETE") {
+    sessions.erase(n);
+    return ex->respond(json_response(200, json{{"name", n}, {"object", "session"}, {"deleted", true}}));
+  }
+  if (op == "fork") {
+    json b = json::parse(req.body, nullptr, false);
+    if (b.is_discarded() || !b.is_object() || !b.contains("name") || !b["name"].is_string() ||
+        !valid_session_name(b["name"].get<std::string>()))
+      return ex->respond(
+          error_response(api_error(400, "fork needs {\"name\": NEW_NAME}", "invalid_request_error", "", "name")));
+    const std::string to = b["name"].get<std::string>();
+    Session copy = *it;  // snapshots are immutable: a fork shares its state until it moves on
+    json out = session_json(to, copy);
+    Status st = sessions.put(to, std::move(copy));
+    if (!st.is_ok()) {
+      rejected_429.fetch_add(1);
+      return ex->respond(busy_response(429, st.message(), "too_many_sessions"));
+    }
+    return ex->respond(json_response(200, out));
+  }
+  if (op == "save") {
+    if (!sessions.has_dir()) return memory_only();
+    Session s = std::move(*it);
+    return run_file_work([this, ex, n, s] {
+      Status st = sessions.write(n, session_file_bytes(s), [&](const std::string& path) {
+        return session_file_write(path, s, session_format());
+      });
+      if (st.code() == Status::Code::kOutOfMemory)
+        return ex->respond(error_response(api_error(507, st.message(), "server_error", "session_storage_full")));
+      if (!st.is_ok()) return ex->respond(error_response(api_error(500, st.message(), "server_error")));
+      json out = session_json(n, s);
+      out["path"] = sessions.path(n);
+      ex->respond(json_response(200, out));
+    });
+  }
+  return ex->respond(error_response(api_error(404, "unknown session operation", "invalid_request_error")));
+}
+
+// ---- metrics --------------------------------------------------------------------------------
+
+std::string Server::Impl::metrics_text() {
+  std::string out;
+  const bool up = ready.load();
+  render_metric(&out, "laplace_ready", "gauge", "1 when the model is loaded.", up ? 1 : 0);
+  if (up) {
+    const EngineStats s = engine->stats();
+    render_metric(&out, "laplace_requests_running", "gauge", "Requests holding a state slot.", s.running);
+    render_metric(&out, "laplace_requests_waiting", "gauge", "Requests queued for a state slot.", s.queued);
+    render_metric(&out, "laplace_state_slots_used", "gauge", "State slots in use.", s.running);
+    render_metric(&out, "laplace_state_slots_free", "gauge", "Free state slots.", s.free_slots);
+    render_metric(&out, "laplace_state_slot_bytes", "gauge", "Bytes of one state slot.", engine->slot_bytes());
+    render_metric(&out, "laplace_prefill_tokens_total", "counter", "Prompt tokens fed through prefill forwards.",
+                  s.prefill_tokens);
+    render_metric(&out, "laplace_decode_tokens_total", "counter", "Tokens fed through decode forwards.",
+                  s.decode_tokens);
+    render_metric(&out, "laplace_engine_steps_total", "counter", "Engine steps that did work.", s.steps);
+    const StateCacheStats c = engine->cache_stats();
+    render_metric(&out, "laplace_cache_entries", "gauge", "Cached contexts (both tiers).", c.entries);
+    render_metric(&out, "laplace_cache_bytes", "gauge", "Bytes held by the cache's host tier.", c.bytes);
+    render_metric(&out, "laplace_cache_hits_total", "counter", "Prefix cache hits (both tiers).", c.hits);
+    render_metric(&out, "laplace_cache_misses_total", "counter", "Prefix cache misses.", c.misses);
+    render_metric(&out, "laplace_cache_hit_tokens_total", "counter", "Prompt tokens served from the cache.",
+                  c.hit_tokens);
+    render_metric(&out, "laplace_cache_device_hits_total", "counter",
+                  "Cache hits served from the device tier (slot-to-slot copy).", c.device_hits);
+    render_metric(&out, "laplace_cache_host_hits_total", "counter",
+                  "Cache hits served from the host tier (host-to-device write).", c.host_hits);
+    render_metric(&out, "laplace_cache_device_slots", "gauge", "Cache slots of the device tier.", c.device_slots);
+    render_metric(&out, "laplace_cache_device_slots_used", "gauge", "Device-tier cache slots holding a context.",
+                  c.device_used);
+    render_metric(&out, "laplace_cache_device_slots_free", "gauge", "Free device-tier cache slots.",
+                  c.device_slots - c.device_used);
+    render_metric(&out, "laplace_cache_host_entries", "gauge", "Contexts in the host tier.", c.host_entries);
+    render_metric(&out, "laplace_cache_demotions_total", "counter",
+                  "Device-tier entries moved to the host tier (device tier full).", c.demotions);
+    render_metric(&out, "laplace_cache_promotions_total", "counter",
+                  "Host-tier entries moved to the device tier on a hit.", c.promotions);
+    render_metric(&out, "laplace_cache_evictions_total", "counter", "Cached contexts dropped (host tier full).",
+                  c.evictions);
+  }
+  render_metric(&out, "laplace_prompt_tokens_total", "counter", "Prompt tokens of accepted requests.",
+                prompt_tokens_total.load());
+  render_metric(&out, "laplace_generation_tokens_total", "counter", "Generated tokens.", generation_tokens_total.load());
+  render_metric(&out, "laplace_http_requests_total", "counter", "HTTP requests received.", http_requests.load());
+  render_metric(&out, "laplace_http_connections", "gauge", "Open HTTP connections.",
+                static_cast<double>(http ? http->connections() : 0));
+  render_metric(&out, "laplace_requests_rejected_total", "counter", "Requests answered 429.", rejected_429.load());
+  render_metric(&out, "laplace_client_disconnects_total", "counter", "Requests cancelled because the client left.",
+                disconnects.load());
+  render_metric(&out, "laplace_sessions", "gauge", "Named sessions in memory.", static_cast<double>(sessions.count()));
+  render_metric(&out, "laplace_session_bytes", "gauge", "Host bytes held by named sessions.",
+                static_cast<double>(sessions.bytes()));
+  render_metric(&out, "laplace_session_files", "gauge", "Session files in --session-dir.",
+                static_cast<double>(sessions.disk_files()));
+  render_metric(&out, "laplace_session_file_bytes", "gauge", "Bytes of the session files in --session-dir.",
+                static_cast<double>(sessions.disk_bytes()));
+  render_metric(&out, "laplace_process_resident_bytes", "gauge", "Resident memory of the server process.",
+                static_cast<double>(process_resident_bytes()));
+  ttft.render(&out);
+  itl.render(&out);
+  e2e.render(&out);
+  queue_time.render(&out);
+  return out;
+}
+
+}  // namespace laplace

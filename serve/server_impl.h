@@ -1,0 +1,216 @@
+// The inside of `laplace serve` (serve/server.h), shared by its parts:
+//   server.cpp    lifetime: start, model loading, the engine thread, stop and graceful stop;
+//   routes.cpp    the routes: authentication, admission, health, models, metrics, sessions;
+//   jobs.cpp      completions: a request's engine work (n choices), its answer streamed or
+//                 whole, and what the engine's callbacks feed it;
+//   sessions.cpp  the session store and the session file (serve/sessions.h);
+//   http_server.* the transport (serve/http_server.h).
+//
+// Threads: the HTTP event loops run the routes and the producers of answers; ONE engine
+// thread runs Engine::step() and the engine's callbacks, which fill jobs under their lock
+// and mark them dirty; after each step the engine thread wakes the dirty jobs' connections
+// (one task per event loop). File work (session save / restore) runs on a small pool of
+// its own, never on an event loop.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "model/model.h"
+#include "serve/chat_template.h"
+#include "serve/engine.h"
+#include "serve/http_server.h"
+#include "serve/metrics.h"
+#include "serve/openai_api.h"
+#include "serve/server.h"
+#include "serve/sessions.h"
+#include "serve/text_stream.h"
+#include "text/tokenizer.h"
+
+namespace laplace {
+
+// JSON out: invalid UTF-8 (a model may emit any byte) becomes U+FFFD instead of throwing.
+std::string dump_json(const nlohmann::json& j);
+http::Response json_response(int status, const nlohmann::json& j);
+http::Response error_response(const ApiError& e);
+ApiError api_error(int status, const std::string& msg, const std::string& type, const std::string& code = "",
+                   const std::string& param = "");
+// A 429 (or 503) that tells when to come back.
+http::Response busy_response(int status, const std::string& msg, const std::string& code);
+// Absolute paths in a message become their last component: errors do not tell a client
+// where the server keeps its files.
+std::string redact_paths(const std::string& msg);
+
+// One generated sequence of a job (one of n choices).
+struct Choice {
+  RequestId id = 0;
+  bool submitted = false;
+  std::unique_ptr<TextStream> text;
+  std::vector<int32_t> tokens;          // every generated token, in order
+  std::vector<TokenLogprobs> logprobs;  // one per token of `tokens` (when asked)
+  std::string pending;                  // text not yet streamed
+  size_t lp_sent = 0;                   // logprobs already streamed
+  int64_t lp_offset = 0;                // text_offset of the next logprobs entry (characters)
+  bool echo_sent = false;               // streaming: the echoed prompt went out
+  bool text_done = false;               // a stop string completed (the engine is told to stop)
+  bool stop_now = false;                // ... and, through Request::stop_after, at this token
+  bool finished = false;                // the engine's on_finish arrived
+  bool end_sent = false;                // streaming: the chunk with finish_reason went out
+  bool first = true;                    // streaming: no chunk sent yet
+  std::string finish_reason;
+  FinishInfo info;
+};
+
+// One HTTP completion request: n choices, streamed or not.
+struct Job {
+  CompletionParams p;
+  std::string api_id;
+  int64_t created = 0;
+  std::vector<int32_t> prompt;  // the whole context the request continues (session + prompt)
+  std::vector<int32_t> own;     // the request's own prompt tokens (what echo returns)
+  int64_t cached_tokens = 0;    // of `prompt`, served from a snapshot
+  int32_t eos = -1;
+  std::vector<std::string> stops;
+  std::mutex mu;
+  std::vector<Choice> choices;
+  int64_t finished = 0;
+  bool forked = false;          // choices 1..n-1 submitted (or given up)
+  bool abandoned = false;       // the client went away
+  SnapshotPtr prompt_state;     // after the prompt (cache, forks, sessions)
+  // echo: the prompt's text, and with logprobs its tokens' log-probabilities (null first
+  // entry when nothing predicts it).
+  std::string echo_text;
+  std::vector<TokenLogprobs> prompt_lps;
+  bool discard_first = false;   // echo with max_tokens 0: the one token generated is not shown
+  uint64_t session_ticket = 0;  // room reserved for save_session
+  // The answer.
+  http::ExchangePtr ex;
+  bool head_sent = false;       // non-streamed: the head went out (with whitespace)
+  bool cut = false;             // graceful stop: the grace ran out
+  bool closed = false;          // the producer said done (or the client left)
+  uint64_t serial = 0;          // in the registry of live jobs
+  std::atomic<bool> dirty{false};  // engine thread: a wake is due after this step
+  bool all_finished() const { return finished == static_cast<int64_t>(choices.size()); }
+};
+
+struct Server::Impl {
+  ServerOptions opt;
+  std::string name;
+  std::unique_ptr<HttpServer> http;
+
+  // Loading.
+  std::atomic<bool> ready{false};
+  std::atomic<bool> load_failed{false};
+  Status load_status;
+  std::mutex load_mu;
+  std::condition_variable load_cv;
+  std::thread loader, engine_thread;
+
+  // The model (owned here; the engine refers to it).
+  std::unique_ptr<Backend> backend;
+  Model model;
+  Tokenizer tok;
+  ChatTemplate chat_tmpl;
+  std::string config_fingerprint;
+  std::unique_ptr<Engine> engine;
+
+  // Engine thread wake-up.
+  std::mutex wake_mu;
+  std::condition_variable wake_cv;
+  bool wake = false;
+  bool held = false;             // hold_engine(): no step runs
+  std::atomic<bool> stopping{false};
+  std::atomic<bool> draining{false};  // graceful stop: no new work is admitted
+  bool stopped = false;
+  std::mutex stop_mu;
+  std::condition_variable stop_cv;
+  // Engine thread only: jobs with news since the last wake.
+  std::vector<std::shared_ptr<Job>> dirty_jobs;
+
+  // Live jobs (admitted, answer not finished), for the graceful stop.
+  std::mutex jobs_mu;
+  std::condition_variable jobs_cv;
+  std::map<uint64_t, std::weak_ptr<Job>> live_jobs;
+  uint64_t next_serial = 1;
+
+  SessionStore sessions;
+  // Assistant message text → the tokens that produced it, so a chat's next turn feeds
+  // the model exactly its own tokens (and the cached state after them matches).
+  std::mutex memo_mu;
+  std::map<std::string, std::vector<int32_t>> memo;
+  std::deque<std::string> memo_order;
+
+  // File work (session save / restore), off the event loops.
+  std::mutex files_mu;
+  std::condition_variable files_cv;
+  std::deque<std::function<void()>> files_queue;
+  std::vector<std::thread> file_threads;
+  bool files_stop = false;
+
+  std::atomic<int64_t> outstanding{0}, http_requests{0}, rejected_429{0}, disconnects{0};
+  Histogram ttft{"laplace_time_to_first_token_seconds", "Time from request to its first token.", latency_buckets()};
+  Histogram itl{"laplace_inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                latency_buckets()};
+  Histogram e2e{"laplace_e2e_request_latency_seconds", "Time from request to its last token.", latency_buckets()};
+  Histogram queue_time{"laplace_queue_time_seconds", "Time a request waited for a state slot.", latency_buckets()};
+  std::atomic<int64_t> prompt_tokens_total{0}, generation_tokens_total{0}, requests_ok{0}, requests_error{0};
+
+  explicit Impl(ServerOptions o);
+
+  // server.cpp
+  Status load();
+  void engine_loop();
+  void kick();
+  void flush_dirty();  // engine thread, after a step
+  void run_file_work(std::function<void()> f);
+  void start_file_threads();
+  void stop_file_threads();
+  SessionFormat session_format() const;
+  // Admission: one more engine request (or n), under slots + max_queue. False = full.
+  bool admit(int64_t n);
+  int64_t admission_limit() const { return engine->num_slots() + opt.max_queue; }
+
+  // routes.cpp
+  std::optional<http::Response> check_head(const http::Request& req);
+  void route(http::Request&& req, http::ExchangePtr ex);
+  std::string metrics_text();
+  nlohmann::json session_json(const std::string& n, const Session& s);
+  void handle_session_create(const http::Request& req, const http::ExchangePtr& ex);
+  void handle_session_op(const http::Request& req, const http::ExchangePtr& ex, const std::string& n,
+                         const std::string& op);
+
+  // jobs.cpp
+  bool cache_on(const Job& j) const { return engine->cache_enabled() && j.p.cache; }
+  void memo_put(const std::string& text, const std::vector<int32_t>& ids);
+  std::optional<ApiError> tokenize(Job& job);
+  Request make_request(const std::shared_ptr<Job>& job, size_t i);
+  void on_token(const std::shared_ptr<Job>& j, size_t i, RequestId id, int32_t t);
+  void on_finish(const std::shared_ptr<Job>& j, size_t i, const FinishInfo& f);
+  void on_prompt_state(const std::shared_ptr<Job>& j, const SnapshotPtr& st);
+  void mark_dirty(const std::shared_ptr<Job>& j);
+  void cancel_job(const std::shared_ptr<Job>& j);
+  void register_job(const std::shared_ptr<Job>& j);
+  void unregister_job(Job& j);
+  nlohmann::json logprobs_json(const Job& j, Choice& c, const std::vector<TokenLogprobs>& lps, size_t from, size_t to,
+                               bool with_prompt);
+  nlohmann::json usage_json(const Job& j);
+  nlohmann::json final_json(Job& j);
+  nlohmann::json chunk_json(Job& j, nlohmann::json choices);
+  void drain_stream(Job& j, std::string* out);
+  void produce(const std::shared_ptr<Job>& job, bool tick, http::Chunk* out);
+  void handle_completion(const http::Request& req, const http::ExchangePtr& ex, bool chat);
+};
+
+}  // namespace laplace
