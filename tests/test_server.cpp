@@ -957,10 +957,15 @@ TEST(ServerLoading, HealthIs503AndRequestsAre503WhenTheModelCannotLoad) {
   auto h = c.Get("/health");
   ASSERT_TRUE(h);
   EXPECT_EQ(h->status, 503);
+  EXPECT_EQ(json::parse(h->body, nullptr, false)["status"], "failed") << h->body;  // as docs/serving.md §9 says
   auto r = c.Post("/v1/completions", R"({"prompt": "a"})", "application/json");
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 503);
   EXPECT_NE(r->body.find("failed to load"), std::string::npos) << r->body;
+  EXPECT_EQ(r->get_header_value("Retry-After"), "1");
+  // The error names the missing file, not where the server's files are.
+  EXPECT_NE(r->body.find("config.json"), std::string::npos) << r->body;
+  EXPECT_EQ(r->body.find(o.model_dir), std::string::npos) << r->body;
   s.stop();
 }
 
