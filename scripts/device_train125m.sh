@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # On the H200 (the `device` tool): the laplace-125m run of docs/quality.md and its PyTorch parity run.
 #
-#   stages (STAGES, in order): build data bench train ref wait
+#   stages (STAGES, in order): build data train ref wait
 #   build  CUDA build of the `laplace` program in build-gpu/
 #   data   the carried corpus slice ($CORPUS/docs.carry.jsonl.xz, from scripts/corpus.sh --carry)
-#          tokenized on every core into $RUNS/data/ with the carried tokenizer (.carry/corpus/tokenizer.model)
-#   bench  whole-step throughput at B=16 × T=2048, alone on the GPU: one step = one micro-batch, and one
-#          step = two (the run's shape); bench lines into $OUT/results.jsonl
+#          tokenized on every core into $RUNS/data/ with the carried tokenizer
 #   train  the run, in the background (setsid: it outlives this call while the machine is held): steps
-#          1..STOP1, then a resume to STEPS, metrics and TensorBoard events in $RUNS/ours
-#   ref    the PyTorch reference trainer on the same init, data order and schedule for REF_STEPS steps,
-#          in the background beside it, metrics in $RUNS/ref
-#   wait   waits up to WAIT_S seconds for both, then copies what exists to $OUT
+#          1..STOP1 (the parity point), then, once the reference is done, a resume to STEPS; then the
+#          loss over the whole validation split and a sample. Metrics and TensorBoard events in $RUNS/ours
+#   ref    after the run's first 45 steps, alone on the GPU, give the throughput figure (into
+#          $OUT/results.jsonl): the PyTorch reference trainer on the same init, data order and schedule
+#          for REF_STEPS steps, in the background beside it, metrics in $RUNS/ref
+#   wait   waits up to WAIT_S seconds (from the script's start) for both, then copies what exists to $OUT
 # A later call with STAGES=wait (on the same warm machine) picks up the runs where they are.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,14 +19,14 @@ OUT=${OUT:-out}
 RUNS=${RUNS:-runs}      # work dir: shards, checkpoints, logs (kept between calls while the machine is held)
 CORPUS=${CORPUS:-.carry/corpus}
 mkdir -p "$OUT" "$RUNS"
-STAGES=${STAGES:-"build data bench train ref wait"}
+STAGES=${STAGES:-"build data train ref wait"}
 PY=${PY:-python3}
 LAPLACE=${LAPLACE:-build-gpu/laplace}
 CFG=configs/laplace-125m.json
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 # The run (docs/quality.md): 3,052 steps × 65,536 tokens = 200.0M tokens.
 STEPS=${STEPS:-3052}
-STOP1=${STOP1:-1526}
+STOP1=${STOP1:-1000}   # the first leg ends at the parity point; the second waits for the reference
 REF_STEPS=${REF_STEPS:-1000}
 HP=(--batch 16 --seq 2048 --grad-accum 2 --steps "$STEPS" --lr "${LR:-1.5e-3}" --warmup "${WARMUP:-150}"
     --schedule cosine --min-lr-frac 0.1 --wd 0.1 --max-grad-norm 1.0 --eval-every 250 --eval-batches 8)
@@ -89,10 +89,11 @@ if has train; then
   setsid nohup bash -c "
     $LAPLACE train --config $CFG --init $RUNS/init.safetensors $DATA_Q --tokenizer $RUNS/tokenizer.model \
       --out $RUNS/ours --device cuda --dtype bf16 ${HP[*]} --no-shuffle --peak-tflops 989 --log-every 50 \
-      --ckpt-every 500 --stop-after $STOP1 --tensorboard $RUNS/ours/tb &&
+      --stop-after $STOP1 --tensorboard $RUNS/ours/tb &&
+    while [ ${WAIT_REF:-1} = 1 ] && [ ! -f $RUNS/ref.done ]; do sleep 5; done &&
     $LAPLACE train --config $CFG --init $RUNS/init.safetensors $DATA_Q --tokenizer $RUNS/tokenizer.model \
       --out $RUNS/ours --device cuda --dtype bf16 ${HP[*]} --no-shuffle --peak-tflops 989 --log-every 50 \
-      --ckpt-every 500 --resume auto --tensorboard $RUNS/ours/tb &&
+      --ckpt-every 1000 --resume auto --tensorboard $RUNS/ours/tb &&
     $LAPLACE eval --model $RUNS/ours --data '$RUNS/data/val_*.bin' --batch 16 --seq 2048 --device cuda \
       --dtype bf16 > $RUNS/ours_eval.log 2>&1 &&
     $LAPLACE generate --model $RUNS/ours --prompt 'static int' --max-tokens 120 --temperature 0.7 --top-k 40 \
@@ -102,6 +103,28 @@ if has train; then
 fi
 
 if has ref; then
+  # The first 45 steps of the run alone on the GPU give the throughput figure (steps 5-44, whole
+  # steps at the run's shape); the reference starts after them.
+  for _ in $(seq 120); do
+    [ "$(grep -c '"loss"' $RUNS/ours/metrics.jsonl 2>/dev/null)" -ge 45 ] 2>/dev/null && break
+    [ -f $RUNS/ours.done ] && break
+    sleep 1
+  done
+  $PY - "$COMMIT" "$RUNS" >> "$OUT/results.jsonl" <<'EOF'
+import json, statistics, sys, time
+commit, runs = sys.argv[1], sys.argv[2]
+rows = [json.loads(l) for l in open("%s/ours/metrics.jsonl" % runs) if '"loss"' in l][5:45]
+date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+note = ("whole steps incl. optimizer, B=16 x T=2048 x accum 2 (65536 tokens/step), bf16, laplace-125m, median of "
+        "steps 5-%d of the 200M-token run, alone on the GPU" % (len(rows) + 4))
+cmd = "scripts/device_train125m.sh (train stage, before the reference starts)"
+for name, key, unit in (("train_tok_s_laplace125m_t2048", "tokens_per_s", "tokens/s"),
+                        ("train_mfu_laplace125m_t2048", "mfu", "fraction of 989 TFLOP/s")):
+    v = statistics.median(r[key] for r in rows)
+    print(json.dumps({"bench": name, "value": round(v, 4 if key == "mfu" else 0), "unit": unit,
+                      "device": "NVIDIA H200", "commit": commit, "date": date, "note": note, "command": cmd}))
+EOF
+  stamp "throughput: $(tail -2 "$OUT/results.jsonl" | head -1)"
   rm -rf $RUNS/ref
   setsid nohup bash -c "
     PYTHONUNBUFFERED=1 $PY python/reference_trainer.py --config $CFG --init $RUNS/init.safetensors $DATA_Q \
