@@ -262,8 +262,9 @@ class Laplace(torch.nn.Module):
         return self.p[name.replace(".", "/")]
 
     def empty_state(self, B, dtype=None):
-        c, dt = self.cfg, dtype or self._w("model.embed.weight").dtype
-        return [(torch.zeros(B, c.H, c.dk, c.dv, dtype=dt), torch.zeros(B, c.K, c.D, dtype=dt))
+        w = self._w("model.embed.weight")
+        c, dt, dev = self.cfg, dtype or w.dtype, w.device
+        return [(torch.zeros(B, c.H, c.dk, c.dv, dtype=dt, device=dev), torch.zeros(B, c.K, c.D, dtype=dt, device=dev))
                 for _ in range(c.L)]
 
     def forward(self, tokens, state=None, mixer="chunked", chunk=None, state_dtype=None):
