@@ -139,7 +139,7 @@ __attribute__((target("avx512f"))) void tile_avx512(int64_t K, const double* a, 
 
 // Packing, F32 with AVX-512: 16 × 16 blocks of B transposed in registers (unpack, shuffle,
 // then two 128-bit lane shuffles) instead of one scalar store per element: the whole of B is
-// packed for each call, so packing is most of a one-row product's time (BENCHMARKS.md, CPU).
+// packed for each call, so for one row the packing costs as much as the product itself.
 // The same with AVX2 below; F64 packs element by element.
 // GCC 12 warns that the intrinsics' own undefined pass-through operand (__Y) may be used
 // uninitialised; it is not read (no mask).

@@ -2,8 +2,8 @@
 // that report their completion, as thin inline-PTX wrappers. A CTA launched without clusters
 // is its own cluster of one, so a .shared::cluster destination is this CTA's shared memory.
 // Sizes are multiples of 16 bytes and addresses 16-byte aligned: the callers' host checks
-// guarantee it. The decode kernel streams BF16 states this way: per-thread vector loads
-// leave them well below the copy bandwidth (kernels_gla_decode.cu; BENCHMARKS.md's History).
+// guarantee it. The decode kernel streams BF16 states this way because one bulk copy keeps
+// far more bytes in flight per thread than per-thread vector loads can (kernels_gla_decode.cu).
 #pragma once
 
 #include <cstdint>

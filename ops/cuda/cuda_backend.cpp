@@ -75,9 +75,9 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   // them (to time what gather_gemm_memsets saves).
   if (const char* v = std::getenv("LAPLACE_GRAPH_GEMM_MEMSETS")) gather_memsets_ = std::strcmp(v, "keep") != 0;
   // LAPLACE_GRAPH_COUNTERS=tail zeroes the gathered counters at the end of each graph instead of
-  // at its head, so that a replay does not begin with the fill kernel: a graph rooted at it
-  // starts later after the step's input copy (the trace is in BENCHMARKS.md's History). Not the
-  // default until the graph-vs-eager bitwise tests have run with it.
+  // at its head, so that a replay does not begin with the fill kernel (a graph rooted at a
+  // kernel waits for it before anything else starts). Not the default until the graph-vs-eager
+  // bitwise tests have run with it.
   if (const char* v = std::getenv("LAPLACE_GRAPH_COUNTERS")) counters_at_tail_ = std::strcmp(v, "tail") == 0;
   if (const char* v = std::getenv("LAPLACE_GEMM_TUNE")) {
     gemm_tune_ = gemm_tune_allowed_ = std::strcmp(v, "0") != 0;
@@ -156,9 +156,8 @@ bool same_nodes(std::vector<cudaGraphNode_t> a, std::vector<cudaGraphNode_t> b) 
 // tile counter it keeps in the workspace (the heuristic asks for 4 bytes of workspace;
 // lab/gemm/algo_lab lists the nodes each candidate launches). Captured as queued, each memset
 // waits for the kernel before the gemm and the gemm for the memset: two dependency hops of
-// idle GPU per gemm, which a decode step pays dozens of times (BENCHMARKS.md's History has the
-// traces). Hanging the memset off the previous gemm instead (a branch beside the kernels in
-// between) does not help: the gemm then waits at the join. So while capturing, each gemm whose algorithm needs at most
+// idle GPU per gemm, paid once for every gemm of a decode step. Hanging the memset off the
+// previous gemm instead (a branch beside the kernels in between) does not help: the gemm then waits at the join. So while capturing, each gemm whose algorithm needs at most
 // kCounterSlot bytes of workspace gets its own slot of counters_ (gemm_add), the graph's first
 // node zeroes all slots (a fill kernel: capture()), and here every memset that zeroes exactly
 // such a gemm's slot is dropped (its producers now feed the gemm directly). No kernel

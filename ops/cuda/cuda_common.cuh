@@ -162,8 +162,7 @@ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 // ---- dtypes fixed at compile time (the fast paths' common case) -------------------------
 // ld8 with a run-time dtype puts each 16-byte load and its conversion inside a branch, so a
 // thread waits for every load before it issues the next one: a kernel with four loads per
-// thread pays four memory latencies in a row (the LayerNorm forward ran about twice as fast
-// with its dtype fixed; BENCHMARKS.md's History). Kernels templated on DT
+// thread pays four memory latencies in a row. Kernels templated on DT
 // take every F32/BF16 operand's dtype as dt_as<DT>(view.dt) and its vector flag as
 // vec_as<DT>(flag): with DT = kBF16 both are constants, the branches vanish and a thread's
 // loads are all in flight at once; with DT = kDtAny they are read at run time as before.
