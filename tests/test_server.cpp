@@ -15,6 +15,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <functional>
 #include <condition_variable>
 #include <csignal>
 #include <limits>
@@ -1018,6 +1020,16 @@ TEST(ServerLoading, PortInUseIsRefusedAndAConnectionBurstIsAnsweredInFull) {
 // ==== issue 29: the transport ==================================================================
 
 // Reads what the server sends until it closes the connection or `seconds` pass.
+// Polls pred until it holds or the time is up; a bound for slow machines, not a delay.
+bool eventually(const std::function<bool()>& pred, double seconds) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < end) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return pred();
+}
+
 std::string read_until_close(int fd, double seconds) {
   std::string out;
   const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
@@ -1619,22 +1631,20 @@ TEST(ServerShutdown, RunningRequestsFinishWithinTheGrace) {
   RawStream s = open_stream(port, json{{"prompt", "the quick"}, {"max_tokens", 300}, {"stream", true}, {"ignore_eos", true}}, true);
   RawStream w = open_stream(port, json{{"prompt", "the lazy"}, {"max_tokens", 200}, {"ignore_eos", true}}, false);
   ASSERT_EQ(status_of(s.got), 200);
-  for (int i = 0; i < 5000 && srv.counters().outstanding < 2; ++i) std::this_thread::yield();
-  ASSERT_EQ(srv.counters().outstanding, 2);
+  ASSERT_TRUE(eventually([&] { return srv.counters().outstanding == 2; }, 30));
   std::thread stopper([&] { srv.shutdown(60); });
-  // Refused while draining (the first answer that says so; each is a request, not a sleep).
-  int refused = 0;
-  std::string retry;
-  for (int i = 0; i < 20000 && !refused; ++i) {
-    httpc::Client c("127.0.0.1", port);
-    auto r = c.Post("/v1/completions", R"({"prompt": "late", "max_tokens": 2})", "application/json");
-    if (r && r->status == 503) {
-      refused = 1;
-      retry = r->get_header_value("Retry-After");
-    }
-  }
-  EXPECT_EQ(refused, 1);
-  EXPECT_EQ(retry, "1");
+  // The stop has begun once /health says so; from then on a new request is refused. Waiting
+  // for that first keeps a loaded machine (the stopper not yet scheduled) from failing this.
+  httpc::Client c("127.0.0.1", port);
+  EXPECT_TRUE(eventually([&] {
+    auto h = c.Get("/health");
+    return h && h->status == 503 && h->body.find("stopping") != std::string::npos;
+  }, 30));
+  auto late = c.Post("/v1/completions", R"({"prompt": "late", "max_tokens": 2})", "application/json");
+  ASSERT_TRUE(late);
+  EXPECT_EQ(late->status, 503) << late->body;
+  EXPECT_EQ(late->get_header_value("Retry-After"), "1");
+  EXPECT_NE(late->body.find("server_shutdown"), std::string::npos) << late->body;
   srv.hold_engine(false);
   const std::string sb = s.got + read_until_close(s.fd, 60);
   const std::string wb = read_until_close(w.fd, 60);
