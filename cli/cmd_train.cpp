@@ -245,8 +245,9 @@ void add_eval(CLI::App& app) {
   cmd->add_option("--max-batches", a->max_batches, "stop after N batches (0 = one pass)")
       ->check(CLI::NonNegativeNumber);
   add_eval_mqar(cmd);
+  add_eval_quality(cmd);
   cmd->callback([a, cmd] {
-    if (!cmd->get_subcommands().empty()) return;  // `eval mqar` ran instead
+    if (!cmd->get_subcommands().empty()) return;  // a mode (`eval mqar`, `eval copy`, …) ran instead
     g_exit_code = report(run_eval(*a));
   });
 }

@@ -62,6 +62,8 @@ void add_generate(CLI::App& app);
 void add_eval(CLI::App& app);
 // `eval mqar` (cli/cmd_mqar.cpp), a subcommand of `eval`.
 void add_eval_mqar(CLI::App* eval);
+// `eval copy|passkey|position|serving` (cli/cmd_eval_quality.cpp).
+void add_eval_quality(CLI::App* eval);
 void add_train(CLI::App& app);
 void add_tokenizer(CLI::App& app);
 void add_data(CLI::App& app);

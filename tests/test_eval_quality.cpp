@@ -1,0 +1,314 @@
+// The quality evaluations on held-out text (eval/stream.h, eval/recall.h, eval/context.h,
+// eval/serving.h, `laplace eval copy|passkey|position|serving`): feeding a context in pieces
+// equals one forward, the position buckets add up to the whole sequence's loss, results do not
+// depend on how trials are batched, deferred write-back passes its indistinguishability bar on
+// the CPU, and bad arguments get clear errors.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <sys/wait.h>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/file_util.h"
+#include "core/rng.h"
+#include "eval/context.h"
+#include "eval/recall.h"
+#include "eval/serving.h"
+#include "eval/stream.h"
+#include "model/model.h"
+#include "ops/backend.h"
+#include "serve/generate.h"
+#include "tests/test_util.h"
+#include "text/shard.h"
+#include "text/tokenizer.h"
+
+namespace laplace {
+namespace {
+
+struct Tiny {
+  std::unique_ptr<Backend> be = make_cpu_backend();
+  Model m;
+  explicit Tiny(DType dt, int64_t V = 53) {
+    Config c = testing::small_config(8, 12, 2);
+    c.vocab_size = V;
+    EXPECT_TRUE(m.create(c, *be, dt).is_ok());
+    m.init_weights(5);
+  }
+};
+
+// "Held-out text": a repetitive token stream, so the loss depends on the context.
+std::vector<int32_t> heldout_stream(int64_t n, int64_t V) {
+  std::vector<int32_t> t = testing::random_tokens(n, V, 99);
+  for (int64_t i = 16; i < n; ++i)
+    if (i % 3) t[static_cast<size_t>(i)] = t[static_cast<size_t>(i - 16)];
+  return t;
+}
+
+TEST(EvalStream, PiecesEqualOneForward) {
+  Tiny t(DType::kF64);
+  const int64_t B = 3, n = 45, K = 6, V = t.m.config().vocab_size;
+  const std::vector<int32_t> x = testing::random_tokens(B * n, V, 3);
+  // The whole sequences at once, from the empty state.
+  t.m.plan({B, n, false, false});
+  t.m.forward(x.data(), B, n, ForwardOptions{});
+  std::vector<float> whole;
+  logits_rows_to_host(t.m, 0, B * n, &whole);
+  // The same in pieces of 7 (a context carried in the pool), the last 6 positions' logits.
+  SequenceStream s;
+  ASSERT_TRUE(s.init(&t.m, B, 7, 6).is_ok());
+  s.reset();
+  std::vector<int32_t> head(B * (n - K)), tail(B * K);
+  for (int64_t b = 0; b < B; ++b) {
+    std::copy_n(x.data() + b * n, n - K, head.data() + b * (n - K));
+    std::copy_n(x.data() + b * n + n - K, K, tail.data() + b * K);
+  }
+  s.feed(head.data(), n - K);
+  std::vector<float> last;
+  s.feed_logits(tail.data(), K, &last);
+  double worst = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < K; ++i)
+      for (int64_t v = 0; v < V; ++v)
+        worst = std::max(worst, std::fabs(static_cast<double>(last[(b * K + i) * V + v]) -
+                                          whole[(b * n + n - K + i) * V + v]));
+  EXPECT_LT(worst, 1e-6) << "F64 model, logits read back as F32";
+  // A second pass after reset() gives the same bits: the states were cleared.
+  s.reset();
+  s.feed(head.data(), n - K);
+  std::vector<float> again;
+  s.feed_logits(tail.data(), K, &again);
+  EXPECT_EQ(again, last);
+}
+
+TEST(EvalPosition, BucketsAddUpToTheWholeSequenceLoss) {
+  Tiny t(DType::kF64);
+  const int64_t V = t.m.config().vocab_size;
+  const std::vector<int32_t> held = heldout_stream(5000, V);
+  PositionLossOptions o;
+  o.context = 300;
+  o.streams = 2;
+  o.piece = 64;
+  o.first_bucket = 16;
+  o.seed = 4;
+  std::vector<PositionBucket> got;
+  ASSERT_TRUE(eval_position_loss(t.m, held, o, [&](const PositionBucket& b) { got.push_back(b); }).is_ok());
+  // [0,16) [16,32) [32,64) [64,128) [128,256) [256,300)
+  ASSERT_EQ(got.size(), 6u);
+  double sum = 0;
+  int64_t count = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].begin, i == 0 ? 0 : got[i - 1].end);
+    EXPECT_EQ(got[i].count, 2 * (got[i].end - got[i].begin));
+    EXPECT_GT(got[i].memory_bytes, 0);
+    sum += got[i].loss_sum;
+    count += got[i].count;
+  }
+  EXPECT_EQ(got.back().end, 300);
+  // Every bucket after the first is fed after the state of all earlier positions: the total
+  // must be the whole sequences' loss in one forward. The streams come from the seeded
+  // offsets, so search the held-out text for them.
+  std::vector<int32_t> x, y;
+  SplitMix64 rng{splitmix64_hash(o.seed)};
+  for (int64_t s = 0; s < 2; ++s) {
+    const int64_t off = static_cast<int64_t>(rng.below(held.size() - 300));
+    x.insert(x.end(), held.begin() + off, held.begin() + off + 300);
+    y.insert(y.end(), held.begin() + off + 1, held.begin() + off + 301);
+  }
+  t.m.plan({2, 300, false, false});
+  t.m.forward(x.data(), 2, 300, ForwardOptions{});
+  const double whole = t.m.loss(y.data());
+  EXPECT_NEAR(sum / static_cast<double>(count), whole, 1e-9);
+  // Context helps on this stream: the late buckets' loss is below the first one's.
+  EXPECT_LT(got.back().mean_loss(), got.front().mean_loss());
+}
+
+TEST(EvalCopy, BatchingDoesNotChangeTheResultAndCountsAreExact) {
+  Tiny t(DType::kF32);
+  const int64_t V = t.m.config().vocab_size;
+  const std::vector<int32_t> held = heldout_stream(3000, V);
+  auto run = [&](int64_t batch, int64_t piece) {
+    RecallOptions o;
+    o.trials = 4;
+    o.batch = batch;
+    o.piece = piece;
+    o.seed = 9;
+    std::vector<CopyResult> r;
+    EXPECT_TRUE(eval_copy(t.m, held, {4, 12}, {0, 50}, o, [&](const CopyResult& c) { r.push_back(c); }).is_ok());
+    return r;
+  };
+  const auto a = run(1, 16), b = run(4, 32), c = run(2, 5);
+  ASSERT_EQ(a.size(), 4u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].predictions, 4 * (a[i].m - 1));
+    EXPECT_EQ(a[i].correct, b[i].correct) << "m " << a[i].m << " d " << a[i].d;
+    EXPECT_EQ(a[i].correct, c[i].correct) << "m " << a[i].m << " d " << a[i].d;
+    EXPECT_GE(a[i].accuracy(), 0.0);
+    EXPECT_LE(a[i].accuracy(), 1.0);
+  }
+  EXPECT_EQ(a[0].m, 4);
+  EXPECT_EQ(a[0].d, 0);
+  EXPECT_EQ(a[1].d, 50);
+  RecallOptions o;
+  const auto bad = [&](std::vector<int64_t> ms, std::vector<int64_t> ds) {
+    return eval_copy(t.m, held, ms, ds, o, nullptr);
+  };
+  EXPECT_FALSE(bad({1}, {0}).is_ok());
+  EXPECT_FALSE(bad({4}, {-1}).is_ok());
+  const Status big = bad({4}, {3000});
+  EXPECT_NE(big.message().find("held-out"), std::string::npos) << big.to_string();
+}
+
+TEST(EvalServing, DeferredWriteBackIsIndistinguishableOnTheCpu) {
+  Tiny t(DType::kF32, 97);
+  const std::vector<int32_t> held = heldout_stream(4000, 97);
+  std::vector<ServingOption> opts;
+  ASSERT_TRUE(parse_serving_options("defer4,defer8,defer16", &opts).is_ok());
+  ServingOptionsRun run;
+  run.prompts = 6;
+  run.prompt_len = 20;
+  run.steps = 40;
+  std::vector<ServingAccuracy> got;
+  ASSERT_TRUE(eval_serving_options(t.m, nullptr, held, opts, run, [&](const ServingAccuracy& s) {
+    got.push_back(s);
+  }).is_ok());
+  ASSERT_EQ(got.size(), 3u);
+  for (const ServingAccuracy& s : got) {
+    EXPECT_EQ(s.positions, 6 * 40);
+    EXPECT_GT(s.ref_loss, 0);
+    EXPECT_LE(std::fabs(s.delta_loss()), 1e-4) << s.option;
+    EXPECT_GE(s.agreement, 0.99) << s.option;
+    EXPECT_LT(s.logit_relrms_mean, 1e-4) << s.option;
+  }
+  // The bf16 options need bf16 weights, which the CPU has not.
+  ASSERT_TRUE(parse_serving_options("bf16-states", &opts).is_ok());
+  EXPECT_TRUE(opts[0].low_weights);
+  const Status st = eval_serving_options(t.m, nullptr, held, opts, run, nullptr);
+  EXPECT_NE(st.message().find("bf16"), std::string::npos) << st.to_string();
+  EXPECT_FALSE(parse_serving_options("defer5", &opts).is_ok());
+  EXPECT_FALSE(parse_serving_options("fp4", &opts).is_ok());
+  EXPECT_FALSE(parse_serving_options("", &opts).is_ok());
+}
+
+// ---- the CLI, on a model directory with a tokenizer --------------------------------------
+
+struct CmdResult {
+  int exit_code = -1;
+  std::string output;
+};
+
+CmdResult run_cli(const std::string& args) {
+  CmdResult r;
+  const std::string cmd = std::string(LAPLACE_BINARY) + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
+  const int st = pclose(p);
+  if (WIFEXITED(st)) r.exit_code = WEXITSTATUS(st);
+  return r;
+}
+
+class EvalCli : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new std::string(testing::make_temp_dir("eval_cli"));
+    const std::string& d = *dir_;
+    std::string corpus;
+    for (int i = 0; i < 300; ++i)
+      corpus += "static int probe_" + std::to_string(i) + "(struct device *dev) { return dev->id + " +
+                std::to_string(i % 7) + "; }\nThe driver binds each device once.\n";
+    ASSERT_TRUE(write_file_atomic(d + "/corpus.txt", corpus.data(), corpus.size()).is_ok());
+    TokenizerTrainOptions to;
+    to.inputs = {d + "/corpus.txt"};
+    to.model_prefix = d + "/tokenizer";
+    to.vocab_size = 300;
+    ASSERT_TRUE(tokenizer_train(to).is_ok());
+    Tokenizer tok;
+    ASSERT_TRUE(Tokenizer::load(d + "/tokenizer.model", &tok).is_ok());
+    std::vector<int32_t> ids;
+    ASSERT_TRUE(tok.encode(corpus, &ids).is_ok());
+    std::vector<uint32_t> u(ids.begin(), ids.end());
+    ASSERT_TRUE(shard_write(d + "/val.bin", u, 300).is_ok());
+    Config c = testing::small_config(8, 12, 2);
+    c.vocab_size = 300;
+    const std::string cj = c.to_json();
+    ASSERT_TRUE(write_file_atomic(d + "/config.json", cj.data(), cj.size()).is_ok());
+    auto be = make_cpu_backend();
+    Model m;
+    ASSERT_TRUE(m.create(c, *be, DType::kF32).is_ok());
+    m.init_weights(3);
+    ASSERT_TRUE(m.save(d + "/model.safetensors").is_ok());
+  }
+  static void TearDownTestSuite() {
+    std::error_code ec;
+    std::filesystem::remove_all(*dir_, ec);
+    delete dir_;
+  }
+  static std::string* dir_;
+};
+std::string* EvalCli::dir_ = nullptr;
+
+TEST_F(EvalCli, EachModeRunsAndWritesItsLines) {
+  const std::string& d = *dir_;
+  const std::string common = "--model " + d + " --data " + d + "/val.bin --out " + d + "/out --results " + d + "/res.jsonl";
+  CmdResult r = run_cli("eval copy " + common + " --m 4,8 --d 0,64 --trials 4 --batch 2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = run_cli("eval passkey " + common + " --contexts 100,200 --depths 0,1 --trials 2 --batch 2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = run_cli("eval position " + common + " --context 500 --piece 128 --first-bucket 32");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("memory from the first bucket"), std::string::npos) << r.output;
+  r = run_cli("eval serving " + common + " --options defer8 --prompts 4 --prompt-len 16 --steps 16");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto lines = [](const std::string& path) {
+    std::ifstream f(path);
+    std::vector<nlohmann::json> v;
+    for (std::string l; std::getline(f, l);) v.push_back(nlohmann::json::parse(l));
+    return v;
+  };
+  EXPECT_EQ(lines(d + "/out/copy.jsonl").size(), 4u);
+  EXPECT_EQ(lines(d + "/out/passkey.jsonl").size(), 4u);
+  EXPECT_EQ(lines(d + "/out/position.jsonl").size(), 5u);  // [0,32) [32,64) [64,128) [128,256) [256,500)
+  EXPECT_EQ(lines(d + "/out/serving.jsonl").size(), 1u);
+  std::set<std::string> names;
+  for (const auto& j : lines(d + "/res.jsonl")) names.insert(j["bench"].get<std::string>());
+  EXPECT_TRUE(names.count("recall_copy_acc_m8_d64"));
+  EXPECT_TRUE(names.count("recall_passkey_acc_l200_p100"));
+  EXPECT_TRUE(names.count("position_loss_256_500"));
+  EXPECT_TRUE(names.count("serving_defer8_delta_loss"));
+}
+
+TEST_F(EvalCli, BadArgumentsGetClearErrors) {
+  const std::string& d = *dir_;
+  const std::string m = "--model " + d + " --data " + d + "/val.bin";
+  struct Case {
+    std::string args, says;
+  } cases[] = {
+      {"eval copy " + m + " --m 4,x", "--m: 'x' is not a number"},
+      {"eval copy " + m + " --d 100000000", "held-out"},
+      {"eval copy --model " + d + " --data " + d + "/nothing.bin", "nothing.bin"},
+      {"eval copy --model " + d + "/missing --data " + d + "/val.bin", "does not exist"},
+      {"eval passkey " + m + " --depths 1.5", "depths"},
+      {"eval passkey " + m + " --contexts 10", "shorter than the needle"},
+      {"eval position " + m + " --piece 100", "powers of two"},
+      {"eval serving " + m + " --options bf16-weights", "cuda"},
+      {"eval serving " + m + " --options defer3", "R = 4, 8 or 16"},
+  };
+  for (const Case& c : cases) {
+    const CmdResult r = run_cli(c.args);
+    EXPECT_EQ(r.exit_code, 1) << c.args << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.says), std::string::npos) << c.args << "\n" << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace laplace
