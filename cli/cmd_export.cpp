@@ -82,28 +82,14 @@ Status run_export_hf(const std::string& src, const std::string& out) {
   if (!fs::exists(weights)) return Status::not_found("model directory " + src + " has no model.safetensors");
   LAPLACE_RETURN_IF_ERROR(check_weights(c, weights.string()));
 
-  // config.json: every key of SRC's (in order), plus what transformers needs to find the classes.
-  std::string text;
-  LAPLACE_RETURN_IF_ERROR(read_file(cfg_path.string(), &text));
-  nlohmann::ordered_json j = nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return Status::invalid_argument(cfg_path.string() + " is not a JSON object");
-  j["architectures"] = nlohmann::ordered_json::array({"LaplaceForCausalLM"});
-  j["auto_map"] = {{"AutoConfig", "configuration_laplace.LaplaceConfig"},
-                   {"AutoModelForCausalLM", "modeling_laplace.LaplaceForCausalLM"}};
-  const std::string cfg_text = j.dump(2) + "\n";
-
   std::error_code ec;
   fs::create_directories(d, ec);
   if (ec) return Status::io_error("cannot create " + out + ": " + ec.message());
   LAPLACE_RETURN_IF_ERROR(copy_file_atomic(weights, d / "model.safetensors"));
   const bool have_tok = fs::exists(tok);
   if (have_tok) LAPLACE_RETURN_IF_ERROR(copy_file_atomic(tok, d / "tokenizer.model"));
-  LAPLACE_RETURN_IF_ERROR(write_file_atomic((d / "configuration_laplace.py").string(),
-                                            embedded::kConfigurationLaplacePy, embedded::kConfigurationLaplacePySize));
-  LAPLACE_RETURN_IF_ERROR(write_file_atomic((d / "modeling_laplace.py").string(), embedded::kModelingLaplacePy,
-                                            embedded::kModelingLaplacePySize));
-  // config.json last: a directory with auto_map always has the files it names.
-  LAPLACE_RETURN_IF_ERROR(write_file_atomic((d / "config.json").string(), cfg_text.data(), cfg_text.size()));
+  LAPLACE_RETURN_IF_ERROR(copy_file_atomic(cfg_path, d / "config.json"));
+  LAPLACE_RETURN_IF_ERROR(write_hf_files(out));
   std::printf("wrote %s: config.json (auto_map), model.safetensors, %sconfiguration_laplace.py, modeling_laplace.py\n",
               out.c_str(), have_tok ? "tokenizer.model, " : "");
   if (!have_tok) std::printf("note: %s has no tokenizer.model, so the export has none\n", src.c_str());
@@ -112,6 +98,26 @@ Status run_export_hf(const std::string& src, const std::string& out) {
 }
 
 }  // namespace
+
+Status write_hf_files(const std::string& dir) {
+  const fs::path d(dir);
+  const fs::path cfg_path = d / "config.json";
+  // config.json: every key (in order), plus what transformers needs to find the classes.
+  std::string text;
+  LAPLACE_RETURN_IF_ERROR(read_file(cfg_path.string(), &text));
+  nlohmann::ordered_json j = nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return Status::invalid_argument(cfg_path.string() + " is not a JSON object");
+  j["architectures"] = nlohmann::ordered_json::array({"LaplaceForCausalLM"});
+  j["auto_map"] = {{"AutoConfig", "configuration_laplace.LaplaceConfig"},
+                   {"AutoModelForCausalLM", "modeling_laplace.LaplaceForCausalLM"}};
+  const std::string cfg_text = j.dump(2) + "\n";
+  LAPLACE_RETURN_IF_ERROR(write_file_atomic((d / "configuration_laplace.py").string(),
+                                            embedded::kConfigurationLaplacePy, embedded::kConfigurationLaplacePySize));
+  LAPLACE_RETURN_IF_ERROR(write_file_atomic((d / "modeling_laplace.py").string(), embedded::kModelingLaplacePy,
+                                            embedded::kModelingLaplacePySize));
+  // config.json last: a directory with auto_map always has the files it names.
+  return write_file_atomic(cfg_path.string(), cfg_text.data(), cfg_text.size());
+}
 
 void add_export(CLI::App& app) {
   auto* cmd = app.add_subcommand("export", "write a model directory for other tools");

@@ -59,6 +59,8 @@ Status run_train(TrainArgs& a) {
   a.o.peak_flops = a.peak_tflops * 1e12;
   MuonComm mc;
   LAPLACE_RETURN_IF_ERROR(muon_comm_from_name(a.muon_comm, &mc));
+  // Every saved model directory also loads in transformers (AutoModelForCausalLM, remote code).
+  a.o.after_model_saved = [](const std::string& dir) { return write_hf_files(dir); };
   if (a.distributed || launched_by_mpi()) {
     if (a.o.batch_auto || a.o.tokens_per_step > 0)
       return Status::invalid_argument(

@@ -73,6 +73,10 @@ void add_dist(CLI::App& app);
 void add_serve(CLI::App& app);
 // `export hf` (cli/cmd_export.cpp).
 void add_export(CLI::App& app);
+// Makes the model directory `dir` (config.json, model.safetensors) loadable by transformers'
+// AutoModelForCausalLM with trust_remote_code: adds "architectures" and "auto_map" to its
+// config.json and writes the modeling files this binary embeds. `export hf` and `train` use it.
+Status write_hf_files(const std::string& dir);
 
 // Set by subcommand callbacks; main returns it.
 extern int g_exit_code;

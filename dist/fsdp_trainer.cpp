@@ -618,6 +618,7 @@ Status FsdpTrainer::save_checkpoint() {
       st = read_file(opt_.tokenizer, &tok);
       if (st.is_ok()) st = write_file_atomic(opt_.out_dir + "/tokenizer.model", tok.data(), tok.size());
     }
+    if (st.is_ok() && opt_.after_model_saved) st = opt_.after_model_saved(opt_.out_dir);
   }
   return agree_status(comm_, st);
 }

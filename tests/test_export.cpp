@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tests/test_util.h"
+#include "text/shard.h"
 
 namespace laplace {
 namespace {
@@ -101,6 +102,31 @@ TEST_F(CliExport, WritesATransformersDirectory) {
   r = run_laplace("export hf --model " + src_.string() + " --out " + src_.string());
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(fs::exists(src_ / "modeling_laplace.py"));
+}
+
+// `laplace train` leaves the same files at every save, so a trained directory loads in
+// transformers without an export step.
+TEST_F(CliExport, TrainWritesTheTransformersFilesToo) {
+  std::vector<uint32_t> toks(4096);
+  for (size_t i = 0; i < toks.size(); ++i) toks[i] = static_cast<uint32_t>((i * 7 + i / 5) % 61);
+  ASSERT_TRUE(shard_write((dir_ / "train.bin").string(), toks, 61).is_ok());
+  const fs::path out = dir_ / "trained";
+  Result r = run_laplace("train --config " + (dir_ / "tiny.json").string() + " --data " + (dir_ / "train.bin").string() +
+                         " --out " + out.string() + " --steps 2 --batch 2 --seq 8 --quiet");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* f : {"config.json", "model.safetensors", "configuration_laplace.py", "modeling_laplace.py"})
+    EXPECT_TRUE(fs::exists(out / f)) << f;
+  const auto j = nlohmann::json::parse(slurp(out / "config.json"));
+  EXPECT_EQ(j["auto_map"]["AutoModelForCausalLM"], "modeling_laplace.LaplaceForCausalLM");
+  EXPECT_EQ(j["hidden_size"], 16);
+  const fs::path py = fs::path(LAPLACE_SOURCE_DIR) / "python" / "laplace";
+  EXPECT_EQ(slurp(out / "modeling_laplace.py"), slurp(py / "modeling_laplace.py"));
+  // Still ours too: it generates, and training resumes from it.
+  r = run_laplace("forward --model " + out.string() + " --tokens 1,2,3");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  r = run_laplace("train --config " + (out / "config.json").string() + " --data " + (dir_ / "train.bin").string() +
+                  " --out " + out.string() + " --steps 3 --batch 2 --seq 8 --resume auto --quiet");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
 }
 
 TEST_F(CliExport, WithoutTokenizerSaysSo) {

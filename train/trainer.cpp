@@ -241,6 +241,7 @@ Status Trainer::save_checkpoint() {
     LAPLACE_RETURN_IF_ERROR(read_file(opt_.tokenizer, &tok));
     LAPLACE_RETURN_IF_ERROR(write_file_atomic(opt_.out_dir + "/tokenizer.model", tok.data(), tok.size()));
   }
+  if (opt_.after_model_saved) LAPLACE_RETURN_IF_ERROR(opt_.after_model_saved(opt_.out_dir));
   return Status::ok();
 }
 

@@ -37,6 +37,9 @@ struct TrainOptions {
   std::string resume;                 // checkpoint to resume from ("auto": out_dir's, if any)
   std::string tokenizer;              // copied into out_dir so it is a complete model directory
   std::string tensorboard_dir;        // optional: TensorBoard event files (train/tensorboard.h)
+  // Called on out_dir each time the model directory there has been written (the CLI adds the
+  // Hugging Face files, so every saved model loads in transformers too). Optional.
+  std::function<Status(const std::string& dir)> after_model_saved;
 
   int64_t batch = 8, seq = 256, grad_accum = 1, steps = 100;
   // Memory plan (train/memory_plan.h). batch_auto: choose the micro-batch (and, unless
