@@ -7,7 +7,9 @@
 #          tokenized on every core into $RUNS/data/ with the carried tokenizer
 #   train  the run, in the background (setsid: it outlives this call while the machine is held): steps
 #          1..STOP1 (the parity point), then, once the reference is done, a resume to STEPS; then the
-#          loss over the whole validation split and a sample. Metrics and TensorBoard events in $RUNS/ours
+#          loss over the whole validation split, a sample and (QUALITY=1) the quality evaluations of
+#          docs/quality.md (eval copy, passkey, position, serving) into $RUNS/quality. Metrics and
+#          TensorBoard events in $RUNS/ours
 #   ref    after the run's first 45 steps, alone on the GPU, give the throughput figure (into
 #          $OUT/results.jsonl): the PyTorch reference trainer on the same init, data order and schedule
 #          for REF_STEPS steps, in the background beside it, metrics in $RUNS/ref
@@ -97,7 +99,16 @@ if has train; then
     $LAPLACE eval --model $RUNS/ours --data '$RUNS/data/val_*.bin' --batch 16 --seq 2048 --device cuda \
       --dtype bf16 > $RUNS/ours_eval.log 2>&1 &&
     $LAPLACE generate --model $RUNS/ours --prompt 'static int' --max-tokens 120 --temperature 0.7 --top-k 40 \
-      --seed 1 --device cuda --dtype bf16 > $RUNS/ours_sample.log 2>&1
+      --seed 1 --device cuda --dtype bf16 > $RUNS/ours_sample.log 2>&1 &&
+    if [ ${QUALITY:-1} = 1 ]; then
+      export LAPLACE_COMMIT=$COMMIT
+      Q=\"--model $RUNS/ours --data '$RUNS/data/val_*.bin' --device cuda --out $RUNS/quality --results $RUNS/quality_results.jsonl\"
+      eval $LAPLACE eval copy \$Q --dtype bf16 --trials 64 --batch 16 &&
+      eval $LAPLACE eval passkey \$Q --dtype bf16 --trials 16 --batch 4 &&
+      eval $LAPLACE eval position \$Q --dtype bf16 --context 131072 --streams 1 &&
+      eval $LAPLACE eval serving \$Q --dtype f32 --options defer4,defer8,defer16,bf16-weights,bf16-states \
+        --prompts 64 --prompt-len 128 --steps 256
+    fi > $RUNS/quality.log 2>&1
     echo exit \$? > $RUNS/ours.done" > $RUNS/ours.log 2>&1 < /dev/null &
   stamp "train started"
 fi
@@ -136,6 +147,8 @@ fi
 collect() {
   cp $RUNS/ours/metrics.jsonl "$OUT/ours_metrics.jsonl" 2>/dev/null
   cp $RUNS/ref/metrics.jsonl "$OUT/ref_metrics.jsonl" 2>/dev/null
+  cat $RUNS/quality/*.jsonl > "$OUT/quality_points.jsonl" 2>/dev/null
+  cp $RUNS/quality_results.jsonl "$OUT/quality_results.jsonl" 2>/dev/null
   tar czf "$OUT/logs.tar.gz" $RUNS/*.log $RUNS/*.done $RUNS/ours/tb $RUNS/data/prepare.json $RUNS/bench_a*/metrics.jsonl \
     2>/dev/null
 }
