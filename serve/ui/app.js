@@ -392,7 +392,7 @@ function quantile(q, b) {
 }
 
 const metrics = { prev: null, prevT: 0, history: [], timer: 0 };
-const HISTORY = 120;
+const HISTORY = 60;  // samples, one a second
 
 function rate(name, cur, dt) {
   if (!metrics.prev || dt <= 0) return undefined;
@@ -413,22 +413,23 @@ function renderMetrics(cur, dt) {
   const v = (n) => cur.values.get(n);
   const used = v("laplace_state_slots_used"), free = v("laplace_state_slots_free");
   const hits = v("laplace_cache_hits_total"), misses = v("laplace_cache_misses_total");
-  const genRate = rate("laplace_generation_tokens_total", cur, dt);
-  const promptRate = rate("laplace_prompt_tokens_total", cur, dt);
+  // The engine's counters move every step; the request counters only when a request ends.
+  const genRate = rate("laplace_decode_tokens_total", cur, dt);
+  const promptRate = rate("laplace_prefill_tokens_total", cur, dt);
   const cards = [
     card("Ready", v("laplace_ready") ? "yes" : "loading", "ready"),
     card("Live sequences", fmtNumber(v("laplace_requests_running")), "running"),
     card("Queued sequences", fmtNumber(v("laplace_requests_waiting")), "queued"),
     card("State slots used", used === undefined ? "–" : fmtNumber(used) + " / " + fmtNumber(used + free), "slots"),
-    card("Generated tokens/s", fmtNumber(genRate, 1), "tps"),
-    card("Prompt tokens/s", fmtNumber(promptRate, 1), "prompt-tps"),
+    card("Decode tokens/s", fmtNumber(genRate, 1), "tps"),
+    card("Prefill tokens/s", fmtNumber(promptRate, 1), "prefill-tps"),
     card("Cache entries", fmtNumber(v("laplace_cache_entries")), "cache-entries"),
     card("Cache hit rate", hits + misses > 0 ? fmtNumber((100 * hits) / (hits + misses), 1) + " %" : "–", "cache-hits"),
     card("Cache device slots", v("laplace_cache_device_slots") === undefined ? "–"
       : fmtNumber(v("laplace_cache_device_slots_used")) + " / " + fmtNumber(v("laplace_cache_device_slots")), "cache-device"),
     card("Cache host bytes", fmtBytes(v("laplace_cache_bytes")), "cache-bytes"),
     card("Sessions", fmtNumber(v("laplace_sessions")), "sessions"),
-    card("Generated tokens", fmtNumber(v("laplace_generation_tokens_total")), "gen-total"),
+    card("Generated tokens (ended requests)", fmtNumber(v("laplace_generation_tokens_total")), "gen-total"),
     card("HTTP connections", fmtNumber(v("laplace_http_connections")), "connections"),
     card("Rejected (429)", fmtNumber(v("laplace_requests_rejected_total")), "rejected"),
     card("Resident memory", fmtBytes(v("laplace_process_resident_bytes")), "rss"),
