@@ -146,12 +146,16 @@ function addBubble(role, label) {
   m.appendChild(el("div", "who", label));
   const text = el("pre", "text");
   m.appendChild(text);
-  $("transcript").appendChild(m);
+  const box = $("transcript");
+  box.appendChild(m);
+  box.scrollTop = box.scrollHeight;
   return m;
 }
 
-function scrollToEnd(node) {
-  node.scrollIntoView({ block: "end", behavior: "instant" });
+// The transcript scrolls by itself only while its end is in view: a reader who scrolled up
+// stays where they are, and the controls below it never move.
+function nearEnd(box) {
+  return box.scrollHeight - box.scrollTop - box.clientHeight < 40;
 }
 
 function setBusy(busy) {
@@ -162,7 +166,7 @@ function setBusy(busy) {
 }
 
 function canRegenerate() {
-  if (mode() === "chat") return chat.messages.length > 0 && chat.messages[chat.messages.length - 1].role === "assistant";
+  if (mode() === "chat") return chat.messages.length > 0;
   return chat.lastPrompt !== null;
 }
 
@@ -197,6 +201,7 @@ async function streamReply(bubble, endpoint, body) {
   const stats = el("div", "stats", "waiting for the first token…");
   bubble.appendChild(stats);
   chat.controller = new AbortController();
+  bubble.setAttribute("aria-busy", "true");  // screen readers read the reply once, when done
   setBusy(true);
   const t0 = performance.now();
   let tFirst = 0, tLast = 0, chunks = 0, usageTokens = -1, stopped = false, failed = "";
@@ -219,10 +224,11 @@ async function streamReply(bubble, endpoint, body) {
           if (!tFirst) tFirst = performance.now();
           tLast = performance.now();
           chunks++;
+          const box = $("transcript"), follow = nearEnd(box);
           out.appendData(piece);
+          if (follow) box.scrollTop = box.scrollHeight;
           stats.textContent = "streaming… " + chunks + " pieces";
         }
-        scrollToEnd(bubble);
       });
     }
   } catch (e) {
@@ -230,8 +236,10 @@ async function streamReply(bubble, endpoint, body) {
     else failed = String(e.message || e);
   }
   chat.controller = null;
+  // The usage comes with the stream's end; a stopped stream has none, and its pieces (one or
+  // more tokens each, as the server batches them) give a lower bound.
   const n = usageTokens >= 0 ? usageTokens : chunks;
-  const parts = [n + " tokens"];
+  const parts = [(usageTokens >= 0 ? "" : "~") + n + " tokens"];
   if (tFirst) parts.push("TTFT " + fmtSeconds((tFirst - t0) / 1000));
   if (n > 1 && tLast > tFirst) parts.push(fmtNumber((n - 1) / ((tLast - tFirst) / 1000), 1) + " tok/s");
   if (stopped) parts.push("stopped");
@@ -241,6 +249,7 @@ async function streamReply(bubble, endpoint, body) {
     bubble.appendChild(el("div", "stats", "Error: " + failed));
   }
   bubble.dataset.done = stopped ? "stopped" : failed ? "error" : "done";
+  bubble.removeAttribute("aria-busy");
   setBusy(false);
   return { text: out.data, ok: !failed };
 }
@@ -281,8 +290,10 @@ async function send() {
 async function regenerate() {
   if (chat.controller || !canRegenerate()) return;
   if (chat.lastBubble) chat.lastBubble.remove();
+  chat.lastBubble = null;
   if (mode() === "chat") {
-    chat.messages.pop();
+    // The last reply is asked again; after a failed one (no reply kept), the last message is.
+    if (chat.messages[chat.messages.length - 1].role === "assistant") chat.messages.pop();
     await runChat();
   } else {
     await runCompletion(chat.lastPrompt);
@@ -334,7 +345,9 @@ async function loadModel() {
   try {
     const resp = await api("/v1/models");
     if (!resp.ok) {
-      if (!needKey(resp)) setStatus(await errorText(resp), true);
+      if (needKey(resp)) return;
+      setStatus(await errorText(resp), true);
+      if (resp.status === 503) setTimeout(loadModel, 2000);  // loading: ask again
       return;
     }
     const j = await resp.json();
@@ -391,11 +404,12 @@ function quantile(q, b) {
   return prevLe;
 }
 
-const metrics = { prev: null, prevT: 0, history: [], timer: 0 };
+const metrics = { prev: null, prevT: 0, history: [], timer: 0, busy: false };
 const HISTORY = 60;  // samples, one a second
 
 function rate(name, cur, dt) {
-  if (!metrics.prev || dt <= 0) return undefined;
+  // No rate across a gap (the view was hidden): it would be an average, not a rate.
+  if (!metrics.prev || dt <= 0 || dt > 5) return undefined;
   const a = metrics.prev.values.get(name), b = cur.values.get(name);
   if (a === undefined || b === undefined) return undefined;
   return Math.max(0, (b - a) / dt);
@@ -491,7 +505,9 @@ function drawChart(canvas, series, colors) {
 
 async function pollMetrics() {
   clearTimeout(metrics.timer);
-  if (currentView !== "server") return;
+  // One poll at a time: the one in flight schedules the next.
+  if (currentView !== "server" || metrics.busy) return;
+  metrics.busy = true;
   try {
     const resp = await api("/metrics");
     if (resp.ok) {
@@ -506,6 +522,7 @@ async function pollMetrics() {
   } catch (e) {
     setStatus("/metrics: " + (e.message || e), true);
   }
+  metrics.busy = false;
   if (currentView === "server") metrics.timer = setTimeout(pollMetrics, 1000);
 }
 
