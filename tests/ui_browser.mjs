@@ -4,7 +4,7 @@
 // a NUL byte). Every wait is bounded; any failed check, page exception or console error
 // (a Content-Security-Policy violation is one) fails the test.
 // Usage: node tests/ui_browser.mjs  (LAPLACE_URL, LAPLACE_API_KEY, CHROMIUM; optional
-// LAPLACE_UI_SCREENSHOTS: a directory for chat.png and metrics.png)
+// LAPLACE_UI_SCREENSHOTS: a directory for ui-chat.png, ui-metrics.png and ui-phone.png)
 import { spawn } from "node:child_process";
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -294,6 +294,7 @@ async function main() {
   await click("#tab-server");
   await waitFor(`document.querySelectorAll("#cards .card").length > 5`, "the cards on a phone", 10000);
   await noHorizontalOverflow("server view on a phone");
+  await screenshot("ui-phone.png");
   await click("#tab-sessions");
   await waitFor(row("demo-fork"), "the sessions on a phone", 10000);
   await noHorizontalOverflow("sessions view on a phone");
