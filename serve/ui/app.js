@@ -227,7 +227,7 @@ async function streamReply(bubble, endpoint, body) {
           const box = $("transcript"), follow = nearEnd(box);
           out.appendData(piece);
           if (follow) box.scrollTop = box.scrollHeight;
-          stats.textContent = "streaming… " + chunks + " pieces";
+          stats.textContent = "streaming…";
         }
       });
     }
@@ -259,8 +259,9 @@ async function runChat() {
   chat.lastBubble = bubble;
   const body = Object.assign({ messages: chat.messages.slice() }, samplingFields());
   const r = await streamReply(bubble, "/v1/chat/completions", body);
-  // A stopped reply stays in the conversation as far as it went (as llama.cpp's page does).
-  if (r.ok || r.text) chat.messages.push({ role: "assistant", content: r.text });
+  // A stopped reply stays in the conversation as far as it went (as llama.cpp's page does),
+  // unless the conversation was cleared meanwhile (its bubble is gone).
+  if (bubble.isConnected && (r.ok || r.text)) chat.messages.push({ role: "assistant", content: r.text });
   setBusy(false);
 }
 
