@@ -1,7 +1,8 @@
 // The web page of `laplace serve` (serve/static_files.h) over a real socket: the page and its
 // files load without the API key while the API still needs it, with the right types and the
-// security headers; HEAD answers the head alone; the files carry no inline script or style
-// and never build HTML from data. The page in a browser: tests/ui_browser.sh.
+// security headers, also while no model is loaded; HEAD answers the head alone; the files
+// carry no inline script or style and never build HTML from data. The page in a browser:
+// tests/ui_browser.sh.
 #ifdef LAPLACE_HAVE_SERVER
 
 #include <arpa/inet.h>
@@ -207,6 +208,32 @@ TEST_F(UiTest, FilesHaveNoInlineCodeNoHtmlFromDataAndNoOtherHosts) {
     EXPECT_EQ(f->find("https://"), std::string::npos);
     EXPECT_EQ(f->find("//cdn"), std::string::npos);
   }
+}
+
+// The page is shown without a model (loading, or failed to load): it tells why from the
+// API's own 503 answers, which it can only do once it is on the screen.
+TEST(UiLoading, PageIsServedWhileTheApiAnswers503) {
+  ServerOptions o;
+  o.model_dir = testing::make_temp_dir("ui_no_model");  // no config.json: the load fails
+  o.port = 0;
+  o.api_key = kUiKey;
+  Server s(o);
+  ASSERT_TRUE(s.start().is_ok());
+  EXPECT_FALSE(s.wait_ready().is_ok());
+  httpc::Client c("127.0.0.1", s.port());
+  c.set_read_timeout(30, 0);
+  for (const char* p : kPaths) {
+    auto r = c.Get(p);
+    ASSERT_TRUE(r) << p;
+    EXPECT_EQ(r->status, 200) << p;
+  }
+  c.set_bearer_token_auth(kUiKey);
+  auto m = c.Get("/v1/models");
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->status, 503);
+  s.stop();
+  std::error_code ec;
+  fs::remove_all(o.model_dir, ec);
 }
 
 }  // namespace
