@@ -258,8 +258,10 @@ async function main() {
   await evaluate(`document.activeElement.blur()`);
   await screenshot("ui-metrics.png");
   await click("#tab-chat");
-  await click("#stop");
-  await waitFor(`document.querySelector("#transcript .msg.bot:last-child")?.dataset.done === "stopped"`, "the long reply to stop", 10000);
+  await evaluate(`document.getElementById("prompt").focus()`);
+  await key("Escape", "Escape", 27);
+  await waitFor(`document.querySelector("#transcript .msg.bot:last-child")?.dataset.done === "stopped"`, "Escape to stop the long reply", 10000);
+  ok("Escape in the message box stops a reply");
 
   // 6. Sessions: create, fork, save, delete, restore.
   await click("#tab-sessions");
@@ -285,6 +287,17 @@ async function main() {
                 "the server's error for a bad name", 10000);
   check(await evaluate(`document.getElementById("status").classList.contains("bad")`), "an error answer is shown as one");
   await evaluate(`document.getElementById("new-session-name").value = ""`);
+  // A session continued from the chat.
+  await click('#sessions tbody button[aria-label="Use in chat session demo-fork"]');
+  check(await evaluate(`!document.getElementById("view-chat").hidden && document.getElementById("session").value === "demo-fork"`),
+        "Use in chat: the chat view, starting from the session");
+  await evaluate(`document.getElementById("max_tokens").value = "5"; document.getElementById("prompt").value = ""`);
+  await typeInto("#prompt", "and then");
+  await key("Enter", "Enter", 13, "\r");
+  await waitFor(`document.querySelector("#transcript .msg.bot:last-child")?.dataset.done === "done"`, "the reply from the session", 30000);
+  check(/^5 tokens/.test(await evaluate(`document.querySelector("#transcript .msg.bot:last-child .stats").textContent`)),
+        "a chat reply continues a named session");
+  await evaluate(`document.getElementById("session").value = ""`);
 
   // 7. A phone-sized window: every view fits its width.
   await viewport(390, 844, true);
