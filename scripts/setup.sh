@@ -11,6 +11,7 @@ PACKAGES=(
   python3 python3-numpy python3-torch python3-matplotlib python3-sentencepiece python3-setuptools python3-pip
   fortunes fortunes-min
   curl
+  chromium
 )
 # The server tests drive `laplace serve` with the official openai client (npm).
 if [ "${LAPLACE_SETUP_NODE:-0}" = 1 ]; then

@@ -1,8 +1,10 @@
 // The routes of `laplace serve` (docs/serving.md §9): authentication and readiness before
-// any body is read, then health, models, metrics, completions (serve/jobs.cpp) and sessions.
+// any body is read, then health, models, metrics, completions (serve/jobs.cpp), sessions and
+// the web page (serve/static_files.h).
 #include <regex>
 
 #include "serve/server_impl.h"
+#include "serve/static_files.h"
 
 namespace laplace {
 
@@ -43,6 +45,9 @@ http::Response busy_response(int status, const std::string& msg, const std::stri
 
 std::optional<http::Response> Server::Impl::check_head(const http::Request& req) {
   http_requests.fetch_add(1);
+  // The page is public and shown while the model loads: it holds no data, and its API calls
+  // carry the key and meet the readiness check themselves.
+  if (is_static_path(req.path)) return std::nullopt;
   if (!opt.api_key.empty()) {
     const std::string want = "Bearer " + opt.api_key;
     const std::string got = req.header("Authorization");
@@ -119,6 +124,10 @@ void Server::Impl::route(http::Request&& req, http::ExchangePtr ex) {
       r.content_type = "text/plain; version=0.0.4";
       r.body = metrics_text();
       return ex->respond(std::move(r));
+    }
+    if (is_static_path(req.path)) {
+      if (!get) return ex->respond(method_not_allowed("GET"));
+      return ex->respond(*static_file_response(req.path));
     }
     if (p.empty() || p[0] != "v1") return ex->respond(not_found());
     auto model_json = [this] {

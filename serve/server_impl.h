@@ -4,6 +4,7 @@
 //   jobs.cpp      completions: a request's engine work (n choices), its answer streamed or
 //                 whole, and what the engine's callbacks feed it;
 //   sessions.cpp  the session store and the session file (serve/sessions.h);
+//   static_files.cpp the web page (serve/ui/, compiled into the binary);
 //   http_server.* the transport (serve/http_server.h).
 //
 // Threads: the HTTP event loops run the routes and the producers of answers; ONE engine
