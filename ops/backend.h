@@ -85,6 +85,18 @@ class Graph {
   virtual void launch() = 0;
 };
 
+// What a backend is asked whether it computes: an op by its Backend method name ("gemm",
+// "gla_forward", …), the dtype of its floating-point operands, and, for the ops a backend
+// limits by shape, those dims (the GLA ops: H, dk, dv). See Backend::supports.
+struct OpQuery {
+  std::string op;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> dims;
+};
+
+// Every op name an OpQuery may carry: the Backend methods that compute.
+bool is_backend_op(const std::string& op);
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -94,6 +106,11 @@ class Backend {
   // The CUDA stream (cudaStream_t) every op is queued on; nullptr on the CPU. Lets other
   // device work (NCCL collectives) order itself with the backend's without host syncs.
   virtual void* native_stream() { return nullptr; }
+  // Whether this backend computes `q`. Each backend states its own dtypes and shape limits
+  // here instead of converting or falling back silently; an op called outside them stops
+  // with a LAPLACE_CHECK naming the limit. The cross-backend op test
+  // (tests/test_backend_ops.cpp) skips, with a message, the cases a backend declines.
+  virtual bool supports(const OpQuery& q) const = 0;
 
   // Whether the backend may tune its kernels on their first use (CUDA: a large gemm shape's
   // cuBLASLt algorithm, timed on its first eager call; results are unchanged by it). On by

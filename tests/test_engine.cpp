@@ -59,6 +59,7 @@ class RowGemmBackend : public Backend {
   Device device() const override { return cpu_->device(); }
   const char* name() const override { return "cpu-rowgemm"; }
   Allocator& allocator() override { return cpu_->allocator(); }
+  bool supports(const OpQuery& q) const override { return cpu_->supports(q); }
   void copy(Tensor dst, const Tensor& src) override { cpu_->copy(dst, src); }
   void fill(Tensor dst, double v) override { cpu_->fill(dst, v); }
   void axpy(double a, const Tensor& x, Tensor y) override { cpu_->axpy(a, x, y); }

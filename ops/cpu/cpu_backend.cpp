@@ -739,6 +739,12 @@ template <class T> double sumsq(const Tensor& x) {
 
 Allocator& CpuBackend::allocator() { return cpu_allocator(); }
 
+bool CpuBackend::supports(const OpQuery& q) const {
+  if (!is_backend_op(q.op)) return false;
+  if (q.op == "copy") return q.dtype != DType::kF16 && q.dtype != DType::kI64 && q.dtype != DType::kU8;
+  return q.dtype == DType::kF32 || q.dtype == DType::kF64;
+}
+
 // dst = src, element by element; converts between F32/F64/BF16/I32/I64 when dtypes differ.
 void CpuBackend::copy(Tensor dst, const Tensor& src) {
   LAPLACE_CHECK(same_shape(dst, src), "copy: shapes differ");

@@ -18,6 +18,9 @@ class CpuBackend final : public Backend {
   Device device() const override { return Device::kCPU; }
   const char* name() const override { return "cpu"; }
   Allocator& allocator() override;
+  // Every op in F32 and F64 (the reference dtype of the cross-backend tests); copy converts
+  // between any of F32, F64, BF16 and I32. No BF16 compute: a BF16 model runs on CUDA.
+  bool supports(const OpQuery& q) const override;
 
   void copy(Tensor dst, const Tensor& src) override;
   void fill(Tensor dst, double value) override;

@@ -333,6 +333,19 @@ bool CudaBackend::copy_h2d_staged(Tensor dst, const Tensor& src) {
   return true;
 }
 
+bool CudaBackend::supports(const OpQuery& q) const {
+  if (!is_backend_op(q.op)) return false;
+  if (q.op == "copy") return q.dtype == DType::kF32 || q.dtype == DType::kBF16 || q.dtype == DType::kF64 ||
+                             q.dtype == DType::kI32;
+  if (q.dtype != DType::kF32 && q.dtype != DType::kBF16) return false;
+  if (q.op.rfind("gla_", 0) == 0 && q.dims.size() == 3) {
+    const int64_t H = q.dims[0], dk = q.dims[1], dv = q.dims[2];
+    if (dk < 1 || dk > kMaxGlaDk || dv < 1 || dv > kMaxGlaDv) return false;
+    if (q.op != "gla_forward" && q.op != "gla_backward" && H > kMaxDecodeHeads) return false;
+  }
+  return true;
+}
+
 void CudaBackend::copy(Tensor dst, const Tensor& src) {
   LAPLACE_CHECK(same_shape(dst, src),
                 ("copy: shapes differ: " + dst.shape_str() + " vs " + src.shape_str()).c_str());

@@ -179,6 +179,12 @@ class CudaBackend final : public Backend {
   // ---- CUDA specifics ----
   cudaStream_t stream() const { return stream_; }
   void* native_stream() override { return stream_; }
+  // F32 and BF16 operands (F32 states and accumulators beside BF16 ones); no F64. The GLA
+  // kernels hold a head's state on chip: dk <= kMaxGlaDk, dv <= kMaxGlaDv, and the decode
+  // kernels at most kMaxDecodeHeads heads (the limits kernels_gla.cu and
+  // kernels_gla_decode.cu check).
+  bool supports(const OpQuery& q) const override;
+  static constexpr int64_t kMaxGlaDk = 128, kMaxGlaDv = 256, kMaxDecodeHeads = 128;
   int device_id() const { return device_; }
   int num_sms() const { return num_sms_; }
   // Largest dynamic shared memory one block may opt into (bytes).

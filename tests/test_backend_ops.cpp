@@ -1,0 +1,438 @@
+// One table of op cases — (op, shapes, dtype, tolerance) — run on every backend this build
+// has and compared with the CPU backend in F64, as ggml's test-backend-ops does. Each case
+// draws its inputs once (seeded, rounded to the tested dtype, so both sides see the same
+// values), runs the op on the tested backend in that dtype and on the reference in F64, and
+// compares every output: max|a − b| / max|b| ≤ the case's tolerance (argmax: equal). Every
+// buffer on the tested backend sits between guard elements holding a NaN pattern; an op that
+// writes outside its tensor changes them and fails the case. A backend that declines a case
+// (Backend::supports) is skipped with a message, never silently converted.
+//
+// Backends: the CPU in F32 (always) and CUDA in F32 and BF16 when a GPU is present.
+// LAPLACE_OPS_PERF=1 also times each case on the tested backend (median of 10 runs);
+// LAPLACE_OPS_VERBOSE=1 prints every compared output's error.
+//
+// Tolerances: F32 ≤ 2e-5 (the F32 rounding of sums over at most a few hundred terms), the
+// GLA ops ≤ 1e-4 (chunked sums of products of decays); BF16 outputs ≤ 1e-2 (one bf16 rounding
+// of the output, 2^-8 relative); F32 outputs of BF16 inputs ≤ 1e-4.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ops/backend.h"
+#ifdef LAPLACE_HAVE_CUDA
+#include "ops/cuda/cuda_backend.h"
+#endif
+
+namespace laplace {
+namespace {
+
+enum class Init { kUniform, kPositive, kIds, kTargets, kSlots };
+
+struct Arg {
+  std::vector<int64_t> shape;
+  Init init = Init::kUniform;
+  bool compared = false;            // an output (or in-place operand) checked after the op
+  std::optional<DType> fixed = {};  // this dtype on every side (I32 ids, F64 sums); else the case's
+  int64_t range = 0;                // ids/targets in [0, range); slots a permutation of [0, range)
+};
+
+Arg in(std::vector<int64_t> s, Init i = Init::kUniform) { return Arg{std::move(s), i}; }
+Arg out(std::vector<int64_t> s) { return Arg{std::move(s), Init::kUniform, true}; }
+Arg io(std::vector<int64_t> s, Init i = Init::kUniform) { return Arg{std::move(s), i, true}; }
+Arg ids(std::vector<int64_t> s, int64_t range, Init i = Init::kIds) { return Arg{std::move(s), i, false, DType::kI32, range}; }
+Arg ints_out(std::vector<int64_t> s) { return Arg{std::move(s), Init::kUniform, true, DType::kI32}; }
+Arg f64_out(std::vector<int64_t> s) { return Arg{std::move(s), Init::kUniform, true, DType::kF64}; }
+
+using Run = std::function<void(Backend&, const std::vector<Tensor>&)>;
+
+struct OpCase {
+  std::string op, label;
+  std::vector<int64_t> dims;  // what supports() is asked about (GLA: H, dk, dv)
+  std::vector<Arg> args;
+  double tol_f32 = 2e-5, tol_bf16 = 1e-2;
+  Run run;
+};
+
+GlaParams gla_params(GlaForm form, int64_t chunk, int64_t H) {
+  GlaParams p;
+  p.form = form;
+  p.chunk = chunk;
+  p.scale = 0.35;
+  for (int64_t h = 0; h < H; ++h) p.decay.push_back(0.9 + 0.07 * static_cast<double>(h) / std::max<int64_t>(H - 1, 1));
+  return p;
+}
+
+std::vector<OpCase> all_cases() {
+  std::vector<OpCase> v;
+  auto add = [&](OpCase c) { v.push_back(std::move(c)); };
+  // ---- dense
+  add({"gemm", "[64,96]·[96,80]", {}, {in({64, 96}), in({96, 80}), out({64, 80})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.gemm(t[0], false, t[1], false, t[2], 1.0, 0.0); }});
+  add({"gemm", "[64,96]·[80,96]ᵀ, alpha 0.5", {}, {in({64, 96}), in({80, 96}), out({64, 80})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.gemm(t[0], false, t[1], true, t[2], 0.5, 0.0); }});
+  add({"gemm", "[96,33]ᵀ·[96,40] + 0.5·c", {}, {in({96, 33}), in({96, 40}), io({33, 40})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.gemm(t[0], true, t[1], false, t[2], 1.0, 0.5); }});
+  add({"gemm_add", "d = a·bᵀ + c", {}, {in({17, 48}), in({24, 48}), in({17, 24}), out({17, 24})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.gemm_add(t[0], false, t[1], true, t[2], t[3], 1.0, 1.0); }});
+  // ---- embedding
+  add({"embedding_forward", "37 ids of 50, D 24", {}, {ids({37}, 50), in({50, 24}), out({37, 24})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.embedding_forward(t[0], t[1], t[2]); }});
+  add({"embedding_backward", "37 ids of 12 (repeats), accumulate", {}, {ids({37}, 12), in({37, 24}), io({12, 24})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.embedding_backward(t[0], t[1], t[2]); }});
+  // ---- norms
+  add({"layernorm_forward", "[33,40]", {}, {in({33, 40}), in({40}), in({40}), out({33, 40}), out({33}), out({33})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.layernorm_forward(t[0], t[1], t[2], 1e-5, t[3], t[4], t[5]); }});
+  add({"layernorm_backward", "[33,40], dw db accumulate",
+       {}, {in({33, 40}), in({33, 40}), in({40}), in({33}), in({33}, Init::kPositive), out({33, 40}), io({40}), io({40})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) {
+         b.layernorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], false, t[6], t[7]);
+       }});
+  add({"rmsnorm_gate_forward", "[2,5,2,12]", {}, {in({2, 5, 2, 12}), in({2, 5, 2, 12}), in({12}), out({2, 5, 2, 12}), out({2, 5, 2})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.rmsnorm_gate_forward(t[0], t[1], t[2], 1e-5, t[3], t[4]); }});
+  add({"rmsnorm_gate_backward", "[2,5,2,12], dw accumulates",
+       {}, {in({2, 5, 2, 12}), in({2, 5, 2, 12}), in({2, 5, 2, 12}), in({12}), in({2, 5, 2}, Init::kPositive),
+            out({2, 5, 2, 12}), out({2, 5, 2, 12}), io({12})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) {
+         b.rmsnorm_gate_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]);
+       }});
+  // ---- conv
+  add({"conv_silu_forward", "[2,9,16], K 4, zero window", {}, {in({2, 9, 16}), in({16, 4}), out({2, 9, 16}), out({2, 9, 16})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.conv_silu_forward(t[0], t[1], t[2], t[3], {}, {}, {}); }});
+  add({"conv_silu_forward", "[2,3,16] from windows in slots {2,0} of 3",
+       {}, {in({2, 3, 16}), in({16, 4}), out({2, 3, 16}), io({3, 4, 16}), ids({2}, 3, Init::kSlots)},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.conv_silu_forward(t[0], t[1], t[2], {}, t[3], t[3], t[4]); }});
+  add({"conv_silu_backward", "[2,9,16], dw accumulates",
+       {}, {in({2, 9, 16}), in({2, 9, 16}), in({16, 4}), in({2, 9, 16}), out({2, 9, 16}), io({16, 4})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.conv_silu_backward(t[0], t[1], t[2], t[3], t[4], t[5]); }});
+  // ---- GLA (B 2, T 19, H 2, dk 8, dv 12; chunk 8 leaves a short tail chunk)
+  const GlaParams chunked = gla_params(GlaForm::kChunked, 8, 2), recurrent = gla_params(GlaForm::kRecurrent, 8, 2);
+  add({"gla_forward", "chunked, T 19, from and into states", {2, 8, 12},
+       {in({2, 19, 2, 8}), in({2, 19, 2, 8}), in({2, 19, 2, 12}), out({2, 19, 2, 12}), in({2, 2, 8, 12}), out({2, 2, 8, 12})},
+       1e-4, 1e-2, [chunked](Backend& b, const std::vector<Tensor>& t) { b.gla_forward(chunked, t[0], t[1], t[2], t[3], t[4], t[5], {}); }});
+  add({"gla_forward", "recurrent, T 5, zero state", {2, 8, 12},
+       {in({2, 5, 2, 8}), in({2, 5, 2, 8}), in({2, 5, 2, 12}), out({2, 5, 2, 12})},
+       1e-4, 1e-2, [recurrent](Backend& b, const std::vector<Tensor>& t) { b.gla_forward(recurrent, t[0], t[1], t[2], t[3], {}, {}, {}); }});
+  add({"gla_backward", "chunked, T 19, state gradients", {2, 8, 12},
+       {in({2, 19, 2, 8}), in({2, 19, 2, 8}), in({2, 19, 2, 12}), in({2, 2, 8, 12}), in({2, 19, 2, 12}), in({2, 2, 8, 12}),
+        out({2, 19, 2, 8}), out({2, 19, 2, 8}), out({2, 19, 2, 12}), out({2, 2, 8, 12})},
+       1e-4, 1e-2, [chunked](Backend& b, const std::vector<Tensor>& t) {
+         b.gla_backward(chunked, t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9]);
+       }});
+  add({"gla_decode_gate", "3 rows in slots of 4, states in place", {2, 8, 12},
+       {in({3, 1, 2, 8}), in({3, 1, 2, 8}), in({3, 1, 2, 12}), in({3, 1, 2, 12}), in({12}), io({4, 2, 8, 12}),
+        ids({3}, 4, Init::kSlots), out({3, 1, 2, 12}), out({3, 1, 2, 12})},
+       1e-4, 1e-2, [recurrent](Backend& b, const std::vector<Tensor>& t) {
+         b.gla_decode_gate(recurrent, t[0], t[1], t[2], t[3], t[4], 1e-5, t[5], t[6], t[7], t[8]);
+       }});
+  // ---- element-wise, losses, reductions
+  add({"swiglu_forward", "[13,2·20]", {}, {in({13, 40}), out({13, 20})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.swiglu_forward(t[0], t[1]); }});
+  add({"swiglu_backward", "[13,2·20]", {}, {in({13, 20}), in({13, 40}), out({13, 40})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.swiglu_backward(t[0], t[1], t[2]); }});
+  add({"argmax_rows", "[7,53]", {}, {in({7, 53}), ints_out({7})},
+       0, 0, [](Backend& b, const std::vector<Tensor>& t) { b.argmax_rows(t[0], t[1]); }});
+  add({"cross_entropy_forward", "[9,53], some targets ignored", {}, {in({9, 53}), ids({9}, 53, Init::kTargets), out({9})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.cross_entropy_forward(t[0], t[1], t[2]); }});
+  add({"cross_entropy_backward", "[9,53], scale 0.25", {}, {in({9, 53}), ids({9}, 53, Init::kTargets), out({9, 53})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.cross_entropy_backward(t[0], t[1], 0.25, t[2]); }});
+  add({"row_sum_squares", "[6,40] → F64", {}, {in({6, 40}), f64_out({6})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.row_sum_squares(t[0], t[1]); }});
+  add({"scale", "[11,7] ·= −1.5", {}, {io({11, 7})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.scale(t[0], -1.5); }});
+  add({"axpy", "y += 0.75·x", {}, {in({5, 9}), io({5, 9})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.axpy(0.75, t[0], t[1]); }});
+  // ---- optimizer
+  add({"adamw_update", "[8,12], step 3", {}, {io({8, 12}), in({8, 12}), io({8, 12}), io({8, 12}, Init::kPositive)},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) {
+         AdamWParams p;
+         p.lr = 1e-2;
+         p.wd = 0.1;
+         p.step = 3;
+         b.adamw_update(t[0], t[1], t[2], t[3], p);
+       }});
+  add({"muon_momentum", "[8,12], Nesterov", {}, {in({8, 12}), io({8, 12}), out({8, 12})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.muon_momentum(t[0], t[1], t[2], 0.95, true); }});
+  add({"muon_apply", "[8,12]", {}, {io({8, 12}), in({8, 12})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.muon_apply(t[0], t[1], 2e-2, 0.1, 1.3); }});
+  return v;
+}
+
+// ---- buffers with guards ----------------------------------------------------------------
+
+constexpr int64_t kGuard = 16;  // elements on each side
+
+double round_to(DType dt, double x) {
+  if (dt == DType::kBF16) return bf16_to_float(float_to_bf16(static_cast<float>(x)));
+  if (dt == DType::kF32) return static_cast<float>(x);
+  return x;
+}
+
+void put(DType dt, void* base, int64_t i, double x) {
+  switch (dt) {
+    case DType::kF32: static_cast<float*>(base)[i] = static_cast<float>(x); break;
+    case DType::kF64: static_cast<double*>(base)[i] = x; break;
+    case DType::kBF16: static_cast<uint16_t*>(base)[i] = float_to_bf16(static_cast<float>(x)); break;
+    case DType::kI32: static_cast<int32_t*>(base)[i] = static_cast<int32_t>(x); break;
+    default: ADD_FAILURE() << "put: dtype";
+  }
+}
+
+double get(DType dt, const void* base, int64_t i) {
+  switch (dt) {
+    case DType::kF32: return static_cast<const float*>(base)[i];
+    case DType::kF64: return static_cast<const double*>(base)[i];
+    case DType::kBF16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::kI32: return static_cast<const int32_t*>(base)[i];
+    default: ADD_FAILURE() << "get: dtype";
+  }
+  return 0;
+}
+
+// A quiet NaN with a payload no op computes, in each dtype's width.
+void fill_guard(DType dt, void* base, int64_t from, int64_t n) {
+  const size_t es = dtype_size(dt);
+  unsigned char* p = static_cast<unsigned char*>(base) + from * static_cast<int64_t>(es);
+  for (int64_t i = 0; i < n; ++i, p += es) {
+    if (es == 8) { const uint64_t g = 0x7ff8dead5eed5eedull; std::memcpy(p, &g, 8); }
+    else if (es == 4) { const uint32_t g = 0x7fc5eed5u; std::memcpy(p, &g, 4); }
+    else { const uint16_t g = 0x7fd5u; std::memcpy(p, &g, 2); }
+  }
+}
+
+// One argument on one backend: n + 2·kGuard elements, the tensor in the middle.
+struct Buffer {
+  Backend* be = nullptr;
+  void* mem = nullptr;
+  DType dt = DType::kF32;
+  int64_t n = 0;
+  Tensor view;
+  std::vector<unsigned char> host;  // the whole buffer as staged (guards included)
+  Buffer(Backend& b, DType d, const std::vector<int64_t>& shape) : be(&b), dt(d) {
+    view = Tensor::make(nullptr, d, shape.data(), static_cast<int>(shape.size()), b.device());
+    n = view.numel();
+    host.assign(static_cast<size_t>((n + 2 * kGuard) * static_cast<int64_t>(dtype_size(d))), 0);
+    fill_guard(d, host.data(), 0, kGuard);
+    fill_guard(d, host.data(), kGuard + n, kGuard);
+    mem = b.allocator().allocate(host.size());
+    LAPLACE_CHECK(mem != nullptr, "test: allocation failed");
+    view.data = static_cast<unsigned char*>(mem) + kGuard * static_cast<int64_t>(dtype_size(d));
+  }
+  ~Buffer() { be->allocator().deallocate(mem); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  void* values() { return host.data() + kGuard * static_cast<int64_t>(dtype_size(dt)); }
+  Tensor whole_host() {
+    const int64_t all = n + 2 * kGuard;
+    return Tensor::make(host.data(), dt, &all, 1, Device::kCPU);
+  }
+  Tensor whole_dev() {
+    const int64_t all = n + 2 * kGuard;
+    return Tensor::make(mem, dt, &all, 1, be->device());
+  }
+  void upload() { be->copy(whole_dev(), whole_host()); }
+  void download() {
+    be->copy(whole_host(), whole_dev());
+    be->synchronize();
+  }
+  // Whether the guards still hold their pattern, bit for bit.
+  bool guards_intact() const {
+    std::vector<unsigned char> want(host.size());
+    fill_guard(dt, want.data(), 0, kGuard);
+    fill_guard(dt, want.data(), kGuard + n, kGuard);
+    const size_t g = static_cast<size_t>(kGuard) * dtype_size(dt);
+    return std::memcmp(want.data(), host.data(), g) == 0 &&
+           std::memcmp(want.data() + host.size() - g, host.data() + host.size() - g, g) == 0;
+  }
+};
+
+// The case's input values for argument a (seeded by case and argument), rounded to `dt`.
+std::vector<double> values_for(const Arg& a, int64_t n, DType dt, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<double> x(static_cast<size_t>(n));
+  std::uniform_real_distribution<double> uni(-1, 1), pos(0.5, 2.0);
+  for (int64_t i = 0; i < n; ++i) {
+    switch (a.init) {
+      case Init::kUniform: x[i] = round_to(dt, uni(rng)); break;
+      case Init::kPositive: x[i] = round_to(dt, pos(rng)); break;
+      case Init::kIds: x[i] = static_cast<double>(rng() % static_cast<uint64_t>(a.range)); break;
+      case Init::kTargets: x[i] = i % 4 == 3 ? -1.0 : static_cast<double>(rng() % static_cast<uint64_t>(a.range)); break;
+      case Init::kSlots: x[i] = static_cast<double>((a.range - 1 - 2 * i + 4 * a.range) % a.range); break;
+    }
+  }
+  return x;
+}
+
+struct Tested {
+  std::string name;
+  Backend* be;
+  DType dt;
+};
+
+// Runs `c` on `t` and on the F64 reference; returns "" or what went wrong.
+std::string run_case(const OpCase& c, size_t index, const Tested& t, Backend& ref, bool perf) {
+  std::vector<std::unique_ptr<Buffer>> mine, refs;
+  std::vector<Tensor> tv, rv;
+  for (size_t i = 0; i < c.args.size(); ++i) {
+    const Arg& a = c.args[i];
+    const DType dt = a.fixed.value_or(t.dt), rdt = a.fixed.value_or(DType::kF64);
+    mine.push_back(std::make_unique<Buffer>(*t.be, dt, a.shape));
+    refs.push_back(std::make_unique<Buffer>(ref, rdt, a.shape));
+    const std::vector<double> x = values_for(a, mine.back()->n, dt, 1000003ull * (index + 1) + i);
+    for (int64_t e = 0; e < mine.back()->n; ++e) {
+      put(dt, mine.back()->values(), e, x[e]);
+      put(rdt, refs.back()->values(), e, x[e]);
+    }
+    mine.back()->upload();
+    refs.back()->upload();
+    tv.push_back(mine.back()->view);
+    rv.push_back(refs.back()->view);
+  }
+  c.run(*t.be, tv);
+  c.run(ref, rv);
+  std::string err;
+  char line[320];
+  for (size_t i = 0; i < c.args.size(); ++i) {
+    mine[i]->download();
+    refs[i]->download();
+    if (!mine[i]->guards_intact()) {
+      std::snprintf(line, sizeof line, "argument %zu: a write outside the tensor (its guard changed)\n", i);
+      err += line;
+    }
+    if (!c.args[i].compared) continue;
+    double worst = 0, scale = 0;
+    int64_t mismatches = 0;
+    for (int64_t e = 0; e < mine[i]->n; ++e) {
+      const double a = get(mine[i]->dt, mine[i]->values(), e), b = get(refs[i]->dt, refs[i]->values(), e);
+      if (!std::isfinite(a)) ++mismatches;
+      worst = std::max(worst, std::fabs(a - b));
+      scale = std::max(scale, std::fabs(b));
+    }
+    const bool exact = c.args[i].fixed == DType::kI32;
+    const double rel = worst / std::max(scale, 1e-30);
+    const bool out_bf16 = mine[i]->dt == DType::kBF16;
+    const double tol = t.dt == DType::kBF16 ? (out_bf16 ? c.tol_bf16 : 1e-4) : c.tol_f32;
+    if (std::getenv("LAPLACE_OPS_VERBOSE"))
+      std::printf("  %-22s %-8s %-40s arg %zu: max rel error %.3g (tol %.3g)\n", c.op.c_str(), t.name.c_str(),
+                  c.label.c_str(), i, rel, tol);
+    if (mismatches || (exact ? worst != 0 : rel > tol)) {
+      std::snprintf(line, sizeof line, "argument %zu: max rel error %.3g > %.3g (%lld non-finite)\n", i, rel, tol,
+                    static_cast<long long>(mismatches));
+      err += line;
+    }
+  }
+  if (perf && err.empty()) {
+    std::vector<double> us;
+    for (int r = 0; r < 10; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      c.run(*t.be, tv);
+      t.be->synchronize();
+      us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(us.begin(), us.end());
+    std::printf("  perf %-22s %-8s %-40s %10.1f us\n", c.op.c_str(), t.name.c_str(), c.label.c_str(), us[5]);
+  }
+  return err;
+}
+
+std::vector<Tested> tested_backends(std::vector<std::unique_ptr<Backend>>* own) {
+  std::vector<Tested> v;
+  own->push_back(make_cpu_backend());
+  v.push_back({"cpu f32", own->back().get(), DType::kF32});
+#ifdef LAPLACE_HAVE_CUDA
+  std::string why;
+  if (auto cuda = make_cuda_backend(&why)) {
+    own->push_back(std::move(cuda));
+    v.push_back({"cuda f32", own->back().get(), DType::kF32});
+    v.push_back({"cuda bf16", own->back().get(), DType::kBF16});
+  } else {
+    std::printf("backend ops: no CUDA device (%s): CUDA cases skipped\n", why.c_str());
+  }
+#else
+  std::printf("backend ops: built without CUDA: CUDA cases skipped\n");
+#endif
+  return v;
+}
+
+TEST(BackendOps, EveryCaseOnEveryBackendMatchesTheF64Reference) {
+  const bool perf = std::getenv("LAPLACE_OPS_PERF") != nullptr;
+  std::vector<std::unique_ptr<Backend>> own;
+  const std::vector<Tested> backends = tested_backends(&own);
+  auto ref = make_cpu_backend();
+  const std::vector<OpCase> cases = all_cases();
+  int ran = 0, declined = 0;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const OpCase& c = cases[i];
+    ASSERT_TRUE(is_backend_op(c.op)) << c.op;
+    ASSERT_TRUE(ref->supports({c.op, DType::kF64, c.dims})) << "the reference must compute " << c.op << " in F64";
+    for (const Tested& t : backends) {
+      if (!t.be->supports({c.op, t.dt, c.dims})) {
+        std::printf("backend ops: %s declines %s (%s)\n", t.name.c_str(), c.op.c_str(), c.label.c_str());
+        ++declined;
+        continue;
+      }
+      const std::string err = run_case(c, i, t, *ref, perf);
+      EXPECT_TRUE(err.empty()) << c.op << " (" << c.label << ") on " << t.name << ":\n" << err;
+      ++ran;
+    }
+  }
+  std::printf("backend ops: %zu cases, %d runs, %d declined\n", cases.size(), ran, declined);
+  EXPECT_GE(ran, static_cast<int>(cases.size())) << "every case runs at least on the CPU";
+}
+
+// The harness itself can fail: a deliberately wrong op (the CPU's gemm with the wrong alpha)
+// and one that writes past its output are both caught.
+TEST(BackendOps, TheHarnessCatchesWrongValuesAndStrayWrites) {
+  auto cpu = make_cpu_backend();
+  auto ref = make_cpu_backend();
+  const Tested t{"cpu f32", cpu.get(), DType::kF32};
+  OpCase wrong{"gemm", "alpha differs", {}, {in({8, 8}), in({8, 8}), out({8, 8})}, 2e-5, 1e-2,
+               [&](Backend& b, const std::vector<Tensor>& x) { b.gemm(x[0], false, x[1], false, x[2], &b == cpu.get() ? 1.001 : 1.0, 0.0); }};
+  EXPECT_NE(run_case(wrong, 0, t, *ref, false).find("max rel error"), std::string::npos);
+  OpCase stray{"fill", "one past the end", {}, {out({4, 4})}, 2e-5, 1e-2, [&](Backend& b, const std::vector<Tensor>& x) {
+                 Tensor wide = x[0];
+                 if (&b == cpu.get()) {
+                   const int64_t n = 17;
+                   wide = Tensor::make(x[0].data, x[0].dtype, &n, 1, x[0].device);
+                 } else {
+                   const int64_t n = 16;
+                   wide = Tensor::make(x[0].data, x[0].dtype, &n, 1, x[0].device);
+                 }
+                 b.fill(wide, 3.0);
+               }};
+  EXPECT_NE(run_case(stray, 1, t, *ref, false).find("guard changed"), std::string::npos);
+  // And a correct case passes.
+  OpCase fine{"fill", "exactly the tensor", {}, {out({4, 4})}, 2e-5, 1e-2,
+              [](Backend& b, const std::vector<Tensor>& x) { b.fill(x[0], 3.0); }};
+  EXPECT_EQ(run_case(fine, 2, t, *ref, false), "");
+}
+
+TEST(BackendOps, BackendsStateWhatTheySupport) {
+  auto cpu = make_cpu_backend();
+  EXPECT_TRUE(cpu->supports({"gemm", DType::kF32, {}}));
+  EXPECT_TRUE(cpu->supports({"gla_forward", DType::kF64, {2, 8, 12}}));
+  EXPECT_FALSE(cpu->supports({"gemm", DType::kBF16, {}}));
+  EXPECT_FALSE(cpu->supports({"no_such_op", DType::kF32, {}}));
+  EXPECT_TRUE(cpu->supports({"copy", DType::kBF16, {}}));
+#ifdef LAPLACE_HAVE_CUDA
+  std::string why;
+  if (auto cuda = make_cuda_backend(&why)) {
+    EXPECT_TRUE(cuda->supports({"gla_forward", DType::kBF16, {16, 96, 192}}));
+    EXPECT_FALSE(cuda->supports({"gla_forward", DType::kBF16, {16, 160, 192}}));
+    EXPECT_FALSE(cuda->supports({"gemm", DType::kF64, {}}));
+  }
+#endif
+}
+
+}  // namespace
+}  // namespace laplace
