@@ -26,6 +26,7 @@ struct ServeArgs {
   int64_t max_sessions = 1024, max_session_mb = 0, session_disk_mb = 0, max_session_files = 0, max_connections = 0;
   double grace_seconds = 30;
   int64_t max_slots = 0, max_queue = 64, max_batch_tokens = 2048, prefill_chunk = 256;
+  std::string batch_prefill = "auto";
   int64_t max_tokens = 4096, max_prompt_tokens = 32768, max_request_kb = 1024, cache_mb = 256, max_n = 16;
   int64_t cache_slots = -1;  // the state cache's device tier; -1 = as many as the live slots
   std::string memory_budget = "1G";
@@ -58,6 +59,7 @@ Status run_serve(const ServeArgs& a) {
   o.engine.cache_slots = a.cache_slots;
   o.engine.max_batch_tokens = a.max_batch_tokens;
   o.engine.prefill_chunk = a.prefill_chunk;
+  o.engine.batch_prefill = a.batch_prefill == "auto" ? -1 : a.batch_prefill == "on" ? 1 : 0;
   o.max_queue = a.max_queue;
   o.max_request_bytes = a.max_request_kb * 1024;
   o.max_prompt_tokens = a.max_prompt_tokens;
@@ -119,6 +121,9 @@ void add_serve(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--max-batch-tokens", a->max_batch_tokens, "tokens per engine step")->check(CLI::PositiveNumber);
   cmd->add_option("--prefill-chunk", a->prefill_chunk, "longest prefill piece")->check(CLI::PositiveNumber);
+  cmd->add_option("--batch-prefill", a->batch_prefill,
+                  "equal-length prefill pieces of many requests in one forward: on, off, or auto (on for the CPU)")
+      ->check(CLI::IsMember({"auto", "on", "off"}));
   cmd->add_option("--max-tokens", a->max_tokens, "largest max_tokens a request may ask for")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--max-prompt-tokens", a->max_prompt_tokens, "longest prompt accepted")->check(CLI::PositiveNumber);

@@ -84,6 +84,30 @@ void EagerExecutor::prefill_all(const PrefillPiece& piece, std::vector<float>* l
   logits_rows_to_host(m_, 0, piece.n, logits);
 }
 
+void StepExecutor::prefill_group(const std::vector<PrefillPiece>& pieces, std::vector<float>* logits) {
+  std::vector<float> row;
+  logits->clear();
+  for (const PrefillPiece& p : pieces) {
+    prefill(p, &row);
+    logits->insert(logits->end(), row.begin(), row.end());
+  }
+}
+
+void EagerExecutor::prefill_group(const std::vector<PrefillPiece>& pieces, std::vector<float>* logits) {
+  const int64_t G = static_cast<int64_t>(pieces.size()), n = pieces.front().n;
+  std::vector<int32_t> tokens(static_cast<size_t>(G * n)), slots(static_cast<size_t>(G));
+  for (int64_t g = 0; g < G; ++g) {
+    LAPLACE_CHECK(pieces[g].n == n, "prefill_group: pieces of one length");
+    std::copy_n(pieces[g].tokens, n, tokens.data() + g * n);
+    slots[g] = pieces[g].slot;
+  }
+  ForwardOptions fo;
+  fo.form = GlaForm::kChunked;
+  fo.last_logits_only = true;
+  m_.forward(tokens.data(), G, n, fo, &pool_, slots.data());
+  logits_rows_to_host(m_, 0, G, logits);
+}
+
 EagerExecutor::~EagerExecutor() {
   if (ids_dev_) m_.backend().allocator().deallocate(ids_dev_);
 }
@@ -289,6 +313,7 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
   e->cache_ = std::make_unique<StateCache>(e->pool_, model.backend(), static_cast<int32_t>(opt.max_slots + 1),
                                            opt.cache_slots, opt.cache_host_bytes);
   e->cache_on_ = e->cache_->enabled();
+  e->batch_prefill_ = opt.batch_prefill < 0 ? model.backend().device() == Device::kCPU : opt.batch_prefill > 0;
   if (opt.plan_model) {
     // Decode forwards are max_width rows of 1 token and prefill forwards 1 row of at most
     // prefill_chunk tokens, and only last-token logits are read: max(width, chunk) rows.
@@ -296,6 +321,7 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
     po.max_batch = max_width;
     po.max_seq = opt.prefill_chunk;
     po.max_tokens = std::max(max_width, opt.prefill_chunk);
+    if (e->batch_prefill_) po.max_tokens = std::max(po.max_tokens, opt.max_batch_tokens);
     po.max_logit_rows = max_width;
     LAPLACE_RETURN_IF_ERROR(model.plan(po).with_context("engine: plan"));
   } else {
@@ -766,36 +792,76 @@ bool Engine::step() {
     }
     d.sample_seconds += now() - ts;
   }
-  for (size_t i = 0; i < plan.pieces.size(); ++i) {
-    Seq* s = plan.prefill[i];
-    if (s->cancelled.load()) continue;
-    const PrefillPiece& piece = plan.pieces[i];
+  // Prefill: in rounds (a sequence's k-th piece of this step is in round k, so its pieces
+  // run in order); within a round, pieces of one length form one forward when
+  // batch_prefill_ is on, up to the plan's rows.
+  const size_t np = plan.pieces.size();
+  std::vector<int> round(np, 0);
+  {
+    std::unordered_map<const Seq*, int> seen;
+    for (size_t i = 0; i < np; ++i) round[i] = seen[plan.prefill[i]]++;
+  }
+  const int64_t max_group = batch_prefill_ ? std::min(model_.plan_options().max_batch, model_.logit_rows()) : 1;
+  std::vector<bool> done(np, false);
+  std::vector<size_t> group;
+  std::vector<PrefillPiece> group_pieces;
+  for (size_t left = np; left > 0;) {
+    // The lowest round with pieces left, and its first piece: a sequence's pieces have
+    // ascending rounds, so each runs after the one before it.
+    int r = std::numeric_limits<int>::max();
+    for (size_t j = 0; j < np; ++j)
+      if (!done[j]) r = std::min(r, round[j]);
+    size_t first = 0;
+    while (done[first] || round[first] != r) ++first;
+    const PrefillPiece& head = plan.pieces[first];
+    group.assign(1, first);
+    const bool skip = plan.prefill[first]->cancelled.load();  // released at the step's end
+    if (!skip && !head.all_logits)
+      for (size_t j = first + 1; j < np && static_cast<int64_t>(group.size()) < max_group; ++j) {
+        const PrefillPiece& pj = plan.pieces[j];
+        if (done[j] || round[j] != r || pj.all_logits || pj.n != head.n || plan.prefill[j]->cancelled.load()) continue;
+        if (static_cast<int64_t>(group.size() + 1) * head.n > model_.plan_rows()) break;
+        group.push_back(j);
+      }
+    for (size_t j : group) done[j] = true;
+    left -= group.size();
+    if (skip) continue;
     const double t = now();
-    const float* last_logits = logits_.data();
-    if (piece.all_logits) {
-      exec_->prefill_all(piece, &logits_);
+    std::vector<const float*> last(group.size(), logits_.data());
+    if (group.size() > 1) {
+      group_pieces.clear();
+      for (size_t j : group) group_pieces.push_back(plan.pieces[j]);
+      exec_->prefill_group(group_pieces, &logits_);
+      for (size_t g = 0; g < group.size(); ++g) last[g] = logits_.data() + static_cast<int64_t>(g) * vocab_;
+    } else if (head.all_logits) {
+      Seq* s = plan.prefill[first];
+      exec_->prefill_all(head, &logits_);
       // Row r predicts the token after position prefilled + r.
       const int k = std::max(s->req.top_logprobs, 0);
       const int64_t len = static_cast<int64_t>(s->req.prompt.size());
-      for (int64_t r = 0; r < piece.n; ++r) {
-        const int64_t next = s->prefilled + r + 1;
+      for (int64_t row = 0; row < head.n; ++row) {
+        const int64_t next = s->prefilled + row + 1;
         if (next < len)
-          s->prompt_lps.push_back(token_logprobs(logits_.data() + r * vocab_, vocab_, s->req.prompt[next], k));
+          s->prompt_lps.push_back(token_logprobs(logits_.data() + row * vocab_, vocab_, s->req.prompt[next], k));
       }
-      last_logits = logits_.data() + (piece.n - 1) * vocab_;
+      last[0] = logits_.data() + (head.n - 1) * vocab_;
     } else {
-      exec_->prefill(piece, piece.last ? &logits_ : nullptr);
-      last_logits = logits_.data();
+      exec_->prefill(head, head.last ? &logits_ : nullptr);
+      last[0] = logits_.data();  // the executor may have resized logits_
     }
     d.prefill_seconds += now() - t;
     ++d.prefill_forwards;
-    d.prefill_tokens += piece.n;
-    s->prefilled += piece.n;
-    if (piece.last) {
-      const double ts = now();
-      start_decoding(s, last_logits);
-      ++d.generated_tokens;
-      d.sample_seconds += now() - ts;
+    for (size_t g = 0; g < group.size(); ++g) {
+      Seq* s = plan.prefill[group[g]];
+      const PrefillPiece& piece = plan.pieces[group[g]];
+      d.prefill_tokens += piece.n;
+      s->prefilled += piece.n;
+      if (piece.last) {
+        const double ts = now();
+        start_decoding(s, last[g]);
+        ++d.generated_tokens;
+        d.sample_seconds += now() - ts;
+      }
     }
   }
 

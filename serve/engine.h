@@ -71,6 +71,13 @@ struct EngineOptions {
   // is width × 1 token, prefill 1 × piece). With false, the model must already be planned
   // at least that large.
   bool plan_model = true;
+  // Prefill pieces of one length from different sequences in a step run as one forward
+  // [G, n] into their slots (a burst of short prompts then costs one weight read per
+  // step instead of one per prompt). Pieces stay a function of the prompt alone; on the CPU
+  // the tokens and states are bitwise those of one piece at a time. -1: on where that is
+  // verified (the CPU backend), 0: off, 1: on. With plan_model the plan then holds
+  // max_batch_tokens token rows.
+  int batch_prefill = -1;
   // Decode steps whose rows are all plain greedy (temperature 0, no penalties, no
   // logprobs) take each token from an argmax where the logits are (the device), copying
   // B ids instead of B × V logits to the host; a row's logits are fetched only when its
@@ -165,6 +172,10 @@ class StepExecutor {
   // The same forward leaving every position's logits, [n × V] row-major (n ≤ the model's
   // logit rows).
   virtual void prefill_all(const PrefillPiece& piece, std::vector<float>* logits) = 0;
+  // Pieces of one length n in distinct slots, none needing all logits, as one forward
+  // [G, n]; leaves each piece's last-token logits, [G × V] row-major (G ≤ the model's batch
+  // and logit rows, G·n ≤ its token rows). The default runs them one at a time.
+  virtual void prefill_group(const std::vector<PrefillPiece>& pieces, std::vector<float>* logits);
   // Recurrent-form forward of one decode batch (states updated in place in their slots);
   // leaves the F32 logits of rows [0, live) in logits, [live × V] row-major.
   virtual void decode(const DecodeBatch& batch, std::vector<float>* logits) = 0;
@@ -194,6 +205,7 @@ class EagerExecutor : public StepExecutor {
   EagerExecutor(Model& m, StatePool& pool) : m_(m), pool_(pool) {}
   void prefill(const PrefillPiece& piece, std::vector<float>* logits) override;
   void prefill_all(const PrefillPiece& piece, std::vector<float>* logits) override;
+  void prefill_group(const std::vector<PrefillPiece>& pieces, std::vector<float>* logits) override;
   void decode(const DecodeBatch& batch, std::vector<float>* logits) override;
   void decode_greedy(const DecodeBatch& batch, std::vector<int32_t>* ids) override;
   void last_row_logits(int64_t b, std::vector<float>* row) override;
@@ -334,6 +346,7 @@ class Engine {
   StatePool pool_;
   std::unique_ptr<StateCache> cache_;  // owns the slots after the scratch slot
   bool cache_on_ = false;
+  bool batch_prefill_ = false;  // EngineOptions::batch_prefill, resolved for the backend
   std::unique_ptr<StepExecutor> exec_;
   std::chrono::steady_clock::time_point t0_;
 

@@ -218,6 +218,55 @@ TEST(CudaModel, ThreeBShapesTwoLayersMatchCpu) {
   compare_with_cpu(*cuda, three_b_two_layers(), 1, 256, 11);  // two chunks of 128
 }
 
+// The engine's batched prefill (EngineOptions::batch_prefill) runs pieces of many sequences as
+// one chunked forward [G, n] into scattered slots, continuing states they already hold. On
+// CUDA that must equal one row at a time within bf16 tolerance before `auto` turns it on there.
+TEST(CudaModel, BatchedPrefillIntoSlotsFollowsOneRowAtATime) {
+  LAPLACE_REQUIRE_CUDA(cuda);
+  const Config c = three_b_two_layers();
+  const int64_t V = c.vocab_size, G = 3, P0 = 40, n = 64;
+  Model dev;
+  ASSERT_TRUE(dev.create(c, *cuda, DType::kBF16).is_ok());
+  dev.init_weights(23);
+  ASSERT_TRUE(dev.plan({G, n, false, false}).is_ok());
+  const std::vector<int32_t> slots = {4, 1, 6};
+  auto toks = random_tokens(G * (P0 + n), V, 9);
+  ForwardOptions pre;
+  pre.last_logits_only = true;
+  auto run = [&](bool batched, std::vector<float>* logits, std::vector<float>* states) {
+    StatePool pool;
+    ASSERT_TRUE(pool.create(c, *cuda, 8).is_ok());
+    // Each row first holds a context of P0 tokens (one row at a time), then takes n more.
+    for (int64_t g = 0; g < G; ++g) dev.forward(toks.data() + g * (P0 + n), 1, P0, pre, &pool, &slots[g]);
+    logits->clear();
+    if (batched) {
+      std::vector<int32_t> piece(G * n);
+      for (int64_t g = 0; g < G; ++g) std::copy_n(toks.data() + g * (P0 + n) + P0, n, piece.data() + g * n);
+      dev.forward(piece.data(), G, n, pre, &pool, slots.data());
+      *logits = to_host(*cuda, dev.logits());
+    } else {
+      for (int64_t g = 0; g < G; ++g) {
+        dev.forward(toks.data() + g * (P0 + n) + P0, 1, n, pre, &pool, &slots[g]);
+        const std::vector<float> row = to_host(*cuda, dev.logits());
+        logits->insert(logits->end(), row.begin(), row.end());
+      }
+    }
+    states->clear();
+    for (int32_t s : slots) {
+      const std::vector<float> st = to_host(*cuda, pool.slot(s));
+      states->insert(states->end(), st.begin(), st.end());
+    }
+  };
+  std::vector<float> lb, sb, l1, s1;
+  run(true, &lb, &sb);
+  run(false, &l1, &s1);
+  ASSERT_EQ(lb.size(), l1.size());
+  const double el = rel_rms(lb, l1), es = rel_rms(sb, s1);
+  std::printf("  batched vs one-row prefill into slots: logits rel RMS %.3e, states %.3e\n", el, es);
+  EXPECT_LE(el, 1e-2);
+  EXPECT_LE(es, 1e-2);
+}
+
 // docs/model.md §5: prefill + recurrent decode on CUDA equals the CUDA full forward, and greedy
 // decoding follows the CPU F32 model.
 TEST(CudaModel, PrefillDecodeMatchesForwardAndCpuGreedy) {

@@ -856,6 +856,42 @@ TEST(EngineBudget, ChunkedPrefillUnderTheStepBudget) {
   EXPECT_TRUE(big.eng->idle());
 }
 
+// A burst of prompts: the step's pieces of one length from different sequences run as one
+// forward, and every token and final state is bitwise what one piece at a time gives
+// (and generate()'s), with far fewer forwards.
+TEST(EngineBudget, BatchedPrefillEqualsOnePieceAtATime) {
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 24; ++i) {
+    const int64_t len = i % 4 == 3 ? 30 : (i % 4 == 2 ? 11 : 16);  // pieces 8+8, 8+3, 8+8+8+6
+    prompts.push_back(random_tokens(len, small_config().vocab_size, 900 + i));
+  }
+  auto run = [&](int batch) {
+    EngineOptions o = opts(24, 8, 512);
+    o.batch_prefill = batch;
+    Rig r(o);
+    std::vector<RequestId> ids;
+    for (const auto& p : prompts) ids.push_back(r.add(p, 6));
+    r.eng->run_until_idle();
+    std::vector<Outcome> outs;
+    for (RequestId id : ids) outs.push_back(r.out[id]);
+    return std::make_pair(outs, r.eng->stats());
+  };
+  const auto [batched, sb] = run(1);
+  const auto [single, ss] = run(0);
+  ASSERT_EQ(batched.size(), single.size());
+  for (size_t i = 0; i < batched.size(); ++i) {
+    EXPECT_EQ(batched[i].tokens, single[i].tokens) << "request " << i;
+    EXPECT_EQ(batched[i].state, single[i].state) << "request " << i << ": final state bytes";
+    EXPECT_EQ(batched[i].tokens.size(), 6u);
+  }
+  EXPECT_EQ(sb.prefill_tokens, ss.prefill_tokens);
+  EXPECT_EQ(ss.prefill_forwards, 12 * 2 + 6 * 2 + 6 * 4);  // one forward per piece
+  // Round 0: one [24, 8] forward; round 1: [18, 8] and [6, 3]; rounds 2 and 3: [6, 8], [6, 6].
+  EXPECT_EQ(sb.prefill_forwards, 5);
+  Rig ref(opts(1, 8, 512));
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(batched[i].tokens, ref.reference(prompts[i], 6).first) << i;
+}
+
 // Padded decode widths: padded rows go to the scratch slot and are counted; tokens equal.
 TEST(EngineBudget, PaddedDecodeWidths) {
   EngineOptions o = opts(5);
