@@ -22,6 +22,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -425,12 +426,17 @@ Status run_bench_prefill(const PrefillArgs& a) {
 struct ServeArgs {
   ModelArgs model;
   double rate = 4.0;  // requests per second
+  bool burst = false;           // every request at t = 0
+  std::string rates;            // a sweep: comma-separated rates
+  double ttft_slo_ms = 300, tpot_slo_ms = 60;
+  std::string out;              // the sweep's points (JSON lines)
   int64_t count = 32;
   int64_t prompt_len = 64, prompt_len_max = 0;  // uniform in [min, max] when max > min
   int64_t output_len = 32, output_len_max = 0;
   int64_t max_slots = 0;
   std::string memory_budget, memory_reserve = "4G";
   int64_t max_batch_tokens = 2048, prefill_chunk = 256;
+  std::string batch_prefill = "auto";
   uint64_t seed = 1234;
   std::string results = "bench/results.jsonl", tag;
   std::string state_dtype = "f32";
@@ -438,30 +444,23 @@ struct ServeArgs {
   int64_t defer_writeback = 0;
 };
 
-Status run_bench_serve(const ServeArgs& a) {
-  LoadedModel lm;
-  bool random = false;
-  LAPLACE_RETURN_IF_ERROR(make_model(a.model, a.seed, 0, &lm, &random));
-  const Config& c = lm.model.config();
-  EngineOptions o;
-  LAPLACE_RETURN_IF_ERROR(engine_decode_options(a.model.device, a.state_dtype, a.eager, a.defer_writeback, &o));
-  o.max_slots = a.max_slots;
-  o.max_batch_tokens = a.max_batch_tokens;
-  o.prefill_chunk = a.prefill_chunk;
-  if (o.max_slots == 0) {
-    if (!a.memory_budget.empty()) {
-      LAPLACE_RETURN_IF_ERROR(parse_bytes(a.memory_budget, &o.memory_budget));
-    } else {
-      int64_t reserve = 0;
-      LAPLACE_RETURN_IF_ERROR(parse_bytes(a.memory_reserve, &reserve));
-      LAPLACE_RETURN_IF_ERROR(device_state_budget(a.model.device, reserve, &o.memory_budget));
-    }
-  }
-  std::unique_ptr<Engine> eng;
-  LAPLACE_RETURN_IF_ERROR(Engine::create(lm.model, o, &eng));
-  std::printf("%s\n", eng->summary().c_str());
+struct ServeFigures {
+  double span = 0;            // first arrival to last finish (s)
+  double first_tokens_s = 0;  // first arrival to the last request's first token (s)
+  int64_t out_tokens = 0, prompt_tokens = 0, max_running = 0, max_queued = 0, slots = 0;
+  double ttft_p50 = 0, ttft_p99 = 0, tpot_p50 = 0, tpot_p99 = 0;  // ms
+  EngineStats stats;
+};
 
-  // Arrivals: exponential gaps (Poisson process), lengths uniform, all from one seed.
+// `a.count` requests (lengths uniform, from a.seed) arriving as a Poisson process of `rate`
+// per second (rate 0: all at once), through a fresh engine on `m` until the last finishes.
+Status measure_serve(Model& m, const EngineOptions& o, const ServeArgs& a, double rate, bool print_summary,
+                     ServeFigures* f) {
+  const Config& c = m.config();
+  std::unique_ptr<Engine> eng;
+  LAPLACE_RETURN_IF_ERROR(Engine::create(m, o, &eng));
+  if (print_summary) std::printf("%s\n", eng->summary().c_str());
+  f->slots = eng->num_slots();
   Rng rng(a.seed);
   const int64_t pmax = std::max(a.prompt_len, a.prompt_len_max), omax = std::max(a.output_len, a.output_len_max);
   struct Arrival {
@@ -472,17 +471,18 @@ Status run_bench_serve(const ServeArgs& a) {
   std::vector<Arrival> arr;
   double t = 0;
   for (int64_t i = 0; i < a.count; ++i) {
-    t += -std::log(1.0 - rng.uniform()) / a.rate;
+    const double gap = -std::log(1.0 - rng.uniform());  // drawn in a burst too: the same prompts
+    if (rate > 0) t += gap / rate;
     const int64_t pl = a.prompt_len + static_cast<int64_t>(rng.next() % static_cast<uint64_t>(pmax - a.prompt_len + 1));
     const int64_t ol = a.output_len + static_cast<int64_t>(rng.next() % static_cast<uint64_t>(omax - a.output_len + 1));
     arr.push_back({t, random_prompt(rng, pl, c.vocab_size), ol});
+    f->prompt_tokens += pl;
   }
 
   std::vector<FinishInfo> done(static_cast<size_t>(a.count));
   std::vector<double> arrival_abs(static_cast<size_t>(a.count));
   const double start = eng->now();
   size_t next = 0;
-  int64_t max_running = 0, max_queued = 0;
   while (next < arr.size() || !eng->idle()) {
     const double now = eng->now() - start;
     while (next < arr.size() && arr[next].at <= now) {
@@ -492,7 +492,7 @@ Status run_bench_serve(const ServeArgs& a) {
       r.sampling.temperature = 0;
       r.eos_id = -1;
       const size_t k = next;
-      r.on_finish = [&done, k](const FinishInfo& f) { done[k] = f; };
+      r.on_finish = [&done, k](const FinishInfo& fi) { done[k] = fi; };
       RequestId id;
       LAPLACE_RETURN_IF_ERROR(eng->submit(std::move(r), &id));
       arrival_abs[k] = start + arr[k].at;
@@ -506,47 +506,164 @@ Status run_bench_serve(const ServeArgs& a) {
       continue;
     }
     eng->step();
-    const EngineStats s = eng->stats();
-    max_running = std::max(max_running, s.running);
-    max_queued = std::max(max_queued, s.queued);
+    const EngineStats st = eng->stats();
+    f->max_running = std::max(f->max_running, st.running);
+    f->max_queued = std::max(f->max_queued, st.queued);
   }
   const double end = eng->now();
-
   std::vector<double> ttft, tpot;
-  int64_t out_tokens = 0;
-  double last_finish = start;
+  double last_finish = start, last_first = start;
   for (size_t i = 0; i < done.size(); ++i) {
-    const FinishInfo& f = done[i];
-    out_tokens += f.generated_tokens;
-    last_finish = std::max(last_finish, f.finish_time);
-    if (f.first_token_time >= 0) ttft.push_back(1e3 * (f.first_token_time - arrival_abs[i]));
-    if (f.tpot() >= 0) tpot.push_back(1e3 * f.tpot());
+    const FinishInfo& fi = done[i];
+    f->out_tokens += fi.generated_tokens;
+    last_finish = std::max(last_finish, fi.finish_time);
+    if (fi.first_token_time >= 0) {
+      ttft.push_back(1e3 * (fi.first_token_time - arrival_abs[i]));
+      last_first = std::max(last_first, fi.first_token_time);
+    }
+    if (fi.tpot() >= 0) tpot.push_back(1e3 * fi.tpot());
   }
-  const double span = std::max(last_finish, end) - start;
-  const EngineStats s = eng->stats();
+  if (static_cast<int64_t>(ttft.size()) != a.count)
+    return Status::invalid_argument("bench serve: not every request produced a first token");
+  f->span = std::max(last_finish, end) - start;
+  f->first_tokens_s = last_first - start;
+  f->ttft_p50 = percentile(ttft, 50);
+  f->ttft_p99 = percentile(ttft, 99);
+  f->tpot_p50 = percentile(tpot, 50);
+  f->tpot_p99 = percentile(tpot, 99);
+  f->stats = eng->stats();
+  return Status::ok();
+}
+
+Status parse_rates(const std::string& s, std::vector<double>* out) {
+  out->clear();
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');) {
+    char* end = nullptr;
+    const double r = std::strtod(item.c_str(), &end);
+    if (item.empty() || *end != '\0' || !(r > 0) || !std::isfinite(r))
+      return Status::invalid_argument("--rates: '" + item + "' is not a positive rate");
+    out->push_back(r);
+  }
+  if (out->empty()) return Status::invalid_argument("--rates is empty");
+  std::sort(out->begin(), out->end());
+  return Status::ok();
+}
+
+Status run_bench_serve(const ServeArgs& a) {
+  if (a.burst && !a.rates.empty()) return Status::invalid_argument("give --burst or --rates, not both");
+  std::vector<double> rates;
+  if (!a.rates.empty()) LAPLACE_RETURN_IF_ERROR(parse_rates(a.rates, &rates));
+  std::ofstream points;
+  if (!a.out.empty()) {
+    if (rates.empty()) return Status::invalid_argument("--out writes a sweep's points: add --rates");
+    points.open(a.out, std::ios::trunc);
+    if (!points) return Status::io_error("cannot write " + a.out);
+  }
+  LoadedModel lm;
+  bool random = false;
+  LAPLACE_RETURN_IF_ERROR(make_model(a.model, a.seed, 0, &lm, &random));
+  const Config& c = lm.model.config();
+  EngineOptions o;
+  LAPLACE_RETURN_IF_ERROR(engine_decode_options(a.model.device, a.state_dtype, a.eager, a.defer_writeback, &o));
+  o.max_slots = a.max_slots;
+  o.max_batch_tokens = a.max_batch_tokens;
+  o.prefill_chunk = a.prefill_chunk;
+  o.batch_prefill = a.batch_prefill == "auto" ? -1 : a.batch_prefill == "on" ? 1 : 0;
+  if (o.max_slots == 0) {
+    if (!a.memory_budget.empty()) {
+      LAPLACE_RETURN_IF_ERROR(parse_bytes(a.memory_budget, &o.memory_budget));
+    } else {
+      int64_t reserve = 0;
+      LAPLACE_RETURN_IF_ERROR(parse_bytes(a.memory_reserve, &reserve));
+      LAPLACE_RETURN_IF_ERROR(device_state_budget(a.model.device, reserve, &o.memory_budget));
+    }
+  }
+  const int64_t pmax = std::max(a.prompt_len, a.prompt_len_max), omax = std::max(a.output_len, a.output_len_max);
   BenchLog res{a.results, device_description(a.model.device), BenchLog::commit_hash(), BenchLog::iso_date_utc(), a.tag, "", BenchLog::command_line()};
-  char note[512];
-  std::snprintf(note, sizeof note,
-                "bench serve: %s, %lld requests at %.3g/s, prompts %lld-%lld, outputs %lld-%lld, %lld slots, "
-                "max_batch_tokens %lld, prefill_chunk %lld",
-                shape_note(c, a.model.dtype, random).c_str(), (long long)a.count, a.rate, (long long)a.prompt_len,
-                (long long)pmax, (long long)a.output_len, (long long)omax, (long long)eng->num_slots(),
-                (long long)a.max_batch_tokens, (long long)a.prefill_chunk);
-  res.note = note;
-  std::printf("serve: %lld requests in %.3f s (max %lld running, %lld queued); %lld steps, %lld prefill tokens, "
-              "%lld decode tokens\n",
-              (long long)a.count, span, (long long)max_running, (long long)max_queued, (long long)s.steps,
-              (long long)s.prefill_tokens, (long long)s.decode_tokens);
-  std::printf("serve: %.1f output tokens/s, %.3f requests/s; TTFT p50 %.3f ms p99 %.3f ms; TPOT p50 %.3f ms "
-              "p99 %.3f ms\n",
-              out_tokens / span, a.count / span, percentile(ttft, 50), percentile(ttft, 99), percentile(tpot, 50),
-              percentile(tpot, 99));
-  res.add("serve_poisson_tok_s", out_tokens / span, "tok/s");
-  res.add("serve_poisson_req_s", static_cast<double>(a.count) / span, "req/s");
-  res.add("serve_poisson_ttft_p50_ms", percentile(ttft, 50), "ms");
-  res.add("serve_poisson_ttft_p99_ms", percentile(ttft, 99), "ms");
-  res.add("serve_poisson_tpot_p50_ms", percentile(tpot, 50), "ms");
-  res.add("serve_poisson_tpot_p99_ms", percentile(tpot, 99), "ms");
+  auto note_for = [&](const std::string& arrivals, int64_t slots) {
+    char note[640];
+    std::snprintf(note, sizeof note,
+                  "bench serve: %s, %lld requests %s, prompts %lld-%lld, outputs %lld-%lld, %lld slots, "
+                  "max_batch_tokens %lld, prefill_chunk %lld, batch prefill %s",
+                  shape_note(c, a.model.dtype, random).c_str(), (long long)a.count, arrivals.c_str(),
+                  (long long)a.prompt_len, (long long)pmax, (long long)a.output_len, (long long)omax, (long long)slots,
+                  (long long)a.max_batch_tokens, (long long)a.prefill_chunk, a.batch_prefill.c_str());
+    return std::string(note);
+  };
+  auto print = [&](const ServeFigures& f) {
+    std::printf("serve: %lld requests in %.3f s (max %lld running, %lld queued); %lld steps, %lld prefill tokens in "
+                "%lld forwards, %lld decode tokens\n",
+                (long long)a.count, f.span, (long long)f.max_running, (long long)f.max_queued, (long long)f.stats.steps,
+                (long long)f.stats.prefill_tokens, (long long)f.stats.prefill_forwards, (long long)f.stats.decode_tokens);
+    std::printf("serve: %.1f output tokens/s, %.3f requests/s; TTFT p50 %.3f ms p99 %.3f ms; TPOT p50 %.3f ms "
+                "p99 %.3f ms\n",
+                f.out_tokens / f.span, a.count / f.span, f.ttft_p50, f.ttft_p99, f.tpot_p50, f.tpot_p99);
+  };
+
+  if (a.burst) {
+    ServeFigures f;
+    LAPLACE_RETURN_IF_ERROR(measure_serve(lm.model, o, a, 0, true, &f));
+    print(f);
+    const double prefill_rate = static_cast<double>(f.prompt_tokens) / f.first_tokens_s;
+    std::printf("burst: every first token out %.3f s after the burst (%.1f prompt tokens/s)\n", f.first_tokens_s,
+                prefill_rate);
+    res.note = note_for("at once (a burst)", f.slots);
+    res.add("serve_burst_admit_s", f.first_tokens_s, "s");
+    res.add("serve_burst_prefill_tok_s", prefill_rate, "tok/s");
+    res.add("serve_burst_ttft_p99_ms", f.ttft_p99, "ms");
+    return Status::ok();
+  }
+  if (!rates.empty()) {
+    std::printf("%10s %10s %12s %12s %12s %12s %6s\n", "rate/s", "req/s", "TTFT p50", "TTFT p99", "TPOT p50",
+                "TPOT p99", "SLO");
+    double best = 0;
+    int64_t slots = 0;
+    for (size_t i = 0; i < rates.size(); ++i) {
+      ServeFigures f;
+      LAPLACE_RETURN_IF_ERROR(measure_serve(lm.model, o, a, rates[i], i == 0, &f));
+      slots = f.slots;
+      const bool ok = f.ttft_p99 <= a.ttft_slo_ms && f.tpot_p99 <= a.tpot_slo_ms;
+      if (ok) best = std::max(best, rates[i]);
+      std::printf("%10.3f %10.3f %12.3f %12.3f %12.3f %12.3f %6s\n", rates[i], a.count / f.span, f.ttft_p50,
+                  f.ttft_p99, f.tpot_p50, f.tpot_p99, ok ? "met" : "missed");
+      std::fflush(stdout);
+      if (points.is_open()) {
+        points << nlohmann::json{{"rate", rates[i]},          {"req_s", a.count / f.span},
+                                 {"tok_s", f.out_tokens / f.span}, {"ttft_p50_ms", f.ttft_p50},
+                                 {"ttft_p99_ms", f.ttft_p99},  {"tpot_p50_ms", f.tpot_p50},
+                                 {"tpot_p99_ms", f.tpot_p99},  {"ttft_slo_ms", a.ttft_slo_ms},
+                                 {"tpot_slo_ms", a.tpot_slo_ms}, {"slo_met", ok}}
+                      .dump()
+               << "\n";
+        points.flush();
+      }
+    }
+    if (points.is_open() && !points) return Status::io_error("cannot write " + a.out);
+    if (best > 0)
+      std::printf("sweep: the highest rate within TTFT p99 <= %.0f ms and TPOT p99 <= %.0f ms: %.3f requests/s\n",
+                  a.ttft_slo_ms, a.tpot_slo_ms, best);
+    else
+      std::printf("sweep: no rate met TTFT p99 <= %.0f ms and TPOT p99 <= %.0f ms\n", a.ttft_slo_ms, a.tpot_slo_ms);
+    char arrivals[160];
+    std::snprintf(arrivals, sizeof arrivals, "per rate of %s/s (Poisson), SLO TTFT p99 <= %.0f ms, TPOT p99 <= %.0f ms",
+                  a.rates.c_str(), a.ttft_slo_ms, a.tpot_slo_ms);
+    res.note = note_for(arrivals, slots);
+    res.add("serve_max_rate_req_s", best, "req/s");
+    return Status::ok();
+  }
+  ServeFigures f;
+  LAPLACE_RETURN_IF_ERROR(measure_serve(lm.model, o, a, a.rate, true, &f));
+  print(f);
+  char arrivals[64];
+  std::snprintf(arrivals, sizeof arrivals, "at %.3g/s (Poisson)", a.rate);
+  res.note = note_for(arrivals, f.slots);
+  res.add("serve_poisson_tok_s", f.out_tokens / f.span, "tok/s");
+  res.add("serve_poisson_req_s", static_cast<double>(a.count) / f.span, "req/s");
+  res.add("serve_poisson_ttft_p50_ms", f.ttft_p50, "ms");
+  res.add("serve_poisson_ttft_p99_ms", f.ttft_p99, "ms");
+  res.add("serve_poisson_tpot_p50_ms", f.tpot_p50, "ms");
+  res.add("serve_poisson_tpot_p99_ms", f.tpot_p99, "ms");
   return Status::ok();
 }
 
@@ -602,6 +719,13 @@ void add_bench(CLI::App& app) {
   auto s = std::make_shared<ServeArgs>();
   s->model.add_to(srv);
   srv->add_option("--rate", s->rate, "mean arrivals per second")->check(CLI::PositiveNumber);
+  srv->add_flag("--burst", s->burst, "every request at once: the time until all first tokens are out "
+                                     "(serve_burst_admit_s) and the prompt tokens/s until then");
+  srv->add_option("--rates", s->rates, "a sweep: comma-separated rates; records the highest meeting the SLOs "
+                                       "(serve_max_rate_req_s)");
+  srv->add_option("--ttft-slo-ms", s->ttft_slo_ms, "sweep: TTFT p99 bound")->check(CLI::PositiveNumber);
+  srv->add_option("--tpot-slo-ms", s->tpot_slo_ms, "sweep: TPOT p99 bound")->check(CLI::PositiveNumber);
+  srv->add_option("--out", s->out, "sweep: one JSON line per rate (scripts/plot_serve_sweep.py draws them)");
   srv->add_option("--count", s->count, "requests")->check(CLI::Range(1, 1 << 24));
   srv->add_option("--prompt-len", s->prompt_len, "prompt tokens (the minimum with --prompt-len-max)")
       ->check(CLI::Range(1, 1 << 24));
@@ -615,6 +739,8 @@ void add_bench(CLI::App& app) {
   srv->add_option("--memory-reserve", s->memory_reserve, "CUDA: free memory left unused when deriving slots");
   srv->add_option("--max-batch-tokens", s->max_batch_tokens, "per-step token budget")->check(CLI::Range(1, 1 << 24));
   srv->add_option("--prefill-chunk", s->prefill_chunk, "prefill piece (tokens)")->check(CLI::Range(1, 1 << 20));
+  srv->add_option("--batch-prefill", s->batch_prefill, "equal-length prefill pieces in one forward: on, off, auto")
+      ->check(CLI::IsMember({"auto", "on", "off"}));
   srv->add_option("--seed", s->seed, "seed of the random weights (no checkpoint), arrivals and prompts");
   add_decode_options(srv, &s->state_dtype, &s->eager, &s->defer_writeback);
   srv->add_option("--results", s->results, "append JSON lines here (empty: don't)");
