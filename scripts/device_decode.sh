@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: build, run the engine's GPU tests, then the serving benchmarks of laplace-3b
 # (random bf16 weights); logs and JSON lines under $OUT. Stages run in the order given:
-#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson ops train lab declab overlap deferred cores ncu trace ptrace algo wgmma parity" COMMIT=abc123 scripts/device_decode.sh
+#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson burst rates ops train lab declab overlap deferred cores ncu trace ptrace algo wgmma parity" COMMIT=abc123 scripts/device_decode.sh
 # COMMIT is written into every result line (the device's git HEAD may be stale).
 # The device tool returns at most 8 files from $OUT, so every stage appends to one log,
 # $OUT/run.log (the GPU tests and the build keep their own; results go to results.jsonl).
@@ -80,6 +80,21 @@ for s in $STAGES; do
       timeout 120 $L bench serve $M3B --rate ${RATE:-64} --count ${COUNT:-1024} --prompt-len 128 --prompt-len-max 1024 \
         --output-len 128 --output-len-max 512 --max-slots 1280 --max-batch-tokens 4096 --prefill-chunk 512 \
         --results "$R" ${POISSON_ARGS:-} 2>&1 | tee -a "$LOG" | tail -12 ;;
+    burst)  # issue 30: bursts with batched prefill (its GPU test first: batch prefill stays off if it fails)
+      ./build-gpu/tests/laplace_tests --gtest_filter=CudaModel.BatchedPrefillIntoSlotsFollowsOneRowAtATime \
+        >> "$LOG" 2>&1 && BP=on || BP=off
+      echo "batched prefill test: batch prefill $BP" | tee -a "$LOG"
+      timeout 200 $L bench serve $M3B --burst --count 1280 --prompt-len 16 --output-len 8 --max-slots 1280 \
+        --prefill-chunk 16 --max-batch-tokens 24000 --batch-prefill $BP --results "$R" --tag 3b_1280x16 2>&1 |
+        tee -a "$LOG" | grep -E "serve:|burst:"
+      timeout 200 $L bench serve $M3B --burst --count 256 --prompt-len 2048 --output-len 4 --max-slots 256 \
+        --prefill-chunk 2048 --max-batch-tokens 16384 --batch-prefill $BP --results "$R" --tag 3b_256x2048 2>&1 |
+        tee -a "$LOG" | grep -E "serve:|burst:" ;;
+    rates)  # issue 30: the highest Poisson rate within TTFT p99 <= 300 ms and TPOT p99 <= 60 ms
+      timeout 500 $L bench serve $M3B --rates ${RATES:-2,4,8,16,32,64} --count ${COUNT:-256} --prompt-len 128 \
+        --prompt-len-max 1024 --output-len 128 --output-len-max 512 --max-slots 1280 --max-batch-tokens 4096 \
+        --prefill-chunk 512 --batch-prefill ${BP:-auto} --out "$OUT/sweep.jsonl" --results "$R" --tag 3b 2>&1 |
+        tee -a "$LOG" | tail -10 ;;
     ops)  # per-op times of one decode step and one 8,192-token prefill
       ./build-gpu/bench/bench_ops ${OPS_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     train)  # the training step of laplace-3b (issue 4: >= 30,000 tok/s, optimizer included); ACCUM micro-batches
