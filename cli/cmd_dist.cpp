@@ -7,6 +7,7 @@
 #include "core/dtype.h"
 #include "dist/comm.h"
 #include "dist/plan.h"
+#include "dist/step_model.h"
 #include "model/config.h"
 #include "ops/backend.h"
 
@@ -20,6 +21,9 @@ struct PlanArgs {
   bool muon_fused = false;
   std::string dtype = "bf16";
   int show_ranks = 4;
+  bool predict = false;
+  StepMachine machine;
+  StepWorkload work;
 };
 
 std::string gb(double b) {
@@ -28,6 +32,49 @@ std::string gb(double b) {
   else if (b >= 1e6) std::snprintf(buf, sizeof buf, "%.3f MB", b / 1e6);
   else std::snprintf(buf, sizeof buf, "%.1f kB", b / 1e3);
   return buf;
+}
+
+void print_prediction(const char* label, const StepPrediction& p) {
+  std::printf("  %-22s %6d %8.0f %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f %11.0f %9.0f\n", label, p.ranks, p.busbw_gbs,
+              p.fb_s, p.exposed_s, p.opt_s, p.ns_s, p.muon_s, p.step_s, p.tok_s, p.tok_s_per_gpu);
+}
+
+// The step model (dist/step_model.h) for the given machine, then for the machines people ask
+// about: 1, 2 and 8 GPUs in one node, and nodes of 8 GPUs.
+Status run_predict(const PlanArgs& a, const Config& c) {
+  const StepWorkload& w = a.work;
+  if (w.fb_tok_s <= 0 || w.opt_1gpu_s < 0 || w.ns_share < 0 || w.ns_share > 1 || w.overlap < 0 || w.overlap > 1 ||
+      a.machine.nvlink_gbs <= 0 || a.machine.ib_gbs <= 0 || a.machine.gpus_per_node < 1 || a.machine.nodes < 1)
+    return Status::invalid_argument("step model: rates and bandwidths must be positive, --ns-share and --overlap in [0, 1]");
+  std::printf("\nstep model (docs/distributed.md §7): per rank B %lld × T %lld × %lld micro-batches; one GPU: "
+              "forward+backward %.0f tokens/s, optimizer %.3f s (%.0f %% Newton–Schulz); NVLink %.0f GB/s, "
+              "InfiniBand %.0f GB/s per GPU; overlap %.2f; Muon %s\n",
+              (long long)w.batch, (long long)w.seq, (long long)w.accum, w.fb_tok_s, w.opt_1gpu_s, 100 * w.ns_share,
+              a.machine.nvlink_gbs, a.machine.ib_gbs, w.overlap, muon_comm_name(w.muon_comm));
+  std::printf("  %-22s %6s %8s %8s %8s %8s %8s %8s %8s %11s %9s\n", "machine", "GPUs", "busbw", "fb s", "exposed",
+              "opt s", "NS s", "muon s", "step s", "tokens/s", "per GPU");
+  char label[64];
+  std::snprintf(label, sizeof label, "given: %d × %d", a.machine.nodes, a.machine.gpus_per_node);
+  print_prediction(label, predict_step(c, a.machine, w));
+  for (int g : {1, 2, 8}) {
+    StepMachine m = a.machine;
+    m.gpus_per_node = g;
+    m.nodes = 1;
+    std::snprintf(label, sizeof label, "1 node × %d", g);
+    print_prediction(label, predict_step(c, m, w));
+  }
+  for (int n : {2, 8, 64}) {
+    StepMachine m = a.machine;
+    m.gpus_per_node = 8;
+    m.nodes = n;
+    std::snprintf(label, sizeof label, "%d nodes × 8", n);
+    print_prediction(label, predict_step(c, m, w));
+  }
+  const StepPrediction one = predict_step(c, StepMachine{1, 1, a.machine.nvlink_gbs, a.machine.ib_gbs}, w);
+  const StepPrediction mine = predict_step(c, a.machine, w);
+  std::printf("  scaling of the given machine vs one GPU: %.3f (tokens/s per GPU ratio)\n",
+              mine.tok_s_per_gpu / one.tok_s_per_gpu);
+  return Status::ok();
 }
 
 Status run_plan(const PlanArgs& a) {
@@ -112,6 +159,7 @@ Status run_plan(const PlanArgs& a) {
       "              sent = e·[Σ_{owner≠r} ov_r(u)·c + Σ_{owner=r} (P−1)·rows_u·c]\n"
       "              received = e·[Σ_{owner=r} (rows_u − ov_r(u))·c + Σ_{owner≠r} rows_u·c] ≈ M\n"
       "  see docs/distributed.md\n");
+  if (a.predict) return run_predict(a, c);
   return Status::ok();
 }
 
@@ -303,7 +351,30 @@ void add_dist(CLI::App& app) {
       ->check(CLI::IsMember({"bf16", "f32", "f64"}));
   plan->add_option("--show-ranks", a->show_ranks, "print sent/received of the first N ranks")
       ->check(CLI::NonNegativeNumber);
-  plan->callback([a] { g_exit_code = report(run_plan(*a)); });
+  plan->add_flag("--predict", a->predict, "also predict step time and tokens/s (dist/step_model.h) for the given "
+                                          "machine and for 1-8 GPUs and 2-64 nodes of 8");
+  plan->add_option("--gpus-per-node", a->machine.gpus_per_node, "step model: GPUs per node")->check(CLI::PositiveNumber);
+  plan->add_option("--nodes", a->machine.nodes, "step model: nodes")->check(CLI::PositiveNumber);
+  plan->add_option("--nvlink-gbs", a->machine.nvlink_gbs, "step model: NCCL bus bandwidth in a node, GB/s")
+      ->capture_default_str();
+  plan->add_option("--ib-gbs", a->machine.ib_gbs, "step model: bandwidth across nodes per GPU, GB/s")
+      ->capture_default_str();
+  plan->add_option("--batch", a->work.batch, "step model: sequences per micro-batch per rank")->capture_default_str();
+  plan->add_option("--seq", a->work.seq, "step model: tokens per sequence")->capture_default_str();
+  plan->add_option("--grad-accum", a->work.accum, "step model: micro-batches per step")->capture_default_str();
+  plan->add_option("--fb-tok-s", a->work.fb_tok_s, "step model: one GPU's forward+backward tokens/s (measured)")
+      ->capture_default_str();
+  plan->add_option("--opt-s", a->work.opt_1gpu_s, "step model: one GPU's optimizer step, seconds (measured)")
+      ->capture_default_str();
+  plan->add_option("--ns-share", a->work.ns_share, "step model: Newton–Schulz share of the optimizer step")
+      ->capture_default_str();
+  plan->add_option("--overlap", a->work.overlap, "step model: share of the collectives hidden behind compute (0-1)")
+      ->capture_default_str();
+  plan->add_option("--overhead-s", a->work.overhead_s, "step model: fixed seconds per step")->capture_default_str();
+  plan->callback([a] {
+    a->work.muon_fused = a->muon_fused;
+    g_exit_code = report(run_plan(*a));
+  });
   auto* self = dist->add_subcommand("selftest", "check every collective (run under mpirun -np P)");
   auto device = std::make_shared<std::string>("cpu");
   self->add_option("--device", *device, "cpu (MPI, host buffers) or cuda (NCCL, one GPU per rank: device and host "
