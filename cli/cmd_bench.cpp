@@ -28,6 +28,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/bench_log.h"
+#include "eval/stream.h"
 #include "cli/common.h"
 #include "model/config.h"
 #include "serve/engine.h"
@@ -227,13 +228,7 @@ Status measure_state_accuracy(Model& m, int64_t rows, int64_t prompt_len, int64_
     logits_rows_to_host(m, 0, rows, &l32);
     m.forward(next.data(), rows, 1, dec, &ptest);
     logits_rows_to_host(m, 0, rows, &ltest);
-    double num = 0, den = 0;
-    for (size_t i = 0; i < l32.size(); ++i) {
-      const double d = static_cast<double>(ltest[i]) - l32[i];
-      num += d * d;
-      den += static_cast<double>(l32[i]) * l32[i];
-    }
-    const double e = std::sqrt(num / std::max(den, 1e-300));
+    const double e = logits_rel_rms(ltest, l32);
     sum_err += e;
     f->logit_relrms_max = std::max(f->logit_relrms_max, e);
     for (int64_t r = 0; r < rows; ++r) {

@@ -111,13 +111,7 @@ Status eval_serving_options(Model& ref, Model* low, const std::vector<int32_t>& 
       logits_rows_to_host(ref, 0, P, &lr);
       tm.forward(next.data(), P, 1, dec, &ptest);
       logits_rows_to_host(tm, 0, P, &lt);
-      double num = 0, den = 0;
-      for (size_t i = 0; i < lr.size(); ++i) {
-        const double d = static_cast<double>(lt[i]) - lr[i];
-        num += d * d;
-        den += static_cast<double>(lr[i]) * lr[i];
-      }
-      const double e = std::sqrt(num / std::max(den, 1e-300));
+      const double e = logits_rel_rms(lt, lr);
       sum_err += e;
       r.logit_relrms_max = std::max(r.logit_relrms_max, e);
       for (int64_t p = 0; p < P; ++p) {

@@ -1,6 +1,7 @@
 #include "eval/stream.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "core/check.h"
 #include "serve/generate.h"
@@ -28,6 +29,17 @@ Status load_heldout_tokens(const std::vector<std::string>& patterns, int64_t voc
 
 int32_t argmax_row(const float* v, int64_t n) {
   return static_cast<int32_t>(std::max_element(v, v + n) - v);
+}
+
+double logits_rel_rms(const std::vector<float>& test, const std::vector<float>& ref) {
+  LAPLACE_CHECK(test.size() == ref.size(), "logits_rel_rms: blocks of different sizes");
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = static_cast<double>(test[i]) - ref[i];
+    num += d * d;
+    den += static_cast<double>(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
 }
 
 Status SequenceStream::init(Model* m, int64_t batch, int64_t piece, int64_t logit_tokens) {

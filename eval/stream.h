@@ -52,4 +52,8 @@ class SequenceStream {
 // Index of the largest of v[0..n) (the first on ties: the model's greedy choice).
 int32_t argmax_row(const float* v, int64_t n);
 
+// sqrt(Σ (test − ref)²) / sqrt(Σ ref²) over two logits blocks of one size, in double: how far
+// a serving option's logits are from the reference's.
+double logits_rel_rms(const std::vector<float>& test, const std::vector<float>& ref);
+
 }  // namespace laplace

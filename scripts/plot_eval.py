@@ -14,15 +14,11 @@ Several position files draw one curve each; a heatmap takes one file. Errors (a 
 line that is not a JSON object, a missing field, mixed modes) are one line on stderr and exit 1.
 """
 import argparse
-import json
 import math
 import os
 import sys
 
-
-class InputError(Exception):
-    pass
-
+from plot_common import InputError, check_out, pyplot, read_json_lines, require_numbers, save
 
 FIELDS = {
     "copy": ("m", "d", "accuracy"),
@@ -32,29 +28,14 @@ FIELDS = {
 
 
 def read(path):
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     recs, mode = [], None
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{i}"
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{where}: not valid JSON ({e.msg})") from None
-        if not isinstance(rec, dict) or rec.get("mode") not in FIELDS:
+    for where, rec in read_json_lines(path):
+        if rec.get("mode") not in FIELDS:
             raise InputError(f"{where}: not a copy, passkey or position line")
         if mode and rec["mode"] != mode:
             raise InputError(f"{where}: a {rec['mode']} line among {mode} lines")
         mode = rec["mode"]
-        for k in FIELDS[mode]:
-            v = rec.get(k)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-                raise InputError(f"{where}: \"{k}\" is missing or not a number")
+        require_numbers(rec, FIELDS[mode], where)
         if "accuracy" in rec and not 0 <= rec["accuracy"] <= 1:
             raise InputError(f"{where}: \"accuracy\" {rec['accuracy']} is outside [0, 1]")
         recs.append(rec)
@@ -83,11 +64,7 @@ def heatmap(ax, recs, row_key, col_key, row_label, col_label, fmt_row):
 
 
 def plot(mode, files, args):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.8))
     if mode == "copy":
         im = heatmap(ax, files[0][1], "m", "d", "string length m", "held-out tokens between the copies (d)", str)
@@ -116,12 +93,7 @@ def plot(mode, files, args):
         title = "loss by position at constant memory"
     ax.set_title(args.title or title)
     fig.tight_layout()
-    try:
-        fig.savefig(args.out)
-    except OSError as e:
-        raise InputError(f"cannot write {args.out}: {e.strerror or e}") from None
-    finally:
-        plt.close(fig)
+    save(fig, plt, args.out)
 
 
 def main(argv=None):
@@ -132,8 +104,7 @@ def main(argv=None):
     p.add_argument("--title", default="")
     args = p.parse_args(argv)
     try:
-        if os.path.splitext(args.out)[1].lower() not in (".png", ".svg"):
-            raise InputError(f"--out must end in .png or .svg, got '{args.out}'")
+        check_out(args.out)
         read_all = [read(path) for path in args.paths]
         modes = {m for m, _ in read_all}
         if len(modes) > 1:

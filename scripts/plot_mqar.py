@@ -15,43 +15,21 @@ Errors (a missing file, a line that is not a JSON object, a missing field, ...) 
 on stderr and exit status 1.
 """
 import argparse
-import json
-import math
-import os
 import sys
 
-
-class InputError(Exception):
-    pass
-
+from plot_common import InputError, check_out, is_number, pyplot, read_json_lines, save
 
 FIELDS = {"state": str, "state_bytes": int, "pairs": int, "seq": int, "accuracy": float}
 
 
 def read_points(path, points):
     """Adds {(state, pairs, seq): record} from one mqar.jsonl to points; returns how many lines it had."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise InputError(f"cannot read {path}: {reason}") from None
     n = 0
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{i}"
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(rec, dict):
-            raise InputError(f"{where}: not a JSON object")
+    for where, rec in read_json_lines(path):
         for key, kind in FIELDS.items():
             v = rec.get(key)
             ok = (isinstance(v, str) if kind is str else
-                  isinstance(v, int) and not isinstance(v, bool) if kind is int else
-                  isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+                  isinstance(v, int) and not isinstance(v, bool) if kind is int else is_number(v))
             if not ok:
                 raise InputError(f"{where}: \"{key}\" is missing or not {'a string' if kind is str else 'a number'}")
         if not 0.0 <= rec["accuracy"] <= 1.0:
@@ -66,11 +44,7 @@ def read_points(path, points):
 
 
 def plot(points, args):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     lines = {}
     for (state, pairs, seq), rec in points.items():
         lines.setdefault((pairs, seq), []).append(rec)
@@ -98,12 +72,7 @@ def plot(points, args):
     ax.legend(fontsize=8, loc="best")
     ax.set_title(args.title or "multi-query associative recall against state size")
     fig.tight_layout()
-    try:
-        fig.savefig(args.out)
-    except OSError as e:
-        raise InputError(f"cannot write {args.out}: {e.strerror or e}") from None
-    finally:
-        plt.close(fig)
+    save(fig, plt, args.out)
 
 
 def main(argv=None):
@@ -115,16 +84,10 @@ def main(argv=None):
                    help="do not write each point's HxDKxDV beside it")
     args = p.parse_args(argv)
     try:
-        ext = os.path.splitext(args.out)[1].lower()
-        if ext not in (".png", ".svg"):
-            raise InputError(f"--out must end in .png or .svg, got '{args.out}'")
+        check_out(args.out)
         points = {}
         for path in args.paths:
             read_points(path, points)
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise InputError("matplotlib is not installed (Debian: apt-get install python3-matplotlib)") from None
         plot(points, args)
     except InputError as e:
         print(f"plot_mqar: error: {e}", file=sys.stderr)

@@ -13,39 +13,17 @@ Errors (a missing file, a line that is not a JSON object, a missing field) are o
 and exit status 1.
 """
 import argparse
-import json
-import math
-import os
 import sys
 
-
-class InputError(Exception):
-    pass
-
+from plot_common import InputError, check_out, pyplot, read_json_lines, require_numbers, save
 
 FIELDS = ("rate", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
 
 
 def read(path):
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     pts = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-        if not isinstance(rec, dict):
-            raise InputError(f"{path}:{i}: not a JSON object")
-        for k in FIELDS:
-            v = rec.get(k)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-                raise InputError(f"{path}:{i}: \"{k}\" is missing or not a number")
+    for where, rec in read_json_lines(path):
+        require_numbers(rec, FIELDS, where)
         pts.append(rec)
     if not pts:
         raise InputError(f"{path}: no points")
@@ -53,11 +31,7 @@ def read(path):
 
 
 def plot(pts, out, title):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rates = [p["rate"] for p in pts]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4.2), sharex=True)
     for ax, key, label in ((a1, "ttft", "time to first token (ms)"), (a2, "tpot", "time per output token (ms)")):
@@ -77,12 +51,7 @@ def plot(pts, out, title):
         ax.legend(fontsize=8)
     fig.suptitle(title or "serving latency against arrival rate")
     fig.tight_layout()
-    try:
-        fig.savefig(out)
-    except OSError as e:
-        raise InputError(f"cannot write {out}: {e.strerror or e}") from None
-    finally:
-        plt.close(fig)
+    save(fig, plt, out)
 
 
 def main(argv=None):
@@ -92,8 +61,7 @@ def main(argv=None):
     p.add_argument("--title", default="")
     args = p.parse_args(argv)
     try:
-        if os.path.splitext(args.out)[1].lower() not in (".png", ".svg"):
-            raise InputError(f"--out must end in .png or .svg, got '{args.out}'")
+        check_out(args.out)
         pts = read(args.path)
         plot(pts, args.out, args.title)
         print(f"{len(pts)} rates -> {args.out}")

@@ -22,23 +22,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct Result {
-  int exit_code = -1;
-  std::string output;
-};
-
-Result run_laplace(const std::string& args) {
-  Result r;
-  const std::string cmd = std::string(LAPLACE_BINARY) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int st = pclose(p);
-  if (WIFEXITED(st)) r.exit_code = WEXITSTATUS(st);
-  return r;
-}
+using Result = testing::CliResult;
+using testing::run_laplace;
 
 std::vector<nlohmann::json> json_lines(const fs::path& p) {
   std::ifstream f(p);

@@ -199,23 +199,9 @@ TEST(EvalServing, DeferredWriteBackIsIndistinguishableOnTheCpu) {
 
 // ---- the CLI, on a model directory with a tokenizer --------------------------------------
 
-struct CmdResult {
-  int exit_code = -1;
-  std::string output;
-};
+using CmdResult = testing::CliResult;
 
-CmdResult run_cli(const std::string& args) {
-  CmdResult r;
-  const std::string cmd = std::string(LAPLACE_BINARY) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int st = pclose(p);
-  if (WIFEXITED(st)) r.exit_code = WEXITSTATUS(st);
-  return r;
-}
+CmdResult run_cli(const std::string& args) { return testing::run_laplace(args); }
 
 class EvalCli : public ::testing::Test {
  protected:

@@ -70,7 +70,7 @@ class PlotEval(unittest.TestCase):
         write(bad, ['{"mode": "copy", "m": 4, "d": 0}'])
         cases.append(([bad], '"accuracy" is missing'))
         write(os.path.join(self.dir, "b2.jsonl"), ["[1, 2]"])
-        cases.append(([os.path.join(self.dir, "b2.jsonl")], "not a copy, passkey or position line"))
+        cases.append(([os.path.join(self.dir, "b2.jsonl")], "not a JSON object"))
         write(os.path.join(self.dir, "b3.jsonl"), ['{"mode": "copy", "m": 4, "d": 0, "accuracy": 2}'])
         cases.append(([os.path.join(self.dir, "b3.jsonl")], "outside [0, 1]"))
         for paths, says in cases:

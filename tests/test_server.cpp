@@ -52,32 +52,7 @@ namespace httpc = laplace::testing::httpc;
 const char* kKey = "secret-key";
 
 // A model directory: config (small shapes, V = 400), random weights, a tokenizer.
-std::string make_model_dir() {
-  const std::string dir = testing::make_temp_dir("server_model");
-  std::string corpus;
-  for (int i = 0; i < 300; ++i)
-    corpus += "the quick brown fox " + std::to_string(i) +
-              " jumps over the lazy dog; a fortune a day keeps the doctor away.\nWhy did the programmer quit? "
-              "Because he did not get arrays.\n";
-  EXPECT_TRUE(write_file_atomic(dir + "/corpus.txt", corpus.data(), corpus.size()).is_ok());
-  TokenizerTrainOptions to;
-  to.inputs = {dir + "/corpus.txt"};
-  to.model_prefix = dir + "/tokenizer";
-  to.vocab_size = 400;
-  Status st = tokenizer_train(to);
-  EXPECT_TRUE(st.is_ok()) << st.to_string();
-  Config c = testing::small_config(8, 12, 2);
-  c.vocab_size = 400;
-  c.eos_token_id = 2;
-  const std::string cj = c.to_json();
-  EXPECT_TRUE(write_file_atomic(dir + "/config.json", cj.data(), cj.size()).is_ok());
-  auto be = make_cpu_backend();
-  Model m;
-  EXPECT_TRUE(m.create(c, *be, DType::kF32).is_ok());
-  m.init_weights(77);
-  EXPECT_TRUE(m.save(dir + "/model.safetensors").is_ok());
-  return dir;
-}
+std::string make_model_dir() { return testing::make_server_model_dir("server_model", 77); }
 
 // The device the servers under test run on: the CPU, or LAPLACE_SERVER_TEST_DEVICE (e.g.
 // cuda, from scripts/device_serve_check.sh). The tests compare a server with itself (cold

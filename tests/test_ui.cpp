@@ -32,32 +32,7 @@ namespace httpc = laplace::testing::httpc;
 const char* kUiKey = "ui-secret";
 
 // A model directory: small shapes, random weights, a trained 400-piece tokenizer.
-std::string make_ui_model_dir() {
-  const std::string dir = testing::make_temp_dir("ui_model");
-  std::string corpus;
-  for (int i = 0; i < 300; ++i)
-    corpus += "the quick brown fox " + std::to_string(i) +
-              " jumps over the lazy dog; a fortune a day keeps the doctor away.\nWhy did the programmer quit? "
-              "Because he did not get arrays.\n";
-  EXPECT_TRUE(write_file_atomic(dir + "/corpus.txt", corpus.data(), corpus.size()).is_ok());
-  TokenizerTrainOptions to;
-  to.inputs = {dir + "/corpus.txt"};
-  to.model_prefix = dir + "/tokenizer";
-  to.vocab_size = 400;
-  Status st = tokenizer_train(to);
-  EXPECT_TRUE(st.is_ok()) << st.to_string();
-  Config c = testing::small_config(8, 12, 2);
-  c.vocab_size = 400;
-  c.eos_token_id = 2;
-  const std::string cj = c.to_json();
-  EXPECT_TRUE(write_file_atomic(dir + "/config.json", cj.data(), cj.size()).is_ok());
-  auto be = make_cpu_backend();
-  Model m;
-  EXPECT_TRUE(m.create(c, *be, DType::kF32).is_ok());
-  m.init_weights(5);
-  EXPECT_TRUE(m.save(dir + "/model.safetensors").is_ok());
-  return dir;
-}
+std::string make_ui_model_dir() { return testing::make_server_model_dir("ui_model", 5); }
 
 class UiTest : public ::testing::Test {
  protected:

@@ -1,8 +1,20 @@
 #include "tests/test_util.h"
 
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+
+#include <gtest/gtest.h>
+
+#include "core/file_util.h"
+#include "model/model.h"
+#include "ops/backend.h"
+#include "text/tokenizer.h"
 
 namespace laplace::testing {
 
@@ -107,6 +119,46 @@ std::string make_temp_dir(const std::string& tag) {
   char* p = mkdtemp(tmpl.data());
   LAPLACE_CHECK(p != nullptr, "mkdtemp failed");
   return tmpl;
+}
+
+CliResult run_laplace(const std::string& args) {
+  CliResult r;
+  const std::string cmd = std::string(LAPLACE_BINARY) + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
+  const int st = pclose(p);
+  if (WIFEXITED(st)) r.exit_code = WEXITSTATUS(st);
+  return r;
+}
+
+std::string make_server_model_dir(const std::string& tag, uint64_t weight_seed) {
+  const std::string dir = make_temp_dir(tag);
+  std::string corpus;
+  for (int i = 0; i < 300; ++i)
+    corpus += "the quick brown fox " + std::to_string(i) +
+              " jumps over the lazy dog; a fortune a day keeps the doctor away.\nWhy did the programmer quit? "
+              "Because he did not get arrays.\n";
+  EXPECT_TRUE(write_file_atomic(dir + "/corpus.txt", corpus.data(), corpus.size()).is_ok());
+  TokenizerTrainOptions to;
+  to.inputs = {dir + "/corpus.txt"};
+  to.model_prefix = dir + "/tokenizer";
+  to.vocab_size = 400;
+  const Status st = tokenizer_train(to);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  Config c = small_config(8, 12, 2);
+  c.vocab_size = 400;
+  c.eos_token_id = 2;
+  const std::string cj = c.to_json();
+  EXPECT_TRUE(write_file_atomic(dir + "/config.json", cj.data(), cj.size()).is_ok());
+  auto be = make_cpu_backend();
+  Model m;
+  EXPECT_TRUE(m.create(c, *be, DType::kF32).is_ok());
+  m.init_weights(weight_seed);
+  EXPECT_TRUE(m.save(dir + "/model.safetensors").is_ok());
+  return dir;
 }
 
 }  // namespace laplace::testing

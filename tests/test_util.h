@@ -44,4 +44,17 @@ std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint64_t seed);
 // A fresh empty directory under the system temp dir.
 std::string make_temp_dir(const std::string& tag);
 
+// What `laplace ARGS` (the binary these tests were built with) printed, stdout and stderr
+// together, and its exit code (-1 when it did not exit normally).
+struct CliResult {
+  int exit_code = -1;
+  std::string output;
+};
+CliResult run_laplace(const std::string& args);
+
+// A model directory for the server tests: config.json (small_config's shapes, V = 400,
+// eos 2), random weights from `weight_seed`, and a 400-piece tokenizer trained on a
+// repetitive English text.
+std::string make_server_model_dir(const std::string& tag, uint64_t weight_seed);
+
 }  // namespace laplace::testing
