@@ -209,6 +209,16 @@ double metric(const std::string& text, const std::string& name) {
   return -1;
 }
 
+// Polls pred until it holds or the time is up; a bound for slow machines, not a delay.
+bool eventually(const std::function<bool()>& pred, double seconds) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < end) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return pred();
+}
+
 int status_of(const std::string& http) {
   if (http.size() < 12 || http.compare(0, 5, "HTTP/") != 0) return 0;
   return std::atoi(http.c_str() + 9);
@@ -377,12 +387,10 @@ TEST_F(ServerTest, ClientThatLeavesMidStreamHasItsGenerationCancelled) {
   char buf[512];
   ASSERT_GT(read(fd, buf, sizeof buf), 0);  // the stream has started
   close(fd);
-  bool freed = false;
-  for (int i = 0; i < 200 && !freed; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  const bool freed = eventually([&] {
     const ServerCounters c = server_->counters();
-    freed = c.engine.running == 0 && c.client_disconnects > before;
-  }
+    return c.engine.running == 0 && c.client_disconnects > before;
+  }, 30);
   EXPECT_TRUE(freed) << "the slot was not freed after the client left";
   EXPECT_GT(server_->counters().engine.cancelled, cancelled_before);
   wait_idle();
@@ -398,12 +406,10 @@ TEST_F(ServerTest, NonStreamingClientThatTimesOutIsCancelledToo) {
                     "application/json");
     EXPECT_FALSE(r && r->status == 200 && r->body.find("choices") != std::string::npos);
   }
-  bool freed = false;
-  for (int i = 0; i < 200 && !freed; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  const bool freed = eventually([&] {
     const ServerCounters c = server_->counters();
-    freed = c.engine.running == 0 && c.client_disconnects > before;
-  }
+    return c.engine.running == 0 && c.client_disconnects > before;
+  }, 30);
   EXPECT_TRUE(freed);
   wait_idle();
 }
@@ -555,8 +561,7 @@ TEST_F(ServerTest, TinyDeviceTierDemotesToHostExactlyAndLeaksNoSlot) {
       }
     });
   for (auto& x : th) x.join();
-  for (int i = 0; i < 200 && (srv.counters().outstanding || srv.counters().engine.running); ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  eventually([&] { return !srv.counters().outstanding && !srv.counters().engine.running; }, 30);
   done = true;
   watch.join();
   EXPECT_EQ(ok.load(), 48);
@@ -995,16 +1000,6 @@ TEST(ServerLoading, PortInUseIsRefusedAndAConnectionBurstIsAnsweredInFull) {
 // ==== issue 29: the transport ==================================================================
 
 // Reads what the server sends until it closes the connection or `seconds` pass.
-// Polls pred until it holds or the time is up; a bound for slow machines, not a delay.
-bool eventually(const std::function<bool()>& pred, double seconds) {
-  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  while (std::chrono::steady_clock::now() < end) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  return pred();
-}
-
 std::string read_until_close(int fd, double seconds) {
   std::string out;
   const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
