@@ -43,6 +43,14 @@ struct QualityRun {
   std::ofstream jsonl;
   std::string jsonl_path;
   BenchLog res;
+  struct Figure {
+    std::string name, unit, note;
+    double value;
+  };
+  std::vector<Figure> figures;  // written after the table (BenchLog prints each line too)
+  void record(const std::string& name, double value, const std::string& unit, const std::string& note) {
+    if (!res.path.empty()) figures.push_back({name, unit, note, value});
+  }
 };
 
 Status open_run(const QualityArgs& a, const std::string& mode, QualityRun* r) {
@@ -71,6 +79,8 @@ Status open_run(const QualityArgs& a, const std::string& mode, QualityRun* r) {
 }
 
 Status close_run(QualityRun* r, const Status& st) {
+  // Also the points finished before an error.
+  for (const QualityRun::Figure& f : r->figures) r->res.add(f.name, f.value, f.unit, f.note);
   if (r->jsonl.is_open()) {
     r->jsonl.close();
     if (!r->jsonl && st.is_ok()) return Status::io_error("cannot write " + r->jsonl_path);
@@ -139,8 +149,7 @@ Status run_copy(CopyArgs& a) {
     std::fflush(stdout);
     emit(&r, {{"mode", "copy"}, {"m", c.m}, {"d", c.d}, {"trials", c.trials}, {"predictions", c.predictions},
               {"correct", c.correct}, {"accuracy", c.accuracy()}});
-    if (!a.results.empty())
-      r.res.add("recall_copy_acc_m" + std::to_string(c.m) + "_d" + std::to_string(c.d), c.accuracy(), "fraction", note);
+    r.record("recall_copy_acc_m" + std::to_string(c.m) + "_d" + std::to_string(c.d), c.accuracy(), "fraction", note);
   });
   return close_run(&r, st);
 }
@@ -173,8 +182,7 @@ Status run_passkey(PasskeyArgs& a) {
     std::fflush(stdout);
     emit(&r, {{"mode", "passkey"}, {"context", p.context}, {"depth", p.depth}, {"trials", p.trials},
               {"found", p.found}, {"accuracy", p.accuracy()}});
-    if (!a.results.empty())
-      r.res.add("recall_passkey_acc_l" + std::to_string(p.context) + "_p" + std::to_string(std::lround(p.depth * 100)),
+    r.record("recall_passkey_acc_l" + std::to_string(p.context) + "_p" + std::to_string(std::lround(p.depth * 100)),
                 p.accuracy(), "fraction", note);
   });
   return close_run(&r, st);
@@ -200,8 +208,7 @@ Status run_position(PositionArgs& a) {
     std::fflush(stdout);
     emit(&r, {{"mode", "position"}, {"begin", b.begin}, {"end", b.end}, {"tokens", b.count},
               {"loss", b.mean_loss()}, {"memory_bytes", b.memory_bytes}});
-    if (!a.results.empty())
-      r.res.add("position_loss_" + std::to_string(b.begin) + "_" + std::to_string(b.end), b.mean_loss(), "nats", note);
+    r.record("position_loss_" + std::to_string(b.begin) + "_" + std::to_string(b.end), b.mean_loss(), "nats", note);
     mem_lo = mem_lo < 0 ? b.memory_bytes : std::min(mem_lo, b.memory_bytes);
     mem_hi = std::max(mem_hi, b.memory_bytes);
   });
@@ -209,7 +216,7 @@ Status run_position(PositionArgs& a) {
     std::printf("memory from the first bucket to the last: %.1f MiB to %.1f MiB (spread %.1f MiB)\n",
                 static_cast<double>(mem_lo) / (1 << 20), static_cast<double>(mem_hi) / (1 << 20),
                 static_cast<double>(mem_hi - mem_lo) / (1 << 20));
-    if (!a.results.empty()) r.res.add("position_memory_spread_mib", static_cast<double>(mem_hi - mem_lo) / (1 << 20), "MiB", note);
+    r.record("position_memory_spread_mib", static_cast<double>(mem_hi - mem_lo) / (1 << 20), "MiB", note);
   }
   return close_run(&r, st);
 }
@@ -253,14 +260,12 @@ Status run_serving(ServingArgs& a) {
                   {"loss", s.option_loss}, {"delta_loss", s.delta_loss()}, {"agreement", s.agreement},
                   {"logit_relrms_mean", s.logit_relrms_mean}, {"logit_relrms_max", s.logit_relrms_max},
                   {"first_disagreement", s.first_disagreement}});
-        if (!a.results.empty()) {
-          std::string n = s.option;
-          for (char& ch : n)
-            if (ch == '-') ch = '_';
-          r.res.add("serving_" + n + "_delta_loss", s.delta_loss(), "nats", note);
-          r.res.add("serving_" + n + "_agreement_pct", 100 * s.agreement, "%", note);
-          r.res.add("serving_" + n + "_logit_relrms", s.logit_relrms_mean, "ratio", note);
-        }
+        std::string n = s.option;
+        for (char& ch : n)
+          if (ch == '-') ch = '_';
+        r.record("serving_" + n + "_delta_loss", s.delta_loss(), "nats", note);
+        r.record("serving_" + n + "_agreement_pct", 100 * s.agreement, "%", note);
+        r.record("serving_" + n + "_logit_relrms", s.logit_relrms_mean, "ratio", note);
       });
   return close_run(&r, st);
 }
