@@ -122,7 +122,8 @@ Status eval_passkey(Model& m, const Tokenizer& tok, const std::vector<int32_t>& 
   const int64_t B = o.batch, trials = rounded_trials(o);
   int64_t need_max = 0;
   for (int64_t L : contexts) need_max = std::max(need_max, L);
-  // Room for the needle and the question: a context shorter than both holds no text.
+  // Room for the question and a needle (about 16 tokens with the corpus tokenizer; 32 allowed):
+  // an early check of the grid, before any forward. Each trial checks its own needle again.
   const int64_t overhead = static_cast<int64_t>(q.size()) + 32;
   for (int64_t L : contexts)
     if (L < overhead + 1)
