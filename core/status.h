@@ -7,7 +7,9 @@
 
 namespace laplace {
 
-class Status {
+// [[nodiscard]]: every function returning a Status is checked, so a failure is never dropped
+// by accident; where ignoring one is right, the call says so with (void) and a comment.
+class [[nodiscard]] Status {
  public:
   enum class Code { kOk = 0, kInvalidArgument, kNotFound, kIoError, kCorrupt, kUnsupported, kOutOfMemory };
 

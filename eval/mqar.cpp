@@ -573,7 +573,7 @@ Status mqar_run_grid(const MqarOptions& o, const std::function<void(const MqarRe
     }
     if (!st.is_ok()) break;
   }
-  if (temp && !o.keep_work) (void)remove_all(work);
+  if (temp && !o.keep_work) (void)remove_all(work);  // best-effort cleanup of scratch files
   else if (!o.quiet) std::fprintf(stderr, "mqar: work files kept in %s\n", work.c_str());
   return st;
 }

@@ -2,18 +2,6 @@
 
 namespace laplace {
 
-Status make_backend(const std::string& device, std::unique_ptr<Backend>* out) {
-  if (device == "cpu") {
-    *out = make_cpu_backend();
-    return Status::ok();
-  }
-  if (device != "cuda") return Status::invalid_argument("unknown device '" + device + "' (use cpu or cuda)");
-  std::string why;
-  *out = make_cuda_backend(&why);
-  if (!*out) return Status::unsupported("no CUDA backend: " + why);
-  return Status::ok();
-}
-
 void Backend::gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, Tensor d,
                        double alpha, double beta) {
   LAPLACE_CHECK(same_shape(c, d) && c.dtype == d.dtype, "gemm_add: c and d must have one shape and dtype");

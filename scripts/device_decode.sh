@@ -18,7 +18,7 @@ mkdir -p "$OUT"
 R="$OUT/results.jsonl"
 LOG="$OUT/run.log"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >> "$LOG" 2>&1
-if [ "${BUILD:-1}" = 1 ]; then  # BUILD=0: lab stages only (each compiles its own program)
+if [ "${BUILD:-1}" = 1 ]; then  # BUILD=0: experiment stages only (each compiles its own program)
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a ${CMAKE_EXTRA:-} \
     > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
   cmake --build build-gpu -j "$(nproc)" --target laplace laplace_tests bench_ops bench_train >> "$OUT/build.log" 2>&1 ||
@@ -29,11 +29,11 @@ else
 fi
 L=./build-gpu/laplace
 M3B="--config configs/laplace-3b.json --device cuda --dtype bf16"
-# lab/trace/cupti_trace.cpp as build-gpu/libcupti_trace.so (stages trace and ptrace).
+# experiments/trace/cupti_trace.cpp as build-gpu/libcupti_trace.so (stages trace and ptrace).
 build_tracer() {
   local lib
   lib=$(dirname "$(find /usr/local/cuda/ -name 'libcupti.so' | head -1)")
-  g++ -O2 -shared -fPIC -I/usr/local/cuda/include -I/usr/local/cuda/extras/CUPTI/include lab/trace/cupti_trace.cpp \
+  g++ -O2 -shared -fPIC -I/usr/local/cuda/include -I/usr/local/cuda/extras/CUPTI/include experiments/trace/cupti_trace.cpp \
     -L"$lib" -Wl,-rpath,"$lib" -lcupti -o build-gpu/libcupti_trace.so >> "$LOG" 2>&1
 }
 if [ "${SMI:-0}" = 1 ]; then
@@ -100,24 +100,24 @@ for s in $STAGES; do
     train)  # the training step of laplace-3b (issue 4: >= 30,000 tok/s, optimizer included); ACCUM micro-batches
       timeout ${TRAIN_TIMEOUT:-300} ./build-gpu/bench/bench_train --steps ${TRAIN_STEPS:-2} --warmup 1 --accum ${ACCUM:-2} \
         --results "$R" --commit "$LAPLACE_COMMIT" 2>&1 | tee -a "$LOG" | grep -vE "^  (rejected|layer)" | tail -${TRAIN_TAIL:-16} ;;
-    lab)  # kernel lab versions (lab/norm: LayerNorm forward and dx) at training and prefill rows
-      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o build-gpu/norm_lab lab/norm/norm_lab.cu >> "$LOG" 2>&1 &&
-        for n in 16384 8192; do ./build-gpu/norm_lab --N $n 2>&1 | tee -a "$LOG"; done ;;
-    declab)  # lab/decode: the decode state kernel's versions (production, bulk copies, persistent over N SMs)
-      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o build-gpu/decode_lab lab/decode/decode_lab.cu \
-        >> "$LOG" 2>&1 && timeout 300 ./build-gpu/decode_lab ${DECLAB_ARGS:-} 2>&1 | tee -a "$LOG" ;;
-    overlap)  # lab/decode/overlap_lab: the state stream on N SMs beside the gemms of the other half batch
-      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o build-gpu/overlap_lab lab/decode/overlap_lab.cu \
-        -lcublasLt >> "$LOG" 2>&1 && timeout 300 ./build-gpu/overlap_lab ${OVERLAP_ARGS:-} 2>&1 | tee -a "$LOG" ;;
-    deferred)  # lab/decode/deferred_lab: v4, the state written back every R-th step only, against v1
-      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o build-gpu/deferred_lab lab/decode/deferred_lab.cu \
-        >> "$LOG" 2>&1 && for r in ${DEFERRED_R:-4 8 16}; do timeout 120 ./build-gpu/deferred_lab --R $r --steps 16 \
+    lab)  # kernel experiments (experiments/norm: LayerNorm forward and dx) at training and prefill rows
+      nvcc -O3 -std=c++17 -I. -gencode=arch=compute_90a,code=sm_90a -o build-gpu/experiment_norm experiments/norm/norm.cu >> "$LOG" 2>&1 &&
+        for n in 16384 8192; do ./build-gpu/experiment_norm --N $n 2>&1 | tee -a "$LOG"; done ;;
+    declab)  # experiments/decode: the decode state kernel's versions (production, bulk copies, persistent over N SMs)
+      nvcc -O3 -std=c++17 -I. -gencode=arch=compute_90a,code=sm_90a -o build-gpu/experiment_decode experiments/decode/decode.cu \
+        >> "$LOG" 2>&1 && timeout 300 ./build-gpu/experiment_decode ${DECLAB_ARGS:-} 2>&1 | tee -a "$LOG" ;;
+    overlap)  # experiments/decode/overlap.cu: the state stream on N SMs beside the gemms of the other half batch
+      nvcc -O3 -std=c++17 -I. -gencode=arch=compute_90a,code=sm_90a -o build-gpu/experiment_decode_overlap experiments/decode/overlap.cu \
+        -lcublasLt >> "$LOG" 2>&1 && timeout 300 ./build-gpu/experiment_decode_overlap ${OVERLAP_ARGS:-} 2>&1 | tee -a "$LOG" ;;
+    deferred)  # experiments/decode/deferred.cu: v4, the state written back every R-th step only, against v1
+      nvcc -O3 -std=c++17 -I. -gencode=arch=compute_90a,code=sm_90a -o build-gpu/experiment_decode_deferred experiments/decode/deferred.cu \
+        >> "$LOG" 2>&1 && for r in ${DEFERRED_R:-4 8 16}; do timeout 120 ./build-gpu/experiment_decode_deferred --R $r --steps 16 \
         ${DEFERRED_ARGS:-} 2>&1 | tee -a "$LOG"; done ;;
-    cores)  # lab/decode/cores_lab: gemm tiles and the state stream as two roles of one block on every SM
+    cores)  # experiments/decode/cores.cu: gemm tiles and the state stream as two roles of one block on every SM
       # (CORES_STATES: the state dtypes, one run each)
-      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o build-gpu/cores_lab lab/decode/cores_lab.cu \
+      nvcc -O3 -std=c++17 -I. -gencode=arch=compute_90a,code=sm_90a -o build-gpu/experiment_decode_cores experiments/decode/cores.cu \
         >> "$LOG" 2>&1 && for sd in ${CORES_STATES:-f32 bf16}; do
-        timeout 300 ./build-gpu/cores_lab --states $sd ${CORES_ARGS:-} 2>&1 | tee -a "$LOG"; done ;;
+        timeout 300 ./build-gpu/experiment_decode_cores --states $sd ${CORES_ARGS:-} 2>&1 | tee -a "$LOG"; done ;;
     ncu)  # kernel metrics (Nsight Compute) of the kernels matching NCU_KERNELS in bench_ops --only NCU_SECTION
       timeout 300 ncu --kernel-name "regex:${NCU_KERNELS:-layernorm_fwd|conv_prefill|rmsnorm_gate_fwd}" --launch-skip 1 \
         --launch-count ${NCU_COUNT:-3} --section SpeedOfLight --section Occupancy --section LaunchStats \
@@ -125,7 +125,7 @@ for s in $STAGES; do
       echo "ncu exit $?"
       grep -E "^  [a-z_].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Stall|ERR" \
         "$OUT/ncu.log" | head -${NCU_TAIL:-60} ;;
-    trace)  # kernel timeline of a deferred F32 decode run (lab/trace/cupti_trace.cpp, CUPTI injection; no nsys there):
+    trace)  # kernel timeline of a deferred F32 decode run (experiments/trace/cupti_trace.cpp, CUPTI injection; no nsys there):
       # idle time and kernel times per step (scripts/trace_step.py)
       build_tracer &&
       CUDA_INJECTION64_PATH=$PWD/build-gpu/libcupti_trace.so CUPTI_TRACE_OUT=build-gpu/trace.csv timeout 300 \
@@ -137,15 +137,15 @@ for s in $STAGES; do
       CUDA_INJECTION64_PATH=$PWD/build-gpu/libcupti_trace.so CUPTI_TRACE_OUT=build-gpu/ptrace.csv timeout 120 \
         $L bench prefill $M3B --prompt-len 8192 --reps 3 --results "" 2>&1 | grep -E "prefill of|cupti" | tee -a "$LOG"
       python3 scripts/trace_step.py build-gpu/ptrace.csv --steps 3 --split-gap-ms 1 --top ${TRACE_TOP:-40} 2>&1 | tee -a "$LOG" ;;
-    algo)  # lab/gemm/algo_lab: cuBLASLt's candidate algorithms at the model's gemm shapes (nodes, memsets, time)
-      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o build-gpu/algo_lab lab/gemm/algo_lab.cu -lcublasLt \
-        >> "$LOG" 2>&1 && timeout 300 ./build-gpu/algo_lab ${ALGO_ARGS:-} 2>&1 | tee -a "$LOG" ;;
-    wgmma)  # lab/gemm/wgmma_lab: the hand-written TMA + wgmma gemm against cuBLASLt; one process per version, so
+    algo)  # experiments/gemm/algo.cu: cuBLASLt's candidate algorithms at the model's gemm shapes (nodes, memsets, time)
+      nvcc -O3 -std=c++17 -I. -gencode=arch=compute_90a,code=sm_90a -o build-gpu/experiment_gemm_algo experiments/gemm/algo.cu -lcublasLt \
+        >> "$LOG" 2>&1 && timeout 300 ./build-gpu/experiment_gemm_algo ${ALGO_ARGS:-} 2>&1 | tee -a "$LOG" ;;
+    wgmma)  # experiments/gemm/wgmma.cu: the hand-written TMA + wgmma gemm against cuBLASLt; one process per version, so
       # that a version that traps (an mbarrier wait timing out) does not hide the others
-      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o build-gpu/wgmma_lab lab/gemm/wgmma_lab.cu \
+      nvcc -O3 -std=c++17 -I. -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o build-gpu/experiment_gemm_wgmma experiments/gemm/wgmma.cu \
         -lcublasLt >> "$LOG" 2>&1 &&
       for v in ${WGMMA_VERSIONS:-1 2 3 4 5 6}; do
-        timeout 120 ./build-gpu/wgmma_lab --versions $v ${WGMMA_ARGS:-} 2>&1 | tee -a "$LOG" | grep -E "^  v|TFLOP/s|PASS|FAIL|rror|timed out"
+        timeout 120 ./build-gpu/experiment_gemm_wgmma --versions $v ${WGMMA_ARGS:-} 2>&1 | tee -a "$LOG" | grep -E "^  v|TFLOP/s|PASS|FAIL|rror|timed out"
       done ;;
     parity)  # greedy tokens vs the PyTorch reference on this GPU (needs a trained model: carry runs/demo/model)
       python3 python/gpu_parity.py --model ${PARITY_MODEL:-runs/demo/model} --binary build-gpu/laplace 2>&1 |

@@ -2,7 +2,7 @@
 """Where a decode step's time goes, from a GPU kernel trace.
 
 Input: a CSV with the columns "Start (ns)", "Duration (ns)" and "Name", one row per kernel or
-copy, every node of a replayed CUDA graph its own row: lab/trace/cupti_trace.cpp writes it
+copy, every node of a replayed CUDA graph its own row: experiments/trace/cupti_trace.cpp writes it
 (CUPTI, on machines without Nsight Systems), as does `nsys stats --report cuda_gpu_trace
 --format csv` of a run profiled with `--cuda-graph-trace=node`.
 A step is taken to end with the argmax kernel (one per greedy decode step), or, with

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "core/thread_annotations.h"
 #include "model/model.h"
 #include "model/state.h"
 #include "serve/generate.h"
@@ -309,7 +310,7 @@ class Engine {
 
   Engine(Model& m, const EngineOptions& opt);
   // Gives queued requests free slots; returns them (their slots are not written yet).
-  std::vector<Seq*> admit_locked();
+  std::vector<Seq*> admit_locked() REQUIRES(mu_);
   // Engine thread, outside the lock: the admitted request's slot gets its start state
   // (a cache hit, its initial snapshot, or zeros).
   void start_context(Seq* s);
@@ -334,9 +335,9 @@ class Engine {
   // logits: the row that gave the last token (final snapshot); null when cancelled.
   void finish(Seq* s, FinishReason r, const float* logits);
   SnapshotPtr snapshot(Seq* s, const float* logits, bool with_generated);
-  void release_slot_locked(Seq* s);
+  void release_slot_locked(Seq* s) REQUIRES(mu_);
   // A running request cancelled outside a step's work: its slot freed, its finish queued.
-  void finish_cancelled_locked(Seq* s);
+  void finish_cancelled_locked(Seq* s) REQUIRES(mu_);
 
   Model& model_;
   EngineOptions opt_;
@@ -351,14 +352,14 @@ class Engine {
   std::chrono::steady_clock::time_point t0_;
 
   mutable std::mutex mu_;  // guards everything below up to the engine-thread section
-  RequestId next_id_ = 1;
-  std::deque<std::unique_ptr<Seq>> queue_;
-  std::unordered_map<RequestId, Seq*> live_;        // queued or running
-  std::vector<std::unique_ptr<Seq>> pending_finish_;  // cancelled outside a step
-  std::vector<Seq*> cancel_in_step_;                // cancelled during a step
-  bool in_step_ = false;
-  int64_t cancels_ = 0;  // cancel() calls that marked a request (queued or running)
-  EngineStats stats_;
+  RequestId next_id_ GUARDED_BY(mu_) = 1;
+  std::deque<std::unique_ptr<Seq>> queue_ GUARDED_BY(mu_);
+  std::unordered_map<RequestId, Seq*> live_ GUARDED_BY(mu_);        // queued or running
+  std::vector<std::unique_ptr<Seq>> pending_finish_ GUARDED_BY(mu_);  // cancelled outside a step
+  std::vector<Seq*> cancel_in_step_ GUARDED_BY(mu_);                // cancelled during a step
+  bool in_step_ GUARDED_BY(mu_) = false;
+  int64_t cancels_ GUARDED_BY(mu_) = 0;  // cancel() calls that marked a request (queued or running)
+  EngineStats stats_ GUARDED_BY(mu_);
 
   // Engine-thread state; cancel() touches it only under mu_ while !in_step_.
   std::vector<std::unique_ptr<Seq>> by_slot_;  // [max_slots]

@@ -2,6 +2,7 @@
 #include <utility>
 
 #include "serve/http_server.h"
+#include "core/thread_annotations.h"
 
 #include <sys/resource.h>
 
@@ -154,7 +155,8 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
   std::atomic<bool> stopping{false};
   int port = 0;
   std::mutex mu;
-  bool started = false, stopped = false;
+  bool started = false;  // set under mu by start(); stop() reads it after its own turn of mu
+  bool stopped GUARDED_BY(mu) = false;
 
   void do_accept();
   void refuse(tcp::socket& s);

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "core/thread_annotations.h"
+
 namespace laplace {
 
 class Histogram {
@@ -20,9 +22,9 @@ class Histogram {
   std::string name_, help_;
   std::vector<double> bounds_;
   mutable std::mutex mu_;
-  std::vector<uint64_t> counts_;  // per bucket (not cumulative); last = +Inf
-  double sum_ = 0;
-  uint64_t count_ = 0;
+  std::vector<uint64_t> counts_ GUARDED_BY(mu_);  // per bucket (not cumulative); last = +Inf
+  double sum_ GUARDED_BY(mu_) = 0;
+  uint64_t count_ GUARDED_BY(mu_) = 0;
 };
 
 // Latency buckets in seconds, 1 ms … 60 s.

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "serve/request.h"
+#include "core/thread_annotations.h"
 
 namespace laplace {
 
@@ -49,14 +50,14 @@ class PrefixCache {
     uint64_t hash;
     SnapshotPtr snap;
   };
-  void evict_locked();
-  void drop_locked(std::list<Entry>::iterator e);
+  void evict_locked() REQUIRES(mu_);
+  void drop_locked(std::list<Entry>::iterator e) REQUIRES(mu_);
 
   const int64_t budget_;
   mutable std::mutex mu_;
-  std::list<Entry> lru_;  // front = most recently used
-  std::unordered_multimap<uint64_t, std::list<Entry>::iterator> index_;
-  PrefixCacheStats stats_;
+  std::list<Entry> lru_ GUARDED_BY(mu_);  // front = most recently used
+  std::unordered_multimap<uint64_t, std::list<Entry>::iterator> index_ GUARDED_BY(mu_);
+  PrefixCacheStats stats_ GUARDED_BY(mu_);
 };
 
 }  // namespace laplace

@@ -32,6 +32,7 @@
 #include "model/model.h"
 #include "serve/chat_template.h"
 #include "serve/engine.h"
+#include "core/thread_annotations.h"
 #include "serve/http_server.h"
 #include "serve/metrics.h"
 #include "serve/openai_api.h"
@@ -85,25 +86,25 @@ struct Job {
   int32_t eos = -1;
   std::vector<std::string> stops;
   std::mutex mu;
-  std::vector<Choice> choices;
-  int64_t finished = 0;
-  bool forked = false;          // choices 1..n-1 submitted (or given up)
-  bool abandoned = false;       // the client went away
-  SnapshotPtr prompt_state;     // after the prompt (cache, forks, sessions)
+  std::vector<Choice> choices GUARDED_BY(mu);
+  int64_t finished GUARDED_BY(mu) = 0;
+  bool forked GUARDED_BY(mu) = false;       // choices 1..n-1 submitted (or given up)
+  bool abandoned GUARDED_BY(mu) = false;    // the client went away
+  SnapshotPtr prompt_state GUARDED_BY(mu);  // after the prompt (cache, forks, sessions)
   // echo: the prompt's text, and with logprobs its tokens' log-probabilities (null first
   // entry when nothing predicts it).
   std::string echo_text;
-  std::vector<TokenLogprobs> prompt_lps;
+  std::vector<TokenLogprobs> prompt_lps GUARDED_BY(mu);
   bool discard_first = false;   // echo with max_tokens 0: the one token generated is not shown
   uint64_t session_ticket = 0;  // room reserved for save_session
   // The answer.
   http::ExchangePtr ex;
-  bool head_sent = false;       // non-streamed: the head went out (with whitespace)
-  bool cut = false;             // graceful stop: the grace ran out
-  bool closed = false;          // the producer said done (or the client left)
+  bool head_sent GUARDED_BY(mu) = false;  // non-streamed: the head went out (with whitespace)
+  bool cut GUARDED_BY(mu) = false;        // graceful stop: the grace ran out
+  bool closed GUARDED_BY(mu) = false;     // the producer said done (or the client left)
   uint64_t serial = 0;          // in the registry of live jobs
   std::atomic<bool> dirty{false};  // engine thread: a wake is due after this step
-  bool all_finished() const { return finished == static_cast<int64_t>(choices.size()); }
+  bool all_finished() const REQUIRES(mu) { return finished == static_cast<int64_t>(choices.size()); }
 };
 
 struct Server::Impl {
@@ -115,7 +116,7 @@ struct Server::Impl {
   std::atomic<bool> ready{false};
   std::atomic<bool> load_failed{false};
   Status load_status;
-  std::mutex load_mu;
+  std::mutex load_mu;  // load_status is written under it, then published by ready / load_failed
   std::condition_variable load_cv;
   std::thread loader, engine_thread;
 
@@ -130,11 +131,11 @@ struct Server::Impl {
   // Engine thread wake-up.
   std::mutex wake_mu;
   std::condition_variable wake_cv;
-  bool wake = false;
-  bool held = false;             // hold_engine(): no step runs
+  bool wake GUARDED_BY(wake_mu) = false;
+  bool held GUARDED_BY(wake_mu) = false;  // hold_engine(): no step runs
   std::atomic<bool> stopping{false};
   std::atomic<bool> draining{false};  // graceful stop: no new work is admitted
-  bool stopped = false;
+  bool stopped GUARDED_BY(stop_mu) = false;
   std::mutex stop_mu;
   std::condition_variable stop_cv;
   // Engine thread only: jobs with news since the last wake.
@@ -143,22 +144,22 @@ struct Server::Impl {
   // Live jobs (admitted, answer not finished), for the graceful stop.
   std::mutex jobs_mu;
   std::condition_variable jobs_cv;
-  std::map<uint64_t, std::weak_ptr<Job>> live_jobs;
-  uint64_t next_serial = 1;
+  std::map<uint64_t, std::weak_ptr<Job>> live_jobs GUARDED_BY(jobs_mu);
+  uint64_t next_serial GUARDED_BY(jobs_mu) = 1;
 
   SessionStore sessions;
   // Assistant message text → the tokens that produced it, so a chat's next turn feeds
   // the model exactly its own tokens (and the cached state after them matches).
   std::mutex memo_mu;
-  std::map<std::string, std::vector<int32_t>> memo;
-  std::deque<std::string> memo_order;
+  std::map<std::string, std::vector<int32_t>> memo GUARDED_BY(memo_mu);
+  std::deque<std::string> memo_order GUARDED_BY(memo_mu);
 
   // File work (session save / restore), off the event loops.
   std::mutex files_mu;
   std::condition_variable files_cv;
-  std::deque<std::function<void()>> files_queue;
+  std::deque<std::function<void()>> files_queue GUARDED_BY(files_mu);
   std::vector<std::thread> file_threads;
-  bool files_stop = false;
+  bool files_stop GUARDED_BY(files_mu) = false;
 
   std::atomic<int64_t> outstanding{0}, http_requests{0}, rejected_429{0}, disconnects{0};
   Histogram ttft{"laplace_time_to_first_token_seconds", "Time from request to its first token.", latency_buckets()};

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "core/thread_annotations.h"
 #include "model/config.h"
 #include "model/state.h"
 #include "serve/request.h"
@@ -84,26 +85,27 @@ class SessionStore {
  private:
   std::shared_ptr<std::mutex> turn(const std::string& name);
   void drop_turn(const std::string& name, const std::shared_ptr<std::mutex>& m);
-  bool fits_locked(int64_t add_count, int64_t add_bytes) const;
+  bool fits_locked(int64_t add_count, int64_t add_bytes) const REQUIRES(mu_);
 
   SessionLimits lim_;
   std::string dir_;
   mutable std::mutex mu_;
-  std::map<std::string, Session> sessions_;
-  int64_t bytes_ = 0;
+  std::map<std::string, Session> sessions_ GUARDED_BY(mu_);
+  int64_t bytes_ GUARDED_BY(mu_) = 0;
   struct Reservation {
     std::string name;
     int64_t bytes = 0;
     bool counts = true;  // a new name (a replacement does not add to the count)
   };
-  std::map<uint64_t, Reservation> reserved_;
-  uint64_t next_ticket_ = 1;
-  int64_t reserved_count_ = 0, reserved_bytes_ = 0;
+  std::map<uint64_t, Reservation> reserved_ GUARDED_BY(mu_);
+  uint64_t next_ticket_ GUARDED_BY(mu_) = 1;
+  int64_t reserved_count_ GUARDED_BY(mu_) = 0, reserved_bytes_ GUARDED_BY(mu_) = 0;
 
   mutable std::mutex disk_mu_;
-  std::map<std::string, std::shared_ptr<std::mutex>> turns_;
-  std::map<std::string, int64_t> files_;  // name -> bytes on disk
-  int64_t disk_bytes_ = 0, pending_disk_bytes_ = 0, pending_files_ = 0;
+  std::map<std::string, std::shared_ptr<std::mutex>> turns_ GUARDED_BY(disk_mu_);
+  std::map<std::string, int64_t> files_ GUARDED_BY(disk_mu_);  // name -> bytes on disk
+  int64_t disk_bytes_ GUARDED_BY(disk_mu_) = 0, pending_disk_bytes_ GUARDED_BY(disk_mu_) = 0,
+          pending_files_ GUARDED_BY(disk_mu_) = 0;
 };
 
 // The session file: safetensors with tensors state, logits, snapshot_tokens, context and

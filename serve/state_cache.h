@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "model/state.h"
+#include "core/thread_annotations.h"
 #include "serve/prefix_cache.h"
 
 namespace laplace {
@@ -93,8 +94,8 @@ class StateCache {
     int32_t slot;
   };
   using Iter = std::list<Entry>::iterator;
-  Iter find_locked(uint64_t hash, const std::vector<int32_t>& tokens, size_t n);
-  void unindex_locked(Iter e);
+  Iter find_locked(uint64_t hash, const std::vector<int32_t>& tokens, size_t n) REQUIRES(mu_);
+  void unindex_locked(Iter e) REQUIRES(mu_);
   // Puts the state in slot src into the device tier (demoting its LRU entry when full);
   // false if these tokens were there already (then only refreshed).
   bool to_device(int32_t src, const std::vector<int32_t>& tokens, std::shared_ptr<const std::vector<float>> logits);
@@ -108,10 +109,10 @@ class StateCache {
   PrefixCache host_;
 
   mutable std::mutex mu_;  // guards lru_, index_, free_, stats_ (changed on the engine thread only)
-  std::list<Entry> lru_;   // front = most recently used
-  std::unordered_multimap<uint64_t, Iter> index_;
-  std::vector<int32_t> free_;  // free cache slots
-  StateCacheStats stats_;      // the device-tier and cross-tier counters
+  std::list<Entry> lru_ GUARDED_BY(mu_);   // front = most recently used
+  std::unordered_multimap<uint64_t, Iter> index_ GUARDED_BY(mu_);
+  std::vector<int32_t> free_ GUARDED_BY(mu_);  // free cache slots
+  StateCacheStats stats_ GUARDED_BY(mu_);      // the device-tier and cross-tier counters
 };
 
 }  // namespace laplace

@@ -431,7 +431,7 @@ TEST_F(CudaOps, GraphOfGemmsMovesMemsetsAndKeepsEagerBits) {
 // shapes (β = 0 with BF16 and F32 outputs, and the residual add in place with β = 1) the
 // outputs must be the bytes of a backend that does not tune, on the tuning call and on a later
 // one with new inputs. On sm_90 every one of these shapes has candidates with the pick's bytes
-// (lab/gemm/algo_lab), so each must have been timed.
+// (experiments/gemm/algo), so each must have been timed.
 TEST_F(CudaOps, GemmTuningKeepsTheHeuristicPicksBytes) {
   auto* be = dynamic_cast<CudaBackend*>(cuda_.get());
   ASSERT_NE(be, nullptr);

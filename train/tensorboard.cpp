@@ -150,14 +150,14 @@ std::string frame_record(std::string_view data) {
   return rec;
 }
 
-EventWriter::~EventWriter() { (void)close(); }
+EventWriter::~EventWriter() { (void)close(); }  // best effort: a destructor cannot report
 
 EventWriter::EventWriter(EventWriter&& o) noexcept
     : f_(std::exchange(o.f_, nullptr)), path_(std::move(o.path_)) {}
 
 EventWriter& EventWriter::operator=(EventWriter&& o) noexcept {
   if (this != &o) {
-    (void)close();
+    (void)close();  // best effort, as in the destructor: the file being replaced is let go
     f_ = std::exchange(o.f_, nullptr);
     path_ = std::move(o.path_);
   }

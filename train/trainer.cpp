@@ -256,7 +256,7 @@ void Trainer::write_tensorboard(int64_t step, const std::vector<ScalarValue>& va
   const Status st = tensorboard_.write_scalars(step, values);
   if (st.is_ok()) return;
   std::fprintf(stderr, "laplace: %s; no more TensorBoard output\n", st.to_string().c_str());
-  (void)tensorboard_.close();
+  (void)tensorboard_.close();  // best effort: the writer already failed and was reported
 }
 
 void Trainer::log_line(const StepLog& s) {

@@ -154,7 +154,7 @@ bool same_nodes(std::vector<cudaGraphNode_t> a, std::vector<cudaGraphNode_t> b) 
 
 // Before a kernel that walks its tiles in several waves, cuBLASLt queues a memset of a 4-byte
 // tile counter it keeps in the workspace (the heuristic asks for 4 bytes of workspace;
-// lab/gemm/algo_lab lists the nodes each candidate launches). Captured as queued, each memset
+// experiments/gemm/algo lists the nodes each candidate launches). Captured as queued, each memset
 // waits for the kernel before the gemm and the gemm for the memset: two dependency hops of
 // idle GPU per gemm, paid once for every gemm of a decode step. Hanging the memset off the
 // previous gemm instead (a branch beside the kernels in between) does not help: the gemm then waits at the join. So while capturing, each gemm whose algorithm needs at most
@@ -591,7 +591,7 @@ void CudaBackend::gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool 
 // each candidate runs once and its output's fingerprint is compared with the heuristic pick's
 // (only candidates with the same bytes may be chosen, so tuning never changes a result:
 // cuBLASLt's candidates here differ in tiles and scheduling, not in the order of the sums,
-// lab/gemm/algo_lab); then rounds in which every such candidate runs in turn (clocks and heat
+// experiments/gemm/algo); then rounds in which every such candidate runs in turn (clocks and heat
 // then weigh on all alike), and the fastest median wins if it beats the pick by 2 %. An
 // in-place call with β ≠ 0 writes into a temporary instead, so C is intact for the real call
 // that follows; if none can be allocated, the pick stays. LAPLACE_GEMM_TUNE=verbose prints
