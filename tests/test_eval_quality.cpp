@@ -57,7 +57,7 @@ TEST(EvalStream, PiecesEqualOneForward) {
   const int64_t B = 3, n = 45, K = 6, V = t.m.config().vocab_size;
   const std::vector<int32_t> x = testing::random_tokens(B * n, V, 3);
   // The whole sequences at once, from the empty state.
-  t.m.plan({B, n, false, false});
+  ASSERT_TRUE(t.m.plan({B, n, false, false}).is_ok());
   t.m.forward(x.data(), B, n, ForwardOptions{});
   std::vector<float> whole;
   logits_rows_to_host(t.m, 0, B * n, &whole);
@@ -122,7 +122,7 @@ TEST(EvalPosition, BucketsAddUpToTheWholeSequenceLoss) {
     x.insert(x.end(), held.begin() + off, held.begin() + off + 300);
     y.insert(y.end(), held.begin() + off + 1, held.begin() + off + 301);
   }
-  t.m.plan({2, 300, false, false});
+  ASSERT_TRUE(t.m.plan({2, 300, false, false}).is_ok());
   t.m.forward(x.data(), 2, 300, ForwardOptions{});
   const double whole = t.m.loss(y.data());
   EXPECT_NEAR(sum / static_cast<double>(count), whole, 1e-9);
