@@ -25,9 +25,7 @@ import math
 import os
 import sys
 
-
-class InputError(Exception):
-    pass
+from plot_common import InputError, read_json_lines
 
 
 def number(v, where, key):
@@ -40,23 +38,8 @@ def number(v, where, key):
 
 def read_metrics(path):
     """Returns ({step: loss}, {step: val_loss}) of one metrics.jsonl."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise InputError(f"cannot read {path}: {reason}") from None
     train, val = {}, {}
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{i}"
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(rec, dict):
-            raise InputError(f"{where}: not a JSON object")
+    for where, rec in read_json_lines(path):
         if "loss" not in rec and "val_loss" not in rec:
             continue
         step = rec.get("step")

@@ -6,34 +6,11 @@
 set -euo pipefail
 LAPLACE=${1:?usage: server_clients.sh LAPLACE_BINARY}
 HERE=$(cd "$(dirname "$0")" && pwd)
-WORK=$(mktemp -d)
-SERVER_PID=
-cleanup() {
-  if [ -n "$SERVER_PID" ]; then kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true; fi
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-fail() { echo "FAIL: $*" >&2; exit 1; }
-
-# A small corpus, a tokenizer and a model directory.
-for i in $(seq 1 300); do
-  echo "the quick brown fox $i jumps over the lazy dog; a fortune a day keeps the doctor away."
-  echo "Why did the programmer quit? Because he did not get arrays. The meaning of life is $((i % 7))."
-done > "$WORK/corpus.txt"
-"$LAPLACE" tokenizer train --input "$WORK/corpus.txt" --model-prefix "$WORK/tok" --vocab-size 400 > /dev/null
-"$LAPLACE" init --config "$HERE/../configs/laplace-tiny.json" --out "$WORK/model" --seed 5 > /dev/null
-cp "$WORK/tok.model" "$WORK/model/tokenizer.model"
+# shellcheck source=tests/serve_fixture.sh
+. "$HERE/serve_fixture.sh"
+make_model_dir
 KEY=test-key-123
-
-"$LAPLACE" serve --model "$WORK/model" --name tiny --port 0 --max-slots 4 --api-key "$KEY" > "$WORK/server.log" 2>&1 &
-SERVER_PID=$!
-for _ in $(seq 1 200); do
-  grep -q "ready" "$WORK/server.log" 2>/dev/null && break
-  kill -0 "$SERVER_PID" 2>/dev/null || { cat "$WORK/server.log"; fail "server exited"; }
-  sleep 0.1
-done
-PORT=$(sed -n 's/.*listening on http:\/\/127.0.0.1:\([0-9]*\).*/\1/p' "$WORK/server.log")
-[ -n "$PORT" ] || { cat "$WORK/server.log"; fail "no port"; }
+start_server --name tiny --max-slots 4 --api-key "$KEY"
 URL="http://127.0.0.1:$PORT"
 AUTH=(-H "Authorization: Bearer $KEY")
 echo "server on $URL"

@@ -236,23 +236,9 @@ TEST(Mqar, OptionsAreValidated) {
 
 // ---- end to end ---------------------------------------------------------------------------------
 
-struct CmdResult {
-  int exit_code = -1;
-  std::string output;
-};
+using CmdResult = testing::CliResult;
 
-CmdResult run(const std::string& args, bool with_stderr = true) {
-  CmdResult r;
-  const std::string cmd = std::string(LAPLACE_BINARY) + " " + args + (with_stderr ? " 2>&1" : " 2>/dev/null");
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int st = pclose(p);
-  if (WIFEXITED(st)) r.exit_code = WEXITSTATUS(st);
-  return r;
-}
+CmdResult run(const std::string& args, bool with_stderr = true) { return testing::run_laplace(args, with_stderr); }
 
 std::string slurp(const std::string& path) {
   std::ifstream f(path, std::ios::binary);

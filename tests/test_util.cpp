@@ -121,9 +121,9 @@ std::string make_temp_dir(const std::string& tag) {
   return tmpl;
 }
 
-CliResult run_laplace(const std::string& args) {
+CliResult run_laplace(const std::string& args, bool with_stderr) {
   CliResult r;
-  const std::string cmd = std::string(LAPLACE_BINARY) + " " + args + " 2>&1";
+  const std::string cmd = std::string(LAPLACE_BINARY) + " " + args + (with_stderr ? " 2>&1" : " 2>/dev/null");
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return r;
   std::array<char, 4096> buf;

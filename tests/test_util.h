@@ -45,12 +45,13 @@ std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint64_t seed);
 std::string make_temp_dir(const std::string& tag);
 
 // What `laplace ARGS` (the binary these tests were built with) printed, stdout and stderr
-// together, and its exit code (-1 when it did not exit normally).
+// together (stdout alone with with_stderr false), and its exit code (-1 when it did not exit
+// normally).
 struct CliResult {
   int exit_code = -1;
   std::string output;
 };
-CliResult run_laplace(const std::string& args);
+CliResult run_laplace(const std::string& args, bool with_stderr = true);
 
 // A model directory for the server tests: config.json (small_config's shapes, V = 400,
 // eos 2), random weights from `weight_seed`, and a 400-piece tokenizer trained on a
