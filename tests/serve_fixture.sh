@@ -29,16 +29,18 @@ make_model_dir() {
   cp "$WORK/tok.model" "$WORK/model/tokenizer.model"
 }
 
-# start_server ARGS...: `laplace serve --model $WORK/model --port 0 ARGS` in the background;
-# waits (20 s at most) until it is ready and sets PORT.
+# start_server ARGS...: `laplace serve --model $WORK/model --port 0 ARGS` in the background,
+# its output in $SERVER_LOG (default $WORK/server.log); waits (20 s at most) until it is ready
+# and sets PORT.
 start_server() {
-  "$LAPLACE" serve --model "$WORK/model" --port 0 "$@" > "$WORK/server.log" 2>&1 &
+  local log=${SERVER_LOG:-$WORK/server.log}
+  "$LAPLACE" serve --model "$WORK/model" --port 0 "$@" > "$log" 2>&1 &
   SERVER_PID=$!
   for _ in $(seq 1 200); do
-    grep -q "ready" "$WORK/server.log" 2>/dev/null && break
-    kill -0 "$SERVER_PID" 2>/dev/null || { cat "$WORK/server.log"; fail "server exited"; }
+    grep -q "ready" "$log" 2>/dev/null && break
+    kill -0 "$SERVER_PID" 2>/dev/null || { cat "$log"; fail "server exited"; }
     sleep 0.1
   done
-  PORT=$(sed -n 's/.*listening on http:\/\/127.0.0.1:\([0-9]*\).*/\1/p' "$WORK/server.log")
-  [ -n "$PORT" ] || { cat "$WORK/server.log"; fail "no port"; }
+  PORT=$(sed -n 's/.*listening on http:\/\/127.0.0.1:\([0-9]*\).*/\1/p' "$log")
+  [ -n "$PORT" ] || { cat "$log"; fail "no port"; }
 }

@@ -63,15 +63,7 @@ LAPLACE_URL=$URL LAPLACE_MODEL=tiny LAPLACE_API_KEY=$KEY node --test "$HERE/open
 # --- SIGTERM: a graceful stop ends a running stream with an error event and [DONE], exit 0 ---
 kill "$SERVER_PID"; wait "$SERVER_PID" || fail "the first server did not exit 0 on SIGTERM"
 SERVER_PID=
-"$LAPLACE" serve --model "$WORK/model" --name tiny --port 0 --max-slots 2 --max-tokens 1000000 --grace-seconds 0.5 \
-  > "$WORK/server2.log" 2>&1 &
-SERVER_PID=$!
-for _ in $(seq 1 200); do
-  grep -q "ready" "$WORK/server2.log" 2>/dev/null && break
-  kill -0 "$SERVER_PID" 2>/dev/null || { cat "$WORK/server2.log"; fail "server exited"; }
-  sleep 0.1
-done
-PORT=$(sed -n 's/.*listening on http:\/\/127.0.0.1:\([0-9]*\).*/\1/p' "$WORK/server2.log")
+SERVER_LOG=$WORK/server2.log start_server --name tiny --max-slots 2 --max-tokens 1000000 --grace-seconds 0.5
 curl -sN "http://127.0.0.1:$PORT/v1/completions" \
   -d '{"prompt":"The quick","max_tokens":900000,"ignore_eos":true,"stream":true}' > "$WORK/stream.txt" &
 CURL_PID=$!
