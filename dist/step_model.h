@@ -1,6 +1,7 @@
 // A model of one training step on P GPUs (G per node, N nodes), for the machines we cannot
-// run here (docs/distributed.md §7). It is built from what was measured on one and two H200s
-// and from the exact per-rank bytes of dist/plan.h, and it states its assumptions:
+// run here (docs/distributed.md §7). Its inputs are one GPU's forward + backward rate and
+// optimizer time (flags; their defaults and the check against two GPUs are in BENCHMARKS.md)
+// and the exact per-rank bytes of dist/plan.h; it states its assumptions:
 //
 //   fb      = A·B·T / fb_tok_s                      forward + backward of this rank's tokens
 //   coll(S) = (P−1)/P · S / busbw                   a ring all-gather or reduce-scatter of S bytes
@@ -24,18 +25,19 @@
 
 namespace laplace {
 
+// Defaults: laplace-3b on H200s (the sources of each are in docs/distributed.md §7).
 struct StepMachine {
   int gpus_per_node = 8;
   int nodes = 1;
-  double nvlink_gbs = 360;  // NCCL bus bandwidth inside a node, GB/s (assumed for H200 NVLink 4)
-  double ib_gbs = 45;       // across nodes, GB/s per GPU (one 400 Gb/s NIC per GPU, ~90 % usable)
+  double nvlink_gbs = 360;  // NCCL bus bandwidth inside a node, GB/s
+  double ib_gbs = 45;       // across nodes, GB/s per GPU (one NIC per GPU)
   int ranks() const { return gpus_per_node * nodes; }
 };
 
 struct StepWorkload {
   int64_t batch = 8, seq = 2048, accum = 2;  // per rank and micro-batch
-  double fb_tok_s = 25450;     // one GPU's forward + backward tokens/s at this micro-batch (measured)
-  double opt_1gpu_s = 0.41;    // the whole optimizer step on one GPU (measured)
+  double fb_tok_s = 25450;     // one GPU's forward + backward tokens/s at this micro-batch
+  double opt_1gpu_s = 0.41;    // the whole optimizer step on one GPU, seconds
   double ns_share = 0.9;       // the part of it that is Newton–Schulz (the rest is element-wise)
   double overlap = 1.0;        // 1: gathers and reductions run beside the compute (the trainer's
                                // overlapped collectives); 0: after it

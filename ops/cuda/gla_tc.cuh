@@ -34,8 +34,8 @@
 // final bf16 rounding of o alone costs 1.66e-3) does not allow that, so the forward splits each
 // such value into hi = bf16(x) and lo = bf16(x − hi) and runs two mma's (error ~1e-5). The
 // backward (budget 5e-3) rounds each such value once, its state scans included (their states
-// are stored as one bf16 plane anyway): its errors stay within budget, and split scans would
-// lower them at the cost of a third more scan time (BENCHMARKS.md's History).
+// are stored as one bf16 plane anyway): its errors stay within budget, so the scans, the
+// backward's longest part, stay single (split scans would lower the errors and lengthen them).
 #pragma once
 
 #include "ops/cuda/cuda_common.cuh"
@@ -49,8 +49,7 @@ namespace laplace::cuda::gla_tc {
 
 // Forward precision switches: the hi/lo split of the decayed block A and of the state S. Both
 // stay on. With both, o's error is that of its final bf16 rounding alone; rounding A once
-// saves little, and rounding S once brings the error too close to the 2.5e-3 bound for the
-// time it saves (BENCHMARKS.md's History).
+// saves little, and rounding S once brings the error too close to the 2.5e-3 bound.
 #ifndef GLA_A_LO
 #define GLA_A_LO 1
 #endif

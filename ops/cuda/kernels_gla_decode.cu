@@ -14,8 +14,7 @@
 //
 // BF16 states with contiguous rows move through shared memory by Hopper bulk copies instead
 // (kBulk), in the deferred kernel too: per-thread loads of 8-byte BF16 vectors stay well below
-// the copy bandwidth, which F32 states reach with the per-thread loads they keep (figures in
-// BENCHMARKS.md's History).
+// the copy bandwidth, which F32 states reach with the per-thread loads they keep.
 //
 // The gate epilogue reproduces rmsnorm_gate_fwd_kernel (kernels_norm.cu) operation for
 // operation, o rounded to its dtype first, so fused and unfused decode give the same bits.
@@ -41,9 +40,8 @@ template <>
 struct DecShape<float> {
   static constexpr int kCols = 4, kGroups = 4;
 };
-// BF16 keeps F32's 4 × 4 shape with 8-byte vectors: 8 BF16 columns × 8 groups (16-byte
-// vectors) is slower, and so are 16 rows in flight instead of kDecUnroll's 8 (BENCHMARKS.md's
-// History).
+// BF16 keeps F32's 4 × 4 shape with 8-byte vectors: wider vectors (8 BF16 columns × 8
+// groups) and 16 rows in flight instead of kDecUnroll's 8 did not stream faster.
 template <>
 struct DecShape<__nv_bfloat16> {
   static constexpr int kCols = 4, kGroups = 4;
@@ -290,7 +288,7 @@ struct PendArgs {
 // m + 1 + d ≥ R, so a corrupt word with m + d ≥ R folds its m < R pairs. Keep the mask: a
 // min/max clamp in its place took the write-back step at every step on the GPU (CUDA 13.0,
 // sm_90a) although its PTX compared the clamped count correctly; the cause was not found, and
-// the mask passes the op and model tests (BENCHMARKS.md's History).
+// the mask passes the op and model tests.
 __device__ __forceinline__ void pending_count(const PendArgs& p, int64_t slot, int h, int R, int* m, int* d) {
   const int32_t w = p.cnt[slot * p.c_ss + h];
   *m = pending_m(w) & (R - 1);
@@ -531,8 +529,7 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
 
 // At most 64 registers (__launch_bounds__(256, 4)), so 5 decode blocks of dv = 192 threads fit
 // per SM: unbounded, the kernel takes ~118 registers and 2 blocks per SM, and at 80 registers
-// 4 blocks fit without spills. The few bytes spilled at 64 (ptxas: 8 stored, 16 loaded at
-// R = 8, F32) cost less than the fifth block gains (BENCHMARKS.md's History).
+// 4 blocks fit without spills. The fifth block is worth the few bytes that 64 registers spill.
 template <class ST, int R, bool kBulk>
 __global__ void __launch_bounds__(kDecMaxDv, 4) gla_decode_deferred_kernel(DecArgs a, PendArgs p) {
   static_assert(R >= 2 && R <= kMaxDeferSteps && (R & (R - 1)) == 0, "R: a power of two up to 16");
