@@ -84,15 +84,6 @@ void EagerExecutor::prefill_all(const PrefillPiece& piece, std::vector<float>* l
   logits_rows_to_host(m_, 0, piece.n, logits);
 }
 
-void StepExecutor::prefill_group(const std::vector<PrefillPiece>& pieces, std::vector<float>* logits) {
-  std::vector<float> row;
-  logits->clear();
-  for (const PrefillPiece& p : pieces) {
-    prefill(p, &row);
-    logits->insert(logits->end(), row.begin(), row.end());
-  }
-}
-
 void EagerExecutor::prefill_group(const std::vector<PrefillPiece>& pieces, std::vector<float>* logits) {
   const int64_t G = static_cast<int64_t>(pieces.size()), n = pieces.front().n;
   std::vector<int32_t> tokens(static_cast<size_t>(G * n)), slots(static_cast<size_t>(G));
@@ -722,6 +713,39 @@ void Engine::start_decoding(Seq* s, const float* logits) {
   emit(s, logits);
 }
 
+std::vector<std::vector<size_t>> Engine::prefill_groups(const StepPlan& plan) const {
+  const size_t np = plan.pieces.size();
+  std::vector<int> round(np, 0);
+  std::unordered_map<const Seq*, int> seen;
+  for (size_t i = 0; i < np; ++i) round[i] = seen[plan.prefill[i]]++;
+  std::vector<size_t> order(np);
+  for (size_t i = 0; i < np; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return round[a] < round[b]; });
+  const int64_t max_group = batch_prefill_ ? std::min(model_.plan_options().max_batch, model_.logit_rows()) : 1;
+  std::vector<std::vector<size_t>> groups;
+  std::unordered_map<int64_t, size_t> open;  // piece length -> the round's group still taking pieces
+  int current = -1;
+  for (size_t i : order) {
+    if (plan.prefill[i]->cancelled.load()) continue;  // released at the step's end
+    if (round[i] != current) {
+      current = round[i];
+      open.clear();
+    }
+    const PrefillPiece& p = plan.pieces[i];
+    auto it = p.all_logits ? open.end() : open.find(p.n);
+    if (it != open.end()) {
+      std::vector<size_t>& g = groups[it->second];
+      if (static_cast<int64_t>(g.size()) < max_group && static_cast<int64_t>(g.size() + 1) * p.n <= model_.plan_rows()) {
+        g.push_back(i);
+        continue;
+      }
+    }
+    groups.push_back({i});
+    if (!p.all_logits) open[p.n] = groups.size() - 1;
+  }
+  return groups;
+}
+
 bool Engine::step() {
   std::vector<std::unique_ptr<Seq>> notify;
   std::vector<Seq*> admitted;
@@ -792,47 +816,20 @@ bool Engine::step() {
     }
     d.sample_seconds += now() - ts;
   }
-  // Prefill: in rounds (a sequence's k-th piece of this step is in round k, so its pieces
-  // run in order); within a round, pieces of one length form one forward when
-  // batch_prefill_ is on, up to the plan's rows.
-  const size_t np = plan.pieces.size();
-  std::vector<int> round(np, 0);
-  {
-    std::unordered_map<const Seq*, int> seen;
-    for (size_t i = 0; i < np; ++i) round[i] = seen[plan.prefill[i]]++;
-  }
-  const int64_t max_group = batch_prefill_ ? std::min(model_.plan_options().max_batch, model_.logit_rows()) : 1;
-  std::vector<bool> done(np, false);
-  std::vector<size_t> group;
   std::vector<PrefillPiece> group_pieces;
-  for (size_t left = np; left > 0;) {
-    // The lowest round with pieces left, and its first piece: a sequence's pieces have
-    // ascending rounds, so each runs after the one before it.
-    int r = std::numeric_limits<int>::max();
-    for (size_t j = 0; j < np; ++j)
-      if (!done[j]) r = std::min(r, round[j]);
-    size_t first = 0;
-    while (done[first] || round[first] != r) ++first;
+  for (std::vector<size_t> group : prefill_groups(plan)) {
+    // A callback of an earlier piece may have cancelled one (released at the step's end).
+    std::erase_if(group, [&](size_t j) { return plan.prefill[j]->cancelled.load(); });
+    if (group.empty()) continue;
+    const size_t first = group.front();
     const PrefillPiece& head = plan.pieces[first];
-    group.assign(1, first);
-    const bool skip = plan.prefill[first]->cancelled.load();  // released at the step's end
-    if (!skip && !head.all_logits)
-      for (size_t j = first + 1; j < np && static_cast<int64_t>(group.size()) < max_group; ++j) {
-        const PrefillPiece& pj = plan.pieces[j];
-        if (done[j] || round[j] != r || pj.all_logits || pj.n != head.n || plan.prefill[j]->cancelled.load()) continue;
-        if (static_cast<int64_t>(group.size() + 1) * head.n > model_.plan_rows()) break;
-        group.push_back(j);
-      }
-    for (size_t j : group) done[j] = true;
-    left -= group.size();
-    if (skip) continue;
     const double t = now();
-    std::vector<const float*> last(group.size(), logits_.data());
+    int64_t last_row = 0, row_step = 0;  // piece g's last-token logits: row last_row + g·row_step
     if (group.size() > 1) {
       group_pieces.clear();
       for (size_t j : group) group_pieces.push_back(plan.pieces[j]);
       exec_->prefill_group(group_pieces, &logits_);
-      for (size_t g = 0; g < group.size(); ++g) last[g] = logits_.data() + static_cast<int64_t>(g) * vocab_;
+      row_step = 1;
     } else if (head.all_logits) {
       Seq* s = plan.prefill[first];
       exec_->prefill_all(head, &logits_);
@@ -844,10 +841,9 @@ bool Engine::step() {
         if (next < len)
           s->prompt_lps.push_back(token_logprobs(logits_.data() + row * vocab_, vocab_, s->req.prompt[next], k));
       }
-      last[0] = logits_.data() + (head.n - 1) * vocab_;
+      last_row = head.n - 1;
     } else {
       exec_->prefill(head, head.last ? &logits_ : nullptr);
-      last[0] = logits_.data();  // the executor may have resized logits_
     }
     d.prefill_seconds += now() - t;
     ++d.prefill_forwards;
@@ -858,7 +854,7 @@ bool Engine::step() {
       s->prefilled += piece.n;
       if (piece.last) {
         const double ts = now();
-        start_decoding(s, last[g]);
+        start_decoding(s, logits_.data() + (last_row + static_cast<int64_t>(g) * row_step) * vocab_);
         ++d.generated_tokens;
         d.sample_seconds += now() - ts;
       }

@@ -175,8 +175,8 @@ class StepExecutor {
   virtual void prefill_all(const PrefillPiece& piece, std::vector<float>* logits) = 0;
   // Pieces of one length n in distinct slots, none needing all logits, as one forward
   // [G, n]; leaves each piece's last-token logits, [G × V] row-major (G ≤ the model's batch
-  // and logit rows, G·n ≤ its token rows). The default runs them one at a time.
-  virtual void prefill_group(const std::vector<PrefillPiece>& pieces, std::vector<float>* logits);
+  // and logit rows, G·n ≤ its token rows).
+  virtual void prefill_group(const std::vector<PrefillPiece>& pieces, std::vector<float>* logits) = 0;
   // Recurrent-form forward of one decode batch (states updated in place in their slots);
   // leaves the F32 logits of rows [0, live) in logits, [live × V] row-major.
   virtual void decode(const DecodeBatch& batch, std::vector<float>* logits) = 0;
@@ -317,6 +317,11 @@ class Engine {
   // The context a snapshot / cache entry of s covers now (see FinishInfo::final_state).
   std::vector<int32_t> covered_tokens(const Seq* s, bool with_generated) const;
   StepPlan plan_step();
+  // The plan's prefill pieces as the forwards that run them, in order: a sequence's k-th piece
+  // of the step is in round k and rounds run in turn, so its pieces run one after another;
+  // within a round, pieces of one length (none keeping every position's logits) share a
+  // forward when batch_prefill_ is on, up to the plan's rows. Cancelled pieces are left out.
+  std::vector<std::vector<size_t>> prefill_groups(const StepPlan& plan) const;
   int64_t width_for(int64_t n) const;
   // Emits a token for seq (sampled from logits row) and finishes it when a stop rule hits.
   void emit(Seq* s, const float* logits);
