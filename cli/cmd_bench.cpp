@@ -531,16 +531,8 @@ Status measure_serve(Model& m, const EngineOptions& o, const ServeArgs& a, doubl
 }
 
 Status parse_rates(const std::string& s, std::vector<double>* out) {
-  out->clear();
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');) {
-    char* end = nullptr;
-    const double r = std::strtod(item.c_str(), &end);
-    if (item.empty() || *end != '\0' || !(r > 0) || !std::isfinite(r))
-      return Status::invalid_argument("--rates: '" + item + "' is not a positive rate");
-    out->push_back(r);
-  }
-  if (out->empty()) return Status::invalid_argument("--rates is empty");
+  LAPLACE_RETURN_IF_ERROR(parse_number_list<double>(s, "--rates", out, "a positive rate",
+                                                    [](double r) { return r > 0 && std::isfinite(r); }));
   std::sort(out->begin(), out->end());
   return Status::ok();
 }

@@ -104,20 +104,6 @@ std::string model_note(const QualityArgs& a, const QualityRun& r) {
   return buf;
 }
 
-template <class T>
-Status parse_list(const std::string& s, const char* flag, std::vector<T>* out) {
-  out->clear();
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');) {
-    std::istringstream is(item);
-    T v{};
-    if (!(is >> v) || !is.eof()) return Status::invalid_argument(std::string(flag) + ": '" + item + "' is not a number");
-    out->push_back(v);
-  }
-  if (out->empty()) return Status::invalid_argument(std::string(flag) + " is empty");
-  return Status::ok();
-}
-
 void add_common(CLI::App* cmd, QualityArgs* a) {
   a->model.add_to(cmd);
   cmd->add_option("--data", a->data, "held-out token shards (paths or globs)")->required();
@@ -136,8 +122,8 @@ struct CopyArgs : QualityArgs {
 
 Status run_copy(CopyArgs& a) {
   std::vector<int64_t> ms, ds;
-  LAPLACE_RETURN_IF_ERROR(parse_list(a.ms, "--m", &ms));
-  LAPLACE_RETURN_IF_ERROR(parse_list(a.ds, "--d", &ds));
+  LAPLACE_RETURN_IF_ERROR(parse_number_list(a.ms, "--m", &ms));
+  LAPLACE_RETURN_IF_ERROR(parse_number_list(a.ds, "--d", &ds));
   a.o.seed = a.seed;
   QualityRun r;
   LAPLACE_RETURN_IF_ERROR(open_run(a, "copy", &r));
@@ -164,8 +150,8 @@ struct PasskeyArgs : QualityArgs {
 Status run_passkey(PasskeyArgs& a) {
   std::vector<int64_t> ls;
   std::vector<double> ps;
-  LAPLACE_RETURN_IF_ERROR(parse_list(a.contexts, "--contexts", &ls));
-  LAPLACE_RETURN_IF_ERROR(parse_list(a.depths, "--depths", &ps));
+  LAPLACE_RETURN_IF_ERROR(parse_number_list(a.contexts, "--contexts", &ls));
+  LAPLACE_RETURN_IF_ERROR(parse_number_list(a.depths, "--depths", &ps));
   a.o.seed = a.seed;
   QualityRun r;
   LAPLACE_RETURN_IF_ERROR(open_run(a, "passkey", &r));

@@ -1,7 +1,9 @@
 // Shared plumbing of the `laplace` subcommands.
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -43,6 +45,25 @@ Status parse_id_rows(const std::string& s, std::vector<std::vector<int32_t>>* ou
 void add_decode_options(CLI::App* cmd, std::string* state_dtype, bool* eager, int64_t* defer_writeback);
 Status engine_decode_options(const std::string& device, const std::string& state_dtype, bool eager,
                              int64_t defer_writeback, EngineOptions* o);
+
+// "1,2,3" → numbers (each item whole, of T, and passing `ok` when given). An empty list or an
+// item that is not one is an error naming the flag and the item ("--m: 'x' is not a number";
+// `what` replaces "a number").
+template <class T>
+Status parse_number_list(const std::string& s, const std::string& flag, std::vector<T>* out,
+                         const std::string& what = "a number", const std::function<bool(T)>& ok = nullptr) {
+  out->clear();
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');) {
+    std::istringstream is(item);
+    T v{};
+    if (!(is >> v) || !is.eof() || (ok && !ok(v)))
+      return Status::invalid_argument(flag + ": '" + item + "' is not " + what);
+    out->push_back(v);
+  }
+  if (out->empty()) return Status::invalid_argument(flag + " is empty");
+  return Status::ok();
+}
 
 // "123", "64k", "512M", "2G" (binary multiples) → bytes.
 Status parse_bytes(const std::string& s, int64_t* out);
