@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "ops/backend.h"
+#include "tests/test_util.h"
 #ifdef LAPLACE_HAVE_CUDA
 #include "ops/cuda/cuda_backend.h"
 #endif
@@ -172,33 +173,6 @@ std::vector<OpCase> all_cases() {
 
 constexpr int64_t kGuard = 16;  // elements on each side
 
-double round_to(DType dt, double x) {
-  if (dt == DType::kBF16) return bf16_to_float(float_to_bf16(static_cast<float>(x)));
-  if (dt == DType::kF32) return static_cast<float>(x);
-  return x;
-}
-
-void put(DType dt, void* base, int64_t i, double x) {
-  switch (dt) {
-    case DType::kF32: static_cast<float*>(base)[i] = static_cast<float>(x); break;
-    case DType::kF64: static_cast<double*>(base)[i] = x; break;
-    case DType::kBF16: static_cast<uint16_t*>(base)[i] = float_to_bf16(static_cast<float>(x)); break;
-    case DType::kI32: static_cast<int32_t*>(base)[i] = static_cast<int32_t>(x); break;
-    default: ADD_FAILURE() << "put: dtype";
-  }
-}
-
-double get(DType dt, const void* base, int64_t i) {
-  switch (dt) {
-    case DType::kF32: return static_cast<const float*>(base)[i];
-    case DType::kF64: return static_cast<const double*>(base)[i];
-    case DType::kBF16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
-    case DType::kI32: return static_cast<const int32_t*>(base)[i];
-    default: ADD_FAILURE() << "get: dtype";
-  }
-  return 0;
-}
-
 // A quiet NaN with a payload no op computes, in each dtype's width.
 void fill_guard(DType dt, void* base, int64_t from, int64_t n) {
   const size_t es = dtype_size(dt);
@@ -232,6 +206,8 @@ struct Buffer {
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
   void* values() { return host.data() + kGuard * static_cast<int64_t>(dtype_size(dt)); }
+  // The staged values (guards excluded) as a host tensor, for testing::element_set / _get.
+  Tensor values_host() { return Tensor::make(values(), dt, &n, 1, Device::kCPU); }
   Tensor whole_host() {
     const int64_t all = n + 2 * kGuard;
     return Tensor::make(host.data(), dt, &all, 1, Device::kCPU);
@@ -263,8 +239,8 @@ std::vector<double> values_for(const Arg& a, int64_t n, DType dt, uint64_t seed)
   std::uniform_real_distribution<double> uni(-1, 1), pos(0.5, 2.0);
   for (int64_t i = 0; i < n; ++i) {
     switch (a.init) {
-      case Init::kUniform: x[i] = round_to(dt, uni(rng)); break;
-      case Init::kPositive: x[i] = round_to(dt, pos(rng)); break;
+      case Init::kUniform: x[i] = testing::round_to(dt, uni(rng)); break;
+      case Init::kPositive: x[i] = testing::round_to(dt, pos(rng)); break;
       case Init::kIds: x[i] = static_cast<double>(rng() % static_cast<uint64_t>(a.range)); break;
       case Init::kTargets: x[i] = i % 4 == 3 ? -1.0 : static_cast<double>(rng() % static_cast<uint64_t>(a.range)); break;
       case Init::kSlots: x[i] = static_cast<double>((a.range - 1 - 2 * i + 4 * a.range) % a.range); break;
@@ -290,8 +266,8 @@ std::string run_case(const OpCase& c, size_t index, const Tested& t, Backend& re
     refs.push_back(std::make_unique<Buffer>(ref, rdt, a.shape));
     const std::vector<double> x = values_for(a, mine.back()->n, dt, 1000003ull * (index + 1) + i);
     for (int64_t e = 0; e < mine.back()->n; ++e) {
-      put(dt, mine.back()->values(), e, x[e]);
-      put(rdt, refs.back()->values(), e, x[e]);
+      testing::element_set(mine.back()->values_host(), e, x[e]);
+      testing::element_set(refs.back()->values_host(), e, x[e]);
     }
     mine.back()->upload();
     refs.back()->upload();
@@ -313,7 +289,8 @@ std::string run_case(const OpCase& c, size_t index, const Tested& t, Backend& re
     double worst = 0, scale = 0;
     int64_t mismatches = 0;
     for (int64_t e = 0; e < mine[i]->n; ++e) {
-      const double a = get(mine[i]->dt, mine[i]->values(), e), b = get(refs[i]->dt, refs[i]->values(), e);
+      const double a = testing::element_get(mine[i]->values_host(), e);
+      const double b = testing::element_get(refs[i]->values_host(), e);
       if (!std::isfinite(a)) ++mismatches;
       worst = std::max(worst, std::fabs(a - b));
       scale = std::max(scale, std::fabs(b));

@@ -42,11 +42,7 @@ using laplace::testing::rms_rel_error;
 
 // ---- helpers -------------------------------------------------------------------------
 
-double round_to(DType dt, double x) {
-  if (dt == DType::kBF16) return bf16_to_float(float_to_bf16(static_cast<float>(x)));
-  if (dt == DType::kF32) return static_cast<float>(x);
-  return x;
-}
+using laplace::testing::round_to;
 
 // Flat index into a contiguous host tensor.
 void set_flat(const Tensor& t, int64_t i, double x) {

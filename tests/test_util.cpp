@@ -29,6 +29,12 @@ int64_t offset_of(const Tensor& t, int64_t flat) {
 }
 }  // namespace
 
+double round_to(DType dt, double x) {
+  if (dt == DType::kBF16) return bf16_to_float(float_to_bf16(static_cast<float>(x)));
+  if (dt == DType::kF32) return static_cast<float>(x);
+  return x;
+}
+
 double element_get(const Tensor& t, int64_t flat) {
   const int64_t off = offset_of(t, flat);
   switch (t.dtype) {
