@@ -206,33 +206,17 @@ CmdResult run_cli(const std::string& args) { return testing::run_laplace(args); 
 class EvalCli : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new std::string(testing::make_temp_dir("eval_cli"));
+    // The server tests' model directory, and its tokenizer's corpus as the held-out shard.
+    dir_ = new std::string(testing::make_server_model_dir("eval_cli", 3));
     const std::string& d = *dir_;
     std::string corpus;
-    for (int i = 0; i < 300; ++i)
-      corpus += "static int probe_" + std::to_string(i) + "(struct device *dev) { return dev->id + " +
-                std::to_string(i % 7) + "; }\nThe driver binds each device once.\n";
-    ASSERT_TRUE(write_file_atomic(d + "/corpus.txt", corpus.data(), corpus.size()).is_ok());
-    TokenizerTrainOptions to;
-    to.inputs = {d + "/corpus.txt"};
-    to.model_prefix = d + "/tokenizer";
-    to.vocab_size = 300;
-    ASSERT_TRUE(tokenizer_train(to).is_ok());
+    ASSERT_TRUE(read_file(d + "/corpus.txt", &corpus).is_ok());
     Tokenizer tok;
     ASSERT_TRUE(Tokenizer::load(d + "/tokenizer.model", &tok).is_ok());
     std::vector<int32_t> ids;
     ASSERT_TRUE(tok.encode(corpus, &ids).is_ok());
     std::vector<uint32_t> u(ids.begin(), ids.end());
-    ASSERT_TRUE(shard_write(d + "/val.bin", u, 300).is_ok());
-    Config c = testing::small_config(8, 12, 2);
-    c.vocab_size = 300;
-    const std::string cj = c.to_json();
-    ASSERT_TRUE(write_file_atomic(d + "/config.json", cj.data(), cj.size()).is_ok());
-    auto be = make_cpu_backend();
-    Model m;
-    ASSERT_TRUE(m.create(c, *be, DType::kF32).is_ok());
-    m.init_weights(3);
-    ASSERT_TRUE(m.save(d + "/model.safetensors").is_ok());
+    ASSERT_TRUE(shard_write(d + "/val.bin", u, tok.vocab_size()).is_ok());
   }
   static void TearDownTestSuite() {
     std::error_code ec;
