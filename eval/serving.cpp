@@ -42,7 +42,8 @@ Status parse_serving_options(const std::string& list, std::vector<ServingOption>
 
 namespace {
 
-// −log softmax(l)[target], in double.
+// −log softmax(l)[target], in double: the options' loss differences go down to 1e-8 nats, below
+// the F32 log-probability serve/sampler.h's token_logprobs returns.
 double nll(const float* l, int64_t V, int32_t target) {
   const float mx = *std::max_element(l, l + V);
   double s = 0;
