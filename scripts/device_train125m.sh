@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # On the H200 (the `device` tool): the laplace-125m run of docs/quality.md and its PyTorch parity run.
 #
-#   stages (STAGES, in order): build data train ref wait
-#   build  CUDA build of the `laplace` program in build-gpu/
+#   stages (STAGES, in order): build data train ref side wait
+#   build  CUDA build of the `laplace` program in build-gpu/ (TESTS=ON configures the tests too)
 #   data   the carried corpus slice ($CORPUS/docs.carry.jsonl.xz, from scripts/corpus.sh --carry)
 #          tokenized on every core into $RUNS/data/ with the carried tokenizer
 #   train  the run, in the background (setsid: it outlives this call while the machine is held): steps
 #          1..STOP1 (the parity point), then, once the reference is done, a resume to STEPS; then the
 #          loss over the whole validation split, a sample and (QUALITY=1) the quality evaluations of
-#          docs/quality.md (eval copy, passkey, position, serving) into $RUNS/quality. Metrics and
+#          docs/quality.md (eval copy, passkey, position, serving) into $RUNS/quality and (HF=1) the
+#          Python package's check on the trained model (scripts/device_hf_check.py). Metrics and
 #          TensorBoard events in $RUNS/ours
 #   ref    after the run's first 45 steps, alone on the GPU, give the throughput figure (into
 #          $OUT/results.jsonl): the PyTorch reference trainer on the same init, data order and schedule
 #          for REF_STEPS steps, in the background beside it, metrics in $RUNS/ref
+#   side   while the two runs train (after the throughput figure), work whose timings do not matter:
+#          the GPU tests (needs TESTS=ON; built at low priority), the MQAR grid of scripts/device_mqar.sh
+#          and the Python package's check at the 3B shapes (2 layers); logs in $RUNS
 #   wait   waits up to WAIT_S seconds (from the script's start) for both, then copies what exists to $OUT
 # A later call with STAGES=wait (on the same warm machine) picks up the runs where they are.
 set -uo pipefail
@@ -43,7 +47,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,
 
 if has build; then
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
-    -DLAPLACE_TESTS=OFF -DLAPLACE_BENCH=OFF > $RUNS/configure.log 2>&1 || { tail -30 $RUNS/configure.log; exit 1; }
+    -DLAPLACE_TESTS=${TESTS:-OFF} -DLAPLACE_BENCH=OFF > $RUNS/configure.log 2>&1 || { tail -30 $RUNS/configure.log; exit 1; }
   cmake --build build-gpu -j "$(nproc)" --target laplace > $RUNS/build.log 2>&1 ||
     { grep -E "error|FAILED" -A3 $RUNS/build.log | head -60; exit 1; }
   stamp "build ok"
@@ -99,17 +103,21 @@ if has train; then
     $LAPLACE eval --model $RUNS/ours --data '$RUNS/data/val_*.bin' --batch 16 --seq 2048 --device cuda \
       --dtype bf16 > $RUNS/ours_eval.log 2>&1 &&
     $LAPLACE generate --model $RUNS/ours --prompt 'static int' --max-tokens 120 --temperature 0.7 --top-k 40 \
-      --seed 1 --device cuda --dtype bf16 > $RUNS/ours_sample.log 2>&1 &&
-    if [ ${QUALITY:-1} = 1 ]; then
+      --seed 1 --device cuda --dtype bf16 > $RUNS/ours_sample.log 2>&1
+    rc=\$?
+    if [ \$rc = 0 ] && [ ${QUALITY:-1} = 1 ]; then
       export LAPLACE_COMMIT=$COMMIT
       Q=\"--model $RUNS/ours --data '$RUNS/data/val_*.bin' --device cuda --out $RUNS/quality --results $RUNS/quality_results.jsonl\"
-      eval $LAPLACE eval copy \$Q --dtype bf16 --trials 64 --batch 16 &&
-      eval $LAPLACE eval passkey \$Q --dtype bf16 --trials 16 --batch 4 &&
-      eval $LAPLACE eval position \$Q --dtype bf16 --context 131072 --streams 1 &&
-      eval $LAPLACE eval serving \$Q --dtype f32 --options defer4,defer8,defer16,bf16-weights,bf16-states \
-        --prompts 64 --prompt-len 128 --steps 256
+      for mode in 'copy --dtype bf16 --trials 64 --batch 16' 'passkey --dtype bf16 --trials 16 --batch 4' \
+          'position --dtype bf16 --context 131072 --streams 1' \
+          'serving --dtype f32 --options defer4,defer8,defer16,bf16-weights,bf16-states --prompts 64 --prompt-len 128 --steps 256'; do
+        eval $LAPLACE eval \$mode \$Q; echo \"eval \${mode%% *} exit \$?\"
+      done
     fi > $RUNS/quality.log 2>&1
-    echo exit \$? > $RUNS/ours.done" > $RUNS/ours.log 2>&1 < /dev/null &
+    if [ \$rc = 0 ] && [ ${HF:-1} = 1 ]; then
+      $PY scripts/device_hf_check.py --laplace $LAPLACE --model $RUNS/ours --out $RUNS/hf_125m.jsonl
+    fi > $RUNS/hf_125m.log 2>&1
+    echo exit \$rc > $RUNS/ours.done" > $RUNS/ours.log 2>&1 < /dev/null &
   stamp "train started"
 fi
 
@@ -144,13 +152,26 @@ EOF
   stamp "reference started"
 fi
 
+# The device tool returns at most 8 files: the figures and the summary as they are, the rest in one archive.
+if has side; then
+  # Each step is cut at SIDE_S seconds from the script's start, so that the call ends with its files.
+  left() { echo $(( ${SIDE_S:-540} - ($(date +%s) - t0) )); }
+  { nice -n 10 timeout "$(left)" cmake --build build-gpu -j "$(nproc)" --target laplace_tests > $RUNS/tests_build.log 2>&1 &&
+    timeout "$(left)" ./build-gpu/tests/laplace_tests --gtest_filter='Cuda*:BackendOps.*:DistNccl.*'; } > $RUNS/gpu_tests.log 2>&1
+  stamp "gpu tests exit $?: $(grep -E '^\[  (PASSED|FAILED)  \]' $RUNS/gpu_tests.log | tr '\n' ' ')"
+  timeout "$(left)" $PY scripts/device_hf_check.py --laplace $LAPLACE --init-3b-layers 2 --model $RUNS/l3b2 --no-cpu \
+    --out $RUNS/hf_3b2.jsonl > $RUNS/hf_3b2.log 2>&1
+  stamp "hf 3b-2-layer check exit $?"
+  NO_BUILD=1 OUT=$RUNS/mqar timeout "$(left)" bash scripts/device_mqar.sh > $RUNS/mqar.log 2>&1
+  stamp "mqar exit $?"
+fi
+
 collect() {
-  cp $RUNS/ours/metrics.jsonl "$OUT/ours_metrics.jsonl" 2>/dev/null
-  cp $RUNS/ref/metrics.jsonl "$OUT/ref_metrics.jsonl" 2>/dev/null
-  cat $RUNS/quality/*.jsonl > "$OUT/quality_points.jsonl" 2>/dev/null
-  cp $RUNS/quality_results.jsonl "$OUT/quality_results.jsonl" 2>/dev/null
-  tar czf "$OUT/logs.tar.gz" $RUNS/*.log $RUNS/*.done $RUNS/ours/tb $RUNS/data/prepare.json $RUNS/bench_a*/metrics.jsonl \
-    2>/dev/null
+  cp $RUNS/ours/metrics.jsonl $RUNS/ours_metrics.jsonl 2>/dev/null
+  cp $RUNS/ref/metrics.jsonl $RUNS/ref_metrics.jsonl 2>/dev/null
+  cat $RUNS/quality_results.jsonl $RUNS/hf_*.jsonl $RUNS/mqar/results.jsonl > "$OUT/figures.jsonl" 2>/dev/null
+  tar czf "$OUT/runs.tar.gz" $RUNS/*.log $RUNS/*.done $RUNS/*.jsonl $RUNS/ours/tb $RUNS/quality $RUNS/mqar \
+    $RUNS/data/prepare.json $RUNS/bench_a*/metrics.jsonl 2>/dev/null
 }
 
 if has wait; then
