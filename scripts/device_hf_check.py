@@ -232,15 +232,29 @@ def main():
         # 5. `laplace export hf` -> trust_remote_code, without the package's classes
         exported = os.path.join(tmp, "exported")
         run([a.laplace, "export", "hf", "--model", a.model, "--out", exported])
-        remote = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True, **dtype_kw(torch.float32))
-        remote = remote.eval()
-        os.environ["LAPLACE_GLA"] = "torch"
-        lr_ = hf_logits(remote, short)
-        os.environ.pop("LAPLACE_GLA")
-        is_remote = type(remote).__module__ != ml.__name__
-        emit(a.out, {"check": "export_remote_code", "class_module": type(remote).__module__,
-                     "remote_class": is_remote, "logits_equal": bool(torch.equal(lr_, l0)),
-                     "ok": is_remote and bool(torch.equal(lr_, l0))})
+        # A child Python that cannot import this package (python/ is not on its path; the exported directory's
+        # own files are all it has), as a user without the package would load it.
+        child = (
+            "import os, sys, torch, transformers\n"
+            "from transformers import AutoModelForCausalLM\n"
+            "d, ids, out = sys.argv[1], [int(t) for t in sys.argv[2].split(',')], sys.argv[3]\n"
+            "major, minor = (int(x) for x in transformers.__version__.split('.')[:2])\n"
+            "kw = {'dtype': torch.float32} if (major, minor) >= (4, 56) else {'torch_dtype': torch.float32}\n"
+            "m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True, **kw).to(sys.argv[4]).eval()\n"
+            "import importlib.util\n"
+            "assert importlib.util.find_spec('laplace') is None, 'the package is importable in the child'\n"
+            "with torch.no_grad():\n"
+            "    lg = m(torch.tensor([ids], device=m.device)).logits[0].float().cpu()\n"
+            "torch.save({'module': type(m).__module__, 'logits': lg}, out)\n")
+        env = dict(os.environ, LAPLACE_GLA="torch", PYTHONPATH="")
+        got = os.path.join(tmp, "remote.pt")
+        subprocess.run([sys.executable, "-c", child, exported, ",".join(map(str, short)), got, a.device],
+                       check=True, env=env, cwd=tmp)
+        r = torch.load(got)
+        is_remote = r["module"] != ml.__name__ and not r["module"].startswith("laplace.")
+        emit(a.out, {"check": "export_remote_code", "class_module": r["module"],
+                     "remote_class": is_remote, "logits_equal": bool(torch.equal(r["logits"], l0)),
+                     "ok": is_remote and bool(torch.equal(r["logits"], l0))})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print("DEVICE HF CHECK: %s" % ("PASS" if not FAILURES else "FAIL (%d: %s)" % (len(FAILURES),

@@ -13,8 +13,8 @@
 #          TensorBoard events in $RUNS/ours
 #   ref    after the run's first 45 steps, alone on the GPU, give the throughput figure (into
 #          $OUT/results.jsonl): the PyTorch reference trainer on the same init, data order and schedule
-#          for REF_STEPS steps, in the background beside it, metrics in $RUNS/ref
-#   side   while the two runs train (after the throughput figure), work whose timings do not matter:
+#          for REF_STEPS steps (0: none), in the background beside it, metrics in $RUNS/ref
+#   side   (SIDE, default "tests hf3b mqar") while the two runs train (after the throughput figure), work whose timings do not matter:
 #          the GPU tests (needs TESTS=ON; built at low priority), the MQAR grid of scripts/device_mqar.sh
 #          and the Python package's check at the 3B shapes (2 layers); logs in $RUNS
 #   wait   waits up to WAIT_S seconds (from the script's start) for both, then copies what exists to $OUT
@@ -145,33 +145,47 @@ for name, key, unit in (("train_tok_s_laplace125m_t2048", "tokens_per_s", "token
 EOF
   stamp "throughput: $(tail -2 "$OUT/results.jsonl" | head -1)"
   rm -rf $RUNS/ref
-  setsid nohup bash -c "
+  [ "$REF_STEPS" -gt 0 ] || echo "exit 0 (REF_STEPS=0: no reference run)" > $RUNS/ref.done
+  [ "$REF_STEPS" -gt 0 ] && setsid nohup bash -c "
     PYTHONUNBUFFERED=1 $PY python/reference_trainer.py --config $CFG --init $RUNS/init.safetensors $DATA_Q \
       --out $RUNS/ref ${HP[*]} --stop-after $REF_STEPS --amp bf16 --ns-mode bf16 --log-every 50
     echo exit \$? > $RUNS/ref.done" > $RUNS/ref.log 2>&1 < /dev/null &
-  stamp "reference started"
+  stamp "reference started ($REF_STEPS steps)"
 fi
 
 # The device tool returns at most 8 files: the figures and the summary as they are, the rest in one archive.
 if has side; then
   # Each step is cut at SIDE_S seconds from the script's start, so that the call ends with its files.
   left() { echo $(( ${SIDE_S:-540} - ($(date +%s) - t0) )); }
-  { nice -n 10 timeout "$(left)" cmake --build build-gpu -j "$(nproc)" --target laplace_tests > $RUNS/tests_build.log 2>&1 &&
-    timeout "$(left)" ./build-gpu/tests/laplace_tests --gtest_filter='Cuda*:BackendOps.*:DistNccl.*'; } > $RUNS/gpu_tests.log 2>&1
-  stamp "gpu tests exit $?: $(grep -E '^\[  (PASSED|FAILED)  \]' $RUNS/gpu_tests.log | tr '\n' ' ')"
-  timeout "$(left)" $PY scripts/device_hf_check.py --laplace $LAPLACE --init-3b-layers 2 --model $RUNS/l3b2 --no-cpu \
-    --out $RUNS/hf_3b2.jsonl > $RUNS/hf_3b2.log 2>&1
-  stamp "hf 3b-2-layer check exit $?"
-  NO_BUILD=1 OUT=$RUNS/mqar timeout "$(left)" bash scripts/device_mqar.sh > $RUNS/mqar.log 2>&1
-  stamp "mqar exit $?"
+  if [[ " ${SIDE:-tests hf3b mqar} " == *" tests "* ]]; then
+    nice -n 10 timeout "$(left)" cmake --build build-gpu -j "$(nproc)" --target laplace_tests > $RUNS/tests_build.log 2>&1
+    stamp "tests build exit $?"
+    # One process per suite, so that a test that aborts hides no other suite's results.
+    for suite in CudaOps CudaOpsFast CudaModel CudaTrain CudaModelTrain BackendOps DistNccl; do
+      timeout "$(left)" ./build-gpu/tests/laplace_tests --gtest_filter="$suite.*" >> $RUNS/gpu_tests.log 2>&1
+      stamp "gpu tests $suite exit $?: $(grep -E '^\[  (PASSED|FAILED)  \]' $RUNS/gpu_tests.log | tail -1)"
+    done
+  fi
+  if [[ " ${SIDE:-tests hf3b mqar} " == *" hf3b "* ]]; then
+    timeout "$(left)" $PY scripts/device_hf_check.py --laplace $LAPLACE --init-3b-layers 2 --model $RUNS/l3b2 --no-cpu \
+      --out $RUNS/hf_3b2.jsonl > $RUNS/hf_3b2.log 2>&1
+    stamp "hf 3b-2-layer check exit $?"
+  fi
+  if [[ " ${SIDE:-tests hf3b mqar} " == *" mqar "* ]]; then
+    NO_BUILD=1 OUT=$RUNS/mqar timeout "$(left)" bash scripts/device_mqar.sh > $RUNS/mqar.log 2>&1
+    stamp "mqar exit $?"
+  fi
 fi
 
 collect() {
   cp $RUNS/ours/metrics.jsonl $RUNS/ours_metrics.jsonl 2>/dev/null
   cp $RUNS/ref/metrics.jsonl $RUNS/ref_metrics.jsonl 2>/dev/null
   cat $RUNS/quality_results.jsonl $RUNS/hf_*.jsonl $RUNS/mqar/results.jsonl > "$OUT/figures.jsonl" 2>/dev/null
-  tar czf "$OUT/runs.tar.gz" $RUNS/*.log $RUNS/*.done $RUNS/*.jsonl $RUNS/ours/tb $RUNS/quality $RUNS/mqar \
-    $RUNS/data/prepare.json $RUNS/bench_a*/metrics.jsonl 2>/dev/null
+  # (not $RUNS/*.jsonl: the decompressed corpus, docs.jsonl, is there too)
+  tar czf "$OUT/runs.tar.gz" $RUNS/*.log $RUNS/*.done $RUNS/ours_metrics.jsonl $RUNS/ref_metrics.jsonl \
+    $RUNS/quality_results.jsonl $RUNS/hf_*.jsonl $RUNS/ours/tb $RUNS/quality $RUNS/mqar $RUNS/data/prepare.json \
+    $RUNS/bench_a*/metrics.jsonl 2>/dev/null
+  cp $RUNS/gpu_tests.log "$OUT/" 2>/dev/null
 }
 
 if has wait; then
