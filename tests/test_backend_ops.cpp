@@ -46,6 +46,7 @@ struct Arg {
   bool compared = false;            // an output (or in-place operand) checked after the op
   std::optional<DType> fixed = {};  // this dtype on every side (I32 ids, F64 sums); else the case's
   int64_t range = 0;                // ids/targets in [0, range); slots a permutation of [0, range)
+  bool f32_at_bf16 = false;         // F32 where the case runs in BF16, as the model keeps it (below)
 };
 
 Arg in(std::vector<int64_t> s, Init i = Init::kUniform) { return Arg{std::move(s), i}; }
@@ -54,6 +55,13 @@ Arg io(std::vector<int64_t> s, Init i = Init::kUniform) { return Arg{std::move(s
 Arg ids(std::vector<int64_t> s, int64_t range, Init i = Init::kIds) { return Arg{std::move(s), i, false, DType::kI32, range}; }
 Arg ints_out(std::vector<int64_t> s) { return Arg{std::move(s), Init::kUniform, true, DType::kI32}; }
 Arg f64_out(std::vector<int64_t> s) { return Arg{std::move(s), Init::kUniform, true, DType::kF64}; }
+
+// Where a case runs in BF16, these stay F32, as the model and the CUDA kernels keep them: norm statistics,
+// GLA states of the chunked forms, per-row losses, master weights and optimizer moments.
+Arg f32(Arg a) {
+  a.f32_at_bf16 = true;
+  return a;
+}
 
 using Run = std::function<void(Backend&, const std::vector<Tensor>&)>;
 
@@ -92,17 +100,17 @@ std::vector<OpCase> all_cases() {
   add({"embedding_backward", "37 ids of 12 (repeats), accumulate", {}, {ids({37}, 12), in({37, 24}), io({12, 24})},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.embedding_backward(t[0], t[1], t[2]); }});
   // ---- norms
-  add({"layernorm_forward", "[33,40]", {}, {in({33, 40}), in({40}), in({40}), out({33, 40}), out({33}), out({33})},
+  add({"layernorm_forward", "[33,40]", {}, {in({33, 40}), in({40}), in({40}), out({33, 40}), f32(out({33})), f32(out({33}))},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.layernorm_forward(t[0], t[1], t[2], 1e-5, t[3], t[4], t[5]); }});
   add({"layernorm_backward", "[33,40], dw db accumulate",
-       {}, {in({33, 40}), in({33, 40}), in({40}), in({33}), in({33}, Init::kPositive), out({33, 40}), io({40}), io({40})},
+       {}, {in({33, 40}), in({33, 40}), in({40}), f32(in({33})), f32(in({33}, Init::kPositive)), out({33, 40}), io({40}), io({40})},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) {
          b.layernorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], false, t[6], t[7]);
        }});
-  add({"rmsnorm_gate_forward", "[2,5,2,12]", {}, {in({2, 5, 2, 12}), in({2, 5, 2, 12}), in({12}), out({2, 5, 2, 12}), out({2, 5, 2})},
+  add({"rmsnorm_gate_forward", "[2,5,2,12]", {}, {in({2, 5, 2, 12}), in({2, 5, 2, 12}), in({12}), out({2, 5, 2, 12}), f32(out({2, 5, 2}))},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.rmsnorm_gate_forward(t[0], t[1], t[2], 1e-5, t[3], t[4]); }});
   add({"rmsnorm_gate_backward", "[2,5,2,12], dw accumulates",
-       {}, {in({2, 5, 2, 12}), in({2, 5, 2, 12}), in({2, 5, 2, 12}), in({12}), in({2, 5, 2}, Init::kPositive),
+       {}, {in({2, 5, 2, 12}), in({2, 5, 2, 12}), in({2, 5, 2, 12}), in({12}), f32(in({2, 5, 2}, Init::kPositive)),
             out({2, 5, 2, 12}), out({2, 5, 2, 12}), io({12})},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) {
          b.rmsnorm_gate_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]);
@@ -119,14 +127,14 @@ std::vector<OpCase> all_cases() {
   // ---- GLA (B 2, T 19, H 2, dk 8, dv 12; chunk 8 leaves a short tail chunk)
   const GlaParams chunked = gla_params(GlaForm::kChunked, 8, 2), recurrent = gla_params(GlaForm::kRecurrent, 8, 2);
   add({"gla_forward", "chunked, T 19, from and into states", {2, 8, 12},
-       {in({2, 19, 2, 8}), in({2, 19, 2, 8}), in({2, 19, 2, 12}), out({2, 19, 2, 12}), in({2, 2, 8, 12}), out({2, 2, 8, 12})},
+       {in({2, 19, 2, 8}), in({2, 19, 2, 8}), in({2, 19, 2, 12}), out({2, 19, 2, 12}), f32(in({2, 2, 8, 12})), f32(out({2, 2, 8, 12}))},
        1e-4, 1e-2, [chunked](Backend& b, const std::vector<Tensor>& t) { b.gla_forward(chunked, t[0], t[1], t[2], t[3], t[4], t[5], {}); }});
   add({"gla_forward", "recurrent, T 5, zero state", {2, 8, 12},
        {in({2, 5, 2, 8}), in({2, 5, 2, 8}), in({2, 5, 2, 12}), out({2, 5, 2, 12})},
        1e-4, 1e-2, [recurrent](Backend& b, const std::vector<Tensor>& t) { b.gla_forward(recurrent, t[0], t[1], t[2], t[3], {}, {}, {}); }});
   add({"gla_backward", "chunked, T 19, state gradients", {2, 8, 12},
-       {in({2, 19, 2, 8}), in({2, 19, 2, 8}), in({2, 19, 2, 12}), in({2, 2, 8, 12}), in({2, 19, 2, 12}), in({2, 2, 8, 12}),
-        out({2, 19, 2, 8}), out({2, 19, 2, 8}), out({2, 19, 2, 12}), out({2, 2, 8, 12})},
+       {in({2, 19, 2, 8}), in({2, 19, 2, 8}), in({2, 19, 2, 12}), f32(in({2, 2, 8, 12})), in({2, 19, 2, 12}), f32(in({2, 2, 8, 12})),
+        out({2, 19, 2, 8}), out({2, 19, 2, 8}), out({2, 19, 2, 12}), f32(out({2, 2, 8, 12}))},
        1e-4, 1e-2, [chunked](Backend& b, const std::vector<Tensor>& t) {
          b.gla_backward(chunked, t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9]);
        }});
@@ -143,7 +151,7 @@ std::vector<OpCase> all_cases() {
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.swiglu_backward(t[0], t[1], t[2]); }});
   add({"argmax_rows", "[7,53]", {}, {in({7, 53}), ints_out({7})},
        0, 0, [](Backend& b, const std::vector<Tensor>& t) { b.argmax_rows(t[0], t[1]); }});
-  add({"cross_entropy_forward", "[9,53], some targets ignored", {}, {in({9, 53}), ids({9}, 53, Init::kTargets), out({9})},
+  add({"cross_entropy_forward", "[9,53], some targets ignored", {}, {in({9, 53}), ids({9}, 53, Init::kTargets), f32(out({9}))},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.cross_entropy_forward(t[0], t[1], t[2]); }});
   add({"cross_entropy_backward", "[9,53], scale 0.25", {}, {in({9, 53}), ids({9}, 53, Init::kTargets), out({9, 53})},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.cross_entropy_backward(t[0], t[1], 0.25, t[2]); }});
@@ -154,7 +162,7 @@ std::vector<OpCase> all_cases() {
   add({"axpy", "y += 0.75·x", {}, {in({5, 9}), io({5, 9})},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.axpy(0.75, t[0], t[1]); }});
   // ---- optimizer
-  add({"adamw_update", "[8,12], step 3", {}, {io({8, 12}), in({8, 12}), io({8, 12}), io({8, 12}, Init::kPositive)},
+  add({"adamw_update", "[8,12], step 3", {}, {f32(io({8, 12})), in({8, 12}), f32(io({8, 12})), f32(io({8, 12}, Init::kPositive))},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) {
          AdamWParams p;
          p.lr = 1e-2;
@@ -162,9 +170,9 @@ std::vector<OpCase> all_cases() {
          p.step = 3;
          b.adamw_update(t[0], t[1], t[2], t[3], p);
        }});
-  add({"muon_momentum", "[8,12], Nesterov", {}, {in({8, 12}), io({8, 12}), out({8, 12})},
+  add({"muon_momentum", "[8,12], Nesterov", {}, {in({8, 12}), f32(io({8, 12})), out({8, 12})},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.muon_momentum(t[0], t[1], t[2], 0.95, true); }});
-  add({"muon_apply", "[8,12]", {}, {io({8, 12}), in({8, 12})},
+  add({"muon_apply", "[8,12]", {}, {f32(io({8, 12})), in({8, 12})},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.muon_apply(t[0], t[1], 2e-2, 0.1, 1.3); }});
   return v;
 }
@@ -261,7 +269,8 @@ std::string run_case(const OpCase& c, size_t index, const Tested& t, Backend& re
   std::vector<Tensor> tv, rv;
   for (size_t i = 0; i < c.args.size(); ++i) {
     const Arg& a = c.args[i];
-    const DType dt = a.fixed.value_or(t.dt), rdt = a.fixed.value_or(DType::kF64);
+    const DType dt = a.fixed.value_or(a.f32_at_bf16 && t.dt == DType::kBF16 ? DType::kF32 : t.dt);
+    const DType rdt = a.fixed.value_or(DType::kF64);
     mine.push_back(std::make_unique<Buffer>(*t.be, dt, a.shape));
     refs.push_back(std::make_unique<Buffer>(ref, rdt, a.shape));
     const std::vector<double> x = values_for(a, mine.back()->n, dt, 1000003ull * (index + 1) + i);
