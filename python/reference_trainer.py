@@ -116,6 +116,8 @@ def main(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from --out/reference_checkpoint.pt")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--mixer", choices=["batched", "chunked"], default="batched",
+                   help="the GLA chunked form: all chunks in batched products (default) or one chunk at a time")
     a = p.parse_args(argv)
 
     dev = torch.device(a.device)
@@ -154,10 +156,10 @@ def main(argv=None):
     def forward_loss(x, y):
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         if amp is None:
-            logits, _ = model(x)
+            logits, _ = model(x, mixer=a.mixer)
             return ref.loss_fn(logits, y)
         with amp:
-            logits, _ = model(x, state_dtype=state_dtype)
+            logits, _ = model(x, mixer=a.mixer, state_dtype=state_dtype)
             return ref.loss_fn(logits.float(), y)
 
     def save(next_step):

@@ -55,9 +55,10 @@ class TestMixer(unittest.TestCase):
             self.assertLess(rel(orr, oq), tol)
             self.assertLess(rel(sr, sq), tol)
             for C in chunks:
-                oc, sc = lr.gla_chunked(q, k, v, lam, scale, init, chunk=C)
-                self.assertLess(rel(oc, oq), tol, (C, init is None))
-                self.assertLess(rel(sc, sq), tol, (C, init is None))
+                for form in (lr.gla_chunked, lr.gla_chunked_batched):
+                    oc, sc = form(q, k, v, lam, scale, init, chunk=C)
+                    self.assertLess(rel(oc, oq), tol, (form.__name__, C, init is None))
+                    self.assertLess(rel(sc, sq), tol, (form.__name__, C, init is None))
 
     def test_forms_small_f64(self):
         self.check_forms(2, 150, 3, 8, 16, torch.float64, 1e-10, (16, 64, 128))
@@ -85,13 +86,15 @@ class TestMixer(unittest.TestCase):
         q, k, v, S0 = rand_qkv(1, 40, 2, 4, 8, torch.float64, seed=2)
         lam = lr.head_decays(2)
         grads = []
-        for f in (lambda *a: lr.gla_chunked(*a, chunk=16), lr.gla_recurrent):
+        for f in (lambda *a: lr.gla_chunked(*a, chunk=16), lambda *a: lr.gla_chunked_batched(*a, chunk=16),
+                  lr.gla_recurrent):
             xs = [t.clone().requires_grad_() for t in (q, k, v, S0)]
             o, S = f(xs[0], xs[1], xs[2], lam, 0.5, xs[3])
             ((o * o.sin()).sum() + S.cos().sum()).backward()
             grads.append([x.grad for x in xs])
-        for a, b in zip(*grads):
-            self.assertLess(rel(a, b), 1e-10)
+        for other in grads[1:]:
+            for a, b in zip(grads[0], other):
+                self.assertLess(rel(a, b), 1e-10)
 
 
 class TestModel(unittest.TestCase):
@@ -106,7 +109,9 @@ class TestModel(unittest.TestCase):
             lc, _ = self.model(self.tok, mixer="chunked")
             lrr, _ = self.model(self.tok, mixer="recurrent")
             lq, _ = self.model(self.tok, mixer="quadratic")
+            lb, _ = self.model(self.tok, mixer="batched")
         self.assertEqual(tuple(lc.shape), (2, 41, self.cfg.V))
+        self.assertLess(rel(lb, lq), 1e-10)
         self.assertLess(rel(lc, lq), 1e-10)
         self.assertLess(rel(lrr, lq), 1e-10)
 
