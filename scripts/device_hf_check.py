@@ -232,10 +232,12 @@ def main():
         # 5. `laplace export hf` -> trust_remote_code, without the package's classes
         exported = os.path.join(tmp, "exported")
         run([a.laplace, "export", "hf", "--model", a.model, "--out", exported])
-        # A child Python that cannot import this package (python/ is not on its path; the exported directory's
-        # own files are all it has), as a user without the package would load it.
+        # On m32's device (check 4 runs it on the CPU), in a child Python that cannot import this package
+        # (python/ is not on its path; the exported directory's own files are all it has), as a user without
+        # the package would load it.
         child = (
             "import os, sys, torch, transformers\n"
+            "torch.backends.cuda.matmul.allow_tf32 = False\n"
             "from transformers import AutoModelForCausalLM\n"
             "d, ids, out = sys.argv[1], [int(t) for t in sys.argv[2].split(',')], sys.argv[3]\n"
             "major, minor = (int(x) for x in transformers.__version__.split('.')[:2])\n"
@@ -248,12 +250,13 @@ def main():
             "torch.save({'module': type(m).__module__, 'logits': lg}, out)\n")
         env = dict(os.environ, LAPLACE_GLA="torch", PYTHONPATH="")
         got = os.path.join(tmp, "remote.pt")
-        subprocess.run([sys.executable, "-c", child, exported, ",".join(map(str, short)), got, a.device],
+        subprocess.run([sys.executable, "-c", child, exported, ",".join(map(str, short)), got, str(m32.device)],
                        check=True, env=env, cwd=tmp)
         r = torch.load(got)
         is_remote = r["module"] != ml.__name__ and not r["module"].startswith("laplace.")
         emit(a.out, {"check": "export_remote_code", "class_module": r["module"],
                      "remote_class": is_remote, "logits_equal": bool(torch.equal(r["logits"], l0)),
+                     "logits_rel_diff": rel_err(r["logits"], l0),
                      "ok": is_remote and bool(torch.equal(r["logits"], l0))})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
