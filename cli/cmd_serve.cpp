@@ -122,7 +122,7 @@ void add_serve(CLI::App& app) {
   cmd->add_option("--max-batch-tokens", a->max_batch_tokens, "tokens per engine step")->check(CLI::PositiveNumber);
   cmd->add_option("--prefill-chunk", a->prefill_chunk, "longest prefill piece")->check(CLI::PositiveNumber);
   cmd->add_option("--batch-prefill", a->batch_prefill,
-                  "equal-length prefill pieces of many requests in one forward: on, off, or auto (on for the CPU)")
+                  "equal-length prefill pieces of many requests in one forward: on, off, or auto (on for the CPU and CUDA)")
       ->check(CLI::IsMember({"auto", "on", "off"}));
   cmd->add_option("--max-tokens", a->max_tokens, "largest max_tokens a request may ask for")
       ->check(CLI::PositiveNumber);

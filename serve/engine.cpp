@@ -304,7 +304,8 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
   e->cache_ = std::make_unique<StateCache>(e->pool_, model.backend(), static_cast<int32_t>(opt.max_slots + 1),
                                            opt.cache_slots, opt.cache_host_bytes);
   e->cache_on_ = e->cache_->enabled();
-  e->batch_prefill_ = opt.batch_prefill < 0 ? model.backend().device() == Device::kCPU : opt.batch_prefill > 0;
+  const Device dev = model.backend().device();
+  e->batch_prefill_ = opt.batch_prefill < 0 ? dev == Device::kCPU || dev == Device::kCUDA : opt.batch_prefill > 0;
   if (opt.plan_model) {
     // Decode forwards are max_width rows of 1 token and prefill forwards 1 row of at most
     // prefill_chunk tokens, and only last-token logits are read: max(width, chunk) rows.

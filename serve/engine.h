@@ -75,9 +75,10 @@ struct EngineOptions {
   // Prefill pieces of one length from different sequences in a step run as one forward
   // [G, n] into their slots (a burst of short prompts then costs one weight read per
   // step instead of one per prompt). Pieces stay a function of the prompt alone; on the CPU
-  // the tokens and states are bitwise those of one piece at a time. -1: on where that is
-  // verified (the CPU backend), 0: off, 1: on. With plan_model the plan then holds
-  // max_batch_tokens token rows.
+  // the tokens and states are bitwise those of one piece at a time, on CUDA equal within the
+  // kernels' tolerances with the same greedy tokens (CudaModel's batched prefill test).
+  // -1 (auto): on for the backends where that is verified, the CPU and CUDA; 0: off; 1: on.
+  // With plan_model the plan then holds max_batch_tokens token rows.
   int batch_prefill = -1;
   // Decode steps whose rows are all plain greedy (temperature 0, no penalties, no
   // logprobs) take each token from an argmax where the logits are (the device), copying
