@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200 (the `device` tool): the laplace-125m run of docs/quality.md and its PyTorch parity run.
 #
-#   stages (STAGES, in order): build data train ref side wait
+#   stages (STAGES, in order): build data train ref parity side wait compare
 #   build  CUDA build of the `laplace` program in build-gpu/ (TESTS=ON configures the tests too)
 #   data   the carried corpus slice ($CORPUS/docs.carry.jsonl.xz, from scripts/corpus.sh --carry)
 #          tokenized on every core into $RUNS/data/ with the carried tokenizer
@@ -14,6 +14,11 @@
 #   ref    after the run's first 45 steps, alone on the GPU, give the throughput figure (into
 #          $OUT/results.jsonl): the PyTorch reference trainer on the same init, data order and schedule
 #          for REF_STEPS steps (0: none), in the background beside it, metrics in $RUNS/ref
+#   parity the reference alone, against the committed curve of our run (bench/curves/laplace125m_ours.jsonl;
+#          the trainer is deterministic, so it need not train again): first our first CHECK_STEPS steps,
+#          whose losses must equal the curve's, then the reference for REF_STEPS steps in the background
+#   compare once the reference is done: scripts/compare_runs.py against our metrics (or the curve), the
+#          convergence_* figures into $OUT/results.jsonl and the plot $OUT/parity.png
 #   side   (SIDE, default "tests hf3b mqar") while the two runs train (after the throughput figure), work whose timings do not matter:
 #          the GPU tests (needs TESTS=ON; built at low priority), the MQAR grid of scripts/device_mqar.sh
 #          and the Python package's check at the 3B shapes (2 layers); logs in $RUNS
@@ -154,6 +159,28 @@ EOF
 fi
 
 # The device tool returns at most 8 files: the figures and the summary as they are, the rest in one archive.
+if has parity; then
+  [ -f $RUNS/init.safetensors ] || $PY python/laplace_ref.py init --config "$CFG" --seed 1 --out $RUNS/init.safetensors
+  rm -rf $RUNS/ours_check $RUNS/ref $RUNS/ref.done
+  $LAPLACE train --config $CFG --init $RUNS/init.safetensors "${DATA[@]}" --out $RUNS/ours_check --device cuda \
+    --dtype bf16 "${HP[@]}" --no-shuffle --stop-after "${CHECK_STEPS:-50}" --quiet > $RUNS/ours_check.log 2>&1
+  $PY - $RUNS/ours_check/metrics.jsonl bench/curves/laplace125m_ours.jsonl <<'EOF' 2>&1 | tee -a "$OUT/summary.txt"
+import json, sys
+def losses(path):
+    return {r["step"]: r["loss"] for r in map(json.loads, open(path)) if "loss" in r}
+now, curve = losses(sys.argv[1]), losses(sys.argv[2])
+same = [s for s in sorted(now) if round(now[s], 6) == curve.get(s)]
+print("parity: %d of %d steps of this build equal the committed curve%s" % (
+    len(same), len(now), "" if len(same) == len(now) else " (the curve is not this trainer's: compare with a new run)"))
+EOF
+  setsid nohup bash -c "
+    PYTHONUNBUFFERED=1 $PY python/reference_trainer.py --config $CFG --init $RUNS/init.safetensors $DATA_Q \
+      --out $RUNS/ref ${HP[*]} --stop-after $REF_STEPS --amp bf16 --ns-mode bf16 --log-every 50
+    echo exit \$? > $RUNS/ref.done" > $RUNS/ref.log 2>&1 < /dev/null &
+  echo "exit 0 (parity: our curve is committed)" > $RUNS/ours.done
+  stamp "reference started alone ($REF_STEPS steps)"
+fi
+
 if has side; then
   # Each step is cut at SIDE_S seconds from the script's start, so that the call ends with its files.
   left() { echo $(( ${SIDE_S:-540} - ($(date +%s) - t0) )); }
@@ -175,6 +202,14 @@ if has side; then
     NO_BUILD=1 OUT=$RUNS/mqar timeout "$(left)" bash scripts/device_mqar.sh > $RUNS/mqar.log 2>&1
     stamp "mqar exit $?"
   fi
+fi
+
+if has compare && [ -f $RUNS/ref.done ]; then
+  OURS=$RUNS/ours/metrics.jsonl
+  [ -f "$OURS" ] || OURS=bench/curves/laplace125m_ours.jsonl
+  $PY scripts/compare_runs.py "$OURS" $RUNS/ref/metrics.jsonl --last 200 --tag laplace125m \
+    --results "$OUT/results.jsonl" --commit "$COMMIT" --device "NVIDIA H200" \
+    --command "scripts/device_train125m.sh (stage compare)" --plot "$OUT/parity.png" 2>&1 | tee -a "$OUT/summary.txt"
 fi
 
 collect() {
