@@ -85,6 +85,17 @@ void EagerExecutor::prefill_all(const PrefillPiece& piece, std::vector<float>* l
 }
 
 void EagerExecutor::prefill_group(const std::vector<PrefillPiece>& pieces, std::vector<float>* logits) {
+  forward_group(pieces);
+  logits_rows_to_host(m_, 0, static_cast<int64_t>(pieces.size()), logits);
+}
+
+void EagerExecutor::prefill_group_greedy(const std::vector<PrefillPiece>& pieces, std::vector<int32_t>* ids) {
+  forward_group(pieces);
+  queue_argmax(static_cast<int64_t>(pieces.size()));
+  collect_greedy(static_cast<int64_t>(pieces.size()), ids);
+}
+
+void EagerExecutor::forward_group(const std::vector<PrefillPiece>& pieces) {
   const int64_t G = static_cast<int64_t>(pieces.size()), n = pieces.front().n;
   std::vector<int32_t> tokens(static_cast<size_t>(G * n)), slots(static_cast<size_t>(G));
   for (int64_t g = 0; g < G; ++g) {
@@ -96,7 +107,6 @@ void EagerExecutor::prefill_group(const std::vector<PrefillPiece>& pieces, std::
   fo.form = GlaForm::kChunked;
   fo.last_logits_only = true;
   m_.forward(tokens.data(), G, n, fo, &pool_, slots.data());
-  logits_rows_to_host(m_, 0, G, logits);
 }
 
 EagerExecutor::~EagerExecutor() {
@@ -691,6 +701,22 @@ void Engine::emit_token(Seq* s, int32_t tok, const float* logits, int64_t row, d
 // Prompt done (its last piece fed, or nothing to feed after an initial state): offer the
 // prompt snapshot, then emit the first token from `logits`.
 void Engine::start_decoding(Seq* s, const float* logits) {
+  prompt_done(s, logits);
+  emit(s, logits);
+}
+
+void Engine::start_decoding_greedy(Seq* s, int32_t tok, int64_t row) {
+  LAPLACE_CHECK(!prompt_needs_logits(s), "start_decoding_greedy: this sequence needs its prompt logits");
+  prompt_done(s, nullptr);
+  s->sampler.record(tok);
+  emit_token(s, tok, nullptr, row);
+}
+
+bool Engine::prompt_needs_logits(const Seq* s) const {
+  return (s->req.cache_prompt_state && cache_on_) || (s->req.capture_prompt_state && s->req.on_prompt_state);
+}
+
+void Engine::prompt_done(Seq* s, const float* logits) {
   auto it = std::find(prefilling_.begin(), prefilling_.end(), s);
   if (it != prefilling_.end()) prefilling_.erase(it);
   s->decoding = true;
@@ -711,7 +737,6 @@ void Engine::start_decoding(Seq* s, const float* logits) {
   }
   if (s->req.prompt_logprobs && s->req.on_prompt_logprobs && !s->cancelled.load())
     s->req.on_prompt_logprobs(s->info.id, s->prompt_lps);
-  emit(s, logits);
 }
 
 std::vector<std::vector<size_t>> Engine::prefill_groups(const StepPlan& plan) const {
@@ -826,10 +851,16 @@ bool Engine::step() {
     const PrefillPiece& head = plan.pieces[first];
     const double t = now();
     int64_t last_row = 0, row_step = 0;  // piece g's last-token logits: row last_row + g·row_step
+    // A group of last pieces of greedy sequences: the device picks the first tokens.
+    bool greedy = group.size() > 1 && opt_.device_greedy;
+    for (size_t j = 0; j < group.size() && greedy; ++j)
+      greedy = plan.pieces[group[j]].last && device_greedy_row(plan.prefill[group[j]]) &&
+               !prompt_needs_logits(plan.prefill[group[j]]);
     if (group.size() > 1) {
       group_pieces.clear();
       for (size_t j : group) group_pieces.push_back(plan.pieces[j]);
-      exec_->prefill_group(group_pieces, &logits_);
+      if (greedy) exec_->prefill_group_greedy(group_pieces, &greedy_ids_);
+      else exec_->prefill_group(group_pieces, &logits_);
       row_step = 1;
     } else if (head.all_logits) {
       Seq* s = plan.prefill[first];
@@ -855,7 +886,8 @@ bool Engine::step() {
       s->prefilled += piece.n;
       if (piece.last) {
         const double ts = now();
-        start_decoding(s, logits_.data() + (last_row + static_cast<int64_t>(g) * row_step) * vocab_);
+        if (greedy) start_decoding_greedy(s, greedy_ids_[g], static_cast<int64_t>(g));
+        else start_decoding(s, logits_.data() + (last_row + static_cast<int64_t>(g) * row_step) * vocab_);
         ++d.generated_tokens;
         d.sample_seconds += now() - ts;
       }

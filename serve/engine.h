@@ -178,6 +178,10 @@ class StepExecutor {
   // [G, n]; leaves each piece's last-token logits, [G × V] row-major (G ≤ the model's batch
   // and logit rows, G·n ≤ its token rows).
   virtual void prefill_group(const std::vector<PrefillPiece>& pieces, std::vector<float>* logits) = 0;
+  // The same forward, then each piece's argmax (ties: the lowest id) where the logits are; ids
+  // gets one per piece. The logits stay there for last_row_logits() (row g: piece g), so a
+  // burst of greedy requests copies G ids to the host instead of G × V logits.
+  virtual void prefill_group_greedy(const std::vector<PrefillPiece>& pieces, std::vector<int32_t>* ids) = 0;
   // Recurrent-form forward of one decode batch (states updated in place in their slots);
   // leaves the F32 logits of rows [0, live) in logits, [live × V] row-major.
   virtual void decode(const DecodeBatch& batch, std::vector<float>* logits) = 0;
@@ -208,6 +212,7 @@ class EagerExecutor : public StepExecutor {
   void prefill(const PrefillPiece& piece, std::vector<float>* logits) override;
   void prefill_all(const PrefillPiece& piece, std::vector<float>* logits) override;
   void prefill_group(const std::vector<PrefillPiece>& pieces, std::vector<float>* logits) override;
+  void prefill_group_greedy(const std::vector<PrefillPiece>& pieces, std::vector<int32_t>* ids) override;
   void decode(const DecodeBatch& batch, std::vector<float>* logits) override;
   void decode_greedy(const DecodeBatch& batch, std::vector<int32_t>* ids) override;
   void last_row_logits(int64_t b, std::vector<float>* row) override;
@@ -221,6 +226,7 @@ class EagerExecutor : public StepExecutor {
   // The same forward of `width` rows whose tokens and slots are in the model's input buffers.
   virtual void forward_decode_queued(int64_t width);
   void queue_argmax(int64_t live);  // ids_dev_[0, live) = argmax of the logits' rows
+  void forward_group(const std::vector<PrefillPiece>& pieces);  // prefill_group's forward
   Model& m_;
   StatePool& pool_;
   void* ids_dev_ = nullptr;  // [ids_cap] I32 on the backend's device: the argmax of each row
@@ -338,6 +344,12 @@ class Engine {
   bool can_chain(const StepPlan& plan, const std::vector<int32_t>& ids);
   bool device_greedy_row(const Seq* s) const;
   void start_decoding(Seq* s, const float* logits);
+  // The same for a greedy row whose token the device chose: `tok`, row `row` of the last
+  // forward's logits (fetched only if the sequence finishes and its final state needs them).
+  // Only for sequences that need no prompt logits on the host (prompt_needs_logits false).
+  void start_decoding_greedy(Seq* s, int32_t tok, int64_t row);
+  void prompt_done(Seq* s, const float* logits);  // start_decoding up to the first token
+  bool prompt_needs_logits(const Seq* s) const;
   // logits: the row that gave the last token (final snapshot); null when cancelled.
   void finish(Seq* s, FinishReason r, const float* logits);
   SnapshotPtr snapshot(Seq* s, const float* logits, bool with_generated);

@@ -892,6 +892,47 @@ TEST(EngineBudget, BatchedPrefillEqualsOnePieceAtATime) {
   for (size_t i = 0; i < 4; ++i) EXPECT_EQ(batched[i].tokens, ref.reference(prompts[i], 6).first) << i;
 }
 
+// A batched group of greedy last pieces takes its first tokens from the device's argmax
+// (StepExecutor::prefill_group_greedy) and fetches a row's logits only when a finishing
+// request's final state needs them; a group with any other row uses the host's logits.
+// Both give what one piece at a time gives: tokens, final states and their logits.
+TEST(EngineBudget, GreedyBatchedPrefillFirstTokensAndFinalStates) {
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 12; ++i) prompts.push_back(random_tokens(8, small_config().vocab_size, 300 + i));
+  auto run = [&](int batch, bool mixed) {
+    EngineOptions o = opts(12, 8, 512);
+    o.batch_prefill = batch;
+    Rig r(o);
+    std::vector<RequestId> ids;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      Request q = r.make(prompts[i], i % 3 == 0 ? 1 : 4, mixed && i == 5 ? sampled(7) : greedy());
+      q.capture_final_state = i % 2 == 0;  // some finish at their first token and keep the state
+      ids.push_back(r.add(std::move(q)));
+    }
+    r.eng->run_until_idle();
+    std::vector<Outcome> outs;
+    for (RequestId id : ids) outs.push_back(r.out[id]);
+    return std::make_pair(outs, r.eng->stats());
+  };
+  for (bool mixed : {false, true}) {
+    const auto [batched, sb] = run(1, mixed);
+    const auto [single, ss] = run(0, mixed);
+    EXPECT_EQ(sb.prefill_forwards, 1) << "one [12, 8] forward";
+    EXPECT_EQ(ss.prefill_forwards, 12);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      SCOPED_TRACE(::testing::Message() << "mixed " << mixed << ", request " << i);
+      EXPECT_EQ(batched[i].tokens, single[i].tokens);
+      EXPECT_EQ(batched[i].tokens.size(), i % 3 == 0 ? 1u : 4u);
+      ASSERT_EQ(batched[i].info.final_state != nullptr, i % 2 == 0);
+      if (i % 2 == 0) {
+        EXPECT_EQ(batched[i].info.final_state->logits, single[i].info.final_state->logits);
+        EXPECT_EQ(batched[i].info.final_state->state, single[i].info.final_state->state);
+        EXPECT_EQ(batched[i].info.final_state->tokens, single[i].info.final_state->tokens);
+      }
+    }
+  }
+}
+
 // Padded decode widths: padded rows go to the scratch slot and are counted; tokens equal.
 TEST(EngineBudget, PaddedDecodeWidths) {
   EngineOptions o = opts(5);
