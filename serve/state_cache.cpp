@@ -5,7 +5,7 @@
 namespace laplace {
 
 StateCache::StateCache(StatePool& pool, Backend& be, int32_t first_slot, int64_t slots, int64_t host_bytes)
-    : pool_(pool), be_(be), first_slot_(first_slot), slots_(slots), host_(host_bytes) {
+    : pool_(pool), be_(be), slots_(slots), host_(host_bytes) {
   LAPLACE_CHECK(slots >= 0 && first_slot >= 0 && first_slot + slots <= pool.slots(),
                 "state cache: cache slots outside the pool");
   // Highest first, so that pop_back hands out the lowest free slot (easier to read in logs).

@@ -104,7 +104,6 @@ class StateCache {
 
   StatePool& pool_;
   Backend& be_;
-  const int32_t first_slot_;
   const int64_t slots_;
   PrefixCache host_;
 
