@@ -86,7 +86,7 @@ void EagerExecutor::prefill_all(const PrefillPiece& piece, std::vector<float>* l
 
 void EagerExecutor::prefill_group(const std::vector<PrefillPiece>& pieces, std::vector<float>* logits) {
   forward_group(pieces);
-  logits_rows_to_host(m_, 0, static_cast<int64_t>(pieces.size()), logits);
+  if (logits) logits_rows_to_host(m_, 0, static_cast<int64_t>(pieces.size()), logits);
 }
 
 void EagerExecutor::prefill_group_greedy(const std::vector<PrefillPiece>& pieces, std::vector<int32_t>* ids) {
@@ -851,16 +851,21 @@ bool Engine::step() {
     const PrefillPiece& head = plan.pieces[first];
     const double t = now();
     int64_t last_row = 0, row_step = 0;  // piece g's last-token logits: row last_row + g·row_step
-    // A group of last pieces of greedy sequences: the device picks the first tokens.
-    bool greedy = group.size() > 1 && opt_.device_greedy;
-    for (size_t j = 0; j < group.size() && greedy; ++j)
-      greedy = plan.pieces[group[j]].last && device_greedy_row(plan.prefill[group[j]]) &&
-               !prompt_needs_logits(plan.prefill[group[j]]);
+    // A group's logits go to the host only if a prompt ends in it for a sequence that needs
+    // them; where every such sequence is greedy, the device picks their first tokens.
+    bool any_last = false, host_logits = false;
+    for (size_t j : group) {
+      const Seq* s = plan.prefill[j];
+      if (!plan.pieces[j].last) continue;
+      any_last = true;
+      host_logits = host_logits || !opt_.device_greedy || !device_greedy_row(s) || prompt_needs_logits(s);
+    }
+    const bool greedy = group.size() > 1 && any_last && !host_logits;
     if (group.size() > 1) {
       group_pieces.clear();
       for (size_t j : group) group_pieces.push_back(plan.pieces[j]);
       if (greedy) exec_->prefill_group_greedy(group_pieces, &greedy_ids_);
-      else exec_->prefill_group(group_pieces, &logits_);
+      else exec_->prefill_group(group_pieces, any_last ? &logits_ : nullptr);
       row_step = 1;
     } else if (head.all_logits) {
       Seq* s = plan.prefill[first];

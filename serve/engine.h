@@ -175,8 +175,8 @@ class StepExecutor {
   // logit rows).
   virtual void prefill_all(const PrefillPiece& piece, std::vector<float>* logits) = 0;
   // Pieces of one length n in distinct slots, none needing all logits, as one forward
-  // [G, n]; leaves each piece's last-token logits, [G × V] row-major (G ≤ the model's batch
-  // and logit rows, G·n ≤ its token rows).
+  // [G, n]; with logits non-null, leaves each piece's last-token logits there, [G × V]
+  // row-major (G ≤ the model's batch and logit rows, G·n ≤ its token rows).
   virtual void prefill_group(const std::vector<PrefillPiece>& pieces, std::vector<float>* logits) = 0;
   // The same forward, then each piece's argmax (ties: the lowest id) where the logits are; ids
   // gets one per piece. The logits stay there for last_row_logits() (row g: piece g), so a
