@@ -5,7 +5,9 @@ Every benchmark program appends one JSON line per figure to bench/results.jsonl:
 {"bench", "value", "unit", "device", "commit", "date", "note"[, "command"]}. This script
 keeps, for each bench name, its newest record (by "date"; of equal dates the later line)
 and writes one table row per name: figure, value and unit, date, device, commit, and the
-command (or, for records without one, the note), shortened. Rows are grouped by area in a
+command (or, for records without one, the note), shortened. A name whose newest record
+says "retired": true (with a note saying what replaces it) has no row: the figure is kept
+in the results' history but is no longer current. Rows are grouped by area in a
 fixed order (train, gla, decode, prefill, serve, dist, other) and sorted by name within an
 area, so the same results give the same bytes.
 
@@ -134,8 +136,8 @@ def abbreviate(text, shapes):
 
 
 def rows(best):
-    """[(area, name, record)] in table order."""
-    out = [(area_of(n), n, r) for n, r in best.items()]
+    """[(area, name, record)] in table order; retired names left out."""
+    out = [(area_of(n), n, r) for n, r in best.items() if r.get("retired") is not True]
     out.sort(key=lambda t: (ORDER.index(t[0]), t[1]))
     return out
 

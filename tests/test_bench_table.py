@@ -75,6 +75,14 @@ class Block(unittest.TestCase):
         self.text = bt.block(RECS, shapes={"long long": "LL"})
         self.rows = [l for l in self.text.splitlines() if l.startswith("| ") and "`" in l]
 
+    def test_retired_name_has_no_row(self):
+        recs = RECS + [rec("decode_tok_s_x", None, "2026-12-03T00:00:00Z", retired=True, note="replaced")]
+        self.assertNotIn("decode_tok_s_x", [n for _, n, _ in bt.rows(bt.newest(recs))])
+        self.assertIn("train_tok_s_y", [n for _, n, _ in bt.rows(bt.newest(recs))])
+        # a newer measurement after the retirement brings the row back
+        recs.append(rec("decode_tok_s_x", 300.0, "2026-12-04T00:00:00Z", unit="tok/s"))
+        self.assertIn("decode_tok_s_x", [n for _, n, _ in bt.rows(bt.newest(recs))])
+
     def test_one_row_per_name_in_area_order(self):
         names = [l.split("`")[1] for l in self.rows]
         self.assertEqual(names, ["train_tok_s_y", "gla_fwd_relerr", "decode_tok_s_x", "prefill_ms_z",
