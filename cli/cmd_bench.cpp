@@ -556,7 +556,7 @@ Status run_bench_serve(const ServeArgs& a) {
   o.max_slots = a.max_slots;
   o.max_batch_tokens = a.max_batch_tokens;
   o.prefill_chunk = a.prefill_chunk;
-  o.batch_prefill = a.batch_prefill == "auto" ? -1 : a.batch_prefill == "on" ? 1 : 0;
+  o.batch_prefill = batch_prefill_value(a.batch_prefill);
   if (o.max_slots == 0) {
     if (!a.memory_budget.empty()) {
       LAPLACE_RETURN_IF_ERROR(parse_bytes(a.memory_budget, &o.memory_budget));
@@ -726,8 +726,9 @@ void add_bench(CLI::App& app) {
   srv->add_option("--memory-reserve", s->memory_reserve, "CUDA: free memory left unused when deriving slots");
   srv->add_option("--max-batch-tokens", s->max_batch_tokens, "per-step token budget")->check(CLI::Range(1, 1 << 24));
   srv->add_option("--prefill-chunk", s->prefill_chunk, "prefill piece (tokens)")->check(CLI::Range(1, 1 << 20));
-  srv->add_option("--batch-prefill", s->batch_prefill, "equal-length prefill pieces in one forward: on, off, auto")
-      ->check(CLI::IsMember({"auto", "on", "off"}));
+  srv->add_option("--batch-prefill", s->batch_prefill,
+                  "prefill pieces of many requests in one forward: equal (one length), ragged (any), off, or auto")
+      ->check(CLI::IsMember(kBatchPrefillChoices));
   srv->add_option("--seed", s->seed, "seed of the random weights (no checkpoint), arrivals and prompts");
   add_decode_options(srv, &s->state_dtype, &s->eager, &s->defer_writeback);
   srv->add_option("--results", s->results, "append JSON lines here (empty: don't)");

@@ -59,7 +59,7 @@ Status run_serve(const ServeArgs& a) {
   o.engine.cache_slots = a.cache_slots;
   o.engine.max_batch_tokens = a.max_batch_tokens;
   o.engine.prefill_chunk = a.prefill_chunk;
-  o.engine.batch_prefill = a.batch_prefill == "auto" ? -1 : a.batch_prefill == "on" ? 1 : 0;
+  o.engine.batch_prefill = batch_prefill_value(a.batch_prefill);
   o.max_queue = a.max_queue;
   o.max_request_bytes = a.max_request_kb * 1024;
   o.max_prompt_tokens = a.max_prompt_tokens;
@@ -122,8 +122,9 @@ void add_serve(CLI::App& app) {
   cmd->add_option("--max-batch-tokens", a->max_batch_tokens, "tokens per engine step")->check(CLI::PositiveNumber);
   cmd->add_option("--prefill-chunk", a->prefill_chunk, "longest prefill piece")->check(CLI::PositiveNumber);
   cmd->add_option("--batch-prefill", a->batch_prefill,
-                  "equal-length prefill pieces of many requests in one forward: on, off, or auto (on for the CPU and CUDA)")
-      ->check(CLI::IsMember({"auto", "on", "off"}));
+                  "prefill pieces of many requests in one forward: equal (one length), ragged (any lengths), off, or "
+                  "auto (ragged on the CPU, equal on CUDA)")
+      ->check(CLI::IsMember(kBatchPrefillChoices));
   cmd->add_option("--max-tokens", a->max_tokens, "largest max_tokens a request may ask for")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--max-prompt-tokens", a->max_prompt_tokens, "longest prompt accepted")->check(CLI::PositiveNumber);

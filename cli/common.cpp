@@ -164,4 +164,11 @@ Status parse_bytes(const std::string& s, int64_t* out) {
   return Status::ok();
 }
 
+int batch_prefill_value(const std::string& s) {
+  if (s == "off") return kBatchPrefillOff;
+  if (s == "equal") return kBatchPrefillEqual;
+  if (s == "ragged") return kBatchPrefillRagged;
+  return -1;  // auto (the option's check admits nothing else)
+}
+
 }  // namespace laplace::cli

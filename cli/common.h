@@ -46,6 +46,11 @@ void add_decode_options(CLI::App* cmd, std::string* state_dtype, bool* eager, in
 Status engine_decode_options(const std::string& device, const std::string& state_dtype, bool eager,
                              int64_t defer_writeback, EngineOptions* o);
 
+// --batch-prefill's values (auto, off, equal, ragged) as EngineOptions::batch_prefill, and the list
+// for the option's check.
+int batch_prefill_value(const std::string& s);
+inline const std::vector<std::string> kBatchPrefillChoices = {"auto", "off", "equal", "ragged"};
+
 // "1,2,3" → numbers (each item whole, of T, and passing `ok` when given). An empty list or an
 // item that is not one is an error naming the flag and the item ("--m: 'x' is not a number";
 // `what` replaces "a number").

@@ -204,6 +204,31 @@ void Model::forward(const int32_t* tokens, int64_t B, int64_t T, const ForwardOp
   run_forward(B, T, opt, pool, slots);
 }
 
+void Model::forward_ragged(const int32_t* tokens, const std::vector<int64_t>& lengths, StatePool& pool,
+                           const int32_t* slots) {
+  const int64_t G = static_cast<int64_t>(lengths.size());
+  LAPLACE_CHECK(G >= 1 && G <= plan_.max_batch && G <= logit_rows_, "forward_ragged: sequences exceed the plan");
+  std::vector<Segment> segs;
+  int64_t N = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t n = lengths[g];
+    LAPLACE_CHECK(n >= 1 && n <= plan_.max_seq, "forward_ragged: a sequence longer than the plan");
+    if (segs.empty() || segs.back().T != n) segs.push_back(Segment{N, g, 0, n});
+    ++segs.back().B;
+    N += n;
+  }
+  LAPLACE_CHECK(N <= plan_rows_, "forward_ragged: more tokens than the plan holds");
+  ForwardOptions opt;
+  opt.form = GlaForm::kChunked;
+  opt.last_logits_only = true;
+  for (const Segment& s : segs) check_forward(s.B, s.T, opt, &pool);
+  Backend& be = *be_;
+  be.copy(ids_.slice(0, 0, N), Tensor(const_cast<int32_t*>(tokens), DType::kI32, {N}));
+  for (int64_t g = 0; g < G; ++g) LAPLACE_CHECK(slots[g] >= 0 && slots[g] < pool.slots(), "forward_ragged: bad slot");
+  be.copy(slots_.slice(0, 0, G), Tensor(const_cast<int32_t*>(slots), DType::kI32, {G}));
+  run_forward(segs, opt, &pool, slots);
+}
+
 void Model::forward_queued(int64_t B, int64_t T, const ForwardOptions& opt, StatePool* pool) {
   check_forward(B, T, opt, pool);
   LAPLACE_CHECK(!pool || (T == 1 && opt.form == GlaForm::kRecurrent),
@@ -219,14 +244,26 @@ void Model::set_replayed(int64_t B, int64_t T, const ForwardOptions& opt) {
   logits_ = rows(logits_buf_, opt.last_logits_only ? B : B * T);
 }
 
-void Model::run_forward(int64_t B, int64_t T, const ForwardOptions& opt, StatePool* pool, const int32_t* host_slots) {
+void Model::run_forward(const std::vector<Segment>& segs, const ForwardOptions& opt, StatePool* pool,
+                        const int32_t* host_slots) {
   Backend& be = *be_;
-  const int64_t N = B * T, D = cfg_.hidden_size, H = cfg_.num_heads, dv = cfg_.head_v_dim;
+  const int64_t D = cfg_.hidden_size, H = cfg_.num_heads, dv = cfg_.head_v_dim;
+  const bool ragged = segs.size() > 1;
+  LAPLACE_CHECK(!ragged || (opt.last_logits_only && opt.form == GlaForm::kChunked && pool),
+                "run_forward: a ragged forward is chunked, from slots, last-token logits only");
+  // One segment: [B, T]. Ragged: B sequences of N tokens in all (T only per segment).
+  const Segment& one = segs.front();
+  const int64_t B = segs.back().first + segs.back().B;
+  const int64_t N = segs.back().row + segs.back().B * segs.back().T;
+  const int64_t T = ragged ? 0 : one.T;
   last_B_ = B;
   last_T_ = T;
   last_only_ = opt.last_logits_only;
   const Tensor slot_ids = pool ? slots_.slice(0, 0, B) : Tensor{};
   const Tensor tok_ids = ids_.slice(0, 0, N);
+  // Segment views: rows [s.row, s.row + s.B·s.T) as [s.B, s.T, …] and the segment's slots.
+  auto seg_rows = [](const Tensor& t, const Segment& s) { return t.slice(0, s.row, s.row + s.B * s.T); };
+  auto seg_slots = [&](const Segment& s) { return pool ? slots_.slice(0, s.first, s.first + s.B) : Tensor{}; };
 
   const int64_t L = cfg_.num_layers;
   auto before = [&](int64_t group) {
@@ -236,7 +273,7 @@ void Model::run_forward(int64_t B, int64_t T, const ForwardOptions& opt, StatePo
   be.embedding_forward(tok_ids, w_.embed, rows(layer_[0].x_in, N));
   const GlaParams gp = gla_params(opt.form);
   // Decode: one token per sequence from its slot (the training plan keeps rstd instead).
-  const bool decode_step = pool && T == 1 && opt.form == GlaForm::kRecurrent && !plan_.training;
+  const bool decode_step = !ragged && pool && T == 1 && opt.form == GlaForm::kRecurrent && !plan_.training;
   for (int64_t l = 0; l < L; ++l) {
     before(1 + l);
     const LayerActs& a = layer_[l];
@@ -249,43 +286,51 @@ void Model::run_forward(int64_t B, int64_t T, const ForwardOptions& opt, StatePo
     be.layernorm_forward(x_in, w.norm1_w, w.norm1_b, cfg_.norm_eps, rows(a.u, N), rows(a.ln1_mean, N),
                          rows(a.ln1_rstd, N));
     Tensor win = pool ? pool->conv(l) : Tensor{};
-    be.conv_silu_forward(btc(rows(a.u, N), B, T), w.conv_w, btc(rows(a.c, N), B, T),
-                         plan_.training ? btc(rows(a.conv_pre, N), B, T) : Tensor{}, win, win, slot_ids);
+    for (const Segment& s : segs)
+      be.conv_silu_forward(btc(seg_rows(a.u, s), s.B, s.T), w.conv_w, btc(seg_rows(a.c, s), s.B, s.T),
+                           plan_.training ? btc(seg_rows(a.conv_pre, s), s.B, s.T) : Tensor{}, win, win, seg_slots(s));
     be.gemm(rows(a.c, N), false, w.wqkvg, true, qkvg, 1.0, 0.0);
     Tensor st = pool ? pool->gla(l) : Tensor{};
-    Tensor o = bthd(rows(a.o, N), B, T, H, dv);
     const GlaPending pend = pool ? pool->pending(l) : GlaPending{};
     // The chunked form reads S itself: fold the rows' pending pairs in first.
     if (!decode_step && pend.defined()) be.gla_pending_flush(gp, st, pend, slot_ids);
     if (decode_step && pend.defined()) {
       // Deferred write-back: S read every step, written every R-th (docs/serving.md §4).
       be.gla_decode_gate_deferred(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
-                                  qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps, st, pend, slot_ids, o,
-                                  bthd(rows(a.y, N), B, T, H, dv));
+                                  qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps, st, pend, slot_ids,
+                                  bthd(rows(a.o, N), B, T, H, dv), bthd(rows(a.y, N), B, T, H, dv));
     } else if (decode_step) {
       // One pass over each state: recurrence, output and gate fused (same bits as below).
       be.gla_decode_gate(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
-                         qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps, st, slot_ids, o,
-                         bthd(rows(a.y, N), B, T, H, dv));
-    } else if (st.defined() && st.dtype == DType::kBF16) {
-      // A BF16 pool in a chunked forward: each row's state goes through F32 (one rounding
-      // back on the store, as a decode step's).
-      const Tensor stage = state_stage(B);
-      for (int64_t b = 0; b < B; ++b) be.copy(stage.select(b), st.select(host_slots[b]));
-      be.gla_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), o, stage,
-                     stage, Tensor{});
-      for (int64_t b = 0; b < B; ++b) be.copy(st.select(host_slots[b]), stage.select(b));
+                         qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps, st, slot_ids,
+                         bthd(rows(a.o, N), B, T, H, dv), bthd(rows(a.y, N), B, T, H, dv));
     } else {
-      be.gla_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), o, st, st,
-                     slot_ids);
+      for (const Segment& s : segs) {
+        const Tensor q = seg_rows(qkvg, s);
+        Tensor o = bthd(seg_rows(a.o, s), s.B, s.T, H, dv);
+        if (st.defined() && st.dtype == DType::kBF16) {
+          // A BF16 pool in a chunked forward: each row's state goes through F32 (one rounding
+          // back on the store, as a decode step's).
+          const Tensor stage = state_stage(s.B);
+          for (int64_t b = 0; b < s.B; ++b) be.copy(stage.select(b), st.select(host_slots[s.first + b]));
+          be.gla_forward(gp, qkvg_part(q, s.B, s.T, 0), qkvg_part(q, s.B, s.T, 1), qkvg_part(q, s.B, s.T, 2), o,
+                         stage, stage, Tensor{});
+          for (int64_t b = 0; b < s.B; ++b) be.copy(st.select(host_slots[s.first + b]), stage.select(b));
+        } else {
+          be.gla_forward(gp, qkvg_part(q, s.B, s.T, 0), qkvg_part(q, s.B, s.T, 1), qkvg_part(q, s.B, s.T, 2), o, st,
+                         st, seg_slots(s));
+        }
+      }
     }
     if (!decode_step) {
+      // Row-wise: a ragged forward takes its N rows as one sequence [1, N].
+      const int64_t rb = ragged ? 1 : B, rt = ragged ? N : T;
       Tensor rstd = a.onorm_rstd.slice(0, 0, N);
       rstd.ndim = 3;
-      rstd.shape = {B, T, H, 0};
-      rstd.stride = {T * H, H, 1, 0};
-      be.rmsnorm_gate_forward(o, qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps,
-                              bthd(rows(a.y, N), B, T, H, dv), rstd);
+      rstd.shape = {rb, rt, H, 0};
+      rstd.stride = {rt * H, H, 1, 0};
+      be.rmsnorm_gate_forward(bthd(rows(a.o, N), rb, rt, H, dv), qkvg_part(qkvg, rb, rt, 3), w.onorm_w, cfg_.norm_eps,
+                              bthd(rows(a.y, N), rb, rt, H, dv), rstd);
     }
     be.gemm_add(rows(a.y, N), false, w.wo, true, x_in, x_mid, 1.0, 1.0);  // x_mid = x_in + y·W_oᵀ
 
@@ -298,18 +343,23 @@ void Model::run_forward(int64_t B, int64_t T, const ForwardOptions& opt, StatePo
   }
 
   // Head: logits = LN_f(x) · W_headᵀ, for every token or each sequence's last one.
-  Tensor xf = rows(x_final_, N);
-  int64_t M = N;
-  if (opt.last_logits_only) {
-    Tensor last = xf.slice(0, T - 1, T - 1 + 1);
-    last.shape[0] = B;
-    last.stride[0] = T * D;
-    xf = last;
-    M = B;
-  }
   before(L + 1);
-  be.layernorm_forward(xf, w_.norm_w, w_.norm_b, cfg_.norm_eps, rows(zf_, M), rows(lnf_mean_, M),
-                       rows(lnf_rstd_, M));
+  const int64_t M = opt.last_logits_only ? B : N;
+  for (const Segment& s : opt.last_logits_only ? segs : std::vector<Segment>{Segment{0, 0, 1, N}}) {
+    // The segment's rows (or, last-token only, each of its sequences' last rows, strided).
+    Tensor xf = seg_rows(x_final_, s);
+    int64_t m = s.B * s.T, out = s.row;
+    if (opt.last_logits_only) {
+      Tensor last = x_final_.slice(0, s.row + s.T - 1, s.row + s.T);
+      last.shape[0] = s.B;
+      last.stride[0] = s.T * D;
+      xf = last;
+      m = s.B;
+      out = s.first;
+    }
+    be.layernorm_forward(xf, w_.norm_w, w_.norm_b, cfg_.norm_eps, zf_.slice(0, out, out + m),
+                         lnf_mean_.slice(0, out, out + m), lnf_rstd_.slice(0, out, out + m));
+  }
   logits_ = rows(logits_buf_, M);
   be.gemm(rows(zf_, M), false, w_.lm_head, true, logits_, 1.0, 0.0);
 }

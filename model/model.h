@@ -78,6 +78,16 @@ class Model {
   void forward(const int32_t* tokens, int64_t B, int64_t T, const ForwardOptions& opt,
                StatePool* pool = nullptr, const int32_t* slots = nullptr);
 
+  // A ragged forward: G = lengths.size() sequences, sequence g's lengths[g] tokens at
+  // offset Σ_{h<g} lengths[h] of `tokens`, each from and into its slot slots[g] of `pool`,
+  // chunked form, each sequence's last-token logits (logits() is [G, V], row g). The
+  // token-wise ops (norms, projections, FFN, head) run once over all Σ lengths rows; the
+  // conv and the mixer once per run of adjacent sequences of one length, as [G_k, n_k] —
+  // so put sequences that share a length next to each other. On the CPU every row is
+  // bitwise what a forward of its sequence alone gives (its ops are row-invariant).
+  void forward_ragged(const int32_t* tokens, const std::vector<int64_t>& lengths, StatePool& pool,
+                      const int32_t* slots);
+
   // The same forward split for CUDA graphs: the caller has put the ids [B·T] and (with
   // a pool) the slot ids [B] in input_ids() / input_slots() on the device, then
   // forward_queued() queues the whole forward without touching host memory (no copies,
@@ -133,9 +143,18 @@ class Model {
   void check_forward(int64_t B, int64_t T, const ForwardOptions& opt, const StatePool* pool) const;
   // F32 staging for B rows' states [B, H, dk, dv] (grown on demand).
   Tensor state_stage(int64_t B);
-  // The forward once ids_ (and slots_) are on the device; host_slots: only for a BF16
+  // Sequences [first, first + B) of one length T, at token row `row` of the forward.
+  struct Segment {
+    int64_t row = 0, first = 0, B = 0, T = 0;
+  };
+  // The forward once ids_ (and slots_) are on the device: one segment [B, T], or the
+  // segments of a ragged forward (last-token logits only); host_slots: only for a BF16
   // pool in a chunked forward (its rows' states are staged through stage_).
-  void run_forward(int64_t B, int64_t T, const ForwardOptions& opt, StatePool* pool, const int32_t* host_slots);
+  void run_forward(const std::vector<Segment>& segs, const ForwardOptions& opt, StatePool* pool,
+                   const int32_t* host_slots);
+  void run_forward(int64_t B, int64_t T, const ForwardOptions& opt, StatePool* pool, const int32_t* host_slots) {
+    run_forward({Segment{0, 0, B, T}}, opt, pool, host_slots);
+  }
 
   Config cfg_;
   Backend* be_ = nullptr;

@@ -97,11 +97,18 @@ void EagerExecutor::prefill_group_greedy(const std::vector<PrefillPiece>& pieces
 
 void EagerExecutor::forward_group(const std::vector<PrefillPiece>& pieces) {
   const int64_t G = static_cast<int64_t>(pieces.size()), n = pieces.front().n;
-  std::vector<int32_t> tokens(static_cast<size_t>(G * n)), slots(static_cast<size_t>(G));
+  std::vector<int32_t> tokens, slots(static_cast<size_t>(G));
+  std::vector<int64_t> lengths(static_cast<size_t>(G));
+  bool equal = true;
   for (int64_t g = 0; g < G; ++g) {
-    LAPLACE_CHECK(pieces[g].n == n, "prefill_group: pieces of one length");
-    std::copy_n(pieces[g].tokens, n, tokens.data() + g * n);
+    tokens.insert(tokens.end(), pieces[g].tokens, pieces[g].tokens + pieces[g].n);
     slots[g] = pieces[g].slot;
+    lengths[g] = pieces[g].n;
+    equal = equal && pieces[g].n == n;
+  }
+  if (!equal) {
+    m_.forward_ragged(tokens.data(), lengths, pool_, slots.data());
+    return;
   }
   ForwardOptions fo;
   fo.form = GlaForm::kChunked;
@@ -315,7 +322,10 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
                                            opt.cache_slots, opt.cache_host_bytes);
   e->cache_on_ = e->cache_->enabled();
   const Device dev = model.backend().device();
-  e->batch_prefill_ = opt.batch_prefill < 0 ? dev == Device::kCPU || dev == Device::kCUDA : opt.batch_prefill > 0;
+  if (opt.batch_prefill < 0)
+    e->batch_prefill_ = dev == Device::kCPU ? kBatchPrefillRagged : dev == Device::kCUDA ? kBatchPrefillEqual : 0;
+  else
+    e->batch_prefill_ = opt.batch_prefill;
   if (opt.plan_model) {
     // Decode forwards are max_width rows of 1 token and prefill forwards 1 row of at most
     // prefill_chunk tokens, and only last-token logits are read: max(width, chunk) rows.
@@ -744,12 +754,19 @@ std::vector<std::vector<size_t>> Engine::prefill_groups(const StepPlan& plan) co
   std::vector<int> round(np, 0);
   std::unordered_map<const Seq*, int> seen;
   for (size_t i = 0; i < np; ++i) round[i] = seen[plan.prefill[i]]++;
+  const bool ragged = batch_prefill_ == kBatchPrefillRagged;
   std::vector<size_t> order(np);
   for (size_t i = 0; i < np; ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return round[a] < round[b]; });
+  // By round; ragged: then by length, so that a group's pieces of one length are adjacent.
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    if (round[a] != round[b]) return round[a] < round[b];
+    return ragged && plan.pieces[a].n < plan.pieces[b].n;
+  });
   const int64_t max_group = batch_prefill_ ? std::min(model_.plan_options().max_batch, model_.logit_rows()) : 1;
   std::vector<std::vector<size_t>> groups;
-  std::unordered_map<int64_t, size_t> open;  // piece length -> the round's group still taking pieces
+  std::vector<int64_t> tokens;  // [group] its pieces' tokens
+  // The round's group still taking pieces, by piece length (ragged: one, under length 0).
+  std::unordered_map<int64_t, size_t> open;
   int current = -1;
   for (size_t i : order) {
     if (plan.prefill[i]->cancelled.load()) continue;  // released at the step's end
@@ -758,16 +775,19 @@ std::vector<std::vector<size_t>> Engine::prefill_groups(const StepPlan& plan) co
       open.clear();
     }
     const PrefillPiece& p = plan.pieces[i];
-    auto it = p.all_logits ? open.end() : open.find(p.n);
+    const int64_t key = ragged ? 0 : p.n;
+    auto it = p.all_logits ? open.end() : open.find(key);
     if (it != open.end()) {
       std::vector<size_t>& g = groups[it->second];
-      if (static_cast<int64_t>(g.size()) < max_group && static_cast<int64_t>(g.size() + 1) * p.n <= model_.plan_rows()) {
+      if (static_cast<int64_t>(g.size()) < max_group && tokens[it->second] + p.n <= model_.plan_rows()) {
         g.push_back(i);
+        tokens[it->second] += p.n;
         continue;
       }
     }
     groups.push_back({i});
-    if (!p.all_logits) open[p.n] = groups.size() - 1;
+    tokens.push_back(p.n);
+    if (!p.all_logits) open[key] = groups.size() - 1;
   }
   return groups;
 }

@@ -39,6 +39,9 @@
 
 namespace laplace {
 
+// EngineOptions::batch_prefill values.
+constexpr int kBatchPrefillOff = 0, kBatchPrefillEqual = 1, kBatchPrefillRagged = 2;
+
 struct EngineOptions {
   // Sequences served at once (state slots, the scratch slot not counted). 0 = derive
   // from memory_budget with slots_for_memory().
@@ -72,13 +75,16 @@ struct EngineOptions {
   // is width × 1 token, prefill 1 × piece). With false, the model must already be planned
   // at least that large.
   bool plan_model = true;
-  // Prefill pieces of one length from different sequences in a step run as one forward
-  // [G, n] into their slots (a burst of short prompts then costs one weight read per
-  // step instead of one per prompt). Pieces stay a function of the prompt alone; on the CPU
-  // the tokens and states are bitwise those of one piece at a time, on CUDA equal within the
-  // kernels' tolerances with the same greedy tokens (CudaModel's batched prefill test).
-  // -1 (auto): on for the backends where that is verified, the CPU and CUDA; 0: off; 1: on.
-  // With plan_model the plan then holds max_batch_tokens token rows.
+  // Prefill pieces of different sequences in a step share a forward (a burst of short
+  // prompts then costs one weight read per step instead of one per prompt).
+  // kBatchPrefillEqual: pieces of one length, as [G, n]; kBatchPrefillRagged: pieces of any
+  // lengths, as one ragged forward (Model::forward_ragged: token-wise ops over all pieces'
+  // tokens, the mixer per run of one length). Pieces stay a function of the prompt alone;
+  // on the CPU the tokens and states are bitwise those of one piece at a time, on CUDA
+  // equal within the kernels' tolerances with the same greedy tokens (CudaModel's batched
+  // and ragged prefill tests). -1 (auto): ragged on the CPU, equal on CUDA (where the
+  // ragged test has yet to run); 0: off. With plan_model the plan then holds
+  // max_batch_tokens token rows.
   int batch_prefill = -1;
   // Decode steps whose rows are all plain greedy (temperature 0, no penalties, no
   // logprobs) take each token from an argmax where the logits are (the device), copying
@@ -174,8 +180,9 @@ class StepExecutor {
   // The same forward leaving every position's logits, [n × V] row-major (n ≤ the model's
   // logit rows).
   virtual void prefill_all(const PrefillPiece& piece, std::vector<float>* logits) = 0;
-  // Pieces of one length n in distinct slots, none needing all logits, as one forward
-  // [G, n]; with logits non-null, leaves each piece's last-token logits there, [G × V]
+  // Pieces in distinct slots, none needing all logits, as one forward: [G, n] when all
+  // have one length n, else ragged (adjacent pieces of one length batched in the mixer);
+  // with logits non-null, leaves each piece's last-token logits there, [G × V]
   // row-major (G ≤ the model's batch and logit rows, G·n ≤ its token rows).
   virtual void prefill_group(const std::vector<PrefillPiece>& pieces, std::vector<float>* logits) = 0;
   // The same forward, then each piece's argmax (ties: the lowest id) where the logits are; ids
@@ -326,8 +333,9 @@ class Engine {
   StepPlan plan_step();
   // The plan's prefill pieces as the forwards that run them, in order: a sequence's k-th piece
   // of the step is in round k and rounds run in turn, so its pieces run one after another;
-  // within a round, pieces of one length (none keeping every position's logits) share a
-  // forward when batch_prefill_ is on, up to the plan's rows. Cancelled pieces are left out.
+  // within a round, pieces of one length (ragged: of any length, adjacent by length; none
+  // keeping every position's logits) share a forward, up to the plan's batch, logit and
+  // token rows. Cancelled pieces are left out.
   std::vector<std::vector<size_t>> prefill_groups(const StepPlan& plan) const;
   int64_t width_for(int64_t n) const;
   // Emits a token for seq (sampled from logits row) and finishes it when a stop rule hits.
@@ -365,7 +373,7 @@ class Engine {
   StatePool pool_;
   std::unique_ptr<StateCache> cache_;  // owns the slots after the scratch slot
   bool cache_on_ = false;
-  bool batch_prefill_ = false;  // EngineOptions::batch_prefill, resolved for the backend
+  int batch_prefill_ = 0;  // EngineOptions::batch_prefill, resolved for the backend (0, equal or ragged)
   std::unique_ptr<StepExecutor> exec_;
   std::chrono::steady_clock::time_point t0_;
 

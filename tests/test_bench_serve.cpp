@@ -60,7 +60,7 @@ long long prefill_forwards(const std::string& out) {
 TEST_F(BenchServe, BurstRecordsAdmitTimeAndBatchesThePrefill) {
   const std::string res = (dir_ / "res.jsonl").string();
   const std::string args = base_ + "--burst --count 48 --prompt-len 16 --output-len 3 --max-slots 48 --results " + res;
-  Result on = run_laplace(args + " --batch-prefill on");
+  Result on = run_laplace(args + " --batch-prefill equal");
   ASSERT_EQ(on.exit_code, 0) << on.output;
   Result off = run_laplace(args + " --batch-prefill off");
   ASSERT_EQ(off.exit_code, 0) << off.output;

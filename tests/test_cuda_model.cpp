@@ -267,6 +267,68 @@ TEST(CudaModel, BatchedPrefillIntoSlotsFollowsOneRowAtATime) {
   EXPECT_LE(es, 1e-2);
 }
 
+// The engine's ragged prefill (kBatchPrefillRagged): pieces of different lengths in one forward
+// (Model::forward_ragged), continuing states their slots hold. On CUDA it must equal one row at
+// a time within bf16 tolerance before `auto` turns it on there (BF16 pool too: its rows' states
+// are staged through F32 per run of one length).
+TEST(CudaModel, RaggedPrefillIntoSlotsFollowsOneRowAtATime) {
+  LAPLACE_REQUIRE_CUDA(cuda);
+  const Config c = three_b_two_layers();
+  const int64_t V = c.vocab_size, P0 = 40;
+  const std::vector<int64_t> lengths = {64, 64, 17, 130, 1};
+  const std::vector<int32_t> slots = {4, 1, 6, 0, 3};
+  const int64_t G = static_cast<int64_t>(lengths.size());
+  int64_t N = 0;
+  for (int64_t n : lengths) N += n;
+  Model dev;
+  ASSERT_TRUE(dev.create(c, *cuda, DType::kBF16).is_ok());
+  dev.init_weights(29);
+  PlanOptions po;
+  po.max_batch = G;
+  po.max_seq = 130;
+  po.max_tokens = N;
+  po.max_logit_rows = G;
+  ASSERT_TRUE(dev.plan(po).is_ok());
+  auto toks = random_tokens(G * (P0 + 130), V, 10);
+  auto at = [&](int64_t g) { return toks.data() + g * (P0 + 130); };
+  ForwardOptions pre;
+  pre.last_logits_only = true;
+  for (DType sd : {DType::kF32, DType::kBF16}) {
+    auto run = [&](bool ragged, std::vector<float>* logits, std::vector<float>* states) {
+      StatePool pool;
+      ASSERT_TRUE(pool.create(c, *cuda, 8, sd).is_ok());
+      for (int64_t g = 0; g < G; ++g) dev.forward(at(g), 1, P0, pre, &pool, &slots[g]);
+      logits->clear();
+      if (ragged) {
+        std::vector<int32_t> all;
+        for (int64_t g = 0; g < G; ++g) all.insert(all.end(), at(g) + P0, at(g) + P0 + lengths[g]);
+        dev.forward_ragged(all.data(), lengths, pool, slots.data());
+        *logits = to_host(*cuda, dev.logits());
+      } else {
+        for (int64_t g = 0; g < G; ++g) {
+          dev.forward(at(g) + P0, 1, lengths[g], pre, &pool, &slots[g]);
+          const std::vector<float> row = to_host(*cuda, dev.logits());
+          logits->insert(logits->end(), row.begin(), row.end());
+        }
+      }
+      states->clear();
+      for (int32_t s : slots) {
+        const std::vector<float> st = to_host(*cuda, pool.slot(s));
+        states->insert(states->end(), st.begin(), st.end());
+      }
+    };
+    std::vector<float> lr, sr, l1, s1;
+    run(true, &lr, &sr);
+    run(false, &l1, &s1);
+    ASSERT_EQ(lr.size(), l1.size());
+    const double el = rel_rms(lr, l1), es = rel_rms(sr, s1);
+    std::printf("  ragged vs one-row prefill into slots (%s states): logits rel RMS %.3e, states %.3e\n",
+                dtype_name(sd), el, es);
+    EXPECT_LE(el, 1e-2);
+    EXPECT_LE(es, 1e-2);
+  }
+}
+
 // docs/model.md §5: prefill + recurrent decode on CUDA equals the CUDA full forward, and greedy
 // decoding follows the CPU F32 model.
 TEST(CudaModel, PrefillDecodeMatchesForwardAndCpuGreedy) {

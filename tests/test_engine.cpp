@@ -876,18 +876,24 @@ TEST(EngineBudget, BatchedPrefillEqualsOnePieceAtATime) {
     for (RequestId id : ids) outs.push_back(r.out[id]);
     return std::make_pair(outs, r.eng->stats());
   };
-  const auto [batched, sb] = run(1);
-  const auto [single, ss] = run(0);
+  const auto [batched, sb] = run(kBatchPrefillEqual);
+  const auto [ragged, sr] = run(kBatchPrefillRagged);
+  const auto [single, ss] = run(kBatchPrefillOff);
   ASSERT_EQ(batched.size(), single.size());
   for (size_t i = 0; i < batched.size(); ++i) {
     EXPECT_EQ(batched[i].tokens, single[i].tokens) << "request " << i;
     EXPECT_EQ(batched[i].state, single[i].state) << "request " << i << ": final state bytes";
+    EXPECT_EQ(ragged[i].tokens, single[i].tokens) << "request " << i << " (ragged)";
+    EXPECT_EQ(ragged[i].state, single[i].state) << "request " << i << ": final state bytes (ragged)";
     EXPECT_EQ(batched[i].tokens.size(), 6u);
   }
   EXPECT_EQ(sb.prefill_tokens, ss.prefill_tokens);
+  EXPECT_EQ(sr.prefill_tokens, ss.prefill_tokens);
   EXPECT_EQ(ss.prefill_forwards, 12 * 2 + 6 * 2 + 6 * 4);  // one forward per piece
   // Round 0: one [24, 8] forward; round 1: [18, 8] and [6, 3]; rounds 2 and 3: [6, 8], [6, 6].
   EXPECT_EQ(sb.prefill_forwards, 5);
+  // Ragged: round 1's pieces of 8 and 3 tokens in one forward.
+  EXPECT_EQ(sr.prefill_forwards, 4);
   Rig ref(opts(1, 8, 512));
   for (size_t i = 0; i < 4; ++i) EXPECT_EQ(batched[i].tokens, ref.reference(prompts[i], 6).first) << i;
 }

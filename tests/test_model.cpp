@@ -107,6 +107,61 @@ TEST_P(ModelTest, PiecewisePrefillAndSlots) {
   for (size_t i = 0; i < s2.nbytes(); ++i) ASSERT_EQ(z[i], 0);
 }
 
+// A ragged forward (sequences of different lengths in one forward, adjacent equal lengths
+// batched in the mixer) gives, on the CPU, bitwise each sequence's logits and state of a
+// forward of that sequence alone, from and into its own slot; other slots are untouched.
+TEST_P(ModelTest, RaggedForwardEqualsOneSequenceAtATime) {
+  const DType dt = GetParam();
+  auto be = make_cpu_backend();
+  Config c = small_config();
+  Model m;
+  ASSERT_TRUE(m.create(c, *be, dt).is_ok());
+  m.init_weights(13);
+  // Lengths with runs of equal ones, pieces shorter than the conv window and the chunk.
+  const std::vector<int64_t> lengths = {5, 5, 17, 2, 2, 2, 40, 1};
+  const std::vector<int32_t> slots = {6, 0, 3, 8, 1, 5, 2, 7};
+  const int64_t G = static_cast<int64_t>(lengths.size());
+  int64_t N = 0;
+  for (int64_t n : lengths) N += n;
+  PlanOptions po;
+  po.max_batch = G;
+  po.max_seq = 40;
+  po.max_tokens = N;
+  po.max_logit_rows = G;
+  ASSERT_TRUE(m.plan(po).is_ok());
+  std::vector<std::vector<int32_t>> seqs;
+  std::vector<int32_t> all;
+  for (int64_t g = 0; g < G; ++g) {
+    seqs.push_back(random_tokens(lengths[g], c.vocab_size, 71 + g));
+    all.insert(all.end(), seqs[g].begin(), seqs[g].end());
+  }
+  ForwardOptions fo;
+  fo.last_logits_only = true;
+  auto fresh_pool = [&](StatePool* p) {
+    ASSERT_TRUE(p->create(c, *be, 10, dt).is_ok());
+    for (int32_t s = 0; s < 9; ++s) {
+      auto t = random_tokens(9, c.vocab_size, 200 + s);
+      m.forward(t.data(), 1, 9, fo, p, &s);
+    }
+  };
+  StatePool one, ragged;
+  fresh_pool(&one);
+  fresh_pool(&ragged);
+  std::vector<std::vector<double>> want(G);
+  for (int64_t g = 0; g < G; ++g) {
+    m.forward(seqs[g].data(), 1, lengths[g], fo, &one, &slots[g]);
+    want[g] = logits_of(m, 0);
+  }
+  m.forward_ragged(all.data(), lengths, ragged, slots.data());
+  ASSERT_EQ(m.logits().shape[0], G);
+  for (int64_t g = 0; g < G; ++g) EXPECT_EQ(logits_of(m, g), want[g]) << "sequence " << g;
+  for (int32_t s = 0; s < 10; ++s) {
+    Tensor a = one.slot(s), b = ragged.slot(s);
+    ASSERT_EQ(a.nbytes(), b.nbytes());
+    EXPECT_EQ(std::memcmp(a.data, b.data, a.nbytes()), 0) << "slot " << s;
+  }
+}
+
 // The whole model's gradient vs central finite differences (fp64).
 TEST(ModelGrad, MatchesFiniteDifferences) {
   auto be = make_cpu_backend();
