@@ -14,8 +14,8 @@ model directories that `laplace train` / `laplace init` write (config.json + mod
 * The GLA mixer uses flash-linear-attention's `chunk_simple_gla` / `fused_recurrent_simple_gla` (fixed per-head
   log decay `g_gamma`) on CUDA when the `fla` package imports, and a plain PyTorch chunked form otherwise
   (LAPLACE_GLA=torch forces the PyTorch form, LAPLACE_GLA=fla requires fla).
-* bf16 weights work: LayerNorms and matmuls run in the weights' dtype, the GLA state, the output RMSNorm and
-  the loss in fp32.
+* bf16 weights work: LayerNorms and matmuls run in the weights' dtype, the conv, the GLA state, the output
+  RMSNorm and the loss in fp32.
 * A checkpoint that does not match the config (a missing tensor, a wrong shape, an unexpected tensor) or a
   config whose model_type is not "laplace" raises an error naming the tensor or field; missing weights are never
   silently initialised.
@@ -285,9 +285,10 @@ class LaplaceLayer(nn.Module):
         if win is None:
             win = torch.zeros(B, K, D, dtype=dt, device=x.device)
         ext = torch.cat([win.to(dt), u], dim=1)  # [B, K+T, D]; ext[K+t] = u_t
-        wc = self.conv.weight.to(dt)
-        cv = sum(wc[:, j] * ext[:, 1 + j:1 + j + T] for j in range(K))
-        cv = F.silu(cv)
+        # The conv and its SiLU in fp32, rounded once to the compute dtype, as the CUDA kernel does:
+        # each bf16 rounding of a partial sum would add error.
+        wc, ext_s = self.conv.weight.to(sdt), ext.to(sdt)
+        cv = F.silu(sum(wc[:, j] * ext_s[:, 1 + j:1 + j + T] for j in range(K))).to(dt)
         new_win = ext[:, -K:].to(sdt)
         qkvg = self.wqkvg(cv)
         hk, hv = H * dk, H * dv
