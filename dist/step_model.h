@@ -1,7 +1,7 @@
 // A model of one training step on P GPUs (G per node, N nodes), for the machines we cannot
 // run here (docs/distributed.md §7). Its inputs are one GPU's forward + backward rate and
-// optimizer time (flags; their defaults and the check against two GPUs are in BENCHMARKS.md)
-// and the exact per-rank bytes of dist/plan.h; it states its assumptions:
+// optimizer time (flags; the defaults are laplace-3b's on one H200) and the exact per-rank
+// bytes of dist/plan.h; it states its assumptions:
 //
 //   fb      = A·B·T / fb_tok_s                      forward + backward of this rank's tokens
 //   coll(S) = (P−1)/P · S / busbw                   a ring all-gather or reduce-scatter of S bytes

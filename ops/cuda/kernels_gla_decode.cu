@@ -265,9 +265,9 @@ __global__ void __launch_bounds__(kDecMaxDv) gla_decode_kernel(DecArgs a) {
 //   m + 1 + d = R:  S ← λ^{m+1} S_base + Σ_{j<m} λ^{m−j} k_jᵀ v_j + kᵀ v, written back; o = q̃ S,
 // d being the count word's phase (ops/backend.h: 0 but in a cycle started by a flush).
 // At R = 8 a (slot, head) moves 85.5 KB per step on average in F32 instead of 147.5 KB. The
-// write-back step, which folds the pairs into every element, costs more than twice a pending
-// step, so the engine phases the heads' write-backs (the count word's d) rather than let every
-// head of a batch admitted together write back in the same step (timings in BENCHMARKS.md).
+// write-back step, which folds the pairs into every element, costs more than a pending step,
+// so the engine phases the heads' write-backs (the count word's d) rather than let every head
+// of a batch admitted together write back in the same step, which would make that step slow.
 // The block and thread layout are gla_decode_kernel's; the pairs, q̃, k, v, g, w and the
 // scalars λ^{m−j}(q̃·k_j) sit in shared memory as F32.
 

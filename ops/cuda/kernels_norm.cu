@@ -436,8 +436,8 @@ void layernorm_vec_dispatch(int64_t nv, const RView& x, const Vec& w, const Vec&
 // butterfly, then the warps' partials in warp order, read by every thread in the same order
 // (deterministic; another order than the warp-per-row kernels, so bits differ from theirs).
 // Wide rows take this dx kernel. For the forward it pays only against a warp-per-row kernel
-// that reads dtypes at run time (see dt_as in cuda_common.cuh): with x's dtype fixed, BF16
-// rows take the warp-per-row forward (launch_layernorm_fwd; BENCHMARKS.md's History).
+// that reads dtypes at run time (see dt_as in cuda_common.cuh): with x's dtype fixed at compile
+// time the warp-per-row forward is as fast, so BF16 rows take it (launch_layernorm_fwd).
 constexpr int kLnRowMinVec = 4;       // wider rows than 256·4 columns take the block-per-row kernels
 constexpr int kLnRowMaxThreads = 1024;  // D ≤ 8192
 
