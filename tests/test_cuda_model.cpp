@@ -218,53 +218,65 @@ TEST(CudaModel, ThreeBShapesTwoLayersMatchCpu) {
   compare_with_cpu(*cuda, three_b_two_layers(), 1, 256, 11);  // two chunks of 128
 }
 
+// Prefill into slots that already hold contexts: every slot first takes P0 tokens (one row at a
+// time), then sequence g takes lengths[g] more, either all in one forward (forward [G, n] when the
+// lengths are equal, else forward_ragged) or one row at a time. Prints and checks that the two
+// agree within bf16 tolerance: logits of each sequence's last token and the slots' states.
+void prefill_into_slots_agrees(Backend& cuda, Model& dev, const Config& c, const std::vector<int64_t>& lengths,
+                               const std::vector<int32_t>& slots, DType state_dtype, const char* what) {
+  const int64_t G = static_cast<int64_t>(lengths.size()), P0 = 40;
+  const int64_t stride = P0 + *std::max_element(lengths.begin(), lengths.end());
+  const bool equal = std::all_of(lengths.begin(), lengths.end(), [&](int64_t n) { return n == lengths[0]; });
+  auto toks = random_tokens(G * stride, c.vocab_size, 9);
+  auto at = [&](int64_t g) { return toks.data() + g * stride; };
+  ForwardOptions pre;
+  pre.last_logits_only = true;
+  auto run = [&](bool together, std::vector<float>* logits, std::vector<float>* states) {
+    StatePool pool;
+    ASSERT_TRUE(pool.create(c, cuda, 8, state_dtype).is_ok());
+    for (int64_t g = 0; g < G; ++g) dev.forward(at(g), 1, P0, pre, &pool, &slots[g]);
+    logits->clear();
+    if (together) {
+      std::vector<int32_t> all;
+      for (int64_t g = 0; g < G; ++g) all.insert(all.end(), at(g) + P0, at(g) + P0 + lengths[g]);
+      if (equal) dev.forward(all.data(), G, lengths[0], pre, &pool, slots.data());
+      else dev.forward_ragged(all.data(), lengths, pool, slots.data());
+      *logits = to_host(cuda, dev.logits());
+    } else {
+      for (int64_t g = 0; g < G; ++g) {
+        dev.forward(at(g) + P0, 1, lengths[g], pre, &pool, &slots[g]);
+        const std::vector<float> row = to_host(cuda, dev.logits());
+        logits->insert(logits->end(), row.begin(), row.end());
+      }
+    }
+    states->clear();
+    for (int32_t s : slots) {
+      const std::vector<float> st = to_host(cuda, pool.slot(s));
+      states->insert(states->end(), st.begin(), st.end());
+    }
+  };
+  std::vector<float> lt, st, l1, s1;
+  run(true, &lt, &st);
+  run(false, &l1, &s1);
+  ASSERT_EQ(lt.size(), l1.size());
+  const double el = rel_rms(lt, l1), es = rel_rms(st, s1);
+  std::printf("  %s vs one-row prefill into slots (%s states): logits rel RMS %.3e, states %.3e\n", what,
+              dtype_name(state_dtype), el, es);
+  EXPECT_LE(el, 1e-2);
+  EXPECT_LE(es, 1e-2);
+}
+
 // The engine's batched prefill (EngineOptions::batch_prefill) runs pieces of many sequences as
 // one chunked forward [G, n] into scattered slots, continuing states they already hold. On
 // CUDA that must equal one row at a time within bf16 tolerance before `auto` turns it on there.
 TEST(CudaModel, BatchedPrefillIntoSlotsFollowsOneRowAtATime) {
   LAPLACE_REQUIRE_CUDA(cuda);
   const Config c = three_b_two_layers();
-  const int64_t V = c.vocab_size, G = 3, P0 = 40, n = 64;
   Model dev;
   ASSERT_TRUE(dev.create(c, *cuda, DType::kBF16).is_ok());
   dev.init_weights(23);
-  ASSERT_TRUE(dev.plan({G, n, false, false}).is_ok());
-  const std::vector<int32_t> slots = {4, 1, 6};
-  auto toks = random_tokens(G * (P0 + n), V, 9);
-  ForwardOptions pre;
-  pre.last_logits_only = true;
-  auto run = [&](bool batched, std::vector<float>* logits, std::vector<float>* states) {
-    StatePool pool;
-    ASSERT_TRUE(pool.create(c, *cuda, 8).is_ok());
-    // Each row first holds a context of P0 tokens (one row at a time), then takes n more.
-    for (int64_t g = 0; g < G; ++g) dev.forward(toks.data() + g * (P0 + n), 1, P0, pre, &pool, &slots[g]);
-    logits->clear();
-    if (batched) {
-      std::vector<int32_t> piece(G * n);
-      for (int64_t g = 0; g < G; ++g) std::copy_n(toks.data() + g * (P0 + n) + P0, n, piece.data() + g * n);
-      dev.forward(piece.data(), G, n, pre, &pool, slots.data());
-      *logits = to_host(*cuda, dev.logits());
-    } else {
-      for (int64_t g = 0; g < G; ++g) {
-        dev.forward(toks.data() + g * (P0 + n) + P0, 1, n, pre, &pool, &slots[g]);
-        const std::vector<float> row = to_host(*cuda, dev.logits());
-        logits->insert(logits->end(), row.begin(), row.end());
-      }
-    }
-    states->clear();
-    for (int32_t s : slots) {
-      const std::vector<float> st = to_host(*cuda, pool.slot(s));
-      states->insert(states->end(), st.begin(), st.end());
-    }
-  };
-  std::vector<float> lb, sb, l1, s1;
-  run(true, &lb, &sb);
-  run(false, &l1, &s1);
-  ASSERT_EQ(lb.size(), l1.size());
-  const double el = rel_rms(lb, l1), es = rel_rms(sb, s1);
-  std::printf("  batched vs one-row prefill into slots: logits rel RMS %.3e, states %.3e\n", el, es);
-  EXPECT_LE(el, 1e-2);
-  EXPECT_LE(es, 1e-2);
+  ASSERT_TRUE(dev.plan({3, 64, false, false}).is_ok());
+  prefill_into_slots_agrees(*cuda, dev, c, {64, 64, 64}, {4, 1, 6}, DType::kF32, "batched");
 }
 
 // The engine's ragged prefill (kBatchPrefillRagged): pieces of different lengths in one forward
@@ -274,59 +286,18 @@ TEST(CudaModel, BatchedPrefillIntoSlotsFollowsOneRowAtATime) {
 TEST(CudaModel, RaggedPrefillIntoSlotsFollowsOneRowAtATime) {
   LAPLACE_REQUIRE_CUDA(cuda);
   const Config c = three_b_two_layers();
-  const int64_t V = c.vocab_size, P0 = 40;
   const std::vector<int64_t> lengths = {64, 64, 17, 130, 1};
-  const std::vector<int32_t> slots = {4, 1, 6, 0, 3};
-  const int64_t G = static_cast<int64_t>(lengths.size());
-  int64_t N = 0;
-  for (int64_t n : lengths) N += n;
   Model dev;
   ASSERT_TRUE(dev.create(c, *cuda, DType::kBF16).is_ok());
   dev.init_weights(29);
   PlanOptions po;
-  po.max_batch = G;
+  po.max_batch = static_cast<int64_t>(lengths.size());
   po.max_seq = 130;
-  po.max_tokens = N;
-  po.max_logit_rows = G;
+  po.max_tokens = 64 + 64 + 17 + 130 + 1;
+  po.max_logit_rows = po.max_batch;
   ASSERT_TRUE(dev.plan(po).is_ok());
-  auto toks = random_tokens(G * (P0 + 130), V, 10);
-  auto at = [&](int64_t g) { return toks.data() + g * (P0 + 130); };
-  ForwardOptions pre;
-  pre.last_logits_only = true;
-  for (DType sd : {DType::kF32, DType::kBF16}) {
-    auto run = [&](bool ragged, std::vector<float>* logits, std::vector<float>* states) {
-      StatePool pool;
-      ASSERT_TRUE(pool.create(c, *cuda, 8, sd).is_ok());
-      for (int64_t g = 0; g < G; ++g) dev.forward(at(g), 1, P0, pre, &pool, &slots[g]);
-      logits->clear();
-      if (ragged) {
-        std::vector<int32_t> all;
-        for (int64_t g = 0; g < G; ++g) all.insert(all.end(), at(g) + P0, at(g) + P0 + lengths[g]);
-        dev.forward_ragged(all.data(), lengths, pool, slots.data());
-        *logits = to_host(*cuda, dev.logits());
-      } else {
-        for (int64_t g = 0; g < G; ++g) {
-          dev.forward(at(g) + P0, 1, lengths[g], pre, &pool, &slots[g]);
-          const std::vector<float> row = to_host(*cuda, dev.logits());
-          logits->insert(logits->end(), row.begin(), row.end());
-        }
-      }
-      states->clear();
-      for (int32_t s : slots) {
-        const std::vector<float> st = to_host(*cuda, pool.slot(s));
-        states->insert(states->end(), st.begin(), st.end());
-      }
-    };
-    std::vector<float> lr, sr, l1, s1;
-    run(true, &lr, &sr);
-    run(false, &l1, &s1);
-    ASSERT_EQ(lr.size(), l1.size());
-    const double el = rel_rms(lr, l1), es = rel_rms(sr, s1);
-    std::printf("  ragged vs one-row prefill into slots (%s states): logits rel RMS %.3e, states %.3e\n",
-                dtype_name(sd), el, es);
-    EXPECT_LE(el, 1e-2);
-    EXPECT_LE(es, 1e-2);
-  }
+  for (DType sd : {DType::kF32, DType::kBF16})
+    prefill_into_slots_agrees(*cuda, dev, c, lengths, {4, 1, 6, 0, 3}, sd, "ragged");
 }
 
 // docs/model.md §5: prefill + recurrent decode on CUDA equals the CUDA full forward, and greedy
