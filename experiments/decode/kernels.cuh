@@ -1,5 +1,5 @@
 // Shared pieces of the experiments/decode versions: the kernel arguments (the production DecArgs of
-// ops/cuda/kernels_gla_decode.cu without the gate fields), the dtype-coded loads/stores and
+// ops/cuda/kernels_gla_decode.cu without the gate fields), the production dtype-coded loads/stores,
 // state-vector helpers copied from the production sources, the deterministic initial states,
 // and thin inline-PTX wrappers for the Hopper bulk copies and mbarriers used by v2 and v3.
 #pragma once
@@ -11,6 +11,7 @@
 #include <cstdio>
 
 #include "ops/cuda/bulk_copy.cuh"
+#include "ops/cuda/cuda_common.cuh"
 
 namespace decode_exp {
 
@@ -56,15 +57,10 @@ inline DecArgs exp_args(int B, int H, int dk, int dv) {
   return a;
 }
 
-// ops/cuda/cuda_common.cuh's dtype-coded scalar access.
-__device__ __forceinline__ float ldf(const void* p, int64_t i, int dt) {
-  if (dt == kBF16) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-  return static_cast<const float*>(p)[i];
-}
-__device__ __forceinline__ void stf(void* p, int64_t i, int dt, float x) {
-  if (dt == kBF16) static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x);
-  else static_cast<float*>(p)[i] = x;
-}
+// The production dtype-coded scalar access (ops/cuda/cuda_common.cuh; same dtype codes).
+using laplace::cuda::ldf;
+using laplace::cuda::stf;
+static_assert(kF32 == laplace::cuda::kF32 && kBF16 == laplace::cuda::kBF16, "dtype codes differ");
 
 // The production kernel's 4-column state vectors (16 bytes of F32, 8 of BF16); the pointers
 // may be global or shared.
