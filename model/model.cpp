@@ -244,7 +244,7 @@ void Model::set_replayed(int64_t B, int64_t T, const ForwardOptions& opt) {
   logits_ = rows(logits_buf_, opt.last_logits_only ? B : B * T);
 }
 
-void Model::run_forward(const std::vector<Segment>& segs, const ForwardOptions& opt, StatePool* pool,
+void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt, StatePool* pool,
                         const int32_t* host_slots) {
   Backend& be = *be_;
   const int64_t D = cfg_.hidden_size, H = cfg_.num_heads, dv = cfg_.head_v_dim;
@@ -345,20 +345,18 @@ void Model::run_forward(const std::vector<Segment>& segs, const ForwardOptions& 
   // Head: logits = LN_f(x) · W_headᵀ, for every token or each sequence's last one.
   before(L + 1);
   const int64_t M = opt.last_logits_only ? B : N;
-  for (const Segment& s : opt.last_logits_only ? segs : std::vector<Segment>{Segment{0, 0, 1, N}}) {
-    // The segment's rows (or, last-token only, each of its sequences' last rows, strided).
-    Tensor xf = seg_rows(x_final_, s);
-    int64_t m = s.B * s.T, out = s.row;
-    if (opt.last_logits_only) {
+  if (!opt.last_logits_only) {
+    be.layernorm_forward(rows(x_final_, N), w_.norm_w, w_.norm_b, cfg_.norm_eps, rows(zf_, N), rows(lnf_mean_, N),
+                         rows(lnf_rstd_, N));
+  } else {
+    for (const Segment& s : segs) {  // each sequence's last row, strided by its segment's length
       Tensor last = x_final_.slice(0, s.row + s.T - 1, s.row + s.T);
       last.shape[0] = s.B;
       last.stride[0] = s.T * D;
-      xf = last;
-      m = s.B;
-      out = s.first;
+      const int64_t m0 = s.first, m1 = s.first + s.B;
+      be.layernorm_forward(last, w_.norm_w, w_.norm_b, cfg_.norm_eps, zf_.slice(0, m0, m1), lnf_mean_.slice(0, m0, m1),
+                           lnf_rstd_.slice(0, m0, m1));
     }
-    be.layernorm_forward(xf, w_.norm_w, w_.norm_b, cfg_.norm_eps, zf_.slice(0, out, out + m),
-                         lnf_mean_.slice(0, out, out + m), lnf_rstd_.slice(0, out, out + m));
   }
   logits_ = rows(logits_buf_, M);
   be.gemm(rows(zf_, M), false, w_.lm_head, true, logits_, 1.0, 0.0);

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -150,10 +151,11 @@ class Model {
   // The forward once ids_ (and slots_) are on the device: one segment [B, T], or the
   // segments of a ragged forward (last-token logits only); host_slots: only for a BF16
   // pool in a chunked forward (its rows' states are staged through stage_).
-  void run_forward(const std::vector<Segment>& segs, const ForwardOptions& opt, StatePool* pool,
+  void run_forward(std::span<const Segment> segs, const ForwardOptions& opt, StatePool* pool,
                    const int32_t* host_slots);
   void run_forward(int64_t B, int64_t T, const ForwardOptions& opt, StatePool* pool, const int32_t* host_slots) {
-    run_forward({Segment{0, 0, B, T}}, opt, pool, host_slots);
+    const Segment one{0, 0, B, T};
+    run_forward(std::span<const Segment>(&one, 1), opt, pool, host_slots);
   }
 
   Config cfg_;
