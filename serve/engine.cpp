@@ -96,24 +96,16 @@ void EagerExecutor::prefill_group_greedy(const std::vector<PrefillPiece>& pieces
 }
 
 void EagerExecutor::forward_group(const std::vector<PrefillPiece>& pieces) {
-  const int64_t G = static_cast<int64_t>(pieces.size()), n = pieces.front().n;
-  std::vector<int32_t> tokens, slots(static_cast<size_t>(G));
-  std::vector<int64_t> lengths(static_cast<size_t>(G));
-  bool equal = true;
-  for (int64_t g = 0; g < G; ++g) {
+  // One length makes one segment: the same forward as Model::forward [G, n].
+  const size_t G = pieces.size();
+  std::vector<int32_t> tokens, slots(G);
+  std::vector<int64_t> lengths(G);
+  for (size_t g = 0; g < G; ++g) {
     tokens.insert(tokens.end(), pieces[g].tokens, pieces[g].tokens + pieces[g].n);
     slots[g] = pieces[g].slot;
     lengths[g] = pieces[g].n;
-    equal = equal && pieces[g].n == n;
   }
-  if (!equal) {
-    m_.forward_ragged(tokens.data(), lengths, pool_, slots.data());
-    return;
-  }
-  ForwardOptions fo;
-  fo.form = GlaForm::kChunked;
-  fo.last_logits_only = true;
-  m_.forward(tokens.data(), G, n, fo, &pool_, slots.data());
+  m_.forward_ragged(tokens.data(), lengths, pool_, slots.data());
 }
 
 EagerExecutor::~EagerExecutor() {
