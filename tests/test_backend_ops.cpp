@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "core/check.h"
 #include "ops/backend.h"
 #include "tests/test_util.h"
 #ifdef LAPLACE_HAVE_CUDA
@@ -251,7 +252,14 @@ std::vector<double> values_for(const Arg& a, int64_t n, DType dt, uint64_t seed)
       case Init::kPositive: x[i] = testing::round_to(dt, pos(rng)); break;
       case Init::kIds: x[i] = static_cast<double>(rng() % static_cast<uint64_t>(a.range)); break;
       case Init::kTargets: x[i] = i % 4 == 3 ? -1.0 : static_cast<double>(rng() % static_cast<uint64_t>(a.range)); break;
-      case Init::kSlots: x[i] = static_cast<double>((a.range - 1 - 2 * i + 4 * a.range) % a.range); break;
+      case Init::kSlots: {
+        // Distinct slots, out of order and with gaps: range−1, range−3, …, then range−2, range−4, ….
+        // Two rows on one slot would make the in-place state update depend on the order rows run in.
+        LAPLACE_CHECK(n <= a.range, "a slots argument needs as many slots as rows");
+        const int64_t half = (a.range + 1) / 2;
+        x[i] = static_cast<double>(i < half ? a.range - 1 - 2 * i : a.range - 2 - 2 * (i - half));
+        break;
+      }
     }
   }
   return x;
