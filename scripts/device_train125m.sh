@@ -15,11 +15,11 @@
 #          $OUT/results.jsonl): the PyTorch reference trainer on the same init, data order and schedule
 #          for REF_STEPS steps (0: none), in the background beside it, metrics in $RUNS/ref
 #   parity the reference alone, against the committed curve of our run (bench/curves/laplace125m_ours.jsonl;
-#          the trainer is deterministic, so it need not train again): first our first CHECK_STEPS steps,
-#          whose losses must equal the curve's, then the reference for REF_STEPS steps in the background
+#          the trainer is deterministic, so it need not train again): first our first CHECK_STEPS steps
+#          (0: none), whose losses must equal the curve's, then the reference for REF_STEPS steps in the background
 #   compare once the reference is done: scripts/compare_runs.py against our metrics (or the curve), the
 #          convergence_* figures into $OUT/results.jsonl and the plot $OUT/parity.png
-#   side   (SIDE, default "tests hf3b mqar") while the two runs train (after the throughput figure), work whose timings do not matter:
+#   side   (SIDE, default "tests hf3b mqar"; also "prebuild") while the two runs train (after the throughput figure), work whose timings do not matter:
 #          the GPU tests (needs TESTS=ON; built at low priority), the MQAR grid of scripts/device_mqar.sh
 #          and the Python package's check at the 3B shapes (2 layers); logs in $RUNS
 #   wait   waits up to WAIT_S seconds (from the script's start) for both, then copies what exists to $OUT
@@ -52,7 +52,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,
 
 if has build; then
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
-    -DLAPLACE_TESTS=${TESTS:-OFF} -DLAPLACE_BENCH=OFF > $RUNS/configure.log 2>&1 || { tail -30 $RUNS/configure.log; exit 1; }
+    -DLAPLACE_TESTS=${TESTS:-OFF} -DLAPLACE_BENCH=${BENCH:-OFF} > $RUNS/configure.log 2>&1 || { tail -30 $RUNS/configure.log; exit 1; }
   cmake --build build-gpu -j "$(nproc)" --target laplace > $RUNS/build.log 2>&1 ||
     { grep -E "error|FAILED" -A3 $RUNS/build.log | head -60; exit 1; }
   stamp "build ok"
@@ -162,8 +162,10 @@ fi
 if has parity; then
   [ -f $RUNS/init.safetensors ] || $PY python/laplace_ref.py init --config "$CFG" --seed 1 --out $RUNS/init.safetensors
   rm -rf $RUNS/ours_check $RUNS/ref $RUNS/ref.done
-  $LAPLACE train --config $CFG --init $RUNS/init.safetensors "${DATA[@]}" --out $RUNS/ours_check --device cuda \
-    --dtype bf16 "${HP[@]}" --no-shuffle --stop-after "${CHECK_STEPS:-50}" --quiet > $RUNS/ours_check.log 2>&1
+  CHECK_STEPS=${CHECK_STEPS:-50}
+  [ "$CHECK_STEPS" -gt 0 ] && $LAPLACE train --config $CFG --init $RUNS/init.safetensors "${DATA[@]}" \
+    --out $RUNS/ours_check --device cuda --dtype bf16 "${HP[@]}" --no-shuffle --stop-after "$CHECK_STEPS" --quiet \
+    > $RUNS/ours_check.log 2>&1 &&
   $PY - $RUNS/ours_check/metrics.jsonl bench/curves/laplace125m_ours.jsonl <<'EOF' 2>&1 | tee -a "$OUT/summary.txt"
 import json, sys
 def losses(path):
@@ -184,6 +186,13 @@ fi
 if has side; then
   # Each step is cut at SIDE_S seconds from the script's start, so that the call ends with its files.
   left() { echo $(( ${SIDE_S:-540} - ($(date +%s) - t0) )); }
+  if [[ " ${SIDE:-tests hf3b mqar} " == *" prebuild "* ]]; then
+    # Builds PREBUILD's targets for a later call (scripts/device_decode.sh BUILD=0) at the lowest
+    # priority, in the background, so that it neither waits for nor slows the runs much.
+    setsid nohup nice -n 19 cmake --build build-gpu -j 12 --target ${PREBUILD:-laplace_tests} \
+      > $RUNS/prebuild.log 2>&1 < /dev/null &
+    stamp "prebuild of ${PREBUILD:-laplace_tests} started"
+  fi
   if [[ " ${SIDE:-tests hf3b mqar} " == *" tests "* ]]; then
     nice -n 10 timeout "$(left)" cmake --build build-gpu -j "$(nproc)" --target laplace_tests > $RUNS/tests_build.log 2>&1
     stamp "tests build exit $?"
