@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200 (the `device` tool): the laplace-125m run of docs/quality.md and its PyTorch parity run.
 #
-#   stages (STAGES, in order): build data train ref parity side wait compare
+#   stages (STAGES, in order): build data train ref parity twin side wait compare
 #   build  CUDA build of the `laplace` program in build-gpu/ (TESTS=ON configures the tests too)
 #   data   the carried corpus slice ($CORPUS/docs.carry.jsonl.xz, from scripts/corpus.sh --carry)
 #          tokenized on every core into $RUNS/data/ with the carried tokenizer
@@ -17,6 +17,9 @@
 #   parity the reference alone, against the committed curve of our run (bench/curves/laplace125m_ours.jsonl;
 #          the trainer is deterministic, so it need not train again): first our first CHECK_STEPS steps
 #          (0: none), whose losses must equal the curve's, then the reference for REF_STEPS steps in the background
+#   twin   our run again as one micro-batch of 32 (not two of 16) for REF_STEPS steps, in the background:
+#          the same tokens, order and math, other rounding; compare measures its distance from our curve,
+#          the floor that rounding alone sets under the reference's distance
 #   compare once the reference is done: scripts/compare_runs.py against our metrics (or the curve), the
 #          convergence_* figures into $OUT/results.jsonl and the plot $OUT/parity.png
 #   side   (SIDE, default "tests hf3b mqar"; also "prebuild") while the two runs train (after the throughput figure), work whose timings do not matter:
@@ -183,6 +186,21 @@ EOF
   stamp "reference started alone ($REF_STEPS steps)"
 fi
 
+if has twin; then
+  # Our run again with one micro-batch of 32 instead of two of 16: the same tokens, data order and
+  # arithmetic, other rounding (the gemms sum 32 rows at once, the gradient is not accumulated).
+  # Its distance from our committed curve is what rounding alone does to a bf16 run: the floor
+  # against which the reference's distance reads.
+  [ -f $RUNS/init.safetensors ] || $PY python/laplace_ref.py init --config "$CFG" --seed 1 --out $RUNS/init.safetensors
+  rm -rf $RUNS/twin $RUNS/twin.done
+  HP_TWIN=$(echo "${HP[*]}" | sed 's/--batch 16/--batch 32/; s/--grad-accum 2/--grad-accum 1/; s/--eval-batches 8/--eval-batches 4/')
+  setsid nohup bash -c "
+    $LAPLACE train --config $CFG --init $RUNS/init.safetensors $DATA_Q --out $RUNS/twin --device cuda --dtype bf16 \
+      $HP_TWIN --no-shuffle --stop-after $REF_STEPS --log-every 50
+    echo exit \$? > $RUNS/twin.done" > $RUNS/twin.log 2>&1 < /dev/null &
+  stamp "twin started ($REF_STEPS steps, batch 32 x accum 1)"
+fi
+
 if has side; then
   # Each step is cut at SIDE_S seconds from the script's start, so that the call ends with its files.
   left() { echo $(( ${SIDE_S:-540} - ($(date +%s) - t0) )); }
@@ -213,6 +231,13 @@ if has side; then
   fi
 fi
 
+if has compare && has twin && [ -f $RUNS/twin.done ]; then
+  $PY scripts/compare_runs.py bench/curves/laplace125m_ours.jsonl $RUNS/twin/metrics.jsonl --last 200 \
+    --tag laplace125m_twin --results "$OUT/results.jsonl" --commit "$COMMIT" --device "NVIDIA H200" \
+    --command "scripts/device_train125m.sh (stages twin, compare)" --labels "laplace B16x2,laplace B32x1" \
+    --plot "$OUT/twin.png" 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+fi
+
 if has compare && [ -f $RUNS/ref.done ]; then
   OURS=$RUNS/ours/metrics.jsonl
   [ -f "$OURS" ] || OURS=bench/curves/laplace125m_ours.jsonl
@@ -224,9 +249,10 @@ fi
 collect() {
   cp $RUNS/ours/metrics.jsonl $RUNS/ours_metrics.jsonl 2>/dev/null
   cp $RUNS/ref/metrics.jsonl $RUNS/ref_metrics.jsonl 2>/dev/null
+  cp $RUNS/twin/metrics.jsonl $RUNS/twin_metrics.jsonl 2>/dev/null
   cat $RUNS/quality_results.jsonl $RUNS/hf_*.jsonl $RUNS/mqar/results.jsonl > "$OUT/figures.jsonl" 2>/dev/null
   # (not $RUNS/*.jsonl: the decompressed corpus, docs.jsonl, is there too)
-  tar czf "$OUT/runs.tar.gz" $RUNS/*.log $RUNS/*.done $RUNS/ours_metrics.jsonl $RUNS/ref_metrics.jsonl \
+  tar czf "$OUT/runs.tar.gz" $RUNS/*.log $RUNS/*.done $RUNS/ours_metrics.jsonl $RUNS/ref_metrics.jsonl $RUNS/twin_metrics.jsonl \
     $RUNS/quality_results.jsonl $RUNS/hf_*.jsonl $RUNS/ours/tb $RUNS/quality $RUNS/mqar $RUNS/data/prepare.json \
     $RUNS/bench_a*/metrics.jsonl 2>/dev/null
   cp $RUNS/gpu_tests.log "$OUT/" 2>/dev/null
@@ -234,11 +260,12 @@ collect() {
 
 if has wait; then
   while (( $(date +%s) - t0 < WAIT_S )); do
-    [ -f $RUNS/ours.done ] && [ -f $RUNS/ref.done ] && break
+    [ -f $RUNS/ours.done ] && [ -f $RUNS/ref.done ] && { ! has twin || [ -f $RUNS/twin.done ]; } && break
     sleep 10
   done
   stamp "ours: $(grep -E '^step' $RUNS/ours.log 2>/dev/null | tail -1) $(cat $RUNS/ours.done 2>/dev/null)"
   stamp "ref:  $(grep -E '^step' $RUNS/ref.log 2>/dev/null | tail -1) $(cat $RUNS/ref.done 2>/dev/null)"
+  has twin && stamp "twin: $(grep -E '^step' $RUNS/twin.log 2>/dev/null | tail -1) $(cat $RUNS/twin.done 2>/dev/null)"
   if [ -f $RUNS/ours.done ] && [ -d $RUNS/ours/tb ]; then
     $PY scripts/check_tensorboard.py $RUNS/ours/tb >> "$OUT/summary.txt" 2>&1; stamp "tensorboard check exit $?"
   fi
