@@ -1,4 +1,5 @@
-// `laplace bench decode|prefill|serve`: the engine's throughput and latency.
+// `laplace bench decode|prefill|serve|http`: the engine's throughput and latency, and the
+// server's through HTTP.
 //
 //   laplace bench decode  --config F | --model DIR [--device cpu|cuda] [--dtype f32|bf16]
 //                         --batch N --steps S --prompt-len P [--layers-sweep]
@@ -7,6 +8,8 @@
 //   laplace bench prefill --config F | --model DIR --prompt-len P [--reps R]
 //   laplace bench serve   --config F | --model DIR --rate R --count N --prompt-len P
 //                         --output-len O [--max-slots S | --memory-budget B]
+//   laplace bench http    --port N [--host H] --streams S --prompt-len P --max-tokens M
+//                         (a running `laplace serve`; serve/http_load.h)
 //
 // On CUDA, decode replays CUDA graphs captured when the engine is created (--eager: the
 // same kernels and padded widths without graphs).
@@ -16,6 +19,7 @@
 // Names get "_" + --tag appended when a tag is given (e.g. --tag 3b_1280_fp32state gives
 // decode_tok_s_3b_1280_fp32state).
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -28,10 +32,12 @@
 #include <nlohmann/json.hpp>
 
 #include "core/bench_log.h"
+#include "core/file_util.h"
 #include "eval/stream.h"
 #include "cli/common.h"
 #include "model/config.h"
 #include "serve/engine.h"
+#include "serve/http_load.h"
 
 #ifdef LAPLACE_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -654,6 +660,51 @@ Status run_bench_serve(const ServeArgs& a) {
   return Status::ok();
 }
 
+struct HttpArgs {
+  HttpLoadOptions load;
+  std::string api_key_file, device_name, results = "bench/results.jsonl", tag;
+  double compare_tok_s = 0;
+};
+
+Status run_bench_http(HttpArgs a) {
+  if (!a.api_key_file.empty()) {
+    LAPLACE_RETURN_IF_ERROR(read_file(a.api_key_file, &a.load.api_key).with_context("--api-key-file"));
+    while (!a.load.api_key.empty() && std::isspace(static_cast<unsigned char>(a.load.api_key.back())))
+      a.load.api_key.pop_back();
+  }
+  const HttpLoadOptions& o = a.load;
+  std::printf("http: %d streams to %s:%d, prompts of %lld ids, %lld tokens each\n", o.streams, o.host.c_str(), o.port,
+              (long long)o.prompt_len, (long long)o.max_tokens);
+  std::fflush(stdout);
+  HttpLoadResult r;
+  LAPLACE_RETURN_IF_ERROR(run_http_load(o, &r));
+  std::printf("http: %d ok, %d rejected (429), %d failed in %.2f s; %lld tokens\n", r.ok, r.rejected, r.failed, r.wall_s,
+              (long long)r.tokens);
+  std::printf("http: decode %.0f tok/s over the streams (median stream %.1f tok/s, overlap %.2f); TTFT p50 %.1f ms, "
+              "p99 %.1f ms\n", r.decode_tok_s, r.stream_tok_s_p50, r.overlap, r.ttft_p50_ms, r.ttft_p99_ms);
+  if (r.failed > 0)
+    return Status::io_error(std::to_string(r.failed) + " of " + std::to_string(r.streams) +
+                            " streams failed (no figure recorded); the first: " + r.first_failure);
+  if (r.ok == 0) return Status::io_error("no stream was accepted (all 429): no figure recorded");
+  BenchLog res{a.results, a.device_name.empty() ? "unknown" : a.device_name, BenchLog::commit_hash(),
+               BenchLog::iso_date_utc(), a.tag, "", BenchLog::command_line()};
+  char note[256];
+  std::snprintf(note, sizeof note,
+                "%d concurrent streaming completions through laplace serve (HTTP/1.0, loopback), %lld-id prompts, "
+                "%lld tokens each; sum of per-stream decode rates, overlap %.2f; %d ok, %d rejected",
+                r.streams, (long long)o.prompt_len, (long long)o.max_tokens, r.overlap, r.ok, r.rejected);
+  res.note = note;
+  res.add("serve_http_tok_s", r.decode_tok_s, "tok/s");
+  res.add("serve_http_ttft_p99_ms", r.ttft_p99_ms, "ms");
+  if (a.compare_tok_s > 0) {
+    const double pct = 100.0 * r.decode_tok_s / a.compare_tok_s;
+    std::printf("http: %.1f %% of the %.0f tok/s given by --compare-tok-s\n", pct, a.compare_tok_s);
+    res.add("serve_http_vs_decode_pct", pct, "%", res.note + "; against bench decode's " +
+            std::to_string(static_cast<int64_t>(a.compare_tok_s)) + " tok/s");
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 void add_bench(CLI::App& app) {
@@ -734,6 +785,30 @@ void add_bench(CLI::App& app) {
   srv->add_option("--results", s->results, "append JSON lines here (empty: don't)");
   srv->add_option("--tag", s->tag, "suffix for the figure names");
   srv->callback([s] { g_exit_code = report(run_bench_serve(*s)); });
+
+  auto* http = bench->add_subcommand("http", "a running laplace serve under N concurrent streaming completions: "
+                                             "decode tokens/s through HTTP and TTFT");
+  auto h = std::make_shared<HttpArgs>();
+  http->add_option("--host", h->load.host, "server address")->capture_default_str();
+  http->add_option("--port", h->load.port, "server port")->required()->check(CLI::Range(1, 65535));
+  http->add_option("--api-key-file", h->api_key_file, "file with the server's API key, if it needs one");
+  http->add_option("--streams", h->load.streams, "concurrent streams (one connection each)")
+      ->capture_default_str()->check(CLI::Range(1, 1 << 20));
+  http->add_option("--prompt-len", h->load.prompt_len, "prompt token ids per stream")
+      ->capture_default_str()->check(CLI::Range(1, 1 << 24));
+  http->add_option("--max-tokens", h->load.max_tokens, "tokens each stream asks for (ignore_eos)")
+      ->capture_default_str()->check(CLI::Range(2, 1 << 24));
+  http->add_option("--vocab", h->load.vocab, "prompt ids are drawn below this (at most the model's vocabulary)")
+      ->capture_default_str()->check(CLI::Range(1, 1 << 30));
+  http->add_option("--seed", h->load.seed, "seed of the prompts");
+  http->add_option("--timeout", h->load.timeout_s, "seconds for the whole run")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  http->add_option("--compare-tok-s", h->compare_tok_s,
+                   "bench decode's tokens/s at the same concurrency: also record the percentage reached");
+  http->add_option("--device-name", h->device_name, "the server's device, for the results (e.g. \"NVIDIA H200\")");
+  http->add_option("--results", h->results, "append JSON lines here (empty: don't)");
+  http->add_option("--tag", h->tag, "suffix for the figure names (e.g. 3b_1280)");
+  http->callback([h] { g_exit_code = report(run_bench_http(*h)); });
 }
 
 }  // namespace laplace::cli
