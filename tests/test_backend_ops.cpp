@@ -5,7 +5,8 @@
 // compares every output: max|a − b| / max|b| ≤ the case's tolerance (argmax: equal). Every
 // buffer on the tested backend sits between guard elements holding a NaN pattern; an op that
 // writes outside its tensor changes them and fails the case. A backend that declines a case
-// (Backend::supports) is skipped with a message, never silently converted.
+// (Backend::supports) is skipped with a message, never silently converted. Every case then
+// runs a second time from the same inputs and must give the same bytes.
 //
 // Backends: the CPU in F32 (always) and CUDA in F32 and BF16 when a GPU is present.
 // LAPLACE_OPS_PERF=1 also times each case on the tested backend (median of 10 runs);
@@ -162,6 +163,38 @@ std::vector<OpCase> all_cases() {
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.scale(t[0], -1.5); }});
   add({"axpy", "y += 0.75·x", {}, {in({5, 9}), io({5, 9})},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.axpy(0.75, t[0], t[1]); }});
+  // ---- at the model's shapes (laplace-3b: D 3072, F 8192, V 92160; 300 token rows, not a
+  // multiple of any tile), where the CUDA kernels take their vectorised and multi-block paths
+  add({"fill", "[1024,3072] = 0.25", {}, {out({1024, 3072})},
+       0, 0, [](Backend& b, const std::vector<Tensor>& t) { b.fill(t[0], 0.25); }});
+  add({"axpy", "[1024,3072] y += 0.37·x", {}, {in({1024, 3072}), io({1024, 3072})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.axpy(0.37, t[0], t[1]); }});
+  add({"axpy", "[1024,3072] F32 accumulator += x (BF16 gradients)", {}, {in({1024, 3072}), f32(io({1024, 3072}))},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.axpy(1.0, t[0], t[1]); }});
+  add({"scale", "[1024,3072] ·= −1.7", {}, {io({1024, 3072})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.scale(t[0], -1.7); }});
+  add({"embedding_forward", "300 ids of 4096, D 3072", {}, {ids({300}, 4096), in({4096, 3072}), out({300, 3072})},
+       0, 0, [](Backend& b, const std::vector<Tensor>& t) { b.embedding_forward(t[0], t[1], t[2]); }});
+  add({"embedding_backward", "300 ids of 4096, D 3072, accumulate", {},
+       {ids({300}, 4096), in({300, 3072}), f32(io({4096, 3072}))},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.embedding_backward(t[0], t[1], t[2]); }});
+  add({"layernorm_forward", "[300,3072]", {},
+       {in({300, 3072}), in({3072}, Init::kPositive), in({3072}), out({300, 3072}), f32(out({300})), f32(out({300}))},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.layernorm_forward(t[0], t[1], t[2], 1e-5, t[3], t[4], t[5]); }});
+  add({"layernorm_backward", "[300,3072], dx accumulates, dw db accumulate", {},
+       {in({300, 3072}), in({300, 3072}), in({3072}, Init::kPositive), f32(in({300})), f32(in({300}, Init::kPositive)),
+        io({300, 3072}), f32(io({3072})), f32(io({3072}))},
+       1e-4, 1e-2, [](Backend& b, const std::vector<Tensor>& t) {
+         b.layernorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], true, t[6], t[7]);
+       }});
+  add({"swiglu_forward", "[300,2·8192]", {}, {in({300, 16384}), out({300, 8192})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.swiglu_forward(t[0], t[1]); }});
+  add({"swiglu_backward", "[300,2·8192], in place", {}, {in({300, 8192}), io({300, 16384})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.swiglu_backward(t[0], t[1], t[1]); }});
+  add({"cross_entropy_forward", "[4,92160]", {}, {in({4, 92160}), ids({4}, 92160, Init::kTargets), f32(out({4}))},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.cross_entropy_forward(t[0], t[1], t[2]); }});
+  add({"cross_entropy_backward", "[4,92160], in place", {}, {io({4, 92160}), ids({4}, 92160, Init::kTargets)},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.cross_entropy_backward(t[0], t[1], 0.25, t[0]); }});
   // ---- optimizer
   add({"adamw_update", "[8,12], step 3", {}, {f32(io({8, 12})), in({8, 12}), f32(io({8, 12})), f32(io({8, 12}, Init::kPositive))},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) {
@@ -291,6 +324,8 @@ std::string run_case(const OpCase& c, size_t index, const Tested& t, Backend& re
     tv.push_back(mine.back()->view);
     rv.push_back(refs.back()->view);
   }
+  std::vector<std::vector<unsigned char>> staged;  // every buffer as uploaded, for the second run
+  for (const auto& m : mine) staged.push_back(m->host);
   c.run(*t.be, tv);
   c.run(ref, rv);
   std::string err;
@@ -323,6 +358,24 @@ std::string run_case(const OpCase& c, size_t index, const Tested& t, Backend& re
       std::snprintf(line, sizeof line, "argument %zu: max rel error %.3g > %.3g (%lld non-finite)\n", i, rel, tol,
                     static_cast<long long>(mismatches));
       err += line;
+    }
+  }
+  // Determinism: the same inputs again give the same bytes in every output (the trainer's
+  // bitwise resume and the engine's reproducible decoding rest on it).
+  if (err.empty()) {
+    std::vector<std::vector<unsigned char>> first;
+    for (size_t i = 0; i < mine.size(); ++i) {
+      first.push_back(mine[i]->host);
+      mine[i]->host = staged[i];
+      mine[i]->upload();
+    }
+    c.run(*t.be, tv);
+    for (size_t i = 0; i < mine.size(); ++i) {
+      mine[i]->download();
+      if (c.args[i].compared && mine[i]->host != first[i]) {
+        std::snprintf(line, sizeof line, "argument %zu: a second run from the same inputs gave other bytes\n", i);
+        err += line;
+      }
     }
   }
   if (perf && err.empty()) {
@@ -384,8 +437,8 @@ TEST(BackendOps, EveryCaseOnEveryBackendMatchesTheF64Reference) {
   EXPECT_GE(ran, static_cast<int>(cases.size())) << "every case runs at least on the CPU";
 }
 
-// The harness itself can fail: a deliberately wrong op (the CPU's gemm with the wrong alpha)
-// and one that writes past its output are both caught.
+// The harness itself can fail: a deliberately wrong op (the CPU's gemm with the wrong alpha),
+// one that writes past its output and one that is not deterministic are all caught.
 TEST(BackendOps, TheHarnessCatchesWrongValuesAndStrayWrites) {
   auto cpu = make_cpu_backend();
   auto ref = make_cpu_backend();
@@ -405,6 +458,13 @@ TEST(BackendOps, TheHarnessCatchesWrongValuesAndStrayWrites) {
                  b.fill(wide, 3.0);
                }};
   EXPECT_NE(run_case(stray, 1, t, *ref, false).find("guard changed"), std::string::npos);
+  // An op whose second run from the same inputs differs (in the last bits) is caught too.
+  int calls = 0;
+  OpCase flaky{"fill", "another value on the second run", {}, {out({4, 4})}, 2e-5, 1e-2,
+               [&](Backend& b, const std::vector<Tensor>& x) {
+                 b.fill(x[0], &b == cpu.get() && calls++ > 0 ? 3.0 + 1e-6 : 3.0);
+               }};
+  EXPECT_NE(run_case(flaky, 3, t, *ref, false).find("other bytes"), std::string::npos);
   // And a correct case passes.
   OpCase fine{"fill", "exactly the tensor", {}, {out({4, 4})}, 2e-5, 1e-2,
               [](Backend& b, const std::vector<Tensor>& x) { b.fill(x[0], 3.0); }};
