@@ -36,6 +36,7 @@
 #include "core/file_util.h"
 #include "core/safetensors.h"
 #include "model/model.h"
+#include "serve/http_load.h"
 #include "serve/metrics.h"
 #include "serve/server.h"
 #include "tests/http_client.h"
@@ -1284,6 +1285,51 @@ TEST_F(ServerTest, EchoWithLogprobsReturnsThePromptsLogprobs) {
   EXPECT_EQ(text_of(e2).rfind("the quick brown", 0), 0u) << text_of(e2);
   EXPECT_EQ(e2.body["choices"][0]["logprobs"]["tokens"].size(), encode("the quick brown").size() + 3);
   wait_idle();
+}
+
+// `laplace bench http`'s client (serve/http_load.h) against this server: as many streams as
+// it admits (2 slots + 4 queued) all complete with exactly max_tokens tokens and give a rate;
+// without the API key every stream fails with the 401 named; no server is an error.
+TEST_F(ServerTest, BenchHttpLoadCountsStreamsTokensAndFailures) {
+  HttpLoadOptions o;
+  o.port = server_->port();
+  o.api_key = kKey;
+  o.streams = 6;
+  o.prompt_len = 5;
+  o.max_tokens = 300;  // long enough that no stream arrives in one read (it would have no rate)
+  o.vocab = 50;
+  o.timeout_s = 120;
+  HttpLoadResult r;
+  ASSERT_TRUE(run_http_load(o, &r).is_ok());
+  EXPECT_EQ(r.ok, 6) << r.first_failure;
+  EXPECT_EQ(r.rejected + r.failed, 0) << r.first_failure;
+  EXPECT_EQ(r.tokens, 6 * 300);
+  EXPECT_GT(r.decode_tok_s, 0);
+  EXPECT_GE(r.ttft_p99_ms, r.ttft_p50_ms);
+  EXPECT_GT(r.ttft_p50_ms, 0);
+
+  o.api_key.clear();
+  o.streams = 3;
+  ASSERT_TRUE(run_http_load(o, &r).is_ok());
+  EXPECT_EQ(r.ok, 0);
+  EXPECT_EQ(r.failed, 3);
+  EXPECT_NE(r.first_failure.find("status 401"), std::string::npos) << r.first_failure;
+
+  // A port nobody listens on: bind one, note it, close it.
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  socklen_t len = sizeof a;
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  close(fd);
+  o.port = ntohs(a.sin_port);
+  const Status st = run_http_load(o, &r);
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("no connection"), std::string::npos) << st.to_string();
+  o.streams = 0;
+  EXPECT_EQ(run_http_load(o, &r).code(), Status::Code::kInvalidArgument);
 }
 
 TEST_F(ServerTest, ErrorsDoNotRevealAbsolutePathsAndSessionFilesAreOwnerOnly) {
