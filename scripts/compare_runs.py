@@ -5,9 +5,11 @@
                           [--results bench/results.jsonl --commit C --device D --command "..."]
 
 Over the steps both runs logged: the mean and largest |Δ loss| over the last --last of them, the mean
-signed Δ (ours − reference), and at the last validation step both logged, the relative difference of the
-validation losses |ours − ref| / ref. With --results, appends convergence_mean_abs_dloss_<tag> and
-convergence_val_rel_diff_<tag> as JSON lines. Exit 2 on unreadable input or no common steps.
+signed Δ (ours − reference), the mean |Δ| of the two curves' --smooth-step moving averages (what is
+left when the per-batch noise of two trajectories that rounding has separated averages out), and at
+the last validation step both logged, the relative difference of the validation losses |ours − ref| /
+ref. With --results, appends convergence_mean_abs_dloss_<tag>, convergence_mean_abs_dloss_ma<N>_<tag>
+and convergence_val_rel_diff_<tag> as JSON lines. Exit 2 on unreadable input or no common steps.
 """
 import argparse
 import json
@@ -86,6 +88,7 @@ def main(argv=None):
     p.add_argument("ours")
     p.add_argument("ref")
     p.add_argument("--last", type=int, default=200)
+    p.add_argument("--smooth", type=int, default=20, help="moving-average length for the smoothed figure")
     p.add_argument("--tag", default="laplace125m")
     p.add_argument("--results")
     p.add_argument("--commit", default="unknown")
@@ -101,8 +104,15 @@ def main(argv=None):
     tail = steps[-a.last:]
     d = [ot[s] - rt[s] for s in tail]
     mean_abs = sum(abs(x) for x in d) / len(d)
+    if a.smooth < 1:
+        fail("--smooth must be at least 1")
+    # Moving averages over the common steps (each step's mean with the --smooth − 1 before it).
+    oma = dict(zip(steps, moving_average([ot[s] for s in steps], a.smooth)))
+    rma = dict(zip(steps, moving_average([rt[s] for s in steps], a.smooth)))
+    mean_abs_ma = sum(abs(oma[s] - rma[s]) for s in tail) / len(tail)
     out = {"steps_compared": len(steps), "window": [tail[0], tail[-1]], "mean_abs_dloss": mean_abs,
            "max_abs_dloss": max(abs(x) for x in d), "mean_dloss": sum(d) / len(d),
+           "mean_abs_dloss_ma%d" % a.smooth: mean_abs_ma,
            "ours_mean_loss": sum(ot[s] for s in tail) / len(tail), "ref_mean_loss": sum(rt[s] for s in tail) / len(tail)}
     vsteps = sorted(set(ov) & set(rv))
     if vsteps:
@@ -116,7 +126,8 @@ def main(argv=None):
         date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         note = "steps %d-%d (0-based) of %d common; ours %s vs reference %s" % (tail[0], tail[-1], len(steps),
                                                                                 a.ours, a.ref)
-        lines = [("convergence_mean_abs_dloss_" + a.tag, mean_abs, "nats")]
+        lines = [("convergence_mean_abs_dloss_" + a.tag, mean_abs, "nats"),
+                 ("convergence_mean_abs_dloss_ma%d_%s" % (a.smooth, a.tag), mean_abs_ma, "nats")]
         if vsteps:
             lines.append(("convergence_val_rel_diff_" + a.tag, out["val_rel_diff"], "fraction"))
         with open(a.results, "a") as f:
