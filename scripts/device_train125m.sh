@@ -17,7 +17,7 @@
 #   parity the reference alone, against the committed curve of our run (bench/curves/laplace125m_ours.jsonl;
 #          the trainer is deterministic, so it need not train again): first our first CHECK_STEPS steps
 #          (0: none), whose losses must equal the curve's, then the reference for REF_STEPS steps in the background
-#   twin   our run again as one micro-batch of 32 (not two of 16) for REF_STEPS steps, in the background
+#   twin   our run again as one micro-batch of 32 (not two of 16) for TWIN_STEPS (REF_STEPS) steps, in the background
 #          once the reference is done (TWIN_AFTER_REF=0: at once):
 #          the same tokens, order and math, other rounding; compare measures its distance from our curve,
 #          the floor that rounding alone sets under the reference's distance
@@ -198,9 +198,9 @@ if has twin; then
   setsid nohup bash -c "
     while [ ${TWIN_AFTER_REF:-1} = 1 ] && [ ! -f $RUNS/ref.done ]; do sleep 2; done
     $LAPLACE train --config $CFG --init $RUNS/init.safetensors $DATA_Q --out $RUNS/twin --device cuda --dtype bf16 \
-      $HP_TWIN --no-shuffle --stop-after $REF_STEPS --log-every 50
+      $HP_TWIN --no-shuffle --stop-after ${TWIN_STEPS:-$REF_STEPS} --log-every 50
     echo exit \$? > $RUNS/twin.done" > $RUNS/twin.log 2>&1 < /dev/null &
-  stamp "twin started ($REF_STEPS steps, batch 32 x accum 1)"
+  stamp "twin started (${TWIN_STEPS:-$REF_STEPS} steps, batch 32 x accum 1)"
 fi
 
 if has side; then
