@@ -303,8 +303,16 @@ class Laplace(torch.nn.Module):
     def state_dict_canonical(self):
         return {n: t.detach().clone() for n, t in self.named()}
 
+    # None, or a dtype (torch.bfloat16) every parameter is rounded to where the forward reads it, the
+    # gradient passing straight through to the fp32 parameter: the C++ bf16 model's policy (bf16 copies of
+    # all weights, fp32 masters), where autocast rounds only the operands of matrix products.
+    round_params = None
+
     def _w(self, name):
-        return self.p[name.replace(".", "/")]
+        w = self.p[name.replace(".", "/")]
+        if self.round_params is None:
+            return w
+        return w + (w.to(self.round_params).float() - w).detach()
 
     def empty_state(self, B, dtype=None):
         w = self._w("model.embed.weight")

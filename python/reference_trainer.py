@@ -116,6 +116,9 @@ def main(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from --out/reference_checkpoint.pt")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--round-params", choices=["none", "bf16"], default="none",
+                   help="bf16: the forward reads every parameter rounded to bf16 (the C++ bf16 model's policy), "
+                        "not only the operands of matrix products as autocast does")
     p.add_argument("--mixer", choices=["batched", "chunked"], default="batched",
                    help="the GLA chunked form: all chunks in batched products (default) or one chunk at a time")
     a = p.parse_args(argv)
@@ -128,6 +131,8 @@ def main(argv=None):
     if missing:
         raise SystemExit("reference_trainer: %s lacks %s" % (a.init, missing[0]))
     model = ref.Laplace(cfg, params).to(dev)
+    if a.round_params == "bf16":
+        model.round_params = torch.bfloat16
     opt = ref.Optimizer(model, wd=a.wd, max_grad_norm=a.max_grad_norm, momentum=a.momentum,
                         scale_mode=a.muon_scale, ns_mode=a.ns_mode)
     train = SequentialLoader(a.data, a.batch, a.seq)

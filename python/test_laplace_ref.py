@@ -156,6 +156,30 @@ class TestModel(unittest.TestCase):
         self.assertFalse(torch.equal(a["lm_head.weight"], lr.init_params(self.cfg, 8)["lm_head.weight"]))
 
 
+class TestRoundParams(unittest.TestCase):
+    def test_forward_reads_bf16_parameters_and_gradients_pass_through(self):
+        # round_params = bf16: the forward equals one over parameters rounded to bf16 beforehand, bit for
+        # bit, and each fp32 parameter gets the gradient of its rounded copy.
+        cfg = lr.Config(**TINY)
+        params = lr.init_params(cfg, 1)
+        tok = torch.randint(0, cfg.V, (2, 19), generator=torch.Generator().manual_seed(4))
+        a = lr.Laplace(cfg, params)
+        a.round_params = torch.bfloat16
+        b = lr.Laplace(cfg, {n: t.to(torch.bfloat16).float() for n, t in params.items()})
+        la, _ = a(tok, mixer="chunked")
+        lb, _ = b(tok, mixer="chunked")
+        self.assertTrue(torch.equal(la, lb))
+        la.square().mean().backward()
+        lb.square().mean().backward()
+        for (n, pa), (_, pb) in zip(a.named(), b.named()):
+            self.assertTrue(torch.equal(pa.grad, pb.grad), n)
+        # and the parameters themselves are untouched fp32, some of them not bf16 values
+        self.assertTrue(any(not torch.equal(p, p.to(torch.bfloat16).float()) for _, p in a.named()))
+        c = lr.Laplace(cfg, params)
+        lc, _ = c(tok, mixer="chunked")
+        self.assertFalse(torch.equal(la, lc))
+
+
 class TestSafetensors(unittest.TestCase):
     def test_roundtrip(self):
         t = {"b": torch.randn(3, 4), "a": torch.randn(5).double(), "c": torch.randn(2, 2).bfloat16(),

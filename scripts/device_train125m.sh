@@ -13,7 +13,8 @@
 #          TensorBoard events in $RUNS/ours
 #   ref    after the run's first 45 steps, alone on the GPU, give the throughput figure (into
 #          $OUT/results.jsonl): the PyTorch reference trainer on the same init, data order and schedule
-#          for REF_STEPS steps (0: none), in the background beside it, metrics in $RUNS/ref
+#          for REF_STEPS steps (0: none), in the background beside it, metrics in $RUNS/ref (REF_ARGS: more
+#          reference_trainer.py options, e.g. --round-params bf16)
 #   parity the reference alone, against the committed curve of our run (bench/curves/laplace125m_ours.jsonl;
 #          the trainer is deterministic, so it need not train again): first our first CHECK_STEPS steps
 #          (0: none), whose losses must equal the curve's, then the reference for REF_STEPS steps in the background
@@ -157,7 +158,7 @@ EOF
   [ "$REF_STEPS" -gt 0 ] || echo "exit 0 (REF_STEPS=0: no reference run)" > $RUNS/ref.done
   [ "$REF_STEPS" -gt 0 ] && setsid nohup bash -c "
     PYTHONUNBUFFERED=1 $PY python/reference_trainer.py --config $CFG --init $RUNS/init.safetensors $DATA_Q \
-      --out $RUNS/ref ${HP[*]} --stop-after $REF_STEPS --amp bf16 --ns-mode bf16 --log-every 50
+      --out $RUNS/ref ${HP[*]} --stop-after $REF_STEPS --amp bf16 --ns-mode bf16 --log-every 50 ${REF_ARGS:-}
     echo exit \$? > $RUNS/ref.done" > $RUNS/ref.log 2>&1 < /dev/null &
   stamp "reference started ($REF_STEPS steps)"
 fi
@@ -181,7 +182,7 @@ print("parity: %d of %d steps of this build equal the committed curve%s" % (
 EOF
   setsid nohup bash -c "
     PYTHONUNBUFFERED=1 $PY python/reference_trainer.py --config $CFG --init $RUNS/init.safetensors $DATA_Q \
-      --out $RUNS/ref ${HP[*]} --stop-after $REF_STEPS --amp bf16 --ns-mode bf16 --log-every 50
+      --out $RUNS/ref ${HP[*]} --stop-after $REF_STEPS --amp bf16 --ns-mode bf16 --log-every 50 ${REF_ARGS:-}
     echo exit \$? > $RUNS/ref.done" > $RUNS/ref.log 2>&1 < /dev/null &
   echo "exit 0 (parity: our curve is committed)" > $RUNS/ours.done
   stamp "reference started alone ($REF_STEPS steps)"
