@@ -2,9 +2,12 @@
 // `mpirun -np P laplace train` end to end on a model small enough that some Muon units
 // have fewer rows than ranks and some ranks hold empty shards.
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -200,6 +203,76 @@ TEST(DistTrain, PRanksBitwiseEqualToOneRank) {
   const auto a = f.losses("batch8"), b = f.losses("p4");
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5 * std::abs(b[i])) << "step " << i;
+}
+
+// The processes below `root` (children, grandchildren, ...) named `name`.
+std::vector<int> descendants_named(int root, const std::string& name) {
+  std::vector<std::pair<int, int>> pp;  // (pid, ppid)
+  std::vector<std::string> comm;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string d = e.path().filename().string();
+    if (d.empty() || !std::all_of(d.begin(), d.end(), ::isdigit)) continue;
+    std::string stat;
+    if (!read_file(e.path().string() + "/stat", &stat).is_ok()) continue;
+    const size_t open = stat.find('('), close = stat.rfind(')');
+    if (open == std::string::npos || close == std::string::npos) continue;
+    int ppid = 0;
+    std::sscanf(stat.c_str() + close + 2, "%*c %d", &ppid);
+    pp.push_back({std::stoi(d), ppid});
+    comm.push_back(stat.substr(open + 1, close - open - 1));
+  }
+  std::vector<int> out, frontier = {root};
+  while (!frontier.empty()) {
+    const int p = frontier.back();
+    frontier.pop_back();
+    for (size_t i = 0; i < pp.size(); ++i)
+      if (pp[i].second == p) {
+        frontier.push_back(pp[i].first);
+        if (comm[i] == name) out.push_back(pp[i].first);
+      }
+  }
+  return out;
+}
+
+// A rank killed with SIGKILL in the middle of a run: the launcher ends the run, says which
+// rank was lost, and no other rank is left waiting in a collective (the whole run is bounded
+// by `timeout`, whose exit status 124 would mean a hang).
+TEST(DistTrain, AKilledRankEndsTheRunOnEveryRankWithoutAHang) {
+  REQUIRE_MPIRUN();
+  DistFixture f;
+  const std::string pid_file = f.dir + "/launcher.pid";
+  const std::string cmd = "sh -c 'echo $$ > " + pid_file + "; exec timeout 120 env " +
+                          f.command(3, "killed", "--batch 2", 1000000) + "'";
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  // Wait for a few steps (the metrics file), then kill one rank that is not rank 0's launcher.
+  int launcher = 0;
+  std::vector<int> ranks;
+  // Complete lines only: rank 0 may be in the middle of appending one.
+  auto steps_logged = [&] {
+    std::string m;
+    return read_file(f.dir + "/killed/metrics.jsonl", &m).is_ok() ? std::count(m.begin(), m.end(), '\n') : 0;
+  };
+  for (int i = 0; i < 1200 && (ranks.size() < 3 || steps_logged() < 3); ++i) {
+    std::string s;
+    if (!launcher && read_file(pid_file, &s).is_ok() && !s.empty()) launcher = std::stoi(s);
+    if (launcher) ranks = descendants_named(launcher, "laplace");
+    usleep(50 * 1000);
+  }
+  ASSERT_EQ(ranks.size(), 3u) << "three ranks under the launcher";
+  ASSERT_GE(steps_logged(), 3) << "the run took steps";
+  ASSERT_EQ(kill(ranks.back(), SIGKILL), 0);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int st = pclose(p);
+  ASSERT_TRUE(WIFEXITED(st)) << out;
+  EXPECT_NE(WEXITSTATUS(st), 0) << out;
+  EXPECT_NE(WEXITSTATUS(st), 124) << "the run hung after a rank was killed:\n" << out;
+  EXPECT_NE(out.find("signal 9"), std::string::npos) << out;
+  EXPECT_TRUE(descendants_named(launcher, "laplace").empty()) << "a rank outlived the run";
+  if (std::getenv("LAPLACE_TEST_VERBOSE")) std::printf("%s", out.c_str());
 }
 
 // gather and all_to_all feed identical bytes into one newton_schulz per unit: identical
