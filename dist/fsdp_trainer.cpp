@@ -737,16 +737,24 @@ void FsdpTrainer::log_line(const StepLog& s, const DistStepTraffic& t) {
 }
 
 Status FsdpTrainer::run(const std::function<void(const StepLog&, const DistStepTraffic&)>& on_step) {
-  const double t_start = now_s();
   first_step_ = progress_.step;
   const int64_t A = opt_.grad_accum;
-  const int64_t tokens_per_step = static_cast<int64_t>(P_) * opt_.batch * opt_.seq * A;
-  const double flops_per_token = cfg_.train_flops_per_token();
   std::vector<double> losses(P_);
   std::vector<int64_t> ones(P_, 1), displs(P_);
   for (int q = 0; q < P_; ++q) displs[q] = q;
-  for (int64_t step = progress_.step; step < opt_.steps; ++step) {
-    const double t0 = now_s();
+  DistStepTraffic tr;  // the step's, for its record
+  TrainLoop loop;
+  loop.steps = opt_.steps;
+  loop.stop_after = opt_.stop_after;
+  loop.eval_every = opt_.eval_every;
+  loop.ckpt_every = opt_.ckpt_every;
+  loop.schedule = opt_.schedule;
+  loop.tokens_per_step = static_cast<int64_t>(P_) * opt_.batch * opt_.seq * A;
+  loop.flops_per_token = cfg_.train_flops_per_token();
+  loop.peak_flops = static_cast<double>(P_) * opt_.peak_flops;  // MFU per device
+  loop.has_val = has_val_;
+  loop.talk = !opt_.quiet && me_ == 0;
+  loop.step = [&](int64_t step, double* loss_out) {
     const CommStats at_start = comm_.stats();
     double loss = 0;
     comm_.overlap_begin();  // no-op when the last gather left it open
@@ -764,61 +772,35 @@ Status FsdpTrainer::run(const std::function<void(const StepLog&, const DistStepT
       for (int q = 0; q < P_; ++q) loss += losses[q];  // micro-batch order (a, r)
     }
     comm_.overlap_end();  // the optimizer reads every reduced shard
-    loss /= static_cast<double>(A * P_);
-    const double lr = lr_at(opt_.schedule, step);
-    DistStepTraffic tr;
+    *loss_out = loss / static_cast<double>(A * P_);
+    tr = DistStepTraffic{};
     const double t_opt = now_s();
-    const StepResult r = optimizer_step(lr, &tr);
+    const StepResult r = optimizer_step(lr_at(opt_.schedule, step), &tr);
     tr.optimizer_ms = 1e3 * (now_s() - t_opt);
     gather_weights(!r.skipped);
     tr.fsdp_sent = comm_.stats().bytes_sent - at_start.bytes_sent - tr.muon_sent;
     tr.fsdp_received = comm_.stats().bytes_received - at_start.bytes_received - tr.muon_received;
-    // Everybody's Muon counters, for the log (not part of any measured window).
+    // Everybody's Muon counters, for the log (inside the timed step, as they always were).
     tr.muon_sent_per_rank.resize(P_);
     tr.muon_received_per_rank.resize(P_);
     comm_.all_gather(&tr.muon_sent, tr.muon_sent_per_rank.data(), ones, displs, CommType::kI64);
     comm_.all_gather(&tr.muon_received, tr.muon_received_per_rank.data(), ones, displs, CommType::kI64);
-    const double dt = now_s() - t0;
-
-    progress_.step = step + 1;
-    progress_.optimizer_steps = t_;
-    progress_.tokens_seen += static_cast<double>(tokens_per_step);
-    StepLog s;
-    s.step = step;
-    s.loss = loss;
-    s.lr = lr;
-    s.grad_norm = r.grad_norm;
-    s.skipped = r.skipped;
-    s.tokens_per_s = static_cast<double>(tokens_per_step) / dt;
-    s.flops_per_s = s.tokens_per_s * flops_per_token;
-    s.mfu = opt_.peak_flops > 0 ? s.flops_per_s / (static_cast<double>(P_) * opt_.peak_flops) : 0;  // per device
-    s.elapsed_s = now_s() - t_start;
-    if (r.skipped && !opt_.quiet && me_ == 0)
-      std::fprintf(stderr, "laplace: step %lld: gradient norm is not finite; step skipped, optimizer state untouched\n",
-                   (long long)(step + 1));
+    return r;
+  };
+  loop.optimizer_steps = [this] { return t_; };
+  loop.record = [&](const StepLog& s) {
     log_line(s, tr);
     if (on_step) on_step(s, tr);
-
-    if (opt_.eval_every > 0 && has_val_ && (step + 1) % opt_.eval_every == 0) {
-      double vl;
-      LAPLACE_RETURN_IF_ERROR(validate(opt_.eval_batches, &vl));
-      if (!opt_.quiet && me_ == 0)
-        std::printf("step %5lld/%lld | val loss %.4f | val ppl %.2f\n", (long long)(step + 1), (long long)opt_.steps,
-                    vl, std::exp(vl));
-      nlohmann::ordered_json j;
-      j["step"] = step;
-      j["val_loss"] = vl;
-      append_metrics(j.dump());
-    }
-    if (opt_.stop_after > 0 && step + 1 >= opt_.stop_after && step + 1 < opt_.steps) {
-      if (!opt_.quiet && me_ == 0)
-        std::printf("stopping after step %lld as asked; resume with --resume\n", (long long)(step + 1));
-      break;
-    }
-    if (opt_.ckpt_every > 0 && (step + 1) % opt_.ckpt_every == 0 && step + 1 < opt_.steps)
-      LAPLACE_RETURN_IF_ERROR(save_checkpoint());
-  }
-  return save_checkpoint();
+  };
+  loop.validate = [this](double* loss) { return validate(opt_.eval_batches, loss); };
+  loop.record_validation = [this](int64_t step, double loss) {
+    nlohmann::ordered_json j;
+    j["step"] = step;
+    j["val_loss"] = loss;
+    append_metrics(j.dump());
+  };
+  loop.save_checkpoint = [this] { return save_checkpoint(); };
+  return loop.run(&progress_);
 }
 
 }  // namespace laplace

@@ -1,6 +1,5 @@
 #include "train/trainer.h"
 
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -15,11 +14,6 @@ namespace laplace {
 namespace fs = std::filesystem;
 
 namespace {
-
-double now_s() {
-  using namespace std::chrono;
-  return duration<double>(steady_clock::now().time_since_epoch()).count();
-}
 
 std::string fmt_duration(double s) {
   if (!std::isfinite(s) || s < 0) return "?";
@@ -317,56 +311,37 @@ StepResult Trainer::finish_step(double* loss) {
 }
 
 Status Trainer::run(const std::function<void(const StepLog&)>& on_step) {
-  const double t_start = now_s();
   first_step_ = progress_.step;
-  const int64_t tokens_per_step = opt_.batch * opt_.seq * opt_.grad_accum;
-  const double flops_per_token = cfg_.train_flops_per_token();
-  for (int64_t step = progress_.step; step < opt_.steps; ++step) {
-    const double t0 = now_s();
+  TrainLoop loop;
+  loop.steps = opt_.steps;
+  loop.stop_after = opt_.stop_after;
+  loop.eval_every = opt_.eval_every;
+  loop.ckpt_every = opt_.ckpt_every;
+  loop.schedule = opt_.schedule;
+  loop.tokens_per_step = opt_.batch * opt_.seq * opt_.grad_accum;
+  loop.flops_per_token = cfg_.train_flops_per_token();
+  loop.peak_flops = opt_.peak_flops;
+  loop.has_val = has_val_;
+  loop.talk = !opt_.quiet;
+  loop.step = [this](int64_t step, double* loss) {
     enqueue_step(step);
-    double loss = 0;
-    const StepResult r = finish_step(&loss);
-    const double lr = lr_at(opt_.schedule, step);
-    const double dt = now_s() - t0;
-
-    progress_.step = step + 1;
-    progress_.optimizer_steps = optimizer_.step_count();
-    progress_.tokens_seen += static_cast<double>(tokens_per_step);
-    StepLog s;
-    s.step = step;
-    s.loss = loss;
-    s.lr = lr;
-    s.grad_norm = r.grad_norm;
-    s.skipped = r.skipped;
-    s.tokens_per_s = static_cast<double>(tokens_per_step) / dt;
-    s.flops_per_s = s.tokens_per_s * flops_per_token;
-    s.mfu = opt_.peak_flops > 0 ? s.flops_per_s / opt_.peak_flops : 0;
-    s.elapsed_s = now_s() - t_start;
-    if (r.skipped && !opt_.quiet)
-      std::fprintf(stderr, "laplace: step %lld: gradient norm is not finite; step skipped, optimizer state untouched\n",
-                   (long long)(step + 1));
+    return finish_step(loss);
+  };
+  loop.optimizer_steps = [this] { return optimizer_.step_count(); };
+  loop.record = [&](const StepLog& s) {
     log_line(s);
     if (on_step) on_step(s);
-
-    if (opt_.eval_every > 0 && has_val_ && (step + 1) % opt_.eval_every == 0) {
-      double vl;
-      LAPLACE_RETURN_IF_ERROR(validate(opt_.eval_batches, &vl));
-      if (!opt_.quiet) std::printf("step %5lld/%lld | val loss %.4f | val ppl %.2f\n", (long long)(step + 1),
-                                   (long long)opt_.steps, vl, std::exp(vl));
-      nlohmann::ordered_json j;
-      j["step"] = step;
-      j["val_loss"] = vl;
-      append_metrics(j.dump());
-      write_tensorboard(step, {{"val_loss", vl}});
-    }
-    if (opt_.stop_after > 0 && step + 1 >= opt_.stop_after && step + 1 < opt_.steps) {
-      if (!opt_.quiet) std::printf("stopping after step %lld as asked; resume with --resume\n", (long long)(step + 1));
-      break;
-    }
-    if (opt_.ckpt_every > 0 && (step + 1) % opt_.ckpt_every == 0 && step + 1 < opt_.steps)
-      LAPLACE_RETURN_IF_ERROR(save_checkpoint());
-  }
-  return save_checkpoint();
+  };
+  loop.validate = [this](double* loss) { return validate(opt_.eval_batches, loss); };
+  loop.record_validation = [this](int64_t step, double loss) {
+    nlohmann::ordered_json j;
+    j["step"] = step;
+    j["val_loss"] = loss;
+    append_metrics(j.dump());
+    write_tensorboard(step, {{"val_loss", loss}});
+  };
+  loop.save_checkpoint = [this] { return save_checkpoint(); };
+  return loop.run(&progress_);
 }
 
 }  // namespace laplace

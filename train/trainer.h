@@ -25,6 +25,7 @@
 #include "train/optimizer.h"
 #include "train/schedule.h"
 #include "train/tensorboard.h"
+#include "train/train_loop.h"
 
 namespace laplace {
 
@@ -81,12 +82,6 @@ std::vector<Param> make_optimizer_params(const Config& c, const Arena& params, c
 // weights ← masters (same table), converting to the weights' dtype with the backend's
 // copy. Queued on the device; no synchronisation.
 void copy_masters_to_weights(Backend& be, const Arena& masters, const Arena& weights);
-
-struct StepLog {
-  int64_t step = 0;
-  double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, flops_per_s = 0, mfu = 0, elapsed_s = 0;
-  bool skipped = false;
-};
 
 class Trainer {
  public:
