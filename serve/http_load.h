@@ -9,10 +9,12 @@
 //
 // The decode rate is what `bench decode` measures, seen through HTTP: for each completed
 // stream, (max_tokens − 1) tokens over the time from its first to its last content event;
-// the sum of these per-stream rates is the aggregate rate while all streams decode at once
-// (the engine steps them together). `overlap` says how much of the run that was: the window
-// from the last stream's first token to the first stream's last token, over the median
-// stream's decode time (near 1 when every stream decoded at the same time).
+// the engine steps all admitted streams together, so the aggregate is the median stream's
+// rate times the streams. `overlap` says how much of the run that was: the window from the
+// last stream's first token to the first stream's last token, over the median stream's
+// decode time (near 1 when every stream decoded at the same time). A stream whose text only
+// arrived at its end (its tokens decoded to nothing until then, e.g. control tokens, for
+// which the server sends no event) is counted as `silent` and has no rate or TTFT.
 #pragma once
 
 #include <cstdint>
@@ -40,11 +42,12 @@ struct HttpLoadResult {
   int ok = 0;          // 200 and a [DONE] with usage.completion_tokens == max_tokens
   int rejected = 0;    // 429
   int failed = 0;      // anything else (another status, a short or cut stream, no answer)
+  int silent = 0;      // ok streams whose events all came at the end (no rate, no TTFT)
   std::string first_failure;  // what the first failed stream saw
   int64_t tokens = 0;         // Σ usage.completion_tokens of the ok streams
   double wall_s = 0;          // first connect to last close
-  double ttft_p50_ms = 0, ttft_p99_ms = 0;  // request sent → first content event, ok streams
-  double decode_tok_s = 0;    // Σ per-stream decode rates (see above)
+  double ttft_p50_ms = 0, ttft_p99_ms = 0;  // request sent → first content event, ok streams with a rate
+  double decode_tok_s = 0;    // the median stream's rate × ok streams (see above)
   double stream_tok_s_p50 = 0;  // the median stream's own rate
   double overlap = 0;
 };
