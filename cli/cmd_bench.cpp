@@ -65,15 +65,6 @@ Status device_state_budget(const std::string& device, int64_t reserve, int64_t* 
   return Status::invalid_argument("on " + device + " give --max-slots or --memory-budget");
 }
 
-double percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  // Nearest rank.
-  size_t k = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(v.size())));
-  k = std::clamp<size_t>(k, 1, v.size());
-  return v[k - 1];
-}
-
 std::vector<int32_t> random_prompt(Rng& rng, int64_t n, int64_t V) {
   std::vector<int32_t> p(static_cast<size_t>(n));
   for (auto& t : p) t = static_cast<int32_t>(rng.next() % static_cast<uint64_t>(V));
@@ -405,7 +396,7 @@ Status run_bench_prefill(const PrefillArgs& a) {
     const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (i >= a.warmup) ms.push_back(t);
   }
-  const double med = percentile(ms, 50);
+  const double med = bench_percentile(ms, 50);
   BenchLog res{a.results, device_description(a.model.device), BenchLog::commit_hash(), BenchLog::iso_date_utc(), a.tag, "", BenchLog::command_line()};
   char note[512];
   std::snprintf(note, sizeof note, "bench prefill: %s, one %lld-token prompt, median of %lld", shape_note(c, a.model.dtype, random).c_str(),
@@ -528,10 +519,10 @@ Status measure_serve(Model& m, const EngineOptions& o, const ServeArgs& a, doubl
     return Status::invalid_argument("bench serve: not every request produced a first token");
   f->span = std::max(last_finish, end) - start;
   f->first_tokens_s = last_first - start;
-  f->ttft_p50 = percentile(ttft, 50);
-  f->ttft_p99 = percentile(ttft, 99);
-  f->tpot_p50 = percentile(tpot, 50);
-  f->tpot_p99 = percentile(tpot, 99);
+  f->ttft_p50 = bench_percentile(ttft, 50);
+  f->ttft_p99 = bench_percentile(ttft, 99);
+  f->tpot_p50 = bench_percentile(tpot, 50);
+  f->tpot_p99 = bench_percentile(tpot, 99);
   f->stats = eng->stats();
   return Status::ok();
 }

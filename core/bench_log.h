@@ -33,5 +33,8 @@ struct BenchLog {
 // The median of timings (the mean of the middle two for an even count; 0 for none): what
 // the benchmark programs report per figure.
 double bench_median(std::vector<double> v);
+// The p-th percentile by nearest rank (the smallest value with at least p % of them at or
+// below it; 0 for none): the latency percentiles of the serving benchmarks.
+double bench_percentile(std::vector<double> v, double p);
 
 }  // namespace laplace

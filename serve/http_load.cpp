@@ -11,13 +11,13 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
 #include <nlohmann/json.hpp>
 
+#include "core/bench_log.h"
 #include "core/rng.h"
 
 namespace laplace {
@@ -27,13 +27,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-double nearest_rank(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  size_t k = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(v.size())));
-  return v[std::clamp<size_t>(k, 1, v.size()) - 1];
-}
 
 struct Stream {
   int fd = -1;
@@ -259,13 +252,13 @@ Status run_http_load(const HttpLoadOptions& o, HttpLoadResult* r) {
                               (s.done ? "with" : "without") + " [DONE]";
     }
   }
-  r->ttft_p50_ms = nearest_rank(ttft, 50);
-  r->ttft_p99_ms = nearest_rank(ttft, 99);
-  r->stream_tok_s_p50 = nearest_rank(rates, 50);
+  r->ttft_p50_ms = bench_percentile(ttft, 50);
+  r->ttft_p99_ms = bench_percentile(ttft, 99);
+  r->stream_tok_s_p50 = bench_percentile(rates, 50);
   // Every admitted stream decodes in the same engine steps, so the aggregate is the median
   // stream's rate times the streams (robust to a stream whose events came in bursts).
   r->decode_tok_s = r->stream_tok_s_p50 * static_cast<double>(r->ok);
-  const double med = nearest_rank(decode_s, 50);
+  const double med = bench_percentile(decode_s, 50);
   r->overlap = r->ok > 0 && med > 0 ? std::max(0.0, first_last - last_first) / med : 0;
   return Status::ok();
 }

@@ -15,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/bench_log.h"
 #include "tests/test_util.h"
 
 namespace laplace {
@@ -99,6 +100,19 @@ TEST_F(BenchServe, RateSweepWritesAPointPerRateAndTheBestRate) {
   for (const auto& p : pts)
     if (p["slo_met"].get<bool>()) best = std::max(best, p["rate"].get<double>());
   EXPECT_EQ(lines[0]["value"].get<double>(), best);
+}
+
+// The latency percentiles of bench serve and bench http: nearest rank, in any input order.
+TEST(BenchLog, PercentileIsTheNearestRankAndMedianAveragesTheMiddle) {
+  const std::vector<double> v = {5, 1, 4, 2, 3, 10, 9, 8, 7, 6};
+  EXPECT_EQ(bench_percentile(v, 50), 5);
+  EXPECT_EQ(bench_percentile(v, 99), 10);
+  EXPECT_EQ(bench_percentile(v, 10), 1);
+  EXPECT_EQ(bench_percentile(v, 11), 2);
+  EXPECT_EQ(bench_percentile(v, 0), 1);
+  EXPECT_EQ(bench_percentile({}, 99), 0);
+  EXPECT_EQ(bench_median(v), 5.5);
+  EXPECT_EQ(bench_median({3, 1, 2}), 2);
 }
 
 TEST_F(BenchServe, BadArgumentsAreClearErrors) {
