@@ -743,17 +743,9 @@ Status FsdpTrainer::run(const std::function<void(const StepLog&, const DistStepT
   std::vector<int64_t> ones(P_, 1), displs(P_);
   for (int q = 0; q < P_; ++q) displs[q] = q;
   DistStepTraffic tr;  // the step's, for its record
-  TrainLoop loop;
-  loop.steps = opt_.steps;
-  loop.stop_after = opt_.stop_after;
-  loop.eval_every = opt_.eval_every;
-  loop.ckpt_every = opt_.ckpt_every;
-  loop.schedule = opt_.schedule;
-  loop.tokens_per_step = static_cast<int64_t>(P_) * opt_.batch * opt_.seq * A;
-  loop.flops_per_token = cfg_.train_flops_per_token();
-  loop.peak_flops = static_cast<double>(P_) * opt_.peak_flops;  // MFU per device
+  TrainLoop loop = train_loop_for(opt_, cfg_, P_);
   loop.has_val = has_val_;
-  loop.talk = !opt_.quiet && me_ == 0;
+  loop.talk = loop.talk && me_ == 0;
   loop.step = [&](int64_t step, double* loss_out) {
     const CommStats at_start = comm_.stats();
     double loss = 0;
@@ -793,12 +785,7 @@ Status FsdpTrainer::run(const std::function<void(const StepLog&, const DistStepT
     if (on_step) on_step(s, tr);
   };
   loop.validate = [this](double* loss) { return validate(opt_.eval_batches, loss); };
-  loop.record_validation = [this](int64_t step, double loss) {
-    nlohmann::ordered_json j;
-    j["step"] = step;
-    j["val_loss"] = loss;
-    append_metrics(j.dump());
-  };
+  loop.record_validation = [this](int64_t step, double loss) { append_metrics(val_loss_record(step, loss)); };
   loop.save_checkpoint = [this] { return save_checkpoint(); };
   return loop.run(&progress_);
 }

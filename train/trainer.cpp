@@ -310,19 +310,31 @@ StepResult Trainer::finish_step(double* loss) {
   return r;
 }
 
+TrainLoop train_loop_for(const TrainOptions& o, const Config& c, int ranks) {
+  TrainLoop loop;
+  loop.steps = o.steps;
+  loop.stop_after = o.stop_after;
+  loop.eval_every = o.eval_every;
+  loop.ckpt_every = o.ckpt_every;
+  loop.schedule = o.schedule;
+  loop.tokens_per_step = static_cast<int64_t>(ranks) * o.batch * o.seq * o.grad_accum;
+  loop.flops_per_token = c.train_flops_per_token();
+  loop.peak_flops = static_cast<double>(ranks) * o.peak_flops;
+  loop.talk = !o.quiet;
+  return loop;
+}
+
+std::string val_loss_record(int64_t step, double loss) {
+  nlohmann::ordered_json j;
+  j["step"] = step;
+  j["val_loss"] = loss;
+  return j.dump();
+}
+
 Status Trainer::run(const std::function<void(const StepLog&)>& on_step) {
   first_step_ = progress_.step;
-  TrainLoop loop;
-  loop.steps = opt_.steps;
-  loop.stop_after = opt_.stop_after;
-  loop.eval_every = opt_.eval_every;
-  loop.ckpt_every = opt_.ckpt_every;
-  loop.schedule = opt_.schedule;
-  loop.tokens_per_step = opt_.batch * opt_.seq * opt_.grad_accum;
-  loop.flops_per_token = cfg_.train_flops_per_token();
-  loop.peak_flops = opt_.peak_flops;
+  TrainLoop loop = train_loop_for(opt_, cfg_, 1);
   loop.has_val = has_val_;
-  loop.talk = !opt_.quiet;
   loop.step = [this](int64_t step, double* loss) {
     enqueue_step(step);
     return finish_step(loss);
@@ -334,10 +346,7 @@ Status Trainer::run(const std::function<void(const StepLog&)>& on_step) {
   };
   loop.validate = [this](double* loss) { return validate(opt_.eval_batches, loss); };
   loop.record_validation = [this](int64_t step, double loss) {
-    nlohmann::ordered_json j;
-    j["step"] = step;
-    j["val_loss"] = loss;
-    append_metrics(j.dump());
+    append_metrics(val_loss_record(step, loss));
     write_tensorboard(step, {{"val_loss", loss}});
   };
   loop.save_checkpoint = [this] { return save_checkpoint(); };

@@ -79,6 +79,11 @@ bool needs_master_weights(DType model_dtype);
 // per block unless muon_fused), AdamW for the rest; decay for Muon, embedding and head.
 std::vector<Param> make_optimizer_params(const Config& c, const Arena& params, const Arena& grads,
                                          bool muon_fused);
+// The loop's settings from the options (train/train_loop.h), for `ranks` ranks each running
+// batch × seq × grad_accum tokens a step; MFU is per device. The trainer adds its functions.
+TrainLoop train_loop_for(const TrainOptions& o, const Config& c, int ranks);
+// The metrics.jsonl line of a validation: {"step": S, "val_loss": L}.
+std::string val_loss_record(int64_t step, double loss);
 // weights ← masters (same table), converting to the weights' dtype with the backend's
 // copy. Queued on the device; no synchronisation.
 void copy_masters_to_weights(Backend& be, const Arena& masters, const Arena& weights);
