@@ -98,6 +98,18 @@ for s in $STAGES; do
         --prompt-len-max 1024 --output-len 128 --output-len-max 512 --max-slots 1280 --max-batch-tokens 4096 \
         --prefill-chunk 512 --batch-prefill ${BP:-auto} --out "$OUT/sweep.jsonl" --results "$R" --tag 3b 2>&1 |
         tee -a "$LOG" | tail -10 ;;
+    train125)  # laplace-125m (issue 25): bench_train's phases at B16 x accum 2 and B32 x accum 1, then the
+      # kernel timeline of those steps (each fwd+bwd and optimizer phase is a run between host syncs)
+      for ba in "16 2" "32 1"; do
+        set -- $ba
+        timeout 120 ./build-gpu/bench/bench_train --config configs/laplace-125m.json --batch $1 --accum $2 --steps 8 \
+          --warmup 2 --results "" 2>&1 | tee -a "$LOG" | grep -E "^result|alone|phase by phase|^step 9"
+      done
+      build_tracer &&
+      CUDA_INJECTION64_PATH=$PWD/build-gpu/libcupti_trace.so CUPTI_TRACE_OUT=build-gpu/ttrace.csv timeout 120 \
+        ./build-gpu/bench/bench_train --config configs/laplace-125m.json --batch 16 --accum 2 --steps 2 --warmup 1 \
+        --results "" 2>&1 | grep -E "^result|cupti" | tee -a "$LOG"
+      python3 scripts/trace_step.py build-gpu/ttrace.csv --steps 5 --split-gap-ms 0.5 --top ${TRACE_TOP:-40} >> "$LOG" 2>&1 ;;
     ops)  # per-op times of one decode step and one 8,192-token prefill
       ./build-gpu/bench/bench_ops ${OPS_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     train)  # the training step of laplace-3b (issue 4: >= 30,000 tok/s, optimizer included); ACCUM micro-batches

@@ -7,7 +7,8 @@
 #   COMMIT=abc123 scripts/device_http.sh      (carry .carry/boost and .carry/corpus)
 #
 # Needs the Boost.Asio/Beast headers in .carry/boost (scripts/carry_boost.sh on Debian) and a
-# tokenizer, .carry/corpus/tokenizer.model (scripts/corpus.sh --carry): the server speaks text.
+# tokenizer, TOKENIZER (default .carry/corpus/tokenizer.model, scripts/corpus.sh --carry): the server
+# speaks text.
 # Results in $OUT/results.jsonl, logs in $OUT/http.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,7 +53,7 @@ stamp "bench decode: $DEC tok/s"
 M=${WORK:-/tmp}/laplace_http_model  # 3B random weights in f32: 12 GB, not under $OUT
 rm -rf "$M"
 $L init --config "$CONFIG" --out "$M" --seed 1 > "$OUT/init.log" 2>&1 || { tail "$OUT/init.log"; exit 1; }
-cp .carry/corpus/tokenizer.model "$M/tokenizer.model"
+cp "${TOKENIZER:-.carry/corpus/tokenizer.model}" "$M/tokenizer.model"
 stamp "model written"
 $L serve --model "$M" "${DEV[@]}" --port "$PORT" --max-slots "$STREAMS" --max-queue 0 --cache-slots 0 \
   --cache-mb 0 "${ENGINE[@]}" > "$OUT/serve.log" 2>&1 &
