@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dest=.carry/boost
-[ -f /usr/include/boost/beast/http.hpp ] || { echo "no /usr/include/boost/beast: apt-get install libboost-dev" >&2; exit 1; }
+[ -f /usr/include/boost/beast/http/parser.hpp ] || { echo "no /usr/include/boost/beast: apt-get install libboost-dev" >&2; exit 1; }
 rm -rf "$dest"
 mkdir -p "$dest"
 files=$(g++ -std=c++20 -M -I. -DBOOST_ERROR_CODE_HEADER_ONLY -DBOOST_ASIO_NO_DEPRECATED serve/http_server.cpp |

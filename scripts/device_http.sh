@@ -30,7 +30,7 @@ t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$LOG"; }
 
 if [ -z "${NO_BUILD:-}" ]; then
-  [ -f .carry/boost/boost/beast/http.hpp ] || { echo "no .carry/boost: run scripts/carry_boost.sh and carry it"; exit 1; }
+  [ -f .carry/boost/boost/beast/http/parser.hpp ] || { echo "no .carry/boost: run scripts/carry_boost.sh and carry it"; exit 1; }
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a -DLAPLACE_TESTS=OFF \
     -DLAPLACE_BENCH=OFF -DLAPLACE_MPI=OFF -DLAPLACE_BOOST_ROOT=.carry/boost > "$OUT/configure.log" 2>&1 ||
     { tail -30 "$OUT/configure.log"; exit 1; }

@@ -23,7 +23,7 @@ DEVICE=${DEVICE:-cuda}
 BUILD=${BUILD:-build-srv-gpu}
 t0=$SECONDS
 if [ -z "${NO_BUILD:-}" ]; then
-  [ -f .carry/boost/boost/beast/http.hpp ] || { echo "no .carry/boost: run scripts/carry_boost.sh on Debian and carry .carry/boost"; exit 1; }
+  [ -f .carry/boost/boost/beast/http/parser.hpp ] || { echo "no .carry/boost: run scripts/carry_boost.sh on Debian and carry .carry/boost"; exit 1; }
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
   gen=()
   command -v ninja > /dev/null && gen=(-G Ninja)
