@@ -123,7 +123,7 @@ void add_serve(CLI::App& app) {
   cmd->add_option("--prefill-chunk", a->prefill_chunk, "longest prefill piece")->check(CLI::PositiveNumber);
   cmd->add_option("--batch-prefill", a->batch_prefill,
                   "prefill pieces of many requests in one forward: equal (one length), ragged (any lengths), off, or "
-                  "auto (ragged on the CPU, equal on CUDA)")
+                  "auto (ragged)")
       ->check(CLI::IsMember(kBatchPrefillChoices));
   cmd->add_option("--max-tokens", a->max_tokens, "largest max_tokens a request may ask for")
       ->check(CLI::PositiveNumber);

@@ -13,7 +13,8 @@ Checks, one JSON line each (stdout and --out), then "DEVICE HF CHECK: PASS" or "
                              (<= --f32-tol; --no-cpu skips it);
   3. hf_generate_greedy_tokens_equal   model.generate(greedy, --steps new tokens) on 3 prompts vs
                              `laplace generate --prompt-ids ... --device cuda --dtype bf16`: equal positions of 3*steps
-                             (a position after both stopped at eos counts as equal); PASS needs --min-equal;
+                             (a position after both stopped at eos counts as equal); PASS needs --min-equal
+                             (default: all; none with --init-3b-layers, whose random logits are near-ties);
   4. save_reload_identical  save_pretrained -> from_pretrained (and AutoModelForCausalLM with trust_remote_code)
                              gives bit-identical parameters and logits, and the saved directory loads in `laplace
                              forward` with the same logits as the original (the C++ program reads what Python wrote);
@@ -186,9 +187,12 @@ def main():
             n = equal_positions(hf, ref, a.steps)
             eq, total = eq + n, total + a.steps
             rows.append({"prompt": p, "hf": hf, "laplace": ref, "equal": n})
-        need = total if a.min_equal < 0 else a.min_equal
+        # Random weights (--init-3b-layers) give near-flat logits whose top two differ by less than
+        # bf16's rounding, so two correct bf16 implementations part at the first near-tie: there the
+        # count is reported, and the logits check above is what gates. Trained models need all.
+        need = (0 if a.init_3b_layers else total) if a.min_equal < 0 else a.min_equal
         emit(a.out, {"metric": "hf_generate_greedy_tokens_equal", "value": eq, "of": total, "dtype": "bf16",
-                     "ok": eq >= need, "rows": rows})
+                     "needed": need, "ok": eq >= need, "rows": rows})
 
         # 2. fp32 logits vs the C++ CPU model
         if not a.no_cpu:

@@ -315,7 +315,7 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
   e->cache_on_ = e->cache_->enabled();
   const Device dev = model.backend().device();
   if (opt.batch_prefill < 0)
-    e->batch_prefill_ = dev == Device::kCPU ? kBatchPrefillRagged : dev == Device::kCUDA ? kBatchPrefillEqual : 0;
+    e->batch_prefill_ = dev == Device::kCPU || dev == Device::kCUDA ? kBatchPrefillRagged : 0;
   else
     e->batch_prefill_ = opt.batch_prefill;
   if (opt.plan_model) {

@@ -82,9 +82,8 @@ struct EngineOptions {
   // tokens, the mixer per run of one length). Pieces stay a function of the prompt alone;
   // on the CPU the tokens and states are bitwise those of one piece at a time, on CUDA
   // equal within the kernels' tolerances with the same greedy tokens (CudaModel's batched
-  // and ragged prefill tests). -1 (auto): ragged on the CPU, equal on CUDA (where the
-  // ragged test has yet to run); 0: off. With plan_model the plan then holds
-  // max_batch_tokens token rows.
+  // and ragged prefill tests). -1 (auto): ragged on every backend that has a ragged
+  // forward; 0: off. With plan_model the plan then holds max_batch_tokens token rows.
   int batch_prefill = -1;
   // Decode steps whose rows are all plain greedy (temperature 0, no penalties, no
   // logprobs) take each token from an argmax where the logits are (the device), copying
