@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "core/fixed_sum.h"
+
 namespace laplace {
 
 namespace {
@@ -368,19 +370,19 @@ double Model::loss(const int32_t* targets) {
   be_->copy(targets_.slice(0, 0, N), Tensor(const_cast<int32_t*>(targets), DType::kI32, {N}));
   Tensor losses = losses_.slice(0, 0, N);
   be_->cross_entropy_forward(logits_, targets_.slice(0, 0, N), losses);
-  // Sum on the host in a fixed order (double), divide by the number of targets.
+  // Sum on the host in the backends' fixed order (core/fixed_sum.h: an ignored target's loss
+  // is 0 and adds nothing), divide by the number of targets.
   std::vector<char> host(losses.nbytes());
   Tensor h = Tensor(host.data(), losses.dtype, {N});
   be_->copy(h, losses);
   be_->synchronize();
-  double sum = 0;
   int64_t count = 0;
-  for (int64_t i = 0; i < N; ++i) {
-    if (targets[i] < 0) continue;
-    sum += losses.dtype == DType::kF64 ? reinterpret_cast<const double*>(host.data())[i]
-                                       : reinterpret_cast<const float*>(host.data())[i];
-    ++count;
-  }
+  for (int64_t i = 0; i < N; ++i) count += targets[i] >= 0;
+  const double sum = fixed_order_sum(N, [&](int64_t i) {
+    if (targets[i] < 0) return 0.0;
+    return losses.dtype == DType::kF64 ? reinterpret_cast<const double*>(host.data())[i]
+                                       : static_cast<double>(reinterpret_cast<const float*>(host.data())[i]);
+  });
   return count ? sum / static_cast<double>(count) : 0.0;
 }
 

@@ -101,6 +101,9 @@ std::vector<OpCase> all_cases() {
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.embedding_forward(t[0], t[1], t[2]); }});
   add({"embedding_backward", "37 ids of 12 (repeats), accumulate", {}, {ids({37}, 12), in({37, 24}), io({12, 24})},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.embedding_backward(t[0], t[1], t[2]); }});
+  // About 75 tokens per id: runs of one id that cross the CUDA kernel's 128-position tiles.
+  add({"embedding_backward", "600 ids of 8 (long runs), accumulate", {}, {ids({600}, 8), in({600, 40}), f32(io({8, 40}))},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.embedding_backward(t[0], t[1], t[2]); }});
   // ---- norms
   add({"layernorm_forward", "[33,40]", {}, {in({33, 40}), in({40}), in({40}), out({33, 40}), f32(out({33})), f32(out({33}))},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.layernorm_forward(t[0], t[1], t[2], 1e-5, t[3], t[4], t[5]); }});

@@ -1103,7 +1103,7 @@ TEST_F(CudaOps, DeviceScalarOpsMatchHostScalarOps) {
   cuda_->scale(b.d(), 1.0 / (std::sqrt(ssv) + 1e-7));
   auto ha = down(a.d()), hb = down(b.d());
   EXPECT_EQ(std::memcmp(ha->t.data, hb->t.data, ha->t.nbytes()), 0);
-  // loss_sum_into: the CPU's index-order F64 sum, bit for bit.
+  // loss_sum_into: the CPU's fixed-order F64 sum (core/fixed_sum.h), bit for bit.
   Buf l = input({5000}, kF32, kF32, 123, 0.0, 9.0);
   double hl = 0;
   cpu_->loss_sum_into(l.r(), 4999, Tensor(&hl, DType::kF64, {1}), false);

@@ -21,6 +21,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "core/fixed_sum.h"
 #include "ops/cpu/gemm_rows.h"
 #include "ops/cpu/gla.h"
 
@@ -1078,10 +1079,10 @@ void CpuBackend::loss_sum_into(const Tensor& losses, double count, Tensor acc, b
                     (losses.dtype == DType::kF32 || losses.dtype == DType::kF64),
                 "loss_sum_into: losses must be a contiguous F32 or F64 vector");
   double& a = scalar_at(acc, 0, "loss_sum_into: acc must be an F64 scalar");
-  double sum = 0;
-  for (int64_t i = 0; i < losses.numel(); ++i)
-    sum += losses.dtype == DType::kF64 ? static_cast<const double*>(losses.data)[i]
-                                       : static_cast<const float*>(losses.data)[i];
+  const double sum = fixed_order_sum(losses.numel(), [&](int64_t i) {
+    return losses.dtype == DType::kF64 ? static_cast<const double*>(losses.data)[i]
+                                       : static_cast<double>(static_cast<const float*>(losses.data)[i]);
+  });
   const double l = count > 0 ? sum / count : 0.0;
   a = accumulate ? a + l : l;
 }

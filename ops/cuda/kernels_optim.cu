@@ -1,9 +1,10 @@
 // The optimizer's device-scalar ops (ops/backend.h): the clip/skip decision, scaling by a
-// device scalar and the loss sum. Single-thread kernels where the arithmetic must match the
-// host's bit for bit (IEEE F64 sqrt, add and divide are correctly rounded on the device as
+// device scalar and the loss sum. Single-thread kernels (the loss sum: one block in a fixed
+// order) where the arithmetic must match the host's bit for bit (IEEE F64 sqrt, add and divide are correctly rounded on the device as
 // on the host, and none of these expressions contains a multiply-add nvcc could contract).
 #include <cmath>
 
+#include "core/fixed_sum.h"
 #include "ops/cuda/cuda_common.cuh"
 
 namespace laplace {
@@ -38,13 +39,24 @@ __global__ void scale_by_inv_norm_kernel(EView x, const double* ss, double eps, 
   }
 }
 
-// One thread, index order: the same F64 sum as Model::loss's host loop. N is a batch's
-// token count (≤ ~10⁵), so this costs well under a millisecond per micro-batch.
-__global__ void loss_sum_kernel(EView losses, int64_t n, double count, double* acc, int accumulate) {
+// The F64 sum of core/fixed_sum.h, one block: thread t is lane t (its elements in index
+// order), then the fixed pairwise fold in shared memory; the same bits as Model::loss.
+__global__ void __launch_bounds__(kFixedSumLanes)
+    loss_sum_kernel(EView losses, int64_t n, double count, double* acc, int accumulate) {
+  __shared__ double lane[kFixedSumLanes];
   double s = 0;
-  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(ldf(losses.p, losses.off(i), losses.dt));
-  const double l = count > 0 ? s / count : 0.0;
-  *acc = accumulate ? *acc + l : l;
+  for (int64_t i = threadIdx.x; i < n; i += kFixedSumLanes)
+    s += static_cast<double>(ldf(losses.p, losses.off(i), losses.dt));
+  lane[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = kFixedSumLanes / 2; w > 0; w >>= 1) {
+    if (static_cast<int>(threadIdx.x) < w) lane[threadIdx.x] += lane[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    const double l = count > 0 ? lane[0] / count : 0.0;
+    *acc = accumulate ? *acc + l : l;
+  }
 }
 
 }  // namespace cuda
@@ -78,7 +90,7 @@ void CudaBackend::scale_by_inv_norm(Tensor x, const Tensor& ss, double eps) {
 void CudaBackend::loss_sum_into(const Tensor& losses, double count, Tensor acc, bool accumulate) {
   LAPLACE_CHECK(losses.ndim == 1, "loss_sum_into: losses must be a vector [N]");
   EView vl = make_eview(losses, "loss_sum_into: losses");
-  loss_sum_kernel<<<1, 1, 0, stream_>>>(vl, losses.numel(), count, device_scalar(acc, 1, "loss_sum_into: acc"),
+  loss_sum_kernel<<<1, kFixedSumLanes, 0, stream_>>>(vl, losses.numel(), count, device_scalar(acc, 1, "loss_sum_into: acc"),
                                         accumulate ? 1 : 0);
   CUDA_CHECK_LAUNCH();
 }
