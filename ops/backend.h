@@ -283,9 +283,9 @@ class Backend {
                                    const Tensor& skip) = 0;
   virtual void muon_apply_gated(Tensor w, const Tensor& o, double lr, double wd, double s, const Tensor& skip) = 0;
   // acc = (accumulate ? acc : 0) + (Σ_n losses[n]) / count, the sum in F64 in the order of
-  // core/fixed_sum.h (the order Model::loss sums on the host, so the same bits). losses [N] (F32 or the
-  // compute dtype, entries of ignored targets are 0); acc a device scalar. Lets a trainer
-  // keep the step's loss on the device until the step boundary.
+  // core/fixed_sum.h (the order Model::loss sums on the host, so the same bits). losses [N]
+  // (F32 or the compute dtype, entries of ignored targets are 0); acc a device scalar. Lets a
+  // trainer keep the step's loss on the device until the step boundary.
   virtual void loss_sum_into(const Tensor& losses, double count, Tensor acc, bool accumulate) = 0;
 };
 

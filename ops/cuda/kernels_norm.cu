@@ -108,7 +108,8 @@ __global__ void embedding_bwd_runs_kernel(const uint32_t* keys, const int32_t* v
         const int64_t o = dtab.row(id) + c;
         float acc = ldf(dtab.p, o, dtab.dt);
 #pragma unroll 8
-        for (int64_t k = j; k < e; ++k) acc = round_to(acc + ldf(dout.p, dout.row(vals[k]) + c, dout.dt), dtab.dt);
+        for (int64_t k = j; k < e; ++k)
+          acc = round_to(acc + ldf(dout.p, dout.row(vals[k]) + c, dout.dt), dtab.dt);
         stf(dtab.p, o, dtab.dt, acc);
       }
       j = e;

@@ -1,7 +1,8 @@
 // The optimizer's device-scalar ops (ops/backend.h): the clip/skip decision, scaling by a
 // device scalar and the loss sum. Single-thread kernels (the loss sum: one block in a fixed
-// order) where the arithmetic must match the host's bit for bit (IEEE F64 sqrt, add and divide are correctly rounded on the device as
-// on the host, and none of these expressions contains a multiply-add nvcc could contract).
+// order) where the arithmetic must match the host's bit for bit (IEEE F64 sqrt, add and
+// divide are correctly rounded on the device as on the host, and none of these expressions
+// contains a multiply-add nvcc could contract).
 #include <cmath>
 
 #include "core/fixed_sum.h"
@@ -90,8 +91,8 @@ void CudaBackend::scale_by_inv_norm(Tensor x, const Tensor& ss, double eps) {
 void CudaBackend::loss_sum_into(const Tensor& losses, double count, Tensor acc, bool accumulate) {
   LAPLACE_CHECK(losses.ndim == 1, "loss_sum_into: losses must be a vector [N]");
   EView vl = make_eview(losses, "loss_sum_into: losses");
-  loss_sum_kernel<<<1, kFixedSumLanes, 0, stream_>>>(vl, losses.numel(), count, device_scalar(acc, 1, "loss_sum_into: acc"),
-                                        accumulate ? 1 : 0);
+  double* a = device_scalar(acc, 1, "loss_sum_into: acc");
+  loss_sum_kernel<<<1, kFixedSumLanes, 0, stream_>>>(vl, losses.numel(), count, a, accumulate ? 1 : 0);
   CUDA_CHECK_LAUNCH();
 }
 
