@@ -62,10 +62,6 @@ Status run_train(TrainArgs& a) {
   // Every saved model directory also loads in transformers (AutoModelForCausalLM, remote code).
   a.o.after_model_saved = [](const std::string& dir) { return write_hf_files(dir); };
   if (a.distributed || launched_by_mpi()) {
-    if (a.o.batch_auto || a.o.tokens_per_step > 0)
-      return Status::invalid_argument(
-          "--batch auto and --tokens-per-step choose a single-process memory plan; distributed training takes "
-          "--batch and --grad-accum per rank (docs/distributed.md)");
     if (!a.o.tensorboard_dir.empty())
       return Status::unsupported(
           "--tensorboard is written by single-process training only; distributed runs write metrics.jsonl "

@@ -1,5 +1,6 @@
 #include "dist/fsdp_trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -12,6 +13,7 @@
 #include "core/check.h"
 #include "core/file_util.h"
 #include "core/safetensors.h"
+#include "dist/fsdp_layout.h"
 
 namespace laplace {
 
@@ -107,10 +109,13 @@ Status FsdpTrainer::init_masters() {
   return Status::ok();
 }
 
-Status FsdpTrainer::setup_local() {
+Status FsdpTrainer::setup_backend() {
   LAPLACE_RETURN_IF_ERROR(config_load(opt_.config_path, &cfg_));
-  if (opt_.batch < 1 || opt_.seq < 1 || opt_.grad_accum < 1 || opt_.steps < 1)
+  if ((!opt_.batch_auto && opt_.batch < 1) || opt_.seq < 1 || opt_.grad_accum < 1 || opt_.steps < 1)
     return Status::invalid_argument("batch, seq, grad-accum and steps must all be ≥ 1");
+  if (opt_.tokens_per_step % P_ != 0)
+    return Status::invalid_argument("--tokens-per-step (" + std::to_string(opt_.tokens_per_step) +
+                                    ") must split evenly over the " + std::to_string(P_) + " ranks");
   if (opt_.device == "cpu") {
     if (opt_.dtype != DType::kF32 && opt_.dtype != DType::kF64)
       return Status::unsupported(std::string("distributed training on the CPU computes in f32 or f64, not ") +
@@ -132,37 +137,64 @@ Status FsdpTrainer::setup_local() {
   LAPLACE_RETURN_IF_ERROR(make_backend(opt_.device, &be_));
   dev_ = be_->device();
   comm_.use_stream(be_->native_stream());
+  params_ = sharded_params(cfg_, opt_.muon_fused);
+  units_ = assign_muon_owners(params_, P_);
+  return Status::ok();
+}
+
+// Every rank plans with the same numbers: the least free memory of any rank (on the CPU,
+// where the ranks share one host's memory, a 1/P share of it) and the largest shards of any
+// rank, so they all choose the same micro-batch.
+Status FsdpTrainer::plan_memory() {
+  MemoryPlanRequest r = memory_request_for(opt_, *be_);
+  if (dev_ == Device::kCPU) r.device_bytes /= static_cast<size_t>(P_);
+  std::vector<int64_t> free_b(P_), ones(P_, 1), displs(P_);
+  for (int q = 0; q < P_; ++q) displs[q] = q;
+  const int64_t mine = static_cast<int64_t>(r.device_bytes);
+  comm_.all_gather(&mine, free_b.data(), ones, displs, CommType::kI64);
+  r.device_bytes = static_cast<size_t>(*std::min_element(free_b.begin(), free_b.end()));
+  const ShardBytes shards = fsdp_shard_bytes_max(cfg_, params_, units_, P_, dtype_, wdtype_, ns_dtype());
+  r.sharded = &shards;
+  r.ranks = P_;
+  r.tokens_per_step = opt_.tokens_per_step / P_;
+  LAPLACE_RETURN_IF_ERROR(apply_memory_plan(cfg_, r, &opt_, &plan_));
+  plan_.rejected.clear();  // the request's pointer dies here; the plan keeps only numbers
+  if (!opt_.quiet) {
+    std::fputs(format_memory_plan(plan_, dev_ == Device::kCUDA ? "device" : "host").c_str(), stdout);
+    std::fflush(stdout);
+  }
+  return Status::ok();
+}
+
+DType FsdpTrainer::ns_dtype() const { return dev_ == Device::kCUDA ? DType::kBF16 : dtype_; }
+
+size_t FsdpTrainer::allocated_bytes() const {
+  return model_.weight_arena().bytes() + model_.activation_bytes() + grads_.bytes() + shards_.bytes() +
+         muon_.bytes() + stage_.bytes();
+}
+
+Status FsdpTrainer::setup_local() {
   LAPLACE_RETURN_IF_ERROR(model_.create(cfg_, *be_, wdtype_));
   LAPLACE_RETURN_IF_ERROR(model_.plan({opt_.batch, opt_.seq, true, opt_.recompute_mixer}));
   LAPLACE_RETURN_IF_ERROR(grads_.create(weight_specs(cfg_, dtype_), be_->allocator(), "gradients"));
 
   // ---- the plan: shards, groups, Muon owners --------------------------------------------
-  params_ = sharded_params(cfg_, opt_.muon_fused);
-  units_ = assign_muon_owners(params_, P_);
+  // docs/training.md §6: Newton–Schulz in BF16 on the GPU (as the single-GPU trainer); the CPU keeps
+  // the master dtype so the F32 reference can check it.
+  const FsdpLayout lay = fsdp_layout(params_, units_, P_, me_, dtype_, wdtype_, ns_dtype());
   const Arena& W = model_.weight_arena();
   LAPLACE_CHECK(W.size() == params_.size(), "FsdpTrainer: weight table and plan differ");
   local_.assign(params_.size(), Local{});
-  std::vector<TensorSpec> specs;
-  int64_t u_total = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     Local& l = local_[i];
-    for (int q = 0; q < P_; ++q) l.all.push_back(shard_rows(params_[i].rows, q, P_));
+    l.all = lay.rows[i];
     l.mine = l.all[me_];
     l.full_w = W.tensor(i);
     l.full_g = grads_.tensor(i);
-    const int64_t n = l.mine.rows() * params_[i].cols;
-    specs.push_back({"master." + params_[i].name, dtype_, {n}});
-    specs.push_back({"grad." + params_[i].name, dtype_, {n}});
-    if (params_[i].muon) {
-      specs.push_back({"optim." + params_[i].name + ".momentum", dtype_, {n}});
-      l.u_off = u_total;
-      u_total += n;
-    } else {
-      specs.push_back({"optim." + params_[i].name + ".adam_m", dtype_, {n}});
-      specs.push_back({"optim." + params_[i].name + ".adam_v", dtype_, {n}});
-    }
+    l.u_off = lay.update_off[i];
+    l.ws_off = lay.wshard_off[i];
   }
-  LAPLACE_RETURN_IF_ERROR(shards_.create(std::move(specs), be_->allocator(), "shards"));
+  LAPLACE_RETURN_IF_ERROR(shards_.create(lay.shards, be_->allocator(), "shards"));
   for (size_t i = 0; i < params_.size(); ++i) {
     Local& l = local_[i];
     const int64_t rows = l.mine.rows();
@@ -184,61 +216,20 @@ Status FsdpTrainer::setup_local() {
     else if (n.rfind("model.layers.", 0) == 0) g = 1 + static_cast<size_t>(std::stoll(n.substr(13)));
     groups_[g].push_back(i);
   }
-  // Muon buffers.
-  unit_ov_.assign(units_.size(), {});
-  owned_off_.assign(units_.size(), -1);
-  int64_t owned_total = 0, max_unit = 0;
-  for (size_t k = 0; k < units_.size(); ++k) {
-    const MuonUnit& u = units_[k];
-    for (int q = 0; q < P_; ++q) unit_ov_[k].push_back(overlap(local_[u.param].all[q], {u.row_begin, u.row_begin + u.rows}));
-    if (u.owner == me_) {
-      owned_off_[k] = owned_total;
-      owned_total += u.rows * u.cols;
-    }
-    max_unit = std::max(max_unit, u.rows * u.cols);
-    ns_.plan(u.rows, u.cols);
-  }
-  // docs/training.md §6: Newton–Schulz in BF16 on the GPU (as the single-GPU trainer); the CPU keeps
-  // the master dtype so the F32 reference can check it.
-  ns_.dtype = dev_ == Device::kCUDA ? DType::kBF16 : dtype_;
-  // The orthogonalised update o overwrites u in place: both exchanges read a unit's u
-  // rows (into the send buffer or the owner's block) before they write its o rows.
-  std::vector<TensorSpec> ms = {{"muon.u", dtype_, {u_total}},
-                                {"muon.owned", dtype_, {owned_total}},
-                                {"muon.bcast", dtype_, {max_unit}}};
-  ns_.add_specs(&ms, "muon.ns.");
-  LAPLACE_RETURN_IF_ERROR(muon_.create(std::move(ms), be_->allocator(), "Muon buffers"));
+  // Muon buffers and the collective staging (dist/fsdp_layout.h).
+  unit_ov_ = lay.unit_rows;
+  owned_off_ = lay.owned_off;
+  ns_.dtype = lay.ns.dtype;
+  ns_.max_elems = lay.ns.max_elems;
+  ns_.max_gram = lay.ns.max_gram;
+  LAPLACE_RETURN_IF_ERROR(muon_.create(lay.muon, be_->allocator(), "Muon buffers"));
   ushard_ = muon_.tensor(0);
   owned_ = muon_.tensor(1);
   bcast_ = muon_.tensor(2);
   LAPLACE_RETURN_IF_ERROR(ns_.bind(muon_, "muon.ns."));
-
-  // Collective staging. Muon all_to_all: to owner q go my rows of q's units; from rank
-  // q come q's rows of the units I own (counts from global shapes, fixed per plan).
-  a2a_to_.assign(P_, 0);
-  a2a_from_.assign(P_, 0);
-  for (size_t k = 0; k < units_.size(); ++k) {
-    const MuonUnit& un = units_[k];
-    a2a_to_[un.owner] += unit_ov_[k][me_].rows() * un.cols;
-    if (un.owner == me_)
-      for (int q = 0; q < P_; ++q) a2a_from_[q] += unit_ov_[k][q].rows() * un.cols;
-  }
-  int64_t to_total = 0, from_total = 0, my_elems = 0, max_param = 0, my_rows = 0;
-  for (int q = 0; q < P_; ++q) to_total += a2a_to_[q], from_total += a2a_from_[q];
-  for (size_t i = 0; i < params_.size(); ++i) {
-    local_[i].ws_off = my_elems;
-    my_elems += local_[i].mine.rows() * params_[i].cols;
-    max_param = std::max(max_param, params_[i].rows * params_[i].cols);
-    my_rows += local_[i].mine.rows();
-  }
-  // wshard: every shard rounded at once, so one group's all-gather can still be reading
-  // its rows while the next ones are rounded (BF16 models; one element otherwise).
-  std::vector<TensorSpec> st = {{"dist.wshard", wdtype_, {wdtype_ != dtype_ ? my_elems : 1}},
-                                {"dist.rowsq", DType::kF64, {my_rows}},    // per-row Σg²
-                                {"dist.full", dtype_, {max_param}},        // checkpoint gather
-                                {"dist.a2a_send", dtype_, {to_total}},     // Muon exchange 1 out / 2 in
-                                {"dist.a2a_recv", dtype_, {from_total}}};  // Muon exchange 1 in / 2 out
-  LAPLACE_RETURN_IF_ERROR(stage_.create(std::move(st), be_->allocator(), "collective staging"));
+  a2a_to_ = lay.a2a_to;
+  a2a_from_ = lay.a2a_from;
+  LAPLACE_RETURN_IF_ERROR(stage_.create(lay.staging, be_->allocator(), "collective staging"));
   wshard_ = stage_.tensor(0);
   rowsq_ = stage_.tensor(1);
   full_ = stage_.tensor(2);
@@ -285,6 +276,8 @@ Status FsdpTrainer::setup_local() {
 }
 
 Status FsdpTrainer::setup() {
+  LAPLACE_RETURN_IF_ERROR(agree_status(comm_, setup_backend()));
+  LAPLACE_RETURN_IF_ERROR(agree_status(comm_, plan_memory()));
   LAPLACE_RETURN_IF_ERROR(agree_status(comm_, setup_local()));
   // Every rank must have derived the same plan (config, flags, owners).
   std::vector<int64_t> hashes(P_), ones(P_, 1), displs(P_);
@@ -324,10 +317,6 @@ Status FsdpTrainer::setup() {
                 "Newton–Schulz cost max/mean %.3f; predicted Muon traffic ≤ %s per rank per step\n",
                 P_, comm_.name(), units_.size(), muon_comm_name(muon_comm_), (unsigned long long)plan_hash_,
                 sum > 0 ? mx / (sum / P_) : 1.0, fmt_bytes(static_cast<double>(tmax)).c_str());
-    std::printf("memory per rank: full weights %.1f MB, full gradient %.1f MB, shards %.1f MB, Muon buffers %.1f MB, "
-                "staging %.1f MB, activations %.1f MB\n",
-                model_.weight_arena().bytes() / 1e6, grads_.bytes() / 1e6, shards_.bytes() / 1e6,
-                muon_.bytes() / 1e6, stage_.bytes() / 1e6, model_.activation_bytes() / 1e6);
     std::printf("data: %lld tokens in %lld shards; %lld tokens per step (ranks %d × batch %lld × seq %lld × accum "
                 "%lld)\n",
                 (long long)train_loader_.total_tokens(), (long long)train_loader_.num_shards(),

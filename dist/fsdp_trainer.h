@@ -83,6 +83,10 @@ class FsdpTrainer {
 
   const Model& model() const { return model_; }
   const std::vector<MuonUnit>& muon_units() const { return units_; }
+  // This rank's memory plan (train/memory_plan.h with its shards, dist/fsdp_layout.h), and the
+  // bytes of what it allocated: the plan's classes without the setup-only initial table.
+  const MemoryPlan& memory_plan() const { return plan_; }
+  size_t allocated_bytes() const;
   uint64_t plan_hash() const { return plan_hash_; }
 
  private:
@@ -95,7 +99,12 @@ class FsdpTrainer {
     int64_t ws_off = 0;          // offset of this rank's rows in wshard_
   };
 
+  // setup's three collective phases: config, backend and the sharding plan; the memory plan
+  // (--batch auto, --tokens-per-step); the model, shards, buffers and data.
+  Status setup_backend();
+  Status plan_memory();
   Status setup_local();
+  DType ns_dtype() const;  // Newton–Schulz scratch: BF16 on the GPU, the master dtype on the CPU
   Status load_checkpoint(const std::string& path);
   void gather_weights(bool changed);
   void reduce_scatter_group(size_t group, bool accumulate);
@@ -142,6 +151,7 @@ class FsdpTrainer {
   std::vector<int64_t> a2a_to_, a2a_from_;  // elements to / from each rank per exchange
   NsScratch ns_;
   uint64_t plan_hash_ = 0;
+  MemoryPlan plan_;
   int64_t t_ = 0;  // AdamW bias-correction step counter
   DataLoader train_loader_, val_loader_;
   bool has_val_ = false;

@@ -19,8 +19,11 @@
 
 #include "core/file_util.h"
 #include "dist/comm.h"
+#include "dist/fsdp_layout.h"
+#include "dist/fsdp_trainer.h"
 #include "dist/plan.h"
 #include "model/config.h"
+#include "model/weights.h"
 #include "tests/test_util.h"
 #include "text/shard.h"
 
@@ -398,14 +401,59 @@ TEST(DistCheckpoint, SingleProcessTrainerResumesADistributedCheckpoint) {
   EXPECT_TRUE(std::isfinite(l.back()));
 }
 
-// The single-process memory planner's flags are refused in distributed mode, not ignored.
-TEST(DistCli, BatchAutoIsRefusedInDistributedMode) {
+// The memory plan in distributed mode: per rank, with its shards. --tokens-per-step counts
+// the whole step over all ranks; the plan then splits it into the same micro-batches as the
+// explicit flags, so the runs are bitwise equal. --batch auto picks the largest candidate
+// that fits (8 here: this model fits anywhere).
+TEST(DistCli, TokensPerStepAndBatchAutoPlanEveryRank) {
+  REQUIRE_MPIRUN();
   DistFixture f;
+  f.must_run(2, "explicit", "--batch 2 --grad-accum 2", 4);
+  f.must_run(2, "tps", "--tokens-per-step 128 --batch 2", 4);  // 128 / 16 = 8 sequences: 2 ranks × B 2 × A 2
+  expect_bitwise_equal(f.losses("explicit"), f.losses("tps"), "--tokens-per-step");
+  f.must_run(2, "b8", "--batch 8", 4);
+  f.must_run(2, "auto", "--batch auto --reserve-gib 0", 4);
+  expect_bitwise_equal(f.losses("b8"), f.losses("auto"), "--batch auto");
   std::string out;
-  EXPECT_EQ(f.run(0, "auto", "--batch auto", &out, 2), 1) << out;
-  EXPECT_NE(out.find("--batch and --grad-accum per rank"), std::string::npos) << out;
-  EXPECT_EQ(f.run(0, "tps", "--tokens-per-step 64", &out, 2), 1) << out;
-  EXPECT_NE(out.find("--batch and --grad-accum per rank"), std::string::npos) << out;
+  EXPECT_EQ(f.run(3, "uneven", "--tokens-per-step 64", &out, 2), 1) << out;
+  EXPECT_NE(out.find("must split evenly over the 3 ranks"), std::string::npos) << out;
+}
+
+// What the distributed plan counts is what the trainer allocates (one process, P = 1), and a
+// rank's shards are its rows: over P = 4 ranks the master shards hold every element once.
+TEST(DistPlan, MemoryPlanCountsWhatTheTrainerAllocates) {
+  DistFixture f;
+  TrainOptions o;
+  o.config_path = f.config;
+  o.train_data = {f.shard};
+  o.batch = 2;
+  o.seq = 16;
+  o.steps = 1;
+  o.quiet = true;
+  SingleCommunicator comm;
+  FsdpTrainer t(o, MuonComm::kAllToAll, comm);
+  ASSERT_TRUE(t.setup().is_ok());
+  const MemoryPlan& p = t.memory_plan();
+  EXPECT_EQ(p.ranks, 1);
+  EXPECT_EQ(p.init_table, 0u);  // F32 on the CPU: the masters initialise in place
+  EXPECT_EQ(p.total(), t.allocated_bytes());
+  EXPECT_NE(format_memory_plan(p, "host").find("collective staging"), std::string::npos);
+
+  Config c;
+  ASSERT_TRUE(config_load(f.config, &c).is_ok());
+  const auto params = sharded_params(c, false);
+  const auto units = assign_muon_owners(params, 4);
+  int64_t elems = 0, want = 0;
+  for (const ShardedParam& sp : params) want += sp.rows * sp.cols;
+  for (int r = 0; r < 4; ++r) {
+    const FsdpLayout l = fsdp_layout(params, units, 4, r, DType::kF32, DType::kF32, DType::kF32);
+    for (const TensorSpec& s : l.shards)
+      if (s.name.rfind("master.", 0) == 0) elems += s.numel();
+  }
+  EXPECT_EQ(elems, want);
+  // BF16 weights with F32 masters: the setup-only initial table is the full F32 weights.
+  const ShardBytes b = fsdp_shard_bytes_max(c, params, units, 4, DType::kF32, DType::kBF16, DType::kBF16);
+  EXPECT_EQ(b.init_table, Arena::planned_bytes(weight_specs(c, DType::kF32)));
 }
 
 // Every collective and type over Open MPI, checked on every rank (cli/cmd_dist.cpp).

@@ -106,9 +106,18 @@ MemoryPlan memory_plan_for(const Config& c, const MemoryPlanRequest& r, int64_t 
   p.device_bytes = r.device_bytes;
   p.reserve_bytes = r.reserve_bytes;
   p.weights = Arena::planned_bytes(weight_specs(c, r.dtype));
-  p.masters = mixed ? Arena::planned_bytes(weight_specs(c, DType::kF32)) : 0;
   p.gradients = Arena::planned_bytes(weight_specs(c, param_dtype));
-  p.optimizer = optimizer_bytes(c, param_dtype, r.muon_fused, r.ns_bf16 && mixed);
+  if (r.sharded) {
+    p.ranks = r.ranks;
+    p.masters = r.sharded->masters;
+    p.gradients += r.sharded->gradients;
+    p.optimizer = r.sharded->optimizer;
+    p.staging = r.sharded->staging;
+    p.init_table = r.sharded->init_table;
+  } else {
+    p.masters = mixed ? Arena::planned_bytes(weight_specs(c, DType::kF32)) : 0;
+    p.optimizer = optimizer_bytes(c, param_dtype, r.muon_fused, r.ns_bf16 && mixed);
+  }
   p.activations = activation_bytes(c, r.dtype, batch, r.seq, recompute);
   p.backward_scratch = backward_scratch_bytes(c, r.dtype, batch * r.seq);
   return p;
@@ -163,28 +172,32 @@ Status choose_memory_plan(const Config& c, const MemoryPlanRequest& r, MemoryPla
 }
 
 std::string format_memory_plan(const MemoryPlan& p, const std::string& device_label) {
-  const bool mixed = p.masters > 0;
+  const bool mixed = p.dtype == DType::kBF16;
   std::string wdt = dtype_name(p.dtype);
   for (char& ch : wdt) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
   const std::string pdt = mixed ? "f32" : wdt;
   std::string s;
   char line[256];
   std::snprintf(line, sizeof line,
-                "memory plan: T=%lld, micro-batch B=%lld%s, grad accumulation %lld (%lld tokens/step), "
+                "memory plan: T=%lld, micro-batch B=%lld%s, grad accumulation %lld (%lld tokens/step%s), "
                 "recompute_mixer %s\n",
                 (long long)p.seq, (long long)p.batch, p.chosen ? " (chosen)" : "", (long long)p.grad_accum,
-                (long long)p.tokens_per_step(), p.recompute_mixer ? "on" : "off");
+                (long long)p.tokens_per_step(), p.ranks > 0 ? " per rank" : "", p.recompute_mixer ? "on" : "off");
   s += line;
   auto row = [&](const std::string& name, size_t bytes) {
     std::snprintf(line, sizeof line, "  %-34s %14zu bytes %9.3f GB\n", name.c_str(), bytes, gb(bytes));
     s += line;
   };
   row(std::string("weights (") + wdt + ")", p.weights);
-  if (mixed) row("master weights (f32)", p.masters);
-  row(std::string("gradients (") + pdt + ")", p.gradients);
-  row("optimizer state (Muon, AdamW, NS)", p.optimizer);
+  const std::string shard = p.ranks > 0 ? ", shard of " + std::to_string(p.ranks) : "";
+  if (p.ranks > 0) row("master weights (" + pdt + shard + ")", p.masters);
+  else if (mixed) row("master weights (f32)", p.masters);
+  row(std::string("gradients (") + pdt + (p.ranks > 0 ? ", local + shard" : "") + ")", p.gradients);
+  row(p.ranks > 0 ? "optimizer state (" + shard.substr(2) + ")" : "optimizer state (Muon, AdamW, NS)", p.optimizer);
   row(std::string("activations") + (p.recompute_mixer ? " (GLA output recomputed)" : ""), p.activations);
   row("backward scratch", p.backward_scratch);
+  if (p.ranks > 0) row("collective staging", p.staging);
+  if (p.init_table > 0) row("initial weights (" + pdt + ", setup only)", p.init_table);
   row("total", p.total());
   if (p.device_bytes > 0) {
     std::snprintf(line, sizeof line, "  of %.3f GB %s memory available (reserve %.3f GB): %.3f GB left\n",

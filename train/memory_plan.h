@@ -33,6 +33,16 @@
 
 namespace laplace {
 
+// FSDP (dist/fsdp_layout.h): one rank's sharded buffers, in bytes. The full weights and the
+// full local gradient of a micro-batch stay the plan's own classes.
+struct ShardBytes {
+  size_t masters = 0;     // master-weight shards
+  size_t gradients = 0;   // gradient shards (beside the full local gradient)
+  size_t optimizer = 0;   // optimizer-state shards, the Muon update, owned and broadcast buffers, NS scratch
+  size_t staging = 0;     // the collectives' staging buffers
+  size_t init_table = 0;  // full initial weights held during setup (BF16 models); counted as if held throughout
+};
+
 struct MemoryPlanRequest {
   int64_t seq = 2048;            // T
   DType dtype = DType::kBF16;    // model dtype (BF16 trains F32 masters and F32 gradients)
@@ -45,6 +55,10 @@ struct MemoryPlanRequest {
   size_t device_bytes = 0;       // memory available before anything is allocated; 0 = unknown
   size_t reserve_bytes = 0;      // left free for everything the plan does not count
   int64_t max_batch = 8;         // largest candidate B (powers of two down to 1)
+  // FSDP over `ranks` ranks: this rank's shards replace the single-process trainer's masters,
+  // optimizer state and Newton–Schulz scratch; B, A and tokens_per_step are per rank.
+  const ShardBytes* sharded = nullptr;
+  int ranks = 1;
 };
 
 struct MemoryPlan {
@@ -53,10 +67,14 @@ struct MemoryPlan {
   bool chosen = false;  // B (and recompute) were chosen here, not given
   DType dtype = DType::kF32;
   size_t weights = 0, masters = 0, gradients = 0, optimizer = 0, activations = 0, backward_scratch = 0;
+  size_t staging = 0, init_table = 0;  // FSDP only
+  int ranks = 0;                       // FSDP: the rank count (0: the single-process trainer)
   size_t device_bytes = 0, reserve_bytes = 0;
   std::vector<std::string> rejected;  // "B=8 recompute off: 151.2 GB > 140.4 GB" per rejected candidate
 
-  size_t total() const { return weights + masters + gradients + optimizer + activations + backward_scratch; }
+  size_t total() const {
+    return weights + masters + gradients + optimizer + activations + backward_scratch + staging + init_table;
+  }
   int64_t tokens_per_step() const { return batch * seq * grad_accum; }
   // total + reserve ≤ device_bytes (true when the device size is unknown).
   bool fits() const { return device_bytes == 0 || total() + reserve_bytes <= device_bytes; }

@@ -71,32 +71,41 @@ bool host_available_bytes(size_t* out) {
 }
 }  // namespace
 
-Status Trainer::plan_memory() {
+MemoryPlanRequest memory_request_for(const TrainOptions& o, Backend& be) {
   MemoryPlanRequest r;
-  r.seq = opt_.seq;
-  r.dtype = opt_.dtype;
-  r.batch = opt_.batch_auto ? 0 : opt_.batch;
-  r.grad_accum = opt_.grad_accum;
-  r.tokens_per_step = opt_.tokens_per_step;
-  r.recompute = opt_.batch_auto && !opt_.recompute_mixer ? -1 : (opt_.recompute_mixer ? 1 : 0);
-  r.muon_fused = opt_.muon_fused;
-  r.ns_bf16 = be_->device() == Device::kCUDA;
-  const bool cuda = be_->device() == Device::kCUDA;
+  r.seq = o.seq;
+  r.dtype = o.dtype;
+  r.batch = o.batch_auto ? 0 : o.batch;
+  r.grad_accum = o.grad_accum;
+  r.tokens_per_step = o.tokens_per_step;
+  r.recompute = o.batch_auto && !o.recompute_mixer ? -1 : (o.recompute_mixer ? 1 : 0);
+  r.muon_fused = o.muon_fused;
+  const bool cuda = be.device() == Device::kCUDA;
+  r.ns_bf16 = cuda;
   size_t free_b = 0, total_b = 0;
-  if (be_->memory_info(&free_b, &total_b)) r.device_bytes = free_b;
+  if (be.memory_info(&free_b, &total_b)) r.device_bytes = free_b;
   if (!cuda && host_available_bytes(&free_b)) r.device_bytes = free_b;
-  const double reserve_gib = opt_.reserve_gib >= 0 ? opt_.reserve_gib : (cuda ? 3.0 : 0.25);
+  const double reserve_gib = o.reserve_gib >= 0 ? o.reserve_gib : (cuda ? 3.0 : 0.25);
   r.reserve_bytes = static_cast<size_t>(reserve_gib * 1073741824.0);
-  if (opt_.batch_auto || opt_.tokens_per_step > 0) {
-    LAPLACE_RETURN_IF_ERROR(choose_memory_plan(cfg_, r, &plan_));
+  return r;
+}
+
+Status apply_memory_plan(const Config& c, const MemoryPlanRequest& r, TrainOptions* o, MemoryPlan* plan) {
+  if (o->batch_auto || r.tokens_per_step > 0) {
+    LAPLACE_RETURN_IF_ERROR(choose_memory_plan(c, r, plan));
   } else {
-    plan_ = memory_plan_for(cfg_, r, opt_.batch, opt_.recompute_mixer);  // as given; allocation decides
+    *plan = memory_plan_for(c, r, o->batch, o->recompute_mixer);  // as given; allocation decides
   }
-  opt_.batch = plan_.batch;
-  opt_.grad_accum = plan_.grad_accum;
-  opt_.recompute_mixer = plan_.recompute_mixer;
+  o->batch = plan->batch;
+  o->grad_accum = plan->grad_accum;
+  o->recompute_mixer = plan->recompute_mixer;
+  return Status::ok();
+}
+
+Status Trainer::plan_memory() {
+  LAPLACE_RETURN_IF_ERROR(apply_memory_plan(cfg_, memory_request_for(opt_, *be_), &opt_, &plan_));
   if (!opt_.quiet) {
-    std::fputs(format_memory_plan(plan_, cuda ? "device" : "host").c_str(), stdout);
+    std::fputs(format_memory_plan(plan_, be_->device() == Device::kCUDA ? "device" : "host").c_str(), stdout);
     std::fflush(stdout);
   }
   return Status::ok();

@@ -84,6 +84,13 @@ std::vector<Param> make_optimizer_params(const Config& c, const Arena& params, c
 TrainLoop train_loop_for(const TrainOptions& o, const Config& c, int ranks);
 // The metrics.jsonl line of a validation: {"step": S, "val_loss": L}.
 std::string val_loss_record(int64_t step, double loss);
+// The memory plan's request for these options on `be`: its free memory (the host's on the
+// CPU) and the reserve (--reserve-gib; 3 GiB on CUDA, 0.25 GiB on the CPU by default).
+MemoryPlanRequest memory_request_for(const TrainOptions& o, Backend& be);
+// With --batch auto or a tokens-per-step target, chooses the plan (choose_memory_plan); else
+// computes it for the given micro-batch. Either way writes its batch, grad_accum and
+// recompute_mixer into *o.
+Status apply_memory_plan(const Config& c, const MemoryPlanRequest& r, TrainOptions* o, MemoryPlan* plan);
 // weights ← masters (same table), converting to the weights' dtype with the backend's
 // copy. Queued on the device; no synchronisation.
 void copy_masters_to_weights(Backend& be, const Arena& masters, const Arena& weights);
