@@ -41,7 +41,8 @@ FsdpLayout fsdp_layout(const std::vector<ShardedParam>& params, const std::vecto
   int64_t owned_total = 0, max_unit = 0;
   for (size_t k = 0; k < units.size(); ++k) {
     const MuonUnit& u = units[k];
-    for (int q = 0; q < world; ++q) l.unit_rows[k].push_back(overlap(l.rows[u.param][q], {u.row_begin, u.row_begin + u.rows}));
+    for (int q = 0; q < world; ++q)
+      l.unit_rows[k].push_back(overlap(l.rows[u.param][q], {u.row_begin, u.row_begin + u.rows}));
     if (u.owner == rank) {
       l.owned_off[k] = owned_total;
       owned_total += u.rows * u.cols;
@@ -90,7 +91,8 @@ ShardBytes fsdp_shard_bytes_max(const Config& c, const std::vector<ShardedParam>
                                 DType ns_dtype) {
   ShardBytes m;
   for (int r = 0; r < world; ++r) {
-    const ShardBytes b = fsdp_shard_bytes(c, fsdp_layout(params, units, world, r, dtype, wdtype, ns_dtype), dtype, wdtype);
+    const FsdpLayout l = fsdp_layout(params, units, world, r, dtype, wdtype, ns_dtype);
+    const ShardBytes b = fsdp_shard_bytes(c, l, dtype, wdtype);
     m.masters = std::max(m.masters, b.masters);
     m.gradients = std::max(m.gradients, b.gradients);
     m.optimizer = std::max(m.optimizer, b.optimizer);
