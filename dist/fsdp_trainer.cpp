@@ -158,7 +158,6 @@ Status FsdpTrainer::plan_memory() {
   r.ranks = P_;
   r.tokens_per_step = opt_.tokens_per_step / P_;
   LAPLACE_RETURN_IF_ERROR(apply_memory_plan(cfg_, r, &opt_, &plan_));
-  plan_.rejected.clear();  // the request's pointer dies here; the plan keeps only numbers
   if (!opt_.quiet) {
     std::fputs(format_memory_plan(plan_, dev_ == Device::kCUDA ? "device" : "host").c_str(), stdout);
     std::fflush(stdout);
