@@ -119,13 +119,23 @@ async function key(keyName, code, vk, text) {
   await cmd("Input.dispatchKeyEvent", Object.assign({ type: "keyUp" }, base));
 }
 
-// A real mouse click in the middle of the element `selector`.
+// A real mouse click in the middle of the element `selector`. The events land where the element
+// was when its box was read, and streaming text can move the layout in between; so a listener of
+// our own counts the clicks the element receives, and a click that missed it is made again (a few
+// times, then the test fails). A click that arrived is never repeated.
 async function click(selector) {
-  const r = await evaluate(`(() => { const e = document.querySelector(${JSON.stringify(selector)});
-    e.scrollIntoView({block: "center"}); const b = e.getBoundingClientRect();
-    return {x: b.x + b.width / 2, y: b.y + b.height / 2}; })()`);
-  for (const type of ["mousePressed", "mouseReleased"])
-    await cmd("Input.dispatchMouseEvent", { type, x: r.x, y: r.y, button: "left", clickCount: 1 });
+  const sel = JSON.stringify(selector);
+  await evaluate(`(() => { const e = document.querySelector(${sel}); e.testClicks = 0;
+    e.addEventListener("click", () => ++e.testClicks, {once: true}); })()`);
+  for (let attempt = 0; attempt < 5; ++attempt) {
+    const r = await evaluate(`(() => { const e = document.querySelector(${sel});
+      e.scrollIntoView({block: "center"}); const b = e.getBoundingClientRect();
+      return {x: b.x + b.width / 2, y: b.y + b.height / 2}; })()`);
+    for (const type of ["mousePressed", "mouseReleased"])
+      await cmd("Input.dispatchMouseEvent", { type, x: r.x, y: r.y, button: "left", clickCount: 1 });
+    if (await evaluate(`(document.querySelector(${sel})?.testClicks ?? 1) > 0`)) return;
+  }
+  throw new Error(`${selector}: five clicks missed it`);
 }
 
 async function typeInto(selector, text) {
