@@ -24,27 +24,31 @@ namespace experiments {
 
 // A model projection as the experiments ask cuBLASLt for it: row-major Y[M, n] = X[M, k] · W[n, k]ᵀ is
 // column-major Yᵀ[n, M] = W'ᵀ · X' with W' = W read column-major ([k, n], ld k, op T) and X' = X
-// read column-major ([k, M], ld k, op N), the "TN" layout cuBLASLt is fastest at; bf16 in, F32
-// compute, Y of `out_t`. `cands`: the heuristic's first `ncands` results in its order, under
-// production's preferences (ops/cuda/cuda_backend.cpp: `ws` bytes of workspace, no split-K
-// reduction unless allow_splitk); empty if it has none. sm_target > 0 sets
-// CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET.
+// read column-major ([k, M], ld k, op N), the "TN" layout cuBLASLt is fastest at (and the one FP8
+// operands need on Hopper); F32 compute, Y of `out_t`. `cands`: the heuristic's first `ncands`
+// results in its order, under production's preferences (ops/cuda/cuda_backend.cpp: `ws` bytes of
+// workspace, no split-K reduction unless allow_splitk); empty if it has none.
 struct TnGemm {
   cublasLtMatmulDesc_t desc{};
   cublasLtMatrixLayout_t lw{}, lx{}, ly{};
   std::vector<cublasLtMatmulHeuristicResult_t> cands;
 };
-inline TnGemm tn_gemm_create(cublasLtHandle_t lt, int M, int n, int k, cudaDataType_t out_t, uint64_t ws, int ncands,
-                             int32_t sm_target = 0, bool allow_splitk = false) {
-  TnGemm g;
-  CKB(cublasLtMatmulDescCreate(&g.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+// The descriptor alone (F32 compute and scale, op T on W', op N on X'), for callers that add
+// attributes (scales, SM count) before tn_gemm_plan.
+inline cublasLtMatmulDesc_t tn_gemm_desc() {
+  cublasLtMatmulDesc_t d{};
+  CKB(cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
-  CKB(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof opT));
-  CKB(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof opN));
-  if (sm_target > 0)
-    CKB(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sm_target, sizeof sm_target));
-  CKB(cublasLtMatrixLayoutCreate(&g.lw, CUDA_R_16BF, k, n, k));
-  CKB(cublasLtMatrixLayoutCreate(&g.lx, CUDA_R_16BF, k, M, k));
+  CKB(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof opT));
+  CKB(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof opN));
+  return d;
+}
+// The layouts of W' and X' (`in_t`) and Y (`out_t`) and the heuristic's candidates for g.desc.
+// Returns the heuristic's status: a combination cuBLASLt does not support is the caller's to report.
+inline cublasStatus_t tn_gemm_plan(cublasLtHandle_t lt, TnGemm& g, int M, int n, int k, cudaDataType_t in_t,
+                                   cudaDataType_t out_t, uint64_t ws, int ncands, bool allow_splitk) {
+  CKB(cublasLtMatrixLayoutCreate(&g.lw, in_t, k, n, k));
+  CKB(cublasLtMatrixLayoutCreate(&g.lx, in_t, k, M, k));
   CKB(cublasLtMatrixLayoutCreate(&g.ly, out_t, n, M, n));
   cublasLtMatmulPreference_t pref;
   CKB(cublasLtMatmulPreferenceCreate(&pref));
@@ -55,10 +59,20 @@ inline TnGemm tn_gemm_create(cublasLtHandle_t lt, int M, int n, int k, cudaDataT
   }
   g.cands.resize(static_cast<size_t>(ncands < 1 ? 1 : ncands));
   int found = 0;
-  CKB(cublasLtMatmulAlgoGetHeuristic(lt, g.desc, g.lw, g.lx, g.ly, g.ly, pref, static_cast<int>(g.cands.size()),
-                                     g.cands.data(), &found));
+  const cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(lt, g.desc, g.lw, g.lx, g.ly, g.ly, pref,
+                                                          static_cast<int>(g.cands.size()), g.cands.data(), &found);
   CKB(cublasLtMatmulPreferenceDestroy(pref));
-  g.cands.resize(static_cast<size_t>(found));
+  g.cands.resize(s == CUBLAS_STATUS_SUCCESS ? static_cast<size_t>(found) : 0);
+  return s;
+}
+// bf16 operands; sm_target > 0 sets CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET.
+inline TnGemm tn_gemm_create(cublasLtHandle_t lt, int M, int n, int k, cudaDataType_t out_t, uint64_t ws, int ncands,
+                             int32_t sm_target = 0, bool allow_splitk = false) {
+  TnGemm g;
+  g.desc = tn_gemm_desc();
+  if (sm_target > 0)
+    CKB(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sm_target, sizeof sm_target));
+  CKB(tn_gemm_plan(lt, g, M, n, k, CUDA_R_16BF, out_t, ws, ncands, allow_splitk));
   return g;
 }
 inline void tn_gemm_destroy(TnGemm& g) {

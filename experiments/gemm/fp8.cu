@@ -126,49 +126,28 @@ __global__ void fill_activations(__nv_bfloat16* p, int M, int k, uint64_t seed) 
 
 // ---- cuBLASLt -------------------------------------------------------------------------------------
 
+// Yᵀ[n, M] = scale_w·scale_x · (W'ᵀ · X') column-major, W' [k, n] and X' [k, M] e4m3 (cublas_host.h's
+// TN layout); `why` says why cuBLASLt has no algorithm for it (g.cands empty).
 struct Fp8Gemm {
-  cublasLtMatmulDesc_t desc{};
-  cublasLtMatrixLayout_t lw{}, lx{}, ly{};
-  cublasLtMatmulHeuristicResult_t algo{};
-  bool ok = false;
+  experiments::TnGemm g;
   std::string why;
 };
-
-// Yᵀ[n, M] = scale_w·scale_x · (W'ᵀ · X') column-major, W' [k, n] and X' [k, M] e4m3, as tn_gemm_create.
 Fp8Gemm fp8_gemm_create(cublasLtHandle_t lt, int M, int n, int k, cublasLtMatmulMatrixScale_t mode_w,
                         cublasLtMatmulMatrixScale_t mode_x, const float* scale_w, const float* scale_x, uint64_t ws,
                         bool fast_accum) {
-  Fp8Gemm g;
-  CKB(cublasLtMatmulDescCreate(&g.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
-  CKB(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof opT));
-  CKB(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof opN));
-  CKB(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_w, sizeof scale_w));
-  CKB(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_x, sizeof scale_x));
+  Fp8Gemm f;
+  cublasLtMatmulDesc_t d = experiments::tn_gemm_desc();
+  CKB(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_w, sizeof scale_w));
+  CKB(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_x, sizeof scale_x));
   const int32_t mw = mode_w, mx = mode_x;
-  CKB(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mw, sizeof mw));
-  CKB(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mx, sizeof mx));
+  CKB(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mw, sizeof mw));
+  CKB(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mx, sizeof mx));
   const int8_t fa = fast_accum ? 1 : 0;
-  CKB(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fa, sizeof fa));
-  CKB(cublasLtMatrixLayoutCreate(&g.lw, CUDA_R_8F_E4M3, k, n, k));
-  CKB(cublasLtMatrixLayoutCreate(&g.lx, CUDA_R_8F_E4M3, k, M, k));
-  CKB(cublasLtMatrixLayoutCreate(&g.ly, CUDA_R_16BF, n, M, n));
-  cublasLtMatmulPreference_t pref;
-  CKB(cublasLtMatmulPreferenceCreate(&pref));
-  CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-  int found = 0;
-  const cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(lt, g.desc, g.lw, g.lx, g.ly, g.ly, pref, 1, &g.algo, &found);
-  CKB(cublasLtMatmulPreferenceDestroy(pref));
-  g.ok = s == CUBLAS_STATUS_SUCCESS && found > 0;
-  if (!g.ok) g.why = s == CUBLAS_STATUS_SUCCESS ? "no algorithm" : cublasLtGetStatusName(s);
-  return g;
-}
-
-void fp8_gemm_destroy(Fp8Gemm& g) {
-  CKB(cublasLtMatrixLayoutDestroy(g.lw));
-  CKB(cublasLtMatrixLayoutDestroy(g.lx));
-  CKB(cublasLtMatrixLayoutDestroy(g.ly));
-  CKB(cublasLtMatmulDescDestroy(g.desc));
+  CKB(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fa, sizeof fa));
+  f.g.desc = d;
+  const cublasStatus_t s = experiments::tn_gemm_plan(lt, f.g, M, n, k, CUDA_R_8F_E4M3, CUDA_R_16BF, ws, 1, true);
+  if (f.g.cands.empty()) f.why = s == CUBLAS_STATUS_SUCCESS ? "no algorithm" : cublasLtGetStatusName(s);
+  return f;
 }
 
 // A graph of `calls` calls of f.
@@ -300,15 +279,15 @@ int run(const Opts& o) {
           CK(cudaGraphLaunch(g_q, st));
           CK(cudaStreamSynchronize(st));
           Fp8Gemm g = fp8_gemm_create(lt, M, n, k, v.mode_w, v.mode_x, wsc, xs, ws_bytes, o.fast_accum);
-          if (!g.ok) {
+          if (g.g.cands.empty()) {
             std::printf("%-5s M %5d  %-26s unsupported: %s\n", sh.name, M, v.name.c_str(), g.why.c_str());
-            fp8_gemm_destroy(g);
+            experiments::tn_gemm_destroy(g.g);
             CK(cudaGraphExecDestroy(g_q));
             continue;
           }
           cudaGraphExec_t g_f = capture(st, o.calls, [&] {
-            CKB(cublasLtMatmul(lt, g.desc, &one, wq, g.lw, xq, g.lx, &zero, y, g.ly, y, g.ly, &g.algo.algo, ws, ws_bytes,
-                               st));
+            CKB(cublasLtMatmul(lt, g.g.desc, &one, wq, g.g.lw, xq, g.g.lx, &zero, y, g.g.ly, y, g.g.ly, &g.g.cands[0].algo,
+                               ws, ws_bytes, st));
           });
           const auto ms = experiments::time_graphs_interleaved({g_bf16, g_f, g_q}, st, o.reps, o.calls);
           const double t_b = experiments::median(ms[0]), t_f = experiments::median(ms[1]);
@@ -324,7 +303,7 @@ int run(const Opts& o) {
           std::fflush(stdout);
           CK(cudaGraphExecDestroy(g_f));
           CK(cudaGraphExecDestroy(g_q));
-          fp8_gemm_destroy(g);
+          experiments::tn_gemm_destroy(g.g);
         }
       CK(cudaGraphExecDestroy(g_bf16));
       experiments::tn_gemm_destroy(gb);
