@@ -172,14 +172,18 @@ Status make_communicator(std::unique_ptr<Communicator>* out) {
   return Status::ok();
 }
 
-Status agree_status(Communicator& comm, const Status& local) {
+std::vector<int64_t> all_gather_value(Communicator& comm, int64_t value) {
   const int P = comm.size();
-  int64_t mine = local.is_ok() ? 0 : 1;
   std::vector<int64_t> all(P), counts(P, 1), displs(P);
   for (int q = 0; q < P; ++q) displs[q] = q;
-  comm.all_gather(&mine, all.data(), counts, displs, CommType::kI64);
+  comm.all_gather(&value, all.data(), counts, displs, CommType::kI64);
+  return all;
+}
+
+Status agree_status(Communicator& comm, const Status& local) {
+  const std::vector<int64_t> all = all_gather_value(comm, local.is_ok() ? 0 : 1);
   if (!local.is_ok()) return local;
-  for (int q = 0; q < P; ++q)
+  for (int q = 0; q < comm.size(); ++q)
     if (all[q] != 0)
       return Status::invalid_argument("rank " + std::to_string(q) + " failed (its error is printed by that rank)");
   return Status::ok();

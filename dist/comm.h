@@ -156,6 +156,9 @@ Status make_nccl_communicator(std::unique_ptr<Communicator>* out);
 // True when this build has the NCCL implementation.
 bool nccl_available();
 
+// Every rank's `value`, in rank order (one all_gather of one element each). Collective.
+std::vector<int64_t> all_gather_value(Communicator& comm, int64_t value);
+
 // Every rank passes its own status; returns ok only if all are ok, else the first
 // failing rank's status on that rank and "rank k failed" on the others. Collective.
 Status agree_status(Communicator& comm, const Status& local);

@@ -148,10 +148,7 @@ Status FsdpTrainer::setup_backend() {
 Status FsdpTrainer::plan_memory() {
   MemoryPlanRequest r = memory_request_for(opt_, *be_);
   if (dev_ == Device::kCPU) r.device_bytes /= static_cast<size_t>(P_);
-  std::vector<int64_t> free_b(P_), ones(P_, 1), displs(P_);
-  for (int q = 0; q < P_; ++q) displs[q] = q;
-  const int64_t mine = static_cast<int64_t>(r.device_bytes);
-  comm_.all_gather(&mine, free_b.data(), ones, displs, CommType::kI64);
+  const std::vector<int64_t> free_b = all_gather_value(comm_, static_cast<int64_t>(r.device_bytes));
   r.device_bytes = static_cast<size_t>(*std::min_element(free_b.begin(), free_b.end()));
   const ShardBytes shards = fsdp_shard_bytes_max(cfg_, params_, units_, P_, dtype_, wdtype_, ns_dtype());
   r.sharded = &shards;
@@ -279,10 +276,8 @@ Status FsdpTrainer::setup() {
   LAPLACE_RETURN_IF_ERROR(agree_status(comm_, plan_memory()));
   LAPLACE_RETURN_IF_ERROR(agree_status(comm_, setup_local()));
   // Every rank must have derived the same plan (config, flags, owners).
-  std::vector<int64_t> hashes(P_), ones(P_, 1), displs(P_);
-  for (int q = 0; q < P_; ++q) displs[q] = q;
   const int64_t mine = static_cast<int64_t>(plan_hash_);
-  comm_.all_gather(&mine, hashes.data(), ones, displs, CommType::kI64);
+  const std::vector<int64_t> hashes = all_gather_value(comm_, mine);
   for (int q = 0; q < P_; ++q)
     if (hashes[q] != mine)
       return Status::invalid_argument("rank " + std::to_string(q) + " derived a different sharding/Muon owner plan " +
