@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "model/weights.h"
+#include "train/optimizer.h"
 
 namespace laplace {
 
@@ -12,7 +13,7 @@ FsdpLayout fsdp_layout(const std::vector<ShardedParam>& params, const std::vecto
   l.rows.resize(params.size());
   l.update_off.assign(params.size(), -1);
   l.wshard_off.assign(params.size(), 0);
-  int64_t update_total = 0, my_elems = 0, my_rows = 0, max_param = 0;
+  int64_t update_total = 0, my_elems = 0, my_rows = 0, all_rows = 0, max_param = 0;
   for (size_t i = 0; i < params.size(); ++i) {
     const ShardedParam& p = params[i];
     for (int q = 0; q < world; ++q) l.rows[i].push_back(shard_rows(p.rows, q, world));
@@ -30,6 +31,7 @@ FsdpLayout fsdp_layout(const std::vector<ShardedParam>& params, const std::vecto
     l.wshard_off[i] = my_elems;
     my_elems += n;
     my_rows += l.rows[i][rank].rows();
+    all_rows += params[i].rows;
     max_param = std::max(max_param, p.rows * p.cols);
   }
 
@@ -68,7 +70,8 @@ FsdpLayout fsdp_layout(const std::vector<ShardedParam>& params, const std::vecto
                {"dist.rowsq", DType::kF64, {my_rows}},    // per-row Σg² for the global norm
                {"dist.full", dtype, {max_param}},         // one parameter gathered for a checkpoint
                {"dist.a2a_send", dtype, {to_total}},      // Muon exchange 1 out / 2 in
-               {"dist.a2a_recv", dtype, {from_total}}};   // Muon exchange 1 in / 2 out
+               {"dist.a2a_recv", dtype, {from_total}},    // Muon exchange 1 in / 2 out
+               {"dist.rowsq_all", DType::kF64, {all_rows}}};  // every rank's per-row Σg², (param, row) order
   return l;
 }
 
@@ -80,7 +83,7 @@ ShardBytes fsdp_shard_bytes(const Config& c, const FsdpLayout& l, DType dtype, D
     else if (s.name.rfind("grad.", 0) == 0) b.gradients += n;
     else b.optimizer += n;
   }
-  b.optimizer += Arena::planned_bytes(l.muon);
+  b.optimizer += Arena::planned_bytes(l.muon) + Optimizer::sharded_scratch_bytes();
   b.staging = Arena::planned_bytes(l.staging);
   b.init_table = wdtype != dtype ? Arena::planned_bytes(weight_specs(c, dtype)) : 0;
   return b;

@@ -28,7 +28,7 @@ struct FsdpLayout {
   std::vector<TensorSpec> shards;
   // "muon.u", "muon.owned", "muon.bcast", then the Newton–Schulz scratch "muon.ns.*"
   std::vector<TensorSpec> muon;
-  // "dist.wshard", "dist.rowsq", "dist.full", "dist.a2a_send", "dist.a2a_recv"
+  // "dist.wshard", "dist.rowsq", "dist.full", "dist.a2a_send", "dist.a2a_recv", "dist.rowsq_all"
   std::vector<TensorSpec> staging;
 };
 
@@ -38,7 +38,8 @@ FsdpLayout fsdp_layout(const std::vector<ShardedParam>& params, const std::vecto
                        int rank, DType dtype, DType wdtype, DType ns_dtype);
 
 // What the memory plan counts for a rank besides the full weights and the full local
-// gradient: its shards of masters, gradients and optimizer state (Muon buffers included),
+// gradient: its shards of masters, gradients and optimizer state (Muon buffers and the
+// optimizer's device scalars included),
 // the staging, and the full table of initial weights in `dtype` that setup holds for a
 // moment when the model computes in another dtype (BF16).
 ShardBytes fsdp_shard_bytes(const Config& c, const FsdpLayout& l, DType dtype, DType wdtype);

@@ -21,11 +21,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-double now_s() {
-  using namespace std::chrono;
-  return duration<double>(steady_clock::now().time_since_epoch()).count();
-}
-
 std::string fmt_bytes(double b) {
   char buf[32];
   if (b >= 1e9) std::snprintf(buf, sizeof buf, "%.2f GB", b / 1e9);
@@ -166,7 +161,7 @@ DType FsdpTrainer::ns_dtype() const { return dev_ == Device::kCUDA ? DType::kBF1
 
 size_t FsdpTrainer::allocated_bytes() const {
   return model_.weight_arena().bytes() + model_.activation_bytes() + grads_.bytes() + shards_.bytes() +
-         muon_.bytes() + stage_.bytes();
+         muon_.bytes() + stage_.bytes() + optimizer_.state_bytes();
 }
 
 Status FsdpTrainer::setup_local() {
@@ -231,6 +226,29 @@ Status FsdpTrainer::setup_local() {
   full_ = stage_.tensor(2);
   a2a_send_ = stage_.tensor(3);
   a2a_recv_ = stage_.tensor(4);
+  rowsq_all_ = stage_.tensor(5);
+
+  // The optimizer over this rank's shards, with their state; the trainer exchanges.
+  std::vector<Param> ps;
+  opt_param_.clear();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Local& l = local_[i];
+    if (!l.w.defined()) continue;
+    Param p;
+    p.name = params_[i].name;
+    p.w = l.w;
+    p.g = l.g;
+    p.muon = params_[i].muon;
+    if (p.muon) p.blocks = params_[i].blocks;
+    p.decay = params_[i].decay;
+    p.row_begin = l.mine.begin;
+    p.global_rows = params_[i].rows;
+    p.state0 = l.s0;
+    p.state1 = l.s1;
+    ps.push_back(std::move(p));
+    opt_param_.push_back(i);
+  }
+  LAPLACE_RETURN_IF_ERROR(optimizer_.init(*be_, std::move(ps), opt_.optim, this));
 
   // The plan hash covers the owner assignment, the config and the flags that shape it.
   plan_hash_ = muon_plan_hash(units_, P_);
@@ -357,31 +375,37 @@ void FsdpTrainer::reduce_scatter_group(size_t g, bool accumulate) {
   }
 }
 
-double FsdpTrainer::grad_norm() {
-  // Per-row partial sums of squares, in double; gathered from every rank and added in
-  // (param, row) order, which is the same sequence for every P.
-  std::vector<int64_t> counts(P_, 0);
-  int64_t off = 0;
+void FsdpTrainer::grad_sum_squares_into(Tensor ss) {
+  int64_t off = 0, all_off = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Local& l = local_[i];
-    for (int q = 0; q < P_; ++q) counts[q] += l.all[q].rows();
-    if (!l.g.defined()) continue;
-    const int64_t rows = l.mine.rows(), g_shape[2] = {rows, params_[i].cols}, o_shape[1] = {rows};
-    be_->row_sum_squares(Tensor::make(l.g.data, dtype_, g_shape, 2, dev_),
-                         Tensor::make(static_cast<double*>(rowsq_.data) + off, DType::kF64, o_shape, 1, dev_));
+    const int64_t rows = l.mine.rows();
+    if (l.g.defined()) {
+      const int64_t g_shape[2] = {rows, params_[i].cols}, o_shape[1] = {rows};
+      be_->row_sum_squares(Tensor::make(l.g.data, dtype_, g_shape, 2, dev_),
+                           Tensor::make(static_cast<double*>(rowsq_.data) + off, DType::kF64, o_shape, 1, dev_));
+    }
+    std::vector<int64_t> counts(P_);
+    for (int q = 0; q < P_; ++q) counts[q] = l.all[q].rows();
+    comm_.all_gather(static_cast<double*>(rowsq_.data) + off, static_cast<double*>(rowsq_all_.data) + all_off, counts,
+                     prefix(counts), CommType::kF64);
     off += rows;
+    all_off += params_[i].rows;
   }
-  std::vector<double> mine(static_cast<size_t>(off));
-  copy_elems(mine.data(), Device::kCPU, rowsq_.data, dev_, off, DType::kF64);  // waits for the backward
-  const std::vector<int64_t> displs = prefix(counts);
-  std::vector<double> all(static_cast<size_t>(displs.back() + counts.back()));
-  comm_.all_gather(mine.data(), all.data(), counts, displs, CommType::kF64);
-  std::vector<int64_t> cursor = displs;
-  double ss = 0.0;
-  for (size_t i = 0; i < params_.size(); ++i)
-    for (int q = 0; q < P_; ++q)
-      for (int64_t r = 0; r < local_[i].all[q].rows(); ++r) ss += all[static_cast<size_t>(cursor[q]++)];
-  return std::sqrt(ss);
+  be_->loss_sum_into(rowsq_all_, 1.0, ss, false);  // the fixed-order F64 sum (divided by 1: exact)
+}
+
+Tensor FsdpTrainer::muon_update(size_t i) {
+  const size_t k = opt_param_[i];
+  return shard_view(ushard_.data, local_[k].u_off, params_[k], local_[k].mine.rows());
+}
+
+void FsdpTrainer::orthogonalise() {
+  const CommStats before = comm_.stats();
+  if (muon_comm_ == MuonComm::kAllToAll) muon_exchange_all_to_all();
+  else muon_exchange_gather();
+  muon_sent_ = comm_.stats().bytes_sent - before.bytes_sent;
+  muon_received_ = comm_.stats().bytes_received - before.bytes_received;
 }
 
 // ---- Muon exchanges ----------------------------------------------------------------------------
@@ -485,58 +509,6 @@ void FsdpTrainer::muon_exchange_gather() {
   }
 }
 
-StepResult FsdpTrainer::optimizer_step(double lr, DistStepTraffic* traffic) {
-  Backend& be = *be_;
-  const OptimizerConfig& cfg = opt_.optim;
-  StepResult r;
-  r.grad_norm = grad_norm();
-  if (!std::isfinite(r.grad_norm)) {  // before any state changes (docs/training.md §6)
-    r.skipped = true;
-    return r;
-  }
-  if (cfg.max_grad_norm > 0 && r.grad_norm > cfg.max_grad_norm) {
-    r.clip_coef = cfg.max_grad_norm / (r.grad_norm + 1e-6);
-    for (Local& l : local_)
-      if (l.g.defined()) be.scale(l.g, r.clip_coef);
-  }
-  ++t_;
-  AdamWParams ap;
-  ap.lr = lr;
-  ap.beta1 = cfg.beta1;
-  ap.beta2 = cfg.beta2;
-  ap.eps = cfg.eps;
-  ap.step = t_;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Local& l = local_[i];
-    if (params_[i].muon || !l.w.defined()) continue;
-    ap.wd = params_[i].decay ? cfg.weight_decay : 0.0;
-    be.adamw_update(l.w, l.g, l.s0, l.s1, ap);
-  }
-  auto buf_view = [&](const Tensor& flat, size_t i) {
-    return shard_view(flat.data, local_[i].u_off, params_[i], local_[i].mine.rows());
-  };
-  be.synchronize();  // the norm already waited for the backward; this only drains AdamW
-  const double t_muon = now_s();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Local& l = local_[i];
-    if (!params_[i].muon || !l.w.defined()) continue;
-    muon_prepare(be, l.g, l.s0, buf_view(ushard_, i), cfg.momentum, cfg.nesterov);
-  }
-  const CommStats before = comm_.stats();
-  if (muon_comm_ == MuonComm::kAllToAll) muon_exchange_all_to_all();
-  else muon_exchange_gather();
-  traffic->muon_sent = comm_.stats().bytes_sent - before.bytes_sent;
-  traffic->muon_received = comm_.stats().bytes_received - before.bytes_received;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Local& l = local_[i];
-    if (!params_[i].muon || !l.w.defined()) continue;
-    muon_finish(be, l.w, buf_view(ushard_, i), params_[i].blocks, l.mine.begin, lr, cfg.weight_decay, cfg.scale);
-  }
-  be.synchronize();
-  traffic->muon_ms = 1e3 * (now_s() - t_muon);
-  return r;
-}
-
 // ---- checkpoints -----------------------------------------------------------------------------------
 
 // Rank 0's host `full` (rows·cols elements) ← every rank's rows, through the staging
@@ -557,7 +529,7 @@ Status FsdpTrainer::save_checkpoint() {
   if (opt_.out_dir.empty()) return Status::ok();
   comm_.overlap_end();  // the shards' collectives below order with the compute stream
   progress_.loader_position = train_loader_.position().to_json();
-  progress_.optimizer_steps = t_;
+  progress_.optimizer_steps = optimizer_.step_count();
   // Collective part: gather masters and optimizer state onto rank 0.
   std::vector<std::vector<char>> bufs;
   std::vector<NamedTensor> named;
@@ -653,7 +625,7 @@ Status FsdpTrainer::load_checkpoint(const std::string& path) {
     copy_elems(want[j].second.second->data, dev_, rows[j].data(), Device::kCPU,
                static_cast<int64_t>(rows[j].size() / es), dtype_);
   progress_ = p;
-  t_ = p.optimizer_steps;
+  optimizer_.set_step_count(p.optimizer_steps);
   return Status::ok();
 }
 
@@ -702,8 +674,6 @@ void FsdpTrainer::log_line(const StepLog& s, const DistStepTraffic& t) {
   j["muon_bytes_received"] = t.muon_received_per_rank;
   j["fsdp_bytes_sent"] = t.fsdp_sent;
   j["fsdp_bytes_received"] = t.fsdp_received;
-  j["optimizer_ms"] = t.optimizer_ms;
-  j["muon_ms"] = t.muon_ms;
   append_metrics(j.dump());
   if (opt_.quiet || (s.step % opt_.log_every != 0 && s.step + 1 != opt_.steps)) return;
   int64_t mx = 0;
@@ -711,9 +681,9 @@ void FsdpTrainer::log_line(const StepLog& s, const DistStepTraffic& t) {
   char mfu[32] = "";
   if (opt_.peak_flops > 0) std::snprintf(mfu, sizeof mfu, " | mfu %.1f%%", 100.0 * s.mfu);
   std::printf("step %5lld/%lld | loss %.4f | lr %.3e | grad norm %.4f | %.0f tok/s | %.2f GFLOP/s%s | muon %s %s/rank "
-              "(max sent+recv), %.0f ms | fsdp %s/rank%s\n",
+              "(max sent+recv) | fsdp %s/rank%s\n",
               (long long)(s.step + 1), (long long)opt_.steps, s.loss, s.lr, s.grad_norm, s.tokens_per_s,
-              s.flops_per_s / 1e9, mfu, muon_comm_name(muon_comm_), fmt_bytes(static_cast<double>(mx)).c_str(), t.muon_ms,
+              s.flops_per_s / 1e9, mfu, muon_comm_name(muon_comm_), fmt_bytes(static_cast<double>(mx)).c_str(),
               fmt_bytes(static_cast<double>(t.fsdp_sent + t.fsdp_received)).c_str(),
               s.skipped ? " | SKIPPED (non-finite gradient)" : "");
   std::fflush(stdout);
@@ -748,11 +718,14 @@ Status FsdpTrainer::run(const std::function<void(const StepLog&, const DistStepT
     }
     comm_.overlap_end();  // the optimizer reads every reduced shard
     *loss_out = loss / static_cast<double>(A * P_);
+    // The optimizer step and the next step's weight all-gathers are queued with no host
+    // synchronisation; the result (norm, skip) is read at the step's end. A skipped step
+    // leaves the masters as they were, so gathering them again gives the same weights.
     tr = DistStepTraffic{};
-    const double t_opt = now_s();
-    const StepResult r = optimizer_step(lr_at(opt_.schedule, step), &tr);
-    tr.optimizer_ms = 1e3 * (now_s() - t_opt);
-    gather_weights(!r.skipped);
+    optimizer_.enqueue_step(lr_at(opt_.schedule, step));
+    tr.muon_sent = muon_sent_;
+    tr.muon_received = muon_received_;
+    gather_weights(true);
     tr.fsdp_sent = comm_.stats().bytes_sent - at_start.bytes_sent - tr.muon_sent;
     tr.fsdp_received = comm_.stats().bytes_received - at_start.bytes_received - tr.muon_received;
     // Everybody's Muon counters, for the log (inside the timed step, as they always were).
@@ -760,9 +733,9 @@ Status FsdpTrainer::run(const std::function<void(const StepLog&, const DistStepT
     tr.muon_received_per_rank.resize(P_);
     comm_.all_gather(&tr.muon_sent, tr.muon_sent_per_rank.data(), ones, displs, CommType::kI64);
     comm_.all_gather(&tr.muon_received, tr.muon_received_per_rank.data(), ones, displs, CommType::kI64);
-    return r;
+    return optimizer_.finish_step();
   };
-  loop.optimizer_steps = [this] { return t_; };
+  loop.optimizer_steps = [this] { return optimizer_.step_count(); };
   loop.record = [&](const StepLog& s) {
     log_line(s, tr);
     if (on_step) on_step(s, tr);

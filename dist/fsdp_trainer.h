@@ -8,12 +8,14 @@
 //     zero the local full-size gradient; forward + backward on this rank's B sequences
 //     (loss scale 1/(A·P)); reduce-scatter the gradient into the shards (sum over ranks
 //     in rank order); the first micro-step copies, later ones add (shard = shard + part).
-//   optimizer on the shards: global norm from per-row partial sums gathered from every
-//   rank and added in (param, row) order (so the norm does not depend on P); skip when
-//   non-finite; clip; AdamW element-wise on the shards; Muon: momentum on the shards,
-//   whole units orthogonalised by their owners via --muon-comm gather|all_to_all
-//   (identical bytes into one newton_schulz call per unit, so the two are bitwise equal),
-//   update applied on the shards; then all-gather the shards into the full weights.
+//   optimizer on the shards, train/optimizer.h's Optimizer queued with no host sync, this
+//   trainer its ShardExchange: global norm from per-row partial sums gathered from every
+//   rank into (param, row) order and summed on the device in one fixed order (so the norm
+//   does not depend on P); skip when non-finite (a device flag gates the updates); clip;
+//   AdamW element-wise on the shards; Muon: momentum on the shards, whole units
+//   orthogonalised by their owners via --muon-comm gather|all_to_all (identical bytes into
+//   one newton_schulz call per unit, so the two are bitwise equal), update applied on the
+//   shards; then all-gather the shards into the full weights, and read the step's result.
 // Parameters are gathered and gradients reduce-scattered per parameter, walked in
 // per-layer groups (embedding; layer 0 … L−1; final norm + head; model/model.h's weight
 // groups). Overlap (dist/comm.h): after the optimizer every shard is rounded, then the
@@ -55,6 +57,7 @@
 #include "dist/comm.h"
 #include "dist/plan.h"
 #include "model/model.h"
+#include "train/optimizer.h"
 #include "text/data_loader.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
@@ -65,12 +68,12 @@ struct DistStepTraffic {
   int64_t muon_sent = 0, muon_received = 0;  // this rank, this step, Muon exchanges only
   int64_t fsdp_sent = 0, fsdp_received = 0;  // weight all-gather + gradient reduce-scatter + norm
   std::vector<int64_t> muon_sent_per_rank, muon_received_per_rank;
-  // Wall time of this rank's optimizer step (norm, AdamW, Muon) and of its Muon part
-  // (prepare, exchanges, Newton–Schulz, apply), each ended by a device synchronisation.
-  double optimizer_ms = 0, muon_ms = 0;
 };
 
-class FsdpTrainer {
+// The optimizer step is train/optimizer.h's Optimizer over this rank's shards, queued with
+// no host synchronisation like the single-device trainer's; the trainer is its ShardExchange
+// (the norm's row sums from every rank, the Muon exchanges).
+class FsdpTrainer : private ShardExchange {
  public:
   FsdpTrainer(TrainOptions o, MuonComm muon_comm, Communicator& comm);
   // Detaches the communicator from the backend's stream, which goes with the backend.
@@ -108,8 +111,11 @@ class FsdpTrainer {
   Status load_checkpoint(const std::string& path);
   void gather_weights(bool changed);
   void reduce_scatter_group(size_t group, bool accumulate);
-  double grad_norm();
-  StepResult optimizer_step(double lr, DistStepTraffic* traffic);
+  // ShardExchange. The norm: every shard's per-row Σg², gathered parameter by parameter into
+  // (param, row) order, which no rank count changes, and summed there in core/fixed_sum.h's order.
+  void grad_sum_squares_into(Tensor ss) override;
+  Tensor muon_update(size_t i) override;
+  void orthogonalise() override;
   void muon_exchange_all_to_all();
   void muon_exchange_gather();
   void gather_rows_to_root(const Tensor& shard, const ShardedParam& p, const Local& l, void* full);
@@ -145,14 +151,17 @@ class FsdpTrainer {
   Tensor ushard_, owned_, bcast_;  // ushard_: the Muon update u, overwritten in place by o = NS(u)
   Tensor wshard_;  // [Σ my shard elements] wdtype_: every shard's masters rounded for the weight all-gather
   std::vector<int64_t> gather_mark_;  // [group] the communicator's mark after the group's all-gather
-  Tensor rowsq_;   // [my rows, all params] F64: per-row Σg² for the global norm
+  Tensor rowsq_;      // [my rows, all params] F64: per-row Σg² for the global norm
+  Tensor rowsq_all_;  // [every row of every param] F64: everybody's, in (param, row) order
+  Optimizer optimizer_;
+  std::vector<size_t> opt_param_;  // [optimizer's param] the index in params_ (this rank's non-empty shards)
+  int64_t muon_sent_ = 0, muon_received_ = 0;  // the last orthogonalise()'s traffic
   Tensor full_;    // [max param] dtype_: one parameter gathered for a checkpoint
   Tensor a2a_send_, a2a_recv_;  // Muon all_to_all exchange buffers (dtype_)
   std::vector<int64_t> a2a_to_, a2a_from_;  // elements to / from each rank per exchange
   NsScratch ns_;
   uint64_t plan_hash_ = 0;
   MemoryPlan plan_;
-  int64_t t_ = 0;  // AdamW bias-correction step counter
   DataLoader train_loader_, val_loader_;
   bool has_val_ = false;
   TrainProgress progress_;

@@ -1109,6 +1109,11 @@ TEST_F(CudaOps, DeviceScalarOpsMatchHostScalarOps) {
   cpu_->loss_sum_into(l.r(), 4999, Tensor(&hl, DType::kF64, {1}), false);
   cuda_->loss_sum_into(l.d(), 4999, acc, false);
   EXPECT_EQ(scalar_of(acc), hl);
+  // ... and of an F64 vector (the sharded optimizer's per-row sums of squares), divided by 1.
+  Buf r = input({70001}, kF64, kF64, 124, 0.0, 2.0);
+  cpu_->loss_sum_into(r.r(), 1.0, Tensor(&hl, DType::kF64, {1}), false);
+  cuda_->loss_sum_into(r.d(), 1.0, acc, false);
+  EXPECT_EQ(scalar_of(acc), hl);
 }
 
 TEST_F(CudaOps, GatedOptimizerOpsSkipOrMatchUngated) {

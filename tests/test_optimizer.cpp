@@ -194,7 +194,14 @@ struct Params {
     Tensor w = *store.back();
     store.push_back(std::make_unique<OwnedTensor>(dt, shape));
     Tensor g = *store.back();
-    list.push_back({name, w, g, muon, std::move(blocks), decay});
+    Param p;
+    p.name = name;
+    p.w = w;
+    p.g = g;
+    p.muon = muon;
+    p.blocks = std::move(blocks);
+    p.decay = decay;
+    list.push_back(std::move(p));
     return list.back();
   }
 };
@@ -698,6 +705,191 @@ TEST(Optimizer, InitValidation) {
 }
 
 // ---- Schedule ----------------------------------------------------------------------------
+
+// ---- row shards (ShardExchange) ----------------------------------------------------------
+
+int64_t rows_of(const Tensor& t) { return t.ndim == 2 ? t.dim(0) : t.numel(); }
+
+// A ShardExchange inside one process, as the sharded trainer's is across ranks: the
+// optimizer's params are row pieces of whole matrices (a matrix's pieces adjacent, in row
+// order). The norm adds per-row Σg² in (matrix, row) order with the fixed-order sum; the
+// orthogonalisation assembles each matrix's update, runs Newton–Schulz per block and hands
+// every piece its rows back.
+class PiecesExchange : public ShardExchange {
+ public:
+  PiecesExchange(const std::vector<Param>& ps, int ns_steps) : ps_(ps), steps_(ns_steps) {
+    int64_t rows = 0, most = 1;
+    for (const Param& p : ps_) {
+      rows += rows_of(p.w);
+      if (!p.muon) {
+        upd_.push_back(nullptr);
+        continue;
+      }
+      upd_.push_back(std::make_unique<OwnedTensor>(p.w.dtype, std::initializer_list<int64_t>{p.w.dim(0), p.w.dim(1)}));
+      const int64_t global = p.global_rows > 0 ? p.global_rows : p.w.dim(0);
+      most = std::max(most, global * p.w.dim(1));
+      for (int64_t b : p.blocks.empty() ? std::vector<int64_t>{global} : p.blocks) ns_.plan(b, p.w.dim(1));
+    }
+    rowsq_ = std::make_unique<OwnedTensor>(DType::kF64, std::initializer_list<int64_t>{rows});
+    whole_ = std::make_unique<OwnedTensor>(DType::kF32, std::initializer_list<int64_t>{most});
+    ns_.dtype = DType::kF32;
+    EXPECT_TRUE(ns_.allocate(cpu().allocator()).is_ok());
+  }
+  void grad_sum_squares_into(Tensor ss) override {
+    int64_t off = 0;
+    for (const Param& p : ps_) {
+      const int64_t r = rows_of(p.g), gs[2] = {r, p.g.numel() / r}, os[1] = {r};
+      cpu().row_sum_squares(Tensor::make(p.g.data, p.g.dtype, gs, 2, Device::kCPU),
+                            Tensor::make(static_cast<double*>(rowsq_->t.data) + off, DType::kF64, os, 1, Device::kCPU));
+      off += r;
+    }
+    cpu().loss_sum_into(*rowsq_, 1.0, ss, false);
+  }
+  Tensor muon_update(size_t i) override { return *upd_[i]; }
+  void orthogonalise() override {
+    ++calls;
+    for (size_t i = 0; i < ps_.size();) {
+      if (!ps_[i].muon) {
+        ++i;
+        continue;
+      }
+      const int64_t R = ps_[i].global_rows > 0 ? ps_[i].global_rows : ps_[i].w.dim(0), C = ps_[i].w.dim(1);
+      const int64_t shape[2] = {R, C};
+      Tensor whole = Tensor::make(whole_->t.data, DType::kF32, shape, 2, Device::kCPU);
+      size_t j = i;
+      for (int64_t r = 0; r < R; r += rows_of(ps_[j].w), ++j) cpu().copy(whole.slice(0, r, r + rows_of(ps_[j].w)), *upd_[j]);
+      const std::vector<int64_t> blocks = ps_[i].blocks.empty() ? std::vector<int64_t>{R} : ps_[i].blocks;
+      muon_orthogonalise(cpu(), whole, blocks, whole, ns_, steps_);
+      for (int64_t r = 0; i < j; r += rows_of(ps_[i].w), ++i) cpu().copy(*upd_[i], whole.slice(0, r, r + rows_of(ps_[i].w)));
+    }
+  }
+  int calls = 0;
+
+ private:
+  std::vector<Param> ps_;
+  int steps_;
+  std::vector<std::unique_ptr<OwnedTensor>> upd_;
+  std::unique_ptr<OwnedTensor> rowsq_, whole_;
+  NsScratch ns_;
+};
+
+// Every param of `whole` cut into two row pieces at R/4 + 1, off the Muon blocks' boundaries
+// (a 48-row matrix at 13). The first piece of each param brings its own state.
+struct Pieces {
+  Params p;
+  std::vector<std::unique_ptr<OwnedTensor>> state;
+  explicit Pieces(const Params& whole) {
+    for (const Param& w : whole.list) {
+      const int64_t R = rows_of(w.w), cut = R / 4 + 1, C = w.w.numel() / R;
+      for (auto [a, b] : {std::pair<int64_t, int64_t>{0, cut}, {cut, R}}) {
+        Param& q = w.w.ndim == 2 ? p.add(w.name + ".rows" + std::to_string(a), w.w.dtype, {b - a, C}, w.muon)
+                                 : p.add(w.name + ".rows" + std::to_string(a), w.w.dtype, {b - a}, w.muon);
+        q.blocks = w.muon ? (w.blocks.empty() ? std::vector<int64_t>{R} : w.blocks) : std::vector<int64_t>{};
+        q.decay = w.decay;
+        q.row_begin = a;
+        q.global_rows = R;
+        std::memcpy(q.w.data, static_cast<const float*>(w.w.data) + a * C, q.w.nbytes());
+        if (a == 0) {
+          for (int k = 0; k < (w.muon ? 1 : 2); ++k) {
+            state.push_back(std::make_unique<OwnedTensor>(q.w.dtype, std::initializer_list<int64_t>{q.w.numel()}));
+            Tensor t = Tensor::make(state.back()->t.data, q.w.dtype, q.w.shape.data(), q.w.ndim, Device::kCPU);
+            std::memset(t.data, 0, t.nbytes());
+            (k == 0 ? q.state0 : q.state1) = t;
+          }
+        }
+      }
+    }
+  }
+  // The pieces' gradients ← the whole params' (after refill_grads on them).
+  void copy_grads(const Params& whole) {
+    size_t k = 0;
+    for (const Param& w : whole.list)
+      for (size_t off = 0; off < w.g.nbytes(); off += p.list[k].g.nbytes(), ++k)
+        std::memcpy(p.list[k].g.data, static_cast<const char*>(w.g.data) + off, p.list[k].g.nbytes());
+  }
+};
+
+// The same steps over row pieces and over whole matrices, each through an exchange that
+// sums the norm in (matrix, row) order: the same norm, clip coefficient, weights and state,
+// bit for bit — what lets the sharded trainer be exact for any number of ranks.
+TEST(OptimizerShards, RowPiecesStepLikeWholeMatrices) {
+  Params whole = make_model(DType::kF32, 7);
+  // And a matrix whose blocks scale differently (rows 16 and 32 over 16 columns), its second
+  // piece (from row 13) across the boundary.
+  Param& x = whole.add("model.layers.0.extra.weight", DType::kF32, {48, 16}, true, {16, 32}, true);
+  testing::fill_uniform(x.w, 77, -0.5, 0.5);
+  Pieces pieces(whole);
+  OptimizerConfig cfg;
+  cfg.weight_decay = 0.1;
+  cfg.max_grad_norm = 0.5;
+  PiecesExchange ew(whole.list, cfg.ns_steps), ep(pieces.p.list, cfg.ns_steps);
+  Optimizer ow, op;
+  ASSERT_TRUE(ow.init(cpu(), whole.list, cfg, &ew).is_ok());
+  ASSERT_TRUE(op.init(cpu(), pieces.p.list, cfg, &ep).is_ok());
+  for (int s = 0; s < 3; ++s) {
+    refill_grads(whole, 200 + 10 * s);
+    pieces.copy_grads(whole);
+    const StepResult rw = ow.step(3e-3), rp = op.step(3e-3);
+    EXPECT_EQ(0, std::memcmp(&rw.grad_norm, &rp.grad_norm, sizeof(double))) << rw.grad_norm << " vs " << rp.grad_norm;
+    EXPECT_EQ(rw.clip_coef, rp.clip_coef);
+    EXPECT_LT(rw.clip_coef, 1.0);  // the clip is exercised
+  }
+  EXPECT_EQ(ew.calls, 3);
+  EXPECT_EQ(ep.calls, 3);
+  // Weights and state: each whole param against its two pieces, concatenated (state_tensors
+  // lists a param's momentum, or its m then v, in param order).
+  const auto sw = ow.state_tensors(), sp = op.state_tensors();
+  size_t k = 0, iw = 0, ip = 0;
+  for (const Param& w : whole.list) {
+    std::vector<char> cat;
+    for (int piece = 0; piece < 2; ++piece) {
+      const auto b = bytes_of(pieces.p.list[k + static_cast<size_t>(piece)].w);
+      cat.insert(cat.end(), b.begin(), b.end());
+    }
+    EXPECT_EQ(cat, bytes_of(w.w)) << w.name;
+    const size_t per = w.muon ? 1 : 2;
+    for (size_t s = 0; s < per; ++s) {
+      std::vector<char> st;
+      for (size_t piece = 0; piece < 2; ++piece) {
+        const auto b = bytes_of(sp[ip + piece * per + s].second);
+        st.insert(st.end(), b.begin(), b.end());
+      }
+      EXPECT_EQ(st, bytes_of(sw[iw + s].second)) << sw[iw + s].first;
+    }
+    k += 2;
+    iw += per;
+    ip += 2 * per;
+  }
+  EXPECT_NE(pieces.state.size(), 0u);
+}
+
+// A row shard needs an exchange; state a param brings must match its weight.
+TEST(OptimizerShards, InitChecksShardsAndGivenState) {
+  Params whole = make_model(DType::kF32, 9);
+  Pieces pieces(whole);
+  OptimizerConfig cfg;
+  Optimizer o;
+  Status st = o.init(cpu(), pieces.p.list, cfg);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("needs a ShardExchange"), std::string::npos) << st.message();
+  PiecesExchange ex(pieces.p.list, cfg.ns_steps);
+  std::vector<Param> bad = pieces.p.list;
+  bad[0].row_begin = bad[0].global_rows;  // rows past the matrix's end
+  st = o.init(cpu(), bad, cfg, &ex);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("fall outside"), std::string::npos) << st.message();
+  bad = pieces.p.list;
+  bad[0].state1 = Tensor{};  // AdamW's m without its v
+  st = o.init(cpu(), bad, cfg, &ex);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("needs both"), std::string::npos) << st.message();
+  bad = pieces.p.list;
+  bad[0].state0 = bad[2].w;  // another shape
+  st = o.init(cpu(), bad, cfg, &ex);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("must match the weight"), std::string::npos) << st.message();
+  EXPECT_TRUE(o.init(cpu(), pieces.p.list, cfg, &ex).is_ok());
+}
 
 TEST(Schedule, Warmup) {
   ScheduleConfig c;

@@ -10,12 +10,6 @@ namespace {
 
 std::string shape_of(const Tensor& t) { return t.shape_str(); }
 
-std::string spec_shape_str(const TensorSpec& s) {
-  std::string r = "[";
-  for (size_t i = 0; i < s.shape.size(); ++i) r += (i ? ", " : "") + std::to_string(s.shape[i]);
-  return r + "] " + dtype_name(s.dtype);
-}
-
 std::vector<int64_t> shape_vec(const Tensor& t) { return std::vector<int64_t>(t.shape.begin(), t.shape.begin() + t.ndim); }
 
 Tensor view_as(const Tensor& flat, const Tensor& like) {
@@ -56,7 +50,7 @@ void muon_orthogonalise(Backend& be, const Tensor& u, const std::vector<int64_t>
 }
 
 void muon_finish(Backend& be, Tensor w, const Tensor& o, const std::vector<int64_t>& blocks,
-                 int64_t row_begin, double lr, double wd, MuonScale mode) {
+                 int64_t row_begin, double lr, double wd, MuonScale mode, const Tensor& skip) {
   LAPLACE_CHECK(w.ndim == 2 && same_shape(w, o), "muon_finish: w and o must be equal 2-D shapes");
   const int64_t cols = w.dim(1);
   const int64_t row_end = row_begin + w.dim(0);
@@ -65,8 +59,10 @@ void muon_finish(Backend& be, Tensor w, const Tensor& o, const std::vector<int64
     const int64_t b1 = b0 + br;
     const int64_t lo = std::max(b0, row_begin), hi = std::min(b1, row_end);
     if (lo < hi) {
-      be.muon_apply(w.slice(0, lo - row_begin, hi - row_begin), o.slice(0, lo - row_begin, hi - row_begin), lr, wd,
-                    muon_scale(br, cols, mode));
+      const Tensor wr = w.slice(0, lo - row_begin, hi - row_begin), orr = o.slice(0, lo - row_begin, hi - row_begin);
+      const double sc = muon_scale(br, cols, mode);
+      if (skip.defined()) be.muon_apply_gated(wr, orr, lr, wd, sc, skip);
+      else be.muon_apply(wr, orr, lr, wd, sc);
       covered += hi - lo;
     }
     b0 = b1;
@@ -91,7 +87,9 @@ void global_grad_sum_squares_into(Backend& be, const std::vector<Param>& params,
 
 // ---- Optimizer ------------------------------------------------------------------------------
 
-Status Optimizer::init(Backend& be, std::vector<Param> params, const OptimizerConfig& cfg) {
+size_t Optimizer::sharded_scratch_bytes() { return Arena::planned_bytes({{"optim.scratch.scalars", DType::kF64, {4}}}); }
+
+Status Optimizer::init(Backend& be, std::vector<Param> params, const OptimizerConfig& cfg, ShardExchange* exchange) {
   LAPLACE_RETURN_IF_ERROR(cfg.validate());
   std::unordered_set<std::string> names;
   bool have_muon_dtype = false;
@@ -111,22 +109,37 @@ Status Optimizer::init(Backend& be, std::vector<Param> params, const OptimizerCo
     if (p.w.device != be.device() || p.g.device != be.device())
       return bad(std::string("tensors must live on the backend's device (") + device_name(be.device()) + ")");
     if (!p.w.is_contiguous() || !p.g.is_contiguous()) return bad("weight and gradient must be contiguous");
+    const int64_t rows = p.w.ndim > 0 ? p.w.dim(0) : 1;
+    const int64_t global = p.global_rows > 0 ? p.global_rows : rows;
+    if (p.row_begin < 0 || p.row_begin + rows > global)
+      return bad("rows [" + std::to_string(p.row_begin) + ", " + std::to_string(p.row_begin + rows) +
+                 ") fall outside the matrix's " + std::to_string(global));
+    if (exchange == nullptr && (p.row_begin != 0 || global != rows))
+      return bad("a row shard needs a ShardExchange");
+    for (const Tensor* st : {&p.state0, &p.state1})
+      if (st->defined() && (!same_shape(*st, p.w) || st->dtype != p.w.dtype || st->device != p.w.device ||
+                            !st->is_contiguous()))
+        return bad("given state " + shape_of(*st) + " must match the weight " + shape_of(p.w));
+    if (p.state0.defined() != (p.muon || p.state1.defined()) && (p.state0.defined() || p.state1.defined()))
+      return bad(p.muon ? "Muon state is state0 alone" : "AdamW state needs both state0 and state1");
     if (p.muon) {
       if (p.w.ndim != 2) return bad("Muon needs a 2-D matrix, got " + shape_of(p.w));
-      const int64_t rows = p.w.dim(0), cols = p.w.dim(1);
-      if (p.blocks.empty()) p.blocks = {rows};
+      const int64_t cols = p.w.dim(1);
+      if (p.blocks.empty()) p.blocks = {global};
       int64_t sum = 0;
       for (int64_t b : p.blocks) {
         if (b <= 0) return bad("Muon blocks must be positive row counts");
         sum += b;
       }
-      if (sum != rows)
-        return bad("Muon blocks sum to " + std::to_string(sum) + " rows, the matrix has " + std::to_string(rows));
+      if (sum != global)
+        return bad("Muon blocks sum to " + std::to_string(sum) + " rows, the matrix has " + std::to_string(global));
       if (have_muon_dtype && p.w.dtype != muon_dtype) return bad("all Muon params must share one dtype");
       have_muon_dtype = true;
       muon_dtype = p.w.dtype;
-      for (int64_t b : p.blocks) ns.plan(b, cols);
-      max_muon = std::max(max_muon, p.w.numel());
+      if (exchange == nullptr) {  // the exchange orthogonalises in buffers of its own
+        for (int64_t b : p.blocks) ns.plan(b, cols);
+        max_muon = std::max(max_muon, p.w.numel());
+      }
     } else if (!p.blocks.empty()) {
       return bad("blocks are only meaningful for Muon params");
     }
@@ -134,16 +147,22 @@ Status Optimizer::init(Backend& be, std::vector<Param> params, const OptimizerCo
 
   std::vector<TensorSpec> specs;
   std::vector<Slot> slots(params.size());
+  std::vector<std::pair<int64_t, int64_t>> in_arena(params.size(), {-1, -1});  // spec indices of allocated state
   for (size_t i = 0; i < params.size(); ++i) {
     const Param& p = params[i];
-    if (p.muon) {
-      slots[i].state0 = static_cast<int64_t>(specs.size());
-      specs.push_back({"optim." + p.name + ".momentum", p.w.dtype, shape_vec(p.w)});
-    } else {
-      slots[i].state0 = static_cast<int64_t>(specs.size());
-      specs.push_back({"optim." + p.name + ".adam_m", p.w.dtype, shape_vec(p.w)});
-      slots[i].state1 = static_cast<int64_t>(specs.size());
-      specs.push_back({"optim." + p.name + ".adam_v", p.w.dtype, shape_vec(p.w)});
+    Slot& sl = slots[i];
+    sl.name0 = "optim." + p.name + (p.muon ? ".momentum" : ".adam_m");
+    if (!p.muon) sl.name1 = "optim." + p.name + ".adam_v";
+    if (p.state0.defined()) {
+      sl.state0 = p.state0;
+      sl.state1 = p.state1;
+      continue;
+    }
+    in_arena[i].first = static_cast<int64_t>(specs.size());
+    specs.push_back({sl.name0, p.w.dtype, shape_vec(p.w)});
+    if (!p.muon) {
+      in_arena[i].second = static_cast<int64_t>(specs.size());
+      specs.push_back({sl.name1, p.w.dtype, shape_vec(p.w)});
     }
   }
   const size_t scalars_idx = specs.size();
@@ -163,7 +182,13 @@ Status Optimizer::init(Backend& be, std::vector<Param> params, const OptimizerCo
     LAPLACE_RETURN_IF_ERROR(ns.bind(arena, "optim.scratch.ns."));
   }
 
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (in_arena[i].first >= 0) slots[i].state0 = arena.tensor(static_cast<size_t>(in_arena[i].first));
+    if (in_arena[i].second >= 0) slots[i].state1 = arena.tensor(static_cast<size_t>(in_arena[i].second));
+  }
+
   be_ = &be;
+  exchange_ = exchange;
   cfg_ = cfg;
   params_ = std::move(params);
   slots_ = std::move(slots);
@@ -184,7 +209,8 @@ void Optimizer::enqueue_step(double lr) {
   const Tensor ss = scalars_.slice(0, 0, 1), clip = scalars_.slice(0, 1, 4);
   const Tensor coef = scalars_.slice(0, 2, 3), skip = scalars_.slice(0, 3, 4);
   // 1–2: norm, skip flag and clip coefficient on the device; g *= coef (a no-op at 1).
-  global_grad_sum_squares_into(be, params_, ss);
+  if (exchange_ != nullptr) exchange_->grad_sum_squares_into(ss);
+  else global_grad_sum_squares_into(be, params_, ss);
   be.grad_clip_scalars(ss, cfg_.max_grad_norm, clip);
   for (Param& p : params_) be.scale_by(p.g, coef);
 
@@ -199,24 +225,34 @@ void Optimizer::enqueue_step(double lr) {
     Param& p = params_[i];
     if (p.muon) continue;
     ap.wd = p.decay ? cfg_.weight_decay : 0.0;
-    be.adamw_update_gated(p.w, p.g, arena_.tensor(slots_[i].state0), arena_.tensor(slots_[i].state1), ap, skip);
+    be.adamw_update_gated(p.w, p.g, slots_[i].state0, slots_[i].state1, ap, skip);
   }
   // 4: Muon. u and the Newton–Schulz scratch are scratch, so only the momentum and the
-  // weights need the gate.
+  // weights need the gate. Over shards every update is prepared before the exchange
+  // orthogonalises them all; on whole matrices each param goes through one buffer in turn.
+  if (exchange_ != nullptr) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!params_[i].muon) continue;
+      const Tensor u = exchange_->muon_update(i);
+      LAPLACE_CHECK(same_shape(params_[i].g, u), "ShardExchange::muon_update: shape differs from the param's");
+      be.muon_momentum_gated(params_[i].g, slots_[i].state0, u, cfg_.momentum, cfg_.nesterov, skip);
+    }
+    exchange_->orthogonalise();
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const Param& p = params_[i];
+      if (p.muon)
+        muon_finish(be, p.w, exchange_->muon_update(i), p.blocks, p.row_begin, lr, cfg_.weight_decay, cfg_.scale, skip);
+    }
+    return;
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
     if (!p.muon) continue;
     Tensor u = view_as(update_, p.w);
     LAPLACE_CHECK(same_shape(p.g, u), "muon_prepare: shapes differ");
-    be.muon_momentum_gated(p.g, arena_.tensor(slots_[i].state0), u, cfg_.momentum, cfg_.nesterov, skip);
+    be.muon_momentum_gated(p.g, slots_[i].state0, u, cfg_.momentum, cfg_.nesterov, skip);
     muon_orthogonalise(be, u, p.blocks, u, ns_, cfg_.ns_steps);
-    const int64_t cols = p.w.dim(1);
-    int64_t r0 = 0;
-    for (int64_t br : p.blocks) {  // muon_finish's per-block scale, gated
-      be.muon_apply_gated(p.w.slice(0, r0, r0 + br), u.slice(0, r0, r0 + br), lr, cfg_.weight_decay,
-                          muon_scale(br, cols, cfg_.scale), skip);
-      r0 += br;
-    }
+    muon_finish(be, p.w, u, p.blocks, 0, lr, cfg_.weight_decay, cfg_.scale, skip);
   }
 }
 
@@ -235,11 +271,9 @@ StepResult Optimizer::finish_step() {
 
 std::vector<std::pair<std::string, Tensor>> Optimizer::state_tensors() const {
   std::vector<std::pair<std::string, Tensor>> out;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    for (int64_t idx : {slots_[i].state0, slots_[i].state1}) {
-      if (idx < 0) continue;
-      out.emplace_back(arena_.spec(static_cast<size_t>(idx)).name, arena_.tensor(static_cast<size_t>(idx)));
-    }
+  for (const Slot& sl : slots_) {
+    out.emplace_back(sl.name0, sl.state0);
+    if (sl.state1.defined()) out.emplace_back(sl.name1, sl.state1);
   }
   return out;
 }
@@ -257,10 +291,9 @@ Status Optimizer::load_state(const std::vector<std::pair<std::string, Tensor>>& 
       return Status::invalid_argument("optimizer state: unexpected tensor '" + name +
                                       "' (no such parameter or state in this optimizer)");
     if (src[j] != nullptr) return Status::invalid_argument("optimizer state: tensor '" + name + "' given twice");
-    const TensorSpec& spec = arena_.spec(static_cast<size_t>(arena_.find(name)));
     if (!same_shape(t, mine[j].second) || t.dtype != mine[j].second.dtype)
       return Status::invalid_argument("optimizer state: tensor '" + name + "' is " + shape_of(t) + ", expected " +
-                                      spec_shape_str(spec));
+                                      shape_of(mine[j].second));
     if (!t.defined()) return Status::invalid_argument("optimizer state: tensor '" + name + "' has no data");
     src[j] = &t;
   }

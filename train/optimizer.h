@@ -40,6 +40,27 @@ struct Param {
   // Weight decay. AdamW params: as given (true for embeddings/head only). Muon params
   // are always decayed (docs/training.md §6), whatever this says.
   bool decay = false;
+  // Row shards (with a ShardExchange): w and g are the rows [row_begin, row_begin + rows)
+  // of a matrix of global_rows rows (0: w's own), and Muon's blocks are the whole matrix's.
+  int64_t row_begin = 0, global_rows = 0;
+  // Optional state the caller owns (shape, dtype and device of w): Muon's momentum in
+  // state0, AdamW's m and v in state0 and state1. Undefined: the optimizer allocates it.
+  Tensor state0, state1;
+};
+
+// What a step over row shards needs from the other ranks (dist/fsdp_trainer.h implements it).
+// Every call is collective (each rank makes the same calls in the same order) and is queued
+// on the device: nothing in it waits for the device or reads a value back.
+class ShardExchange {
+ public:
+  virtual ~ShardExchange() = default;
+  // ss (device scalar) = Σ g² over every rank's rows of every parameter, summed in an order
+  // that the number of ranks does not change (so the clip coefficient has the same bits).
+  virtual void grad_sum_squares_into(Tensor ss) = 0;
+  // Where the optimizer's Muon param i writes its update u: w's shape, on the device.
+  virtual Tensor muon_update(size_t i) = 0;
+  // Every muon_update(i) ← the matching rows of NS(u) of its whole blocks.
+  virtual void orthogonalise() = 0;
 };
 
 struct OptimizerConfig {
@@ -77,8 +98,9 @@ void muon_orthogonalise(Backend& be, const Tensor& u, const std::vector<int64_t>
 // w ← w·(1 − lr·wd) − lr·muon_scale(block_rows, cols)·o, row by row block. w and o are
 // the rows [row_begin, row_begin + w.rows) of a matrix whose global row blocks are
 // `blocks`; rows of the shard outside every block are a programming error.
+// With a device scalar `skip`, the gated form (nothing when skip is non-zero).
 void muon_finish(Backend& be, Tensor w, const Tensor& o, const std::vector<int64_t>& blocks,
-                 int64_t row_begin, double lr, double wd, MuonScale mode);
+                 int64_t row_begin, double lr, double wd, MuonScale mode, const Tensor& skip = Tensor{});
 
 // Global gradient norm: sqrt(Σ sum_squares(g)) in param order, in double.
 double global_grad_norm(Backend& be, const std::vector<Param>& params);
@@ -95,9 +117,16 @@ class Optimizer {
   // backend's device; Muon params 2-D with blocks summing to rows) and the config,
   // then allocates every state tensor in ONE zeroed Arena on the backend's allocator:
   // "optim.<name>.momentum" (Muon) or "optim.<name>.adam_m"/".adam_v" (AdamW), in the
-  // dtype of w, plus the Muon update buffer, the Newton–Schulz scratch and the step's
-  // device scalars.
-  Status init(Backend& be, std::vector<Param> params, const OptimizerConfig& cfg);
+  // dtype of w (except state a Param brings), plus the Muon update buffer, the
+  // Newton–Schulz scratch and the step's device scalars.
+  // With `exchange` the params may be row shards (Param::row_begin, global_rows): the norm
+  // and the Muon orthogonalisation go through it, and the optimizer allocates no Muon
+  // buffers of its own. Without it every param must be whole.
+  Status init(Backend& be, std::vector<Param> params, const OptimizerConfig& cfg,
+              ShardExchange* exchange = nullptr);
+  // The bytes init allocates for params that bring their state, with an exchange: the
+  // step's device scalars alone (a sharded trainer's memory plan counts them).
+  static size_t sharded_scratch_bytes();
 
   // One step at learning rate lr (the schedule is the caller's):
   //  1. norm = global_grad_norm; non-finite ⇒ {skipped, norm}, nothing touched.
@@ -133,11 +162,12 @@ class Optimizer {
 
  private:
   struct Slot {
-    int64_t state0 = -1;  // arena index: momentum (Muon) or adam_m (AdamW)
-    int64_t state1 = -1;  // arena index: adam_v (AdamW)
+    std::string name0, name1;  // "optim.<param>.momentum" (Muon) or ".adam_m", ".adam_v" (AdamW)
+    Tensor state0, state1;     // the caller's or views of arena_
   };
 
   Backend* be_ = nullptr;
+  ShardExchange* exchange_ = nullptr;
   OptimizerConfig cfg_;
   std::vector<Param> params_;
   std::vector<Slot> slots_;

@@ -42,12 +42,14 @@ __global__ void scale_by_inv_norm_kernel(EView x, const double* ss, double eps, 
 
 // The F64 sum of core/fixed_sum.h, one block: thread t is lane t (its elements in index
 // order), then the fixed pairwise fold in shared memory; the same bits as Model::loss.
+// f64: a contiguous F64 vector (the sharded optimizer's per-row sums of squares) instead of
+// the losses' F32/BF16 view.
 __global__ void __launch_bounds__(kFixedSumLanes)
-    loss_sum_kernel(EView losses, int64_t n, double count, double* acc, int accumulate) {
+    loss_sum_kernel(EView losses, const double* f64, int64_t n, double count, double* acc, int accumulate) {
   __shared__ double lane[kFixedSumLanes];
   double s = 0;
   for (int64_t i = threadIdx.x; i < n; i += kFixedSumLanes)
-    s += static_cast<double>(ldf(losses.p, losses.off(i), losses.dt));
+    s += f64 != nullptr ? f64[i] : static_cast<double>(ldf(losses.p, losses.off(i), losses.dt));
   lane[threadIdx.x] = s;
   __syncthreads();
   for (int w = kFixedSumLanes / 2; w > 0; w >>= 1) {
@@ -90,9 +92,15 @@ void CudaBackend::scale_by_inv_norm(Tensor x, const Tensor& ss, double eps) {
 
 void CudaBackend::loss_sum_into(const Tensor& losses, double count, Tensor acc, bool accumulate) {
   LAPLACE_CHECK(losses.ndim == 1, "loss_sum_into: losses must be a vector [N]");
-  EView vl = make_eview(losses, "loss_sum_into: losses");
+  const bool f64 = losses.dtype == DType::kF64;
+  if (f64) {
+    check_device(losses, "loss_sum_into: losses");
+    LAPLACE_CHECK(losses.is_contiguous(), "loss_sum_into: F64 losses must be contiguous");
+  }
+  EView vl = f64 ? EView{} : make_eview(losses, "loss_sum_into: losses");
   double* a = device_scalar(acc, 1, "loss_sum_into: acc");
-  loss_sum_kernel<<<1, kFixedSumLanes, 0, stream_>>>(vl, losses.numel(), count, a, accumulate ? 1 : 0);
+  loss_sum_kernel<<<1, kFixedSumLanes, 0, stream_>>>(vl, f64 ? static_cast<const double*>(losses.data) : nullptr,
+                                                     losses.numel(), count, a, accumulate ? 1 : 0);
   CUDA_CHECK_LAUNCH();
 }
 
