@@ -286,6 +286,20 @@ Status FsdpTrainer::setup_local() {
   }
   x_.resize(opt_.batch * opt_.seq);
   y_.resize(opt_.batch * opt_.seq);
+  // The step's loss on the device: targets, per-token losses, this micro-batch's mean, every
+  // rank's means of the step in micro-batch order, and their mean.
+  const int64_t N = opt_.batch * opt_.seq;
+  LAPLACE_RETURN_IF_ERROR(loss_bufs_.create({{"targets", DType::kI32, {N}},
+                                             {"losses", wdtype_ == DType::kBF16 ? DType::kF32 : wdtype_, {N}},
+                                             {"micro_loss", DType::kF64, {1}},
+                                             {"step_losses", DType::kF64, {opt_.grad_accum * P_}},
+                                             {"loss_sum", DType::kF64, {1}}},
+                                            be_->allocator(), "loss buffers"));
+  targets_dev_ = loss_bufs_.tensor(0);
+  losses_dev_ = loss_bufs_.tensor(1);
+  micro_loss_ = loss_bufs_.tensor(2);
+  step_losses_ = loss_bufs_.tensor(3);
+  loss_sum_ = loss_bufs_.tensor(4);
   return Status::ok();
 }
 
@@ -692,7 +706,7 @@ void FsdpTrainer::log_line(const StepLog& s, const DistStepTraffic& t) {
 Status FsdpTrainer::run(const std::function<void(const StepLog&, const DistStepTraffic&)>& on_step) {
   first_step_ = progress_.step;
   const int64_t A = opt_.grad_accum;
-  std::vector<double> losses(P_);
+  const int64_t N = opt_.batch * opt_.seq;
   std::vector<int64_t> ones(P_, 1), displs(P_);
   for (int q = 0; q < P_; ++q) displs[q] = q;
   DistStepTraffic tr;  // the step's, for its record
@@ -701,7 +715,6 @@ Status FsdpTrainer::run(const std::function<void(const StepLog&, const DistStepT
   loop.talk = loop.talk && me_ == 0;
   loop.step = [&](int64_t step, double* loss_out) {
     const CommStats at_start = comm_.stats();
-    double loss = 0;
     comm_.overlap_begin();  // no-op when the last gather left it open
     ForwardOptions fo;
     fo.before_group = [&](int64_t g) { comm_.compute_wait(gather_mark_[static_cast<size_t>(g)]); };
@@ -709,15 +722,25 @@ Status FsdpTrainer::run(const std::function<void(const StepLog&, const DistStepT
       if (a > 0) comm_.compute_wait(comm_.mark());  // the last micro-step's reduce-scatters have read full_g
       grads_.zero();
       train_loader_.next(x_.data(), y_.data());
+      if (opt_.target_mask) opt_.target_mask(x_.data(), y_.data(), opt_.batch, opt_.seq);
       model_.forward(x_.data(), opt_.batch, opt_.seq, fo);
-      const double l = model_.loss(y_.data());
+      // The micro-batch's mean loss (Model::loss's arithmetic) into a device scalar, as the
+      // single-device trainer does; nothing is read back until the step's end.
+      int64_t count = 0;
+      for (int64_t i = 0; i < N; ++i) count += y_[i] >= 0;
+      be_->copy(targets_dev_, Tensor(y_.data(), DType::kI32, {N}));
+      be_->cross_entropy_forward(model_.logits(), targets_dev_, losses_dev_);
+      be_->loss_sum_into(losses_dev_, static_cast<double>(count), micro_loss_, false);
       model_.backward(y_.data(), grads_, 1.0 / static_cast<double>(A * P_),
                       [&](int64_t g) { reduce_scatter_group(static_cast<size_t>(g), a > 0); });
-      comm_.all_gather(&l, losses.data(), ones, displs, CommType::kF64);
-      for (int q = 0; q < P_; ++q) loss += losses[q];  // micro-batch order (a, r)
+      // Rank r's loss of micro-step a lands at a·P + r: the order of one rank's A·P
+      // micro-batches, so the step's loss does not depend on P either.
+      comm_.after_compute();
+      comm_.all_gather(micro_loss_.data, static_cast<double*>(step_losses_.data) + a * P_, ones, displs,
+                       CommType::kF64);
     }
     comm_.overlap_end();  // the optimizer reads every reduced shard
-    *loss_out = loss / static_cast<double>(A * P_);
+    be_->loss_sum_into(step_losses_, static_cast<double>(A * P_), loss_sum_, false);
     // The optimizer step and the next step's weight all-gathers are queued with no host
     // synchronisation; the result (norm, skip) is read at the step's end. A skipped step
     // leaves the masters as they were, so gathering them again gives the same weights.
@@ -733,7 +756,9 @@ Status FsdpTrainer::run(const std::function<void(const StepLog&, const DistStepT
     tr.muon_received_per_rank.resize(P_);
     comm_.all_gather(&tr.muon_sent, tr.muon_sent_per_rank.data(), ones, displs, CommType::kI64);
     comm_.all_gather(&tr.muon_received, tr.muon_received_per_rank.data(), ones, displs, CommType::kI64);
-    return optimizer_.finish_step();
+    const StepResult r = optimizer_.finish_step();  // the step's one synchronisation
+    be_->copy(Tensor(loss_out, DType::kF64, {1}), loss_sum_);
+    return r;
   };
   loop.optimizer_steps = [this] { return optimizer_.step_count(); };
   loop.record = [&](const StepLog& s) {

@@ -167,6 +167,8 @@ class FsdpTrainer : private ShardExchange {
   TrainProgress progress_;
   int64_t first_step_ = 0;
   std::vector<int32_t> x_, y_;
+  Arena loss_bufs_;  // as the single-device trainer's (not in the memory plan: a few vectors of B·T)
+  Tensor targets_dev_, losses_dev_, micro_loss_, step_losses_, loss_sum_;
 };
 
 }  // namespace laplace

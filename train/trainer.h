@@ -67,8 +67,7 @@ struct TrainOptions {
   bool quiet = false;
   // Optional: sees each batch's inputs and targets ([batch, seq], row-major) before the
   // loss, training and validation alike, and may set targets to −1, which the loss and its
-  // mean ignore (`laplace eval mqar` keeps its answer positions only). Trainer only; the
-  // FSDP trainer does not call it.
+  // mean ignore (`laplace eval mqar` keeps its answer positions only).
   std::function<void(const int32_t* x, int32_t* y, int64_t batch, int64_t seq)> target_mask;
 };
 
