@@ -6,10 +6,12 @@
 #include "cli/common.h"
 #include "core/dtype.h"
 #include "dist/comm.h"
+#include "dist/fsdp_layout.h"
 #include "dist/plan.h"
 #include "dist/step_model.h"
 #include "model/config.h"
 #include "ops/backend.h"
+#include "train/memory_plan.h"
 
 namespace laplace::cli {
 
@@ -22,6 +24,7 @@ struct PlanArgs {
   std::string dtype = "bf16";
   int show_ranks = 4;
   bool predict = false;
+  double memory_gb = 0;  // > 0: print one rank's memory plan on GPUs of this many GB
   StepMachine machine;
   StepWorkload work;
 };
@@ -75,6 +78,33 @@ Status run_predict(const PlanArgs& a, const Config& c) {
   std::printf("  scaling of the given machine vs one GPU: %.3f (tokens/s per GPU ratio)\n",
               mine.tok_s_per_gpu / one.tok_s_per_gpu);
   return Status::ok();
+}
+
+// What `laplace train --device cuda` plans on each of P GPUs (bf16 weights, f32 masters and
+// gradients, Newton–Schulz in bf16) for the step model's micro-batch, sharded (FSDP), and the
+// single-device trainer's plan beside it at P = 1.
+void print_memory(const PlanArgs& a, const Config& c, const std::vector<ShardedParam>& params,
+                  const std::vector<MuonUnit>& units) {
+  MemoryPlanRequest r;
+  r.seq = a.work.seq;
+  r.dtype = DType::kBF16;
+  r.batch = a.work.batch;
+  r.grad_accum = a.work.accum;
+  r.muon_fused = a.muon_fused;
+  r.ns_bf16 = true;
+  r.device_bytes = static_cast<size_t>(a.memory_gb * 1e9);
+  r.reserve_bytes = size_t{3} << 30;  // the trainer's default reserve on CUDA
+  const ShardBytes sb = fsdp_shard_bytes_max(c, params, units, a.ranks, DType::kF32, DType::kBF16, DType::kBF16);
+  r.sharded = &sb;
+  r.ranks = a.ranks;
+  const MemoryPlan sharded = memory_plan_for(c, r, a.work.batch, false);
+  std::printf("\nmemory per GPU, sharded (laplace train --distributed, %d rank%s):\n%s", a.ranks,
+              a.ranks > 1 ? "s" : "", format_memory_plan(sharded, "device").c_str());
+  if (a.ranks == 1) {
+    r.sharded = nullptr;
+    const MemoryPlan one = memory_plan_for(c, r, a.work.batch, false);
+    std::printf("memory, the single-device trainer (laplace train):\n%s", format_memory_plan(one, "device").c_str());
+  }
 }
 
 Status run_plan(const PlanArgs& a) {
@@ -159,6 +189,7 @@ Status run_plan(const PlanArgs& a) {
       "              sent = e·[Σ_{owner≠r} ov_r(u)·c + Σ_{owner=r} (P−1)·rows_u·c]\n"
       "              received = e·[Σ_{owner=r} (rows_u − ov_r(u))·c + Σ_{owner≠r} rows_u·c] ≈ M\n"
       "  see docs/distributed.md\n");
+  if (a.memory_gb > 0) print_memory(a, c, params, units);
   if (a.predict) return run_predict(a, c);
   return Status::ok();
 }
@@ -353,6 +384,9 @@ void add_dist(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   plan->add_flag("--predict", a->predict, "also predict step time and tokens/s (dist/step_model.h) for the given "
                                           "machine and for 1-8 GPUs and 2-64 nodes of 8");
+  plan->add_option("--memory-gb", a->memory_gb, "also print one rank's memory plan (bf16 weights, f32 masters) on "
+                   "GPUs of this many GB, for --batch, --seq and --grad-accum")
+      ->check(CLI::PositiveNumber);
   plan->add_option("--gpus-per-node", a->machine.gpus_per_node, "step model: GPUs per node")->check(CLI::PositiveNumber);
   plan->add_option("--nodes", a->machine.nodes, "step model: nodes")->check(CLI::PositiveNumber);
   plan->add_option("--nvlink-gbs", a->machine.nvlink_gbs, "step model: NCCL bus bandwidth in a node, GB/s")

@@ -45,21 +45,29 @@ FsdpLayout fsdp_layout(const std::vector<ShardedParam>& params, const std::vecto
     const MuonUnit& u = units[k];
     for (int q = 0; q < world; ++q)
       l.unit_rows[k].push_back(overlap(l.rows[u.param][q], {u.row_begin, u.row_begin + u.rows}));
-    if (u.owner == rank) {
+    // A unit this rank owns and holds whole (every unit at P = 1) is orthogonalised where its
+    // rows lie in the update buffer; the others it owns are assembled in the owned buffer.
+    if (u.owner == rank && l.unit_rows[k][rank].rows() == u.rows) {
+      l.owned_off[k] = kOwnedInUpdate;
+    } else if (u.owner == rank) {
       l.owned_off[k] = owned_total;
       owned_total += u.rows * u.cols;
     }
     max_unit = std::max(max_unit, u.rows * u.cols);
     l.ns.plan(u.rows, u.cols);
-    // all_to_all: to owner q go my rows of q's units; from rank q come q's rows of the units I own.
-    l.a2a_to[u.owner] += l.unit_rows[k][rank].rows() * u.cols;
+    // all_to_all: to owner q go my rows of q's units; from rank q come q's rows of the units I
+    // own. A rank's rows of its own units never pass through the exchange buffers.
+    if (u.owner != rank) l.a2a_to[u.owner] += l.unit_rows[k][rank].rows() * u.cols;
     if (u.owner == rank)
-      for (int q = 0; q < world; ++q) l.a2a_from[q] += l.unit_rows[k][q].rows() * u.cols;
+      for (int q = 0; q < world; ++q)
+        if (q != rank) l.a2a_from[q] += l.unit_rows[k][q].rows() * u.cols;
   }
   l.ns.dtype = ns_dtype;
   // The orthogonalised update o overwrites u in place: both exchanges read a unit's u rows
   // (into the send buffer or the owner's block) before they write its o rows.
-  l.muon = {{"muon.u", dtype, {update_total}}, {"muon.owned", dtype, {owned_total}}, {"muon.bcast", dtype, {max_unit}}};
+  l.muon = {{"muon.u", dtype, {update_total}},
+            {"muon.owned", dtype, {owned_total}},
+            {"muon.bcast", dtype, {world > 1 ? max_unit : 0}}};  // another rank's unit, in gather mode
   l.ns.add_specs(&l.muon, "muon.ns.");
 
   int64_t to_total = 0, from_total = 0;

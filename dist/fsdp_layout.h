@@ -16,13 +16,19 @@
 
 namespace laplace {
 
+inline constexpr int64_t kOwnedInUpdate = -2;
+
 struct FsdpLayout {
   std::vector<std::vector<RowRange>> rows;       // [param][rank]: the rank's rows of the parameter
   std::vector<std::vector<RowRange>> unit_rows;  // [unit][rank]: the unit's rows in that rank's shard
   std::vector<int64_t> update_off;  // [param] this rank's rows in the Muon update buffer (−1: AdamW)
   std::vector<int64_t> wshard_off;  // [param] this rank's rows in the rounded-weights staging buffer
-  std::vector<int64_t> owned_off;   // [unit] offset in the owned-units buffer (−1: another rank's)
-  std::vector<int64_t> a2a_to, a2a_from;  // [rank] Muon all_to_all elements to / from each rank
+  // [unit] offset in the owned-units buffer; −1: another rank's; kOwnedInUpdate: this rank's and
+  // wholly in its shard, orthogonalised where it lies in the update buffer (no copy, no room).
+  std::vector<int64_t> owned_off;
+  // [rank] Muon all_to_all elements to / from each rank; 0 for this rank (its own rows of its
+  // own units are copied, not exchanged)
+  std::vector<int64_t> a2a_to, a2a_from;
   NsScratch ns;                     // planned for every unit (unbound)
   // "master.<p>", "grad.<p>", then "optim.<p>.momentum" (Muon) or ".adam_m", ".adam_v" (AdamW)
   std::vector<TensorSpec> shards;

@@ -424,21 +424,33 @@ void FsdpTrainer::orthogonalise() {
 
 // ---- Muon exchanges ----------------------------------------------------------------------------
 
+// Unit k's block on its owner (this rank): where it is orthogonalised.
+char* FsdpTrainer::owned_block(size_t k) {
+  const size_t es = dtype_size(dtype_);
+  if (owned_off_[k] == kOwnedInUpdate) {  // wholly in this rank's shard: in the update buffer
+    const MuonUnit& un = units_[k];
+    const Local& l = local_[un.param];
+    return static_cast<char*>(ushard_.data) + (l.u_off + (un.row_begin - l.mine.begin) * un.cols) * static_cast<int64_t>(es);
+  }
+  return static_cast<char*>(owned_.data) + owned_off_[k] * static_cast<int64_t>(es);
+}
+
 void FsdpTrainer::muon_exchange_all_to_all() {
   const size_t es = dtype_size(dtype_);
   char* u = static_cast<char*>(ushard_.data);
   char* o = u;  // the orthogonalised rows overwrite the update's (setup_local)
-  char* owned = static_cast<char*>(owned_.data);
   auto my_rows_of = [&](size_t k, char* base) {  // this rank's rows of unit k in a shard buffer
     const MuonUnit& un = units_[k];
     const Local& l = local_[un.param];
     return base + (l.u_off + (unit_ov_[k][me_].begin - l.mine.begin) * un.cols) * static_cast<int64_t>(es);
   };
-  auto rows_in_block = [&](size_t k, int q) {  // rank q's rows of unit k inside the owned block
+  auto rows_in_block = [&](size_t k, int q) {  // rank q's rows of unit k inside the owner's block
     const MuonUnit& un = units_[k];
-    return owned + (owned_off_[k] + (unit_ov_[k][q].begin - un.row_begin) * un.cols) * static_cast<int64_t>(es);
+    return owned_block(k) + (unit_ov_[k][q].begin - un.row_begin) * un.cols * static_cast<int64_t>(es);
   };
-  // Counts from global shapes (setup_local): to owner q, my rows of q's units; from q, q's rows of mine.
+  auto in_place = [&](size_t k) { return owned_off_[k] == kOwnedInUpdate; };
+  // Counts from global shapes (setup_local): to owner q, my rows of q's units; from q, q's rows
+  // of mine; none to or from this rank itself, whose rows of its own units are copied.
   const std::vector<int64_t>& to = a2a_to_;
   const std::vector<int64_t>& from = a2a_from_;
   const std::vector<int64_t> to_d = prefix(to), from_d = prefix(from);
@@ -450,7 +462,11 @@ void FsdpTrainer::muon_exchange_all_to_all() {
   std::vector<int64_t> cur = to_d;
   for (size_t k = 0; k < units_.size(); ++k) {
     const int64_t n = unit_ov_[k][me_].rows() * units_[k].cols;
-    if (n == 0) continue;
+    if (n == 0 || in_place(k)) continue;
+    if (units_[k].owner == me_) {
+      move(rows_in_block(k, me_), my_rows_of(k, u), n);
+      continue;
+    }
     move(sendbuf + cur[units_[k].owner] * es, my_rows_of(k, u), n);
     cur[units_[k].owner] += n;
   }
@@ -458,7 +474,7 @@ void FsdpTrainer::muon_exchange_all_to_all() {
   cur = from_d;
   for (int q = 0; q < P_; ++q)
     for (size_t k = 0; k < units_.size(); ++k) {
-      if (units_[k].owner != me_) continue;
+      if (units_[k].owner != me_ || q == me_) continue;
       const int64_t n = unit_ov_[k][q].rows() * units_[k].cols;
       if (n == 0) continue;
       move(rows_in_block(k, q), recvbuf + cur[q] * es, n);
@@ -468,14 +484,14 @@ void FsdpTrainer::muon_exchange_all_to_all() {
   for (size_t k = 0; k < units_.size(); ++k) {
     if (units_[k].owner != me_) continue;
     const int64_t shape[2] = {units_[k].rows, units_[k].cols};
-    Tensor blk = Tensor::make(owned + owned_off_[k] * static_cast<int64_t>(es), dtype_, shape, 2, dev_);
+    Tensor blk = Tensor::make(owned_block(k), dtype_, shape, 2, dev_);
     newton_schulz(*be_, blk, blk, ns_, opt_.optim.ns_steps);
   }
   // Exchange 2: the mirror image, orthogonalised rows → row owners.
   cur = from_d;
   for (int q = 0; q < P_; ++q)
     for (size_t k = 0; k < units_.size(); ++k) {
-      if (units_[k].owner != me_) continue;
+      if (units_[k].owner != me_ || q == me_) continue;
       const int64_t n = unit_ov_[k][q].rows() * units_[k].cols;
       if (n == 0) continue;
       move(recvbuf + cur[q] * es, rows_in_block(k, q), n);
@@ -485,7 +501,11 @@ void FsdpTrainer::muon_exchange_all_to_all() {
   cur = to_d;
   for (size_t k = 0; k < units_.size(); ++k) {
     const int64_t n = unit_ov_[k][me_].rows() * units_[k].cols;
-    if (n == 0) continue;
+    if (n == 0 || in_place(k)) continue;
+    if (units_[k].owner == me_) {
+      move(my_rows_of(k, o), rows_in_block(k, me_), n);
+      continue;
+    }
     move(my_rows_of(k, o), sendbuf + cur[units_[k].owner] * es, n);
     cur[units_[k].owner] += n;
   }
@@ -495,21 +515,21 @@ void FsdpTrainer::muon_exchange_gather() {
   const size_t es = dtype_size(dtype_);
   char* u = static_cast<char*>(ushard_.data);
   char* o = u;  // the orthogonalised rows overwrite the update's (setup_local)
-  char* owned = static_cast<char*>(owned_.data);
   for (size_t k = 0; k < units_.size(); ++k) {
     const MuonUnit& un = units_[k];
     const Local& l = local_[un.param];
     const int owner = un.owner;
+    const bool in_place = owned_off_[k] == kOwnedInUpdate;  // mine and whole in my shard: nothing to collect
     const int64_t my_off = l.u_off + (unit_ov_[k][me_].begin - l.mine.begin) * un.cols;
     // Collect the unit on its owner, straight into the owned block (rows in rank order).
     std::vector<int64_t> sc(P_, 0), sd(P_, 0), rc(P_, 0), rd(P_, 0);
-    sc[owner] = unit_ov_[k][me_].rows() * un.cols;
-    if (owner == me_)
+    if (!in_place) sc[owner] = unit_ov_[k][me_].rows() * un.cols;
+    if (owner == me_ && !in_place)
       for (int q = 0; q < P_; ++q) {
         rc[q] = unit_ov_[k][q].rows() * un.cols;
         rd[q] = (unit_ov_[k][q].begin - un.row_begin) * un.cols;
       }
-    char* block = owner == me_ ? owned + owned_off_[k] * static_cast<int64_t>(es) : static_cast<char*>(bcast_.data);
+    char* block = owner == me_ ? owned_block(k) : static_cast<char*>(bcast_.data);
     comm_.all_to_all(u + my_off * static_cast<int64_t>(es), sc, sd, block, rc, rd, ctype_);
     if (owner == me_) {
       const int64_t shape[2] = {un.rows, un.cols};
@@ -518,8 +538,9 @@ void FsdpTrainer::muon_exchange_gather() {
     }
     comm_.broadcast(block, un.rows * un.cols, owner, ctype_);
     const int64_t n = unit_ov_[k][me_].rows() * un.cols;
-    copy_elems(o + my_off * static_cast<int64_t>(es), dev_,
-               block + (unit_ov_[k][me_].begin - un.row_begin) * un.cols * static_cast<int64_t>(es), dev_, n, dtype_);
+    if (!in_place)
+      copy_elems(o + my_off * static_cast<int64_t>(es), dev_,
+                 block + (unit_ov_[k][me_].begin - un.row_begin) * un.cols * static_cast<int64_t>(es), dev_, n, dtype_);
   }
 }
 

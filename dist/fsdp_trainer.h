@@ -116,6 +116,7 @@ class FsdpTrainer : private ShardExchange {
   void grad_sum_squares_into(Tensor ss) override;
   Tensor muon_update(size_t i) override;
   void orthogonalise() override;
+  char* owned_block(size_t unit);
   void muon_exchange_all_to_all();
   void muon_exchange_gather();
   void gather_rows_to_root(const Tensor& shard, const ShardedParam& p, const Local& l, void* full);

@@ -456,6 +456,45 @@ TEST(DistPlan, MemoryPlanCountsWhatTheTrainerAllocates) {
   EXPECT_EQ(b.init_table, Arena::planned_bytes(weight_specs(c, DType::kF32)));
 }
 
+// A rank's own rows of its own Muon units never pass through the exchange buffers, and the
+// units it holds whole are orthogonalised in the update buffer: at P = 1 (the sharded trainer
+// on one device) there is no owned-units copy and no exchange buffer at all.
+TEST(DistPlan, OwnRowsStayOutOfTheExchangeBuffers) {
+  Config c;
+  DistFixture f;
+  ASSERT_TRUE(config_load(f.config, &c).is_ok());
+  const auto params = sharded_params(c, false);
+  auto bytes_of = [](const FsdpLayout& l, const std::string& name) {
+    for (const auto* list : {&l.muon, &l.staging})
+      for (const TensorSpec& s : *list)
+        if (s.name == name) return s.numel();
+    return int64_t{-1};
+  };
+  const FsdpLayout one = fsdp_layout(params, assign_muon_owners(params, 1), 1, 0, DType::kF32, DType::kF32, DType::kF32);
+  for (int64_t off : one.owned_off) EXPECT_EQ(off, kOwnedInUpdate);
+  EXPECT_EQ(bytes_of(one, "muon.owned"), 0);
+  EXPECT_EQ(bytes_of(one, "muon.bcast"), 0);
+  EXPECT_EQ(bytes_of(one, "dist.a2a_send"), 0);
+  EXPECT_EQ(bytes_of(one, "dist.a2a_recv"), 0);
+  int in_place = 0, assembled = 0;
+  for (int P : {2, 3, 4}) {
+    const auto units = assign_muon_owners(params, P);
+    for (int r = 0; r < P; ++r) {
+      const FsdpLayout l = fsdp_layout(params, units, P, r, DType::kF32, DType::kF32, DType::kF32);
+      EXPECT_EQ(l.a2a_to[r], 0);
+      EXPECT_EQ(l.a2a_from[r], 0);
+      for (size_t k = 0; k < units.size(); ++k) {
+        if (units[k].owner != r) continue;
+        const bool whole = l.unit_rows[k][r].rows() == units[k].rows;
+        EXPECT_EQ(l.owned_off[k] == kOwnedInUpdate, whole) << "P=" << P << " rank " << r << " unit " << k;
+        (whole ? in_place : assembled) += 1;
+      }
+    }
+  }
+  EXPECT_GT(in_place, 0);  // the P-rank tests above run both kinds of unit
+  EXPECT_GT(assembled, 0);
+}
+
 // Every collective and type over Open MPI, checked on every rank (cli/cmd_dist.cpp).
 TEST(DistComm, MpiSelftestOnThreeAndFourRanks) {
   REQUIRE_MPIRUN();
@@ -488,6 +527,30 @@ TEST(DistCli, PlanPrintsBothStrategiesAndBalance) {
   EXPECT_NE(out.find("all_to_all"), std::string::npos) << out;
   EXPECT_NE(out.find("max/mean"), std::string::npos) << out;
   EXPECT_NE(out.find("10.869 GB"), std::string::npos) << out;  // mean gather sent+recv, bf16
+}
+
+// --memory-gb: one rank's memory plan, from the same layout the sharded trainer allocates; at
+// P = 1 beside the single-device trainer's. laplace-3b at B 8 fits one 148.9 GB H200 sharded too.
+TEST(DistCli, PlanPrintsTheMemoryPlanPerGpu) {
+  auto plan = [](int P) {
+    const std::string cmd = std::string(LAPLACE_BINARY) + " dist plan --config " + LAPLACE_SOURCE_DIR +
+                            "/configs/laplace-3b.json --show-ranks 0 --memory-gb 148.9 --ranks " + std::to_string(P) +
+                            " 2>&1";
+    FILE* p = popen(cmd.c_str(), "r");
+    std::string out;
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+    EXPECT_EQ(pclose(p), 0) << out;
+    return out;
+  };
+  const std::string one = plan(1), eight = plan(8);
+  EXPECT_NE(one.find("master weights (f32, shard of 1)"), std::string::npos) << one;
+  EXPECT_NE(one.find("the single-device trainer"), std::string::npos) << one;
+  EXPECT_NE(eight.find("shard of 8"), std::string::npos) << eight;
+  EXPECT_EQ(eight.find("single-device"), std::string::npos) << eight;
+  // A negative remainder would print as "-N.NNN GB left".
+  for (const std::string* o : {&one, &eight}) EXPECT_EQ(o->find(": -"), std::string::npos) << *o;
 }
 
 
