@@ -62,10 +62,6 @@ Status run_train(TrainArgs& a) {
   // Every saved model directory also loads in transformers (AutoModelForCausalLM, remote code).
   a.o.after_model_saved = [](const std::string& dir) { return write_hf_files(dir); };
   if (a.distributed || launched_by_mpi()) {
-    if (!a.o.tensorboard_dir.empty())
-      return Status::unsupported(
-          "--tensorboard is written by single-process training only; distributed runs write metrics.jsonl "
-          "(scripts/plot_metrics.py plots it)");
     // FSDP-style data parallel, one rank per process (P = 1 without mpirun): over MPI on
     // CPUs, over NCCL on GPUs (one GPU per rank; this picks it, so it comes first).
     std::unique_ptr<Communicator> comm;

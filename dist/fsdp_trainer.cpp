@@ -326,6 +326,7 @@ Status FsdpTrainer::setup() {
       std::printf("resumed from %s at step %lld\n", resume.c_str(), (long long)progress_.step);
   }
   gather_weights(true);
+  LAPLACE_RETURN_IF_ERROR(agree_status(comm_, record_.open(opt_, progress_.step, me_ == 0)));
   if (!opt_.quiet && me_ == 0) {
     const std::vector<double> cost = owner_costs(units_, P_);
     double mx = 0, sum = 0;
@@ -685,47 +686,24 @@ Status FsdpTrainer::validate(int64_t batches, double* loss) {
   return Status::ok();
 }
 
-void FsdpTrainer::append_metrics(const std::string& line) {
-  if (opt_.out_dir.empty() || me_ != 0) return;
-  std::ofstream f(opt_.out_dir + "/metrics.jsonl", std::ios::app);
-  f << line << "\n";
-}
-
 void FsdpTrainer::log_line(const StepLog& s, const DistStepTraffic& t) {
   if (me_ != 0) return;
   nlohmann::ordered_json j;
-  j["step"] = s.step;
-  j["loss"] = s.loss;
-  j["lr"] = s.lr;
-  j["grad_norm"] = s.grad_norm;
-  j["tokens_per_s"] = s.tokens_per_s;
-  j["flops_per_s"] = s.flops_per_s;
-  if (opt_.peak_flops > 0) j["mfu"] = s.mfu;
-  j["elapsed_s"] = s.elapsed_s;
-  j["skipped"] = s.skipped;
   j["ranks"] = P_;
   j["muon_comm"] = muon_comm_name(muon_comm_);
   j["muon_bytes_sent"] = t.muon_sent_per_rank;
   j["muon_bytes_received"] = t.muon_received_per_rank;
   j["fsdp_bytes_sent"] = t.fsdp_sent;
   j["fsdp_bytes_received"] = t.fsdp_received;
-  append_metrics(j.dump());
-  if (opt_.quiet || (s.step % opt_.log_every != 0 && s.step + 1 != opt_.steps)) return;
   int64_t mx = 0;
   for (int q = 0; q < P_; ++q) mx = std::max(mx, t.muon_sent_per_rank[q] + t.muon_received_per_rank[q]);
-  char mfu[32] = "";
-  if (opt_.peak_flops > 0) std::snprintf(mfu, sizeof mfu, " | mfu %.1f%%", 100.0 * s.mfu);
-  std::printf("step %5lld/%lld | loss %.4f | lr %.3e | grad norm %.4f | %.0f tok/s | %.2f GFLOP/s%s | muon %s %s/rank "
-              "(max sent+recv) | fsdp %s/rank%s\n",
-              (long long)(s.step + 1), (long long)opt_.steps, s.loss, s.lr, s.grad_norm, s.tokens_per_s,
-              s.flops_per_s / 1e9, mfu, muon_comm_name(muon_comm_), fmt_bytes(static_cast<double>(mx)).c_str(),
-              fmt_bytes(static_cast<double>(t.fsdp_sent + t.fsdp_received)).c_str(),
-              s.skipped ? " | SKIPPED (non-finite gradient)" : "");
-  std::fflush(stdout);
+  const std::string detail = std::string(" | muon ") + muon_comm_name(muon_comm_) + " " +
+                             fmt_bytes(static_cast<double>(mx)) + "/rank (max sent+recv) | fsdp " +
+                             fmt_bytes(static_cast<double>(t.fsdp_sent + t.fsdp_received)) + "/rank";
+  record_.step(s, j.dump(), detail);
 }
 
 Status FsdpTrainer::run(const std::function<void(const StepLog&, const DistStepTraffic&)>& on_step) {
-  first_step_ = progress_.step;
   const int64_t A = opt_.grad_accum;
   const int64_t N = opt_.batch * opt_.seq;
   std::vector<int64_t> ones(P_, 1), displs(P_);
@@ -787,7 +765,7 @@ Status FsdpTrainer::run(const std::function<void(const StepLog&, const DistStepT
     if (on_step) on_step(s, tr);
   };
   loop.validate = [this](double* loss) { return validate(opt_.eval_batches, loss); };
-  loop.record_validation = [this](int64_t step, double loss) { append_metrics(val_loss_record(step, loss)); };
+  loop.record_validation = [this](int64_t step, double loss) { record_.validation(step, loss); };
   loop.save_checkpoint = [this] { return save_checkpoint(); };
   return loop.run(&progress_);
 }

@@ -58,6 +58,7 @@
 #include "dist/plan.h"
 #include "model/model.h"
 #include "train/optimizer.h"
+#include "train/run_record.h"
 #include "text/data_loader.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
@@ -126,7 +127,6 @@ class FsdpTrainer : private ShardExchange {
   void copy_elems(void* dst, Device dd, const void* src, Device sd, int64_t n, DType t);
   Status init_masters();
   void log_line(const StepLog& s, const DistStepTraffic& t);
-  void append_metrics(const std::string& line);
 
   TrainOptions opt_;
   MuonComm muon_comm_;
@@ -166,7 +166,7 @@ class FsdpTrainer : private ShardExchange {
   DataLoader train_loader_, val_loader_;
   bool has_val_ = false;
   TrainProgress progress_;
-  int64_t first_step_ = 0;
+  RunRecord record_;  // metrics.jsonl, progress lines, TensorBoard: rank 0's
   std::vector<int32_t> x_, y_;
   Arena loss_bufs_;  // as the single-device trainer's (not in the memory plan: a few vectors of B·T)
   Tensor targets_dev_, losses_dev_, micro_loss_, step_losses_, loss_sum_;

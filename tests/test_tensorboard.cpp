@@ -21,6 +21,7 @@
 #include "core/file_util.h"
 #include "tests/test_util.h"
 #include "text/shard.h"
+#include "dist/comm.h"
 #include "train/tensorboard.h"
 #include "train/trainer.h"
 
@@ -611,6 +612,27 @@ TEST(TensorBoardTrain, CommandLineFlag) {
   EXPECT_EQ(tb.at("loss").size(), 4u);
   EXPECT_EQ(tb.at("val_loss").size(), 2u);
   EXPECT_EQ(tb.at("mfu").size(), 4u);
+}
+
+// A distributed run records like a single-process one: rank 0 writes the one event file, and
+// its scalars equal metrics.jsonl's (MPI over the CPU: two ranks).
+TEST(TensorBoardTrain, DistributedRunWritesOneFileFromRankZero) {
+  if (!mpi_available()) GTEST_SKIP() << "built without MPI (install libopenmpi-dev)";
+  if (std::system("command -v mpirun >/dev/null 2>&1") != 0) GTEST_SKIP() << "no mpirun";
+  TinyRun r;
+  const std::string out = r.dir + "/dist", tbdir = r.dir + "/tb";
+  const std::string cmd = "OMP_NUM_THREADS=1 mpirun --allow-run-as-root --oversubscribe -x OMP_NUM_THREADS=1 -np 2 " +
+                          std::string(LAPLACE_BINARY) + " train --config " + r.config + " --data " + r.train +
+                          " --val-data " + r.val + " --out " + out + " --tensorboard " + tbdir +
+                          " --batch 2 --seq 40 --steps 4 --lr 0.02 --eval-every 2 --eval-batches 1 "
+                          "--peak-tflops 1 --quiet >/dev/null 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  const auto files = event_files(tbdir);
+  ASSERT_EQ(files.size(), 1u);
+  const Scalars tb = scalars_of(files);
+  EXPECT_EQ(tb, metrics_of(out + "/metrics.jsonl"));
+  EXPECT_EQ(tb.at("loss").size(), 4u);
+  EXPECT_EQ(tb.at("val_loss").size(), 2u);
 }
 
 }  // namespace

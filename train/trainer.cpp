@@ -13,19 +13,6 @@ namespace laplace {
 
 namespace fs = std::filesystem;
 
-namespace {
-
-std::string fmt_duration(double s) {
-  if (!std::isfinite(s) || s < 0) return "?";
-  char buf[64];
-  const int64_t t = static_cast<int64_t>(s + 0.5);
-  if (t >= 3600) std::snprintf(buf, sizeof buf, "%lldh%02lldm", (long long)(t / 3600), (long long)(t % 3600 / 60));
-  else if (t >= 60) std::snprintf(buf, sizeof buf, "%lldm%02llds", (long long)(t / 60), (long long)(t % 60));
-  else std::snprintf(buf, sizeof buf, "%llds", (long long)t);
-  return buf;
-}
-
-}  // namespace
 
 bool needs_master_weights(DType model_dtype) { return model_dtype == DType::kBF16; }
 
@@ -195,11 +182,7 @@ Status Trainer::setup() {
     if (!opt_.quiet) std::printf("resumed from %s at step %lld\n", resume.c_str(), (long long)progress_.step);
   }
   if (mixed_) copy_masters_to_weights(*be_, masters_, model_.weight_arena());
-  if (!opt_.tensorboard_dir.empty()) {
-    // A new file per process; its START tells TensorBoard to drop older points from here on.
-    LAPLACE_RETURN_IF_ERROR(tensorboard_.open(opt_.tensorboard_dir));
-    LAPLACE_RETURN_IF_ERROR(tensorboard_.write_session_start(progress_.step));
-  }
+  LAPLACE_RETURN_IF_ERROR(record_.open(opt_, progress_.step, true));
   x_.resize(opt_.batch * opt_.seq);
   y_.resize(opt_.batch * opt_.seq);
   if (!opt_.quiet) {
@@ -246,47 +229,6 @@ Status Trainer::save_checkpoint() {
   }
   if (opt_.after_model_saved) LAPLACE_RETURN_IF_ERROR(opt_.after_model_saved(opt_.out_dir));
   return Status::ok();
-}
-
-void Trainer::append_metrics(const std::string& line) {
-  if (opt_.out_dir.empty()) return;
-  std::ofstream f(opt_.out_dir + "/metrics.jsonl", std::ios::app);
-  f << line << "\n";
-}
-
-void Trainer::write_tensorboard(int64_t step, const std::vector<ScalarValue>& values) {
-  if (!tensorboard_.is_open()) return;
-  const Status st = tensorboard_.write_scalars(step, values);
-  if (st.is_ok()) return;
-  std::fprintf(stderr, "laplace: %s; no more TensorBoard output\n", st.to_string().c_str());
-  (void)tensorboard_.close();  // best effort: the writer already failed and was reported
-}
-
-void Trainer::log_line(const StepLog& s) {
-  nlohmann::ordered_json j;
-  j["step"] = s.step;
-  j["loss"] = s.loss;
-  j["lr"] = s.lr;
-  j["grad_norm"] = s.grad_norm;
-  j["tokens_per_s"] = s.tokens_per_s;
-  j["flops_per_s"] = s.flops_per_s;
-  if (opt_.peak_flops > 0) j["mfu"] = s.mfu;
-  j["elapsed_s"] = s.elapsed_s;
-  j["skipped"] = s.skipped;
-  append_metrics(j.dump());
-  std::vector<ScalarValue> tb = {
-      {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm}, {"tokens_per_s", s.tokens_per_s}};
-  if (opt_.peak_flops > 0) tb.push_back({"mfu", s.mfu});
-  write_tensorboard(s.step, tb);
-  if (opt_.quiet || (s.step % opt_.log_every != 0 && s.step + 1 != opt_.steps)) return;
-  const double per_step = s.elapsed_s / static_cast<double>(s.step + 1 - first_step_);
-  char mfu[32] = "";
-  if (opt_.peak_flops > 0) std::snprintf(mfu, sizeof mfu, " | mfu %.1f%%", 100.0 * s.mfu);
-  std::printf("step %5lld/%lld | loss %.4f | lr %.3e | grad norm %.4f | %.0f tok/s | %.2f GFLOP/s%s | eta %s%s\n",
-              (long long)(s.step + 1), (long long)opt_.steps, s.loss, s.lr, s.grad_norm, s.tokens_per_s,
-              s.flops_per_s / 1e9, mfu, fmt_duration(per_step * static_cast<double>(opt_.steps - s.step - 1)).c_str(),
-              s.skipped ? " | SKIPPED (non-finite gradient)" : "");
-  std::fflush(stdout);
 }
 
 void Trainer::enqueue_step(int64_t step) {
@@ -341,7 +283,6 @@ std::string val_loss_record(int64_t step, double loss) {
 }
 
 Status Trainer::run(const std::function<void(const StepLog&)>& on_step) {
-  first_step_ = progress_.step;
   TrainLoop loop = train_loop_for(opt_, cfg_, 1);
   loop.has_val = has_val_;
   loop.step = [this](int64_t step, double* loss) {
@@ -350,14 +291,11 @@ Status Trainer::run(const std::function<void(const StepLog&)>& on_step) {
   };
   loop.optimizer_steps = [this] { return optimizer_.step_count(); };
   loop.record = [&](const StepLog& s) {
-    log_line(s);
+    record_.step(s);
     if (on_step) on_step(s);
   };
   loop.validate = [this](double* loss) { return validate(opt_.eval_batches, loss); };
-  loop.record_validation = [this](int64_t step, double loss) {
-    append_metrics(val_loss_record(step, loss));
-    write_tensorboard(step, {{"val_loss", loss}});
-  };
+  loop.record_validation = [this](int64_t step, double loss) { record_.validation(step, loss); };
   loop.save_checkpoint = [this] { return save_checkpoint(); };
   return loop.run(&progress_);
 }

@@ -23,8 +23,8 @@
 #include "train/checkpoint.h"
 #include "train/memory_plan.h"
 #include "train/optimizer.h"
+#include "train/run_record.h"
 #include "train/schedule.h"
-#include "train/tensorboard.h"
 #include "train/train_loop.h"
 
 namespace laplace {
@@ -127,11 +127,6 @@ class Trainer {
   Status plan_memory();
   // The device buffers of the step's loss: targets [B·T] I32, losses [B·T], sum [1] F64.
   Status create_loss_buffers();
-  void log_line(const StepLog& s);
-  void append_metrics(const std::string& json_line);
-  // One step's scalars to the TensorBoard file, if any; a failed write warns once and
-  // stops the TensorBoard output (training goes on).
-  void write_tensorboard(int64_t step, const std::vector<ScalarValue>& values);
 
   TrainOptions opt_;
   Config cfg_;
@@ -145,12 +140,11 @@ class Trainer {
   DataLoader val_loader_;
   bool has_val_ = false;
   TrainProgress progress_;
-  int64_t first_step_ = 0;
   std::vector<int32_t> x_, y_;
   MemoryPlan plan_;
   Arena loss_bufs_;
   Tensor targets_dev_, losses_dev_, loss_sum_;
-  EventWriter tensorboard_;
+  RunRecord record_;
 };
 
 }  // namespace laplace
