@@ -1,12 +1,9 @@
 #include "dist/fsdp_trainer.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 
 #include <nlohmann/json.hpp>
 
@@ -16,8 +13,6 @@
 #include "dist/fsdp_layout.h"
 
 namespace laplace {
-
-namespace fs = std::filesystem;
 
 namespace {
 
@@ -259,31 +254,10 @@ Status FsdpTrainer::setup_local() {
                      plan_hash_);
 
   // ---- data ---------------------------------------------------------------------------------
-  DataLoaderOptions dl;
-  LAPLACE_RETURN_IF_ERROR(expand_shard_patterns(opt_.train_data, &dl.shards));
-  dl.batch_size = opt_.batch;
-  dl.seq_len = opt_.seq;
-  dl.shuffle = opt_.shuffle;
-  dl.seed = opt_.data_seed;
-  dl.vocab_size = cfg_.vocab_size;
-  dl.rank = me_;
-  dl.world = P_;
-  LAPLACE_RETURN_IF_ERROR(DataLoader::open(dl, &train_loader_).with_context("training data"));
-  if (!opt_.val_data.empty()) {
-    DataLoaderOptions vl = dl;
-    vl.shards.clear();
-    LAPLACE_RETURN_IF_ERROR(expand_shard_patterns(opt_.val_data, &vl.shards));
-    vl.shuffle = false;
-    LAPLACE_RETURN_IF_ERROR(DataLoader::open(vl, &val_loader_).with_context("validation data"));
-    has_val_ = true;
-  }
+  LAPLACE_RETURN_IF_ERROR(open_train_data(opt_, cfg_, me_, P_, &train_loader_, &val_loader_, &has_val_));
   progress_ = TrainProgress{};
   progress_.seed = opt_.seed;
-  if (!opt_.out_dir.empty() && me_ == 0) {
-    std::error_code ec;
-    fs::create_directories(opt_.out_dir, ec);
-    if (ec) return Status::io_error("cannot create " + opt_.out_dir + ": " + ec.message());
-  }
+  if (me_ == 0) LAPLACE_RETURN_IF_ERROR(create_out_dir(opt_));
   x_.resize(opt_.batch * opt_.seq);
   y_.resize(opt_.batch * opt_.seq);
   // The step's loss on the device: targets, per-token losses, this micro-batch's mean, every
@@ -315,11 +289,7 @@ Status FsdpTrainer::setup() {
       return Status::invalid_argument("rank " + std::to_string(q) + " derived a different sharding/Muon owner plan " +
                                       "(hash mismatch): every rank must get the same config and flags");
 
-  std::string resume = opt_.resume;
-  if (resume == "auto") {
-    const std::string p = opt_.out_dir + "/checkpoint.safetensors";
-    resume = fs::exists(p) ? p : "";
-  }
+  const std::string resume = resume_path(opt_);
   if (!resume.empty()) {
     LAPLACE_RETURN_IF_ERROR(agree_status(comm_, load_checkpoint(resume)));
     if (!opt_.quiet && me_ == 0)
@@ -593,10 +563,6 @@ Status FsdpTrainer::save_checkpoint() {
     meta["dist_world"] = std::to_string(P_);
     meta["muon_comm"] = muon_comm_name(muon_comm_);
     st = safetensors_write(opt_.out_dir + "/checkpoint.safetensors", named, meta);
-    if (st.is_ok()) {
-      const std::string cfg_text = cfg_.to_json();
-      st = write_file_atomic(opt_.out_dir + "/config.json", cfg_text.data(), cfg_text.size());
-    }
     // The masters (as the single-process trainer writes them; for F32/F64 models they
     // are the weights), with weights_save's metadata.
     if (st.is_ok()) {
@@ -604,12 +570,7 @@ Status FsdpTrainer::save_checkpoint() {
       st = safetensors_write(opt_.out_dir + "/model.safetensors", masters,
                              {{"format", "pt"}, {"laplace_config", cfg_.to_json()}});
     }
-    if (st.is_ok() && !opt_.tokenizer.empty()) {
-      std::string tok;
-      st = read_file(opt_.tokenizer, &tok);
-      if (st.is_ok()) st = write_file_atomic(opt_.out_dir + "/tokenizer.model", tok.data(), tok.size());
-    }
-    if (st.is_ok() && opt_.after_model_saved) st = opt_.after_model_saved(opt_.out_dir);
+    if (st.is_ok()) st = write_model_dir_files(opt_, cfg_);
   }
   return agree_status(comm_, st);
 }

@@ -145,35 +145,11 @@ Status Trainer::setup() {
   opt_.optim.ns_bf16 = be_->device() == Device::kCUDA;
   LAPLACE_RETURN_IF_ERROR(optimizer_.init(*be_, make_params(), opt_.optim));
 
-  DataLoaderOptions dl;
-  LAPLACE_RETURN_IF_ERROR(expand_shard_patterns(opt_.train_data, &dl.shards));
-  dl.batch_size = opt_.batch;
-  dl.seq_len = opt_.seq;
-  dl.shuffle = opt_.shuffle;
-  dl.seed = opt_.data_seed;
-  dl.vocab_size = cfg_.vocab_size;
-  LAPLACE_RETURN_IF_ERROR(DataLoader::open(dl, &train_loader_).with_context("training data"));
-  if (!opt_.val_data.empty()) {
-    DataLoaderOptions vl = dl;
-    vl.shards.clear();
-    LAPLACE_RETURN_IF_ERROR(expand_shard_patterns(opt_.val_data, &vl.shards));
-    vl.shuffle = false;
-    LAPLACE_RETURN_IF_ERROR(DataLoader::open(vl, &val_loader_).with_context("validation data"));
-    has_val_ = true;
-  }
+  LAPLACE_RETURN_IF_ERROR(open_train_data(opt_, cfg_, 0, 1, &train_loader_, &val_loader_, &has_val_));
   progress_ = TrainProgress{};
   progress_.seed = opt_.seed;
-
-  if (!opt_.out_dir.empty()) {
-    std::error_code ec;
-    fs::create_directories(opt_.out_dir, ec);
-    if (ec) return Status::io_error("cannot create " + opt_.out_dir + ": " + ec.message());
-  }
-  std::string resume = opt_.resume;
-  if (resume == "auto") {
-    const std::string p = opt_.out_dir + "/checkpoint.safetensors";
-    resume = fs::exists(p) ? p : "";
-  }
+  LAPLACE_RETURN_IF_ERROR(create_out_dir(opt_));
+  const std::string resume = resume_path(opt_);
   if (!resume.empty()) {
     LAPLACE_RETURN_IF_ERROR(checkpoint_load(resume, cfg_, *be_, param_arena(), &optimizer_, &progress_));
     LoaderPosition pos;
@@ -218,17 +194,9 @@ Status Trainer::save_checkpoint() {
   LAPLACE_RETURN_IF_ERROR(checkpoint_save(opt_.out_dir + "/checkpoint.safetensors", cfg_, *be_, param_arena(),
                                           optimizer_, progress_));
   // A complete model directory for generate/eval/serve beside it.
-  const std::string cfg_text = cfg_.to_json();
-  LAPLACE_RETURN_IF_ERROR(write_file_atomic(opt_.out_dir + "/config.json", cfg_text.data(), cfg_text.size()));
   if (mixed_) LAPLACE_RETURN_IF_ERROR(weights_save(opt_.out_dir + "/model.safetensors", cfg_, *be_, masters_));
   else LAPLACE_RETURN_IF_ERROR(model_.save(opt_.out_dir + "/model.safetensors"));
-  if (!opt_.tokenizer.empty()) {
-    std::string tok;
-    LAPLACE_RETURN_IF_ERROR(read_file(opt_.tokenizer, &tok));
-    LAPLACE_RETURN_IF_ERROR(write_file_atomic(opt_.out_dir + "/tokenizer.model", tok.data(), tok.size()));
-  }
-  if (opt_.after_model_saved) LAPLACE_RETURN_IF_ERROR(opt_.after_model_saved(opt_.out_dir));
-  return Status::ok();
+  return write_model_dir_files(opt_, cfg_);
 }
 
 void Trainer::enqueue_step(int64_t step) {
@@ -259,6 +227,53 @@ StepResult Trainer::finish_step(double* loss) {
   be_->copy(Tensor(&sum, DType::kF64, {1}), loss_sum_);
   *loss = sum / static_cast<double>(opt_.grad_accum);
   return r;
+}
+
+Status open_train_data(const TrainOptions& o, const Config& c, int rank, int world, DataLoader* train,
+                       DataLoader* val, bool* has_val) {
+  DataLoaderOptions dl;
+  LAPLACE_RETURN_IF_ERROR(expand_shard_patterns(o.train_data, &dl.shards));
+  dl.batch_size = o.batch;
+  dl.seq_len = o.seq;
+  dl.shuffle = o.shuffle;
+  dl.seed = o.data_seed;
+  dl.vocab_size = c.vocab_size;
+  dl.rank = rank;
+  dl.world = world;
+  LAPLACE_RETURN_IF_ERROR(DataLoader::open(dl, train).with_context("training data"));
+  *has_val = !o.val_data.empty();
+  if (!*has_val) return Status::ok();
+  DataLoaderOptions vl = dl;
+  vl.shards.clear();
+  LAPLACE_RETURN_IF_ERROR(expand_shard_patterns(o.val_data, &vl.shards));
+  vl.shuffle = false;
+  return DataLoader::open(vl, val).with_context("validation data");
+}
+
+Status create_out_dir(const TrainOptions& o) {
+  if (o.out_dir.empty()) return Status::ok();
+  std::error_code ec;
+  fs::create_directories(o.out_dir, ec);
+  if (ec) return Status::io_error("cannot create " + o.out_dir + ": " + ec.message());
+  return Status::ok();
+}
+
+std::string resume_path(const TrainOptions& o) {
+  if (o.resume != "auto") return o.resume;
+  const std::string p = o.out_dir + "/checkpoint.safetensors";
+  return fs::exists(p) ? p : "";
+}
+
+Status write_model_dir_files(const TrainOptions& o, const Config& c) {
+  const std::string cfg_text = c.to_json();
+  LAPLACE_RETURN_IF_ERROR(write_file_atomic(o.out_dir + "/config.json", cfg_text.data(), cfg_text.size()));
+  if (!o.tokenizer.empty()) {
+    std::string tok;
+    LAPLACE_RETURN_IF_ERROR(read_file(o.tokenizer, &tok));
+    LAPLACE_RETURN_IF_ERROR(write_file_atomic(o.out_dir + "/tokenizer.model", tok.data(), tok.size()));
+  }
+  if (o.after_model_saved) LAPLACE_RETURN_IF_ERROR(o.after_model_saved(o.out_dir));
+  return Status::ok();
 }
 
 TrainLoop train_loop_for(const TrainOptions& o, const Config& c, int ranks) {

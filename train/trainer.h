@@ -90,6 +90,17 @@ MemoryPlanRequest memory_request_for(const TrainOptions& o, Backend& be);
 // computes it for the given micro-batch. Either way writes its batch, grad_accum and
 // recompute_mixer into *o.
 Status apply_memory_plan(const Config& c, const MemoryPlanRequest& r, TrainOptions* o, MemoryPlan* plan);
+// Setup and saving that every trainer does the same way:
+// the training loader (rank `rank` of `world` reads its part of every step's windows) and,
+// with --val-data, the validation loader (*has_val); the output directory, created; the
+// checkpoint to resume from ("auto": the output directory's, if there is one; "" for none);
+// and, beside the weights a trainer saves, the rest of a model directory: config.json, the
+// tokenizer and what after_model_saved adds.
+Status open_train_data(const TrainOptions& o, const Config& c, int rank, int world, DataLoader* train,
+                       DataLoader* val, bool* has_val);
+Status create_out_dir(const TrainOptions& o);
+std::string resume_path(const TrainOptions& o);
+Status write_model_dir_files(const TrainOptions& o, const Config& c);
 // weights ← masters (same table), converting to the weights' dtype with the backend's
 // copy. Queued on the device; no synchronisation.
 void copy_masters_to_weights(Backend& be, const Arena& masters, const Arena& weights);
