@@ -1,4 +1,4 @@
-// Model subcommands: info, init, forward, generate.
+// Model subcommands: info, init, quantize, forward, generate.
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -7,6 +7,7 @@
 #include "core/file_util.h"
 #include "core/safetensors.h"
 #include "model/config.h"
+#include "model/quantize.h"
 #include "serve/generate.h"
 #include "text/tokenizer.h"
 
@@ -124,6 +125,17 @@ void add_init(CLI::App& app) {
   cmd->add_option("--out", a->out, "output directory")->required();
   cmd->add_option("--seed", a->seed, "initialisation seed");
   cmd->callback([a] { g_exit_code = report(run_init(a->config, a->seed, a->out)); });
+}
+
+void add_quantize(CLI::App& app) {
+  auto* cmd = app.add_subcommand("quantize", "write a model directory with FP8 E4M3 body matrices and per-row "
+                                             "scales (model/quantize.h), or F32 weights back from one");
+  struct A { std::string model, out; bool dequantize = false; };
+  auto a = std::make_shared<A>();
+  cmd->add_option("--model", a->model, "model directory (config.json, model.safetensors)")->required();
+  cmd->add_option("--out", a->out, "output directory")->required();
+  cmd->add_flag("--dequantize", a->dequantize, "from an FP8 directory, F32 weights equal to its FP8 values × scales");
+  cmd->callback([a] { g_exit_code = report(quantize_model_dir(a->model, a->out, a->dequantize, false)); });
 }
 
 void add_forward(CLI::App& app) {

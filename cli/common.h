@@ -83,6 +83,7 @@ int report(const Status& st);
 // Subcommand registration: each adds itself to the app and sets its callback.
 void add_info(CLI::App& app);
 void add_init(CLI::App& app);
+void add_quantize(CLI::App& app);
 void add_forward(CLI::App& app);
 void add_generate(CLI::App& app);
 void add_eval(CLI::App& app);

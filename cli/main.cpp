@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   laplace::cli::add_info(app);
   laplace::cli::add_init(app);
+  laplace::cli::add_quantize(app);
   laplace::cli::add_forward(app);
   laplace::cli::add_generate(app);
   laplace::cli::add_eval(app);

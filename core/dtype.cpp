@@ -12,13 +12,14 @@ const char* dtype_name(DType t) {
     case DType::kI64: return "I64";
     case DType::kU16: return "U16";
     case DType::kU8: return "U8";
+    case DType::kF8E4M3: return "F8_E4M3";  // safetensors' name
   }
   return "?";
 }
 
 bool dtype_from_name(std::string_view n, DType* out) {
   static constexpr DType all[] = {DType::kF32, DType::kF64, DType::kBF16, DType::kF16,
-                                  DType::kI32, DType::kI64, DType::kU16, DType::kU8};
+                                  DType::kI32, DType::kI64, DType::kU16, DType::kU8, DType::kF8E4M3};
   for (DType t : all) {
     if (n == dtype_name(t)) {
       *out = t;

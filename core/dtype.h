@@ -8,7 +8,8 @@
 
 namespace laplace {
 
-enum class DType : uint8_t { kF32, kF64, kBF16, kF16, kI32, kI64, kU16, kU8 };
+// kF8E4M3: OCP FP8 E4M3 (core/fp8.h), stored as one byte; only quantised weights use it.
+enum class DType : uint8_t { kF32, kF64, kBF16, kF16, kI32, kI64, kU16, kU8, kF8E4M3 };
 enum class Device : uint8_t { kCPU, kCUDA };
 
 constexpr size_t dtype_size(DType t) {
@@ -16,7 +17,7 @@ constexpr size_t dtype_size(DType t) {
     case DType::kF64: case DType::kI64: return 8;
     case DType::kF32: case DType::kI32: return 4;
     case DType::kBF16: case DType::kF16: case DType::kU16: return 2;
-    case DType::kU8: return 1;
+    case DType::kU8: case DType::kF8E4M3: return 1;
   }
   return 0;
 }

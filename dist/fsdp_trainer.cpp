@@ -567,8 +567,7 @@ Status FsdpTrainer::save_checkpoint() {
     // are the weights), with weights_save's metadata.
     if (st.is_ok()) {
       const std::vector<NamedTensor> masters(named.begin(), named.begin() + static_cast<int64_t>(params_.size()));
-      st = safetensors_write(opt_.out_dir + "/model.safetensors", masters,
-                             {{"format", "pt"}, {"laplace_config", cfg_.to_json()}});
+      st = safetensors_write(opt_.out_dir + "/model.safetensors", masters, model_file_metadata(cfg_, dtype_));
     }
     if (st.is_ok()) st = write_model_dir_files(opt_, cfg_);
   }

@@ -1,10 +1,12 @@
 #include "model/weights.h"
 
+#include <cctype>
 #include <cmath>
 #include <random>
 #include <set>
 
 #include "core/safetensors.h"
+#include "model/quantize.h"
 
 namespace laplace {
 
@@ -136,13 +138,28 @@ Status weights_save(const std::string& path, const Config& c, Backend& be, const
     named.push_back({s.name, host});
   }
   be.synchronize();
-  std::map<std::string, std::string> meta = {{"format", "pt"}, {"laplace_config", c.to_json()}};
-  return safetensors_write(path, named, meta);
+  DType dt = DType::kF32;
+  if (arena.size() > 0) dt = arena.spec(0).dtype;
+  return safetensors_write(path, named, model_file_metadata(c, dt));
+}
+
+std::map<std::string, std::string> model_file_metadata(const Config& c, DType weights) {
+  std::string prec = dtype_name(weights);
+  for (char& ch : prec) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  return {{"format", "pt"}, {"laplace_config", c.to_json()}, {kPrecisionKey, prec}};
 }
 
 Status weights_load(const std::string& path, Backend& be, const Arena& arena) {
   SafeTensorsReader reader;
   LAPLACE_RETURN_IF_ERROR(SafeTensorsReader::open(path, &reader));
+  const auto prec = reader.metadata().find(kPrecisionKey);
+  bool fp8 = prec != reader.metadata().end() && prec->second.rfind("fp8", 0) == 0;
+  for (const auto& t : reader.tensors()) fp8 = fp8 || t.dtype == DType::kF8E4M3;
+  if (fp8)
+    return Status::unsupported(path + " holds FP8 weights (" + kPrecisionKey + " " +
+                               (prec != reader.metadata().end() ? prec->second : std::string("F8_E4M3 tensors")) +
+                               "), which this path cannot compute with: load the model they were quantised from, "
+                               "or write F32 weights from them with `laplace quantize --dequantize`");
   std::set<std::string> expected;
   for (size_t i = 0; i < arena.size(); ++i) {
     const TensorSpec& s = arena.spec(i);

@@ -3,6 +3,8 @@
 // name and shape of its parameter.
 #pragma once
 
+#include <map>
+
 #include <string>
 #include <vector>
 
@@ -49,11 +51,16 @@ bool is_decayed_by_adamw(const std::string& name);
 // 0, onorm 1, conv N(0, 1/√K).
 void weights_init(const Config& c, Backend& be, const Arena& arena, uint64_t seed);
 
-// safetensors with the canonical names and {"format": "pt"} metadata, written
-// atomically. Tensors are converted to F32 on disk unless the arena is F64 or BF16.
+// A model file's metadata: {"format": "pt", "laplace_config": the config's JSON,
+// "laplace_precision": the weights' dtype ("f32", "bf16", "f64"; model/quantize.h's FP8 files
+// say "fp8_e4m3_rows")}.
+std::map<std::string, std::string> model_file_metadata(const Config& c, DType weights);
+// safetensors with the canonical names and model_file_metadata, written atomically, each
+// tensor in the arena's dtype.
 Status weights_save(const std::string& path, const Config& c, Backend& be, const Arena& arena);
 // Loads every tensor of the arena by name, converting dtypes where needed. Missing
-// tensors, wrong shapes and unexpected extra tensors are errors.
+// tensors, wrong shapes and unexpected extra tensors are errors; so is a file of FP8
+// weights (model/quantize.h), which no path that loads through here can compute with.
 Status weights_load(const std::string& path, Backend& be, const Arena& arena);
 
 }  // namespace laplace

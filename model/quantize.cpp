@@ -1,0 +1,133 @@
+#include "model/quantize.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <vector>
+
+#include "core/file_util.h"
+#include "core/fp8.h"
+#include "core/safetensors.h"
+#include "model/config.h"
+#include "model/weights.h"
+
+namespace laplace {
+
+void fp8_quantize_rows(const float* w, int64_t rows, int64_t cols, uint8_t* q, float* scale) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* wr = w + r * cols;
+    float amax = 0.f;
+    for (int64_t c = 0; c < cols; ++c) amax = std::max(amax, std::fabs(wr[c]));
+    const float s = amax > 0.f ? amax / kE4M3Max : 1.f;
+    scale[r] = s;
+    for (int64_t c = 0; c < cols; ++c) q[r * cols + c] = e4m3_from_float(wr[c] / s);
+  }
+}
+
+void fp8_dequantize_rows(const uint8_t* q, const float* scale, int64_t rows, int64_t cols, float* w) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) w[r * cols + c] = e4m3_to_float(q[r * cols + c]) * scale[r];
+}
+
+std::string fp8_scale_name(const std::string& weight) { return weight + "_scale"; }
+
+namespace {
+
+Status copy_if_present(const std::string& from, const std::string& to) {
+  if (!std::filesystem::exists(from)) return Status::ok();
+  std::string s;
+  LAPLACE_RETURN_IF_ERROR(read_file(from, &s));
+  return write_file_atomic(to, s.data(), s.size());
+}
+
+}  // namespace
+
+Status quantize_model_dir(const std::string& model_dir, const std::string& out_dir, bool dequantize, bool quiet) {
+  const std::string in_path = model_dir + "/model.safetensors";
+  Config c;
+  LAPLACE_RETURN_IF_ERROR(config_load(model_dir + "/config.json", &c));
+  SafeTensorsReader r;
+  LAPLACE_RETURN_IF_ERROR(SafeTensorsReader::open(in_path, &r));
+  const auto prec = r.metadata().find(kPrecisionKey);
+  const bool is_fp8 = prec != r.metadata().end() && prec->second == kPrecisionFp8Rows;
+  if (dequantize && !is_fp8)
+    return Status::invalid_argument(in_path + " does not hold FP8 weights (no " + std::string(kPrecisionKey) + "=" +
+                                    kPrecisionFp8Rows + "): nothing to dequantise");
+  if (!dequantize && is_fp8) return Status::invalid_argument(in_path + " holds FP8 weights already");
+  if (std::filesystem::equivalent(model_dir, out_dir) ||
+      (std::filesystem::exists(out_dir + "/model.safetensors") && std::filesystem::exists(in_path) &&
+       std::filesystem::equivalent(in_path, out_dir + "/model.safetensors")))
+    return Status::invalid_argument("--out must be another directory than --model");
+
+  std::vector<std::vector<char>> bufs;  // owns every tensor written
+  bufs.reserve(weight_specs(c, DType::kF32).size() * 2);
+  std::vector<NamedTensor> named;
+  double err2 = 0, ref2 = 0;
+  for (const TensorSpec& s : weight_specs(c, DType::kF32)) {
+    const bool body = is_body_matrix(s.name);
+    const int64_t rows = s.shape[0], cols = s.numel() / rows;
+    const int64_t shape2[2] = {rows, cols}, shape1[1] = {rows};
+    if (!r.find(s.name)) return Status::invalid_argument(in_path + ": missing tensor " + s.name);
+    if (dequantize && body) {
+      if (!r.find(fp8_scale_name(s.name)))
+        return Status::invalid_argument(in_path + ": missing tensor " + fp8_scale_name(s.name));
+      std::vector<char> q(static_cast<size_t>(rows * cols)), sc(static_cast<size_t>(rows) * 4);
+      LAPLACE_RETURN_IF_ERROR(r.read_into(s.name, Tensor::make(q.data(), DType::kF8E4M3, shape2, 2)));
+      LAPLACE_RETURN_IF_ERROR(
+          r.read_into(fp8_scale_name(s.name), Tensor::make(sc.data(), DType::kF32, shape1, 1)));
+      bufs.emplace_back(static_cast<size_t>(rows * cols) * 4);
+      fp8_dequantize_rows(reinterpret_cast<const uint8_t*>(q.data()), reinterpret_cast<const float*>(sc.data()), rows,
+                          cols, reinterpret_cast<float*>(bufs.back().data()));
+      named.push_back({s.name, Tensor::make(bufs.back().data(), DType::kF32, s.shape.data(),
+                                            static_cast<int>(s.shape.size()))});
+      continue;
+    }
+    bufs.emplace_back(static_cast<size_t>(s.numel()) * 4);
+    float* w = reinterpret_cast<float*>(bufs.back().data());
+    LAPLACE_RETURN_IF_ERROR(
+        r.read_into(s.name, Tensor::make(w, DType::kF32, s.shape.data(), static_cast<int>(s.shape.size()))));
+    if (dequantize || !body) {
+      named.push_back({s.name, Tensor::make(w, DType::kF32, s.shape.data(), static_cast<int>(s.shape.size()))});
+      continue;
+    }
+    std::vector<char> q(static_cast<size_t>(rows * cols)), sc(static_cast<size_t>(rows) * 4);
+    fp8_quantize_rows(w, rows, cols, reinterpret_cast<uint8_t*>(q.data()), reinterpret_cast<float*>(sc.data()));
+    double e2 = 0, w2 = 0;
+    for (int64_t r0 = 0; r0 < rows; ++r0)
+      for (int64_t c0 = 0; c0 < cols; ++c0) {
+        const double x = w[r0 * cols + c0];
+        const double d = static_cast<double>(e4m3_to_float(static_cast<uint8_t>(q[r0 * cols + c0]))) *
+                             reinterpret_cast<const float*>(sc.data())[r0] - x;
+        e2 += d * d;
+        w2 += x * x;
+      }
+    err2 += e2;
+    ref2 += w2;
+    if (!quiet) std::printf("%-40s [%lld, %lld] rel. RMS error %.3e\n", s.name.c_str(), (long long)rows,
+                            (long long)cols, w2 > 0 ? std::sqrt(e2 / w2) : 0.0);
+    bufs.push_back(std::move(q));
+    named.push_back({s.name, Tensor::make(bufs.back().data(), DType::kF8E4M3, shape2, 2)});
+    bufs.push_back(std::move(sc));
+    named.push_back({fp8_scale_name(s.name), Tensor::make(bufs.back().data(), DType::kF32, shape1, 1)});
+  }
+  std::error_code ec;
+  std::filesystem::create_directories(out_dir, ec);
+  if (ec) return Status::io_error("cannot create " + out_dir + ": " + ec.message());
+  std::map<std::string, std::string> meta = model_file_metadata(c, DType::kF32);
+  if (!dequantize) meta[kPrecisionKey] = kPrecisionFp8Rows;
+  LAPLACE_RETURN_IF_ERROR(safetensors_write(out_dir + "/model.safetensors", named, meta));
+  const std::string cfg_text = c.to_json();
+  LAPLACE_RETURN_IF_ERROR(write_file_atomic(out_dir + "/config.json", cfg_text.data(), cfg_text.size()));
+  LAPLACE_RETURN_IF_ERROR(copy_if_present(model_dir + "/tokenizer.model", out_dir + "/tokenizer.model"));
+  if (!quiet) {
+    if (dequantize) std::printf("wrote %s/model.safetensors: F32 weights from the FP8 ones\n", out_dir.c_str());
+    else
+      std::printf("wrote %s/model.safetensors: body matrices FP8 E4M3 with per-row scales; all of them: rel. RMS "
+                  "error %.3e\n", out_dir.c_str(), ref2 > 0 ? std::sqrt(err2 / ref2) : 0.0);
+  }
+  return Status::ok();
+}
+
+}  // namespace laplace

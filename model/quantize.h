@@ -1,0 +1,32 @@
+// FP8 weights (issue 31): the body matrices (W_qkvg, W_o, W_12, W_3) in E4M3 (core/fp8.h) with one
+// F32 scale per row, i.e. per output channel, beside them as "<name>_scale" ("...weight_scale", the
+// name vLLM uses). Per row rather than one scale per tensor: at laplace-3b's decode shapes the
+// product with row scales runs within a few per cent of the per-tensor one (BENCHMARKS.md, "FP8
+// gemms"), and a row of small weights keeps its own range. Everything else (embedding, norms, the
+// LM head) stays as it was. The file says what it holds in its metadata (kPrecisionKey).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/status.h"
+
+namespace laplace {
+
+inline constexpr const char* kPrecisionKey = "laplace_precision";
+inline constexpr const char* kPrecisionFp8Rows = "fp8_e4m3_rows";
+
+// s[r] = max_c |w[r][c]| / 448 (1 for a row of zeros); q[r][c] = e4m3(w[r][c] / s[r]).
+void fp8_quantize_rows(const float* w, int64_t rows, int64_t cols, uint8_t* q, float* scale);
+// w[r][c] = e4m3_to_float(q[r][c]) · s[r], in F32 (exact: a 4-bit significand times a float).
+void fp8_dequantize_rows(const uint8_t* q, const float* scale, int64_t rows, int64_t cols, float* w);
+// "<weight>_scale".
+std::string fp8_scale_name(const std::string& weight);
+
+// `laplace quantize`: model_dir's model.safetensors → out_dir with FP8 body matrices and their
+// scales (config.json and tokenizer.model copied), printing each matrix's relative RMS error.
+// dequantize: the reverse, an FP8 directory → F32 weights equal to its FP8 values times their
+// scales, which every path loads (to measure what the rounding costs, or to serve without FP8).
+Status quantize_model_dir(const std::string& model_dir, const std::string& out_dir, bool dequantize, bool quiet);
+
+}  // namespace laplace

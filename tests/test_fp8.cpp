@@ -1,0 +1,208 @@
+// FP8 E4M3 (core/fp8.h) and FP8 weight files (model/quantize.h, `laplace quantize`).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/fp8.h"
+#include "core/safetensors.h"
+#include "model/quantize.h"
+#include "tests/test_util.h"
+
+#if LAPLACE_HAVE_CUDA
+#include <cuda_fp8.h>
+#endif
+
+namespace laplace {
+namespace {
+
+bool is_nan_code(int b) { return (b & 0x7F) == 0x7F; }
+
+TEST(Fp8E4M3, KnownValues) {
+  EXPECT_EQ(e4m3_from_float(1.f), 0x38);
+  EXPECT_EQ(e4m3_from_float(448.f), 0x7E);
+  EXPECT_EQ(e4m3_from_float(-448.f), 0xFE);
+  EXPECT_EQ(e4m3_from_float(std::ldexp(1.f, -6)), 0x08);  // smallest normal
+  EXPECT_EQ(e4m3_from_float(std::ldexp(1.f, -9)), 0x01);  // smallest subnormal
+  EXPECT_EQ(e4m3_from_float(0.f), 0x00);
+  EXPECT_EQ(e4m3_from_float(-0.f), 0x80);
+  EXPECT_EQ(e4m3_to_float(0x7E), 448.f);
+  EXPECT_EQ(e4m3_to_float(0x01), std::ldexp(1.f, -9));
+  EXPECT_EQ(e4m3_to_float(0x0F), 1.875f * std::ldexp(1.f, -6));  // exponent 1, mantissa 7
+  EXPECT_TRUE(std::isnan(e4m3_to_float(0x7F)));
+  EXPECT_TRUE(std::isnan(e4m3_to_float(0xFF)));
+}
+
+// Every code decodes and encodes back to itself (NaN aside), and the positive codes increase.
+TEST(Fp8E4M3, EveryCodeRoundTripsAndOrders) {
+  for (int b = 0; b < 256; ++b) {
+    if (is_nan_code(b)) continue;
+    EXPECT_EQ(e4m3_from_float(e4m3_to_float(static_cast<uint8_t>(b))), b) << b;
+  }
+  for (int b = 1; b < 0x7F; ++b) EXPECT_LT(e4m3_to_float(static_cast<uint8_t>(b - 1)), e4m3_to_float(static_cast<uint8_t>(b)));
+}
+
+// Halfway between two neighbours goes to the even code; a hair either side goes to the nearer.
+TEST(Fp8E4M3, RoundsToNearestTiesToEven) {
+  for (int b = 0; b < 0x7E; ++b) {
+    const float lo = e4m3_to_float(static_cast<uint8_t>(b)), hi = e4m3_to_float(static_cast<uint8_t>(b + 1));
+    const float mid = 0.5f * (lo + hi);  // exact: both have few significant bits
+    const int even = (b % 2 == 0) ? b : b + 1;
+    EXPECT_EQ(e4m3_from_float(mid), even) << "between " << b << " and " << b + 1;
+    EXPECT_EQ(e4m3_from_float(std::nextafter(mid, lo)), b);
+    EXPECT_EQ(e4m3_from_float(std::nextafter(mid, hi)), b + 1);
+    EXPECT_EQ(e4m3_from_float(-mid), even | 0x80);
+  }
+}
+
+TEST(Fp8E4M3, SaturatesAndKeepsNaN) {
+  for (float x : {448.5f, 464.f, 500.f, 1e30f, std::numeric_limits<float>::infinity()}) {
+    EXPECT_EQ(e4m3_from_float(x), 0x7E) << x;
+    EXPECT_EQ(e4m3_from_float(-x), 0xFE) << x;
+  }
+  EXPECT_TRUE(is_nan_code(e4m3_from_float(std::numeric_limits<float>::quiet_NaN())));
+  EXPECT_EQ(e4m3_from_float(std::ldexp(1.f, -10)), 0x00);         // half the smallest subnormal: ties to 0
+  EXPECT_EQ(e4m3_from_float(std::ldexp(1.5f, -10)), 0x01);         // nearer 2^-9
+  EXPECT_EQ(e4m3_from_float(std::ldexp(1.f, -12)), 0x00);
+}
+
+#if LAPLACE_HAVE_CUDA
+// CUDA's own conversions (host side of cuda_fp8.h; no GPU needed): the same bytes for every
+// float we can think of near the codes, and random ones over the whole range.
+TEST(Fp8E4M3, MatchesCudaSatfiniteConversion) {
+  std::vector<float> xs;
+  for (int b = 0; b < 0x7F; ++b) {
+    const float v = e4m3_to_float(static_cast<uint8_t>(b)), w = e4m3_to_float(static_cast<uint8_t>(b + 1));
+    for (float x : {v, 0.5f * (v + w), std::nextafter(0.5f * (v + w), v), std::nextafter(0.5f * (v + w), w)}) {
+      xs.push_back(x);
+      xs.push_back(-x);
+    }
+  }
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> e(-14.f, 10.f);
+  for (int i = 0; i < 100000; ++i) xs.push_back((rng() & 1 ? -1.f : 1.f) * std::exp2(e(rng)));
+  for (float x : {1e30f, -1e30f, std::numeric_limits<float>::infinity(), 1e-30f}) xs.push_back(x);
+  int bad = 0;
+  for (float x : xs) {
+    const int ours = e4m3_from_float(x), cuda = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+    if (ours != cuda && bad++ < 10) ADD_FAILURE() << x << ": ours " << ours << ", CUDA " << cuda;
+  }
+  for (int b = 0; b < 256; ++b) {
+    if (is_nan_code(b)) continue;
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3);
+    // half → float by hand: every E4M3 value is a normal or subnormal half.
+    const int s = h.x >> 15, ex = (h.x >> 10) & 0x1F, m = h.x & 0x3FF;
+    const float f = (s ? -1.f : 1.f) * (ex == 0 ? std::ldexp(static_cast<float>(m), -24)
+                                                : std::ldexp(1.f + static_cast<float>(m) / 1024.f, ex - 15));
+    EXPECT_EQ(e4m3_to_float(static_cast<uint8_t>(b)), f) << b;
+  }
+}
+#endif
+
+TEST(Fp8Rows, ScalesMapEachRowsLargestToTheLargestCode) {
+  const int64_t R = 5, C = 33;
+  std::vector<float> w(R * C);
+  std::mt19937 rng(2);
+  std::normal_distribution<float> n(0.f, 0.02f);
+  for (auto& x : w) x = n(rng);
+  for (int64_t c = 0; c < C; ++c) w[3 * C + c] = 0.f;  // a row of zeros
+  w[1 * C + 7] = -0.5f;                                 // an outlier row
+  std::vector<uint8_t> q(R * C);
+  std::vector<float> s(R), back(R * C);
+  fp8_quantize_rows(w.data(), R, C, q.data(), s.data());
+  fp8_dequantize_rows(q.data(), s.data(), R, C, back.data());
+  EXPECT_EQ(s[3], 1.f);
+  EXPECT_EQ(q[1 * C + 7], 0xFE);
+  for (int64_t r = 0; r < R; ++r) {
+    float amax = 0;
+    for (int64_t c = 0; c < C; ++c) amax = std::max(amax, std::fabs(w[r * C + c]));
+    for (int64_t c = 0; c < C; ++c) {
+      const float x = w[r * C + c], y = back[r * C + c];
+      EXPECT_EQ(y, e4m3_to_float(q[r * C + c]) * s[r]);
+      // Normal codes: within half a unit of the 3-bit significand (2^-4 relative); below the
+      // normal range (|x| < 2^-6·s) within half the subnormal step (2^-10·s).
+      EXPECT_LE(std::fabs(y - x), std::max(std::fabs(x) * 0x1p-4f, std::ldexp(s[r], -10)) * 1.0001f)
+          << r << "," << c;
+    }
+    if (amax > 0) {
+      EXPECT_FLOAT_EQ(s[r], amax / 448.f);
+    }
+  }
+}
+
+std::string run(const std::string& args) {
+  const std::string cmd = std::string(LAPLACE_BINARY) + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int st = pclose(p);
+  return (WIFEXITED(st) && WEXITSTATUS(st) == 0 ? "ok\n" : "failed\n") + out;
+}
+
+// init → quantize: FP8 body matrices with scales, the precision in the metadata, and a clear
+// refusal from a path that cannot use them; → dequantize: F32 weights that are exactly the
+// FP8 values times their scales, and a model whose loss is near the original's.
+TEST(Fp8Files, QuantizeRefuseDequantize) {
+  const std::string dir = testing::make_temp_dir("fp8");
+  const std::string cfg = std::string(LAPLACE_SOURCE_DIR) + "/configs/laplace-tiny.json";
+  ASSERT_EQ(run("init --config " + cfg + " --out " + dir + "/m --seed 3").rfind("ok", 0), 0u);
+  std::string out = run("quantize --model " + dir + "/m --out " + dir + "/q");
+  ASSERT_EQ(out.rfind("ok", 0), 0u) << out;
+  EXPECT_NE(out.find("rel. RMS error"), std::string::npos) << out;
+
+  SafeTensorsReader m, q;
+  ASSERT_TRUE(SafeTensorsReader::open(dir + "/m/model.safetensors", &m).is_ok());
+  ASSERT_TRUE(SafeTensorsReader::open(dir + "/q/model.safetensors", &q).is_ok());
+  EXPECT_EQ(m.metadata().at(kPrecisionKey), "f32");
+  EXPECT_EQ(q.metadata().at(kPrecisionKey), kPrecisionFp8Rows);
+  const std::string name = "model.layers.0.wqkvg.weight";
+  ASSERT_NE(q.find(name), nullptr);
+  EXPECT_EQ(q.find(name)->dtype, DType::kF8E4M3);
+  ASSERT_NE(q.find(fp8_scale_name(name)), nullptr);
+  EXPECT_EQ(q.find("model.embed.weight")->dtype, DType::kF32);  // only the body matrices
+
+  out = run("forward --model " + dir + "/q --tokens 1,2,3,4");
+  EXPECT_EQ(out.rfind("failed", 0), 0u) << out;
+  EXPECT_NE(out.find("holds FP8 weights"), std::string::npos) << out;
+  EXPECT_NE(out.find("quantize --dequantize"), std::string::npos) << out;
+  out = run("quantize --model " + dir + "/q --out " + dir + "/q2");
+  EXPECT_NE(out.find("holds FP8 weights already"), std::string::npos) << out;
+  out = run("quantize --model " + dir + "/m --out " + dir + "/m2 --dequantize");
+  EXPECT_NE(out.find("nothing to dequantise"), std::string::npos) << out;
+
+  out = run("quantize --model " + dir + "/q --out " + dir + "/d --dequantize");
+  ASSERT_EQ(out.rfind("ok", 0), 0u) << out;
+  SafeTensorsReader d;
+  ASSERT_TRUE(SafeTensorsReader::open(dir + "/d/model.safetensors", &d).is_ok());
+  const SafeTensorInfo* qi = q.find(name);
+  const int64_t R = qi->shape[0], C = qi->shape[1];
+  std::vector<uint8_t> codes(R * C);
+  std::vector<float> s(R), got(R * C);
+  const int64_t sh2[2] = {R, C}, sh1[1] = {R};
+  ASSERT_TRUE(q.read_into(name, Tensor::make(codes.data(), DType::kF8E4M3, sh2, 2)).is_ok());
+  ASSERT_TRUE(q.read_into(fp8_scale_name(name), Tensor::make(s.data(), DType::kF32, sh1, 1)).is_ok());
+  ASSERT_TRUE(d.read_into(name, Tensor::make(got.data(), DType::kF32, sh2, 2)).is_ok());
+  for (int64_t i = 0; i < R * C; ++i) ASSERT_EQ(got[i], e4m3_to_float(codes[i]) * s[i / C]) << i;
+
+  auto loss_of = [&](const std::string& model) {
+    const std::string o = run("forward --model " + model + " --tokens 5,17,3,99,42,7,250,11,64,8");
+    const size_t at = o.find("loss=");
+    EXPECT_NE(at, std::string::npos) << o;
+    return at == std::string::npos ? 0.0 : std::atof(o.c_str() + at + 5);
+  };
+  const double l0 = loss_of(dir + "/m"), l1 = loss_of(dir + "/d");
+  EXPECT_GT(l0, 0);
+  EXPECT_NEAR(l1, l0, 0.01 * l0);
+  EXPECT_NE(l1, l0);  // the rounding is there
+}
+
+}  // namespace
+}  // namespace laplace
