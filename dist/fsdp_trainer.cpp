@@ -289,12 +289,41 @@ Status FsdpTrainer::setup() {
       return Status::invalid_argument("rank " + std::to_string(q) + " derived a different sharding/Muon owner plan " +
                                       "(hash mismatch): every rank must get the same config and flags");
 
+  // Every rank must read the same data: the shards' token counts, compared with rank 0's.
+  const std::vector<int64_t> train_tokens = all_gather_value(comm_, train_loader_.total_tokens());
+  const std::vector<int64_t> train_shards = all_gather_value(comm_, train_loader_.num_shards());
+  const std::vector<int64_t> val_tokens = all_gather_value(comm_, has_val_ ? val_loader_.total_tokens() : -1);
+  for (int q = 1; q < P_; ++q)
+    if (train_tokens[q] != train_tokens[0] || train_shards[q] != train_shards[0] || val_tokens[q] != val_tokens[0])
+      return Status::invalid_argument(
+          "rank " + std::to_string(q) + " was given other data than rank 0 (training: " +
+          std::to_string(train_tokens[q]) + " tokens in " + std::to_string(train_shards[q]) + " shard(s) against " +
+          std::to_string(train_tokens[0]) + " in " + std::to_string(train_shards[0]) + "; validation: " +
+          std::to_string(val_tokens[q]) + " against " + std::to_string(val_tokens[0]) +
+          " tokens): every rank must read the same shards");
+  // Whether to resume is agreed first: loading is collective.
   const std::string resume = resume_path(opt_);
+  const std::vector<int64_t> resuming = all_gather_value(comm_, resume.empty() ? 0 : 1);
+  for (int q = 1; q < P_; ++q)
+    if (resuming[q] != resuming[0])
+      return Status::invalid_argument("rank " + std::to_string(q) +
+                                      (resuming[q] ? " resumes from a checkpoint" : " starts afresh") + " and rank 0 " +
+                                      (resuming[0] ? "resumes" : "does not") +
+                                      ": every rank must be given the same --resume and --out");
   if (!resume.empty()) {
     LAPLACE_RETURN_IF_ERROR(agree_status(comm_, load_checkpoint(resume)));
     if (!opt_.quiet && me_ == 0)
       std::printf("resumed from %s at step %lld\n", resume.c_str(), (long long)progress_.step);
   }
+  // ... and resumed from the same point (a rank given another --resume or output directory).
+  const std::vector<int64_t> steps = all_gather_value(comm_, progress_.step);
+  const std::vector<int64_t> positions =
+      all_gather_value(comm_, static_cast<int64_t>(fnv1a(progress_.loader_position, 1469598103934665603ull)));
+  for (int q = 1; q < P_; ++q)
+    if (steps[q] != steps[0] || positions[q] != positions[0])
+      return Status::invalid_argument("rank " + std::to_string(q) + " starts at step " + std::to_string(steps[q]) +
+                                      (steps[q] == steps[0] ? " from another data position" : "") + ", rank 0 at step " +
+                                      std::to_string(steps[0]) + ": every rank must resume from the same checkpoint");
   gather_weights(true);
   LAPLACE_RETURN_IF_ERROR(agree_status(comm_, record_.open(opt_, progress_.step, me_ == 0)));
   if (!opt_.quiet && me_ == 0) {

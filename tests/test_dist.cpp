@@ -387,6 +387,57 @@ TEST(DistCheckpoint, CorruptOrMismatchedCheckpointGivesClearError) {
   EXPECT_NE(out.find("missing tensor optim.model.norm.weight.adam_v"), std::string::npos) << out;
 }
 
+// Ranks given other data, or other checkpoints to resume from: the run ends with the same clear
+// message on every rank, nobody hangs (timeout's 124 would say so). Each rank's arguments come
+// from its own shell, through Open MPI's OMPI_COMM_WORLD_RANK.
+TEST(DistTrain, RanksGivenOtherDataOrCheckpointsRefuse) {
+  REQUIRE_MPIRUN();
+  DistFixture f;
+  auto per_rank = [&](const std::string& args, std::string* out) {
+    const std::string cmd = "OMP_NUM_THREADS=1 timeout 120 mpirun --allow-run-as-root --oversubscribe -np 2 sh -c '" +
+                            std::string(LAPLACE_BINARY) + " train --config " + f.config + " --seq 16 --steps 4 " +
+                            "--lr 0.02 --warmup 2 --quiet --batch 1 " + args + "' 2>&1";
+    FILE* p = popen(cmd.c_str(), "r");
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, p)) > 0) out->append(buf, n);
+    const int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  };
+  auto count = [](const std::string& s, const std::string& what) {
+    int k = 0;
+    for (size_t at = s.find(what); at != std::string::npos; at = s.find(what, at + 1)) ++k;
+    return k;
+  };
+  // Rank 1 reads a shorter shard.
+  std::vector<uint32_t> other(3000, 5);
+  ASSERT_TRUE(shard_write(f.dir + "/d1.bin", other, 37).is_ok());
+  fs::copy_file(f.shard, f.dir + "/d0.bin");
+  std::string out;
+  int rc = per_rank("--data " + f.dir + "/d$OMPI_COMM_WORLD_RANK.bin --out " + f.dir + "/x", &out);
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_NE(rc, 124) << out;
+  EXPECT_EQ(count(out, "rank 1 was given other data than rank 0 (training: 3000 tokens"), 2) << out;
+
+  // Rank 0 resumes at step 2, rank 1 has no checkpoint; then rank 1 one at step 3.
+  f.must_run(2, "s2", "--batch 1 --stop-after 2", 4);
+  f.must_run(2, "s3", "--batch 1 --stop-after 3", 4);
+  fs::create_directories(f.dir + "/o0");
+  fs::create_directories(f.dir + "/o1");
+  fs::copy_file(f.dir + "/s2/checkpoint.safetensors", f.dir + "/o0/checkpoint.safetensors");
+  out.clear();
+  rc = per_rank("--data " + f.shard + " --out " + f.dir + "/o$OMPI_COMM_WORLD_RANK --resume auto", &out);
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_NE(rc, 124) << out;
+  EXPECT_EQ(count(out, "rank 1 starts afresh and rank 0 resumes"), 2) << out;
+  fs::copy_file(f.dir + "/s3/checkpoint.safetensors", f.dir + "/o1/checkpoint.safetensors");
+  out.clear();
+  rc = per_rank("--data " + f.shard + " --out " + f.dir + "/o$OMPI_COMM_WORLD_RANK --resume auto", &out);
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_NE(rc, 124) << out;
+  EXPECT_EQ(count(out, "rank 1 starts at step 3, rank 0 at step 2"), 2) << out;
+}
+
 // The distributed checkpoint is the single-process format: a plain run resumes from it.
 TEST(DistCheckpoint, SingleProcessTrainerResumesADistributedCheckpoint) {
   REQUIRE_MPIRUN();
