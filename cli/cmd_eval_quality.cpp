@@ -9,6 +9,7 @@
 //
 // stdout: one table row per grid point as it finishes; --out DIR writes DIR/<mode>.jsonl;
 // --results appends the recorded figures (bench/results.jsonl form).
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -22,6 +23,7 @@
 #include "eval/context.h"
 #include "eval/recall.h"
 #include "eval/serving.h"
+#include "model/quantize.h"
 #include "eval/stream.h"
 
 namespace laplace::cli {
@@ -226,11 +228,16 @@ Status run_serving(ServingArgs& a) {
     return Status::invalid_argument("the bf16 options compare against f32 weights: use --dtype f32");
   QualityRun r;
   LAPLACE_RETURN_IF_ERROR(open_run(a, "serving", &r));
-  LoadedModel low;
+  LoadedModel low, fp8;
+  const bool need_fp8 = std::any_of(opts.begin(), opts.end(), [](const ServingOption& o) { return o.fp8_weights; });
   if (need_low) {
     ModelArgs m = a.model;
     m.dtype = "bf16";
     LAPLACE_RETURN_IF_ERROR(load_model(m, &low));
+  }
+  if (need_fp8) {
+    LAPLACE_RETURN_IF_ERROR(load_model(a.model, &fp8));
+    LAPLACE_RETURN_IF_ERROR(fp8_round_body_matrices(fp8.model));
   }
   const std::string note = "laplace eval serving: " + model_note(a, r) + ", " + std::to_string(a.run.prompts) +
                            " prompts of " + std::to_string(a.run.prompt_len) + " tokens, " +
@@ -238,7 +245,8 @@ Status run_serving(ServingArgs& a) {
   std::printf("%-14s %10s %10s %12s %10s %12s %12s\n", "option", "ref loss", "loss", "delta loss", "agree %",
               "logit err", "max err");
   const Status st = eval_serving_options(
-      r.lm.model, need_low ? &low.model : nullptr, r.heldout, opts, a.run, [&](const ServingAccuracy& s) {
+      r.lm.model, need_low ? &low.model : nullptr, need_fp8 ? &fp8.model : nullptr, r.heldout, opts, a.run,
+      [&](const ServingAccuracy& s) {
         std::printf("%-14s %10.5f %10.5f %12.3e %10.3f %12.3e %12.3e\n", s.option.c_str(), s.ref_loss, s.option_loss,
                     s.delta_loss(), 100 * s.agreement, s.logit_relrms_mean, s.logit_relrms_max);
         std::fflush(stdout);

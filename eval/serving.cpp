@@ -23,6 +23,8 @@ Status parse_serving_options(const std::string& list, std::vector<ServingOption>
     } else if (item == "bf16-states") {
       o.low_weights = true;
       o.states = DType::kBF16;
+    } else if (item == "fp8-weights") {
+      o.fp8_weights = true;
     } else if (item.rfind("defer", 0) == 0) {
       const std::string r = item.substr(5);
       const bool digits = !r.empty() && r.size() <= 3 && std::all_of(r.begin(), r.end(), ::isdigit);
@@ -31,7 +33,7 @@ Status parse_serving_options(const std::string& list, std::vector<ServingOption>
         return Status::invalid_argument("serving option '" + item + "': deferred write-back takes R = 4, 8 or 16");
     } else {
       return Status::invalid_argument("unknown serving option '" + item +
-                                      "' (bf16-weights, bf16-states, defer4, defer8, defer16)");
+                                      "' (bf16-weights, bf16-states, fp8-weights, defer4, defer8, defer16)");
     }
     v.push_back(o);
   }
@@ -62,7 +64,7 @@ Status plan_for(Model& m, const ServingOptionsRun& run) {
 
 }  // namespace
 
-Status eval_serving_options(Model& ref, Model* low, const std::vector<int32_t>& heldout,
+Status eval_serving_options(Model& ref, Model* low, Model* fp8, const std::vector<int32_t>& heldout,
                             const std::vector<ServingOption>& options, const ServingOptionsRun& run,
                             const std::function<void(const ServingAccuracy&)>& each) {
   if (run.prompts < 1 || run.prompt_len < 1 || run.steps < 1)
@@ -72,9 +74,11 @@ Status eval_serving_options(Model& ref, Model* low, const std::vector<int32_t>& 
   if (static_cast<int64_t>(heldout.size()) <= W)
     return Status::invalid_argument("serving options: windows of " + std::to_string(W) + " tokens need more held-out "
                                     "text than the " + std::to_string(heldout.size()) + " tokens given");
-  for (const ServingOption& o : options)
+  for (const ServingOption& o : options) {
     if (o.low_weights && !low)
       return Status::invalid_argument("serving option '" + o.name + "' needs the bf16 weights (--device cuda)");
+    if (o.fp8_weights && !fp8) return Status::invalid_argument("serving option '" + o.name + "' needs the FP8 weights");
+  }
   // The windows: P seeded offsets into the held-out text.
   std::vector<int32_t> win(static_cast<size_t>(P * W));
   SplitMix64 rng{splitmix64_hash(run.seed)};
@@ -86,10 +90,11 @@ Status eval_serving_options(Model& ref, Model* low, const std::vector<int32_t>& 
   for (int64_t p = 0; p < P; ++p) std::copy_n(win.data() + p * W, run.prompt_len, prompts.data() + p * run.prompt_len);
   LAPLACE_RETURN_IF_ERROR(plan_for(ref, run));
   if (low) LAPLACE_RETURN_IF_ERROR(plan_for(*low, run));
+  if (fp8) LAPLACE_RETURN_IF_ERROR(plan_for(*fp8, run));
   const DType ref_states = ref.dtype() == DType::kF64 ? DType::kF64 : DType::kF32;
 
   for (const ServingOption& o : options) {
-    Model& tm = o.low_weights ? *low : ref;
+    Model& tm = o.fp8_weights ? *fp8 : o.low_weights ? *low : ref;
     StatePool pref, ptest;
     LAPLACE_RETURN_IF_ERROR(pref.create(c, ref.backend(), P, ref_states));
     const DType test_states = o.states == DType::kBF16 ? DType::kBF16 : (tm.dtype() == DType::kF64 ? DType::kF64 : DType::kF32);

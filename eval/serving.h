@@ -22,12 +22,16 @@ namespace laplace {
 struct ServingOption {
   std::string name;           // "bf16-weights", "bf16-states", "defer8", …
   bool low_weights = false;   // run on the bf16 copy of the weights
+  // run on the weights with their body matrices rounded to FP8 E4M3 with per-row scales
+  // (model/quantize.h): the weights' rounding alone, activations as they are
+  bool fp8_weights = false;
   DType states = DType::kF32;
   int64_t defer = 0;          // deferred write-back R (0: every step)
 };
 
-// "defer4,defer8,bf16-weights,bf16-states" → options; bf16-states implies bf16 weights
-// (bf16 state pools belong to bf16 models). Unknown names and R outside {4, 8, 16} are errors.
+// "defer4,defer8,bf16-weights,bf16-states,fp8-weights" → options; bf16-states implies bf16
+// weights (bf16 state pools belong to bf16 models). Unknown names and R outside {4, 8, 16} are
+// errors.
 Status parse_serving_options(const std::string& list, std::vector<ServingOption>* out);
 
 struct ServingOptionsRun {
@@ -46,8 +50,9 @@ struct ServingAccuracy {
 };
 
 // `ref`: the reference model; `low`: the same checkpoint in bf16 (needed by the bf16 options,
-// else may be null). Both must be planned by this function's caller for nothing: it plans them.
-Status eval_serving_options(Model& ref, Model* low, const std::vector<int32_t>& heldout,
+// else may be null); `fp8`: the same checkpoint in ref's dtype after fp8_round_body_matrices
+// (needed by fp8-weights, else may be null). The caller need not plan them: this function does.
+Status eval_serving_options(Model& ref, Model* low, Model* fp8, const std::vector<int32_t>& heldout,
                             const std::vector<ServingOption>& options, const ServingOptionsRun& run,
                             const std::function<void(const ServingAccuracy&)>& each);
 

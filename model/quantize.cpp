@@ -33,6 +33,26 @@ void fp8_dequantize_rows(const uint8_t* q, const float* scale, int64_t rows, int
 
 std::string fp8_scale_name(const std::string& weight) { return weight + "_scale"; }
 
+Status fp8_round_body_matrices(Model& m) {
+  const Arena& a = m.weight_arena();
+  Backend& be = m.backend();
+  for (size_t i = 0; i < a.size(); ++i) {
+    const TensorSpec& s = a.spec(i);
+    if (!is_body_matrix(s.name)) continue;
+    const int64_t rows = s.shape[0], cols = s.numel() / rows;
+    std::vector<float> w(static_cast<size_t>(rows * cols)), sc(static_cast<size_t>(rows));
+    std::vector<uint8_t> q(static_cast<size_t>(rows * cols));
+    Tensor host = Tensor::make(w.data(), DType::kF32, s.shape.data(), static_cast<int>(s.shape.size()));
+    be.copy(host, a.tensor(i));
+    be.synchronize();
+    fp8_quantize_rows(w.data(), rows, cols, q.data(), sc.data());
+    fp8_dequantize_rows(q.data(), sc.data(), rows, cols, w.data());
+    be.copy(a.tensor(i), host);
+    be.synchronize();
+  }
+  return Status::ok();
+}
+
 namespace {
 
 Status copy_if_present(const std::string& from, const std::string& to) {

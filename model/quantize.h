@@ -10,6 +10,7 @@
 #include <string>
 
 #include "core/status.h"
+#include "model/model.h"
 
 namespace laplace {
 
@@ -22,6 +23,10 @@ void fp8_quantize_rows(const float* w, int64_t rows, int64_t cols, uint8_t* q, f
 void fp8_dequantize_rows(const uint8_t* q, const float* scale, int64_t rows, int64_t cols, float* w);
 // "<weight>_scale".
 std::string fp8_scale_name(const std::string& weight);
+// Every body matrix of `m` ← its FP8 round trip (quantise per row, dequantise), in m's dtype:
+// what FP8 weights compute with, for a path that multiplies in BF16/F32 (`eval serving`'s
+// fp8-weights option measures what the rounding costs).
+Status fp8_round_body_matrices(Model& m);
 
 // `laplace quantize`: model_dir's model.safetensors → out_dir with FP8 body matrices and their
 // scales (config.json and tokenizer.model copied), printing each matrix's relative RMS error.

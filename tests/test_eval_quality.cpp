@@ -22,6 +22,7 @@
 #include "eval/context.h"
 #include "eval/recall.h"
 #include "eval/serving.h"
+#include "model/quantize.h"
 #include "eval/stream.h"
 #include "model/model.h"
 #include "ops/backend.h"
@@ -176,7 +177,7 @@ TEST(EvalServing, DeferredWriteBackIsIndistinguishableOnTheCpu) {
   run.prompt_len = 20;
   run.steps = 40;
   std::vector<ServingAccuracy> got;
-  ASSERT_TRUE(eval_serving_options(t.m, nullptr, held, opts, run, [&](const ServingAccuracy& s) {
+  ASSERT_TRUE(eval_serving_options(t.m, nullptr, nullptr, held, opts, run, [&](const ServingAccuracy& s) {
     got.push_back(s);
   }).is_ok());
   ASSERT_EQ(got.size(), 3u);
@@ -190,8 +191,23 @@ TEST(EvalServing, DeferredWriteBackIsIndistinguishableOnTheCpu) {
   // The bf16 options need bf16 weights, which the CPU has not.
   ASSERT_TRUE(parse_serving_options("bf16-states", &opts).is_ok());
   EXPECT_TRUE(opts[0].low_weights);
-  const Status st = eval_serving_options(t.m, nullptr, held, opts, run, nullptr);
+  const Status st = eval_serving_options(t.m, nullptr, nullptr, held, opts, run, nullptr);
   EXPECT_NE(st.message().find("bf16"), std::string::npos) << st.to_string();
+  // fp8-weights needs the rounded copy; with it, the rounding shows, small.
+  ASSERT_TRUE(parse_serving_options("fp8-weights", &opts).is_ok());
+  EXPECT_TRUE(opts[0].fp8_weights);
+  EXPECT_NE(eval_serving_options(t.m, nullptr, nullptr, held, opts, run, nullptr).message().find("FP8"),
+            std::string::npos);
+  Tiny f(DType::kF32, 97);
+  ASSERT_TRUE(fp8_round_body_matrices(f.m).is_ok());
+  got.clear();
+  ASSERT_TRUE(eval_serving_options(t.m, nullptr, &f.m, held, opts, run, [&](const ServingAccuracy& s) {
+    got.push_back(s);
+  }).is_ok());
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_GT(got[0].logit_relrms_mean, 1e-4);  // not the reference itself
+  EXPECT_LT(got[0].logit_relrms_mean, 0.2);
+  EXPECT_LT(std::fabs(got[0].delta_loss()), 0.05);
   EXPECT_FALSE(parse_serving_options("defer5", &opts).is_ok());
   EXPECT_FALSE(parse_serving_options("fp4", &opts).is_ok());
   EXPECT_FALSE(parse_serving_options("", &opts).is_ok());
@@ -237,7 +253,7 @@ TEST_F(EvalCli, EachModeRunsAndWritesItsLines) {
   r = run_cli("eval position " + common + " --context 500 --piece 128 --first-bucket 32");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("memory from the first bucket"), std::string::npos) << r.output;
-  r = run_cli("eval serving " + common + " --options defer8 --prompts 4 --prompt-len 16 --steps 16");
+  r = run_cli("eval serving " + common + " --options defer8,fp8-weights --prompts 4 --prompt-len 16 --steps 16");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto lines = [](const std::string& path) {
     std::ifstream f(path);
@@ -248,13 +264,14 @@ TEST_F(EvalCli, EachModeRunsAndWritesItsLines) {
   EXPECT_EQ(lines(d + "/out/copy.jsonl").size(), 4u);
   EXPECT_EQ(lines(d + "/out/passkey.jsonl").size(), 4u);
   EXPECT_EQ(lines(d + "/out/position.jsonl").size(), 5u);  // [0,32) [32,64) [64,128) [128,256) [256,500)
-  EXPECT_EQ(lines(d + "/out/serving.jsonl").size(), 1u);
+  EXPECT_EQ(lines(d + "/out/serving.jsonl").size(), 2u);
   std::set<std::string> names;
   for (const auto& j : lines(d + "/res.jsonl")) names.insert(j["bench"].get<std::string>());
   EXPECT_TRUE(names.count("recall_copy_acc_m8_d64"));
   EXPECT_TRUE(names.count("recall_passkey_acc_l200_p100"));
   EXPECT_TRUE(names.count("position_loss_256_500"));
   EXPECT_TRUE(names.count("serving_defer8_delta_loss"));
+  EXPECT_TRUE(names.count("serving_fp8_weights_delta_loss"));
 }
 
 TEST_F(EvalCli, BadArgumentsGetClearErrors) {
