@@ -322,8 +322,9 @@ Status FsdpTrainer::setup() {
   for (int q = 1; q < P_; ++q)
     if (steps[q] != steps[0] || positions[q] != positions[0])
       return Status::invalid_argument("rank " + std::to_string(q) + " starts at step " + std::to_string(steps[q]) +
-                                      (steps[q] == steps[0] ? " from another data position" : "") + ", rank 0 at step " +
-                                      std::to_string(steps[0]) + ": every rank must resume from the same checkpoint");
+                                      (steps[q] == steps[0] ? " from another data position" : "") +
+                                      ", rank 0 at step " + std::to_string(steps[0]) +
+                                      ": every rank must resume from the same checkpoint");
   gather_weights(true);
   LAPLACE_RETURN_IF_ERROR(agree_status(comm_, record_.open(opt_, progress_.step, me_ == 0)));
   if (!opt_.quiet && me_ == 0) {
@@ -430,7 +431,8 @@ char* FsdpTrainer::owned_block(size_t k) {
   if (owned_off_[k] == kOwnedInUpdate) {  // wholly in this rank's shard: in the update buffer
     const MuonUnit& un = units_[k];
     const Local& l = local_[un.param];
-    return static_cast<char*>(ushard_.data) + (l.u_off + (un.row_begin - l.mine.begin) * un.cols) * static_cast<int64_t>(es);
+    const int64_t off = l.u_off + (un.row_begin - l.mine.begin) * un.cols;
+    return static_cast<char*>(ushard_.data) + off * static_cast<int64_t>(es);
   }
   return static_cast<char*>(owned_.data) + owned_off_[k] * static_cast<int64_t>(es);
 }

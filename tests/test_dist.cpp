@@ -521,7 +521,8 @@ TEST(DistPlan, OwnRowsStayOutOfTheExchangeBuffers) {
         if (s.name == name) return s.numel();
     return int64_t{-1};
   };
-  const FsdpLayout one = fsdp_layout(params, assign_muon_owners(params, 1), 1, 0, DType::kF32, DType::kF32, DType::kF32);
+  const FsdpLayout one =
+      fsdp_layout(params, assign_muon_owners(params, 1), 1, 0, DType::kF32, DType::kF32, DType::kF32);
   for (int64_t off : one.owned_off) EXPECT_EQ(off, kOwnedInUpdate);
   EXPECT_EQ(bytes_of(one, "muon.owned"), 0);
   EXPECT_EQ(bytes_of(one, "muon.bcast"), 0);

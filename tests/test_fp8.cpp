@@ -45,7 +45,8 @@ TEST(Fp8E4M3, EveryCodeRoundTripsAndOrders) {
     if (is_nan_code(b)) continue;
     EXPECT_EQ(e4m3_from_float(e4m3_to_float(static_cast<uint8_t>(b))), b) << b;
   }
-  for (int b = 1; b < 0x7F; ++b) EXPECT_LT(e4m3_to_float(static_cast<uint8_t>(b - 1)), e4m3_to_float(static_cast<uint8_t>(b)));
+  for (int b = 1; b < 0x7F; ++b)
+    EXPECT_LT(e4m3_to_float(static_cast<uint8_t>(b - 1)), e4m3_to_float(static_cast<uint8_t>(b)));
 }
 
 // Halfway between two neighbours goes to the even code; a hair either side goes to the nearer.

@@ -757,10 +757,12 @@ class PiecesExchange : public ShardExchange {
       const int64_t shape[2] = {R, C};
       Tensor whole = Tensor::make(whole_->t.data, DType::kF32, shape, 2, Device::kCPU);
       size_t j = i;
-      for (int64_t r = 0; r < R; r += rows_of(ps_[j].w), ++j) cpu().copy(whole.slice(0, r, r + rows_of(ps_[j].w)), *upd_[j]);
+      for (int64_t r = 0; r < R; r += rows_of(ps_[j].w), ++j)
+        cpu().copy(whole.slice(0, r, r + rows_of(ps_[j].w)), *upd_[j]);
       const std::vector<int64_t> blocks = ps_[i].blocks.empty() ? std::vector<int64_t>{R} : ps_[i].blocks;
       muon_orthogonalise(cpu(), whole, blocks, whole, ns_, steps_);
-      for (int64_t r = 0; i < j; r += rows_of(ps_[i].w), ++i) cpu().copy(*upd_[i], whole.slice(0, r, r + rows_of(ps_[i].w)));
+      for (int64_t r = 0; i < j; r += rows_of(ps_[i].w), ++i)
+        cpu().copy(*upd_[i], whole.slice(0, r, r + rows_of(ps_[i].w)));
     }
   }
   int calls = 0;

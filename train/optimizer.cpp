@@ -87,7 +87,9 @@ void global_grad_sum_squares_into(Backend& be, const std::vector<Param>& params,
 
 // ---- Optimizer ------------------------------------------------------------------------------
 
-size_t Optimizer::sharded_scratch_bytes() { return Arena::planned_bytes({{"optim.scratch.scalars", DType::kF64, {4}}}); }
+size_t Optimizer::sharded_scratch_bytes() {
+  return Arena::planned_bytes({{"optim.scratch.scalars", DType::kF64, {4}}});
+}
 
 Status Optimizer::init(Backend& be, std::vector<Param> params, const OptimizerConfig& cfg, ShardExchange* exchange) {
   LAPLACE_RETURN_IF_ERROR(cfg.validate());
