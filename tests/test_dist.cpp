@@ -387,9 +387,10 @@ TEST(DistCheckpoint, CorruptOrMismatchedCheckpointGivesClearError) {
   EXPECT_NE(out.find("missing tensor optim.model.norm.weight.adam_v"), std::string::npos) << out;
 }
 
-// Ranks given other data, or other checkpoints to resume from: the run ends with the same clear
-// message on every rank, nobody hangs (timeout's 124 would say so). Each rank's arguments come
-// from its own shell, through Open MPI's OMPI_COMM_WORLD_RANK.
+// Ranks given other data, or other checkpoints to resume from: the run ends with a clear message
+// (every rank decides the same, but mpirun may stop the others once the first has exited, so
+// the output holds one or both), and nobody hangs (timeout's 124 would say so). Each rank's
+// arguments come from its own shell, through Open MPI's OMPI_COMM_WORLD_RANK.
 TEST(DistTrain, RanksGivenOtherDataOrCheckpointsRefuse) {
   REQUIRE_MPIRUN();
   DistFixture f;
@@ -417,7 +418,7 @@ TEST(DistTrain, RanksGivenOtherDataOrCheckpointsRefuse) {
   int rc = per_rank("--data " + f.dir + "/d$OMPI_COMM_WORLD_RANK.bin --out " + f.dir + "/x", &out);
   EXPECT_NE(rc, 0) << out;
   EXPECT_NE(rc, 124) << out;
-  EXPECT_EQ(count(out, "rank 1 was given other data than rank 0 (training: 3000 tokens"), 2) << out;
+  EXPECT_GE(count(out, "rank 1 was given other data than rank 0 (training: 3000 tokens"), 1) << out;
 
   // Rank 0 resumes at step 2, rank 1 has no checkpoint; then rank 1 one at step 3.
   f.must_run(2, "s2", "--batch 1 --stop-after 2", 4);
@@ -429,13 +430,13 @@ TEST(DistTrain, RanksGivenOtherDataOrCheckpointsRefuse) {
   rc = per_rank("--data " + f.shard + " --out " + f.dir + "/o$OMPI_COMM_WORLD_RANK --resume auto", &out);
   EXPECT_NE(rc, 0) << out;
   EXPECT_NE(rc, 124) << out;
-  EXPECT_EQ(count(out, "rank 1 starts afresh and rank 0 resumes"), 2) << out;
+  EXPECT_GE(count(out, "rank 1 starts afresh and rank 0 resumes"), 1) << out;
   fs::copy_file(f.dir + "/s3/checkpoint.safetensors", f.dir + "/o1/checkpoint.safetensors");
   out.clear();
   rc = per_rank("--data " + f.shard + " --out " + f.dir + "/o$OMPI_COMM_WORLD_RANK --resume auto", &out);
   EXPECT_NE(rc, 0) << out;
   EXPECT_NE(rc, 124) << out;
-  EXPECT_EQ(count(out, "rank 1 starts at step 3, rank 0 at step 2"), 2) << out;
+  EXPECT_GE(count(out, "rank 1 starts at step 3, rank 0 at step 2"), 1) << out;
 }
 
 // The distributed checkpoint is the single-process format: a plain run resumes from it.
