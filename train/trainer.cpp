@@ -13,7 +13,6 @@ namespace laplace {
 
 namespace fs = std::filesystem;
 
-
 bool needs_master_weights(DType model_dtype) { return model_dtype == DType::kBF16; }
 
 std::vector<Param> make_optimizer_params(const Config& c, const Arena& w, const Arena& grads, bool muon_fused) {
