@@ -44,7 +44,10 @@ COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 STEPS=${STEPS:-3052}
 STOP1=${STOP1:-1000}   # the first leg ends at the parity point; the second waits for the reference
 REF_STEPS=${REF_STEPS:-1000}
-HP=(--batch 16 --seq 2048 --grad-accum 2 --steps "$STEPS" --lr "${LR:-1.5e-3}" --warmup "${WARMUP:-150}"
+# ACCUM: micro-batches of 16 per step (2: 65,536 tokens; 8: 262,144, where the per-step loss of two
+# runs differs less by chance: issue 25's parity at more tokens per step); the twin runs B 32 × ACCUM/2.
+ACCUM=${ACCUM:-2}
+HP=(--batch 16 --seq 2048 --grad-accum "$ACCUM" --steps "$STEPS" --lr "${LR:-1.5e-3}" --warmup "${WARMUP:-150}"
     --schedule cosine --min-lr-frac 0.1 --wd 0.1 --max-grad-norm 1.0 --eval-every 250 --eval-batches 8)
 DATA=(--data "$RUNS/data/train_*.bin" --val-data "$RUNS/data/val_*.bin")
 DATA_Q="--data '$RUNS/data/train_*.bin' --val-data '$RUNS/data/val_*.bin'"  # the same, for the background shells
@@ -195,7 +198,7 @@ if has twin; then
   # against which the reference's distance reads.
   [ -f $RUNS/init.safetensors ] || $PY python/laplace_ref.py init --config "$CFG" --seed 1 --out $RUNS/init.safetensors
   rm -rf $RUNS/twin $RUNS/twin.done
-  HP_TWIN=$(echo "${HP[*]}" | sed 's/--batch 16/--batch 32/; s/--grad-accum 2/--grad-accum 1/; s/--eval-batches 8/--eval-batches 4/')
+  HP_TWIN=$(echo "${HP[*]}" | sed "s/--batch 16/--batch 32/; s/--grad-accum $ACCUM/--grad-accum $((ACCUM / 2))/; s/--eval-batches 8/--eval-batches 4/")
   setsid nohup bash -c "
     while [ ${TWIN_AFTER_REF:-1} = 1 ] && [ ! -f $RUNS/ref.done ]; do sleep 2; done
     $LAPLACE train --config $CFG --init $RUNS/init.safetensors $DATA_Q --out $RUNS/twin --device cuda --dtype bf16 \
