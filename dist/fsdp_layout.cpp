@@ -73,13 +73,15 @@ FsdpLayout fsdp_layout(const std::vector<ShardedParam>& params, const std::vecto
   int64_t to_total = 0, from_total = 0;
   for (int q = 0; q < world; ++q) to_total += l.a2a_to[q], from_total += l.a2a_from[q];
   // wshard: every shard rounded at once, so one group's all-gather can still be reading its
-  // rows while the next ones are rounded (BF16 models; one element otherwise).
-  l.staging = {{"dist.wshard", wdtype, {wdtype != dtype ? my_elems : 1}},
+  // rows while the next ones are rounded (BF16 models over several ranks; one element otherwise:
+  // on one rank the masters are rounded straight into the weights).
+  l.staging = {{"dist.wshard", wdtype, {wdtype != dtype && world > 1 ? my_elems : 1}},
                {"dist.rowsq", DType::kF64, {my_rows}},    // per-row Σg² for the global norm
                {"dist.full", dtype, {max_param}},         // one parameter gathered for a checkpoint
                {"dist.a2a_send", dtype, {to_total}},      // Muon exchange 1 out / 2 in
                {"dist.a2a_recv", dtype, {from_total}},    // Muon exchange 1 in / 2 out
-               {"dist.rowsq_all", DType::kF64, {all_rows}}};  // every rank's per-row Σg², (param, row) order
+               // every rank's per-row Σg² in (param, row) order; one rank's own are that already
+               {"dist.rowsq_all", DType::kF64, {world > 1 ? all_rows : 0}}};
   return l;
 }
 

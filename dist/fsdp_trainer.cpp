@@ -364,6 +364,14 @@ void FsdpTrainer::gather_weights(bool changed) {
   auto rounded = [&](const Local& l) {  // my rows of a parameter in wshard_
     return static_cast<char*>(wshard_.data) + l.ws_off * static_cast<int64_t>(dtype_size(wdtype_));
   };
+  if (P_ == 1) {  // the weights are the masters, rounded where they are read: nothing to gather
+    if (changed)
+      for (const Local& l : local_)
+        if (l.w.defined()) be_->copy(Tensor::make(l.full_w.data, wdtype_, l.w.shape.data(), l.w.ndim, dev_), l.w);
+    comm_.overlap_begin();
+    gather_mark_.assign(groups_.size(), comm_.mark());
+    return;
+  }
   if (changed && round)  // my rows rounded once: every rank gets the same bf16(master) bits
     for (const Local& l : local_)
       if (l.w.defined()) be_->copy(Tensor::make(rounded(l), wdtype_, l.w.shape.data(), l.w.ndim, dev_), l.w);
@@ -400,14 +408,17 @@ void FsdpTrainer::grad_sum_squares_into(Tensor ss) {
       be_->row_sum_squares(Tensor::make(l.g.data, dtype_, g_shape, 2, dev_),
                            Tensor::make(static_cast<double*>(rowsq_.data) + off, DType::kF64, o_shape, 1, dev_));
     }
-    std::vector<int64_t> counts(P_);
-    for (int q = 0; q < P_; ++q) counts[q] = l.all[q].rows();
-    comm_.all_gather(static_cast<double*>(rowsq_.data) + off, static_cast<double*>(rowsq_all_.data) + all_off, counts,
-                     prefix(counts), CommType::kF64);
+    if (P_ > 1) {
+      std::vector<int64_t> counts(P_);
+      for (int q = 0; q < P_; ++q) counts[q] = l.all[q].rows();
+      comm_.all_gather(static_cast<double*>(rowsq_.data) + off, static_cast<double*>(rowsq_all_.data) + all_off,
+                       counts, prefix(counts), CommType::kF64);
+    }
     off += rows;
     all_off += params_[i].rows;
   }
-  be_->loss_sum_into(rowsq_all_, 1.0, ss, false);  // the fixed-order F64 sum (divided by 1: exact)
+  // The fixed-order F64 sum (divided by 1: exact); on one rank its own rows are that vector already.
+  be_->loss_sum_into(P_ > 1 ? rowsq_all_ : rowsq_, 1.0, ss, false);
 }
 
 Tensor FsdpTrainer::muon_update(size_t i) {
@@ -720,14 +731,18 @@ Status FsdpTrainer::run(const std::function<void(const StepLog&, const DistStepT
       for (int64_t i = 0; i < N; ++i) count += y_[i] >= 0;
       be_->copy(targets_dev_, Tensor(y_.data(), DType::kI32, {N}));
       be_->cross_entropy_forward(model_.logits(), targets_dev_, losses_dev_);
-      be_->loss_sum_into(losses_dev_, static_cast<double>(count), micro_loss_, false);
+      // On one rank the mean goes straight to its place in the step's vector.
+      const Tensor slot = P_ > 1 ? micro_loss_ : step_losses_.slice(0, a, a + 1);
+      be_->loss_sum_into(losses_dev_, static_cast<double>(count), slot, false);
       model_.backward(y_.data(), grads_, 1.0 / static_cast<double>(A * P_),
                       [&](int64_t g) { reduce_scatter_group(static_cast<size_t>(g), a > 0); });
       // Rank r's loss of micro-step a lands at a·P + r: the order of one rank's A·P
       // micro-batches, so the step's loss does not depend on P either.
-      comm_.after_compute();
-      comm_.all_gather(micro_loss_.data, static_cast<double*>(step_losses_.data) + a * P_, ones, displs,
-                       CommType::kF64);
+      if (P_ > 1) {
+        comm_.after_compute();
+        comm_.all_gather(micro_loss_.data, static_cast<double*>(step_losses_.data) + a * P_, ones, displs,
+                         CommType::kF64);
+      }
     }
     comm_.overlap_end();  // the optimizer reads every reduced shard
     be_->loss_sum_into(step_losses_, static_cast<double>(A * P_), loss_sum_, false);
