@@ -325,7 +325,7 @@ Status FsdpTrainer::setup() {
                                       (steps[q] == steps[0] ? " from another data position" : "") +
                                       ", rank 0 at step " + std::to_string(steps[0]) +
                                       ": every rank must resume from the same checkpoint");
-  gather_weights(true);
+  gather_weights();
   LAPLACE_RETURN_IF_ERROR(agree_status(comm_, record_.open(opt_, progress_.step, me_ == 0)));
   if (!opt_.quiet && me_ == 0) {
     const std::vector<double> cost = owner_costs(units_, P_);
@@ -356,35 +356,33 @@ Status FsdpTrainer::setup() {
 
 // ---- collectives over the parameter table --------------------------------------------------
 
-// Opens the communicator's overlap region (dist/comm.h) and queues the all-gathers
-// of every group beside the compute, marking each group. `changed` false (a skipped
-// step): the weights are as they were; only the region and the marks are renewed.
-void FsdpTrainer::gather_weights(bool changed) {
+// Opens the communicator's overlap region (dist/comm.h) and queues the all-gathers of every
+// group beside the compute, marking each group. After a skipped step too: the masters did not
+// change, so the weights come out as they were (the skip flag stays on the device).
+void FsdpTrainer::gather_weights() {
   const bool round = wdtype_ != dtype_;
   auto rounded = [&](const Local& l) {  // my rows of a parameter in wshard_
     return static_cast<char*>(wshard_.data) + l.ws_off * static_cast<int64_t>(dtype_size(wdtype_));
   };
   if (P_ == 1) {  // the weights are the masters, rounded where they are read: nothing to gather
-    if (changed)
-      for (const Local& l : local_)
-        if (l.w.defined()) be_->copy(Tensor::make(l.full_w.data, wdtype_, l.w.shape.data(), l.w.ndim, dev_), l.w);
+    for (const Local& l : local_)
+      if (l.w.defined()) be_->copy(Tensor::make(l.full_w.data, wdtype_, l.w.shape.data(), l.w.ndim, dev_), l.w);
     comm_.overlap_begin();
     gather_mark_.assign(groups_.size(), comm_.mark());
     return;
   }
-  if (changed && round)  // my rows rounded once: every rank gets the same bf16(master) bits
+  if (round)  // my rows rounded once: every rank gets the same bf16(master) bits
     for (const Local& l : local_)
       if (l.w.defined()) be_->copy(Tensor::make(rounded(l), wdtype_, l.w.shape.data(), l.w.ndim, dev_), l.w);
   comm_.overlap_begin();
   gather_mark_.assign(groups_.size(), 0);
   for (size_t g = 0; g < groups_.size(); ++g) {
-    if (changed)
-      for (size_t i : groups_[g]) {
-        const std::vector<int64_t> counts = counts_of(i);
-        const Local& l = local_[i];
-        const void* mine = !l.w.defined() ? nullptr : round ? rounded(l) : l.w.data;
-        comm_.all_gather(mine, l.full_w.data, counts, prefix(counts), round ? CommType::kBF16 : ctype_);
-      }
+    for (size_t i : groups_[g]) {
+      const std::vector<int64_t> counts = counts_of(i);
+      const Local& l = local_[i];
+      const void* mine = !l.w.defined() ? nullptr : round ? rounded(l) : l.w.data;
+      comm_.all_gather(mine, l.full_w.data, counts, prefix(counts), round ? CommType::kBF16 : ctype_);
+    }
     gather_mark_[g] = comm_.mark();
   }
 }
@@ -753,7 +751,7 @@ Status FsdpTrainer::run(const std::function<void(const StepLog&, const DistStepT
     optimizer_.enqueue_step(lr_at(opt_.schedule, step));
     tr.muon_sent = muon_sent_;
     tr.muon_received = muon_received_;
-    gather_weights(true);
+    gather_weights();
     tr.fsdp_sent = comm_.stats().bytes_sent - at_start.bytes_sent - tr.muon_sent;
     tr.fsdp_received = comm_.stats().bytes_received - at_start.bytes_received - tr.muon_received;
     // Everybody's Muon counters, for the log (inside the timed step, as they always were).

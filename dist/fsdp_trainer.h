@@ -57,10 +57,10 @@
 #include "dist/comm.h"
 #include "dist/plan.h"
 #include "model/model.h"
-#include "train/optimizer.h"
-#include "train/run_record.h"
 #include "text/data_loader.h"
 #include "train/checkpoint.h"
+#include "train/optimizer.h"
+#include "train/run_record.h"
 #include "train/trainer.h"
 
 namespace laplace {
@@ -110,7 +110,7 @@ class FsdpTrainer : private ShardExchange {
   Status setup_local();
   DType ns_dtype() const;  // Newton–Schulz scratch: BF16 on the GPU, the master dtype on the CPU
   Status load_checkpoint(const std::string& path);
-  void gather_weights(bool changed);
+  void gather_weights();
   void reduce_scatter_group(size_t group, bool accumulate);
   // ShardExchange. The norm: every shard's per-row Σg², gathered parameter by parameter into
   // (param, row) order, which no rank count changes, and summed there in core/fixed_sum.h's order.
