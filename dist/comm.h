@@ -7,7 +7,8 @@
 // map onto the engine's own collectives. The REDUCTIONS (reduce_scatter, all_reduce)
 // are implemented here on top of all_to_all / all_gather and sum the contributions on
 // the receiving rank in rank order 0, 1, …, P−1 (acc = c₀; acc += c₁; …), so results are
-// bitwise reproducible and independent of the engine's algorithm choice.
+// bitwise reproducible and independent of the engine's algorithm choice. On one rank a
+// reduce_scatter exchanges nothing: its one part is added where it lies (the same bits).
 //
 // Traffic accounting: every call adds to stats() the payload this rank addresses to,
 // and receives from, OTHER ranks at the API level (self-copies excluded), whatever
