@@ -1,9 +1,9 @@
 // FP8 weights (issue 31): the body matrices (W_qkvg, W_o, W_12, W_3) in E4M3 (core/fp8.h) with one
 // F32 scale per row, i.e. per output channel, beside them as "<name>_scale" ("...weight_scale", the
-// name vLLM uses). Per row rather than one scale per tensor: at laplace-3b's decode shapes the
-// product with row scales runs within a few per cent of the per-tensor one (BENCHMARKS.md, "FP8
-// gemms"), and a row of small weights keeps its own range. Everything else (embedding, norms, the
-// LM head) stays as it was. The file says what it holds in its metadata (kPrecisionKey).
+// name vLLM uses). Per row rather than one scale per tensor: a row of small weights keeps its own
+// range, at little cost in the product's speed (BENCHMARKS.md, "FP8 gemms"). Everything else
+// (embedding, norms, the LM head) stays as it was. The file says what it holds in its metadata
+// (kPrecisionKey).
 #pragma once
 
 #include <cstdint>

@@ -568,14 +568,10 @@ TEST(DistComm, MpiSelftestOnThreeAndFourRanks) {
 }
 
 TEST(DistCli, PlanPrintsBothStrategiesAndBalance) {
-  const std::string cmd = std::string(LAPLACE_BINARY) + " dist plan --config " + LAPLACE_SOURCE_DIR +
-                          "/configs/laplace-3b.json --ranks 64 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  ASSERT_EQ(pclose(p), 0) << out;
+  const testing::CliResult r = testing::run_laplace("dist plan --config " + std::string(LAPLACE_SOURCE_DIR) +
+                                                    "/configs/laplace-3b.json --ranks 64");
+  const std::string& out = r.output;
+  ASSERT_EQ(r.exit_code, 0) << out;
   EXPECT_NE(out.find("gather"), std::string::npos) << out;
   EXPECT_NE(out.find("all_to_all"), std::string::npos) << out;
   EXPECT_NE(out.find("max/mean"), std::string::npos) << out;
@@ -583,19 +579,14 @@ TEST(DistCli, PlanPrintsBothStrategiesAndBalance) {
 }
 
 // --memory-gb: one rank's memory plan, from the same layout the sharded trainer allocates; at
-// P = 1 beside the single-device trainer's. laplace-3b at B 8 fits one 148.9 GB H200 sharded too.
+// P = 1 beside the single-device trainer's. laplace-3b at B 8 must fit the --memory-gb given, sharded too.
 TEST(DistCli, PlanPrintsTheMemoryPlanPerGpu) {
   auto plan = [](int P) {
-    const std::string cmd = std::string(LAPLACE_BINARY) + " dist plan --config " + LAPLACE_SOURCE_DIR +
-                            "/configs/laplace-3b.json --show-ranks 0 --memory-gb 148.9 --ranks " + std::to_string(P) +
-                            " 2>&1";
-    FILE* p = popen(cmd.c_str(), "r");
-    std::string out;
-    char buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-    EXPECT_EQ(pclose(p), 0) << out;
-    return out;
+    const testing::CliResult r = testing::run_laplace("dist plan --config " + std::string(LAPLACE_SOURCE_DIR) +
+                                                      "/configs/laplace-3b.json --show-ranks 0 --memory-gb 148.9 "
+                                                      "--ranks " + std::to_string(P));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return r.output;
   };
   const std::string one = plan(1), eight = plan(8);
   EXPECT_NE(one.find("master weights (f32, shard of 1)"), std::string::npos) << one;

@@ -137,16 +137,7 @@ TEST(Fp8Rows, ScalesMapEachRowsLargestToTheLargestCode) {
   }
 }
 
-std::string run(const std::string& args) {
-  const std::string cmd = std::string(LAPLACE_BINARY) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int st = pclose(p);
-  return (WIFEXITED(st) && WEXITSTATUS(st) == 0 ? "ok\n" : "failed\n") + out;
-}
+using testing::run_laplace;
 
 // init → quantize: FP8 body matrices with scales, the precision in the metadata, and a clear
 // refusal from a path that cannot use them; → dequantize: F32 weights that are exactly the
@@ -154,10 +145,10 @@ std::string run(const std::string& args) {
 TEST(Fp8Files, QuantizeRefuseDequantize) {
   const std::string dir = testing::make_temp_dir("fp8");
   const std::string cfg = std::string(LAPLACE_SOURCE_DIR) + "/configs/laplace-tiny.json";
-  ASSERT_EQ(run("init --config " + cfg + " --out " + dir + "/m --seed 3").rfind("ok", 0), 0u);
-  std::string out = run("quantize --model " + dir + "/m --out " + dir + "/q");
-  ASSERT_EQ(out.rfind("ok", 0), 0u) << out;
-  EXPECT_NE(out.find("rel. RMS error"), std::string::npos) << out;
+  ASSERT_EQ(run_laplace("init --config " + cfg + " --out " + dir + "/m --seed 3").exit_code, 0);
+  testing::CliResult r = run_laplace("quantize --model " + dir + "/m --out " + dir + "/q");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("rel. RMS error"), std::string::npos) << r.output;
 
   SafeTensorsReader m, q;
   ASSERT_TRUE(SafeTensorsReader::open(dir + "/m/model.safetensors", &m).is_ok());
@@ -170,17 +161,17 @@ TEST(Fp8Files, QuantizeRefuseDequantize) {
   ASSERT_NE(q.find(fp8_scale_name(name)), nullptr);
   EXPECT_EQ(q.find("model.embed.weight")->dtype, DType::kF32);  // only the body matrices
 
-  out = run("forward --model " + dir + "/q --tokens 1,2,3,4");
-  EXPECT_EQ(out.rfind("failed", 0), 0u) << out;
-  EXPECT_NE(out.find("holds FP8 weights"), std::string::npos) << out;
-  EXPECT_NE(out.find("quantize --dequantize"), std::string::npos) << out;
-  out = run("quantize --model " + dir + "/q --out " + dir + "/q2");
-  EXPECT_NE(out.find("holds FP8 weights already"), std::string::npos) << out;
-  out = run("quantize --model " + dir + "/m --out " + dir + "/m2 --dequantize");
-  EXPECT_NE(out.find("nothing to dequantise"), std::string::npos) << out;
+  r = run_laplace("forward --model " + dir + "/q --tokens 1,2,3,4");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("holds FP8 weights"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("quantize --dequantize"), std::string::npos) << r.output;
+  r = run_laplace("quantize --model " + dir + "/q --out " + dir + "/q2");
+  EXPECT_NE(r.output.find("holds FP8 weights already"), std::string::npos) << r.output;
+  r = run_laplace("quantize --model " + dir + "/m --out " + dir + "/m2 --dequantize");
+  EXPECT_NE(r.output.find("nothing to dequantise"), std::string::npos) << r.output;
 
-  out = run("quantize --model " + dir + "/q --out " + dir + "/d --dequantize");
-  ASSERT_EQ(out.rfind("ok", 0), 0u) << out;
+  r = run_laplace("quantize --model " + dir + "/q --out " + dir + "/d --dequantize");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
   SafeTensorsReader d;
   ASSERT_TRUE(SafeTensorsReader::open(dir + "/d/model.safetensors", &d).is_ok());
   const SafeTensorInfo* qi = q.find(name);
@@ -194,7 +185,7 @@ TEST(Fp8Files, QuantizeRefuseDequantize) {
   for (int64_t i = 0; i < R * C; ++i) ASSERT_EQ(got[i], e4m3_to_float(codes[i]) * s[i / C]) << i;
 
   auto loss_of = [&](const std::string& model) {
-    const std::string o = run("forward --model " + model + " --tokens 5,17,3,99,42,7,250,11,64,8");
+    const std::string o = run_laplace("forward --model " + model + " --tokens 5,17,3,99,42,7,250,11,64,8").output;
     const size_t at = o.find("loss=");
     EXPECT_NE(at, std::string::npos) << o;
     return at == std::string::npos ? 0.0 : std::atof(o.c_str() + at + 5);
