@@ -42,6 +42,9 @@ CFG=configs/laplace-125m.json
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 # The run (docs/quality.md): 3,052 steps × 65,536 tokens = 200.0M tokens.
 STEPS=${STEPS:-3052}
+# TAG names the convergence_* figures of stage compare; a parity run with a schedule of its own
+# (STEPS=STOP1=REF_STEPS=1000) records under another tag than the cut of the 200M-token run.
+TAG=${TAG:-laplace125m}
 STOP1=${STOP1:-1000}   # the first leg ends at the parity point; the second waits for the reference
 REF_STEPS=${REF_STEPS:-1000}
 # ACCUM: micro-batches of 16 per step (2: 65,536 tokens; 8: 262,144, where the per-step loss of two
@@ -109,10 +112,11 @@ if has train; then
     $LAPLACE train --config $CFG --init $RUNS/init.safetensors $DATA_Q --tokenizer $RUNS/tokenizer.model \
       --out $RUNS/ours --device cuda --dtype bf16 ${HP[*]} --no-shuffle --peak-tflops 989 --log-every 50 \
       --stop-after $STOP1 --tensorboard $RUNS/ours/tb &&
+    { [ $STOP1 -ge $STEPS ] || {
     while [ ${WAIT_REF:-1} = 1 ] && [ ! -f $RUNS/ref.done ]; do sleep 5; done &&
     $LAPLACE train --config $CFG --init $RUNS/init.safetensors $DATA_Q --tokenizer $RUNS/tokenizer.model \
       --out $RUNS/ours --device cuda --dtype bf16 ${HP[*]} --no-shuffle --peak-tflops 989 --log-every 50 \
-      --ckpt-every 1000 --resume auto --tensorboard $RUNS/ours/tb &&
+      --ckpt-every 1000 --resume auto --tensorboard $RUNS/ours/tb; }; } &&
     $LAPLACE eval --model $RUNS/ours --data '$RUNS/data/val_*.bin' --batch 16 --seq 2048 --device cuda \
       --dtype bf16 > $RUNS/ours_eval.log 2>&1 &&
     $LAPLACE generate --model $RUNS/ours --prompt 'static int' --max-tokens 120 --temperature 0.7 --top-k 40 \
@@ -148,7 +152,7 @@ commit, runs = sys.argv[1], sys.argv[2]
 rows = [json.loads(l) for l in open("%s/ours/metrics.jsonl" % runs) if '"loss"' in l][5:45]
 date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 note = ("whole steps incl. optimizer, B=16 x T=2048 x accum 2 (65536 tokens/step), bf16, laplace-125m, median of "
-        "steps 5-%d of the 200M-token run, alone on the GPU" % (len(rows) + 4))
+        "steps 5-%d of the corpus run, alone on the GPU" % (len(rows) + 4))
 cmd = "scripts/device_train125m.sh (train stage, before the reference starts)"
 for name, key, unit in (("train_tok_s_laplace125m_t2048", "tokens_per_s", "tokens/s"),
                         ("train_mfu_laplace125m_t2048", "mfu", "fraction of 989 TFLOP/s")):
@@ -238,8 +242,10 @@ if has side; then
 fi
 
 if has compare && has twin && [ -f $RUNS/twin.done ]; then
-  $PY scripts/compare_runs.py bench/curves/laplace125m_ours.jsonl $RUNS/twin/metrics.jsonl --last 200 \
-    --tag laplace125m_twin --results "$OUT/results.jsonl" --commit "$COMMIT" --device "NVIDIA H200" \
+  OURS=$RUNS/ours/metrics.jsonl
+  [ -f "$OURS" ] || OURS=bench/curves/laplace125m_ours.jsonl
+  $PY scripts/compare_runs.py "$OURS" $RUNS/twin/metrics.jsonl --last 200 \
+    --tag ${TAG}_twin --results "$OUT/results.jsonl" --commit "$COMMIT" --device "NVIDIA H200" \
     --command "scripts/device_train125m.sh (stages twin, compare)" --labels "laplace B16x2,laplace B32x1" \
     --plot "$OUT/twin.png" 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
 fi
@@ -247,7 +253,7 @@ fi
 if has compare && [ -f $RUNS/ref.done ]; then
   OURS=$RUNS/ours/metrics.jsonl
   [ -f "$OURS" ] || OURS=bench/curves/laplace125m_ours.jsonl
-  $PY scripts/compare_runs.py "$OURS" $RUNS/ref/metrics.jsonl --last 200 --tag laplace125m \
+  $PY scripts/compare_runs.py "$OURS" $RUNS/ref/metrics.jsonl --last 200 --tag $TAG \
     --results "$OUT/results.jsonl" --commit "$COMMIT" --device "NVIDIA H200" \
     --command "scripts/device_train125m.sh (stage compare)" --plot "$OUT/parity.png" 2>&1 | tee -a "$OUT/summary.txt"
 fi
