@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <system_error>
 #include <vector>
 
 #include "core/file_util.h"
@@ -76,9 +77,11 @@ Status quantize_model_dir(const std::string& model_dir, const std::string& out_d
     return Status::invalid_argument(in_path + " does not hold FP8 weights (no " + std::string(kPrecisionKey) + "=" +
                                     kPrecisionFp8Rows + "): nothing to dequantise");
   if (!dequantize && is_fp8) return Status::invalid_argument(in_path + " holds FP8 weights already");
-  if (std::filesystem::equivalent(model_dir, out_dir) ||
-      (std::filesystem::exists(out_dir + "/model.safetensors") && std::filesystem::exists(in_path) &&
-       std::filesystem::equivalent(in_path, out_dir + "/model.safetensors")))
+  // The error_code overloads: a path that cannot be examined (missing, no permission) is simply
+  // not the same file, and writing there fails later with its own message.
+  std::error_code ec;
+  if (std::filesystem::equivalent(model_dir, out_dir, ec) ||
+      std::filesystem::equivalent(in_path, out_dir + "/model.safetensors", ec))
     return Status::invalid_argument("--out must be another directory than --model");
 
   std::vector<std::vector<char>> bufs;  // owns every tensor written
@@ -132,7 +135,7 @@ Status quantize_model_dir(const std::string& model_dir, const std::string& out_d
     bufs.push_back(std::move(sc));
     named.push_back({fp8_scale_name(s.name), Tensor::make(bufs.back().data(), DType::kF32, shape1, 1)});
   }
-  std::error_code ec;
+  ec.clear();
   std::filesystem::create_directories(out_dir, ec);
   if (ec) return Status::io_error("cannot create " + out_dir + ": " + ec.message());
   std::map<std::string, std::string> meta = model_file_metadata(c, DType::kF32);

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <random>
 #include <string>
@@ -169,6 +170,13 @@ TEST(Fp8Files, QuantizeRefuseDequantize) {
   EXPECT_NE(r.output.find("holds FP8 weights already"), std::string::npos) << r.output;
   r = run_laplace("quantize --model " + dir + "/m --out " + dir + "/m2 --dequantize");
   EXPECT_NE(r.output.find("nothing to dequantise"), std::string::npos) << r.output;
+  // The output may not be the input, under its own name or another (a link to it).
+  std::filesystem::create_directory_symlink(dir + "/m", dir + "/m_link");
+  for (const char* out : {"/m", "/m_link"}) {
+    r = run_laplace("quantize --model " + dir + "/m --out " + dir + out);
+    EXPECT_NE(r.exit_code, 0) << out;
+    EXPECT_NE(r.output.find("another directory than --model"), std::string::npos) << out << ": " << r.output;
+  }
 
   r = run_laplace("quantize --model " + dir + "/q --out " + dir + "/d --dequantize");
   ASSERT_EQ(r.exit_code, 0) << r.output;
