@@ -20,6 +20,7 @@
 #include "core/file_util.h"
 #include "core/safetensors.h"
 #include "model/config.h"
+#include "model/quantize.h"
 #include "model/weights.h"
 
 namespace laplace::cli {
@@ -34,7 +35,8 @@ std::string shape_string(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
-// model.safetensors must hold exactly the tensors of weight_specs(c): the error names the tensor.
+// model.safetensors must hold exactly the tensors of weight_specs(c), and for each FP8 one (`laplace
+// quantize`) its per-row F32 scales, which the Python package applies: the error names the tensor.
 Status check_weights(const Config& c, const std::string& path) {
   SafeTensorsReader r;
   LAPLACE_RETURN_IF_ERROR(SafeTensorsReader::open(path, &r));
@@ -46,6 +48,16 @@ Status check_weights(const Config& c, const std::string& path) {
     if (info->shape != spec.shape)
       return Status::invalid_argument(path + ": tensor " + spec.name + " has shape " + shape_string(info->shape) +
                                       ", the config needs " + shape_string(spec.shape));
+    if (info->dtype != DType::kF8E4M3) continue;
+    const std::string scale = fp8_scale_name(spec.name);
+    const SafeTensorInfo* si = r.find(scale);
+    const std::vector<int64_t> rows = {spec.shape[0]};
+    if (!si || si->dtype != DType::kF32 || si->shape != rows)
+      return Status::invalid_argument(path + ": FP8 tensor " + spec.name + " needs its scales " + scale + ", F32 " +
+                                      shape_string(rows) + (si ? ", not " + std::string(dtype_name(si->dtype)) + " " +
+                                                                     shape_string(si->shape)
+                                                               : ", which are missing"));
+    expected.insert(scale);
   }
   for (const SafeTensorInfo& info : r.tensors())
     if (!expected.count(info.name))

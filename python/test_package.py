@@ -10,6 +10,7 @@ import importlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -559,6 +560,47 @@ class TestExportCli(unittest.TestCase):
         # in place: adds the files next to the model
         self.run_cli("export", "hf", "--model", self.src, "--out", self.src)
         self.assertTrue(os.path.exists(os.path.join(self.src, "modeling_laplace.py")))
+
+    def test_fp8_directory_loads_as_its_dequantized_values(self):
+        """`laplace quantize`'s FP8 directory loads as code × row scale: the same float32 weights as the directory
+        `laplace quantize --dequantize` writes, through the package and through an export."""
+        q, d = os.path.join(self.tmp, "q"), os.path.join(self.tmp, "d")
+        self.run_cli("quantize", "--model", self.src, "--out", q)
+        self.run_cli("quantize", "--model", q, "--out", d, "--dequantize")
+        name = "model.layers.0.wqkvg.weight"
+        self.assertEqual(ml.read_safetensors_header(os.path.join(q, "model.safetensors"))[name][0], "F8_E4M3")
+        mq = laplace.LaplaceForCausalLM.from_pretrained(q)
+        md = laplace.LaplaceForCausalLM.from_pretrained(d)
+        sq, sd = mq.state_dict(), md.state_dict()
+        self.assertEqual(list(sq), list(sd))
+        for n in sq:
+            self.assertTrue(torch.equal(sq[n], sd[n]), n)
+        orig = laplace.LaplaceForCausalLM.from_pretrained(self.src).state_dict()[name]
+        self.assertFalse(torch.equal(sq[name], orig))  # rounded ...
+        self.assertLess(float((sq[name] - orig).norm() / orig.norm()), 0.05)  # ... to E4M3's 3 mantissa bits
+        hf = os.path.join(self.tmp, "hf_fp8")
+        self.run_cli("export", "hf", "--model", q, "--out", hf)
+        me = self.load_exported(hf).LaplaceForCausalLM.from_pretrained(hf)
+        self.assertTrue(torch.equal(me.state_dict()[name], sq[name]))
+        # scales missing: named, before any weight is read
+        t = ml.read_safetensors_header(os.path.join(q, "model.safetensors"))
+        self.assertIn(name + "_scale", t)
+        with open(os.path.join(q, "model.safetensors"), "rb") as f:
+            blob = f.read()
+        n = struct.unpack("<Q", blob[:8])[0]
+        header = json.loads(blob[8:8 + n].decode("utf-8"))
+        header[name + "_scalX"] = header.pop(name + "_scale")  # same length: the offsets stay valid
+        hj = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        hj += b" " * (n - len(hj))
+        with open(os.path.join(q, "model.safetensors"), "wb") as f:
+            f.write(blob[:8] + hj + blob[8 + n:])
+        with self.assertRaisesRegex(laplace.LaplaceCheckpointError,
+                                    r"tensor model\.layers\.0\.wqkvg\.weight is FP8 \(F8_E4M3\) but its scales, "
+                                    r"model\.layers\.0\.wqkvg\.weight_scale, are missing"):
+            laplace.LaplaceForCausalLM.from_pretrained(q)
+        r = self.run_cli("export", "hf", "--model", q, "--out", os.path.join(self.tmp, "hf_bad"), ok=False)
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("needs its scales model.layers.0.wqkvg.weight_scale", r.stdout)
 
     def test_export_errors(self):
         r = self.run_cli("export", "hf", "--model", os.path.join(self.tmp, "nope"), "--out", self.tmp, ok=False)

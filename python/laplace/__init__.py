@@ -11,14 +11,14 @@ is installed; `laplace export hf` makes directories that load with trust_remote_
 """
 from .configuration_laplace import LaplaceConfig
 from .modeling_laplace import (HAVE_FLA, HAVE_TRANSFORMERS, LaplaceCache, LaplaceCheckpointError, LaplaceForCausalLM,
-                               LaplaceLayer, LaplaceModel, check_model_directory, gla_backend, read_safetensors,
-                               write_safetensors)
+                               LaplaceLayer, LaplaceModel, check_model_directory, gla_backend, read_model_weights,
+                               read_safetensors, write_safetensors)
 from .tokenization_laplace import LaplaceTokenizer
 
 __version__ = "0.1.0"
 __all__ = ["LaplaceConfig", "LaplaceForCausalLM", "LaplaceModel", "LaplaceLayer", "LaplaceCache",
-           "LaplaceCheckpointError", "LaplaceTokenizer", "check_model_directory", "read_safetensors",
-           "write_safetensors", "gla_backend", "HAVE_TRANSFORMERS", "HAVE_FLA"]
+           "LaplaceCheckpointError", "LaplaceTokenizer", "check_model_directory", "read_model_weights",
+           "read_safetensors", "write_safetensors", "gla_backend", "HAVE_TRANSFORMERS", "HAVE_FLA"]
 
 
 def _register_auto_classes():

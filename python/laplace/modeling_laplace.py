@@ -16,6 +16,8 @@ model directories that `laplace train` / `laplace init` write (config.json + mod
   (LAPLACE_GLA=torch forces the PyTorch form, LAPLACE_GLA=fla requires fla).
 * bf16 weights work: LayerNorms and matmuls run in the weights' dtype, the conv, the GLA state, the output
   RMSNorm and the loss in fp32.
+* FP8 model directories (`laplace quantize`: body matrices in E4M3 with one F32 scale per row, "<name>_scale")
+  load as their exact values, code times scale, in the dtype asked for; the products then run in that dtype.
 * A checkpoint that does not match the config (a missing tensor, a wrong shape, an unexpected tensor) or a
   config whose model_type is not "laplace" raises an error naming the tensor or field; missing weights are never
   silently initialised.
@@ -393,6 +395,29 @@ def init_laplace_weights(module, config):
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+FP8_DTYPE = "F8_E4M3"  # a body matrix of an FP8 directory; its per-row F32 scales are "<name>_scale"
+
+
+def _e4m3_values():
+    """The 256 E4M3 codes as float32 (OCP FP8: bias 7, subnormals, 0x7F/0xFF NaN, no infinities)."""
+    v = []
+    for b in range(256):
+        e, m = (b >> 3) & 0xF, b & 7
+        if e == 15 and m == 7:
+            x = float("nan")
+        elif e == 0:
+            x = m / 8.0 * 2.0 ** -6
+        else:
+            x = (1.0 + m / 8.0) * 2.0 ** (e - 7)
+        v.append(-x if b & 0x80 else x)
+    return torch.tensor(v, dtype=torch.float32)
+
+
+_E4M3 = _e4m3_values()
+
+
+def fp8_scale_name(name):
+    return name + "_scale"
 
 
 def read_safetensors_header(path):
@@ -413,7 +438,8 @@ def read_safetensors_header(path):
 
 
 def read_safetensors(path):
-    """-> {name: CPU tensor}."""
+    """-> {name: CPU tensor}. F8_E4M3 tensors come back as float32 holding their codes' values (unscaled:
+    dequantize_fp8 applies the scales)."""
     with open(path, "rb") as f:
         blob = f.read()
     (n,) = struct.unpack("<Q", blob[:8])
@@ -423,13 +449,51 @@ def read_safetensors(path):
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _ST_DTYPES:
+        fp8 = info["dtype"] == FP8_DTYPE
+        if info["dtype"] not in _ST_DTYPES and not fp8:
             raise LaplaceCheckpointError("%s: tensor %s has unsupported dtype %s" % (path, name, info["dtype"]))
         b, e = info["data_offsets"]
-        dt = _ST_DTYPES[info["dtype"]]
+        dt = torch.uint8 if fp8 else _ST_DTYPES[info["dtype"]]
         t = torch.frombuffer(bytearray(data[b:e]), dtype=dt) if e > b else torch.empty(0, dtype=dt)
+        if fp8:
+            t = _E4M3[t.long()]
         out[name] = t.reshape(info["shape"])
     return out
+
+
+def fp8_matrices(headers):
+    """{name: (dtype, shape)} (read_safetensors_header's) -> the names of the FP8 matrices, each checked to have
+    its per-row scale, F32 [rows]."""
+    names = sorted(n for n, (dt, _) in headers.items() if dt == FP8_DTYPE)
+    for n in names:
+        sn = fp8_scale_name(n)
+        shape = headers[n][1]
+        if sn not in headers:
+            raise LaplaceCheckpointError("tensor %s is FP8 (%s) but its scales, %s, are missing" % (n, FP8_DTYPE, sn))
+        if headers[sn][0] != "F32" or tuple(headers[sn][1]) != (shape[0] if shape else 1,):
+            raise LaplaceCheckpointError("scales %s are %s %s; FP8 tensor %s %s needs F32 [%d]" % (
+                sn, headers[sn][0], _fmt_shape(headers[sn][1]), n, _fmt_shape(shape), shape[0] if shape else 1))
+    return names
+
+
+def dequantize_fp8(tensors, names):
+    """tensors (read_safetensors') with the FP8 matrices `names` replaced by code value × row scale (exact in
+    float32: a 4-bit significand times a float) and their scales removed."""
+    out = dict(tensors)
+    for n in names:
+        scale = out.pop(fp8_scale_name(n))
+        w = out[n]
+        out[n] = (w.reshape(w.shape[0], -1) * scale.reshape(-1, 1)).reshape(w.shape)
+    return out
+
+
+def read_model_weights(files):
+    """{name: CPU tensor} of a model's safetensors files (check_model_directory's), FP8 matrices dequantized."""
+    tensors, headers = {}, {}
+    for fp in files:
+        headers.update(read_safetensors_header(fp))
+        tensors.update(read_safetensors(fp))
+    return dequantize_fp8(tensors, fp8_matrices(headers))
 
 
 def write_safetensors(path, tensors, metadata=None):
@@ -497,11 +561,22 @@ def check_model_directory(config, path):
             files = [os.path.join(path, s) for s in sorted(set(json.load(f)["weight_map"].values()))]
     else:
         raise LaplaceCheckpointError("model directory %s has no %s" % (path, SAFETENSORS_NAME))
-    found = {}
+    headers = {}
     for fp in files:
-        found.update({n: s for n, (_, s) in read_safetensors_header(fp).items()})
-    check_tensor_shapes(config, found, files[0] if len(files) == 1 else index)
+        headers.update(read_safetensors_header(fp))
+    where = files[0] if len(files) == 1 else index
+    try:
+        scales = set(fp8_scale_name(n) for n in fp8_matrices(headers))
+    except LaplaceCheckpointError as e:
+        raise LaplaceCheckpointError("%s: %s" % (where, e))
+    check_tensor_shapes(config, {n: s for n, (_, s) in headers.items() if n not in scales}, where)
     return files
+
+
+def is_fp8_directory(path):
+    """True when a local model directory's weights hold FP8 matrices (`laplace quantize`)."""
+    single = os.path.join(path, SAFETENSORS_NAME)
+    return os.path.isfile(single) and any(dt == FP8_DTYPE for dt, _ in read_safetensors_header(single).values())
 
 
 def _load_config(path_or_config, **kwargs):
@@ -689,7 +764,15 @@ if HAVE_TRANSFORMERS:
             if os.path.isdir(path):
                 if not isinstance(config, LaplaceConfig):
                     config = _load_config(path)
-                check_model_directory(config, path)
+                files = check_model_directory(config, path)
+                if is_fp8_directory(path):  # transformers' loader knows no per-row scales: our reader dequantizes
+                    model = cls(config)
+                    dt = kwargs.get("torch_dtype") or kwargs.get("dtype")
+                    if dt is not None and dt != "auto":
+                        model = model.to(getattr(torch, dt) if isinstance(dt, str) else dt)
+                    model.load_state_dict(read_model_weights(files), strict=True)
+                    model.eval()
+                    return (model, {}) if kwargs.get("output_loading_info") else model
             want_info = kwargs.pop("output_loading_info", False)
             model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args,
                                                   output_loading_info=True, **kwargs)
@@ -733,10 +816,7 @@ else:
             """config.json + model.safetensors (+ the shards of model.safetensors.index.json) of a local directory.
             Every tensor is checked against the config first; nothing is left at random init."""
             config = config if isinstance(config, LaplaceConfig) else _load_config(path)
-            files = check_model_directory(config, path)
-            tensors = {}
-            for fp in files:
-                tensors.update(read_safetensors(fp))
+            tensors = read_model_weights(check_model_directory(config, path))
             model = cls(config)
             dt = dtype or torch_dtype
             if dt is not None:
