@@ -271,6 +271,11 @@ collect() {
 }
 
 if has wait; then
+  # A machine that went back between calls comes back bare: then there is nothing to wait for.
+  if [ ! -f $RUNS/ours.log ] && [ ! -f $RUNS/ref.log ] && [ ! -f $RUNS/twin.log ]; then
+    stamp "no runs here: this is a fresh machine (the last one went back between calls); start them again"
+    WAIT_S=0
+  fi
   while (( $(date +%s) - t0 < WAIT_S )); do
     [ -f $RUNS/ours.done ] && [ -f $RUNS/ref.done ] && { ! has twin || [ -f $RUNS/twin.done ]; } && break
     sleep 10
