@@ -42,4 +42,15 @@ inline uint8_t e4m3_from_float(float x) {
   return sign | static_cast<uint8_t>(be << 3 | m);
 }
 
+// One row of a per-row quantisation: s = max |x| / 448 (1 for a row of zeros), q[c] = e4m3(x[c] / s)
+// (a division, not a product with 1/s: the CUDA kernel divides too, so the two give the same codes).
+// Returns s.
+inline float e4m3_quantize_row(const float* x, int64_t n, uint8_t* q) {
+  float amax = 0.f;
+  for (int64_t c = 0; c < n; ++c) amax = std::fmax(amax, std::fabs(x[c]));
+  const float s = amax > 0.f ? amax / kE4M3Max : 1.f;
+  for (int64_t c = 0; c < n; ++c) q[c] = e4m3_from_float(x[c] / s);
+  return s;
+}
+
 }  // namespace laplace

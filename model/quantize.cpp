@@ -17,14 +17,7 @@
 namespace laplace {
 
 void fp8_quantize_rows(const float* w, int64_t rows, int64_t cols, uint8_t* q, float* scale) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* wr = w + r * cols;
-    float amax = 0.f;
-    for (int64_t c = 0; c < cols; ++c) amax = std::max(amax, std::fabs(wr[c]));
-    const float s = amax > 0.f ? amax / kE4M3Max : 1.f;
-    scale[r] = s;
-    for (int64_t c = 0; c < cols; ++c) q[r * cols + c] = e4m3_from_float(wr[c] / s);
-  }
+  for (int64_t r = 0; r < rows; ++r) scale[r] = e4m3_quantize_row(w + r * cols, cols, q + r * cols);
 }
 
 void fp8_dequantize_rows(const uint8_t* q, const float* scale, int64_t rows, int64_t cols, float* w) {

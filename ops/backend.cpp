@@ -1,5 +1,7 @@
 #include "ops/backend.h"
 
+#include <string>
+
 namespace laplace {
 
 void Backend::gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, Tensor d,
@@ -7,6 +9,14 @@ void Backend::gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool tran
   LAPLACE_CHECK(same_shape(c, d) && c.dtype == d.dtype, "gemm_add: c and d must have one shape and dtype");
   if (c.data != d.data) copy(d, c);
   gemm(a, trans_a, b, trans_b, d, alpha, beta);
+}
+
+void Backend::quantize_rows_e4m3(const Tensor&, Tensor, Tensor) {
+  LAPLACE_CHECK(false, (std::string(name()) + " backend has no FP8 products (quantize_rows_e4m3)").c_str());
+}
+
+void Backend::gemm_e4m3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor) {
+  LAPLACE_CHECK(false, (std::string(name()) + " backend has no FP8 products (gemm_e4m3)").c_str());
 }
 
 void Backend::gla_decode_gate(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -36,7 +46,7 @@ bool is_backend_op(const std::string& op) {
       "rmsnorm_gate_backward", "swiglu_forward", "swiglu_backward", "argmax_rows", "cross_entropy_forward",
       "cross_entropy_backward", "sum_squares", "row_sum_squares", "scale", "adamw_update", "muon_momentum",
       "muon_apply", "sum_squares_into", "grad_clip_scalars", "scale_by", "scale_by_inv_norm", "adamw_update_gated",
-      "muon_momentum_gated", "muon_apply_gated", "loss_sum_into"};
+      "muon_momentum_gated", "muon_apply_gated", "loss_sum_into", "quantize_rows_e4m3", "gemm_e4m3"};
   for (const char* o : kOps)
     if (op == o) return true;
   return false;

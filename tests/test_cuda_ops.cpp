@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "core/fp8.h"
 #include "ops/backend.h"
 #include "tests/test_util.h"
 #ifdef LAPLACE_HAVE_CUDA
@@ -237,6 +238,72 @@ TEST_F(CudaOps, CopyRoundTripsAndStridedViews) {
 
 // The three products of a 9216×3072 projection over 300 token rows: y = x·Wᵀ, dx = dy·W,
 // dW += dyᵀ·x; then transposed/strided operand variants.
+// FP8 products (ops/backend.h) at laplace-3b's decode, prefill and training shapes: the quantiser
+// gives the CPU backend's codes and scales bit for bit, from F32 and from BF16 activations; the
+// product is within F32 accumulation of a long-double sum of the same codes and scales (checked
+// on a sample of entries: the whole reference would take the host minutes), in F32 and BF16
+// output, and deterministic.
+TEST_F(CudaOps, Fp8QuantizeAndGemmAtModelShapes) {
+  struct Shape {
+    const char* what;
+    int64_t M, K, N;
+  };
+  const Shape shapes[] = {{"decode: 1,280 rows, W_qkvg", 1280, 3072, 9216},
+                          {"prefill: 8,192 tokens, W_o", 8192, 3072, 3072},
+                          {"training: 16,384 tokens, W_3", 16384, 8192, 3072}};
+  uint64_t seed = 40;
+  for (const Shape& sh : shapes) {
+    SCOPED_TRACE(sh.what);
+    const DType xdt = sh.M == 8192 ? kF32 : kBF16;
+    Buf x = input({sh.M, sh.K}, xdt, kF32, ++seed, -2, 2), w = input({sh.N, sh.K}, kBF16, kF32, ++seed, -0.05, 0.05);
+    auto quant = [&](const Buf& b, int64_t R, int64_t C, DevTensor* q, DevTensor* sc) {
+      auto hq = host_tensor(DType::kF8E4M3, {R, C});
+      auto hs = host_tensor(kF32, {R});
+      cpu_->quantize_rows_e4m3(b.r(), hq->t, hs->t);
+      cuda_->quantize_rows_e4m3(b.d(), q->t, sc->t);
+      auto dq = down(q->t), ds = down(sc->t);
+      EXPECT_EQ(0, std::memcmp(dq->t.data, hq->t.data, static_cast<size_t>(R * C))) << "codes";
+      EXPECT_EQ(0, std::memcmp(ds->t.data, hs->t.data, static_cast<size_t>(R) * 4)) << "scales";
+    };
+    DevTensor xq(*cuda_, DType::kF8E4M3, {sh.M, sh.K}), xs(*cuda_, kF32, {sh.M});
+    DevTensor wq(*cuda_, DType::kF8E4M3, {sh.N, sh.K}), ws(*cuda_, kF32, {sh.N});
+    quant(x, sh.M, sh.K, &xq, &xs);
+    quant(w, sh.N, sh.K, &wq, &ws);
+    auto hxq = down(xq.t), hwq = down(wq.t), hxs = down(xs.t), hws = down(ws.t);
+    const uint8_t* cx = static_cast<const uint8_t*>(hxq->t.data);
+    const uint8_t* cw = static_cast<const uint8_t*>(hwq->t.data);
+    const float* sx = static_cast<const float*>(hxs->t.data);
+    const float* sw = static_cast<const float*>(hws->t.data);
+    for (DType ydt : {kF32, kBF16}) {
+      DevTensor y(*cuda_, ydt, {sh.M, sh.N}), y2(*cuda_, ydt, {sh.M, sh.N});
+      cuda_->gemm_e4m3(xq.t, xs.t, wq.t, ws.t, y.t);
+      cuda_->gemm_e4m3(xq.t, xs.t, wq.t, ws.t, y2.t);
+      EXPECT_TRUE(same_bytes(y.t, y2.t)) << "deterministic";
+      auto hy = down(y.t);
+      std::mt19937_64 rng(seed);
+      int bad = 0;
+      for (int i = 0; i < 2000; ++i) {
+        const int64_t m = static_cast<int64_t>(rng() % sh.M), n = static_cast<int64_t>(rng() % sh.N);
+        long double acc = 0, mag = 0;
+        for (int64_t k = 0; k < sh.K; ++k) {
+          const long double t =
+              static_cast<long double>(e4m3_to_float(cx[m * sh.K + k])) * e4m3_to_float(cw[n * sh.K + k]);
+          acc += t;
+          mag += std::fabs(t);
+        }
+        const double want = static_cast<double>(acc * sx[m] * sw[n]);
+        const double got = ydt == kF32 ? static_cast<const float*>(hy->t.data)[m * sh.N + n]
+                                       : bf16_to_float(static_cast<const uint16_t*>(hy->t.data)[m * sh.N + n]);
+        const double bound = 1e-5 * static_cast<double>(mag * sx[m] * sw[n]) +
+                             (ydt == kBF16 ? std::ldexp(std::fabs(want), -8) : 0.0) + 1e-30;
+        if (std::fabs(got - want) > bound && bad++ < 5)
+          ADD_FAILURE() << dtype_name(ydt) << " y[" << m << "][" << n << "] = " << got << ", want " << want;
+      }
+      EXPECT_EQ(bad, 0) << dtype_name(ydt);
+    }
+  }
+}
+
 TEST_F(CudaOps, GemmProjectionShapesF32) {
   const int64_t N = 300, D = 3072, O = 9216;
   Buf x = input({N, D}, kF32, kF32, 10), w = input({O, D}, kF32, kF32, 11);

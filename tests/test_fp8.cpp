@@ -14,6 +14,7 @@
 #include "core/fp8.h"
 #include "core/safetensors.h"
 #include "model/quantize.h"
+#include "ops/backend.h"
 #include "tests/test_util.h"
 
 #if LAPLACE_HAVE_CUDA
@@ -136,6 +137,83 @@ TEST(Fp8Rows, ScalesMapEachRowsLargestToTheLargestCode) {
       EXPECT_FLOAT_EQ(s[r], amax / 448.f);
     }
   }
+}
+
+// ---- FP8 products on the CPU backend (the reference of the CUDA backend's) ---------------------
+
+// [R, C] F32 values ~N(0, sd) with an outlier every 97 columns (activations have outlier channels).
+std::vector<float> fp8_test_values(int64_t R, int64_t C, uint64_t seed, float sd) {
+  std::vector<float> v(static_cast<size_t>(R * C));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> n(0.f, sd);
+  for (int64_t i = 0; i < R * C; ++i) v[i] = n(rng) * ((i % C) % 97 == 0 ? 8.f : 1.f);
+  return v;
+}
+
+TEST(Fp8Ops, CpuQuantizeRowsIsTheFilesQuantiser) {
+  auto be = make_cpu_backend();
+  const int64_t R = 37, C = 80;
+  std::vector<float> x = fp8_test_values(R, C, 4, 1.f);
+  for (int64_t c = 0; c < C; ++c) x[5 * C + c] = 0.f;  // a row of zeros: scale 1
+  std::vector<uint8_t> q(R * C), want_q(R * C);
+  std::vector<float> s(R), want_s(R);
+  be->quantize_rows_e4m3(Tensor(x.data(), DType::kF32, {R, C}), Tensor(q.data(), DType::kF8E4M3, {R, C}),
+                         Tensor(s.data(), DType::kF32, {R}));
+  fp8_quantize_rows(x.data(), R, C, want_q.data(), want_s.data());
+  EXPECT_EQ(q, want_q);
+  EXPECT_EQ(0, std::memcmp(s.data(), want_s.data(), s.size() * sizeof(float)));
+  EXPECT_EQ(s[5], 1.f);
+  // F64 input quantises its values rounded to F32.
+  std::vector<double> xd(x.begin(), x.end());
+  std::vector<uint8_t> q2(R * C);
+  std::vector<float> s2(R);
+  be->quantize_rows_e4m3(Tensor(xd.data(), DType::kF64, {R, C}), Tensor(q2.data(), DType::kF8E4M3, {R, C}),
+                         Tensor(s2.data(), DType::kF32, {R}));
+  EXPECT_EQ(q2, want_q);
+  EXPECT_TRUE(be->supports({"gemm_e4m3", DType::kF32, {}}));
+  EXPECT_TRUE(be->supports({"quantize_rows_e4m3", DType::kF32, {}}));
+}
+
+// y = X·Wᵀ of the dequantised operands, against a long-double sum of the same codes and scales;
+// and against the unquantised product, within what E4M3's 3 mantissa bits allow.
+TEST(Fp8Ops, CpuGemmIsTheProductOfTheQuantisedOperands) {
+  auto be = make_cpu_backend();
+  const int64_t M = 33, K = 64, N = 48;
+  std::vector<float> x = fp8_test_values(M, K, 5, 1.f), w = fp8_test_values(N, K, 6, 0.02f);
+  std::vector<uint8_t> xq(M * K), wq(N * K);
+  std::vector<float> xs(M), ws(N), y(M * N);
+  be->quantize_rows_e4m3(Tensor(x.data(), DType::kF32, {M, K}), Tensor(xq.data(), DType::kF8E4M3, {M, K}),
+                         Tensor(xs.data(), DType::kF32, {M}));
+  be->quantize_rows_e4m3(Tensor(w.data(), DType::kF32, {N, K}), Tensor(wq.data(), DType::kF8E4M3, {N, K}),
+                         Tensor(ws.data(), DType::kF32, {N}));
+  be->gemm_e4m3(Tensor(xq.data(), DType::kF8E4M3, {M, K}), Tensor(xs.data(), DType::kF32, {M}),
+                Tensor(wq.data(), DType::kF8E4M3, {N, K}), Tensor(ws.data(), DType::kF32, {N}),
+                Tensor(y.data(), DType::kF32, {M, N}));
+  double err2 = 0, ref2 = 0;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      long double acc = 0, mag = 0, exact = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const long double t = static_cast<long double>(e4m3_to_float(xq[m * K + k])) * e4m3_to_float(wq[n * K + k]);
+        acc += t;
+        mag += std::fabs(t);
+        exact += static_cast<long double>(x[m * K + k]) * w[n * K + k];
+      }
+      const double want = static_cast<double>(acc * xs[m] * ws[n]);
+      const double bound = 1e-6 * static_cast<double>(mag * xs[m] * ws[n]) + 1e-30;
+      ASSERT_LE(std::fabs(y[m * N + n] - want), bound) << m << "," << n;
+      err2 += std::pow(y[m * N + n] - static_cast<double>(exact), 2);
+      ref2 += std::pow(static_cast<double>(exact), 2);
+    }
+  const double rel = std::sqrt(err2 / ref2);
+  EXPECT_GT(rel, 1e-4);  // the rounding is there
+  EXPECT_LT(rel, 0.06);  // and no more than E4M3's
+  // F64 output: the same sums, rounded to F64 instead.
+  std::vector<double> yd(M * N);
+  be->gemm_e4m3(Tensor(xq.data(), DType::kF8E4M3, {M, K}), Tensor(xs.data(), DType::kF32, {M}),
+                Tensor(wq.data(), DType::kF8E4M3, {N, K}), Tensor(ws.data(), DType::kF32, {N}),
+                Tensor(yd.data(), DType::kF64, {M, N}));
+  for (int64_t i = 0; i < M * N; ++i) ASSERT_EQ(y[i], static_cast<float>(yd[i])) << i;
 }
 
 using testing::run_laplace;

@@ -18,10 +18,12 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <unistd.h>
 #include <vector>
 
 #include "core/fixed_sum.h"
+#include "core/fp8.h"
 #include "ops/cpu/gemm_rows.h"
 #include "ops/cpu/gla.h"
 
@@ -918,6 +920,79 @@ void CpuBackend::swiglu_forward(const Tensor& ab, Tensor h) {
 }
 void CpuBackend::swiglu_backward(const Tensor& dh, const Tensor& ab, Tensor dab) {
   dispatch(ab.dtype, [&](auto tag) { swiglu_bwd<decltype(tag)>(dh, ab, dab); });
+}
+
+// ---- FP8 products ---------------------------------------------------------------------------
+// The reference the CUDA backend's are compared with: codes decode exactly to F32, each output's
+// sum runs in F64 and is rounded once.
+
+namespace {
+
+void check_e4m3_matrix(const Tensor& t, const char* what) {
+  check_cpu(t);
+  LAPLACE_CHECK(t.dtype == DType::kF8E4M3 && t.ndim == 2 && t.is_contiguous(),
+                (std::string(what) + " must be a contiguous 2-D F8_E4M3 tensor").c_str());
+}
+
+void check_scales(const Tensor& t, int64_t n, const char* what) {
+  check_cpu(t);
+  LAPLACE_CHECK(t.dtype == DType::kF32 && t.ndim == 1 && t.shape[0] == n && t.is_contiguous(),
+                (std::string(what) + " must be contiguous F32 [" + std::to_string(n) + "]").c_str());
+}
+
+}  // namespace
+
+void CpuBackend::quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s) {
+  check_cpu(x);
+  check_e4m3_matrix(q, "quantize_rows_e4m3: q");
+  LAPLACE_CHECK(x.ndim == 2 && same_shape(x, q), "quantize_rows_e4m3: x and q must be one 2-D shape");
+  check_scales(s, x.shape[0], "quantize_rows_e4m3: s");
+  dispatch(x.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const Rows r = rows_of(x);
+    uint8_t* qp = static_cast<uint8_t*>(q.data);
+    float* sp = static_cast<float*>(s.data);
+#pragma omp parallel for schedule(static) if (r.n * r.cols > kParallelMin)
+    for (int64_t row = 0; row < r.n; ++row) {
+      const T* p = row_ptr<T>(x, r, row);
+      std::vector<float> xf(p, p + r.cols);
+      sp[row] = e4m3_quantize_row(xf.data(), r.cols, qp + row * r.cols);
+    }
+  });
+}
+
+void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, Tensor y) {
+  check_e4m3_matrix(xq, "gemm_e4m3: xq");
+  check_e4m3_matrix(wq, "gemm_e4m3: wq");
+  check_cpu(y);
+  const int64_t M = xq.shape[0], K = xq.shape[1], N = wq.shape[0];
+  LAPLACE_CHECK(wq.shape[1] == K, "gemm_e4m3: xq and wq must have one inner dimension K");
+  LAPLACE_CHECK(y.ndim == 2 && y.shape[0] == M && y.shape[1] == N, "gemm_e4m3: y must be [M, N]");
+  check_scales(xs, M, "gemm_e4m3: xs");
+  check_scales(ws, N, "gemm_e4m3: ws");
+  static const std::array<float, 256> kValue = [] {
+    std::array<float, 256> v{};
+    for (int b = 0; b < 256; ++b) v[static_cast<size_t>(b)] = e4m3_to_float(static_cast<uint8_t>(b));
+    return v;
+  }();
+  const uint8_t* xp = static_cast<const uint8_t*>(xq.data);
+  const uint8_t* wp = static_cast<const uint8_t*>(wq.data);
+  const float* xsp = static_cast<const float*>(xs.data);
+  const float* wsp = static_cast<const float*>(ws.data);
+  dispatch(y.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const Rows r = rows_of(y);
+#pragma omp parallel for schedule(static) if (M * N * K > kParallelMin)
+    for (int64_t m = 0; m < M; ++m) {
+      T* out = row_ptr<T>(y, r, m);
+      for (int64_t n = 0; n < N; ++n) {
+        double acc = 0;
+        for (int64_t k = 0; k < K; ++k)
+          acc += static_cast<double>(kValue[xp[m * K + k]]) * static_cast<double>(kValue[wp[n * K + k]]);
+        out[n] = static_cast<T>(acc * static_cast<double>(xsp[m]) * static_cast<double>(wsp[n]));
+      }
+    }
+  });
 }
 
 void CpuBackend::argmax_rows(const Tensor& x, Tensor out) {

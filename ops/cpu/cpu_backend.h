@@ -30,6 +30,9 @@ class CpuBackend final : public Backend {
   void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor c, double alpha,
             double beta) override;
 
+  void quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s) override;
+  void gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, Tensor y) override;
+
   void embedding_forward(const Tensor& ids, const Tensor& table, Tensor out) override;
   void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor dtable) override;
 

@@ -96,6 +96,12 @@ CudaBackend::~CudaBackend() {
     cublasLtMatrixLayoutDestroy(kv.second.lc);
     cublasLtMatmulDescDestroy(kv.second.desc);
   }
+  for (auto& kv : fp8_plans_) {
+    cublasLtMatrixLayoutDestroy(kv.second.lw);
+    cublasLtMatrixLayoutDestroy(kv.second.lx);
+    cublasLtMatrixLayoutDestroy(kv.second.ly);
+    cublasLtMatmulDescDestroy(kv.second.desc);
+  }
   if (lt_) cublasLtDestroy(lt_);
   if (workspace_) cudaFree(workspace_);
   if (counters_) cudaFree(counters_);

@@ -117,6 +117,11 @@ class CudaBackend final : public Backend {
   void gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, Tensor d,
                 double alpha, double beta) override;
 
+  // FP8 products (ops/cuda/kernels_fp8.cu): one block per row quantises; the product is one
+  // cuBLASLt call with per-row ("outer vector") scales on both operands.
+  void quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s) override;
+  void gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, Tensor y) override;
+
   void embedding_forward(const Tensor& ids, const Tensor& table, Tensor out) override;
   void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor dtable) override;
 
@@ -262,6 +267,14 @@ class CudaBackend final : public Backend {
   size_t scratch_bytes_ = 0;
   double* host_f64_ = nullptr;  // pinned, one double: sum_squares' result
   std::map<GemmKey, GemmPlan> gemm_plans_;
+  // gemm_e4m3's plans by (M, N, K, output dtype); the scale pointers are set on each call.
+  struct Fp8GemmPlan {
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t lw = nullptr, lx = nullptr, ly = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+  };
+  std::map<std::array<int64_t, 4>, Fp8GemmPlan> fp8_plans_;
+  Fp8GemmPlan& fp8_gemm_plan(int64_t M, int64_t N, int64_t K, DType out);
   int64_t host_syncs_ = 0;
   // Per kernel: the dynamic shared-memory limit set so far (0: none) and whether the
   // carveout was set (kernel_smem).
