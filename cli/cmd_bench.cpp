@@ -35,6 +35,7 @@
 #include "core/file_util.h"
 #include "eval/stream.h"
 #include "cli/common.h"
+#include "model/quantize.h"
 #include "model/config.h"
 #include "serve/engine.h"
 #include "serve/http_load.h"
@@ -83,16 +84,23 @@ Status make_model(const ModelArgs& a, uint64_t seed, int64_t layers, LoadedModel
   LAPLACE_RETURN_IF_ERROR(make_backend(r.device, &out->backend));
   LAPLACE_RETURN_IF_ERROR(out->model.create(cfg, *out->backend, dt));
   *random_weights = r.ckpt.empty() || layers > 0;
+  bool fp8_file = false;
+  if (!*random_weights) LAPLACE_RETURN_IF_ERROR(is_fp8_model_file(r.ckpt, &fp8_file));
   if (*random_weights) out->model.init_weights(seed);
+  else if (fp8_file && r.weights != "dtype") return out->model.load_fp8(r.ckpt);
   else LAPLACE_RETURN_IF_ERROR(out->model.load(r.ckpt));
+  if (r.weights == "fp8") LAPLACE_RETURN_IF_ERROR(out->model.use_fp8_weights());
   return Status::ok();
 }
 
-std::string shape_note(const Config& c, const std::string& dtype, bool random) {
+// The figures' note: the shape, the dtype (with FP8 body matrices, "bf16 + fp8 weights") and
+// whether the weights are random.
+std::string shape_note(const Config& c, const LoadedModel& lm, const std::string& dtype, bool random) {
   char buf[256];
-  std::snprintf(buf, sizeof buf, "L%lld D%lld H%lld dk%lld dv%lld F%lld V%lld %s%s", (long long)c.num_layers,
+  std::snprintf(buf, sizeof buf, "L%lld D%lld H%lld dk%lld dv%lld F%lld V%lld %s%s%s", (long long)c.num_layers,
                 (long long)c.hidden_size, (long long)c.num_heads, (long long)c.head_k_dim, (long long)c.head_v_dim,
-                (long long)c.ffn_size, (long long)c.vocab_size, dtype.c_str(), random ? " random weights" : "");
+                (long long)c.ffn_size, (long long)c.vocab_size, dtype.c_str(),
+                lm.model.fp8_weights() ? " + fp8 weights" : "", random ? " random weights" : "");
   return buf;
 }
 
@@ -248,7 +256,7 @@ Status run_bench_decode(const DecodeArgs& a) {
   BenchLog res{a.results, device_description(a.model.device), BenchLog::commit_hash(), BenchLog::iso_date_utc(), a.tag, "", BenchLog::command_line()};
   char note[512];
   std::snprintf(note, sizeof note, "bench decode: %s, batch %lld, prompt %lld, %lld steps",
-                shape_note(c, a.model.dtype, random).c_str(), (long long)a.batch, (long long)a.prompt_len,
+                shape_note(c, lm, a.model.dtype, random).c_str(), (long long)a.batch, (long long)a.prompt_len,
                 (long long)a.steps);
   res.note = note;
   DecodeFigures f;
@@ -399,7 +407,7 @@ Status run_bench_prefill(const PrefillArgs& a) {
   const double med = bench_percentile(ms, 50);
   BenchLog res{a.results, device_description(a.model.device), BenchLog::commit_hash(), BenchLog::iso_date_utc(), a.tag, "", BenchLog::command_line()};
   char note[512];
-  std::snprintf(note, sizeof note, "bench prefill: %s, one %lld-token prompt, median of %lld", shape_note(c, a.model.dtype, random).c_str(),
+  std::snprintf(note, sizeof note, "bench prefill: %s, one %lld-token prompt, median of %lld", shape_note(c, lm, a.model.dtype, random).c_str(),
                 (long long)a.prompt_len, (long long)a.reps);
   res.note = note;
   std::printf("prefill of %lld tokens: median %.2f ms (min %.2f), %.0f tokens/s\n", (long long)a.prompt_len, med,
@@ -570,7 +578,7 @@ Status run_bench_serve(const ServeArgs& a) {
     std::snprintf(note, sizeof note,
                   "bench serve: %s, %lld requests %s, prompts %lld-%lld, outputs %lld-%lld, %lld slots, "
                   "max_batch_tokens %lld, prefill_chunk %lld, batch prefill %s",
-                  shape_note(c, a.model.dtype, random).c_str(), (long long)a.count, arrivals.c_str(),
+                  shape_note(c, lm, a.model.dtype, random).c_str(), (long long)a.count, arrivals.c_str(),
                   (long long)a.prompt_len, (long long)pmax, (long long)a.output_len, (long long)omax, (long long)slots,
                   (long long)a.max_batch_tokens, (long long)a.prefill_chunk, a.batch_prefill.c_str());
     return std::string(note);

@@ -228,8 +228,9 @@ Status run_serving(ServingArgs& a) {
     return Status::invalid_argument("the bf16 options compare against f32 weights: use --dtype f32");
   QualityRun r;
   LAPLACE_RETURN_IF_ERROR(open_run(a, "serving", &r));
-  LoadedModel low, fp8;
+  LoadedModel low, fp8, fp8c;
   const bool need_fp8 = std::any_of(opts.begin(), opts.end(), [](const ServingOption& o) { return o.fp8_weights; });
+  const bool need_fp8c = std::any_of(opts.begin(), opts.end(), [](const ServingOption& o) { return o.fp8_compute; });
   if (need_low) {
     ModelArgs m = a.model;
     m.dtype = "bf16";
@@ -239,13 +240,19 @@ Status run_serving(ServingArgs& a) {
     LAPLACE_RETURN_IF_ERROR(load_model(a.model, &fp8));
     LAPLACE_RETURN_IF_ERROR(fp8_round_body_matrices(fp8.model));
   }
+  if (need_fp8c) {
+    ModelArgs m = a.model;
+    m.weights = "fp8";
+    LAPLACE_RETURN_IF_ERROR(load_model(m, &fp8c));
+  }
   const std::string note = "laplace eval serving: " + model_note(a, r) + ", " + std::to_string(a.run.prompts) +
                            " prompts of " + std::to_string(a.run.prompt_len) + " tokens, " +
                            std::to_string(a.run.steps) + " teacher-forced decode steps";
   std::printf("%-14s %10s %10s %12s %10s %12s %12s\n", "option", "ref loss", "loss", "delta loss", "agree %",
               "logit err", "max err");
   const Status st = eval_serving_options(
-      r.lm.model, need_low ? &low.model : nullptr, need_fp8 ? &fp8.model : nullptr, r.heldout, opts, a.run,
+      r.lm.model, need_low ? &low.model : nullptr, need_fp8 ? &fp8.model : nullptr, need_fp8c ? &fp8c.model : nullptr,
+      r.heldout, opts, a.run,
       [&](const ServingAccuracy& s) {
         std::printf("%-14s %10.5f %10.5f %12.3e %10.3f %12.3e %12.3e\n", s.option.c_str(), s.ref_loss, s.option_loss,
                     s.delta_loss(), 100 * s.agreement, s.logit_relrms_mean, s.logit_relrms_max);
@@ -317,7 +324,7 @@ void add_eval_quality(CLI::App* eval) {
                                                 "greedy agreement and logit error against the reference");
     auto a = std::make_shared<ServingArgs>();
     add_common(cmd, a.get());
-    cmd->add_option("--options", a->options, "comma-separated: defer4, defer8, defer16, bf16-weights, bf16-states")
+    cmd->add_option("--options", a->options, "comma-separated: defer4, defer8, defer16, bf16-weights, bf16-states, fp8-weights, fp8")
         ->capture_default_str();
     cmd->add_option("--prompts", a->run.prompts, "held-out prompts")->check(CLI::Range(1, 4096))->capture_default_str();
     cmd->add_option("--prompt-len", a->run.prompt_len, "tokens per prompt")->check(CLI::Range(1, 1 << 20))->capture_default_str();

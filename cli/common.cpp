@@ -1,5 +1,7 @@
 #include "cli/common.h"
 
+#include "model/quantize.h"
+
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
@@ -24,6 +26,10 @@ void ModelArgs::add_to(CLI::App* app, bool need_ckpt) {
   app->add_option("--tokenizer", tokenizer, "sentencepiece .model (overrides --model's)");
   app->add_option("--device", device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   app->add_option("--dtype", dtype, "compute dtype: f32, f64 (CPU) or bf16 (CUDA)");
+  app->add_option("--weights", weights,
+                  "body matrices: auto (FP8 when the model file holds FP8 weights), fp8 (quantise them to FP8 "
+                  "E4M3 with per-row scales at load and multiply in FP8) or dtype (--dtype's)")
+      ->check(CLI::IsMember({"auto", "fp8", "dtype"}));
 }
 
 Status ModelArgs::resolve() {
@@ -101,7 +107,15 @@ Status load_model(const ModelArgs& args, LoadedModel* out) {
   LAPLACE_RETURN_IF_ERROR(parse_dtype(a.dtype, &dt));
   LAPLACE_RETURN_IF_ERROR(make_backend(a.device, &out->backend));
   LAPLACE_RETURN_IF_ERROR(out->model.create(cfg, *out->backend, dt));
-  if (!a.ckpt.empty()) LAPLACE_RETURN_IF_ERROR(out->model.load(a.ckpt));
+  if (a.ckpt.empty()) {
+    if (a.weights == "fp8") return Status::invalid_argument("--weights fp8 needs weights to quantise (--model or --ckpt)");
+    return Status::ok();
+  }
+  bool fp8_file = false;
+  LAPLACE_RETURN_IF_ERROR(is_fp8_model_file(a.ckpt, &fp8_file));
+  if (fp8_file && a.weights != "dtype") return out->model.load_fp8(a.ckpt);
+  LAPLACE_RETURN_IF_ERROR(out->model.load(a.ckpt));
+  if (a.weights == "fp8") LAPLACE_RETURN_IF_ERROR(out->model.use_fp8_weights());
   return Status::ok();
 }
 

@@ -22,6 +22,10 @@ struct ModelArgs {
   std::string dir, config, ckpt, tokenizer;
   std::string device = "cpu";
   std::string dtype = "f32";
+  // auto: an FP8 model file (`laplace quantize`) computes with FP8 weights, any other with
+  // --dtype's; fp8: the body matrices quantised to FP8 at load (an FP8 file's as they are);
+  // dtype: --dtype's weights only (an FP8 file is refused).
+  std::string weights = "auto";
   void add_to(CLI::App* app, bool need_ckpt = true);
   Status resolve();  // fills config/ckpt/tokenizer from dir
 };

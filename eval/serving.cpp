@@ -25,6 +25,8 @@ Status parse_serving_options(const std::string& list, std::vector<ServingOption>
       o.states = DType::kBF16;
     } else if (item == "fp8-weights") {
       o.fp8_weights = true;
+    } else if (item == "fp8") {
+      o.fp8_compute = true;
     } else if (item.rfind("defer", 0) == 0) {
       const std::string r = item.substr(5);
       const bool digits = !r.empty() && r.size() <= 3 && std::all_of(r.begin(), r.end(), ::isdigit);
@@ -33,7 +35,7 @@ Status parse_serving_options(const std::string& list, std::vector<ServingOption>
         return Status::invalid_argument("serving option '" + item + "': deferred write-back takes R = 4, 8 or 16");
     } else {
       return Status::invalid_argument("unknown serving option '" + item +
-                                      "' (bf16-weights, bf16-states, fp8-weights, defer4, defer8, defer16)");
+                                      "' (bf16-weights, bf16-states, fp8-weights, fp8, defer4, defer8, defer16)");
     }
     v.push_back(o);
   }
@@ -64,7 +66,7 @@ Status plan_for(Model& m, const ServingOptionsRun& run) {
 
 }  // namespace
 
-Status eval_serving_options(Model& ref, Model* low, Model* fp8, const std::vector<int32_t>& heldout,
+Status eval_serving_options(Model& ref, Model* low, Model* fp8, Model* fp8c, const std::vector<int32_t>& heldout,
                             const std::vector<ServingOption>& options, const ServingOptionsRun& run,
                             const std::function<void(const ServingAccuracy&)>& each) {
   if (run.prompts < 1 || run.prompt_len < 1 || run.steps < 1)
@@ -78,6 +80,8 @@ Status eval_serving_options(Model& ref, Model* low, Model* fp8, const std::vecto
     if (o.low_weights && !low)
       return Status::invalid_argument("serving option '" + o.name + "' needs the bf16 weights (--device cuda)");
     if (o.fp8_weights && !fp8) return Status::invalid_argument("serving option '" + o.name + "' needs the FP8 weights");
+    if (o.fp8_compute && (!fp8c || !fp8c->fp8_weights()))
+      return Status::invalid_argument("serving option '" + o.name + "' needs a model computing with FP8 weights");
   }
   // The windows: P seeded offsets into the held-out text.
   std::vector<int32_t> win(static_cast<size_t>(P * W));
@@ -91,10 +95,11 @@ Status eval_serving_options(Model& ref, Model* low, Model* fp8, const std::vecto
   LAPLACE_RETURN_IF_ERROR(plan_for(ref, run));
   if (low) LAPLACE_RETURN_IF_ERROR(plan_for(*low, run));
   if (fp8) LAPLACE_RETURN_IF_ERROR(plan_for(*fp8, run));
+  if (fp8c) LAPLACE_RETURN_IF_ERROR(plan_for(*fp8c, run));
   const DType ref_states = ref.dtype() == DType::kF64 ? DType::kF64 : DType::kF32;
 
   for (const ServingOption& o : options) {
-    Model& tm = o.fp8_weights ? *fp8 : o.low_weights ? *low : ref;
+    Model& tm = o.fp8_compute ? *fp8c : o.fp8_weights ? *fp8 : o.low_weights ? *low : ref;
     StatePool pref, ptest;
     LAPLACE_RETURN_IF_ERROR(pref.create(c, ref.backend(), P, ref_states));
     const DType test_states = o.states == DType::kBF16 ? DType::kBF16 : (tm.dtype() == DType::kF64 ? DType::kF64 : DType::kF32);

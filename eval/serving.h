@@ -25,11 +25,14 @@ struct ServingOption {
   // run on the weights with their body matrices rounded to FP8 E4M3 with per-row scales
   // (model/quantize.h): the weights' rounding alone, activations as they are
   bool fp8_weights = false;
+  // "fp8": FP8 weights and FP8 products (Model::use_fp8_weights, what `--weights fp8` serves):
+  // the weights' and the activations' rounding together
+  bool fp8_compute = false;
   DType states = DType::kF32;
   int64_t defer = 0;          // deferred write-back R (0: every step)
 };
 
-// "defer4,defer8,bf16-weights,bf16-states,fp8-weights" → options; bf16-states implies bf16
+// "defer4,defer8,bf16-weights,bf16-states,fp8-weights,fp8" → options; bf16-states implies bf16
 // weights (bf16 state pools belong to bf16 models). Unknown names and R outside {4, 8, 16} are
 // errors.
 Status parse_serving_options(const std::string& list, std::vector<ServingOption>* out);
@@ -51,8 +54,10 @@ struct ServingAccuracy {
 
 // `ref`: the reference model; `low`: the same checkpoint in bf16 (needed by the bf16 options,
 // else may be null); `fp8`: the same checkpoint in ref's dtype after fp8_round_body_matrices
-// (needed by fp8-weights, else may be null). The caller need not plan them: this function does.
-Status eval_serving_options(Model& ref, Model* low, Model* fp8, const std::vector<int32_t>& heldout,
+// (needed by fp8-weights, else may be null); `fp8c`: the same checkpoint computing with FP8 weights
+// (Model::use_fp8_weights; needed by fp8, else may be null). The caller need not plan them: this
+// function does.
+Status eval_serving_options(Model& ref, Model* low, Model* fp8, Model* fp8c, const std::vector<int32_t>& heldout,
                             const std::vector<ServingOption>& options, const ServingOptionsRun& run,
                             const std::function<void(const ServingAccuracy&)>& each);
 

@@ -1,8 +1,14 @@
 #include "model/model.h"
 
+#include <algorithm>
 #include <cmath>
+#include <set>
+#include <string>
+#include <vector>
 
 #include "core/fixed_sum.h"
+#include "core/safetensors.h"
+#include "model/quantize.h"
 
 namespace laplace {
 
@@ -141,7 +147,147 @@ Status Model::plan(const PlanOptions& opt) {
     Tensor* dst[] = {&dx_, &dtmp_, &du_, &dc_, &dqkvg_, &do_, &dy_, &dz_, &dab_, &dh_};
     for (size_t i = 0; i < scratch_.size(); ++i) *dst[i] = scratch_.tensor(i);
   }
+  if (fp8_on_) {
+    if (opt.training) return Status::unsupported("FP8 weights serve inference plans only, not training");
+    LAPLACE_RETURN_IF_ERROR(plan_fp8_inputs());
+  }
   return Status::ok();
+}
+
+// ---- FP8 weights ----------------------------------------------------------------------------
+
+namespace {
+
+constexpr const char* kFp8Kinds[4] = {"wqkvg", "wo", "w12", "w3"};  // Fp8Matrix order per layer
+
+std::string body_name(int64_t layer, int kind) {
+  return "model.layers." + std::to_string(layer) + "." + kFp8Kinds[kind] + ".weight";
+}
+
+}  // namespace
+
+Status Model::create_fp8_arena() {
+  if (!be_->supports({"gemm_e4m3", dtype_, {}}) || !be_->supports({"quantize_rows_e4m3", dtype_, {}}))
+    return Status::unsupported(std::string("the ") + be_->name() + " backend has no FP8 products for " +
+                               dtype_name(dtype_) + " models");
+  if (plan_rows_ > 0 && plan_.training) return Status::unsupported("FP8 weights serve inference plans only");
+  std::vector<TensorSpec> specs;
+  for (int64_t l = 0; l < cfg_.num_layers; ++l)
+    for (int k = 0; k < 4; ++k) {
+      const std::string n = body_name(l, k);
+      const int64_t i = weights_.find(n);
+      LAPLACE_CHECK(i >= 0, "FP8 weights: a body matrix is missing from the weight table");
+      const TensorSpec& w = weights_.spec(static_cast<size_t>(i));
+      if (!be_->supports({"gemm_e4m3", dtype_, {w.shape[0], w.shape[1]}}))
+        return Status::unsupported(std::string("the ") + be_->name() + " backend's FP8 products do not take " + n +
+                                   " [" + std::to_string(w.shape[0]) + ", " + std::to_string(w.shape[1]) + "]");
+      specs.push_back({n, DType::kF8E4M3, w.shape});
+      specs.push_back({fp8_scale_name(n), DType::kF32, {w.shape[0]}});
+    }
+  LAPLACE_RETURN_IF_ERROR(fp8_.create(std::move(specs), be_->allocator(), "FP8 weights"));
+  fp8_layers_.assign(static_cast<size_t>(cfg_.num_layers), {});
+  for (int64_t l = 0; l < cfg_.num_layers; ++l)
+    for (int k = 0; k < 4; ++k) {
+      const size_t j = static_cast<size_t>((l * 4 + k) * 2);
+      fp8_layers_[l][k] = {fp8_.tensor(j), fp8_.tensor(j + 1)};
+    }
+  fp8_on_ = true;
+  return plan_rows_ > 0 ? plan_fp8_inputs() : Status::ok();
+}
+
+Status Model::plan_fp8_inputs() {
+  const int64_t K = std::max({cfg_.hidden_size, cfg_.v_dim(), cfg_.ffn_size});
+  LAPLACE_RETURN_IF_ERROR(fp8_inputs_.create(
+      {{"fp8_xq", DType::kF8E4M3, {plan_rows_, K}}, {"fp8_xs", DType::kF32, {plan_rows_}}}, be_->allocator(),
+      "FP8 projection inputs"));
+  fp8_xq_ = fp8_inputs_.tensor(0);
+  fp8_xs_ = fp8_inputs_.tensor(1);
+  return Status::ok();
+}
+
+Status Model::use_fp8_weights() {
+  LAPLACE_RETURN_IF_ERROR(create_fp8_arena());
+  for (int64_t l = 0; l < cfg_.num_layers; ++l)
+    for (int k = 0; k < 4; ++k) {
+      const Tensor w = weights_.tensor(static_cast<size_t>(weights_.find(body_name(l, k))));
+      const Fp8Matrix& f = fp8_layers_[l][k];
+      be_->quantize_rows_e4m3(w, f.q, f.s);
+    }
+  // The weights' own copies take the values the products use (code × scale), through the host.
+  for (int64_t l = 0; l < cfg_.num_layers; ++l)
+    for (int k = 0; k < 4; ++k) {
+      const Tensor w = weights_.tensor(static_cast<size_t>(weights_.find(body_name(l, k))));
+      const Fp8Matrix& f = fp8_layers_[l][k];
+      const int64_t R = f.q.shape[0], C = f.q.shape[1];
+      std::vector<uint8_t> q(static_cast<size_t>(R * C));
+      std::vector<float> s(static_cast<size_t>(R)), v(static_cast<size_t>(R * C));
+      be_->copy(Tensor(q.data(), DType::kF8E4M3, {R, C}), f.q);
+      be_->copy(Tensor(s.data(), DType::kF32, {R}), f.s);
+      be_->synchronize();
+      fp8_dequantize_rows(q.data(), s.data(), R, C, v.data());
+      be_->copy(w, Tensor(v.data(), DType::kF32, {R, C}));
+    }
+  be_->synchronize();
+  return Status::ok();
+}
+
+Status Model::load_fp8(const std::string& path) {
+  SafeTensorsReader r;
+  LAPLACE_RETURN_IF_ERROR(SafeTensorsReader::open(path, &r));
+  const auto prec = r.metadata().find(kPrecisionKey);
+  if (prec == r.metadata().end() || prec->second != kPrecisionFp8Rows)
+    return Status::invalid_argument(path + " does not hold FP8 weights (no " + std::string(kPrecisionKey) + "=" +
+                                    kPrecisionFp8Rows + ")");
+  LAPLACE_RETURN_IF_ERROR(create_fp8_arena());
+  std::set<std::string> expected;
+  for (size_t i = 0; i < weights_.size(); ++i) {
+    const TensorSpec& s = weights_.spec(i);
+    expected.insert(s.name);
+    const SafeTensorInfo* info = r.find(s.name);
+    if (!info) return Status::invalid_argument(path + ": missing tensor " + s.name);
+    std::vector<float> v(static_cast<size_t>(s.numel()));
+    const int64_t fi = fp8_.find(s.name);
+    if (fi >= 0) {
+      const std::string sn = fp8_scale_name(s.name);
+      expected.insert(sn);
+      if (info->dtype != DType::kF8E4M3 || !r.find(sn))
+        return Status::invalid_argument(path + ": " + s.name + " must be F8_E4M3 with its scales " + sn);
+      const Tensor q = fp8_.tensor(static_cast<size_t>(fi)), sc = fp8_.tensor(static_cast<size_t>(fi) + 1);
+      const int64_t R = q.shape[0], C = q.shape[1];
+      std::vector<uint8_t> codes(static_cast<size_t>(R * C));
+      std::vector<float> scales(static_cast<size_t>(R));
+      LAPLACE_RETURN_IF_ERROR(r.read_into(s.name, Tensor(codes.data(), DType::kF8E4M3, {R, C})).with_context(path));
+      LAPLACE_RETURN_IF_ERROR(r.read_into(sn, Tensor(scales.data(), DType::kF32, {R})).with_context(path));
+      be_->copy(q, Tensor(codes.data(), DType::kF8E4M3, {R, C}));
+      be_->copy(sc, Tensor(scales.data(), DType::kF32, {R}));
+      fp8_dequantize_rows(codes.data(), scales.data(), R, C, v.data());
+    } else {
+      LAPLACE_RETURN_IF_ERROR(
+          r.read_into(s.name, Tensor::make(v.data(), DType::kF32, s.shape.data(), static_cast<int>(s.shape.size())))
+              .with_context(path));
+    }
+    be_->copy(weights_.tensor(i), Tensor::make(v.data(), DType::kF32, s.shape.data(), static_cast<int>(s.shape.size())));
+    be_->synchronize();
+  }
+  for (const SafeTensorInfo& t : r.tensors())
+    if (!expected.count(t.name))
+      return Status::invalid_argument(path + ": unexpected tensor " + t.name +
+                                      " (is this checkpoint for a different config?)");
+  return Status::ok();
+}
+
+void Model::project(const Tensor& x, const Tensor& w, const Fp8Matrix& f, const Tensor& residual, Tensor y) {
+  Backend& be = *be_;
+  if (!f.q.defined()) {
+    if (residual.defined()) be.gemm_add(x, false, w, true, residual, y, 1.0, 1.0);
+    else be.gemm(x, false, w, true, y, 1.0, 0.0);
+    return;
+  }
+  const int64_t N = x.shape[0], K = x.shape[1];
+  const Tensor xq = Tensor::make(fp8_xq_.data, DType::kF8E4M3, std::vector<int64_t>{N, K}.data(), 2, fp8_xq_.device);
+  const Tensor xs = fp8_xs_.slice(0, 0, N);
+  be.quantize_rows_e4m3(x, xq, xs);
+  be.gemm_e4m3(xq, xs, f.q, f.s, residual, y);
 }
 
 GlaParams Model::gla_params(GlaForm form) const {
@@ -291,7 +437,10 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
     for (const Segment& s : segs)
       be.conv_silu_forward(btc(seg_rows(a.u, s), s.B, s.T), w.conv_w, btc(seg_rows(a.c, s), s.B, s.T),
                            plan_.training ? btc(seg_rows(a.conv_pre, s), s.B, s.T) : Tensor{}, win, win, seg_slots(s));
-    be.gemm(rows(a.c, N), false, w.wqkvg, true, qkvg, 1.0, 0.0);
+    static const Fp8Matrix kNone{};
+    const std::array<Fp8Matrix, 4>* f8 = fp8_on_ && !plan_.training ? &fp8_layers_[l] : nullptr;
+    const auto fp8 = [&](int kind) -> const Fp8Matrix& { return f8 ? (*f8)[kind] : kNone; };
+    project(rows(a.c, N), w.wqkvg, fp8(0), Tensor{}, qkvg);
     Tensor st = pool ? pool->gla(l) : Tensor{};
     const GlaPending pend = pool ? pool->pending(l) : GlaPending{};
     // The chunked form reads S itself: fold the rows' pending pairs in first.
@@ -334,14 +483,14 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
       be.rmsnorm_gate_forward(bthd(rows(a.o, N), rb, rt, H, dv), qkvg_part(qkvg, rb, rt, 3), w.onorm_w, cfg_.norm_eps,
                               bthd(rows(a.y, N), rb, rt, H, dv), rstd);
     }
-    be.gemm_add(rows(a.y, N), false, w.wo, true, x_in, x_mid, 1.0, 1.0);  // x_mid = x_in + y·W_oᵀ
+    project(rows(a.y, N), w.wo, fp8(1), x_in, x_mid);  // x_mid = x_in + y·W_oᵀ
 
     // Channel mixer: x_out = x_mid + (SiLU(a) ⊙ b) · W_3ᵀ with [a|b] = LN2(x_mid) · W_12ᵀ
     be.layernorm_forward(x_mid, w.norm2_w, w.norm2_b, cfg_.norm_eps, rows(a.z, N), rows(a.ln2_mean, N),
                          rows(a.ln2_rstd, N));
-    be.gemm(rows(a.z, N), false, w.w12, true, rows(a.ab, N), 1.0, 0.0);
+    project(rows(a.z, N), w.w12, fp8(2), Tensor{}, rows(a.ab, N));
     be.swiglu_forward(rows(a.ab, N), rows(a.h, N));
-    be.gemm_add(rows(a.h, N), false, w.w3, true, x_mid, x_out, 1.0, 1.0);  // x_out = x_mid + h·W_3ᵀ
+    project(rows(a.h, N), w.w3, fp8(3), x_mid, x_out);  // x_out = x_mid + h·W_3ᵀ
   }
 
   // Head: logits = LN_f(x) · W_headᵀ, for every token or each sequence's last one.

@@ -4,6 +4,7 @@
 // All arithmetic goes through a Backend, so the same code runs on CPU and CUDA.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -58,6 +59,17 @@ class Model {
   void init_weights(uint64_t seed) { weights_init(cfg_, *be_, weights_, seed); }
   Status load(const std::string& path) { return weights_load(path, *be_, weights_); }
   Status save(const std::string& path) const { return weights_save(path, cfg_, *be_, weights_); }
+  // FP8 weights (model/quantize.h's format: E4M3 codes with one F32 scale per row): the body
+  // matrices' projections in inference forwards then quantise their inputs per row and multiply
+  // in FP8 (Backend::quantize_rows_e4m3, Backend::gemm_e4m3), reading half the bytes of BF16
+  // weights. The weight arena keeps each matrix's dequantised values (code × scale, in the
+  // model dtype) for everything else that reads weights. Training plans refuse them.
+  // use_fp8_weights quantises the loaded weights on the backend; load_fp8 loads an FP8 model
+  // file (`laplace quantize`) with its own codes and scales. Errors: unsupported (the backend
+  // has no FP8 products), invalid_argument (a file that is not FP8, a missing tensor).
+  Status use_fp8_weights();
+  Status load_fp8(const std::string& path);
+  bool fp8_weights() const { return fp8_on_; }
 
   // Plans and allocates the activation arena (and, for training, the backward
   // scratch). Returns the bytes of each buffer class through activation_bytes().
@@ -158,6 +170,15 @@ class Model {
     run_forward(std::span<const Segment>(&one, 1), opt, pool, host_slots);
   }
 
+  // One body matrix in FP8: codes [rows, cols] F8E4M3 and scales [rows] F32.
+  struct Fp8Matrix {
+    Tensor q, s;
+  };
+  // y = residual + x·Wᵀ (residual may be undefined, or y itself): in FP8 when the matrix has
+  // FP8 codes and the plan is for inference, else the backend's gemm / gemm_add.
+  void project(const Tensor& x, const Tensor& w, const Fp8Matrix& f, const Tensor& residual, Tensor y);
+  Status create_fp8_arena();
+  Status plan_fp8_inputs();  // the projections' input codes and scales, for plan_rows_ rows
   Config cfg_;
   Backend* be_ = nullptr;
   DType dtype_ = DType::kF32;
@@ -181,6 +202,12 @@ class Model {
   bool last_only_ = false;
   // Backward scratch.
   Tensor dx_, dtmp_, du_, dc_, dqkvg_, do_, dy_, dz_, dab_, dh_;
+  // FP8 weights: per layer W_qkvg, W_o, W_12, W_3 (empty tensors when off), and the inputs'
+  // codes [N, max K] and scales [N] of the projection being run.
+  bool fp8_on_ = false;
+  Arena fp8_, fp8_inputs_;
+  std::vector<std::array<Fp8Matrix, 4>> fp8_layers_;
+  Tensor fp8_xq_, fp8_xs_;
 };
 
 }  // namespace laplace

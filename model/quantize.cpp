@@ -27,6 +27,14 @@ void fp8_dequantize_rows(const uint8_t* q, const float* scale, int64_t rows, int
 
 std::string fp8_scale_name(const std::string& weight) { return weight + "_scale"; }
 
+Status is_fp8_model_file(const std::string& path, bool* fp8) {
+  SafeTensorsReader r;
+  LAPLACE_RETURN_IF_ERROR(SafeTensorsReader::open(path, &r));
+  const auto prec = r.metadata().find(kPrecisionKey);
+  *fp8 = prec != r.metadata().end() && prec->second == kPrecisionFp8Rows;
+  return Status::ok();
+}
+
 Status fp8_round_body_matrices(Model& m) {
   const Arena& a = m.weight_arena();
   Backend& be = m.backend();

@@ -19,10 +19,12 @@ inline constexpr const char* kPrecisionFp8Rows = "fp8_e4m3_rows";
 
 // s[r] = max_c |w[r][c]| / 448 (1 for a row of zeros); q[r][c] = e4m3(w[r][c] / s[r]).
 void fp8_quantize_rows(const float* w, int64_t rows, int64_t cols, uint8_t* q, float* scale);
-// w[r][c] = e4m3_to_float(q[r][c]) · s[r], in F32 (exact: a 4-bit significand times a float).
+// w[r][c] = e4m3_to_float(q[r][c]) · s[r], the product rounded once to F32.
 void fp8_dequantize_rows(const uint8_t* q, const float* scale, int64_t rows, int64_t cols, float* w);
 // "<weight>_scale".
 std::string fp8_scale_name(const std::string& weight);
+// Whether a model file holds FP8 weights (its metadata says kPrecisionFp8Rows); reads the header only.
+Status is_fp8_model_file(const std::string& path, bool* fp8);
 // Every body matrix of `m` ← its FP8 round trip (quantise per row, dequantise), in m's dtype:
 // what FP8 weights compute with, for a path that multiplies in BF16/F32 (`eval serving`'s
 // fp8-weights option measures what the rounding costs).

@@ -15,7 +15,7 @@ void Backend::quantize_rows_e4m3(const Tensor&, Tensor, Tensor) {
   LAPLACE_CHECK(false, (std::string(name()) + " backend has no FP8 products (quantize_rows_e4m3)").c_str());
 }
 
-void Backend::gemm_e4m3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor) {
+void Backend::gemm_e4m3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor) {
   LAPLACE_CHECK(false, (std::string(name()) + " backend has no FP8 products (gemm_e4m3)").c_str());
 }
 

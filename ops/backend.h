@@ -161,10 +161,12 @@ class Backend {
   // x [R, C] (F32/F64 on the CPU, F32/BF16 on CUDA) → q [R, C] F8E4M3, s [R] F32, with
   // s[r] = max_c |x[r][c]| / 448 (1 for a row of zeros) and q[r][c] = e4m3(x[r][c] / s[r]).
   virtual void quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s);
-  // y[m][n] = xs[m] · ws[n] · Σ_k x[m][k] · w[n][k], i.e. y = X·Wᵀ of the dequantised operands:
-  // xq [M, K] and wq [N, K] F8E4M3, xs [M] and ws [N] F32, y [M, N] (the dtypes of
-  // quantize_rows_e4m3's x). CUDA needs K and N multiples of 16 (cuBLASLt's FP8 layouts).
-  virtual void gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, Tensor y);
+  // y[m][n] = c[m][n] + xs[m] · ws[n] · Σ_k x[m][k] · w[n][k], i.e. y = c + X·Wᵀ of the
+  // dequantised operands, rounded once: xq [M, K] and wq [N, K] F8E4M3, xs [M] and ws [N] F32,
+  // y [M, N] contiguous (the dtypes of quantize_rows_e4m3's x), c undefined (no residual) or of
+  // y's shape and dtype (y itself too). CUDA needs K and N multiples of 16 (cuBLASLt's FP8 layouts).
+  virtual void gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, const Tensor& c,
+                         Tensor y);
 
   // out[n] = table[ids[n]]. ids [N] I32, table [V,D], out [N,D].
   virtual void embedding_forward(const Tensor& ids, const Tensor& table, Tensor out) = 0;

@@ -276,8 +276,8 @@ TEST_F(CudaOps, Fp8QuantizeAndGemmAtModelShapes) {
     const float* sw = static_cast<const float*>(hws->t.data);
     for (DType ydt : {kF32, kBF16}) {
       DevTensor y(*cuda_, ydt, {sh.M, sh.N}), y2(*cuda_, ydt, {sh.M, sh.N});
-      cuda_->gemm_e4m3(xq.t, xs.t, wq.t, ws.t, y.t);
-      cuda_->gemm_e4m3(xq.t, xs.t, wq.t, ws.t, y2.t);
+      cuda_->gemm_e4m3(xq.t, xs.t, wq.t, ws.t, Tensor{}, y.t);
+      cuda_->gemm_e4m3(xq.t, xs.t, wq.t, ws.t, Tensor{}, y2.t);
       EXPECT_TRUE(same_bytes(y.t, y2.t)) << "deterministic";
       auto hy = down(y.t);
       std::mt19937_64 rng(seed);
@@ -300,6 +300,20 @@ TEST_F(CudaOps, Fp8QuantizeAndGemmAtModelShapes) {
           ADD_FAILURE() << dtype_name(ydt) << " y[" << m << "][" << n << "] = " << got << ", want " << want;
       }
       EXPECT_EQ(bad, 0) << dtype_name(ydt);
+      // A residual (cuBLASLt's C), in place: y = 0.5 + X·Wᵀ, the same sums before one rounding.
+      cuda_->fill(y2.t, 0.5);
+      cuda_->gemm_e4m3(xq.t, xs.t, wq.t, ws.t, y2.t, y2.t);
+      auto hr = down(y2.t);
+      for (int i = 0; i < 200; ++i) {
+        const int64_t m = static_cast<int64_t>(rng() % sh.M), n = static_cast<int64_t>(rng() % sh.N);
+        const auto val = [&](const OwnedTensor& h) {
+          return ydt == kF32 ? static_cast<double>(static_cast<const float*>(h.t.data)[m * sh.N + n])
+                             : static_cast<double>(bf16_to_float(static_cast<const uint16_t*>(h.t.data)[m * sh.N + n]));
+        };
+        // Against the product without residual: both round within 2^-8 (BF16) or F32.
+        const double tol = (ydt == kBF16 ? 0x1p-7 : 1e-6) * (std::fabs(val(*hy)) + 0.5) + 1e-6;
+        EXPECT_NEAR(val(*hr), 0.5 + val(*hy), tol) << dtype_name(ydt) << " residual at " << m << "," << n;
+      }
     }
   }
 }

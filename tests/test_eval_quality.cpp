@@ -177,7 +177,7 @@ TEST(EvalServing, DeferredWriteBackIsIndistinguishableOnTheCpu) {
   run.prompt_len = 20;
   run.steps = 40;
   std::vector<ServingAccuracy> got;
-  ASSERT_TRUE(eval_serving_options(t.m, nullptr, nullptr, held, opts, run, [&](const ServingAccuracy& s) {
+  ASSERT_TRUE(eval_serving_options(t.m, nullptr, nullptr, nullptr, held, opts, run, [&](const ServingAccuracy& s) {
     got.push_back(s);
   }).is_ok());
   ASSERT_EQ(got.size(), 3u);
@@ -191,23 +191,40 @@ TEST(EvalServing, DeferredWriteBackIsIndistinguishableOnTheCpu) {
   // The bf16 options need bf16 weights, which the CPU has not.
   ASSERT_TRUE(parse_serving_options("bf16-states", &opts).is_ok());
   EXPECT_TRUE(opts[0].low_weights);
-  const Status st = eval_serving_options(t.m, nullptr, nullptr, held, opts, run, nullptr);
+  const Status st = eval_serving_options(t.m, nullptr, nullptr, nullptr, held, opts, run, nullptr);
   EXPECT_NE(st.message().find("bf16"), std::string::npos) << st.to_string();
   // fp8-weights needs the rounded copy; with it, the rounding shows, small.
   ASSERT_TRUE(parse_serving_options("fp8-weights", &opts).is_ok());
   EXPECT_TRUE(opts[0].fp8_weights);
-  EXPECT_NE(eval_serving_options(t.m, nullptr, nullptr, held, opts, run, nullptr).message().find("FP8"),
+  EXPECT_NE(eval_serving_options(t.m, nullptr, nullptr, nullptr, held, opts, run, nullptr).message().find("FP8"),
             std::string::npos);
   Tiny f(DType::kF32, 97);
   ASSERT_TRUE(fp8_round_body_matrices(f.m).is_ok());
   got.clear();
-  ASSERT_TRUE(eval_serving_options(t.m, nullptr, &f.m, held, opts, run, [&](const ServingAccuracy& s) {
+  ASSERT_TRUE(eval_serving_options(t.m, nullptr, &f.m, nullptr, held, opts, run, [&](const ServingAccuracy& s) {
     got.push_back(s);
   }).is_ok());
   ASSERT_EQ(got.size(), 1u);
   EXPECT_GT(got[0].logit_relrms_mean, 1e-4);  // not the reference itself
   EXPECT_LT(got[0].logit_relrms_mean, 0.2);
   EXPECT_LT(std::fabs(got[0].delta_loss()), 0.05);
+  // fp8: FP8 products too, the activations rounded as well: further from the reference than the
+  // weights' rounding alone, still small.
+  const double weights_only = got[0].logit_relrms_mean;
+  ASSERT_TRUE(parse_serving_options("fp8", &opts).is_ok());
+  EXPECT_TRUE(opts[0].fp8_compute);
+  EXPECT_NE(eval_serving_options(t.m, nullptr, nullptr, &f.m, held, opts, run, nullptr).message().find("FP8"),
+            std::string::npos);  // f computes in F32
+  Tiny c(DType::kF32, 97);
+  ASSERT_TRUE(c.m.use_fp8_weights().is_ok());
+  got.clear();
+  ASSERT_TRUE(eval_serving_options(t.m, nullptr, nullptr, &c.m, held, opts, run, [&](const ServingAccuracy& s) {
+    got.push_back(s);
+  }).is_ok());
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_GT(got[0].logit_relrms_mean, weights_only);
+  EXPECT_LT(got[0].logit_relrms_mean, 0.3);
+  EXPECT_LT(std::fabs(got[0].delta_loss()), 0.1);
   EXPECT_FALSE(parse_serving_options("defer5", &opts).is_ok());
   EXPECT_FALSE(parse_serving_options("fp4", &opts).is_ok());
   EXPECT_FALSE(parse_serving_options("", &opts).is_ok());

@@ -1,11 +1,13 @@
 // FP8 E4M3 (core/fp8.h) and FP8 weight files (model/quantize.h, `laplace quantize`).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <random>
 #include <string>
@@ -13,6 +15,8 @@
 
 #include "core/fp8.h"
 #include "core/safetensors.h"
+#include "model/config.h"
+#include "model/model.h"
 #include "model/quantize.h"
 #include "ops/backend.h"
 #include "tests/test_util.h"
@@ -187,7 +191,7 @@ TEST(Fp8Ops, CpuGemmIsTheProductOfTheQuantisedOperands) {
   be->quantize_rows_e4m3(Tensor(w.data(), DType::kF32, {N, K}), Tensor(wq.data(), DType::kF8E4M3, {N, K}),
                          Tensor(ws.data(), DType::kF32, {N}));
   be->gemm_e4m3(Tensor(xq.data(), DType::kF8E4M3, {M, K}), Tensor(xs.data(), DType::kF32, {M}),
-                Tensor(wq.data(), DType::kF8E4M3, {N, K}), Tensor(ws.data(), DType::kF32, {N}),
+                Tensor(wq.data(), DType::kF8E4M3, {N, K}), Tensor(ws.data(), DType::kF32, {N}), Tensor{},
                 Tensor(y.data(), DType::kF32, {M, N}));
   double err2 = 0, ref2 = 0;
   for (int64_t m = 0; m < M; ++m)
@@ -211,9 +215,99 @@ TEST(Fp8Ops, CpuGemmIsTheProductOfTheQuantisedOperands) {
   // F64 output: the same sums, rounded to F64 instead.
   std::vector<double> yd(M * N);
   be->gemm_e4m3(Tensor(xq.data(), DType::kF8E4M3, {M, K}), Tensor(xs.data(), DType::kF32, {M}),
-                Tensor(wq.data(), DType::kF8E4M3, {N, K}), Tensor(ws.data(), DType::kF32, {N}),
+                Tensor(wq.data(), DType::kF8E4M3, {N, K}), Tensor(ws.data(), DType::kF32, {N}), Tensor{},
                 Tensor(yd.data(), DType::kF64, {M, N}));
   for (int64_t i = 0; i < M * N; ++i) ASSERT_EQ(y[i], static_cast<float>(yd[i])) << i;
+  // A residual, added before the one rounding; in place too.
+  std::vector<float> r(M * N, 0.25f), yr(M * N);
+  const Tensor xqt(xq.data(), DType::kF8E4M3, {M, K}), xst(xs.data(), DType::kF32, {M});
+  const Tensor wqt(wq.data(), DType::kF8E4M3, {N, K}), wst(ws.data(), DType::kF32, {N});
+  be->gemm_e4m3(xqt, xst, wqt, wst, Tensor(r.data(), DType::kF32, {M, N}), Tensor(yr.data(), DType::kF32, {M, N}));
+  be->gemm_e4m3(xqt, xst, wqt, wst, Tensor(r.data(), DType::kF32, {M, N}), Tensor(r.data(), DType::kF32, {M, N}));
+  for (int64_t i = 0; i < M * N; ++i) {
+    ASSERT_EQ(yr[i], static_cast<float>(0.25 + yd[i])) << i;
+    ASSERT_EQ(r[i], yr[i]) << i;
+  }
+}
+
+// ---- a model computing with FP8 weights (CPU) --------------------------------------------------
+
+std::vector<float> logits_row(const Model& m, int64_t row) {
+  const Tensor t = m.logits().select(row);
+  return std::vector<float>(t.ptr<float>(), t.ptr<float>() + t.numel());
+}
+
+double max_rel(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 1e-30;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num = std::max(num, static_cast<double>(std::fabs(a[i] - b[i])));
+    den = std::max(den, static_cast<double>(std::fabs(b[i])));
+  }
+  return num / den;
+}
+
+// The FP8 forward against the same weights' FP8 values in F32 products: they differ by the
+// activations' rounding to E4M3 only (a few per cent of the logits, never zero); weights
+// quantised at load and the same model saved by `laplace quantize` and loaded give the same
+// bits; each sequence of a batch gets what it gets alone; and a training plan refuses.
+TEST(Fp8Model, ForwardWithFp8WeightsOnTheCpu) {
+  const std::string dir = testing::make_temp_dir("fp8model");
+  auto be = make_cpu_backend();
+  Config c;
+  ASSERT_TRUE(config_load(std::string(LAPLACE_SOURCE_DIR) + "/configs/laplace-tiny.json", &c).is_ok());
+  const int64_t T = 24;
+  std::vector<int32_t> toks(2 * T);
+  std::mt19937 rng(9);
+  for (auto& t : toks) t = static_cast<int32_t>(rng() % c.vocab_size);
+
+  Model ref;  // F32 products of the FP8-rounded weights
+  ASSERT_TRUE(ref.create(c, *be, DType::kF32).is_ok());
+  ref.init_weights(11);
+  ASSERT_TRUE(ref.save(dir + "/m.safetensors").is_ok());
+  ASSERT_TRUE(fp8_round_body_matrices(ref).is_ok());
+  ASSERT_TRUE(ref.plan({2, T, false, false}).is_ok());
+  ref.forward(toks.data(), 2, T, ForwardOptions{});
+
+  Model a;  // quantised at load
+  ASSERT_TRUE(a.create(c, *be, DType::kF32).is_ok());
+  ASSERT_TRUE(a.load(dir + "/m.safetensors").is_ok());
+  ASSERT_TRUE(a.use_fp8_weights().is_ok());
+  EXPECT_TRUE(a.fp8_weights());
+  ASSERT_TRUE(a.plan({2, T, false, false}).is_ok());
+  a.forward(toks.data(), 2, T, ForwardOptions{});
+  // The weights' own copies hold the FP8 values, as fp8_round_body_matrices leaves them.
+  const Tensor wa = a.weights().layers[1].w12, wr = ref.weights().layers[1].w12;
+  EXPECT_EQ(0, std::memcmp(wa.data, wr.data, wa.nbytes()));
+  for (int64_t row : {int64_t{0}, T - 1, 2 * T - 1}) {
+    const double e = max_rel(logits_row(a, row), logits_row(ref, row));
+    EXPECT_GT(e, 1e-6) << row;  // the activations' rounding is there
+    EXPECT_LT(e, 0.1) << row;
+  }
+
+  // `laplace quantize`'s directory, loaded: the same codes and scales, the same logits.
+  ASSERT_TRUE(std::filesystem::create_directories(dir + "/m"));
+  std::filesystem::copy_file(dir + "/m.safetensors", dir + "/m/model.safetensors");
+  const std::string cfg_text = c.to_json();
+  std::ofstream(dir + "/m/config.json") << cfg_text;
+  ASSERT_TRUE(quantize_model_dir(dir + "/m", dir + "/q", false, true).is_ok());
+  Model b;
+  ASSERT_TRUE(b.create(c, *be, DType::kF32).is_ok());
+  ASSERT_TRUE(b.load_fp8(dir + "/q/model.safetensors").is_ok());
+  ASSERT_TRUE(b.plan({2, T, false, false}).is_ok());
+  b.forward(toks.data(), 2, T, ForwardOptions{});
+  for (int64_t row = 0; row < 2 * T; ++row) ASSERT_EQ(logits_row(b, row), logits_row(a, row)) << row;
+
+  // Batch invariance: the second sequence alone.
+  b.forward(toks.data() + T, 1, T, ForwardOptions{});
+  for (int64_t t = 0; t < T; ++t) ASSERT_EQ(logits_row(b, t), logits_row(a, T + t)) << t;
+
+  // Not for training; not from a file that is not FP8.
+  EXPECT_EQ(b.plan({2, T, true, false}).code(), Status::Code::kUnsupported);
+  Model d;
+  ASSERT_TRUE(d.create(c, *be, DType::kF32).is_ok());
+  const Status st = d.load_fp8(dir + "/m.safetensors");
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("does not hold FP8 weights"), std::string::npos) << st.message();
 }
 
 using testing::run_laplace;
@@ -240,10 +334,17 @@ TEST(Fp8Files, QuantizeRefuseDequantize) {
   ASSERT_NE(q.find(fp8_scale_name(name)), nullptr);
   EXPECT_EQ(q.find("model.embed.weight")->dtype, DType::kF32);  // only the body matrices
 
+  // Inference computes with them (--weights auto); a path that cannot is refused, saying what to do.
   r = run_laplace("forward --model " + dir + "/q --tokens 1,2,3,4");
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("holds FP8 weights"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("quantize --dequantize"), std::string::npos) << r.output;
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  for (const std::string& cmd : {"forward --model " + dir + "/q --weights dtype --tokens 1,2,3,4",
+                                 "train --config " + cfg + " --init " + dir + "/q/model.safetensors --data " + dir +
+                                     "/none.bin --steps 1"}) {
+    r = run_laplace(cmd);
+    EXPECT_NE(r.exit_code, 0) << cmd << "\n" << r.output;
+    EXPECT_NE(r.output.find("holds FP8 weights"), std::string::npos) << cmd << "\n" << r.output;
+    EXPECT_NE(r.output.find("quantize --dequantize"), std::string::npos) << cmd << "\n" << r.output;
+  }
   r = run_laplace("quantize --model " + dir + "/q --out " + dir + "/q2");
   EXPECT_NE(r.output.find("holds FP8 weights already"), std::string::npos) << r.output;
   r = run_laplace("quantize --model " + dir + "/m --out " + dir + "/m2 --dequantize");
@@ -280,6 +381,10 @@ TEST(Fp8Files, QuantizeRefuseDequantize) {
   EXPECT_GT(l0, 0);
   EXPECT_NEAR(l1, l0, 0.01 * l0);
   EXPECT_NE(l1, l0);  // the rounding is there
+  // Computing in FP8 (the activations rounded too): near both, equal to neither.
+  const double lq = loss_of(dir + "/q");
+  EXPECT_NEAR(lq, l0, 0.02 * l0);
+  EXPECT_NE(lq, l1);
 }
 
 }  // namespace

@@ -961,13 +961,20 @@ void CpuBackend::quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s) {
   });
 }
 
-void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, Tensor y) {
+void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, const Tensor& c,
+                           Tensor y) {
   check_e4m3_matrix(xq, "gemm_e4m3: xq");
   check_e4m3_matrix(wq, "gemm_e4m3: wq");
   check_cpu(y);
   const int64_t M = xq.shape[0], K = xq.shape[1], N = wq.shape[0];
   LAPLACE_CHECK(wq.shape[1] == K, "gemm_e4m3: xq and wq must have one inner dimension K");
-  LAPLACE_CHECK(y.ndim == 2 && y.shape[0] == M && y.shape[1] == N, "gemm_e4m3: y must be [M, N]");
+  LAPLACE_CHECK(y.ndim == 2 && y.shape[0] == M && y.shape[1] == N && y.is_contiguous(),
+                "gemm_e4m3: y must be a contiguous [M, N]");
+  if (c.defined()) {
+    check_cpu(c);
+    LAPLACE_CHECK(same_shape(c, y) && c.dtype == y.dtype && c.is_contiguous(),
+                  "gemm_e4m3: c must be contiguous with y's shape and dtype");
+  }
   check_scales(xs, M, "gemm_e4m3: xs");
   check_scales(ws, N, "gemm_e4m3: ws");
   static const std::array<float, 256> kValue = [] {
@@ -981,15 +988,16 @@ void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq,
   const float* wsp = static_cast<const float*>(ws.data);
   dispatch(y.dtype, [&](auto tag) {
     using T = decltype(tag);
-    const Rows r = rows_of(y);
+    const T* cp = c.defined() ? static_cast<const T*>(c.data) : nullptr;
+    T* yp = static_cast<T*>(y.data);
 #pragma omp parallel for schedule(static) if (M * N * K > kParallelMin)
     for (int64_t m = 0; m < M; ++m) {
-      T* out = row_ptr<T>(y, r, m);
       for (int64_t n = 0; n < N; ++n) {
         double acc = 0;
         for (int64_t k = 0; k < K; ++k)
           acc += static_cast<double>(kValue[xp[m * K + k]]) * static_cast<double>(kValue[wp[n * K + k]]);
-        out[n] = static_cast<T>(acc * static_cast<double>(xsp[m]) * static_cast<double>(wsp[n]));
+        const double add = cp ? static_cast<double>(cp[m * N + n]) : 0.0;
+        yp[m * N + n] = static_cast<T>(add + acc * static_cast<double>(xsp[m]) * static_cast<double>(wsp[n]));
       }
     }
   });

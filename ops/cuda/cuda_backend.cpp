@@ -344,6 +344,8 @@ bool CudaBackend::supports(const OpQuery& q) const {
   if (q.op == "copy") return q.dtype == DType::kF32 || q.dtype == DType::kBF16 || q.dtype == DType::kF64 ||
                              q.dtype == DType::kI32;
   if (q.dtype != DType::kF32 && q.dtype != DType::kBF16) return false;
+  // cuBLASLt's FP8 layouts: a matrix [N, K] needs both multiples of 16.
+  if (q.op == "gemm_e4m3" && q.dims.size() == 2 && (q.dims[0] % 16 != 0 || q.dims[1] % 16 != 0)) return false;
   if (q.op.rfind("gla_", 0) == 0 && q.dims.size() == 3) {
     const int64_t H = q.dims[0], dk = q.dims[1], dv = q.dims[2];
     if (dk < 1 || dk > kMaxGlaDk || dv < 1 || dv > kMaxGlaDv) return false;

@@ -120,7 +120,8 @@ class CudaBackend final : public Backend {
   // FP8 products (ops/cuda/kernels_fp8.cu): one block per row quantises; the product is one
   // cuBLASLt call with per-row ("outer vector") scales on both operands.
   void quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s) override;
-  void gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, Tensor y) override;
+  void gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, const Tensor& c,
+                 Tensor y) override;
 
   void embedding_forward(const Tensor& ids, const Tensor& table, Tensor out) override;
   void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor dtable) override;

@@ -11,7 +11,7 @@
 // one F32 scale per row of ours, cuBLASLt's "outer vector" scale mode (W's along its M, X's along
 // its N). Accumulation is cuBLASLt's default (not the fast-accumulation mode), and split-K is
 // excluded as for the other gemms, so a call's result does not depend on the algorithm's
-// partitioning of K.
+// partitioning of K. A residual c is cuBLASLt's C operand (β = 1), added before the one rounding.
 #include <cuda_fp8.h>
 
 #include <string>
@@ -133,7 +133,8 @@ CudaBackend::Fp8GemmPlan& CudaBackend::fp8_gemm_plan(int64_t M, int64_t N, int64
   return fp8_plans_.emplace(key, p).first->second;
 }
 
-void CudaBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, Tensor y) {
+void CudaBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, const Tensor& c,
+                            Tensor y) {
   cuda::check_e4m3_matrix(xq, "gemm_e4m3: xq");
   cuda::check_e4m3_matrix(wq, "gemm_e4m3: wq");
   cuda::check_device(y, "gemm_e4m3: y");
@@ -144,6 +145,14 @@ void CudaBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq
                  ("expected xq [M, K], wq [N, K] and a contiguous y [M, N]: xq " + xq.shape_str() + ", wq " +
                   wq.shape_str() + ", y " + y.shape_str())
                      .c_str());
+  if (c.defined()) {
+    cuda::check_device(c, "gemm_e4m3: c");
+    if (!same_shape(c, y) || c.dtype != y.dtype || !c.is_contiguous() || !cuda::aligned16(c.data))
+      check_failed(__FILE__, __LINE__, "gemm_e4m3",
+                   ("c must be contiguous and 16-byte aligned with y's shape and dtype: c " + c.shape_str() + ", y " +
+                    y.shape_str())
+                       .c_str());
+  }
   cuda::check_scales(xs, M, "gemm_e4m3: xs");
   cuda::check_scales(ws, N, "gemm_e4m3: ws");
   if (K % 16 != 0 || N % 16 != 0 || !cuda::aligned16(xq.data) || !cuda::aligned16(wq.data) ||
@@ -158,8 +167,10 @@ void CudaBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq
   const void* sx = xs.data;
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sw, sizeof(sw)));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx, sizeof(sx)));
-  const float one = 1.f, zero = 0.f;
-  CUBLAS_CHECK(cublasLtMatmul(lt_, p.desc, &one, wq.data, p.lw, xq.data, p.lx, &zero, y.data, p.ly, y.data, p.ly,
+  // D = α·(W·X) + β·C with C = c (β = 1) or none (β = 0: C is not read).
+  const float one = 1.f, beta = c.defined() ? 1.f : 0.f;
+  const void* cin = c.defined() ? c.data : y.data;
+  CUBLAS_CHECK(cublasLtMatmul(lt_, p.desc, &one, wq.data, p.lw, xq.data, p.lx, &beta, cin, p.ly, y.data, p.ly,
                               &p.algo, workspace_, workspace_bytes_, stream_));
 }
 
