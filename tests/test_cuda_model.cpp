@@ -661,6 +661,46 @@ TEST(CudaModel, Bf16StatesFollowF32States) {
   std::printf("bf16 states: worst decode-step logits rel RMS %.3g over %lld steps\n", worst, (long long)steps);
 }
 
+// FP8 weights (Model::use_fp8_weights) at laplace-3b's shapes: the prefill logits near the BF16
+// weights' (within what E4M3's rounding of weights and activations gives; a broken product is
+// off by O(1)); graph decode bitwise equal to eager; greedy tokens independent of the padded
+// widths (batch invariance).
+TEST(CudaModel, Fp8WeightsFollowBf16AndKeepGraphAndBatchInvariance) {
+  LAPLACE_REQUIRE_CUDA(cuda);
+  Config c = three_b_two_layers();
+  Model m, f;
+  ASSERT_TRUE(m.create(c, *cuda, DType::kBF16).is_ok());
+  ASSERT_TRUE(f.create(c, *cuda, DType::kBF16).is_ok());
+  m.init_weights(45);
+  f.init_weights(45);
+  ASSERT_TRUE(f.use_fp8_weights().is_ok());
+  const int64_t B = 2, P = 64;
+  PlanOptions po;
+  po.max_batch = B;
+  po.max_seq = P;
+  ASSERT_TRUE(m.plan(po).is_ok());
+  ASSERT_TRUE(f.plan(po).is_ok());
+  auto prompt = random_tokens(B * P, c.vocab_size, 46);
+  m.forward(prompt.data(), B, P, ForwardOptions{});
+  f.forward(prompt.data(), B, P, ForwardOptions{});
+  const double e = rel_rms(to_host(*cuda, f.logits()), to_host(*cuda, m.logits()));
+  EXPECT_GT(e, 1e-4);
+  EXPECT_LT(e, 0.15);
+  std::printf("fp8 weights: prefill logits rel RMS %.3g against bf16 weights\n", e);
+
+  EngineOptions o;
+  o.decode_widths = {1, 2, 4, 8};
+  const EngineRun eager = run_engine(f, o, true);
+  o.graphs = true;
+  const EngineRun graph = run_engine(f, o, true);
+  ASSERT_EQ(eager.tokens.size(), 9u);
+  EXPECT_EQ(eager.tokens, graph.tokens);
+  EXPECT_TRUE(eager.slots == graph.slots) << "graph decode changed the states' bytes";
+  o.decode_widths = {8};
+  const EngineRun wide = run_engine(f, o, true);
+  EXPECT_EQ(wide.tokens, graph.tokens);
+}
+
 TEST(CudaModelTrain, FiftyStepsFollowTheCpuLossCurve) {
   LAPLACE_REQUIRE_CUDA(probe);
   probe.reset();  // the trainers make their own backends
