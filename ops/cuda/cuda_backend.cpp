@@ -460,6 +460,17 @@ double gemm_flops(int64_t M, int64_t N, int64_t K) {
 
 }  // namespace
 
+cublasLtMatmulPreference_t CudaBackend::gemm_preference() const {
+  cublasLtMatmulPreference_t pref;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  uint64_t ws = workspace_bytes_;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  // No split-K: its reductions would tie results to the algorithm's partitioning.
+  uint32_t red = CUBLASLT_REDUCTION_SCHEME_NONE;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &red, sizeof(red)));
+  return pref;
+}
+
 CudaBackend::GemmPlan& CudaBackend::gemm_plan(const GemmKey& key) {
   auto it = gemm_plans_.find(key);
   if (it != gemm_plans_.end()) return it->second;
@@ -483,13 +494,7 @@ CudaBackend::GemmPlan& CudaBackend::gemm_plan(const GemmKey& key) {
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.la, ta, a_rows, a_cols, lda));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.lc, tc, N, M, ldc));
 
-  cublasLtMatmulPreference_t pref;
-  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  uint64_t ws = workspace_bytes_;
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  // No split-K: its reductions would tie results to the algorithm's partitioning.
-  uint32_t red = CUBLASLT_REDUCTION_SCHEME_NONE;
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &red, sizeof(red)));
+  cublasLtMatmulPreference_t pref = gemm_preference();
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_b, sizeof(al_b)));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_a, sizeof(al_a)));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)));

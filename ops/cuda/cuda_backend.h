@@ -243,6 +243,8 @@ class CudaBackend final : public Backend {
     std::vector<cublasLtMatmulHeuristicResult_t> candidates;
   };
   using GemmKey = std::array<int64_t, 15>;
+  // A matmul preference with the workspace's size and no split-K (the caller destroys it).
+  cublasLtMatmulPreference_t gemm_preference() const;
   GemmPlan& gemm_plan(const GemmKey& key);
   // Operands of one cublasLtMatmul call in cuBLASLt's order, D = α·A·B + β·C: its A is our b
   // (layout lb), its B our a (layout la); d_span: bytes from d to the end of its last row.

@@ -108,12 +108,7 @@ CudaBackend::Fp8GemmPlan& CudaBackend::fp8_gemm_plan(int64_t M, int64_t N, int64
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.lw, CUDA_R_8F_E4M3, K, N, K));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.lx, CUDA_R_8F_E4M3, K, M, K));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.ly, ty, N, M, N));
-  cublasLtMatmulPreference_t pref;
-  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  uint64_t ws = workspace_bytes_;
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  uint32_t red = CUBLASLT_REDUCTION_SCHEME_NONE;
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &red, sizeof(red)));
+  cublasLtMatmulPreference_t pref = gemm_preference();
   cublasLtMatmulHeuristicResult_t res{};
   int found = 0;
   const cublasStatus_t st =
