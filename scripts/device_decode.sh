@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: build, run the engine's GPU tests, then the serving benchmarks of laplace-3b
 # (random bf16 weights); logs and JSON lines under $OUT. Stages run in the order given:
-#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson burst rates ops train train125 lab declab overlap deferred cores ncu trace ptrace algo fp8 wgmma parity" COMMIT=abc123 scripts/device_decode.sh
+#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson burst rates ops train train125 lab declab overlap deferred cores ncu trace ptrace algo fp8serve fp8 wgmma parity" COMMIT=abc123 scripts/device_decode.sh
 # COMMIT is written into every result line (the device's git HEAD may be stale).
 # The device tool returns at most 8 files from $OUT, so every stage appends to one log,
 # $OUT/run.log (the GPU tests and the build keep their own; results go to results.jsonl).
@@ -152,6 +152,16 @@ for s in $STAGES; do
       CUDA_INJECTION64_PATH=$PWD/build-gpu/libcupti_trace.so CUPTI_TRACE_OUT=build-gpu/ptrace.csv timeout 120 \
         $L bench prefill $M3B --prompt-len 8192 --reps 3 --results "" 2>&1 | grep -E "prefill of|cupti" | tee -a "$LOG"
       python3 scripts/trace_step.py build-gpu/ptrace.csv --steps 3 --split-gap-ms 1 --top ${TRACE_TOP:-40} 2>&1 | tee -a "$LOG" ;;
+    fp8serve)  # issue 31's serving figures with FP8 weights (--weights fp8), after the FP8 GPU tests
+      ./build-gpu/tests/laplace_tests --gtest_filter="CudaOps.Fp8*:CudaModel.Fp8*" > "$OUT/fp8_tests.log" 2>&1
+      echo "fp8 tests exit $?"; grep -E "^\[  (FAILED|PASSED) |Failure|fp8 weights:" "$OUT/fp8_tests.log" | head -20
+      for sd in bf16 f32; do
+        timeout 240 $L bench decode $M3B --weights fp8 --batch 1280 --steps 20 --warmup 3 --prompt-len 16 --prefill-chunk 16 \
+          --max-batch-tokens 24000 --state-dtype $sd --results "$R" --tag 3b_1280_${sd/f32/fp32}state_fp8 2>&1 |
+          tee -a "$LOG" | grep -E "engine|decode:"
+      done
+      timeout 120 $L bench prefill $M3B --weights fp8 --prompt-len 8192 --reps 7 --results "$R" --tag 3b_t8192_fp8 2>&1 |
+        tee -a "$LOG" | grep -E "prefill of" ;;
     fp8)  # experiments/gemm/fp8.cu: e4m3 gemms per scaling granularity against bf16 (issue 31)
       nvcc -O3 -std=c++17 -I. -gencode=arch=compute_90a,code=sm_90a -o build-gpu/experiment_gemm_fp8 experiments/gemm/fp8.cu \
         -lcublasLt >> "$LOG" 2>&1 && timeout 400 ./build-gpu/experiment_gemm_fp8 ${FP8_ARGS:-} 2>&1 | tee -a "$LOG" ;;
