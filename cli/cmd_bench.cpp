@@ -412,12 +412,13 @@ Status run_bench_prefill(const PrefillArgs& a) {
   res.note = note;
   std::printf("prefill of %lld tokens: median %.2f ms (min %.2f), %.0f tokens/s\n", (long long)a.prompt_len, med,
               *std::min_element(ms.begin(), ms.end()), 1e3 * static_cast<double>(a.prompt_len) / med);
-  // Names with the tag before the length (prefill_ms_3b_t8192, as the issue names it).
+  // Names with the tag before the length and FP8 weights after it (prefill_ms_3b_t8192,
+  // prefill_ms_3b_t8192_fp8, as the issues name them).
   const std::string mid = a.tag.empty() ? "" : a.tag + "_";
+  const std::string len = "t" + std::to_string(a.prompt_len) + (lm.model.fp8_weights() ? "_fp8" : "");
   res.tag.clear();
-  res.add("prefill_ms_" + mid + "t" + std::to_string(a.prompt_len), med, "ms");
-  res.add("prefill_tok_s_" + mid + "t" + std::to_string(a.prompt_len), 1e3 * static_cast<double>(a.prompt_len) / med,
-          "tok/s");
+  res.add("prefill_ms_" + mid + len, med, "ms");
+  res.add("prefill_tok_s_" + mid + len, 1e3 * static_cast<double>(a.prompt_len) / med, "tok/s");
   return Status::ok();
 }
 

@@ -160,7 +160,7 @@ for s in $STAGES; do
           --max-batch-tokens 24000 --state-dtype $sd --results "$R" --tag 3b_1280_${sd/f32/fp32}state_fp8 2>&1 |
           tee -a "$LOG" | grep -E "engine|decode:"
       done
-      timeout 120 $L bench prefill $M3B --weights fp8 --prompt-len 8192 --reps 7 --results "$R" --tag 3b_t8192_fp8 2>&1 |
+      timeout 120 $L bench prefill $M3B --weights fp8 --prompt-len 8192 --reps 7 --results "$R" --tag 3b 2>&1 |
         tee -a "$LOG" | grep -E "prefill of" ;;
     fp8)  # experiments/gemm/fp8.cu: e4m3 gemms per scaling granularity against bf16 (issue 31)
       nvcc -O3 -std=c++17 -I. -gencode=arch=compute_90a,code=sm_90a -o build-gpu/experiment_gemm_fp8 experiments/gemm/fp8.cu \
