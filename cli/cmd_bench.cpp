@@ -35,7 +35,6 @@
 #include "core/file_util.h"
 #include "eval/stream.h"
 #include "cli/common.h"
-#include "model/quantize.h"
 #include "model/config.h"
 #include "serve/engine.h"
 #include "serve/http_load.h"
@@ -84,13 +83,9 @@ Status make_model(const ModelArgs& a, uint64_t seed, int64_t layers, LoadedModel
   LAPLACE_RETURN_IF_ERROR(make_backend(r.device, &out->backend));
   LAPLACE_RETURN_IF_ERROR(out->model.create(cfg, *out->backend, dt));
   *random_weights = r.ckpt.empty() || layers > 0;
-  bool fp8_file = false;
-  if (!*random_weights) LAPLACE_RETURN_IF_ERROR(is_fp8_model_file(r.ckpt, &fp8_file));
-  if (*random_weights) out->model.init_weights(seed);
-  else if (fp8_file && r.weights != "dtype") return out->model.load_fp8(r.ckpt);
-  else LAPLACE_RETURN_IF_ERROR(out->model.load(r.ckpt));
-  if (r.weights == "fp8") LAPLACE_RETURN_IF_ERROR(out->model.use_fp8_weights());
-  return Status::ok();
+  if (!*random_weights) return load_weights(r.ckpt, r.weights, &out->model);
+  out->model.init_weights(seed);
+  return r.weights == "fp8" ? out->model.use_fp8_weights() : Status::ok();
 }
 
 // The figures' note: the shape, the dtype (with FP8 body matrices, "bf16 + fp8 weights") and

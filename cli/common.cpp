@@ -1,7 +1,5 @@
 #include "cli/common.h"
 
-#include "model/quantize.h"
-
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
@@ -10,6 +8,7 @@
 #include <thread>
 
 #include "model/config.h"
+#include "model/quantize.h"
 
 #ifdef LAPLACE_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -111,12 +110,15 @@ Status load_model(const ModelArgs& args, LoadedModel* out) {
     if (a.weights == "fp8") return Status::invalid_argument("--weights fp8 needs weights to quantise (--model or --ckpt)");
     return Status::ok();
   }
+  return load_weights(a.ckpt, a.weights, &out->model);
+}
+
+Status load_weights(const std::string& ckpt, const std::string& weights, Model* m) {
   bool fp8_file = false;
-  LAPLACE_RETURN_IF_ERROR(is_fp8_model_file(a.ckpt, &fp8_file));
-  if (fp8_file && a.weights != "dtype") return out->model.load_fp8(a.ckpt);
-  LAPLACE_RETURN_IF_ERROR(out->model.load(a.ckpt));
-  if (a.weights == "fp8") LAPLACE_RETURN_IF_ERROR(out->model.use_fp8_weights());
-  return Status::ok();
+  LAPLACE_RETURN_IF_ERROR(is_fp8_model_file(ckpt, &fp8_file));
+  if (fp8_file && weights != "dtype") return m->load_fp8(ckpt);
+  LAPLACE_RETURN_IF_ERROR(m->load(ckpt));
+  return weights == "fp8" ? m->use_fp8_weights() : Status::ok();
 }
 
 Status parse_ids(const std::string& s, std::vector<int32_t>* out) {

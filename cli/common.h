@@ -38,6 +38,8 @@ struct LoadedModel {
 Status parse_dtype(const std::string& s, DType* out);
 // Creates the backend and the model, and loads the checkpoint when one is named.
 Status load_model(const ModelArgs& a, LoadedModel* out);
+// Loads `ckpt` into a created model as ModelArgs::weights ("auto", "fp8", "dtype") says.
+Status load_weights(const std::string& ckpt, const std::string& weights, Model* m);
 
 // "1,2,3" → {1,2,3}; "1,2;3,4" → {{1,2},{3,4}}. Errors name the bad item.
 Status parse_ids(const std::string& s, std::vector<int32_t>* out);

@@ -934,6 +934,16 @@ void check_e4m3_matrix(const Tensor& t, const char* what) {
                 (std::string(what) + " must be a contiguous 2-D F8_E4M3 tensor").c_str());
 }
 
+// Every code's value, for the product's inner loop.
+const std::array<float, 256>& e4m3_values() {
+  static const std::array<float, 256> v = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) t[static_cast<size_t>(b)] = e4m3_to_float(static_cast<uint8_t>(b));
+    return t;
+  }();
+  return v;
+}
+
 void check_scales(const Tensor& t, int64_t n, const char* what) {
   check_cpu(t);
   LAPLACE_CHECK(t.dtype == DType::kF32 && t.ndim == 1 && t.shape[0] == n && t.is_contiguous(),
@@ -977,11 +987,7 @@ void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq,
   }
   check_scales(xs, M, "gemm_e4m3: xs");
   check_scales(ws, N, "gemm_e4m3: ws");
-  static const std::array<float, 256> kValue = [] {
-    std::array<float, 256> v{};
-    for (int b = 0; b < 256; ++b) v[static_cast<size_t>(b)] = e4m3_to_float(static_cast<uint8_t>(b));
-    return v;
-  }();
+  const float* value = e4m3_values().data();
   const uint8_t* xp = static_cast<const uint8_t*>(xq.data);
   const uint8_t* wp = static_cast<const uint8_t*>(wq.data);
   const float* xsp = static_cast<const float*>(xs.data);
@@ -990,12 +996,13 @@ void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq,
     using T = decltype(tag);
     const T* cp = c.defined() ? static_cast<const T*>(c.data) : nullptr;
     T* yp = static_cast<T*>(y.data);
-#pragma omp parallel for schedule(static) if (M * N * K > kParallelMin)
+    // Every output on its own (decode has few rows, so rows and columns are shared out together).
+#pragma omp parallel for collapse(2) schedule(static) if (M * N * K > kParallelMin)
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t n = 0; n < N; ++n) {
         double acc = 0;
         for (int64_t k = 0; k < K; ++k)
-          acc += static_cast<double>(kValue[xp[m * K + k]]) * static_cast<double>(kValue[wp[n * K + k]]);
+          acc += static_cast<double>(value[xp[m * K + k]]) * static_cast<double>(value[wp[n * K + k]]);
         const double add = cp ? static_cast<double>(cp[m * N + n]) : 0.0;
         yp[m * N + n] = static_cast<T>(add + acc * static_cast<double>(xsp[m]) * static_cast<double>(wsp[n]));
       }
