@@ -17,7 +17,8 @@ model directories that `laplace train` / `laplace init` write (config.json + mod
 * bf16 weights work: LayerNorms and matmuls run in the weights' dtype, the conv, the GLA state, the output
   RMSNorm and the loss in fp32.
 * FP8 model directories (`laplace quantize`: body matrices in E4M3 with one F32 scale per row, "<name>_scale")
-  load as their exact values, code times scale, in the dtype asked for; the products then run in that dtype.
+  load as code times scale (rounded once to float32, as `laplace quantize --dequantize` writes them), in the dtype
+  asked for; the products then run in that dtype.
 * A checkpoint that does not match the config (a missing tensor, a wrong shape, an unexpected tensor) or a
   config whose model_type is not "laplace" raises an error naming the tensor or field; missing weights are never
   silently initialised.
@@ -477,8 +478,8 @@ def fp8_matrices(headers):
 
 
 def dequantize_fp8(tensors, names):
-    """tensors (read_safetensors') with the FP8 matrices `names` replaced by code value × row scale (exact in
-    float32: a 4-bit significand times a float) and their scales removed."""
+    """tensors (read_safetensors') with the FP8 matrices `names` replaced by code value × row scale (one float32
+    rounding, as `laplace quantize --dequantize` does) and their scales removed."""
     out = dict(tensors)
     for n in names:
         scale = out.pop(fp8_scale_name(n))
