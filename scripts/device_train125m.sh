@@ -241,7 +241,7 @@ if has side; then
   fi
 fi
 
-if has compare && has twin && [ -f $RUNS/twin.done ]; then
+if has compare && [ -f $RUNS/twin.done ]; then
   OURS=$RUNS/ours/metrics.jsonl
   [ -f "$OURS" ] || OURS=bench/curves/laplace125m_ours.jsonl
   $PY scripts/compare_runs.py "$OURS" $RUNS/twin/metrics.jsonl --last 200 \
@@ -277,12 +277,12 @@ if has wait; then
     WAIT_S=0
   fi
   while (( $(date +%s) - t0 < WAIT_S )); do
-    [ -f $RUNS/ours.done ] && [ -f $RUNS/ref.done ] && { ! has twin || [ -f $RUNS/twin.done ]; } && break
+    [ -f $RUNS/ours.done ] && [ -f $RUNS/ref.done ] && { [ ! -f $RUNS/twin.log ] || [ -f $RUNS/twin.done ]; } && break
     sleep 10
   done
   stamp "ours: $(grep -E '^step' $RUNS/ours.log 2>/dev/null | tail -1) $(cat $RUNS/ours.done 2>/dev/null)"
   stamp "ref:  $(grep -E '^step' $RUNS/ref.log 2>/dev/null | tail -1) $(cat $RUNS/ref.done 2>/dev/null)"
-  has twin && stamp "twin: $(grep -E '^step' $RUNS/twin.log 2>/dev/null | tail -1) $(cat $RUNS/twin.done 2>/dev/null)"
+  [ -f $RUNS/twin.log ] && stamp "twin: $(grep -E '^step' $RUNS/twin.log 2>/dev/null | tail -1) $(cat $RUNS/twin.done 2>/dev/null)"
   if [ -f $RUNS/ours.done ] && [ -d $RUNS/ours/tb ]; then
     $PY scripts/check_tensorboard.py $RUNS/ours/tb >> "$OUT/summary.txt" 2>&1; stamp "tensorboard check exit $?"
   fi
