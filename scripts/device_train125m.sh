@@ -241,23 +241,6 @@ if has side; then
   fi
 fi
 
-if has compare && [ -f $RUNS/twin.done ]; then
-  OURS=$RUNS/ours/metrics.jsonl
-  [ -f "$OURS" ] || OURS=bench/curves/laplace125m_ours.jsonl
-  $PY scripts/compare_runs.py "$OURS" $RUNS/twin/metrics.jsonl --last 200 \
-    --tag ${TAG}_twin --results "$OUT/results.jsonl" --commit "$COMMIT" --device "NVIDIA H200" \
-    --command "scripts/device_train125m.sh (stages twin, compare)" --labels "laplace B16x2,laplace B32x1" \
-    --plot "$OUT/twin.png" 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
-fi
-
-if has compare && [ -f $RUNS/ref.done ]; then
-  OURS=$RUNS/ours/metrics.jsonl
-  [ -f "$OURS" ] || OURS=bench/curves/laplace125m_ours.jsonl
-  $PY scripts/compare_runs.py "$OURS" $RUNS/ref/metrics.jsonl --last 200 --tag $TAG \
-    --results "$OUT/results.jsonl" --commit "$COMMIT" --device "NVIDIA H200" \
-    --command "scripts/device_train125m.sh (stage compare)" --plot "$OUT/parity.png" 2>&1 | tee -a "$OUT/summary.txt"
-fi
-
 collect() {
   cp $RUNS/ours/metrics.jsonl $RUNS/ours_metrics.jsonl 2>/dev/null
   cp $RUNS/ref/metrics.jsonl $RUNS/ref_metrics.jsonl 2>/dev/null
@@ -287,6 +270,23 @@ if has wait; then
     $PY scripts/check_tensorboard.py $RUNS/ours/tb >> "$OUT/summary.txt" 2>&1; stamp "tensorboard check exit $?"
   fi
 fi
+if has compare && [ -f $RUNS/twin.done ]; then
+  OURS=$RUNS/ours/metrics.jsonl
+  [ -f "$OURS" ] || OURS=bench/curves/laplace125m_ours.jsonl
+  $PY scripts/compare_runs.py "$OURS" $RUNS/twin/metrics.jsonl --last 200 \
+    --tag ${TAG}_twin --results "$OUT/results.jsonl" --commit "$COMMIT" --device "NVIDIA H200" \
+    --command "scripts/device_train125m.sh (stages twin, compare)" --labels "laplace B16x2,laplace B32x1" \
+    --plot "$OUT/twin.png" 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+fi
+
+if has compare && [ -f $RUNS/ref.done ]; then
+  OURS=$RUNS/ours/metrics.jsonl
+  [ -f "$OURS" ] || OURS=bench/curves/laplace125m_ours.jsonl
+  $PY scripts/compare_runs.py "$OURS" $RUNS/ref/metrics.jsonl --last 200 --tag $TAG \
+    --results "$OUT/results.jsonl" --commit "$COMMIT" --device "NVIDIA H200" \
+    --command "scripts/device_train125m.sh (stage compare)" --plot "$OUT/parity.png" 2>&1 | tee -a "$OUT/summary.txt"
+fi
+
 collect
 tail -5 $RUNS/ours.log 2>/dev/null
 tail -3 $RUNS/ref.log 2>/dev/null
