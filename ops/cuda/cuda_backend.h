@@ -277,7 +277,9 @@ class CudaBackend final : public Backend {
     cublasLtMatmulAlgo_t algo{};
   };
   std::map<std::array<int64_t, 4>, Fp8GemmPlan> fp8_plans_;
-  Fp8GemmPlan& fp8_gemm_plan(int64_t M, int64_t N, int64_t K, DType out);
+  // sw, sx: the scale vectors of the first call, set before the heuristic query (cuBLASLt
+  // validates outer-vector scale modes against their pointers); each call sets its own.
+  Fp8GemmPlan& fp8_gemm_plan(int64_t M, int64_t N, int64_t K, DType out, const void* sw, const void* sx);
   int64_t host_syncs_ = 0;
   // Per kernel: the dynamic shared-memory limit set so far (0: none) and whether the
   // carveout was set (kernel_smem).

@@ -92,7 +92,8 @@ void CudaBackend::quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s) {
   CUDA_CHECK_LAUNCH();
 }
 
-CudaBackend::Fp8GemmPlan& CudaBackend::fp8_gemm_plan(int64_t M, int64_t N, int64_t K, DType out) {
+CudaBackend::Fp8GemmPlan& CudaBackend::fp8_gemm_plan(int64_t M, int64_t N, int64_t K, DType out, const void* sw,
+                                                       const void* sx) {
   const std::array<int64_t, 4> key = {M, N, K, static_cast<int64_t>(out)};
   auto it = fp8_plans_.find(key);
   if (it != fp8_plans_.end()) return it->second;
@@ -104,6 +105,8 @@ CudaBackend::Fp8GemmPlan& CudaBackend::fp8_gemm_plan(int64_t M, int64_t N, int64
   const int32_t vec = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &vec, sizeof(vec)));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vec, sizeof(vec)));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sw, sizeof(sw)));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx, sizeof(sx)));
   const cudaDataType_t ty = out == DType::kBF16 ? CUDA_R_16BF : CUDA_R_32F;
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.lw, CUDA_R_8F_E4M3, K, N, K));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.lx, CUDA_R_8F_E4M3, K, M, K));
@@ -157,9 +160,9 @@ void CudaBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq
                   std::to_string(K) + ", N=" + std::to_string(N))
                      .c_str());
   if (M == 0 || N == 0) return;
-  Fp8GemmPlan& p = fp8_gemm_plan(M, N, K, y.dtype);
   const void* sw = ws.data;
   const void* sx = xs.data;
+  Fp8GemmPlan& p = fp8_gemm_plan(M, N, K, y.dtype, sw, sx);
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sw, sizeof(sw)));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx, sizeof(sx)));
   // D = α·(W·X) + β·C with C = c (β = 1) or none (β = 0: C is not read).
