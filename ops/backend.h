@@ -161,6 +161,13 @@ class Backend {
   // x [R, C] (F32/F64 on the CPU, F32/BF16 on CUDA) → q [R, C] F8E4M3, s [R] F32, with
   // s[r] = max_c |x[r][c]| / 448 (1 for a row of zeros) and q[r][c] = e4m3(x[r][c] / s[r]).
   virtual void quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s);
+  // The same per column, written transposed: x [R, C] → qt [C, R] F8E4M3, s [C] F32, with
+  // s[c] = max_r |x[r][c]| / 448 and qt[c][r] = e4m3(x[r][c] / s[c]): quantize_rows_e4m3 of xᵀ,
+  // bit for bit. A training step's other two products contract over the rows of an operand
+  // (dX = dY·W over W's rows, dW = dYᵀ·X over the tokens), and gemm_e4m3 contracts over
+  // contiguous rows with one scale per row of each operand: this gives it W, dY and X in
+  // that form, each scale along a dimension the product keeps.
+  virtual void quantize_cols_e4m3(const Tensor& x, Tensor qt, Tensor s);
   // y[m][n] = c[m][n] + xs[m] · ws[n] · Σ_k x[m][k] · w[n][k], i.e. y = c + X·Wᵀ of the
   // dequantised operands, rounded once: xq [M, K] and wq [N, K] F8E4M3, xs [M] and ws [N] F32,
   // y [M, N] contiguous (the dtypes of quantize_rows_e4m3's x), c undefined (no residual) or of

@@ -318,6 +318,35 @@ TEST_F(CudaOps, Fp8QuantizeAndGemmAtModelShapes) {
   }
 }
 
+// Per column, transposed, at the training step's operands of laplace-3b (W_qkvg for dX = dY·W, a
+// micro-batch's dY of W_o and its input X for dW = dYᵀ·X, X a column block of a wider matrix):
+// the CPU backend's codes and scales bit for bit, from BF16 and F32.
+TEST_F(CudaOps, Fp8QuantizeColsAtTrainingShapes) {
+  struct Shape {
+    const char* what;
+    int64_t R, C, ld;
+    DType dt;
+  };
+  const Shape shapes[] = {{"W_qkvg [9216, 3072], bf16", 9216, 3072, 3072, kBF16},
+                          {"dY of W_o [16384, 3072], bf16", 16384, 3072, 3072, kBF16},
+                          {"X [16384, 3072] inside [16384, 3200], f32", 16384, 3072, 3200, kF32},
+                          {"ragged [1000, 77], f32", 1000, 77, 77, kF32}};
+  uint64_t seed = 60;
+  for (const Shape& sh : shapes) {
+    SCOPED_TRACE(sh.what);
+    Buf wide = input({sh.R, sh.ld}, sh.dt, kF32, ++seed, -3, 3);
+    const Tensor xr = wide.r().slice(1, 0, sh.C), xd = wide.d().slice(1, 0, sh.C);
+    auto hq = host_tensor(DType::kF8E4M3, {sh.C, sh.R});
+    auto hs = host_tensor(kF32, {sh.C});
+    DevTensor q(*cuda_, DType::kF8E4M3, {sh.C, sh.R}), sc(*cuda_, kF32, {sh.C});
+    cpu_->quantize_cols_e4m3(xr, hq->t, hs->t);
+    cuda_->quantize_cols_e4m3(xd, q.t, sc.t);
+    auto dq = down(q.t), ds = down(sc.t);
+    EXPECT_EQ(0, std::memcmp(dq->t.data, hq->t.data, static_cast<size_t>(sh.R * sh.C))) << "codes";
+    EXPECT_EQ(0, std::memcmp(ds->t.data, hs->t.data, static_cast<size_t>(sh.C) * 4)) << "scales";
+  }
+}
+
 TEST_F(CudaOps, GemmProjectionShapesF32) {
   const int64_t N = 300, D = 3072, O = 9216;
   Buf x = input({N, D}, kF32, kF32, 10), w = input({O, D}, kF32, kF32, 11);

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <random>
 #include <string>
@@ -227,6 +228,101 @@ TEST(Fp8Ops, CpuGemmIsTheProductOfTheQuantisedOperands) {
   for (int64_t i = 0; i < M * N; ++i) {
     ASSERT_EQ(yr[i], static_cast<float>(0.25 + yd[i])) << i;
     ASSERT_EQ(r[i], yr[i]) << i;
+  }
+}
+
+// Per column, transposed: quantize_rows_e4m3 of xᵀ, bit for bit, from a strided x too (a column
+// block of a wider matrix) and with a column of zeros (scale 1).
+TEST(Fp8Ops, CpuQuantizeColsIsQuantizeRowsOfTheTranspose) {
+  auto be = make_cpu_backend();
+  const int64_t R = 45, C = 38, W = 50;  // x is the first C columns of a [R, W] matrix
+  std::vector<float> wide = fp8_test_values(R, W, 7, 1.f);
+  for (int64_t r = 0; r < R; ++r) wide[r * W + 3] = 0.f;
+  Tensor x(wide.data(), DType::kF32, {R, W});
+  x = x.slice(1, 0, C);
+  std::vector<float> xt(C * R);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) xt[c * R + r] = wide[r * W + c];
+  std::vector<uint8_t> q(C * R), want_q(C * R);
+  std::vector<float> s(C), want_s(C);
+  be->quantize_cols_e4m3(x, Tensor(q.data(), DType::kF8E4M3, {C, R}), Tensor(s.data(), DType::kF32, {C}));
+  be->quantize_rows_e4m3(Tensor(xt.data(), DType::kF32, {C, R}), Tensor(want_q.data(), DType::kF8E4M3, {C, R}),
+                         Tensor(want_s.data(), DType::kF32, {C}));
+  EXPECT_EQ(q, want_q);
+  EXPECT_EQ(0, std::memcmp(s.data(), want_s.data(), s.size() * sizeof(float)));
+  EXPECT_EQ(s[3], 1.f);
+  EXPECT_GT(s[0], 0.f);
+  EXPECT_TRUE(be->supports({"quantize_cols_e4m3", DType::kF32, {}}));
+  // A transposed shape that does not fit is refused.
+  std::vector<uint8_t> bad(C * R);
+  EXPECT_DEATH(be->quantize_cols_e4m3(x, Tensor(bad.data(), DType::kF8E4M3, {R, C}), Tensor(s.data(), DType::kF32, {C})),
+               "quantize_cols_e4m3");
+}
+
+// The three products of a linear layer in a training step, each through FP8 with every scale along
+// a dimension the product keeps: Y = X·Wᵀ (X and W per row), dX = dY·W (dY per row, W per column),
+// dW = dYᵀ·X (dY and X per column). Each is within E4M3's rounding of the exact product.
+TEST(Fp8Ops, ForwardAndBothGradientProductsOfALinearLayer) {
+  auto be = make_cpu_backend();
+  const int64_t M = 64, K = 48, N = 32;  // tokens, inputs, outputs
+  std::vector<float> x = fp8_test_values(M, K, 8, 1.f), w = fp8_test_values(N, K, 9, 0.02f),
+                     dy = fp8_test_values(M, N, 10, 1e-3f);
+  auto rows = [&](const std::vector<float>& v, int64_t r, int64_t c, std::vector<uint8_t>* q, std::vector<float>* sc) {
+    q->assign(r * c, 0);
+    sc->assign(r, 0.f);
+    be->quantize_rows_e4m3(Tensor(const_cast<float*>(v.data()), DType::kF32, {r, c}),
+                           Tensor(q->data(), DType::kF8E4M3, {r, c}), Tensor(sc->data(), DType::kF32, {r}));
+  };
+  auto cols = [&](const std::vector<float>& v, int64_t r, int64_t c, std::vector<uint8_t>* q, std::vector<float>* sc) {
+    q->assign(r * c, 0);
+    sc->assign(c, 0.f);
+    be->quantize_cols_e4m3(Tensor(const_cast<float*>(v.data()), DType::kF32, {r, c}),
+                           Tensor(q->data(), DType::kF8E4M3, {c, r}), Tensor(sc->data(), DType::kF32, {c}));
+  };
+  // out [a, b] = A·Bᵀ of quantised A [a, k] and B [b, k]; rel. RMS error against `exact`.
+  auto product = [&](const std::vector<uint8_t>& aq, const std::vector<float>& as, const std::vector<uint8_t>& bq,
+                     const std::vector<float>& bs, int64_t a, int64_t b, int64_t k,
+                     const std::function<double(int64_t, int64_t)>& exact) {
+    std::vector<float> out(a * b);
+    be->gemm_e4m3(Tensor(const_cast<uint8_t*>(aq.data()), DType::kF8E4M3, {a, k}),
+                  Tensor(const_cast<float*>(as.data()), DType::kF32, {a}),
+                  Tensor(const_cast<uint8_t*>(bq.data()), DType::kF8E4M3, {b, k}),
+                  Tensor(const_cast<float*>(bs.data()), DType::kF32, {b}), Tensor{}, Tensor(out.data(), DType::kF32, {a, b}));
+    double e2 = 0, r2 = 0;
+    for (int64_t i = 0; i < a; ++i)
+      for (int64_t j = 0; j < b; ++j) {
+        const double want = exact(i, j);
+        e2 += (out[i * b + j] - want) * (out[i * b + j] - want);
+        r2 += want * want;
+      }
+    return std::sqrt(e2 / r2);
+  };
+  std::vector<uint8_t> xq, wq, dyq, wtq, dytq, xtq;
+  std::vector<float> xs, ws, dys, wts, dyts, xts;
+  rows(x, M, K, &xq, &xs);
+  rows(w, N, K, &wq, &ws);
+  rows(dy, M, N, &dyq, &dys);
+  cols(w, N, K, &wtq, &wts);   // Wᵀ [K, N] per row of Wᵀ
+  cols(dy, M, N, &dytq, &dyts);  // dYᵀ [N, M]
+  cols(x, M, K, &xtq, &xts);   // Xᵀ [K, M]
+  const double fwd = product(xq, xs, wq, ws, M, N, K, [&](int64_t m, int64_t n) {
+    double a = 0;
+    for (int64_t k = 0; k < K; ++k) a += static_cast<double>(x[m * K + k]) * w[n * K + k];
+    return a;
+  });
+  const double dgrad = product(dyq, dys, wtq, wts, M, K, N, [&](int64_t m, int64_t k) {
+    double a = 0;
+    for (int64_t n = 0; n < N; ++n) a += static_cast<double>(dy[m * N + n]) * w[n * K + k];
+    return a;
+  });
+  const double wgrad = product(dytq, dyts, xtq, xts, N, K, M, [&](int64_t n, int64_t k) {
+    double a = 0;
+    for (int64_t m = 0; m < M; ++m) a += static_cast<double>(dy[m * N + n]) * x[m * K + k];
+    return a;
+  });
+  for (double e : {fwd, dgrad, wgrad}) {
+    EXPECT_GT(e, 1e-4);  // quantised
+    EXPECT_LT(e, 0.06);  // within E4M3's three mantissa bits
   }
 }
 

@@ -971,6 +971,26 @@ void CpuBackend::quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s) {
   });
 }
 
+void CpuBackend::quantize_cols_e4m3(const Tensor& x, Tensor qt, Tensor s) {
+  check_cpu(x);
+  check_e4m3_matrix(qt, "quantize_cols_e4m3: qt");
+  LAPLACE_CHECK(x.ndim == 2 && qt.shape[0] == x.shape[1] && qt.shape[1] == x.shape[0],
+                "quantize_cols_e4m3: qt must be x's shape transposed");
+  check_scales(s, x.shape[1], "quantize_cols_e4m3: s");
+  dispatch(x.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const Rows r = rows_of(x);
+    uint8_t* qp = static_cast<uint8_t*>(qt.data);
+    float* sp = static_cast<float*>(s.data);
+#pragma omp parallel for schedule(static) if (r.n * r.cols > kParallelMin)
+    for (int64_t col = 0; col < r.cols; ++col) {
+      std::vector<float> xf(static_cast<size_t>(r.n));
+      for (int64_t row = 0; row < r.n; ++row) xf[row] = static_cast<float>(row_ptr<T>(x, r, row)[col]);
+      sp[col] = e4m3_quantize_row(xf.data(), r.n, qp + col * r.n);
+    }
+  });
+}
+
 void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, const Tensor& c,
                            Tensor y) {
   check_e4m3_matrix(xq, "gemm_e4m3: xq");

@@ -1,4 +1,4 @@
-// FP8 products (ops/backend.h's quantize_rows_e4m3 and gemm_e4m3) on CUDA.
+// FP8 products (ops/backend.h's quantize_rows_e4m3, quantize_cols_e4m3 and gemm_e4m3) on CUDA.
 //
 // Quantisation: one block per row finds max |x| and writes the row's codes with the same
 // arithmetic as core/fp8.h's e4m3_quantize_row (the scale max/448, each value divided by it,
@@ -58,6 +58,47 @@ __global__ void quantize_rows_e4m3_kernel(const void* x, int dt, int64_t ld, int
 
 }  // namespace
 
+// Per column, written transposed (quantize_cols_e4m3): one block of 32 × 8 threads per 32 columns.
+// First each column's max |x| over every row (a warp reads 32 adjacent columns of a row), then the
+// codes through a 32 × 33 shared tile, so that both the reads of x and the writes of qt's rows are
+// adjacent addresses. The arithmetic is the row kernel's: scale max/448, each value divided by it.
+constexpr int kColTile = 32, kColRowsPerPass = 8;
+
+__global__ void quantize_cols_e4m3_kernel(const void* x, int dt, int64_t ld, int64_t rows, int64_t cols,
+                                          __nv_fp8_storage_t* qt, float* s) {
+  __shared__ float part[kColRowsPerPass][kColTile];
+  __shared__ float scale[kColTile];
+  __shared__ float tile[kColTile][kColTile + 1];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kColTile, c = c0 + tx;
+  float amax = 0.f;
+  if (c < cols)
+    for (int64_t r = ty; r < rows; r += kColRowsPerPass) amax = fmaxf(amax, fabsf(ldf(x, r * ld + c, dt)));
+  part[ty][tx] = amax;
+  __syncthreads();
+  if (ty == 0) {
+    float m = part[0][tx];
+    for (int i = 1; i < kColRowsPerPass; ++i) m = fmaxf(m, part[i][tx]);
+    const float sc = m > 0.f ? m / 448.f : 1.f;
+    scale[tx] = sc;
+    if (c < cols) s[c] = sc;
+  }
+  __syncthreads();
+  for (int64_t r0 = 0; r0 < rows; r0 += kColTile) {
+    for (int i = ty; i < kColTile; i += kColRowsPerPass) {
+      const int64_t r = r0 + i;
+      tile[i][tx] = r < rows && c < cols ? ldf(x, r * ld + c, dt) : 0.f;
+    }
+    __syncthreads();
+    for (int j = ty; j < kColTile; j += kColRowsPerPass) {
+      const int64_t cc = c0 + j, r = r0 + tx;
+      if (cc < cols && r < rows)
+        qt[cc * rows + r] = __nv_cvt_float_to_fp8(tile[tx][j] / scale[j], __NV_SATFINITE, __NV_E4M3);
+    }
+    __syncthreads();
+  }
+}
+
 inline void check_e4m3_matrix(const Tensor& t, const char* what) {
   check_device(t, what);
   if (t.dtype != DType::kF8E4M3 || t.ndim != 2 || !t.is_contiguous())
@@ -89,6 +130,27 @@ void CudaBackend::quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s) {
   const int64_t ld = std::max<int64_t>(x.stride[0], C);
   cuda::quantize_rows_e4m3_kernel<<<static_cast<unsigned>(R), cuda::kQuantThreads, 0, stream_>>>(
       x.data, dt, ld, C, static_cast<__nv_fp8_storage_t*>(q.data), static_cast<float*>(s.data));
+  CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::quantize_cols_e4m3(const Tensor& x, Tensor qt, Tensor s) {
+  cuda::check_device(x, "quantize_cols_e4m3: x");
+  const int dt = cuda::float_code(x, "quantize_cols_e4m3: x");
+  cuda::check_e4m3_matrix(qt, "quantize_cols_e4m3: qt");
+  if (x.ndim != 2 || qt.shape[0] != x.shape[1] || qt.shape[1] != x.shape[0] || (x.shape[1] > 1 && x.stride[1] != 1))
+    check_failed(__FILE__, __LINE__, "quantize_cols_e4m3",
+                 ("x must be 2-D with contiguous rows and qt its shape transposed: x " + x.shape_str() + ", qt " +
+                  qt.shape_str())
+                     .c_str());
+  const int64_t R = x.shape[0], C = x.shape[1];
+  cuda::check_scales(s, C, "quantize_cols_e4m3: s");
+  if (C == 0) return;  // no rows: every scale is 1, as on the CPU
+  const int64_t ld = std::max<int64_t>(x.stride[0], C);
+  const dim3 block(cuda::kColTile, cuda::kColRowsPerPass);
+  const unsigned grid = static_cast<unsigned>((C + cuda::kColTile - 1) / cuda::kColTile);
+  cuda::quantize_cols_e4m3_kernel<<<grid, block, 0, stream_>>>(x.data, dt, ld, R, C,
+                                                              static_cast<__nv_fp8_storage_t*>(qt.data),
+                                                              static_cast<float*>(s.data));
   CUDA_CHECK_LAUNCH();
 }
 
