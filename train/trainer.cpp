@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/file_util.h"
+#include "train/whole_parameters.h"
 
 namespace laplace {
 
@@ -34,10 +35,6 @@ std::vector<Param> make_optimizer_params(const Config& c, const Arena& w, const 
 void copy_masters_to_weights(Backend& be, const Arena& masters, const Arena& weights) {
   LAPLACE_CHECK(masters.size() == weights.size(), "copy_masters_to_weights: tables differ");
   for (size_t i = 0; i < weights.size(); ++i) be.copy(weights.tensor(i), masters.tensor(i));
-}
-
-std::vector<Param> Trainer::make_params() {
-  return make_optimizer_params(cfg_, param_arena(), grads_, opt_.muon_fused);
 }
 
 namespace {
@@ -86,146 +83,6 @@ Status apply_memory_plan(const Config& c, const MemoryPlanRequest& r, TrainOptio
   o->grad_accum = plan->grad_accum;
   o->recompute_mixer = plan->recompute_mixer;
   return Status::ok();
-}
-
-Status Trainer::plan_memory() {
-  LAPLACE_RETURN_IF_ERROR(apply_memory_plan(cfg_, memory_request_for(opt_, *be_), &opt_, &plan_));
-  if (!opt_.quiet) {
-    std::fputs(format_memory_plan(plan_, be_->device() == Device::kCUDA ? "device" : "host").c_str(), stdout);
-    std::fflush(stdout);
-  }
-  return Status::ok();
-}
-
-Status Trainer::create_loss_buffers() {
-  const int64_t N = opt_.batch * opt_.seq;
-  const DType st = opt_.dtype == DType::kBF16 ? DType::kF32 : opt_.dtype;
-  LAPLACE_RETURN_IF_ERROR(loss_bufs_.create(
-      {{"targets", DType::kI32, {N}}, {"losses", st, {N}}, {"loss_sum", DType::kF64, {1}}}, be_->allocator(),
-      "loss buffers"));
-  targets_dev_ = loss_bufs_.tensor(0);
-  losses_dev_ = loss_bufs_.tensor(1);
-  loss_sum_ = loss_bufs_.tensor(2);
-  return Status::ok();
-}
-
-Status Trainer::setup() {
-  LAPLACE_RETURN_IF_ERROR(config_load(opt_.config_path, &cfg_));
-  if (opt_.batch < 1 || opt_.seq < 1 || opt_.grad_accum < 1 || opt_.steps < 1)
-    return Status::invalid_argument("batch, seq, grad-accum and steps must all be ≥ 1");
-  if (opt_.dtype != DType::kF32 && opt_.dtype != DType::kF64 && opt_.dtype != DType::kBF16)
-    return Status::unsupported(std::string("cannot train in ") + dtype_name(opt_.dtype) + ": use f32, f64 or bf16");
-  if (opt_.dtype == DType::kBF16 && opt_.device == "cpu")
-    return Status::unsupported("bf16 training needs --device cuda (the CPU backend computes in f32 or f64)");
-  opt_.schedule.total_steps = opt_.steps;
-  LAPLACE_RETURN_IF_ERROR(opt_.schedule.validate());
-  LAPLACE_RETURN_IF_ERROR(opt_.optim.validate());
-  if (opt_.tokens_per_step < 0) return Status::invalid_argument("tokens per step must be ≥ 0");
-  LAPLACE_RETURN_IF_ERROR(make_backend(opt_.device, &be_));
-  LAPLACE_RETURN_IF_ERROR(plan_memory());
-  LAPLACE_RETURN_IF_ERROR(model_.create(cfg_, *be_, opt_.dtype));
-  mixed_ = needs_master_weights(opt_.dtype);
-  const DType param_dtype = mixed_ ? DType::kF32 : opt_.dtype;
-  if (mixed_) {
-    // Initialised (or loaded) in F32 exactly as an F32 model would be, then rounded once
-    // into the BF16 weights at the end of setup().
-    LAPLACE_RETURN_IF_ERROR(masters_.create(weight_specs(cfg_, DType::kF32), be_->allocator(), "master weights"));
-    if (!opt_.init_ckpt.empty()) LAPLACE_RETURN_IF_ERROR(weights_load(opt_.init_ckpt, *be_, masters_));
-    else weights_init(cfg_, *be_, masters_, opt_.seed);
-  } else {
-    if (!opt_.init_ckpt.empty()) LAPLACE_RETURN_IF_ERROR(model_.load(opt_.init_ckpt));
-    else model_.init_weights(opt_.seed);
-  }
-  LAPLACE_RETURN_IF_ERROR(model_.plan({opt_.batch, opt_.seq, true, opt_.recompute_mixer}));
-  LAPLACE_RETURN_IF_ERROR(grads_.create(weight_specs(cfg_, param_dtype), be_->allocator(), "gradients"));
-  LAPLACE_RETURN_IF_ERROR(create_loss_buffers());
-  // On the GPU, Newton–Schulz runs in bf16 as SPEC §2 has it; the CPU keeps the master
-  // dtype so the F32 reference can check it.
-  opt_.optim.ns_bf16 = be_->device() == Device::kCUDA;
-  LAPLACE_RETURN_IF_ERROR(optimizer_.init(*be_, make_params(), opt_.optim));
-
-  LAPLACE_RETURN_IF_ERROR(open_train_data(opt_, cfg_, 0, 1, &train_loader_, &val_loader_, &has_val_));
-  progress_ = TrainProgress{};
-  progress_.seed = opt_.seed;
-  LAPLACE_RETURN_IF_ERROR(create_out_dir(opt_));
-  const std::string resume = resume_path(opt_);
-  if (!resume.empty()) {
-    LAPLACE_RETURN_IF_ERROR(checkpoint_load(resume, cfg_, *be_, param_arena(), &optimizer_, &progress_));
-    LoaderPosition pos;
-    LAPLACE_RETURN_IF_ERROR(LoaderPosition::from_json(progress_.loader_position, &pos).with_context(resume));
-    LAPLACE_RETURN_IF_ERROR(train_loader_.seek(pos).with_context(resume));
-    if (!opt_.quiet) std::printf("resumed from %s at step %lld\n", resume.c_str(), (long long)progress_.step);
-  }
-  if (mixed_) copy_masters_to_weights(*be_, masters_, model_.weight_arena());
-  LAPLACE_RETURN_IF_ERROR(record_.open(opt_, progress_.step, true));
-  x_.resize(opt_.batch * opt_.seq);
-  y_.resize(opt_.batch * opt_.seq);
-  if (!opt_.quiet) {
-    std::printf("model: %lld parameters (%lld in Muon matrices), %s %s\n", (long long)cfg_.total_params(),
-                (long long)cfg_.body_params(), be_->name(), dtype_name(opt_.dtype));
-    std::printf("data: %lld tokens in %lld shards; %lld tokens per step (batch %lld × seq %lld × accum %lld)\n",
-                (long long)train_loader_.total_tokens(), (long long)train_loader_.num_shards(),
-                (long long)(opt_.batch * opt_.seq * opt_.grad_accum), (long long)opt_.batch, (long long)opt_.seq,
-                (long long)opt_.grad_accum);
-    std::fflush(stdout);
-  }
-  return Status::ok();
-}
-
-Status Trainer::validate(int64_t batches, double* loss) {
-  if (!has_val_) return Status::invalid_argument("no validation data");
-  val_loader_.reset();
-  double sum = 0;
-  for (int64_t i = 0; i < batches; ++i) {
-    val_loader_.next(x_.data(), y_.data());
-    if (opt_.target_mask) opt_.target_mask(x_.data(), y_.data(), opt_.batch, opt_.seq);
-    model_.forward(x_.data(), opt_.batch, opt_.seq, ForwardOptions{});
-    sum += model_.loss(y_.data());
-  }
-  *loss = sum / static_cast<double>(batches);
-  return Status::ok();
-}
-
-Status Trainer::save_checkpoint() {
-  if (opt_.out_dir.empty()) return Status::ok();
-  progress_.loader_position = train_loader_.position().to_json();
-  progress_.optimizer_steps = optimizer_.step_count();
-  LAPLACE_RETURN_IF_ERROR(checkpoint_save(opt_.out_dir + "/checkpoint.safetensors", cfg_, *be_, param_arena(),
-                                          optimizer_, progress_));
-  // A complete model directory for generate/eval/serve beside it.
-  if (mixed_) LAPLACE_RETURN_IF_ERROR(weights_save(opt_.out_dir + "/model.safetensors", cfg_, *be_, masters_));
-  else LAPLACE_RETURN_IF_ERROR(model_.save(opt_.out_dir + "/model.safetensors"));
-  return write_model_dir_files(opt_, cfg_);
-}
-
-void Trainer::enqueue_step(int64_t step) {
-  grads_.zero();
-  const int64_t N = opt_.batch * opt_.seq;
-  for (int64_t micro = 0; micro < opt_.grad_accum; ++micro) {
-    train_loader_.next(x_.data(), y_.data());
-    if (opt_.target_mask) opt_.target_mask(x_.data(), y_.data(), opt_.batch, opt_.seq);
-    model_.forward(x_.data(), opt_.batch, opt_.seq, ForwardOptions{});
-    // Model::loss's arithmetic with the sum left on the device (Model::loss would read the
-    // losses back): the mean over the counted targets, added up over micro-batches.
-    int64_t count = 0;
-    for (int64_t i = 0; i < N; ++i) count += y_[i] >= 0;
-    be_->copy(targets_dev_, Tensor(y_.data(), DType::kI32, {N}));
-    be_->cross_entropy_forward(model_.logits(), targets_dev_, losses_dev_);
-    be_->loss_sum_into(losses_dev_, static_cast<double>(count), loss_sum_, micro > 0);
-    model_.backward(y_.data(), grads_, 1.0 / static_cast<double>(opt_.grad_accum));
-  }
-  optimizer_.enqueue_step(lr_at(opt_.schedule, step));
-  // Unconditional: a skipped step leaves the masters as they were, so this rewrites the
-  // weights with the values they already hold (gating it would need the flag on the host).
-  if (mixed_) copy_masters_to_weights(*be_, masters_, model_.weight_arena());
-}
-
-StepResult Trainer::finish_step(double* loss) {
-  const StepResult r = optimizer_.finish_step();  // synchronises: the step is done after this
-  double sum = 0;
-  be_->copy(Tensor(&sum, DType::kF64, {1}), loss_sum_);
-  *loss = sum / static_cast<double>(opt_.grad_accum);
-  return r;
 }
 
 Status open_train_data(const TrainOptions& o, const Config& c, int rank, int world, DataLoader* train,
@@ -296,16 +153,234 @@ std::string val_loss_record(int64_t step, double loss) {
   return j.dump();
 }
 
+// ---- the Trainer ---------------------------------------------------------------------------
+
+namespace {
+uint64_t fnv1a(const std::string& s, uint64_t h) {
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+}  // namespace
+
+Trainer::Trainer(TrainOptions o, std::unique_ptr<ParameterStore> store)
+    : opt_(std::move(o)), store_(store ? std::move(store) : std::make_unique<WholeParameters>()) {}
+
+Trainer::~Trainer() {
+  store_->detach();
+}
+
+const Arena& Trainer::param_arena() const {
+  const Arena* a = store_->param_arena();
+  LAPLACE_CHECK(a != nullptr, "Trainer::param_arena: the parameter store holds no whole parameters");
+  return *a;
+}
+
+size_t Trainer::allocated_bytes() const {
+  return model_.weight_arena().bytes() + model_.activation_bytes() + store_->allocated_bytes() +
+         optimizer_.state_bytes();
+}
+
+Status Trainer::setup_backend() {
+  LAPLACE_RETURN_IF_ERROR(config_load(opt_.config_path, &cfg_));
+  if ((!opt_.batch_auto && opt_.batch < 1) || opt_.seq < 1 || opt_.grad_accum < 1 || opt_.steps < 1)
+    return Status::invalid_argument("batch, seq, grad-accum and steps must all be ≥ 1");
+  if (opt_.tokens_per_step < 0) return Status::invalid_argument("tokens per step must be ≥ 0");
+  LAPLACE_RETURN_IF_ERROR(store_->check_options(opt_));
+  opt_.schedule.total_steps = opt_.steps;
+  LAPLACE_RETURN_IF_ERROR(opt_.schedule.validate());
+  LAPLACE_RETURN_IF_ERROR(opt_.optim.validate());
+  LAPLACE_RETURN_IF_ERROR(make_backend(opt_.device, &be_));
+  TrainerParts parts;
+  parts.opt = &opt_;
+  parts.cfg = &cfg_;
+  parts.be = be_.get();
+  parts.model = &model_;
+  parts.optimizer = &optimizer_;
+  return store_->attach(parts);
+}
+
+Status Trainer::plan_memory() {
+  MemoryPlanRequest r = memory_request_for(opt_, *be_);
+  store_->plan_request(&r);
+  LAPLACE_RETURN_IF_ERROR(apply_memory_plan(cfg_, r, &opt_, &plan_));
+  if (!opt_.quiet) {
+    std::fputs(format_memory_plan(plan_, be_->device() == Device::kCUDA ? "device" : "host").c_str(), stdout);
+    std::fflush(stdout);
+  }
+  return Status::ok();
+}
+
+Status Trainer::setup_local() {
+  LAPLACE_RETURN_IF_ERROR(store_->create());
+  LAPLACE_RETURN_IF_ERROR(
+      open_train_data(opt_, cfg_, store_->rank(), store_->ranks(), &train_loader_, &val_loader_, &has_val_));
+  progress_ = TrainProgress{};
+  progress_.seed = opt_.seed;
+  if (store_->rank() == 0) LAPLACE_RETURN_IF_ERROR(create_out_dir(opt_));
+  const int64_t N = opt_.batch * opt_.seq;
+  x_.resize(N);
+  y_.resize(N);
+  // The step's loss on the device (not in the memory plan: a few vectors of B·T): targets,
+  // per-token losses, and what the store sums them into.
+  std::vector<TensorSpec> specs = {{"targets", DType::kI32, {N}},
+                                   {"losses", opt_.dtype == DType::kBF16 ? DType::kF32 : opt_.dtype, {N}}};
+  for (TensorSpec& s : store_->loss_specs()) specs.push_back(std::move(s));
+  LAPLACE_RETURN_IF_ERROR(loss_bufs_.create(std::move(specs), be_->allocator(), "loss buffers"));
+  targets_dev_ = loss_bufs_.tensor(0);
+  losses_dev_ = loss_bufs_.tensor(1);
+  store_->bind_loss(loss_bufs_, 2);
+  return Status::ok();
+}
+
+// Every rank must have derived the same plan and been given the same data.
+Status Trainer::check_ranks_agree() {
+  const int64_t mine = static_cast<int64_t>(store_->plan_hash());
+  const std::vector<int64_t> hashes = store_->all_gather_value(mine);
+  for (size_t q = 0; q < hashes.size(); ++q)
+    if (hashes[q] != mine)
+      return Status::invalid_argument("rank " + std::to_string(q) + " derived a different sharding/Muon owner plan " +
+                                      "(hash mismatch): every rank must get the same config and flags");
+  // The shards' token counts, compared with rank 0's.
+  const std::vector<int64_t> train_tokens = store_->all_gather_value(train_loader_.total_tokens());
+  const std::vector<int64_t> train_shards = store_->all_gather_value(train_loader_.num_shards());
+  const std::vector<int64_t> val_tokens = store_->all_gather_value(has_val_ ? val_loader_.total_tokens() : -1);
+  for (size_t q = 1; q < train_tokens.size(); ++q)
+    if (train_tokens[q] != train_tokens[0] || train_shards[q] != train_shards[0] || val_tokens[q] != val_tokens[0])
+      return Status::invalid_argument(
+          "rank " + std::to_string(q) + " was given other data than rank 0 (training: " +
+          std::to_string(train_tokens[q]) + " tokens in " + std::to_string(train_shards[q]) + " shard(s) against " +
+          std::to_string(train_tokens[0]) + " in " + std::to_string(train_shards[0]) + "; validation: " +
+          std::to_string(val_tokens[q]) + " against " + std::to_string(val_tokens[0]) +
+          " tokens): every rank must read the same shards");
+  return Status::ok();
+}
+
+Status Trainer::load_checkpoint(const std::string& path) {
+  LAPLACE_RETURN_IF_ERROR(store_->load_checkpoint(path, &progress_));
+  LoaderPosition pos;
+  LAPLACE_RETURN_IF_ERROR(LoaderPosition::from_json(progress_.loader_position, &pos).with_context(path));
+  return train_loader_.seek(pos).with_context(path);
+}
+
+Status Trainer::setup() {
+  LAPLACE_RETURN_IF_ERROR(store_->agree(setup_backend()));
+  LAPLACE_RETURN_IF_ERROR(store_->agree(plan_memory()));
+  LAPLACE_RETURN_IF_ERROR(store_->agree(setup_local()));
+  LAPLACE_RETURN_IF_ERROR(check_ranks_agree());
+  // Whether to resume is agreed first: loading is collective.
+  const std::string resume = resume_path(opt_);
+  const std::vector<int64_t> resuming = store_->all_gather_value(resume.empty() ? 0 : 1);
+  for (size_t q = 1; q < resuming.size(); ++q)
+    if (resuming[q] != resuming[0])
+      return Status::invalid_argument("rank " + std::to_string(q) +
+                                      (resuming[q] ? " resumes from a checkpoint" : " starts afresh") + " and rank 0 " +
+                                      (resuming[0] ? "resumes" : "does not") +
+                                      ": every rank must be given the same --resume and --out");
+  if (!resume.empty()) {
+    LAPLACE_RETURN_IF_ERROR(store_->agree(load_checkpoint(resume)));
+    if (!opt_.quiet && store_->rank() == 0)
+      std::printf("resumed from %s at step %lld\n", resume.c_str(), (long long)progress_.step);
+  }
+  // ... and resumed from the same point (a rank given another --resume or output directory).
+  const std::vector<int64_t> steps = store_->all_gather_value(progress_.step);
+  const std::vector<int64_t> positions =
+      store_->all_gather_value(static_cast<int64_t>(fnv1a(progress_.loader_position, 1469598103934665603ull)));
+  for (size_t q = 1; q < steps.size(); ++q)
+    if (steps[q] != steps[0] || positions[q] != positions[0])
+      return Status::invalid_argument("rank " + std::to_string(q) + " starts at step " + std::to_string(steps[q]) +
+                                      (steps[q] == steps[0] ? " from another data position" : "") +
+                                      ", rank 0 at step " + std::to_string(steps[0]) +
+                                      ": every rank must resume from the same checkpoint");
+  store_->refresh_weights();
+  LAPLACE_RETURN_IF_ERROR(store_->agree(record_.open(opt_, progress_.step, store_->rank() == 0)));
+  if (!opt_.quiet && store_->rank() == 0) print_setup();
+  return Status::ok();
+}
+
+void Trainer::print_setup() const {
+  std::printf("model: %lld parameters (%lld in Muon matrices), %s %s%s\n", (long long)cfg_.total_params(),
+              (long long)cfg_.body_params(), be_->name(), dtype_name(opt_.dtype), store_->dtype_note().c_str());
+  std::fputs(store_->setup_lines().c_str(), stdout);
+  std::printf("data: %lld tokens in %lld shards; %lld tokens per step (%sbatch %lld × seq %lld × accum %lld)\n",
+              (long long)train_loader_.total_tokens(), (long long)train_loader_.num_shards(),
+              (long long)(store_->ranks() * opt_.batch * opt_.seq * opt_.grad_accum), store_->ranks_note().c_str(),
+              (long long)opt_.batch, (long long)opt_.seq, (long long)opt_.grad_accum);
+  std::fflush(stdout);
+}
+
+Status Trainer::validate(int64_t batches, double* loss) {
+  if (!has_val_) return Status::invalid_argument("no validation data");
+  store_->quiesce();  // every weight the forward reads is in place
+  val_loader_.reset();
+  const int P = store_->ranks();
+  std::vector<double> all(P);
+  double sum = 0;
+  for (int64_t i = 0; i < batches; ++i) {
+    val_loader_.next(x_.data(), y_.data());
+    if (opt_.target_mask) opt_.target_mask(x_.data(), y_.data(), opt_.batch, opt_.seq);
+    model_.forward(x_.data(), opt_.batch, opt_.seq, ForwardOptions{});
+    store_->all_gather_value(model_.loss(y_.data()), all.data());
+    for (int q = 0; q < P; ++q) sum += all[q];
+  }
+  *loss = sum / static_cast<double>(batches * P);
+  return Status::ok();
+}
+
+Status Trainer::save_checkpoint() {
+  if (opt_.out_dir.empty()) return Status::ok();
+  store_->quiesce();  // the parameters' collectives below order with the compute
+  progress_.loader_position = train_loader_.position().to_json();
+  progress_.optimizer_steps = optimizer_.step_count();
+  Status st = store_->save_checkpoint(opt_.out_dir, progress_);
+  // Beside the weights, the rest of a model directory for generate/eval/serve.
+  if (st.is_ok() && store_->rank() == 0) st = write_model_dir_files(opt_, cfg_);
+  return store_->agree(st);
+}
+
+void Trainer::enqueue_step(int64_t step) {
+  store_->begin_step();
+  const ForwardOptions fo = store_->forward_options();
+  const int64_t N = opt_.batch * opt_.seq;
+  for (int64_t micro = 0; micro < opt_.grad_accum; ++micro) {
+    store_->begin_micro(micro);
+    train_loader_.next(x_.data(), y_.data());
+    if (opt_.target_mask) opt_.target_mask(x_.data(), y_.data(), opt_.batch, opt_.seq);
+    model_.forward(x_.data(), opt_.batch, opt_.seq, fo);
+    // Model::loss's arithmetic with the sum left on the device (Model::loss would read the
+    // losses back): the mean over the counted targets, which the store adds up.
+    int64_t count = 0;
+    for (int64_t i = 0; i < N; ++i) count += y_[i] >= 0;
+    be_->copy(targets_dev_, Tensor(y_.data(), DType::kI32, {N}));
+    be_->cross_entropy_forward(model_.logits(), targets_dev_, losses_dev_);
+    store_->micro_loss(losses_dev_, static_cast<double>(count), micro);
+    model_.backward(y_.data(), store_->gradients(), store_->loss_scale(), store_->after_group(micro));
+    store_->end_micro(micro);
+  }
+  store_->before_optimizer();
+  optimizer_.enqueue_step(lr_at(opt_.schedule, step));
+  store_->after_optimizer();
+}
+
+StepResult Trainer::finish_step(double* loss) {
+  const StepResult r = optimizer_.finish_step();  // synchronises: the step is done after this
+  *loss = store_->step_loss();
+  return r;
+}
+
 Status Trainer::run(const std::function<void(const StepLog&)>& on_step) {
-  TrainLoop loop = train_loop_for(opt_, cfg_, 1);
+  TrainLoop loop = train_loop_for(opt_, cfg_, store_->ranks());
   loop.has_val = has_val_;
+  loop.talk = loop.talk && store_->rank() == 0;
   loop.step = [this](int64_t step, double* loss) {
     enqueue_step(step);
     return finish_step(loss);
   };
   loop.optimizer_steps = [this] { return optimizer_.step_count(); };
   loop.record = [&](const StepLog& s) {
-    record_.step(s);
+    if (store_->rank() == 0) record_.step(s, store_->record_fields(), store_->progress_detail());
     if (on_step) on_step(s);
   };
   loop.validate = [this](double* loss) { return validate(opt_.eval_batches, loss); };

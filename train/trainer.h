@@ -1,14 +1,17 @@
-// The training loop behind `laplace train`: data → forward → backward → clip →
-// Muon/AdamW, with a progress line per step, a JSONL metrics log, periodic
-// validation, atomic checkpoints and exact resume.
+// The training loop behind `laplace train`, on one device and over the ranks of a
+// communicator alike: data → forward → backward → clip → Muon/AdamW, with a progress line
+// per step, a JSONL metrics log, periodic validation, atomic checkpoints and exact resume.
 //
-// Precision (SPEC §2): F32/F64 models train their own weights (master = compute dtype).
-// BF16 models (CUDA) train F32 master weights: an F32 master arena and an F32 gradient
-// arena, both from weight_specs(cfg, F32); the optimizer (and its state) works on the
-// masters; after every step that is not skipped the masters are copied into the BF16
-// weights (one rounding, the backend's copy conversion). Initialisation, --init and
-// checkpoints (save and resume) all go through the masters, so a checkpoint holds F32
-// weights, and model.safetensors is written from the masters too.
+// One Trainer class runs every case. What differs is where the parameters live between
+// steps and how the gradients reach them, and that is its ParameterStore
+// (train/parameter_store.h): WholeParameters (train/whole_parameters.h, the default) keeps
+// whole masters and gradients on one device; ShardedParameters (dist/sharded_parameters.h)
+// keeps this rank's row shards and reaches the other ranks through a communicator. The
+// Trainer owns the rest (backend, model, optimizer, data, device loss buffers, progress,
+// record) and does setup, the step, validation and checkpointing once, calling the store's
+// hooks; the collectives it needs (agreeing on a status, comparing values across ranks,
+// the validation loss of every rank) go through the store too, so train/ does not depend
+// on dist/.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +26,7 @@
 #include "train/checkpoint.h"
 #include "train/memory_plan.h"
 #include "train/optimizer.h"
+#include "train/parameter_store.h"
 #include "train/run_record.h"
 #include "train/schedule.h"
 #include "train/train_loop.h"
@@ -79,7 +83,7 @@ bool needs_master_weights(DType model_dtype);
 std::vector<Param> make_optimizer_params(const Config& c, const Arena& params, const Arena& grads,
                                          bool muon_fused);
 // The loop's settings from the options (train/train_loop.h), for `ranks` ranks each running
-// batch × seq × grad_accum tokens a step; MFU is per device. The trainer adds its functions.
+// batch × seq × grad_accum tokens a step; MFU is per device. The Trainer adds its functions.
 TrainLoop train_loop_for(const TrainOptions& o, const Config& c, int ranks);
 // The metrics.jsonl line of a validation: {"step": S, "val_loss": L}.
 std::string val_loss_record(int64_t step, double loss);
@@ -90,7 +94,7 @@ MemoryPlanRequest memory_request_for(const TrainOptions& o, Backend& be);
 // computes it for the given micro-batch. Either way writes its batch, grad_accum and
 // recompute_mixer into *o.
 Status apply_memory_plan(const Config& c, const MemoryPlanRequest& r, TrainOptions* o, MemoryPlan* plan);
-// Setup and saving that every trainer does the same way:
+// The Trainer's setup and saving helpers:
 // the training loader (rank `rank` of `world` reads its part of every step's windows) and,
 // with --val-data, the validation loader (*has_val); the output directory, created; the
 // checkpoint to resume from ("auto": the output directory's, if there is one; "" for none);
@@ -107,55 +111,70 @@ void copy_masters_to_weights(Backend& be, const Arena& masters, const Arena& wei
 
 class Trainer {
  public:
-  explicit Trainer(TrainOptions o) : opt_(std::move(o)) {}
-  // Builds backend, model, optimizer, data; resumes when asked.
+  // store: where the parameters live; null: WholeParameters (one device).
+  explicit Trainer(TrainOptions o, std::unique_ptr<ParameterStore> store = nullptr);
+  // Hands the store back its parts (a sharded store detaches from the backend's stream).
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  // Builds backend, model, parameters, optimizer, data; resumes when asked. Collective over
+  // the store's ranks: a failure on one rank fails all.
   Status setup();
   // Runs until opt.steps; `on_step` sees every step (tests record losses).
   Status run(const std::function<void(const StepLog&)>& on_step = nullptr);
-  // Mean loss over `batches` validation batches, from the start of the val data.
+  // Mean loss over `batches` validation batches of every rank, from the start of the val data.
   Status validate(int64_t batches, double* loss);
   Status save_checkpoint();
 
   const Model& model() const { return model_; }
-  // The arena the optimizer updates: the F32 masters of a BF16 model, else the weights.
-  const Arena& param_arena() const { return mixed_ ? masters_ : model_.weight_arena(); }
+  // The arena of whole parameters the optimizer updates (the F32 masters of a BF16 model,
+  // else the weights); only a store that holds whole parameters has one.
+  const Arena& param_arena() const;
   const TrainProgress& progress() const { return progress_; }
+  // The memory plan (train/memory_plan.h; a sharded store's counts this rank's shards), and
+  // the bytes of what setup allocated for its classes, without the setup-only initial table.
   const MemoryPlan& memory_plan() const { return plan_; }
+  size_t allocated_bytes() const;
+  uint64_t plan_hash() const { return store_->plan_hash(); }
   Backend& backend() const { return *be_; }
+  ParameterStore& store() const { return *store_; }
 
   // One training step in two halves (run() calls them). enqueue_step queues all of step
-  // `step`'s work: the micro-batches (forward, loss into a device scalar, backward), the
-  // optimizer step and the masters → weights copy; on CUDA nothing in it waits for the
-  // device. finish_step is the step boundary: it reads the loss and the optimizer's
-  // result back (one sync) and returns them.
+  // `step`'s work: the micro-batches (forward, loss into a device scalar, backward, and
+  // whatever the store moves between ranks), the optimizer step and the weights' refresh;
+  // on CUDA nothing in it waits for the device. finish_step is the step boundary: it reads
+  // the loss and the optimizer's result back (one sync) and returns them.
   void enqueue_step(int64_t step);
   StepResult finish_step(double* loss);
 
  private:
-  std::vector<Param> make_params();
+  // setup's collective phases: options, backend and the store's attachment; the memory
+  // plan; the parameters, data and buffers; then what every rank must agree on.
+  Status setup_backend();
   // Chooses (or, with an explicit batch, just computes) the memory plan before anything
   // is allocated, and applies it to opt_ (batch, grad_accum, recompute_mixer).
   Status plan_memory();
-  // The device buffers of the step's loss: targets [B·T] I32, losses [B·T], sum [1] F64.
-  Status create_loss_buffers();
+  Status setup_local();
+  Status check_ranks_agree();
+  Status load_checkpoint(const std::string& path);
+  void print_setup() const;
 
   TrainOptions opt_;
   Config cfg_;
   std::unique_ptr<Backend> be_;
   Model model_;
-  bool mixed_ = false;  // BF16 model trained through F32 masters
-  Arena masters_;       // F32 master weights (mixed precision only)
-  Arena grads_;
   Optimizer optimizer_;
+  std::unique_ptr<ParameterStore> store_;  // after what it borrows, so it goes first
   DataLoader train_loader_;
   DataLoader val_loader_;
   bool has_val_ = false;
   TrainProgress progress_;
   std::vector<int32_t> x_, y_;
   MemoryPlan plan_;
-  Arena loss_bufs_;
-  Tensor targets_dev_, losses_dev_, loss_sum_;
-  RunRecord record_;
+  Arena loss_bufs_;  // targets [B·T] I32, per-token losses [B·T], then the store's (loss_specs)
+  Tensor targets_dev_, losses_dev_;
+  RunRecord record_;  // metrics.jsonl, progress lines, TensorBoard: rank 0's
 };
 
 }  // namespace laplace
