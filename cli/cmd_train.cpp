@@ -6,7 +6,7 @@
 #include "cli/common.h"
 #include "core/file_util.h"
 #include "dist/comm.h"
-#include "dist/fsdp_trainer.h"
+#include "dist/sharded_parameters.h"
 #include "text/data_loader.h"
 #include "text/prepare.h"
 #include "text/tokenizer.h"
@@ -61,22 +61,18 @@ Status run_train(TrainArgs& a) {
   LAPLACE_RETURN_IF_ERROR(muon_comm_from_name(a.muon_comm, &mc));
   // Every saved model directory also loads in transformers (AutoModelForCausalLM, remote code).
   a.o.after_model_saved = [](const std::string& dir) { return write_hf_files(dir); };
+  // The parameter store: whole on one device, or row shards over the ranks of a communicator.
+  std::unique_ptr<Communicator> comm;  // outlives the trainer, which detaches from it
+  std::unique_ptr<ParameterStore> store;
   if (a.distributed || launched_by_mpi()) {
     // FSDP-style data parallel, one rank per process (P = 1 without mpirun): over MPI on
     // CPUs, over NCCL on GPUs (one GPU per rank; this picks it, so it comes first).
-    std::unique_ptr<Communicator> comm;
     if (a.o.device == "cpu") LAPLACE_RETURN_IF_ERROR(make_communicator(&comm));
     else LAPLACE_RETURN_IF_ERROR(make_nccl_communicator(&comm));
     if (comm->rank() != 0) a.o.quiet = true;
-    Status st;
-    {
-      FsdpTrainer t(a.o, mc, *comm);
-      st = t.setup();
-      if (st.is_ok()) st = t.run();
-    }
-    return st;
+    store = std::make_unique<ShardedParameters>(mc, *comm);
   }
-  Trainer t(a.o);
+  Trainer t(a.o, std::move(store));
   LAPLACE_RETURN_IF_ERROR(t.setup());
   return t.run();
 }

@@ -1,7 +1,7 @@
-// One rank's FSDP buffers (dist/fsdp_trainer.h) as a pure function of the plan: which rows of
+// One rank's FSDP buffers (dist/sharded_parameters.h) as a pure function of the plan: which rows of
 // every parameter each rank holds, where they sit in the rank's Muon and staging buffers, and
-// the spec lists of the three arenas the trainer allocates besides the model's (its shards,
-// the Muon buffers, the collective staging). The trainer allocates exactly these lists and
+// the spec lists of the three arenas the sharded store allocates besides the model's (its
+// shards, the Muon buffers, the collective staging). It allocates exactly these lists and
 // the memory plan (train/memory_plan.h) counts them, so the plan is the allocation.
 #pragma once
 

@@ -20,8 +20,8 @@
 #include "core/file_util.h"
 #include "dist/comm.h"
 #include "dist/fsdp_layout.h"
-#include "dist/fsdp_trainer.h"
 #include "dist/plan.h"
+#include "dist/sharded_parameters.h"
 #include "model/config.h"
 #include "model/weights.h"
 #include "tests/test_util.h"
@@ -483,7 +483,7 @@ TEST(DistPlan, MemoryPlanCountsWhatTheTrainerAllocates) {
   o.steps = 1;
   o.quiet = true;
   SingleCommunicator comm;
-  FsdpTrainer t(o, MuonComm::kAllToAll, comm);
+  Trainer t(o, std::make_unique<ShardedParameters>(MuonComm::kAllToAll, comm));
   ASSERT_TRUE(t.setup().is_ok());
   const MemoryPlan& p = t.memory_plan();
   EXPECT_EQ(p.ranks, 1);

@@ -378,6 +378,8 @@ TEST(MemoryPlan, ExplicitBatchIsKept) {
   EXPECT_EQ(t.memory_plan().batch, 3);
   EXPECT_EQ(t.memory_plan().grad_accum, 2);
   EXPECT_FALSE(t.memory_plan().chosen);
+  // The plan counts what the one-device store allocates (as the sharded store's test checks).
+  EXPECT_EQ(t.memory_plan().total(), t.allocated_bytes());
 }
 
 // The trainer's loss (cross-entropy + loss_sum_into, read at the step boundary) is

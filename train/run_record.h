@@ -1,4 +1,4 @@
-// What a training run writes down, the same for the single-device and the sharded trainer:
+// What a training run writes down, the same on one device and over ranks:
 // a metrics.jsonl line per step and per validation (in the output directory), the progress
 // line every log_every steps, and TensorBoard scalars (--tensorboard). Over several ranks
 // only rank 0 records; the others open nothing and write nothing.
@@ -22,7 +22,7 @@ class RunRecord {
   // for the progress line's time estimate and TensorBoard's session start.
   Status open(const TrainOptions& o, int64_t first_step, bool writer);
   // A step: metrics.jsonl gets the common fields, then those of `extra` (a JSON object's text,
-  // "" for none: the sharded trainer's traffic); TensorBoard gets loss, lr, grad_norm,
+  // "" for none: the sharded store's traffic); TensorBoard gets loss, lr, grad_norm,
   // tokens_per_s and mfu; the progress line shows `detail` after the throughput.
   void step(const StepLog& s, const std::string& extra = "", const std::string& detail = "");
   void validation(int64_t step, double loss);

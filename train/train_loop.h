@@ -1,9 +1,9 @@
-// The loop every trainer runs (train/trainer.h on one device, dist/fsdp_trainer.h over P
-// ranks): for each step from the progress's, run the step, fill its StepLog (learning rate,
-// throughput, MFU), report it, validate every eval_every steps, checkpoint every ckpt_every
-// steps and at the end, and stop early after stop_after. What a step is, and how a step or a
-// validation is written down, belong to the trainer: it passes them in as functions, so the
-// cadence, the counters and the messages are the same for every trainer.
+// The Trainer's loop (train/trainer.h), on one device and over P ranks alike: for each step
+// from the progress's, run the step, fill its StepLog (learning rate, throughput, MFU),
+// report it, validate every eval_every steps, checkpoint every ckpt_every steps and at the
+// end, and stop early after stop_after. What a step is, and how a step or a validation is
+// written down, belong to the Trainer: it passes them in as functions, so the cadence, the
+// counters and the messages stay apart from the step's arithmetic.
 #pragma once
 
 #include <cstdint>

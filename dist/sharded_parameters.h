@@ -1,5 +1,6 @@
-// FSDP-style data-parallel training (docs/distributed.md) behind
-// `mpirun -np P laplace train …` (or `laplace train --distributed` in one process).
+// The sharded ParameterStore (train/parameter_store.h): FSDP-style data-parallel training
+// (docs/distributed.md) behind `mpirun -np P laplace train …` (or `laplace train
+// --distributed` in one process), with train/trainer.h's Trainer running the loop.
 //
 // Every rank holds, for every parameter, the rows shard_rows(rows, rank, P) (dist/plan.h)
 // of its fp32/fp64 master weights, gradient and optimizer state (Muon momentum or
@@ -9,7 +10,7 @@
 //     (loss scale 1/(A·P)); reduce-scatter the gradient into the shards (sum over ranks
 //     in rank order); the first micro-step copies, later ones add (shard = shard + part).
 //   optimizer on the shards, train/optimizer.h's Optimizer queued with no host sync, this
-//   trainer its ShardExchange: global norm from per-row partial sums gathered from every
+//   store its ShardExchange: global norm from per-row partial sums gathered from every
 //   rank into (param, row) order and summed on the device in one fixed order (so the norm
 //   does not depend on P); skip when non-finite (a device flag gates the updates); clip;
 //   AdamW element-wise on the shards; Muon: momentum on the shards, whole units
@@ -41,30 +42,28 @@
 //
 // Precision and devices: on the CPU the masters are the compute dtype (F32/F64). On
 // CUDA (with the NCCL communicator, one rank per GPU) the model computes in BF16 and the
-// shards hold F32 masters, F32 gradients and F32 optimizer state, exactly as the
-// single-GPU trainer does (train/trainer.h): each shard's masters are rounded to BF16 on
+// shards hold F32 masters, F32 gradients and F32 optimizer state, as WholeParameters
+// (train/whole_parameters.h) does on one GPU: each shard's masters are rounded to BF16 on
 // their own rank and the BF16 rows are all-gathered (half the bytes); gradients are
 // reduce-scattered in F32; Newton–Schulz runs in BF16. Every buffer the collectives touch
 // lives on the backend's device, and the collectives are queued on the backend's stream.
 #pragma once
 
 #include <cstdint>
-#include <functional>
-#include <memory>
 #include <string>
 #include <vector>
 
 #include "dist/comm.h"
 #include "dist/plan.h"
 #include "model/model.h"
-#include "text/data_loader.h"
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
-#include "train/run_record.h"
+#include "train/parameter_store.h"
 #include "train/trainer.h"
 
 namespace laplace {
 
+// A step's bytes over the communicator: the metrics.jsonl fields and the progress line's detail.
 struct DistStepTraffic {
   int64_t muon_sent = 0, muon_received = 0;  // this rank, this step, Muon exchanges only
   int64_t fsdp_sent = 0, fsdp_received = 0;  // weight all-gather + gradient reduce-scatter + norm
@@ -72,26 +71,59 @@ struct DistStepTraffic {
 };
 
 // The optimizer step is train/optimizer.h's Optimizer over this rank's shards, queued with
-// no host synchronisation like the single-device trainer's; the trainer is its ShardExchange
-// (the norm's row sums from every rank, the Muon exchanges).
-class FsdpTrainer : private ShardExchange {
+// no host synchronisation as on one device; the store is its ShardExchange (the norm's row
+// sums from every rank, the Muon exchanges).
+class ShardedParameters : public ParameterStore, private ShardExchange {
  public:
-  FsdpTrainer(TrainOptions o, MuonComm muon_comm, Communicator& comm);
-  // Detaches the communicator from the backend's stream, which goes with the backend.
-  ~FsdpTrainer();
-  // Collective: every rank must call it; a failure on one rank fails all.
-  Status setup();
-  Status run(const std::function<void(const StepLog&, const DistStepTraffic&)>& on_step = nullptr);
-  Status save_checkpoint();
-  Status validate(int64_t batches, double* loss);
+  ShardedParameters(MuonComm muon_comm, Communicator& comm);
 
-  const Model& model() const { return model_; }
+  int rank() const override { return me_; }
+  int ranks() const override { return P_; }
+  Status agree(const Status& local) override { return agree_status(comm_, local); }
+  std::vector<int64_t> all_gather_value(int64_t v) override { return laplace::all_gather_value(comm_, v); }
+  void all_gather_value(double v, double* all) override;
+  void quiesce() override { comm_.overlap_end(); }
+
+  Status check_options(const TrainOptions& o) override;
+  Status attach(const TrainerParts& parts) override;
+  // Every rank plans with the same numbers: the least free memory of any rank (on the CPU,
+  // where the ranks share one host's memory, a 1/P share of it) and the largest shards of
+  // any rank, so they all choose the same micro-batch.
+  void plan_request(MemoryPlanRequest* r) override;
+  Status create() override;
+  std::vector<TensorSpec> loss_specs() const override;
+  void bind_loss(const Arena& a, size_t first) override;
+  Status load_checkpoint(const std::string& path, TrainProgress* progress) override;
+  void refresh_weights() override { gather_weights(); }
+  // The plan hash covers the owner assignment, the config and the flags that shape it.
+  uint64_t plan_hash() const override { return plan_hash_; }
+  size_t allocated_bytes() const override;
+
+  void begin_step() override;
+  ForwardOptions forward_options() override;
+  void begin_micro(int64_t a) override;
+  void micro_loss(const Tensor& losses, double count, int64_t a) override;
+  const Arena& gradients() const override { return grads_; }
+  double loss_scale() const override;
+  GroupHook after_group(int64_t a) override;
+  void end_micro(int64_t a) override;
+  void before_optimizer() override;
+  void after_optimizer() override;
+  double step_loss() override;
+
+  Status save_checkpoint(const std::string& out_dir, const TrainProgress& progress) override;
+
+  std::string dtype_note() const override;
+  std::string setup_lines() const override;
+  std::string ranks_note() const override;
+  std::string record_fields() const override;
+  std::string progress_detail() const override;
+  // Detaches the communicator from the backend's stream, which goes with the backend.
+  void detach() override;
+
   const std::vector<MuonUnit>& muon_units() const { return units_; }
-  // This rank's memory plan (train/memory_plan.h with its shards, dist/fsdp_layout.h), and the
-  // bytes of what it allocated: the plan's classes without the setup-only initial table.
-  const MemoryPlan& memory_plan() const { return plan_; }
-  size_t allocated_bytes() const;
-  uint64_t plan_hash() const { return plan_hash_; }
+  // The last step's traffic.
+  const DistStepTraffic& traffic() const { return tr_; }
 
  private:
   struct Local {
@@ -103,13 +135,7 @@ class FsdpTrainer : private ShardExchange {
     int64_t ws_off = 0;          // offset of this rank's rows in wshard_
   };
 
-  // setup's three collective phases: config, backend and the sharding plan; the memory plan
-  // (--batch auto, --tokens-per-step); the model, shards, buffers and data.
-  Status setup_backend();
-  Status plan_memory();
-  Status setup_local();
   DType ns_dtype() const;  // Newton–Schulz scratch: BF16 on the GPU, the master dtype on the CPU
-  Status load_checkpoint(const std::string& path);
   void gather_weights();
   void reduce_scatter_group(size_t group, bool accumulate);
   // ShardExchange. The norm: every shard's per-row Σg², gathered parameter by parameter into
@@ -126,19 +152,20 @@ class FsdpTrainer : private ShardExchange {
   // dst[0, n) = src[0, n) (elements of type t) on the backend, either side on the host.
   void copy_elems(void* dst, Device dd, const void* src, Device sd, int64_t n, DType t);
   Status init_masters();
-  void log_line(const StepLog& s, const DistStepTraffic& t);
 
-  TrainOptions opt_;
   MuonComm muon_comm_;
   Communicator& comm_;
   int P_ = 1, me_ = 0;
-  Config cfg_;
-  std::unique_ptr<Backend> be_;
-  Model model_;
+  // The Trainer's parts (attach): options, config, backend, model, optimizer.
+  TrainOptions* opt_ = nullptr;
+  const Config* cfg_ = nullptr;
+  Backend* be_ = nullptr;
+  Model* model_ = nullptr;
+  Optimizer* optimizer_ = nullptr;
   Arena grads_;   // full-size local gradient of one micro-batch
   Arena shards_;  // masters, gradients, optimizer state: this rank's rows
   Arena muon_;    // update shard, orthogonalised shard, owned units, broadcast buffer, NS scratch
-  Arena stage_;   // collective staging (see setup_local), on the backend's device
+  Arena stage_;   // collective staging (see create), on the backend's device
   DType dtype_ = DType::kF32;   // masters, gradients, optimizer state (F32/F64)
   DType wdtype_ = DType::kF32;  // the model's weights (BF16 on CUDA, else dtype_)
   Device dev_ = Device::kCPU;
@@ -154,7 +181,6 @@ class FsdpTrainer : private ShardExchange {
   std::vector<int64_t> gather_mark_;  // [group] the communicator's mark after the group's all-gather
   Tensor rowsq_;      // [my rows, all params] F64: per-row Σg² for the global norm
   Tensor rowsq_all_;  // [every row of every param] F64: everybody's, in (param, row) order
-  Optimizer optimizer_;
   std::vector<size_t> opt_param_;  // [optimizer's param] the index in params_ (this rank's non-empty shards)
   int64_t muon_sent_ = 0, muon_received_ = 0;  // the last orthogonalise()'s traffic
   Tensor full_;    // [max param] dtype_: one parameter gathered for a checkpoint
@@ -162,14 +188,13 @@ class FsdpTrainer : private ShardExchange {
   std::vector<int64_t> a2a_to_, a2a_from_;  // elements to / from each rank per exchange
   NsScratch ns_;
   uint64_t plan_hash_ = 0;
-  MemoryPlan plan_;
-  DataLoader train_loader_, val_loader_;
-  bool has_val_ = false;
-  TrainProgress progress_;
-  RunRecord record_;  // metrics.jsonl, progress lines, TensorBoard: rank 0's
-  std::vector<int32_t> x_, y_;
-  Arena loss_bufs_;  // as the single-device trainer's (not in the memory plan: a few vectors of B·T)
-  Tensor targets_dev_, losses_dev_, micro_loss_, step_losses_, loss_sum_;
+  ShardBytes shard_bytes_;  // the largest shards of any rank, for the memory plan
+  // The step's loss on the device: this micro-batch's mean, every rank's means of the step
+  // in micro-batch order, and their mean.
+  Tensor micro_loss_, step_losses_, loss_sum_;
+  // The step's traffic: the communicator's counters at its start, and its record.
+  CommStats at_start_;
+  DistStepTraffic tr_;
 };
 
 }  // namespace laplace

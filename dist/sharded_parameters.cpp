@@ -1,4 +1,4 @@
-#include "dist/fsdp_trainer.h"
+#include "dist/sharded_parameters.h"
 
 #include <algorithm>
 #include <cmath>
@@ -45,22 +45,28 @@ std::vector<int64_t> prefix(const std::vector<int64_t>& counts) {
 
 }  // namespace
 
-FsdpTrainer::FsdpTrainer(TrainOptions o, MuonComm muon_comm, Communicator& comm)
-    : opt_(std::move(o)), muon_comm_(muon_comm), comm_(comm), P_(comm.size()), me_(comm.rank()) {}
+ShardedParameters::ShardedParameters(MuonComm muon_comm, Communicator& comm)
+    : muon_comm_(muon_comm), comm_(comm), P_(comm.size()), me_(comm.rank()) {}
 
-FsdpTrainer::~FsdpTrainer() {
+void ShardedParameters::detach() {
   comm_.overlap_end();
   if (be_) be_->synchronize();
   comm_.use_stream(nullptr);
 }
 
-std::vector<int64_t> FsdpTrainer::counts_of(size_t i) const {
+void ShardedParameters::all_gather_value(double v, double* all) {
+  std::vector<int64_t> ones(P_, 1), displs(P_);
+  for (int q = 0; q < P_; ++q) displs[q] = q;
+  comm_.all_gather(&v, all, ones, displs, CommType::kF64);
+}
+
+std::vector<int64_t> ShardedParameters::counts_of(size_t i) const {
   std::vector<int64_t> c(P_);
   for (int q = 0; q < P_; ++q) c[q] = local_[i].all[q].rows() * params_[i].cols;
   return c;
 }
 
-Tensor FsdpTrainer::shard_view(void* base, int64_t elem_off, const ShardedParam& p, int64_t rows) const {
+Tensor ShardedParameters::shard_view(void* base, int64_t elem_off, const ShardedParam& p, int64_t rows) const {
   std::vector<int64_t> shape = p.shape;
   if (shape.empty()) shape = {1};
   shape[0] = rows;
@@ -68,26 +74,26 @@ Tensor FsdpTrainer::shard_view(void* base, int64_t elem_off, const ShardedParam&
                       shape.data(), static_cast<int>(shape.size()), dev_);
 }
 
-void FsdpTrainer::copy_elems(void* dst, Device dd, const void* src, Device sd, int64_t n, DType t) {
+void ShardedParameters::copy_elems(void* dst, Device dd, const void* src, Device sd, int64_t n, DType t) {
   if (n == 0) return;
   const int64_t shape[1] = {n};
   be_->copy(Tensor::make(dst, t, shape, 1, dd), Tensor::make(const_cast<void*>(src), t, shape, 1, sd));
 }
 
 // Every rank builds the same full initial weights (seeded, or --init) and keeps its rows.
-// BF16 models initialise in F32 exactly as the single-GPU trainer's masters, in a
+// BF16 models initialise in F32 exactly as WholeParameters' masters, in a
 // temporary full F32 table that is freed afterwards.
-Status FsdpTrainer::init_masters() {
+Status ShardedParameters::init_masters() {
   Arena tmp;
-  const Arena* full = &model_.weight_arena();
+  const Arena* full = &model_->weight_arena();
   if (wdtype_ != dtype_) {
-    LAPLACE_RETURN_IF_ERROR(tmp.create(weight_specs(cfg_, dtype_), be_->allocator(), "initial F32 weights"));
-    if (!opt_.init_ckpt.empty()) LAPLACE_RETURN_IF_ERROR(weights_load(opt_.init_ckpt, *be_, tmp));
-    else weights_init(cfg_, *be_, tmp, opt_.seed);
+    LAPLACE_RETURN_IF_ERROR(tmp.create(weight_specs(*cfg_, dtype_), be_->allocator(), "initial F32 weights"));
+    if (!opt_->init_ckpt.empty()) LAPLACE_RETURN_IF_ERROR(weights_load(opt_->init_ckpt, *be_, tmp));
+    else weights_init(*cfg_, *be_, tmp, opt_->seed);
     full = &tmp;
   } else {
-    if (!opt_.init_ckpt.empty()) LAPLACE_RETURN_IF_ERROR(model_.load(opt_.init_ckpt));
-    else model_.init_weights(opt_.seed);
+    if (!opt_->init_ckpt.empty()) LAPLACE_RETURN_IF_ERROR(model_->load(opt_->init_ckpt));
+    else model_->init_weights(opt_->seed);
   }
   const size_t es = dtype_size(dtype_);
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -99,77 +105,69 @@ Status FsdpTrainer::init_masters() {
   return Status::ok();
 }
 
-Status FsdpTrainer::setup_backend() {
-  LAPLACE_RETURN_IF_ERROR(config_load(opt_.config_path, &cfg_));
-  if ((!opt_.batch_auto && opt_.batch < 1) || opt_.seq < 1 || opt_.grad_accum < 1 || opt_.steps < 1)
-    return Status::invalid_argument("batch, seq, grad-accum and steps must all be ≥ 1");
-  if (opt_.tokens_per_step % P_ != 0)
-    return Status::invalid_argument("--tokens-per-step (" + std::to_string(opt_.tokens_per_step) +
+Status ShardedParameters::check_options(const TrainOptions& o) {
+  if (o.tokens_per_step % P_ != 0)
+    return Status::invalid_argument("--tokens-per-step (" + std::to_string(o.tokens_per_step) +
                                     ") must split evenly over the " + std::to_string(P_) + " ranks");
-  if (opt_.device == "cpu") {
-    if (opt_.dtype != DType::kF32 && opt_.dtype != DType::kF64)
+  if (o.device == "cpu") {
+    if (o.dtype != DType::kF32 && o.dtype != DType::kF64)
       return Status::unsupported(std::string("distributed training on the CPU computes in f32 or f64, not ") +
-                                 dtype_name(opt_.dtype));
-    dtype_ = wdtype_ = opt_.dtype;
+                                 dtype_name(o.dtype));
+    dtype_ = wdtype_ = o.dtype;
   } else {
-    if (opt_.dtype != DType::kBF16)
+    if (o.dtype != DType::kBF16)
       return Status::unsupported(std::string("distributed training on CUDA computes in bf16 (with f32 masters), "
-                                             "not ") + dtype_name(opt_.dtype) + ": pass --dtype bf16");
+                                             "not ") + dtype_name(o.dtype) + ": pass --dtype bf16");
     if (std::string(comm_.name()).rfind("nccl", 0) != 0)
       return Status::unsupported(std::string("--device cuda needs the NCCL communicator, not ") + comm_.name());
     dtype_ = DType::kF32;
     wdtype_ = DType::kBF16;
   }
   ctype_ = dtype_ == DType::kF32 ? CommType::kF32 : CommType::kF64;
-  opt_.schedule.total_steps = opt_.steps;
-  LAPLACE_RETURN_IF_ERROR(opt_.schedule.validate());
-  LAPLACE_RETURN_IF_ERROR(opt_.optim.validate());
-  LAPLACE_RETURN_IF_ERROR(make_backend(opt_.device, &be_));
+  return Status::ok();
+}
+
+Status ShardedParameters::attach(const TrainerParts& parts) {
+  opt_ = parts.opt;
+  cfg_ = parts.cfg;
+  be_ = parts.be;
+  model_ = parts.model;
+  optimizer_ = parts.optimizer;
   dev_ = be_->device();
   comm_.use_stream(be_->native_stream());
-  params_ = sharded_params(cfg_, opt_.muon_fused);
+  params_ = sharded_params(*cfg_, opt_->muon_fused);
   units_ = assign_muon_owners(params_, P_);
   return Status::ok();
 }
 
-// Every rank plans with the same numbers: the least free memory of any rank (on the CPU,
-// where the ranks share one host's memory, a 1/P share of it) and the largest shards of any
-// rank, so they all choose the same micro-batch.
-Status FsdpTrainer::plan_memory() {
-  MemoryPlanRequest r = memory_request_for(opt_, *be_);
-  if (dev_ == Device::kCPU) r.device_bytes /= static_cast<size_t>(P_);
-  const std::vector<int64_t> free_b = all_gather_value(comm_, static_cast<int64_t>(r.device_bytes));
-  r.device_bytes = static_cast<size_t>(*std::min_element(free_b.begin(), free_b.end()));
-  const ShardBytes shards = fsdp_shard_bytes_max(cfg_, params_, units_, P_, dtype_, wdtype_, ns_dtype());
-  r.sharded = &shards;
-  r.ranks = P_;
-  r.tokens_per_step = opt_.tokens_per_step / P_;
-  LAPLACE_RETURN_IF_ERROR(apply_memory_plan(cfg_, r, &opt_, &plan_));
-  if (!opt_.quiet) {
-    std::fputs(format_memory_plan(plan_, dev_ == Device::kCUDA ? "device" : "host").c_str(), stdout);
-    std::fflush(stdout);
-  }
-  return Status::ok();
+void ShardedParameters::plan_request(MemoryPlanRequest* r) {
+  if (dev_ == Device::kCPU) r->device_bytes /= static_cast<size_t>(P_);
+  const std::vector<int64_t> free_b = laplace::all_gather_value(comm_, static_cast<int64_t>(r->device_bytes));
+  r->device_bytes = static_cast<size_t>(*std::min_element(free_b.begin(), free_b.end()));
+  // The plan keeps a pointer to the shard sizes until it is applied, right after this call.
+  shard_bytes_ = fsdp_shard_bytes_max(*cfg_, params_, units_, P_, dtype_, wdtype_, ns_dtype());
+  r->sharded = &shard_bytes_;
+  r->ranks = P_;
+  r->tokens_per_step = opt_->tokens_per_step / P_;
 }
 
-DType FsdpTrainer::ns_dtype() const { return dev_ == Device::kCUDA ? DType::kBF16 : dtype_; }
+DType ShardedParameters::ns_dtype() const { return dev_ == Device::kCUDA ? DType::kBF16 : dtype_; }
 
-size_t FsdpTrainer::allocated_bytes() const {
-  return model_.weight_arena().bytes() + model_.activation_bytes() + grads_.bytes() + shards_.bytes() +
-         muon_.bytes() + stage_.bytes() + optimizer_.state_bytes();
+size_t ShardedParameters::allocated_bytes() const {
+  return grads_.bytes() + shards_.bytes() + muon_.bytes() + stage_.bytes();
 }
 
-Status FsdpTrainer::setup_local() {
-  LAPLACE_RETURN_IF_ERROR(model_.create(cfg_, *be_, wdtype_));
-  LAPLACE_RETURN_IF_ERROR(model_.plan({opt_.batch, opt_.seq, true, opt_.recompute_mixer}));
-  LAPLACE_RETURN_IF_ERROR(grads_.create(weight_specs(cfg_, dtype_), be_->allocator(), "gradients"));
+Status ShardedParameters::create() {
+  LAPLACE_RETURN_IF_ERROR(model_->create(*cfg_, *be_, wdtype_));
+  LAPLACE_RETURN_IF_ERROR(model_->plan({opt_->batch, opt_->seq, true, opt_->recompute_mixer}));
+  LAPLACE_RETURN_IF_ERROR(grads_.create(weight_specs(*cfg_, dtype_), be_->allocator(), "gradients"));
 
   // ---- the plan: shards, groups, Muon owners --------------------------------------------
   // docs/training.md §6: Newton–Schulz in BF16 on the GPU (as the single-GPU trainer); the CPU keeps
   // the master dtype so the F32 reference can check it.
   const FsdpLayout lay = fsdp_layout(params_, units_, P_, me_, dtype_, wdtype_, ns_dtype());
-  const Arena& W = model_.weight_arena();
-  LAPLACE_CHECK(W.size() == params_.size(), "FsdpTrainer: weight table and plan differ");
+  const Arena& W = model_->weight_arena();
+  LAPLACE_CHECK(W.size() == params_.size(), "ShardedParameters: weight table and plan differ");
   local_.assign(params_.size(), Local{});
   for (size_t i = 0; i < params_.size(); ++i) {
     Local& l = local_[i];
@@ -194,7 +192,7 @@ Status FsdpTrainer::setup_local() {
   }
   LAPLACE_RETURN_IF_ERROR(init_masters());
   // Groups: embedding, each layer, the rest (final norm, head), in forward order.
-  groups_.assign(static_cast<size_t>(cfg_.num_layers) + 2, {});
+  groups_.assign(static_cast<size_t>(cfg_->num_layers) + 2, {});
   for (size_t i = 0; i < params_.size(); ++i) {
     const std::string& n = params_[i].name;
     size_t g = groups_.size() - 1;
@@ -243,115 +241,52 @@ Status FsdpTrainer::setup_local() {
     ps.push_back(std::move(p));
     opt_param_.push_back(i);
   }
-  LAPLACE_RETURN_IF_ERROR(optimizer_.init(*be_, std::move(ps), opt_.optim, this));
+  LAPLACE_RETURN_IF_ERROR(optimizer_->init(*be_, std::move(ps), opt_->optim, this));
 
   // The plan hash covers the owner assignment, the config and the flags that shape it.
   plan_hash_ = muon_plan_hash(units_, P_);
-  plan_hash_ = fnv1a(cfg_.to_json(), plan_hash_);
-  plan_hash_ = fnv1a(std::string(muon_comm_name(muon_comm_)) + (opt_.muon_fused ? "/fused" : "/blocks") + "/" +
-                         std::to_string(opt_.batch) + "/" + std::to_string(opt_.seq) + "/" +
-                         std::to_string(opt_.grad_accum) + "/" + dtype_name(dtype_) + "/" + dtype_name(wdtype_),
+  plan_hash_ = fnv1a(cfg_->to_json(), plan_hash_);
+  plan_hash_ = fnv1a(std::string(muon_comm_name(muon_comm_)) + (opt_->muon_fused ? "/fused" : "/blocks") + "/" +
+                         std::to_string(opt_->batch) + "/" + std::to_string(opt_->seq) + "/" +
+                         std::to_string(opt_->grad_accum) + "/" + dtype_name(dtype_) + "/" + dtype_name(wdtype_),
                      plan_hash_);
 
-  // ---- data ---------------------------------------------------------------------------------
-  LAPLACE_RETURN_IF_ERROR(open_train_data(opt_, cfg_, me_, P_, &train_loader_, &val_loader_, &has_val_));
-  progress_ = TrainProgress{};
-  progress_.seed = opt_.seed;
-  if (me_ == 0) LAPLACE_RETURN_IF_ERROR(create_out_dir(opt_));
-  x_.resize(opt_.batch * opt_.seq);
-  y_.resize(opt_.batch * opt_.seq);
-  // The step's loss on the device: targets, per-token losses, this micro-batch's mean, every
-  // rank's means of the step in micro-batch order, and their mean.
-  const int64_t N = opt_.batch * opt_.seq;
-  LAPLACE_RETURN_IF_ERROR(loss_bufs_.create({{"targets", DType::kI32, {N}},
-                                             {"losses", wdtype_ == DType::kBF16 ? DType::kF32 : wdtype_, {N}},
-                                             {"micro_loss", DType::kF64, {1}},
-                                             {"step_losses", DType::kF64, {opt_.grad_accum * P_}},
-                                             {"loss_sum", DType::kF64, {1}}},
-                                            be_->allocator(), "loss buffers"));
-  targets_dev_ = loss_bufs_.tensor(0);
-  losses_dev_ = loss_bufs_.tensor(1);
-  micro_loss_ = loss_bufs_.tensor(2);
-  step_losses_ = loss_bufs_.tensor(3);
-  loss_sum_ = loss_bufs_.tensor(4);
   return Status::ok();
 }
 
-Status FsdpTrainer::setup() {
-  LAPLACE_RETURN_IF_ERROR(agree_status(comm_, setup_backend()));
-  LAPLACE_RETURN_IF_ERROR(agree_status(comm_, plan_memory()));
-  LAPLACE_RETURN_IF_ERROR(agree_status(comm_, setup_local()));
-  // Every rank must have derived the same plan (config, flags, owners).
-  const int64_t mine = static_cast<int64_t>(plan_hash_);
-  const std::vector<int64_t> hashes = all_gather_value(comm_, mine);
-  for (int q = 0; q < P_; ++q)
-    if (hashes[q] != mine)
-      return Status::invalid_argument("rank " + std::to_string(q) + " derived a different sharding/Muon owner plan " +
-                                      "(hash mismatch): every rank must get the same config and flags");
+std::vector<TensorSpec> ShardedParameters::loss_specs() const {
+  return {{"micro_loss", DType::kF64, {1}},
+          {"step_losses", DType::kF64, {opt_->grad_accum * P_}},
+          {"loss_sum", DType::kF64, {1}}};
+}
 
-  // Every rank must read the same data: the shards' token counts, compared with rank 0's.
-  const std::vector<int64_t> train_tokens = all_gather_value(comm_, train_loader_.total_tokens());
-  const std::vector<int64_t> train_shards = all_gather_value(comm_, train_loader_.num_shards());
-  const std::vector<int64_t> val_tokens = all_gather_value(comm_, has_val_ ? val_loader_.total_tokens() : -1);
-  for (int q = 1; q < P_; ++q)
-    if (train_tokens[q] != train_tokens[0] || train_shards[q] != train_shards[0] || val_tokens[q] != val_tokens[0])
-      return Status::invalid_argument(
-          "rank " + std::to_string(q) + " was given other data than rank 0 (training: " +
-          std::to_string(train_tokens[q]) + " tokens in " + std::to_string(train_shards[q]) + " shard(s) against " +
-          std::to_string(train_tokens[0]) + " in " + std::to_string(train_shards[0]) + "; validation: " +
-          std::to_string(val_tokens[q]) + " against " + std::to_string(val_tokens[0]) +
-          " tokens): every rank must read the same shards");
-  // Whether to resume is agreed first: loading is collective.
-  const std::string resume = resume_path(opt_);
-  const std::vector<int64_t> resuming = all_gather_value(comm_, resume.empty() ? 0 : 1);
-  for (int q = 1; q < P_; ++q)
-    if (resuming[q] != resuming[0])
-      return Status::invalid_argument("rank " + std::to_string(q) +
-                                      (resuming[q] ? " resumes from a checkpoint" : " starts afresh") + " and rank 0 " +
-                                      (resuming[0] ? "resumes" : "does not") +
-                                      ": every rank must be given the same --resume and --out");
-  if (!resume.empty()) {
-    LAPLACE_RETURN_IF_ERROR(agree_status(comm_, load_checkpoint(resume)));
-    if (!opt_.quiet && me_ == 0)
-      std::printf("resumed from %s at step %lld\n", resume.c_str(), (long long)progress_.step);
+void ShardedParameters::bind_loss(const Arena& a, size_t first) {
+  micro_loss_ = a.tensor(first);
+  step_losses_ = a.tensor(first + 1);
+  loss_sum_ = a.tensor(first + 2);
+}
+
+std::string ShardedParameters::dtype_note() const { return std::string(" (masters ") + dtype_name(dtype_) + ")"; }
+
+std::string ShardedParameters::ranks_note() const { return "ranks " + std::to_string(P_) + " × "; }
+
+std::string ShardedParameters::setup_lines() const {
+  const std::vector<double> cost = owner_costs(units_, P_);
+  double mx = 0, sum = 0;
+  for (double c : cost) {
+    mx = std::max(mx, c);
+    sum += c;
   }
-  // ... and resumed from the same point (a rank given another --resume or output directory).
-  const std::vector<int64_t> steps = all_gather_value(comm_, progress_.step);
-  const std::vector<int64_t> positions =
-      all_gather_value(comm_, static_cast<int64_t>(fnv1a(progress_.loader_position, 1469598103934665603ull)));
-  for (int q = 1; q < P_; ++q)
-    if (steps[q] != steps[0] || positions[q] != positions[0])
-      return Status::invalid_argument("rank " + std::to_string(q) + " starts at step " + std::to_string(steps[q]) +
-                                      (steps[q] == steps[0] ? " from another data position" : "") +
-                                      ", rank 0 at step " + std::to_string(steps[0]) +
-                                      ": every rank must resume from the same checkpoint");
-  gather_weights();
-  LAPLACE_RETURN_IF_ERROR(agree_status(comm_, record_.open(opt_, progress_.step, me_ == 0)));
-  if (!opt_.quiet && me_ == 0) {
-    const std::vector<double> cost = owner_costs(units_, P_);
-    double mx = 0, sum = 0;
-    for (double c : cost) {
-      mx = std::max(mx, c);
-      sum += c;
-    }
-    const auto tr = muon_traffic(params_, units_, P_, muon_comm_, static_cast<int64_t>(dtype_size(dtype_)));
-    int64_t tmax = 0;
-    for (const auto& t : tr) tmax = std::max(tmax, t.sent + t.received);
-    std::printf("model: %lld parameters (%lld in Muon matrices), %s %s (masters %s)\n",
-                (long long)cfg_.total_params(), (long long)cfg_.body_params(), be_->name(), dtype_name(wdtype_),
-                dtype_name(dtype_));
-    std::printf("dist: %d rank(s) over %s; FSDP row shards; Muon %zu units, --muon-comm %s, owner plan %016llx, "
+  const auto tr = muon_traffic(params_, units_, P_, muon_comm_, static_cast<int64_t>(dtype_size(dtype_)));
+  int64_t tmax = 0;
+  for (const auto& t : tr) tmax = std::max(tmax, t.sent + t.received);
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "dist: %d rank(s) over %s; FSDP row shards; Muon %zu units, --muon-comm %s, owner plan %016llx, "
                 "Newton–Schulz cost max/mean %.3f; predicted Muon traffic ≤ %s per rank per step\n",
                 P_, comm_.name(), units_.size(), muon_comm_name(muon_comm_), (unsigned long long)plan_hash_,
                 sum > 0 ? mx / (sum / P_) : 1.0, fmt_bytes(static_cast<double>(tmax)).c_str());
-    std::printf("data: %lld tokens in %lld shards; %lld tokens per step (ranks %d × batch %lld × seq %lld × accum "
-                "%lld)\n",
-                (long long)train_loader_.total_tokens(), (long long)train_loader_.num_shards(),
-                (long long)(P_ * opt_.batch * opt_.seq * opt_.grad_accum), P_, (long long)opt_.batch,
-                (long long)opt_.seq, (long long)opt_.grad_accum);
-    std::fflush(stdout);
-  }
-  return Status::ok();
+  return buf;
 }
 
 // ---- collectives over the parameter table --------------------------------------------------
@@ -359,7 +294,7 @@ Status FsdpTrainer::setup() {
 // Opens the communicator's overlap region (dist/comm.h) and queues the all-gathers of every
 // group beside the compute, marking each group. After a skipped step too: the masters did not
 // change, so the weights come out as they were (the skip flag stays on the device).
-void FsdpTrainer::gather_weights() {
+void ShardedParameters::gather_weights() {
   const bool round = wdtype_ != dtype_;
   auto rounded = [&](const Local& l) {  // my rows of a parameter in wshard_
     return static_cast<char*>(wshard_.data) + l.ws_off * static_cast<int64_t>(dtype_size(wdtype_));
@@ -388,7 +323,7 @@ void FsdpTrainer::gather_weights() {
 }
 
 // Group g's gradients (complete on the compute stream) into the shards.
-void FsdpTrainer::reduce_scatter_group(size_t g, bool accumulate) {
+void ShardedParameters::reduce_scatter_group(size_t g, bool accumulate) {
   comm_.after_compute();
   for (size_t i : groups_[g]) {
     const std::vector<int64_t> counts = counts_of(i);
@@ -396,7 +331,7 @@ void FsdpTrainer::reduce_scatter_group(size_t g, bool accumulate) {
   }
 }
 
-void FsdpTrainer::grad_sum_squares_into(Tensor ss) {
+void ShardedParameters::grad_sum_squares_into(Tensor ss) {
   int64_t off = 0, all_off = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Local& l = local_[i];
@@ -419,12 +354,12 @@ void FsdpTrainer::grad_sum_squares_into(Tensor ss) {
   be_->loss_sum_into(P_ > 1 ? rowsq_all_ : rowsq_, 1.0, ss, false);
 }
 
-Tensor FsdpTrainer::muon_update(size_t i) {
+Tensor ShardedParameters::muon_update(size_t i) {
   const size_t k = opt_param_[i];
   return shard_view(ushard_.data, local_[k].u_off, params_[k], local_[k].mine.rows());
 }
 
-void FsdpTrainer::orthogonalise() {
+void ShardedParameters::orthogonalise() {
   const CommStats before = comm_.stats();
   if (muon_comm_ == MuonComm::kAllToAll) muon_exchange_all_to_all();
   else muon_exchange_gather();
@@ -435,7 +370,7 @@ void FsdpTrainer::orthogonalise() {
 // ---- Muon exchanges ----------------------------------------------------------------------------
 
 // Unit k's block on its owner (this rank): where it is orthogonalised.
-char* FsdpTrainer::owned_block(size_t k) {
+char* ShardedParameters::owned_block(size_t k) {
   const size_t es = dtype_size(dtype_);
   if (owned_off_[k] == kOwnedInUpdate) {  // wholly in this rank's shard: in the update buffer
     const MuonUnit& un = units_[k];
@@ -446,10 +381,10 @@ char* FsdpTrainer::owned_block(size_t k) {
   return static_cast<char*>(owned_.data) + owned_off_[k] * static_cast<int64_t>(es);
 }
 
-void FsdpTrainer::muon_exchange_all_to_all() {
+void ShardedParameters::muon_exchange_all_to_all() {
   const size_t es = dtype_size(dtype_);
   char* u = static_cast<char*>(ushard_.data);
-  char* o = u;  // the orthogonalised rows overwrite the update's (setup_local)
+  char* o = u;  // the orthogonalised rows overwrite the update's (create)
   auto my_rows_of = [&](size_t k, char* base) {  // this rank's rows of unit k in a shard buffer
     const MuonUnit& un = units_[k];
     const Local& l = local_[un.param];
@@ -460,7 +395,7 @@ void FsdpTrainer::muon_exchange_all_to_all() {
     return owned_block(k) + (unit_ov_[k][q].begin - un.row_begin) * un.cols * static_cast<int64_t>(es);
   };
   auto in_place = [&](size_t k) { return owned_off_[k] == kOwnedInUpdate; };
-  // Counts from global shapes (setup_local): to owner q, my rows of q's units; from q, q's rows
+  // Counts from global shapes (create): to owner q, my rows of q's units; from q, q's rows
   // of mine; none to or from this rank itself, whose rows of its own units are copied.
   const std::vector<int64_t>& to = a2a_to_;
   const std::vector<int64_t>& from = a2a_from_;
@@ -496,7 +431,7 @@ void FsdpTrainer::muon_exchange_all_to_all() {
     if (units_[k].owner != me_) continue;
     const int64_t shape[2] = {units_[k].rows, units_[k].cols};
     Tensor blk = Tensor::make(owned_block(k), dtype_, shape, 2, dev_);
-    newton_schulz(*be_, blk, blk, ns_, opt_.optim.ns_steps);
+    newton_schulz(*be_, blk, blk, ns_, opt_->optim.ns_steps);
   }
   // Exchange 2: the mirror image, orthogonalised rows → row owners.
   cur = from_d;
@@ -522,10 +457,10 @@ void FsdpTrainer::muon_exchange_all_to_all() {
   }
 }
 
-void FsdpTrainer::muon_exchange_gather() {
+void ShardedParameters::muon_exchange_gather() {
   const size_t es = dtype_size(dtype_);
   char* u = static_cast<char*>(ushard_.data);
-  char* o = u;  // the orthogonalised rows overwrite the update's (setup_local)
+  char* o = u;  // the orthogonalised rows overwrite the update's (create)
   for (size_t k = 0; k < units_.size(); ++k) {
     const MuonUnit& un = units_[k];
     const Local& l = local_[un.param];
@@ -545,7 +480,7 @@ void FsdpTrainer::muon_exchange_gather() {
     if (owner == me_) {
       const int64_t shape[2] = {un.rows, un.cols};
       Tensor blk = Tensor::make(block, dtype_, shape, 2, dev_);
-      newton_schulz(*be_, blk, blk, ns_, opt_.optim.ns_steps);
+      newton_schulz(*be_, blk, blk, ns_, opt_->optim.ns_steps);
     }
     comm_.broadcast(block, un.rows * un.cols, owner, ctype_);
     const int64_t n = unit_ov_[k][me_].rows() * un.cols;
@@ -559,7 +494,7 @@ void FsdpTrainer::muon_exchange_gather() {
 
 // Rank 0's host `full` (rows·cols elements) ← every rank's rows, through the staging
 // buffer on the backend's device.
-void FsdpTrainer::gather_rows_to_root(const Tensor& shard, const ShardedParam& p, const Local& l, void* full) {
+void ShardedParameters::gather_rows_to_root(const Tensor& shard, const ShardedParam& p, const Local& l, void* full) {
   std::vector<int64_t> sc(P_, 0), sd(P_, 0), rc(P_, 0), rd(P_, 0);
   sc[0] = l.mine.rows() * p.cols;
   if (me_ == 0)
@@ -571,11 +506,7 @@ void FsdpTrainer::gather_rows_to_root(const Tensor& shard, const ShardedParam& p
   if (me_ == 0) copy_elems(full, Device::kCPU, full_.data, dev_, p.rows * p.cols, dtype_);
 }
 
-Status FsdpTrainer::save_checkpoint() {
-  if (opt_.out_dir.empty()) return Status::ok();
-  comm_.overlap_end();  // the shards' collectives below order with the compute stream
-  progress_.loader_position = train_loader_.position().to_json();
-  progress_.optimizer_steps = optimizer_.step_count();
+Status ShardedParameters::save_checkpoint(const std::string& out_dir, const TrainProgress& progress) {
   // Collective part: gather masters and optimizer state onto rank 0.
   std::vector<std::vector<char>> bufs;
   std::vector<NamedTensor> named;
@@ -599,26 +530,25 @@ Status FsdpTrainer::save_checkpoint() {
   }
   Status st;
   if (me_ == 0) {
-    auto meta = checkpoint_metadata(cfg_, progress_);
+    auto meta = checkpoint_metadata(*cfg_, progress);
     meta["dist_world"] = std::to_string(P_);
     meta["muon_comm"] = muon_comm_name(muon_comm_);
-    st = safetensors_write(opt_.out_dir + "/checkpoint.safetensors", named, meta);
-    // The masters (as the single-process trainer writes them; for F32/F64 models they
-    // are the weights), with weights_save's metadata.
+    st = safetensors_write(out_dir + "/checkpoint.safetensors", named, meta);
+    // The masters (as WholeParameters writes them; for F32/F64 models they are the
+    // weights), with weights_save's metadata.
     if (st.is_ok()) {
       const std::vector<NamedTensor> masters(named.begin(), named.begin() + static_cast<int64_t>(params_.size()));
-      st = safetensors_write(opt_.out_dir + "/model.safetensors", masters, model_file_metadata(cfg_, dtype_));
+      st = safetensors_write(out_dir + "/model.safetensors", masters, model_file_metadata(*cfg_, dtype_));
     }
-    if (st.is_ok()) st = write_model_dir_files(opt_, cfg_);
   }
-  return agree_status(comm_, st);
+  return st;
 }
 
-Status FsdpTrainer::load_checkpoint(const std::string& path) {
+Status ShardedParameters::load_checkpoint(const std::string& path, TrainProgress* progress) {
   SafeTensorsReader r;
   LAPLACE_RETURN_IF_ERROR(SafeTensorsReader::open(path, &r));
   TrainProgress p;
-  LAPLACE_RETURN_IF_ERROR(checkpoint_read_progress(r, cfg_, &p));
+  LAPLACE_RETURN_IF_ERROR(checkpoint_read_progress(r, *cfg_, &p));
   // Every tensor this run needs, full shape; nothing else named optim.* may be present.
   std::vector<std::pair<std::string, std::pair<size_t, Tensor*>>> want;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -654,124 +584,106 @@ Status FsdpTrainer::load_checkpoint(const std::string& path) {
     rows[j].assign(full.begin() + m.begin * sp.cols * static_cast<int64_t>(es),
                    full.begin() + m.end * sp.cols * static_cast<int64_t>(es));
   }
-  LoaderPosition pos;
-  LAPLACE_RETURN_IF_ERROR(LoaderPosition::from_json(p.loader_position, &pos).with_context(path));
-  LAPLACE_RETURN_IF_ERROR(train_loader_.seek(pos).with_context(path));
   for (size_t j = 0; j < want.size(); ++j)
     copy_elems(want[j].second.second->data, dev_, rows[j].data(), Device::kCPU,
                static_cast<int64_t>(rows[j].size() / es), dtype_);
-  progress_ = p;
-  optimizer_.set_step_count(p.optimizer_steps);
+  *progress = p;
+  optimizer_->set_step_count(p.optimizer_steps);
   return Status::ok();
 }
 
-// ---- the loop ----------------------------------------------------------------------------------------
+// ---- the step ----------------------------------------------------------------------------------------
+//
+// Overlap (dist/comm.h): the step opens the communicator's overlap region (gather_weights
+// left it open), the forward waits for group g's all-gather just before it reads group g,
+// and the backward hands each group to the reduce-scatter as soon as its gradients are
+// queued; the optimizer reads the shards after overlap_end.
 
-Status FsdpTrainer::validate(int64_t batches, double* loss) {
-  if (!has_val_) return Status::invalid_argument("no validation data");
-  comm_.overlap_end();  // every all-gather done
-  val_loader_.reset();
-  double sum = 0;
-  std::vector<double> all(P_);
+void ShardedParameters::begin_step() {
+  at_start_ = comm_.stats();
+  comm_.overlap_begin();  // no-op when the last gather left it open
+}
+
+ForwardOptions ShardedParameters::forward_options() {
+  ForwardOptions fo;
+  fo.before_group = [this](int64_t g) { comm_.compute_wait(gather_mark_[static_cast<size_t>(g)]); };
+  return fo;
+}
+
+void ShardedParameters::begin_micro(int64_t a) {
+  if (a > 0) comm_.compute_wait(comm_.mark());  // the last micro-step's reduce-scatters have read full_g
+  grads_.zero();
+}
+
+// The micro-batch's mean loss into a device scalar; nothing is read back until the step's end.
+// On one rank the mean goes straight to its place in the step's vector.
+void ShardedParameters::micro_loss(const Tensor& losses, double count, int64_t a) {
+  const Tensor slot = P_ > 1 ? micro_loss_ : step_losses_.slice(0, a, a + 1);
+  be_->loss_sum_into(losses, count, slot, false);
+}
+
+double ShardedParameters::loss_scale() const { return 1.0 / static_cast<double>(opt_->grad_accum * P_); }
+
+GroupHook ShardedParameters::after_group(int64_t a) {
+  return [this, a](int64_t g) { reduce_scatter_group(static_cast<size_t>(g), a > 0); };
+}
+
+// Rank r's loss of micro-step a lands at a·P + r: the order of one rank's A·P micro-batches,
+// so the step's loss does not depend on P either.
+void ShardedParameters::end_micro(int64_t a) {
+  if (P_ == 1) return;
   std::vector<int64_t> ones(P_, 1), displs(P_);
   for (int q = 0; q < P_; ++q) displs[q] = q;
-  for (int64_t i = 0; i < batches; ++i) {
-    val_loader_.next(x_.data(), y_.data());
-    model_.forward(x_.data(), opt_.batch, opt_.seq, ForwardOptions{});
-    const double l = model_.loss(y_.data());
-    comm_.all_gather(&l, all.data(), ones, displs, CommType::kF64);
-    for (int q = 0; q < P_; ++q) sum += all[q];
-  }
-  *loss = sum / static_cast<double>(batches * P_);
-  return Status::ok();
+  comm_.after_compute();
+  comm_.all_gather(micro_loss_.data, static_cast<double*>(step_losses_.data) + a * P_, ones, displs, CommType::kF64);
 }
 
-void FsdpTrainer::log_line(const StepLog& s, const DistStepTraffic& t) {
-  if (me_ != 0) return;
+void ShardedParameters::before_optimizer() {
+  comm_.overlap_end();  // the optimizer reads every reduced shard
+  be_->loss_sum_into(step_losses_, static_cast<double>(opt_->grad_accum * P_), loss_sum_, false);
+  tr_ = DistStepTraffic{};
+}
+
+// The optimizer step and the next step's weight all-gathers are queued with no host
+// synchronisation; the result (norm, skip) is read at the step's end. A skipped step leaves
+// the masters as they were, so gathering them again gives the same weights.
+void ShardedParameters::after_optimizer() {
+  tr_.muon_sent = muon_sent_;
+  tr_.muon_received = muon_received_;
+  gather_weights();
+  tr_.fsdp_sent = comm_.stats().bytes_sent - at_start_.bytes_sent - tr_.muon_sent;
+  tr_.fsdp_received = comm_.stats().bytes_received - at_start_.bytes_received - tr_.muon_received;
+  // Everybody's Muon counters, for the log (inside the timed step).
+  std::vector<int64_t> ones(P_, 1), displs(P_);
+  for (int q = 0; q < P_; ++q) displs[q] = q;
+  tr_.muon_sent_per_rank.resize(P_);
+  tr_.muon_received_per_rank.resize(P_);
+  comm_.all_gather(&tr_.muon_sent, tr_.muon_sent_per_rank.data(), ones, displs, CommType::kI64);
+  comm_.all_gather(&tr_.muon_received, tr_.muon_received_per_rank.data(), ones, displs, CommType::kI64);
+}
+
+double ShardedParameters::step_loss() {
+  double loss = 0;
+  be_->copy(Tensor(&loss, DType::kF64, {1}), loss_sum_);
+  return loss;
+}
+
+std::string ShardedParameters::record_fields() const {
   nlohmann::ordered_json j;
   j["ranks"] = P_;
   j["muon_comm"] = muon_comm_name(muon_comm_);
-  j["muon_bytes_sent"] = t.muon_sent_per_rank;
-  j["muon_bytes_received"] = t.muon_received_per_rank;
-  j["fsdp_bytes_sent"] = t.fsdp_sent;
-  j["fsdp_bytes_received"] = t.fsdp_received;
-  int64_t mx = 0;
-  for (int q = 0; q < P_; ++q) mx = std::max(mx, t.muon_sent_per_rank[q] + t.muon_received_per_rank[q]);
-  const std::string detail = std::string(" | muon ") + muon_comm_name(muon_comm_) + " " +
-                             fmt_bytes(static_cast<double>(mx)) + "/rank (max sent+recv) | fsdp " +
-                             fmt_bytes(static_cast<double>(t.fsdp_sent + t.fsdp_received)) + "/rank";
-  record_.step(s, j.dump(), detail);
+  j["muon_bytes_sent"] = tr_.muon_sent_per_rank;
+  j["muon_bytes_received"] = tr_.muon_received_per_rank;
+  j["fsdp_bytes_sent"] = tr_.fsdp_sent;
+  j["fsdp_bytes_received"] = tr_.fsdp_received;
+  return j.dump();
 }
 
-Status FsdpTrainer::run(const std::function<void(const StepLog&, const DistStepTraffic&)>& on_step) {
-  const int64_t A = opt_.grad_accum;
-  const int64_t N = opt_.batch * opt_.seq;
-  std::vector<int64_t> ones(P_, 1), displs(P_);
-  for (int q = 0; q < P_; ++q) displs[q] = q;
-  DistStepTraffic tr;  // the step's, for its record
-  TrainLoop loop = train_loop_for(opt_, cfg_, P_);
-  loop.has_val = has_val_;
-  loop.talk = loop.talk && me_ == 0;
-  loop.step = [&](int64_t step, double* loss_out) {
-    const CommStats at_start = comm_.stats();
-    comm_.overlap_begin();  // no-op when the last gather left it open
-    ForwardOptions fo;
-    fo.before_group = [&](int64_t g) { comm_.compute_wait(gather_mark_[static_cast<size_t>(g)]); };
-    for (int64_t a = 0; a < A; ++a) {
-      if (a > 0) comm_.compute_wait(comm_.mark());  // the last micro-step's reduce-scatters have read full_g
-      grads_.zero();
-      train_loader_.next(x_.data(), y_.data());
-      if (opt_.target_mask) opt_.target_mask(x_.data(), y_.data(), opt_.batch, opt_.seq);
-      model_.forward(x_.data(), opt_.batch, opt_.seq, fo);
-      // The micro-batch's mean loss (Model::loss's arithmetic) into a device scalar, as the
-      // single-device trainer does; nothing is read back until the step's end.
-      int64_t count = 0;
-      for (int64_t i = 0; i < N; ++i) count += y_[i] >= 0;
-      be_->copy(targets_dev_, Tensor(y_.data(), DType::kI32, {N}));
-      be_->cross_entropy_forward(model_.logits(), targets_dev_, losses_dev_);
-      // On one rank the mean goes straight to its place in the step's vector.
-      const Tensor slot = P_ > 1 ? micro_loss_ : step_losses_.slice(0, a, a + 1);
-      be_->loss_sum_into(losses_dev_, static_cast<double>(count), slot, false);
-      model_.backward(y_.data(), grads_, 1.0 / static_cast<double>(A * P_),
-                      [&](int64_t g) { reduce_scatter_group(static_cast<size_t>(g), a > 0); });
-      // Rank r's loss of micro-step a lands at a·P + r: the order of one rank's A·P
-      // micro-batches, so the step's loss does not depend on P either.
-      if (P_ > 1) {
-        comm_.after_compute();
-        comm_.all_gather(micro_loss_.data, static_cast<double*>(step_losses_.data) + a * P_, ones, displs,
-                         CommType::kF64);
-      }
-    }
-    comm_.overlap_end();  // the optimizer reads every reduced shard
-    be_->loss_sum_into(step_losses_, static_cast<double>(A * P_), loss_sum_, false);
-    // The optimizer step and the next step's weight all-gathers are queued with no host
-    // synchronisation; the result (norm, skip) is read at the step's end. A skipped step
-    // leaves the masters as they were, so gathering them again gives the same weights.
-    tr = DistStepTraffic{};
-    optimizer_.enqueue_step(lr_at(opt_.schedule, step));
-    tr.muon_sent = muon_sent_;
-    tr.muon_received = muon_received_;
-    gather_weights();
-    tr.fsdp_sent = comm_.stats().bytes_sent - at_start.bytes_sent - tr.muon_sent;
-    tr.fsdp_received = comm_.stats().bytes_received - at_start.bytes_received - tr.muon_received;
-    // Everybody's Muon counters, for the log (inside the timed step, as they always were).
-    tr.muon_sent_per_rank.resize(P_);
-    tr.muon_received_per_rank.resize(P_);
-    comm_.all_gather(&tr.muon_sent, tr.muon_sent_per_rank.data(), ones, displs, CommType::kI64);
-    comm_.all_gather(&tr.muon_received, tr.muon_received_per_rank.data(), ones, displs, CommType::kI64);
-    const StepResult r = optimizer_.finish_step();  // the step's one synchronisation
-    be_->copy(Tensor(loss_out, DType::kF64, {1}), loss_sum_);
-    return r;
-  };
-  loop.optimizer_steps = [this] { return optimizer_.step_count(); };
-  loop.record = [&](const StepLog& s) {
-    log_line(s, tr);
-    if (on_step) on_step(s, tr);
-  };
-  loop.validate = [this](double* loss) { return validate(opt_.eval_batches, loss); };
-  loop.record_validation = [this](int64_t step, double loss) { record_.validation(step, loss); };
-  loop.save_checkpoint = [this] { return save_checkpoint(); };
-  return loop.run(&progress_);
+std::string ShardedParameters::progress_detail() const {
+  int64_t mx = 0;
+  for (int q = 0; q < P_; ++q) mx = std::max(mx, tr_.muon_sent_per_rank[q] + tr_.muon_received_per_rank[q]);
+  return std::string(" | muon ") + muon_comm_name(muon_comm_) + " " + fmt_bytes(static_cast<double>(mx)) +
+         "/rank (max sent+recv) | fsdp " + fmt_bytes(static_cast<double>(tr_.fsdp_sent + tr_.fsdp_received)) + "/rank";
 }
 
 }  // namespace laplace
