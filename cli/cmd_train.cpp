@@ -29,6 +29,7 @@ struct TrainArgs {
   bool distributed = false;
   std::string muon_comm = "all_to_all";
   std::string batch = "8";  // a count, or "auto" (the memory plan chooses)
+  std::string precision = "model";
 };
 
 // --batch: a positive count, or "auto".
@@ -48,6 +49,9 @@ Status parse_batch(const std::string& v, TrainOptions* o) {
 Status run_train(TrainArgs& a) {
   LAPLACE_RETURN_IF_ERROR(parse_batch(a.batch, &a.o));
   LAPLACE_RETURN_IF_ERROR(parse_dtype(a.dtype, &a.o.dtype));
+  if (a.precision != "model" && a.precision != "fp8")
+    return Status::invalid_argument("--precision must be 'model' or 'fp8', got '" + a.precision + "'");
+  a.o.fp8 = a.precision == "fp8";
   LAPLACE_RETURN_IF_ERROR(schedule_kind_from_name(a.schedule, &a.o.schedule.kind));
   LAPLACE_RETURN_IF_ERROR(muon_scale_from_name(a.muon_scale, &a.o.optim.scale));
   a.o.schedule.lr = a.lr;
@@ -175,6 +179,9 @@ void add_train(CLI::App& app) {
   cmd->add_option("--reserve-gib", o.reserve_gib,
                   "memory the plan leaves free (default 3 on CUDA, 0.25 on the CPU)")
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--precision", a->precision,
+                  "model: products in the model dtype; fp8: the body projections' forward and gradient products "
+                  "in FP8 E4M3 (docs/training.md)");
   cmd->add_option("--seq", o.seq, "tokens per sequence")->check(CLI::Range(1, 1 << 24));
   cmd->add_option("--grad-accum", o.grad_accum, "micro-batches per step")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--steps", o.steps, "optimizer steps")->check(CLI::Range(1, 1 << 30));

@@ -106,6 +106,9 @@ Status ShardedParameters::init_masters() {
 }
 
 Status ShardedParameters::check_options(const TrainOptions& o) {
+  if (o.fp8)
+    return Status::unsupported("--precision fp8 trains on one device; the sharded trainer (--distributed, mpirun) "
+                               "computes in the model dtype");
   if (o.tokens_per_step % P_ != 0)
     return Status::invalid_argument("--tokens-per-step (" + std::to_string(o.tokens_per_step) +
                                     ") must split evenly over the " + std::to_string(P_) + " ranks");

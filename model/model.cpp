@@ -47,6 +47,10 @@ Status Model::create(const Config& c, Backend& be, DType dtype) {
   return Status::ok();
 }
 
+namespace {
+std::vector<TensorSpec> fp8_grad_specs(const Config& c, int64_t N);  // with the FP8 weights below
+}  // namespace
+
 Status Model::plan(const PlanOptions& opt) {
   if (opt.max_batch < 1 || opt.max_seq < 1) return Status::invalid_argument("plan: batch and sequence must be ≥ 1");
   if (opt.max_tokens < 0 || opt.max_logit_rows < 0) return Status::invalid_argument("plan: negative row count");
@@ -151,6 +155,17 @@ Status Model::plan(const PlanOptions& opt) {
     if (opt.training) return Status::unsupported("FP8 weights serve inference plans only, not training");
     LAPLACE_RETURN_IF_ERROR(plan_fp8_inputs());
   }
+  if (fp8_train_) {
+    if (!opt.training) return Status::unsupported("FP8 training needs a training plan");
+    LAPLACE_RETURN_IF_ERROR(plan_fp8_inputs());
+    // dW = dYᵀ·X contracts over the tokens.
+    if (!be_->supports({"gemm_e4m3", dtype_, {std::max({D, HV, F}), N}}))
+      return Status::unsupported("FP8 training on " + std::string(be_->name()) + " needs a multiple of 16 tokens per "
+                                 "micro-batch, not " + std::to_string(N));
+    LAPLACE_RETURN_IF_ERROR(fp8_grads_.create(fp8_grad_specs(cfg_, N), be_->allocator(), "FP8 gradient operands"));
+    Tensor* dst[] = {&fp8_dyq_, &fp8_dys_, &fp8_dytq_, &fp8_dyts_, &fp8_xtq_, &fp8_xts_};
+    for (size_t i = 0; i < fp8_grads_.size(); ++i) *dst[i] = fp8_grads_.tensor(i);
+  }
   return Status::ok();
 }
 
@@ -164,49 +179,116 @@ std::string body_name(int64_t layer, int kind) {
   return "model.layers." + std::to_string(layer) + "." + kFp8Kinds[kind] + ".weight";
 }
 
+// Codes and scales of every body matrix [n, k], per layer in kFp8Kinds order: per row ([n, k]
+// and [n]) or, transposed, per column ([k, n] and [k]).
+std::vector<TensorSpec> fp8_matrix_specs(const Config& c, bool transposed) {
+  const std::vector<TensorSpec> w = weight_specs(c, DType::kF32);
+  std::vector<TensorSpec> s;
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    for (int k = 0; k < 4; ++k) {
+      const std::string n = body_name(l, k);
+      const auto it = std::find_if(w.begin(), w.end(), [&](const TensorSpec& t) { return t.name == n; });
+      LAPLACE_CHECK(it != w.end(), "FP8 weights: a body matrix is missing from the weight table");
+      const int64_t rows = it->shape[0], cols = it->shape[1];
+      if (transposed) {
+        s.push_back({n + ".t", DType::kF8E4M3, {cols, rows}});
+        s.push_back({n + ".t_scale", DType::kF32, {cols}});
+      } else {
+        s.push_back({n, DType::kF8E4M3, {rows, cols}});
+        s.push_back({fp8_scale_name(n), DType::kF32, {rows}});
+      }
+    }
+  return s;
+}
+
+// The projections' input codes [N, max K] and scales [N].
+std::vector<TensorSpec> fp8_input_specs(const Config& c, int64_t N) {
+  const int64_t K = std::max({c.hidden_size, c.v_dim(), c.ffn_size});
+  return {{"fp8_xq", DType::kF8E4M3, {N, K}}, {"fp8_xs", DType::kF32, {N}}};
+}
+
+// The gradient products' operands: dY per row [N, max out] and per column [max out, N], X per
+// column [max in, N], with their scales.
+std::vector<TensorSpec> fp8_grad_specs(const Config& c, int64_t N) {
+  const int64_t D = c.hidden_size, F = c.ffn_size;
+  const int64_t out = std::max({c.qkvg_rows(), D, 2 * F}), in = std::max({D, c.v_dim(), F});
+  return {{"fp8_dyq", DType::kF8E4M3, {N, out}}, {"fp8_dys", DType::kF32, {N}},
+          {"fp8_dytq", DType::kF8E4M3, {out, N}}, {"fp8_dyts", DType::kF32, {out}},
+          {"fp8_xtq", DType::kF8E4M3, {in, N}},   {"fp8_xts", DType::kF32, {in}}};
+}
+
 }  // namespace
 
-Status Model::create_fp8_arena() {
-  if (!be_->supports({"gemm_e4m3", dtype_, {}}) || !be_->supports({"quantize_rows_e4m3", dtype_, {}}))
+std::vector<std::vector<TensorSpec>> Model::fp8_training_specs(const Config& c, int64_t tokens) {
+  return {fp8_matrix_specs(c, false), fp8_matrix_specs(c, true), fp8_input_specs(c, tokens),
+          fp8_grad_specs(c, tokens)};
+}
+
+size_t Model::fp8_bytes() const { return fp8_.bytes() + fp8t_.bytes() + fp8_inputs_.bytes() + fp8_grads_.bytes(); }
+
+Status Model::create_fp8_arena(bool training) {
+  if (!be_->supports({"gemm_e4m3", dtype_, {}}) || !be_->supports({"quantize_rows_e4m3", dtype_, {}}) ||
+      (training && !be_->supports({"quantize_cols_e4m3", dtype_, {}})))
     return Status::unsupported(std::string("the ") + be_->name() + " backend has no FP8 products for " +
                                dtype_name(dtype_) + " models");
-  if (plan_rows_ > 0 && plan_.training) return Status::unsupported("FP8 weights serve inference plans only");
-  std::vector<TensorSpec> specs;
+  if (fp8_on_ || fp8_train_) return Status::unsupported("this model already computes in FP8");
+  if (!training && plan_rows_ > 0 && plan_.training) return Status::unsupported("FP8 weights serve inference plans only");
+  if (training && plan_rows_ > 0) return Status::unsupported("FP8 training is chosen before the plan");
   for (int64_t l = 0; l < cfg_.num_layers; ++l)
     for (int k = 0; k < 4; ++k) {
       const std::string n = body_name(l, k);
       const int64_t i = weights_.find(n);
       LAPLACE_CHECK(i >= 0, "FP8 weights: a body matrix is missing from the weight table");
       const TensorSpec& w = weights_.spec(static_cast<size_t>(i));
-      if (!be_->supports({"gemm_e4m3", dtype_, {w.shape[0], w.shape[1]}}))
+      // The product's other operand shapes: Wᵀ [cols, rows] in dX = dY·W.
+      if (!be_->supports({"gemm_e4m3", dtype_, {w.shape[0], w.shape[1]}}) ||
+          (training && !be_->supports({"gemm_e4m3", dtype_, {w.shape[1], w.shape[0]}})))
         return Status::unsupported(std::string("the ") + be_->name() + " backend's FP8 products do not take " + n +
                                    " [" + std::to_string(w.shape[0]) + ", " + std::to_string(w.shape[1]) + "]");
-      specs.push_back({n, DType::kF8E4M3, w.shape});
-      specs.push_back({fp8_scale_name(n), DType::kF32, {w.shape[0]}});
     }
-  LAPLACE_RETURN_IF_ERROR(fp8_.create(std::move(specs), be_->allocator(), "FP8 weights"));
+  LAPLACE_RETURN_IF_ERROR(fp8_.create(fp8_matrix_specs(cfg_, false), be_->allocator(), "FP8 weights"));
   fp8_layers_.assign(static_cast<size_t>(cfg_.num_layers), {});
   for (int64_t l = 0; l < cfg_.num_layers; ++l)
     for (int k = 0; k < 4; ++k) {
       const size_t j = static_cast<size_t>((l * 4 + k) * 2);
       fp8_layers_[l][k] = {fp8_.tensor(j), fp8_.tensor(j + 1)};
     }
-  fp8_on_ = true;
-  return plan_rows_ > 0 ? plan_fp8_inputs() : Status::ok();
+  if (!training) {
+    fp8_on_ = true;
+    return plan_rows_ > 0 ? plan_fp8_inputs() : Status::ok();
+  }
+  LAPLACE_RETURN_IF_ERROR(fp8t_.create(fp8_matrix_specs(cfg_, true), be_->allocator(), "FP8 transposed weights"));
+  fp8_cols_.assign(static_cast<size_t>(cfg_.num_layers), {});
+  for (int64_t l = 0; l < cfg_.num_layers; ++l)
+    for (int k = 0; k < 4; ++k) {
+      const size_t j = static_cast<size_t>((l * 4 + k) * 2);
+      fp8_cols_[l][k] = {fp8t_.tensor(j), fp8t_.tensor(j + 1)};
+    }
+  fp8_train_ = true;
+  return Status::ok();
+}
+
+Status Model::use_fp8_training() { return create_fp8_arena(true); }
+
+void Model::quantize_training_weights() {
+  LAPLACE_CHECK(fp8_train_, "quantize_training_weights: FP8 training is off");
+  for (int64_t l = 0; l < cfg_.num_layers; ++l)
+    for (int k = 0; k < 4; ++k) {
+      const Tensor w = weights_.tensor(static_cast<size_t>(weights_.find(body_name(l, k))));
+      be_->quantize_rows_e4m3(w, fp8_layers_[l][k].q, fp8_layers_[l][k].s);
+      be_->quantize_cols_e4m3(w, fp8_cols_[l][k].q, fp8_cols_[l][k].s);
+    }
 }
 
 Status Model::plan_fp8_inputs() {
-  const int64_t K = std::max({cfg_.hidden_size, cfg_.v_dim(), cfg_.ffn_size});
-  LAPLACE_RETURN_IF_ERROR(fp8_inputs_.create(
-      {{"fp8_xq", DType::kF8E4M3, {plan_rows_, K}}, {"fp8_xs", DType::kF32, {plan_rows_}}}, be_->allocator(),
-      "FP8 projection inputs"));
+  LAPLACE_RETURN_IF_ERROR(fp8_inputs_.create(fp8_input_specs(cfg_, plan_rows_), be_->allocator(), "FP8 projection inputs"));
   fp8_xq_ = fp8_inputs_.tensor(0);
   fp8_xs_ = fp8_inputs_.tensor(1);
   return Status::ok();
 }
 
 Status Model::use_fp8_weights() {
-  LAPLACE_RETURN_IF_ERROR(create_fp8_arena());
+  LAPLACE_RETURN_IF_ERROR(create_fp8_arena(false));
   for (int64_t l = 0; l < cfg_.num_layers; ++l)
     for (int k = 0; k < 4; ++k) {
       const Tensor w = weights_.tensor(static_cast<size_t>(weights_.find(body_name(l, k))));
@@ -238,7 +320,7 @@ Status Model::load_fp8(const std::string& path) {
   if (prec == r.metadata().end() || prec->second != kPrecisionFp8Rows)
     return Status::invalid_argument(path + " does not hold FP8 weights (no " + std::string(kPrecisionKey) + "=" +
                                     kPrecisionFp8Rows + ")");
-  LAPLACE_RETURN_IF_ERROR(create_fp8_arena());
+  LAPLACE_RETURN_IF_ERROR(create_fp8_arena(false));
   std::set<std::string> expected;
   for (size_t i = 0; i < weights_.size(); ++i) {
     const TensorSpec& s = weights_.spec(i);
@@ -288,6 +370,28 @@ void Model::project(const Tensor& x, const Tensor& w, const Fp8Matrix& f, const 
   const Tensor xs = fp8_xs_.slice(0, 0, N);
   be.quantize_rows_e4m3(x, xq, xs);
   be.gemm_e4m3(xq, xs, f.q, f.s, residual, y);
+}
+
+void Model::project_backward(const Tensor& dy, const Tensor& w, const Fp8Matrix& ft, const Tensor& x, Tensor dx,
+                             Tensor gw) {
+  Backend& be = *be_;
+  if (!ft.q.defined()) {
+    be.gemm(dy, false, w, false, dx, 1.0, 0.0);
+    be.gemm(dy, true, x, false, gw, 1.0, 1.0);
+    return;
+  }
+  const int64_t N = dy.shape[0], O = dy.shape[1], I = x.shape[1];
+  auto mat = [](const Tensor& buf, int64_t r, int64_t c) {
+    return Tensor::make(buf.data, DType::kF8E4M3, std::vector<int64_t>{r, c}.data(), 2, buf.device);
+  };
+  const Tensor dyq = mat(fp8_dyq_, N, O), dys = fp8_dys_.slice(0, 0, N);
+  be.quantize_rows_e4m3(dy, dyq, dys);
+  be.gemm_e4m3(dyq, dys, ft.q, ft.s, Tensor{}, dx);  // dx [N, I] = dY·W = dY·(Wᵀ)ᵀ
+  const Tensor dytq = mat(fp8_dytq_, O, N), dyts = fp8_dyts_.slice(0, 0, O);
+  const Tensor xtq = mat(fp8_xtq_, I, N), xts = fp8_xts_.slice(0, 0, I);
+  be.quantize_cols_e4m3(dy, dytq, dyts);
+  be.quantize_cols_e4m3(x, xtq, xts);
+  be.gemm_e4m3(dytq, dyts, xtq, xts, gw, gw);  // gw [O, I] += dYᵀ·X
 }
 
 GlaParams Model::gla_params(GlaForm form) const {
@@ -438,7 +542,7 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
       be.conv_silu_forward(btc(seg_rows(a.u, s), s.B, s.T), w.conv_w, btc(seg_rows(a.c, s), s.B, s.T),
                            plan_.training ? btc(seg_rows(a.conv_pre, s), s.B, s.T) : Tensor{}, win, win, seg_slots(s));
     static const Fp8Matrix kNone{};
-    const std::array<Fp8Matrix, 4>* f8 = fp8_on_ && !plan_.training ? &fp8_layers_[l] : nullptr;
+    const std::array<Fp8Matrix, 4>* f8 = (fp8_on_ && !plan_.training) || fp8_train_ ? &fp8_layers_[l] : nullptr;
     const auto fp8 = [&](int kind) -> const Fp8Matrix& { return f8 ? (*f8)[kind] : kNone; };
     project(rows(a.c, N), w.wqkvg, fp8(0), Tensor{}, qkvg);
     Tensor st = pool ? pool->gla(l) : Tensor{};
@@ -562,24 +666,23 @@ void Model::backward(const int32_t* targets, const Arena& grads, double loss_sca
   after(cfg_.num_layers + 1);
 
   const GlaParams gp = gla_params(GlaForm::kChunked);
+  static const Fp8Matrix kNone{};
   for (int64_t l = cfg_.num_layers - 1; l >= 0; --l) {
     const LayerActs& a = layer_[l];
     const LayerWeights& w = w_.layers[l];
     const LayerWeights& gw = g.layers[l];
+    const auto fp8t = [&](int kind) -> const Fp8Matrix& { return fp8_train_ ? fp8_cols_[l][kind] : kNone; };
     const Tensor qkvg = rows(a.qkvg, N), dqkvg = rows(dqkvg_, N);
 
     // Channel mixer: x_out = x_mid + h·W_3ᵀ, h = SiLU(a) ⊙ b, [a|b] = z·W_12ᵀ.
-    be.gemm(dx, false, w.w3, false, rows(dh_, N), 1.0, 0.0);
-    be.gemm(dx, true, rows(a.h, N), false, gw.w3, 1.0, 1.0);
+    project_backward(dx, w.w3, fp8t(3), rows(a.h, N), rows(dh_, N), gw.w3);
     be.swiglu_backward(rows(dh_, N), rows(a.ab, N), rows(dab_, N));
-    be.gemm(rows(dab_, N), false, w.w12, false, rows(dz_, N), 1.0, 0.0);
-    be.gemm(rows(dab_, N), true, rows(a.z, N), false, gw.w12, 1.0, 1.0);
+    project_backward(rows(dab_, N), w.w12, fp8t(2), rows(a.z, N), rows(dz_, N), gw.w12);
     be.layernorm_backward(rows(dz_, N), rows(a.x_mid, N), w.norm2_w, rows(a.ln2_mean, N), rows(a.ln2_rstd, N), dx,
                           true, gw.norm2_w, gw.norm2_b);
 
     // Mixer: x_mid = x_in + y·W_oᵀ, y = RMSNorm(o) ⊙ SiLU(g), o = GLA(q, k, v).
-    be.gemm(dx, false, w.wo, false, rows(dy_, N), 1.0, 0.0);
-    be.gemm(dx, true, rows(a.y, N), false, gw.wo, 1.0, 1.0);
+    project_backward(dx, w.wo, fp8t(1), rows(a.y, N), rows(dy_, N), gw.wo);
     Tensor o = bthd(rows(a.o, N), B, T, H, dv);
     if (plan_.recompute_mixer)
       be.gla_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), o, {}, {}, {});
@@ -592,8 +695,7 @@ void Model::backward(const int32_t* targets, const Arena& grads, double loss_sca
     be.gla_backward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), {},
                     bthd(rows(do_, N), B, T, H, dv), {}, qkvg_part(dqkvg, B, T, 0), qkvg_part(dqkvg, B, T, 1),
                     qkvg_part(dqkvg, B, T, 2), {});
-    be.gemm(dqkvg, false, w.wqkvg, false, rows(dc_, N), 1.0, 0.0);
-    be.gemm(dqkvg, true, rows(a.c, N), false, gw.wqkvg, 1.0, 1.0);
+    project_backward(dqkvg, w.wqkvg, fp8t(0), rows(a.c, N), rows(dc_, N), gw.wqkvg);
     be.conv_silu_backward(btc(rows(dc_, N), B, T), btc(rows(a.u, N), B, T), w.conv_w,
                           btc(rows(a.conv_pre, N), B, T), btc(rows(du_, N), B, T), gw.conv_w);
     be.layernorm_backward(rows(du_, N), rows(a.x_in, N), w.norm1_w, rows(a.ln1_mean, N), rows(a.ln1_rstd, N), dx,

@@ -71,6 +71,25 @@ class Model {
   Status load_fp8(const std::string& path);
   bool fp8_weights() const { return fp8_on_; }
 
+  // FP8 training (`laplace train --precision fp8`): in training plans the four body projections
+  // of every layer compute all three of their products in FP8 E4M3 with F32 accumulation — the
+  // forward Y = X·Wᵀ (X and W scaled per row), dX = dY·W (dY per row, W per column) and
+  // dW += dYᵀ·X (dY and X per column): every scale lies along a dimension its product keeps
+  // (Backend::quantize_rows_e4m3 / quantize_cols_e4m3, Backend::gemm_e4m3). The quantisation is
+  // straight-through: the backward treats it as the identity. Everything else (embedding, conv,
+  // norms, the GLA mixer, the LM head, the optimizer and its F32 masters) keeps its precision.
+  // Call before plan() (a training plan); the weights stay in the model dtype, and after every
+  // change of them quantize_training_weights() writes both codes of each body matrix.
+  // Errors: unsupported (the backend has no FP8 products, or FP8 inference weights are on).
+  Status use_fp8_training();
+  bool fp8_training() const { return fp8_train_; }
+  void quantize_training_weights();
+  // The spec lists of the FP8 arenas (FP8 weights, per row and transposed; the projections' input
+  // codes; the gradient products' operands) for `tokens` rows, which the memory plan counts,
+  // and the bytes this model allocated for them.
+  static std::vector<std::vector<TensorSpec>> fp8_training_specs(const Config& c, int64_t tokens);
+  size_t fp8_bytes() const;
+
   // Plans and allocates the activation arena (and, for training, the backward
   // scratch). Returns the bytes of each buffer class through activation_bytes().
   Status plan(const PlanOptions& opt);
@@ -177,7 +196,11 @@ class Model {
   // y = residual + x·Wᵀ (residual may be undefined, or y itself): in FP8 when the matrix has
   // FP8 codes and the plan is for inference, else the backend's gemm / gemm_add.
   void project(const Tensor& x, const Tensor& w, const Fp8Matrix& f, const Tensor& residual, Tensor y);
-  Status create_fp8_arena();
+  // The backward of project: dx = dy·W and gw += dyᵀ·x, in FP8 when ft (W's per-column codes,
+  // [cols, rows]) is defined, else the backend's gemms.
+  void project_backward(const Tensor& dy, const Tensor& w, const Fp8Matrix& ft, const Tensor& x, Tensor dx,
+                        Tensor gw);
+  Status create_fp8_arena(bool training);
   Status plan_fp8_inputs();  // the projections' input codes and scales, for plan_rows_ rows
   Config cfg_;
   Backend* be_ = nullptr;
@@ -208,6 +231,13 @@ class Model {
   Arena fp8_, fp8_inputs_;
   std::vector<std::array<Fp8Matrix, 4>> fp8_layers_;
   Tensor fp8_xq_, fp8_xs_;
+  // FP8 training: fp8_layers_ hold each matrix's per-row codes, fp8_cols_ its per-column codes
+  // (Wᵀ [cols, rows], scales [cols]); the backward's operands: dY per row [N, max out] and
+  // per column [max out, N], X per column [max in, N].
+  bool fp8_train_ = false;
+  Arena fp8t_, fp8_grads_;
+  std::vector<std::array<Fp8Matrix, 4>> fp8_cols_;
+  Tensor fp8_dyq_, fp8_dys_, fp8_dytq_, fp8_dyts_, fp8_xtq_, fp8_xts_;
 };
 
 }  // namespace laplace

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: build, run the engine's GPU tests, then the serving benchmarks of laplace-3b
 # (random bf16 weights); logs and JSON lines under $OUT. Stages run in the order given:
-#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson burst rates ops train train125 lab declab overlap deferred cores ncu trace ptrace algo fp8serve fp8 wgmma parity" COMMIT=abc123 scripts/device_decode.sh
+#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson burst rates ops train train125 lab declab overlap deferred cores ncu trace ptrace algo fp8serve fp8train fp8 wgmma parity" COMMIT=abc123 scripts/device_decode.sh
 # COMMIT is written into every result line (the device's git HEAD may be stale).
 # The device tool returns at most 8 files from $OUT, so every stage appends to one log,
 # $OUT/run.log (the GPU tests and the build keep their own; results go to results.jsonl).
@@ -153,7 +153,7 @@ for s in $STAGES; do
         $L bench prefill $M3B --prompt-len 8192 --reps 3 --results "" 2>&1 | grep -E "prefill of|cupti" | tee -a "$LOG"
       python3 scripts/trace_step.py build-gpu/ptrace.csv --steps 3 --split-gap-ms 1 --top ${TRACE_TOP:-40} 2>&1 | tee -a "$LOG" ;;
     fp8serve)  # issue 31's serving figures with FP8 weights (--weights fp8), after the FP8 GPU tests
-      ./build-gpu/tests/laplace_tests --gtest_filter="CudaOps.Fp8*:CudaModel.Fp8*" > "$OUT/fp8_tests.log" 2>&1
+      ./build-gpu/tests/laplace_tests --gtest_filter="CudaOps.Fp8*:CudaModel.Fp8*:CudaModelTrain.Fp8*" > "$OUT/fp8_tests.log" 2>&1
       echo "fp8 tests exit $?"; grep -E "^\[  (FAILED|PASSED) |Failure|fp8 weights:" "$OUT/fp8_tests.log" | head -20
       for sd in bf16 f32; do
         timeout 240 $L bench decode $M3B --weights fp8 --batch 1280 --steps 20 --warmup 3 --prompt-len 16 --prefill-chunk 16 \
@@ -162,6 +162,31 @@ for s in $STAGES; do
       done
       timeout 120 $L bench prefill $M3B --weights fp8 --prompt-len 8192 --reps 7 --results "$R" --tag 3b 2>&1 |
         tee -a "$LOG" | grep -E "prefill of" ;;
+    fp8train)  # issue 31: laplace-3b whole steps (optimizer included) with FP8 products, random tokens; no --out,
+      # so no 36 GB checkpoint at the end. The figure is the median of steps 2..STEPS3B (step 1 pays first-use costs).
+      python3 -c "
+import numpy as np
+n, V = 6_000_000, 92160
+h = np.zeros(256, np.int32); h[0], h[1], h[2] = 20240520, 2, n
+open('build-gpu/rand3b.bin', 'wb').write(h.tobytes() + np.random.default_rng(1).integers(0, V, n, dtype=np.uint32).tobytes())"
+      for prec in ${FP8_PRECISIONS:-fp8 model}; do
+        timeout 400 $L train --config configs/laplace-3b.json --data build-gpu/rand3b.bin --device cuda --dtype bf16 \
+          --seq 2048 --batch 8 --grad-accum 32 --steps ${STEPS3B:-4} --lr 1e-3 --warmup 1 --peak-tflops 989 \
+          --precision $prec 2>&1 | tee "$OUT/train3b_$prec.log" | grep -E "^step|error|FP8"
+        python3 - "$prec" "$R" "$OUT/train3b_$prec.log" <<'PY'
+import json, re, statistics, sys, time, os
+prec, results, log = sys.argv[1:4]
+tps = [float(m.group(1)) for m in re.finditer(r"\| (\d+) tok/s", open(log).read())][1:]
+if tps:
+    tag = "_fp8" if prec == "fp8" else "_same_call"
+    print(json.dumps({"bench": "train_tok_s_laplace3b_t2048" + tag, "value": round(statistics.median(tps)),
+                      "unit": "tokens/s", "device": "NVIDIA H200", "commit": os.environ.get("LAPLACE_COMMIT", "?"),
+                      "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      "note": "laplace train --precision %s, B=8 x T=2048 x accum 32 (524288 tokens/step), random tokens, "
+                              "median of steps 2-%d" % (prec, len(tps) + 1),
+                      "command": "scripts/device_decode.sh (stage fp8train)"}), file=open(results, "a"))
+PY
+      done ;;
     fp8)  # experiments/gemm/fp8.cu: e4m3 gemms per scaling granularity against bf16 (issue 31)
       nvcc -O3 -std=c++17 -I. -gencode=arch=compute_90a,code=sm_90a -o build-gpu/experiment_gemm_fp8 experiments/gemm/fp8.cu \
         -lcublasLt >> "$LOG" 2>&1 && timeout 400 ./build-gpu/experiment_gemm_fp8 ${FP8_ARGS:-} 2>&1 | tee -a "$LOG" ;;

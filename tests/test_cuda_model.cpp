@@ -727,6 +727,33 @@ TEST(CudaModelTrain, FiftyStepsFollowTheCpuLossCurve) {
   EXPECT_LT(gpu.back(), gpu.front() - 0.5) << "the model did not learn";
 }
 
+// --precision fp8 on the GPU (cuBLASLt FP8 products, bf16 elsewhere): follows the bf16 run's loss
+// curve within FP8's rounding, learns, and two runs give the same bits.
+TEST(CudaModelTrain, Fp8FollowsTheBf16LossCurveAndIsDeterministic) {
+  LAPLACE_REQUIRE_CUDA(probe);
+  probe.reset();
+  TrainData d;
+  const int64_t kSteps = 50;
+  std::vector<double> bf16 = train_losses(d.options("cuda", DType::kBF16, "", kSteps));
+  TrainOptions o = d.options("cuda", DType::kBF16, "", kSteps);
+  o.fp8 = true;
+  std::vector<double> fp8 = train_losses(o);
+  ASSERT_EQ(fp8.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(bf16.size(), static_cast<size_t>(kSteps));
+  double worst = 0;
+  for (int64_t s = 0; s < kSteps; ++s) {
+    const double e = std::fabs(fp8[s] - bf16[s]) / std::fabs(bf16[s]);
+    worst = std::max(worst, e);
+    EXPECT_LE(e, 3e-2) << "step " << s << ": bf16 " << bf16[s] << " fp8 " << fp8[s];
+  }
+  std::printf("  fp8 vs bf16 products: worst step rel loss diff %.3e; last %.5f vs %.5f\n", worst, fp8.back(),
+              bf16.back());
+  EXPECT_NE(fp8, bf16);
+  EXPECT_LT(fp8.back(), fp8.front() - 0.5) << "the model did not learn";
+  std::vector<double> again = train_losses(o);
+  EXPECT_EQ(0, std::memcmp(again.data(), fp8.data(), fp8.size() * sizeof(double)));
+}
+
 TEST(CudaModelTrain, SameSeedIsBitwiseIdenticalAndResumeIsExact) {
   LAPLACE_REQUIRE_CUDA(probe);
   probe.reset();

@@ -453,6 +453,17 @@ TEST(DistCheckpoint, SingleProcessTrainerResumesADistributedCheckpoint) {
   EXPECT_TRUE(std::isfinite(l.back()));
 }
 
+// FP8 training is a one-device store's: the sharded trainer says so (one process, no mpirun
+// needed); an unknown precision is refused before anything runs.
+TEST(DistCli, ShardedTrainerRefusesFp8AndUnknownPrecisions) {
+  DistFixture f;
+  std::string out;
+  EXPECT_EQ(f.run(0, "fp8", "--batch 2 --precision fp8", &out, 2), 1) << out;
+  EXPECT_NE(out.find("--precision fp8 trains on one device"), std::string::npos) << out;
+  EXPECT_EQ(f.run(0, "fp16", "--batch 2 --precision fp16", &out, 2), 1) << out;
+  EXPECT_NE(out.find("--precision must be 'model' or 'fp8'"), std::string::npos) << out;
+}
+
 // The memory plan in distributed mode: per rank, with its shards. --tokens-per-step counts
 // the whole step over all ranks; the plan then splits it into the same micro-batches as the
 // explicit flags, so the runs are bitwise equal. --batch auto picks the largest candidate

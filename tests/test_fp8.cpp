@@ -411,6 +411,78 @@ using testing::run_laplace;
 // init → quantize: FP8 body matrices with scales, the precision in the metadata, and a clear
 // refusal from a path that cannot use them; → dequantize: F32 weights that are exactly the
 // FP8 values times their scales, and a model whose loss is near the original's.
+// FP8 training's forward and backward (Model::use_fp8_training) against the model's own F32
+// products on the same weights: the loss and every gradient within FP8's rounding and never
+// equal to them where FP8 enters (the body matrices); the codes follow the weights
+// (quantize_training_weights), and the choice is refused where it cannot apply.
+TEST(Fp8Model, TrainingProductsFollowTheF32Gradients) {
+  auto be = make_cpu_backend();
+  Config c;
+  ASSERT_TRUE(config_load(std::string(LAPLACE_SOURCE_DIR) + "/configs/laplace-tiny.json", &c).is_ok());
+  const int64_t B = 2, T = 32;
+  std::vector<int32_t> toks(B * T), tgt(B * T);
+  std::mt19937 rng(12);
+  for (auto& t : toks) t = static_cast<int32_t>(rng() % c.vocab_size);
+  for (int64_t i = 0; i < B * T; ++i) tgt[i] = toks[(i + 1) % (B * T)];
+  auto run = [&](Model& m, Arena* g) {
+    EXPECT_TRUE(g->create(weight_specs(c, DType::kF32), be->allocator(), "grads").is_ok());
+    g->zero();
+    m.forward(toks.data(), B, T, ForwardOptions{});
+    const double loss = m.loss(tgt.data());
+    m.backward(tgt.data(), *g);
+    return loss;
+  };
+  Model ref, f8;
+  for (Model* m : {&ref, &f8}) {
+    ASSERT_TRUE(m->create(c, *be, DType::kF32).is_ok());
+    m->init_weights(21);
+  }
+  ASSERT_TRUE(f8.use_fp8_training().is_ok());
+  EXPECT_TRUE(f8.fp8_training());
+  ASSERT_TRUE(ref.plan({B, T, true, false}).is_ok());
+  ASSERT_TRUE(f8.plan({B, T, true, false}).is_ok());
+  f8.quantize_training_weights();
+  Arena gr, gf;
+  const double lr = run(ref, &gr), lf = run(f8, &gf);
+  EXPECT_NE(lr, lf);
+  EXPECT_NEAR(lf, lr, 0.02 * lr);
+  for (size_t i = 0; i < gr.size(); ++i) {
+    const Tensor a = gr.tensor(i), b = gf.tensor(i);
+    double e2 = 0, r2 = 0;
+    for (int64_t k = 0; k < a.numel(); ++k) {
+      const double d = static_cast<double>(b.ptr<float>()[k]) - a.ptr<float>()[k];
+      e2 += d * d;
+      r2 += static_cast<double>(a.ptr<float>()[k]) * a.ptr<float>()[k];
+    }
+    const double rel = r2 > 0 ? std::sqrt(e2 / r2) : std::sqrt(e2);
+    const std::string& name = gr.spec(i).name;
+    // One FP8 product is within about 4 % (relative RMS) of the exact one; the gradients here sum
+    // the errors of every product between them and the loss (this untrained 4-layer model: 10–15 %).
+    EXPECT_LT(rel, 0.25) << name;
+    if (name.find("wqkvg") != std::string::npos || name.find(".w3.") != std::string::npos)
+      EXPECT_GT(rel, 1e-4) << name << ": FP8's rounding must show in the body matrices' gradients";
+  }
+  // Deterministic; and the codes follow the weights: after a change, another loss.
+  Arena g2;
+  EXPECT_EQ(run(f8, &g2), lf);
+  for (size_t i = 0; i < gf.size(); ++i)
+    EXPECT_EQ(0, std::memcmp(gf.tensor(i).data, g2.tensor(i).data, gf.tensor(i).nbytes())) << gf.spec(i).name;
+  be->scale(f8.weights().layers[0].w12, 0.5);
+  f8.quantize_training_weights();
+  Arena g3;
+  EXPECT_NE(run(f8, &g3), lf);
+  // Chosen before the plan, for training plans only, and not beside FP8 inference weights.
+  EXPECT_EQ(f8.use_fp8_training().code(), Status::Code::kUnsupported);
+  Model late;
+  ASSERT_TRUE(late.create(c, *be, DType::kF32).is_ok());
+  ASSERT_TRUE(late.plan({B, T, true, false}).is_ok());
+  EXPECT_EQ(late.use_fp8_training().code(), Status::Code::kUnsupported);
+  Model inf;
+  ASSERT_TRUE(inf.create(c, *be, DType::kF32).is_ok());
+  ASSERT_TRUE(inf.use_fp8_training().is_ok());
+  EXPECT_EQ(inf.plan({B, T, false, false}).code(), Status::Code::kUnsupported);
+}
+
 TEST(Fp8Files, QuantizeRefuseDequantize) {
   const std::string dir = testing::make_temp_dir("fp8");
   const std::string cfg = std::string(LAPLACE_SOURCE_DIR) + "/configs/laplace-tiny.json";

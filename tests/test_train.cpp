@@ -2,11 +2,14 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -112,6 +115,69 @@ TEST(TrainResume, SameSeedSameBytesDifferentSeedDifferent) {
   o.data_seed = 6;
   auto c = train(o);
   EXPECT_NE(a, c);
+}
+
+// --precision fp8 (Model::use_fp8_training) on the CPU's reference FP8 products: the run learns,
+// stays near the model-precision run without equalling it, is deterministic, resumes bitwise in
+// FP8, records its precision in the checkpoint and refuses to resume in another.
+TEST(TrainFp8, LearnsNearTheModelPrecisionRunResumesExactlyAndRecordsIt) {
+  Fixture f;
+  const std::vector<double> base = train(f.options(f.dir + "/f32"));
+  TrainOptions o = f.options(f.dir + "/fp8");
+  o.fp8 = true;
+  const std::vector<double> a = train(o);
+  ASSERT_EQ(a.size(), base.size());
+  EXPECT_LT(a.back(), a.front() - 0.1);
+  double dmax = 0;
+  bool differs = false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    dmax = std::max(dmax, std::fabs(a[i] - base[i]));
+    differs |= a[i] != base[i];
+  }
+  EXPECT_TRUE(differs) << "FP8 products round: the losses cannot all be the model precision's";
+  EXPECT_LT(dmax, 0.05) << "FP8 run strays from the model-precision run";
+
+  TrainOptions o2 = f.options(f.dir + "/fp8b");
+  o2.fp8 = true;
+  EXPECT_EQ(0, std::memcmp(train(o2).data(), a.data(), a.size() * sizeof(double)));
+
+  TrainOptions first = f.options(f.dir + "/fp8r");
+  first.fp8 = true;
+  first.stop_after = 4;
+  std::vector<double> r = train(first);
+  TrainOptions second = first;
+  second.stop_after = 0;
+  second.resume = "auto";
+  const std::vector<double> r2 = train(second);
+  r.insert(r.end(), r2.begin(), r2.end());
+  ASSERT_EQ(r.size(), a.size());
+  EXPECT_EQ(0, std::memcmp(r.data(), a.data(), a.size() * sizeof(double)));
+  EXPECT_EQ(bytes_of(f.dir + "/fp8r/model.safetensors"), bytes_of(f.dir + "/fp8/model.safetensors"));
+
+  SafeTensorsReader rd;
+  ASSERT_TRUE(SafeTensorsReader::open(f.dir + "/fp8/checkpoint.safetensors", &rd).is_ok());
+  EXPECT_EQ(rd.metadata().at("train_precision"), "fp8");
+  SafeTensorsReader rb;
+  ASSERT_TRUE(SafeTensorsReader::open(f.dir + "/f32/checkpoint.safetensors", &rb).is_ok());
+  EXPECT_EQ(rb.metadata().at("train_precision"), "model");
+
+  // An FP8 checkpoint does not resume in the model precision, nor the other way round.
+  for (const auto& [dir, fp8] : {std::pair<std::string, bool>{"/fp8", false}, {"/f32", true}}) {
+    TrainOptions again = f.options(f.dir + dir);
+    again.resume = "auto";
+    again.fp8 = fp8;
+    Trainer t(again);
+    const Status st = t.setup();
+    EXPECT_FALSE(st.is_ok()) << dir;
+    EXPECT_NE(st.to_string().find("--precision"), std::string::npos) << st.to_string();
+  }
+  // The memory plan counts the FP8 arenas as they are allocated.
+  TrainOptions planned = f.options(f.dir + "/fp8plan");
+  planned.fp8 = true;
+  Trainer t(planned);
+  ASSERT_TRUE(t.setup().is_ok());
+  EXPECT_GT(t.memory_plan().fp8, 0u);
+  EXPECT_EQ(t.memory_plan().total(), t.allocated_bytes());
 }
 
 // A run killed (SIGKILL) in the middle of writing its second checkpoint leaves the

@@ -47,6 +47,7 @@ std::map<std::string, std::string> checkpoint_metadata(const Config& c, const Tr
       {"loader_position", p.loader_position},
       {"seed", std::to_string(p.seed)},
       {"tokens_seen", std::to_string(static_cast<int64_t>(p.tokens_seen))},
+      {"train_precision", p.precision},
   };
 }
 
@@ -84,6 +85,11 @@ Status checkpoint_read_progress(const SafeTensorsReader& r, const Config& c, Tra
   }
   if (p->step < 0 || p->optimizer_steps < 0 || p->optimizer_steps > p->step)
     return Status::corrupt(path + ": inconsistent step counters in the metadata");
+  // Checkpoints from before FP8 training computed in the model dtype.
+  const auto prec = meta.find("train_precision");
+  p->precision = prec == meta.end() ? "model" : prec->second;
+  if (p->precision != "model" && p->precision != "fp8")
+    return Status::corrupt(path + ": unknown train_precision '" + p->precision + "'");
 
   return Status::ok();
 }

@@ -23,6 +23,9 @@ struct TrainProgress {
   std::string loader_position;    // DataLoader position as JSON
   uint64_t seed = 0;              // init seed of the run
   double tokens_seen = 0;
+  // The products' precision: "model" (the model dtype's) or "fp8" (Model::use_fp8_training).
+  // A run resumes only in the precision it was written in.
+  std::string precision = "model";
 };
 
 // The metadata every training checkpoint carries (kind, version, config, counters,

@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "core/arena.h"
+#include "model/model.h"
 #include "model/weights.h"
 #include "train/muon.h"
 
@@ -94,6 +95,13 @@ double gb(size_t b) { return static_cast<double>(b) / 1e9; }
 
 }  // namespace
 
+size_t fp8_training_bytes(const Config& c, int64_t N) {
+  const std::vector<std::vector<TensorSpec>> arenas = Model::fp8_training_specs(c, N);
+  size_t b = 0;
+  for (const auto& a : arenas) b += Arena::planned_bytes(a);
+  return b;
+}
+
 MemoryPlan memory_plan_for(const Config& c, const MemoryPlanRequest& r, int64_t batch, bool recompute) {
   const bool mixed = r.dtype == DType::kBF16;
   const DType param_dtype = mixed ? DType::kF32 : r.dtype;
@@ -119,6 +127,7 @@ MemoryPlan memory_plan_for(const Config& c, const MemoryPlanRequest& r, int64_t 
     p.optimizer = optimizer_bytes(c, param_dtype, r.muon_fused, r.ns_bf16 && mixed);
   }
   p.activations = activation_bytes(c, r.dtype, batch, r.seq, recompute);
+  p.fp8 = r.fp8 ? fp8_training_bytes(c, batch * r.seq) : 0;
   p.backward_scratch = backward_scratch_bytes(c, r.dtype, batch * r.seq);
   return p;
 }
@@ -196,6 +205,7 @@ std::string format_memory_plan(const MemoryPlan& p, const std::string& device_la
   row(p.ranks > 0 ? "optimizer state (" + shard.substr(2) + ")" : "optimizer state (Muon, AdamW, NS)", p.optimizer);
   row(std::string("activations") + (p.recompute_mixer ? " (GLA output recomputed)" : ""), p.activations);
   row("backward scratch", p.backward_scratch);
+  if (p.fp8 > 0) row("FP8 codes and operands", p.fp8);
   if (p.ranks > 0) row("collective staging", p.staging);
   if (p.init_table > 0) row("initial weights (" + pdt + ", setup only)", p.init_table);
   row("total", p.total());

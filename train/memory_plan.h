@@ -11,6 +11,8 @@
 //                     Newton–Schulz scratch + the step's device scalars (Optimizer::init)
 //   activations       Model::plan's activation arena for a training plan of B×T
 //   backward scratch  Model::plan's backward scratch arena
+//   fp8               FP8 training (Model::use_fp8_training): both codes and scales of every
+//                     body matrix, the projections' input codes and the gradient products' operands
 // The same spec lists as Optimizer::init and Model::plan (tests check the sums against
 // the real arenas); anything else (cuBLASLt workspace, op scratch, the loss buffers)
 // comes out of the reserve.
@@ -55,6 +57,7 @@ struct MemoryPlanRequest {
   size_t device_bytes = 0;       // memory available before anything is allocated; 0 = unknown
   size_t reserve_bytes = 0;      // left free for everything the plan does not count
   int64_t max_batch = 8;         // largest candidate B (powers of two down to 1)
+  bool fp8 = false;              // FP8 training (--precision fp8)
   // FSDP over `ranks` ranks: this rank's shards replace the single-process trainer's masters,
   // optimizer state and Newton–Schulz scratch; B, A and tokens_per_step are per rank.
   const ShardBytes* sharded = nullptr;
@@ -68,17 +71,22 @@ struct MemoryPlan {
   DType dtype = DType::kF32;
   size_t weights = 0, masters = 0, gradients = 0, optimizer = 0, activations = 0, backward_scratch = 0;
   size_t staging = 0, init_table = 0;  // FSDP only
+  size_t fp8 = 0;                      // FP8 training only
   int ranks = 0;                       // FSDP: the rank count (0: the single-process trainer)
   size_t device_bytes = 0, reserve_bytes = 0;
   std::vector<std::string> rejected;  // "B=8 recompute off: 151.2 GB > 140.4 GB" per rejected candidate
 
   size_t total() const {
-    return weights + masters + gradients + optimizer + activations + backward_scratch + staging + init_table;
+    return weights + masters + gradients + optimizer + activations + backward_scratch + staging + init_table + fp8;
   }
   int64_t tokens_per_step() const { return batch * seq * grad_accum; }
   // total + reserve ≤ device_bytes (true when the device size is unknown).
   bool fits() const { return device_bytes == 0 || total() + reserve_bytes <= device_bytes; }
 };
+
+// The FP8 training arenas of a model for N tokens per micro-batch (Model::use_fp8_training's and
+// its plan's spec lists).
+size_t fp8_training_bytes(const Config& c, int64_t tokens);
 
 // The bytes of each class for a given B, T and recompute (no choice; fits() as given).
 MemoryPlan memory_plan_for(const Config& c, const MemoryPlanRequest& r, int64_t batch, bool recompute);

@@ -63,6 +63,7 @@ MemoryPlanRequest memory_request_for(const TrainOptions& o, Backend& be) {
   r.tokens_per_step = o.tokens_per_step;
   r.recompute = o.batch_auto && !o.recompute_mixer ? -1 : (o.recompute_mixer ? 1 : 0);
   r.muon_fused = o.muon_fused;
+  r.fp8 = o.fp8;
   const bool cuda = be.device() == Device::kCUDA;
   r.ns_bf16 = cuda;
   size_t free_b = 0, total_b = 0;
@@ -179,7 +180,7 @@ const Arena& Trainer::param_arena() const {
 }
 
 size_t Trainer::allocated_bytes() const {
-  return model_.weight_arena().bytes() + model_.activation_bytes() + store_->allocated_bytes() +
+  return model_.weight_arena().bytes() + model_.activation_bytes() + model_.fp8_bytes() + store_->allocated_bytes() +
          optimizer_.state_bytes();
 }
 
@@ -219,6 +220,7 @@ Status Trainer::setup_local() {
       open_train_data(opt_, cfg_, store_->rank(), store_->ranks(), &train_loader_, &val_loader_, &has_val_));
   progress_ = TrainProgress{};
   progress_.seed = opt_.seed;
+  progress_.precision = opt_.fp8 ? "fp8" : "model";
   if (store_->rank() == 0) LAPLACE_RETURN_IF_ERROR(create_out_dir(opt_));
   const int64_t N = opt_.batch * opt_.seq;
   x_.resize(N);
@@ -260,6 +262,11 @@ Status Trainer::check_ranks_agree() {
 
 Status Trainer::load_checkpoint(const std::string& path) {
   LAPLACE_RETURN_IF_ERROR(store_->load_checkpoint(path, &progress_));
+  const std::string want = opt_.fp8 ? "fp8" : "model";
+  if (progress_.precision != want)
+    return Status::invalid_argument(path + " was trained with --precision " +
+                                    (progress_.precision == "fp8" ? "fp8" : "model") + "; resume it with the same (" +
+                                    "or start a new run from its model.safetensors with --init)");
   LoaderPosition pos;
   LAPLACE_RETURN_IF_ERROR(LoaderPosition::from_json(progress_.loader_position, &pos).with_context(path));
   return train_loader_.seek(pos).with_context(path);

@@ -61,6 +61,9 @@ struct TrainOptions {
   uint64_t seed = 1234;               // init seed
   uint64_t data_seed = 1;             // shuffle seed
   bool recompute_mixer = false;
+  // --precision fp8: the body projections compute their forward and gradient products in FP8
+  // (Model::use_fp8_training); one device only.
+  bool fp8 = false;
 
   int64_t eval_every = 0, eval_batches = 8;  // 0 = no validation
   int64_t ckpt_every = 0;                    // 0 = only at the end

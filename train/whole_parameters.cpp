@@ -37,6 +37,7 @@ Status WholeParameters::create() {
     if (!o.init_ckpt.empty()) LAPLACE_RETURN_IF_ERROR(model.load(o.init_ckpt));
     else model.init_weights(o.seed);
   }
+  if (o.fp8) LAPLACE_RETURN_IF_ERROR(model.use_fp8_training());
   LAPLACE_RETURN_IF_ERROR(model.plan({o.batch, o.seq, true, o.recompute_mixer}));
   LAPLACE_RETURN_IF_ERROR(grads_.create(weight_specs(c, param_dtype), be.allocator(), "gradients"));
   // On the GPU, Newton–Schulz runs in bf16 as SPEC §2 has it; the CPU keeps the master
@@ -55,6 +56,8 @@ Status WholeParameters::load_checkpoint(const std::string& path, TrainProgress* 
 
 void WholeParameters::refresh_weights() {
   if (mixed_) copy_masters_to_weights(*t_.be, masters_, t_.model->weight_arena());
+  // The FP8 codes follow every change of the weights (in place for F32/F64 models).
+  if (t_.model->fp8_training()) t_.model->quantize_training_weights();
 }
 
 size_t WholeParameters::allocated_bytes() const { return masters_.bytes() + grads_.bytes(); }
