@@ -459,8 +459,9 @@ TEST(Fp8Model, TrainingProductsFollowTheF32Gradients) {
     // One FP8 product is within about 4 % (relative RMS) of the exact one; the gradients here sum
     // the errors of every product between them and the loss (this untrained 4-layer model: 10–15 %).
     EXPECT_LT(rel, 0.25) << name;
-    if (name.find("wqkvg") != std::string::npos || name.find(".w3.") != std::string::npos)
+    if (name.find("wqkvg") != std::string::npos || name.find(".w3.") != std::string::npos) {
       EXPECT_GT(rel, 1e-4) << name << ": FP8's rounding must show in the body matrices' gradients";
+    }
   }
   // Deterministic; and the codes follow the weights: after a change, another loss.
   Arena g2;
