@@ -35,6 +35,69 @@ Tensor bthd(const Tensor& t, int64_t B, int64_t T, int64_t H, int64_t d) {
   return r;
 }
 
+constexpr const char* kFp8Kinds[4] = {"wqkvg", "wo", "w12", "w3"};  // Fp8Matrix order per layer
+
+std::string body_name(int64_t layer, int kind) {
+  return "model.layers." + std::to_string(layer) + "." + kFp8Kinds[kind] + ".weight";
+}
+
+// Codes and scales of every body matrix [n, k], per layer in kFp8Kinds order: per row ([n, k]
+// and [n]) or, transposed, per column ([k, n] and [k]).
+std::vector<TensorSpec> fp8_matrix_specs(const Config& c, bool transposed) {
+  const std::vector<TensorSpec> w = weight_specs(c, DType::kF32);
+  std::vector<TensorSpec> s;
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    for (int k = 0; k < 4; ++k) {
+      const std::string n = body_name(l, k);
+      const auto it = std::find_if(w.begin(), w.end(), [&](const TensorSpec& t) { return t.name == n; });
+      LAPLACE_CHECK(it != w.end(), "FP8 weights: a body matrix is missing from the weight table");
+      const int64_t rows = it->shape[0], cols = it->shape[1];
+      if (transposed) {
+        s.push_back({n + ".t", DType::kF8E4M3, {cols, rows}});
+        s.push_back({n + ".t_scale", DType::kF32, {cols}});
+      } else {
+        s.push_back({n, DType::kF8E4M3, {rows, cols}});
+        s.push_back({fp8_scale_name(n), DType::kF32, {rows}});
+      }
+    }
+  return s;
+}
+
+// The projections' input codes [N, max K] and scales [N].
+std::vector<TensorSpec> fp8_input_specs(const Config& c, int64_t N) {
+  const int64_t K = std::max({c.hidden_size, c.v_dim(), c.ffn_size});
+  return {{"fp8_xq", DType::kF8E4M3, {N, K}}, {"fp8_xs", DType::kF32, {N}}};
+}
+
+// The gradient products' operands: dY per row [N, max out] and per column [max out, N], X per
+// column [max in, N], with their scales.
+std::vector<TensorSpec> fp8_grad_specs(const Config& c, int64_t N) {
+  const int64_t D = c.hidden_size, F = c.ffn_size;
+  const int64_t out = std::max({c.qkvg_rows(), D, 2 * F}), in = std::max({D, c.v_dim(), F});
+  return {{"fp8_dyq", DType::kF8E4M3, {N, out}}, {"fp8_dys", DType::kF32, {N}},
+          {"fp8_dytq", DType::kF8E4M3, {out, N}}, {"fp8_dyts", DType::kF32, {out}},
+          {"fp8_xtq", DType::kF8E4M3, {in, N}},   {"fp8_xts", DType::kF32, {in}}};
+}
+
+
+// A code buffer's first r·c bytes seen as an F8E4M3 matrix [r, c].
+Tensor fp8_codes(const Tensor& buf, int64_t r, int64_t c) {
+  const int64_t shape[2] = {r, c};
+  return Tensor::make(buf.data, DType::kF8E4M3, shape, 2, buf.device);
+}
+
+// Per layer, the body matrices' (codes, scales) views of an arena of fp8_matrix_specs.
+template <typename Matrix>
+std::vector<std::array<Matrix, 4>> fp8_layer_views(const Arena& a, int64_t layers) {
+  std::vector<std::array<Matrix, 4>> v(static_cast<size_t>(layers));
+  for (int64_t l = 0; l < layers; ++l)
+    for (int k = 0; k < 4; ++k) {
+      const size_t j = static_cast<size_t>((l * 4 + k) * 2);
+      v[l][k] = {a.tensor(j), a.tensor(j + 1)};
+    }
+  return v;
+}
+
 }  // namespace
 
 Status Model::create(const Config& c, Backend& be, DType dtype) {
@@ -46,10 +109,6 @@ Status Model::create(const Config& c, Backend& be, DType dtype) {
   w_ = weights_bind(c, weights_);
   return Status::ok();
 }
-
-namespace {
-std::vector<TensorSpec> fp8_grad_specs(const Config& c, int64_t N);  // with the FP8 weights below
-}  // namespace
 
 Status Model::plan(const PlanOptions& opt) {
   if (opt.max_batch < 1 || opt.max_seq < 1) return Status::invalid_argument("plan: batch and sequence must be ≥ 1");
@@ -171,54 +230,6 @@ Status Model::plan(const PlanOptions& opt) {
 
 // ---- FP8 weights ----------------------------------------------------------------------------
 
-namespace {
-
-constexpr const char* kFp8Kinds[4] = {"wqkvg", "wo", "w12", "w3"};  // Fp8Matrix order per layer
-
-std::string body_name(int64_t layer, int kind) {
-  return "model.layers." + std::to_string(layer) + "." + kFp8Kinds[kind] + ".weight";
-}
-
-// Codes and scales of every body matrix [n, k], per layer in kFp8Kinds order: per row ([n, k]
-// and [n]) or, transposed, per column ([k, n] and [k]).
-std::vector<TensorSpec> fp8_matrix_specs(const Config& c, bool transposed) {
-  const std::vector<TensorSpec> w = weight_specs(c, DType::kF32);
-  std::vector<TensorSpec> s;
-  for (int64_t l = 0; l < c.num_layers; ++l)
-    for (int k = 0; k < 4; ++k) {
-      const std::string n = body_name(l, k);
-      const auto it = std::find_if(w.begin(), w.end(), [&](const TensorSpec& t) { return t.name == n; });
-      LAPLACE_CHECK(it != w.end(), "FP8 weights: a body matrix is missing from the weight table");
-      const int64_t rows = it->shape[0], cols = it->shape[1];
-      if (transposed) {
-        s.push_back({n + ".t", DType::kF8E4M3, {cols, rows}});
-        s.push_back({n + ".t_scale", DType::kF32, {cols}});
-      } else {
-        s.push_back({n, DType::kF8E4M3, {rows, cols}});
-        s.push_back({fp8_scale_name(n), DType::kF32, {rows}});
-      }
-    }
-  return s;
-}
-
-// The projections' input codes [N, max K] and scales [N].
-std::vector<TensorSpec> fp8_input_specs(const Config& c, int64_t N) {
-  const int64_t K = std::max({c.hidden_size, c.v_dim(), c.ffn_size});
-  return {{"fp8_xq", DType::kF8E4M3, {N, K}}, {"fp8_xs", DType::kF32, {N}}};
-}
-
-// The gradient products' operands: dY per row [N, max out] and per column [max out, N], X per
-// column [max in, N], with their scales.
-std::vector<TensorSpec> fp8_grad_specs(const Config& c, int64_t N) {
-  const int64_t D = c.hidden_size, F = c.ffn_size;
-  const int64_t out = std::max({c.qkvg_rows(), D, 2 * F}), in = std::max({D, c.v_dim(), F});
-  return {{"fp8_dyq", DType::kF8E4M3, {N, out}}, {"fp8_dys", DType::kF32, {N}},
-          {"fp8_dytq", DType::kF8E4M3, {out, N}}, {"fp8_dyts", DType::kF32, {out}},
-          {"fp8_xtq", DType::kF8E4M3, {in, N}},   {"fp8_xts", DType::kF32, {in}}};
-}
-
-}  // namespace
-
 std::vector<std::vector<TensorSpec>> Model::fp8_training_specs(const Config& c, int64_t tokens) {
   return {fp8_matrix_specs(c, false), fp8_matrix_specs(c, true), fp8_input_specs(c, tokens),
           fp8_grad_specs(c, tokens)};
@@ -247,23 +258,13 @@ Status Model::create_fp8_arena(bool training) {
                                    " [" + std::to_string(w.shape[0]) + ", " + std::to_string(w.shape[1]) + "]");
     }
   LAPLACE_RETURN_IF_ERROR(fp8_.create(fp8_matrix_specs(cfg_, false), be_->allocator(), "FP8 weights"));
-  fp8_layers_.assign(static_cast<size_t>(cfg_.num_layers), {});
-  for (int64_t l = 0; l < cfg_.num_layers; ++l)
-    for (int k = 0; k < 4; ++k) {
-      const size_t j = static_cast<size_t>((l * 4 + k) * 2);
-      fp8_layers_[l][k] = {fp8_.tensor(j), fp8_.tensor(j + 1)};
-    }
+  fp8_layers_ = fp8_layer_views<Fp8Matrix>(fp8_, cfg_.num_layers);
   if (!training) {
     fp8_on_ = true;
     return plan_rows_ > 0 ? plan_fp8_inputs() : Status::ok();
   }
   LAPLACE_RETURN_IF_ERROR(fp8t_.create(fp8_matrix_specs(cfg_, true), be_->allocator(), "FP8 transposed weights"));
-  fp8_cols_.assign(static_cast<size_t>(cfg_.num_layers), {});
-  for (int64_t l = 0; l < cfg_.num_layers; ++l)
-    for (int k = 0; k < 4; ++k) {
-      const size_t j = static_cast<size_t>((l * 4 + k) * 2);
-      fp8_cols_[l][k] = {fp8t_.tensor(j), fp8t_.tensor(j + 1)};
-    }
+  fp8_cols_ = fp8_layer_views<Fp8Matrix>(fp8t_, cfg_.num_layers);
   fp8_train_ = true;
   return Status::ok();
 }
@@ -366,7 +367,7 @@ void Model::project(const Tensor& x, const Tensor& w, const Fp8Matrix& f, const 
     return;
   }
   const int64_t N = x.shape[0], K = x.shape[1];
-  const Tensor xq = Tensor::make(fp8_xq_.data, DType::kF8E4M3, std::vector<int64_t>{N, K}.data(), 2, fp8_xq_.device);
+  const Tensor xq = fp8_codes(fp8_xq_, N, K);
   const Tensor xs = fp8_xs_.slice(0, 0, N);
   be.quantize_rows_e4m3(x, xq, xs);
   be.gemm_e4m3(xq, xs, f.q, f.s, residual, y);
@@ -381,14 +382,11 @@ void Model::project_backward(const Tensor& dy, const Tensor& w, const Fp8Matrix&
     return;
   }
   const int64_t N = dy.shape[0], O = dy.shape[1], I = x.shape[1];
-  auto mat = [](const Tensor& buf, int64_t r, int64_t c) {
-    return Tensor::make(buf.data, DType::kF8E4M3, std::vector<int64_t>{r, c}.data(), 2, buf.device);
-  };
-  const Tensor dyq = mat(fp8_dyq_, N, O), dys = fp8_dys_.slice(0, 0, N);
+  const Tensor dyq = fp8_codes(fp8_dyq_, N, O), dys = fp8_dys_.slice(0, 0, N);
   be.quantize_rows_e4m3(dy, dyq, dys);
   be.gemm_e4m3(dyq, dys, ft.q, ft.s, Tensor{}, dx);  // dx [N, I] = dY·W = dY·(Wᵀ)ᵀ
-  const Tensor dytq = mat(fp8_dytq_, O, N), dyts = fp8_dyts_.slice(0, 0, O);
-  const Tensor xtq = mat(fp8_xtq_, I, N), xts = fp8_xts_.slice(0, 0, I);
+  const Tensor dytq = fp8_codes(fp8_dytq_, O, N), dyts = fp8_dyts_.slice(0, 0, O);
+  const Tensor xtq = fp8_codes(fp8_xtq_, I, N), xts = fp8_xts_.slice(0, 0, I);
   be.quantize_cols_e4m3(dy, dytq, dyts);
   be.quantize_cols_e4m3(x, xtq, xts);
   be.gemm_e4m3(dytq, dyts, xtq, xts, gw, gw);  // gw [O, I] += dYᵀ·X

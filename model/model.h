@@ -80,7 +80,8 @@ class Model {
   // norms, the GLA mixer, the LM head, the optimizer and its F32 masters) keeps its precision.
   // Call before plan() (a training plan); the weights stay in the model dtype, and after every
   // change of them quantize_training_weights() writes both codes of each body matrix.
-  // Errors: unsupported (the backend has no FP8 products, or FP8 inference weights are on).
+  // Errors: unsupported (the backend has no FP8 products, FP8 inference weights are on, or
+  // the model is already planned).
   Status use_fp8_training();
   bool fp8_training() const { return fp8_train_; }
   void quantize_training_weights();
@@ -193,8 +194,8 @@ class Model {
   struct Fp8Matrix {
     Tensor q, s;
   };
-  // y = residual + x·Wᵀ (residual may be undefined, or y itself): in FP8 when the matrix has
-  // FP8 codes and the plan is for inference, else the backend's gemm / gemm_add.
+  // y = residual + x·Wᵀ (residual may be undefined, or y itself): in FP8 when f holds the
+  // matrix's codes (FP8 weights in inference, or FP8 training), else the backend's gemm / gemm_add.
   void project(const Tensor& x, const Tensor& w, const Fp8Matrix& f, const Tensor& residual, Tensor y);
   // The backward of project: dx = dy·W and gw += dyᵀ·x, in FP8 when ft (W's per-column codes,
   // [cols, rows]) is defined, else the backend's gemms.
