@@ -29,7 +29,7 @@ struct TrainArgs {
   bool distributed = false;
   std::string muon_comm = "all_to_all";
   std::string batch = "8";  // a count, or "auto" (the memory plan chooses)
-  std::string precision = "model";
+  std::string precision = train_precision_name(false);
 };
 
 // --batch: a positive count, or "auto".
@@ -49,9 +49,9 @@ Status parse_batch(const std::string& v, TrainOptions* o) {
 Status run_train(TrainArgs& a) {
   LAPLACE_RETURN_IF_ERROR(parse_batch(a.batch, &a.o));
   LAPLACE_RETURN_IF_ERROR(parse_dtype(a.dtype, &a.o.dtype));
-  if (a.precision != "model" && a.precision != "fp8")
+  a.o.fp8 = a.precision == train_precision_name(true);
+  if (!a.o.fp8 && a.precision != train_precision_name(false))
     return Status::invalid_argument("--precision must be 'model' or 'fp8', got '" + a.precision + "'");
-  a.o.fp8 = a.precision == "fp8";
   LAPLACE_RETURN_IF_ERROR(schedule_kind_from_name(a.schedule, &a.o.schedule.kind));
   LAPLACE_RETURN_IF_ERROR(muon_scale_from_name(a.muon_scale, &a.o.optim.scale));
   a.o.schedule.lr = a.lr;

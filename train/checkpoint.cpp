@@ -87,8 +87,8 @@ Status checkpoint_read_progress(const SafeTensorsReader& r, const Config& c, Tra
     return Status::corrupt(path + ": inconsistent step counters in the metadata");
   // Checkpoints from before FP8 training computed in the model dtype.
   const auto prec = meta.find("train_precision");
-  p->precision = prec == meta.end() ? "model" : prec->second;
-  if (p->precision != "model" && p->precision != "fp8")
+  p->precision = prec == meta.end() ? train_precision_name(false) : prec->second;
+  if (p->precision != train_precision_name(false) && p->precision != train_precision_name(true))
     return Status::corrupt(path + ": unknown train_precision '" + p->precision + "'");
 
   return Status::ok();

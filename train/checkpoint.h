@@ -17,15 +17,18 @@
 
 namespace laplace {
 
+// The precision of a run's products, as checkpoints and --precision name it: with FP8 products
+// (Model::use_fp8_training) "fp8", else "model" (the model dtype's).
+inline const char* train_precision_name(bool fp8) { return fp8 ? "fp8" : "model"; }
+
 struct TrainProgress {
   int64_t step = 0;               // optimizer steps taken (the next step's index)
   int64_t optimizer_steps = 0;    // AdamW's bias-correction counter (skipped steps excluded)
   std::string loader_position;    // DataLoader position as JSON
   uint64_t seed = 0;              // init seed of the run
   double tokens_seen = 0;
-  // The products' precision: "model" (the model dtype's) or "fp8" (Model::use_fp8_training).
-  // A run resumes only in the precision it was written in.
-  std::string precision = "model";
+  // train_precision_name of the run; it resumes only in the precision it was written in.
+  std::string precision = train_precision_name(false);
 };
 
 // The metadata every training checkpoint carries (kind, version, config, counters,
