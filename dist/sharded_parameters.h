@@ -121,10 +121,6 @@ class ShardedParameters : public ParameterStore, private ShardExchange {
   // Detaches the communicator from the backend's stream, which goes with the backend.
   void detach() override;
 
-  const std::vector<MuonUnit>& muon_units() const { return units_; }
-  // The last step's traffic.
-  const DistStepTraffic& traffic() const { return tr_; }
-
  private:
   struct Local {
     RowRange mine;

@@ -139,9 +139,7 @@ class Trainer {
   // the bytes of what setup allocated for its classes, without the setup-only initial table.
   const MemoryPlan& memory_plan() const { return plan_; }
   size_t allocated_bytes() const;
-  uint64_t plan_hash() const { return store_->plan_hash(); }
   Backend& backend() const { return *be_; }
-  ParameterStore& store() const { return *store_; }
 
   // One training step in two halves (run() calls them). enqueue_step queues all of step
   // `step`'s work: the micro-batches (forward, loss into a device scalar, backward, and
