@@ -1,7 +1,8 @@
-// FP8 weights (issue 31): the body matrices (W_qkvg, W_o, W_12, W_3) in E4M3 (core/fp8.h) with one
-// F32 scale per row, i.e. per output channel, beside them as "<name>_scale" ("...weight_scale", the
+// FP8 weights: the body matrices (W_qkvg, W_o, W_12, W_3) in E4M3 (core/fp8.h) with one F32
+// scale per row, i.e. per output channel, beside them as "<name>_scale" ("...weight_scale", the
 // name vLLM uses). Per row rather than one scale per tensor: a row of small weights keeps its own
-// range, at little cost in the product's speed (BENCHMARKS.md, "FP8 gemms"). Everything else
+// range, and cuBLASLt applies per-row scales inside the product (its outer-vector scale mode), so
+// they need no pass of their own. Everything else
 // (embedding, norms, the LM head) stays as it was. The file says what it holds in its metadata
 // (kPrecisionKey).
 #pragma once
