@@ -8,8 +8,8 @@ Over the steps both runs logged: the mean and largest |Δ loss| over the last --
 signed Δ (ours − reference), the mean |Δ| of the two curves' --smooth-step moving averages (what is
 left when the per-batch noise of two trajectories that rounding has separated averages out), and at
 the last validation step both logged, the relative difference of the validation losses |ours − ref| /
-ref. With --results, appends convergence_mean_abs_dloss_<tag>, convergence_mean_abs_dloss_ma<N>_<tag>
-and convergence_val_rel_diff_<tag> as JSON lines. Exit 2 on unreadable input or no common steps.
+ref. With --results, appends <prefix>_mean_abs_dloss_<tag>, <prefix>_mean_abs_dloss_ma<N>_<tag>
+and <prefix>_val_rel_diff_<tag> as JSON lines (prefix: convergence unless --prefix says otherwise). Exit 2 on unreadable input or no common steps.
 """
 import argparse
 import json
@@ -90,6 +90,8 @@ def main(argv=None):
     p.add_argument("--last", type=int, default=200)
     p.add_argument("--smooth", type=int, default=20, help="moving-average length for the smoothed figure")
     p.add_argument("--tag", default="laplace125m")
+    p.add_argument("--prefix", default="convergence",
+                   help="the figures' first word (fp8: a run in --precision fp8 against the same run in bf16)")
     p.add_argument("--results")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--device", default="unknown")
@@ -126,10 +128,10 @@ def main(argv=None):
         date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         note = "steps %d-%d (0-based) of %d common; ours %s vs reference %s" % (tail[0], tail[-1], len(steps),
                                                                                 a.ours, a.ref)
-        lines = [("convergence_mean_abs_dloss_" + a.tag, mean_abs, "nats"),
-                 ("convergence_mean_abs_dloss_ma%d_%s" % (a.smooth, a.tag), mean_abs_ma, "nats")]
+        lines = [(a.prefix + "_mean_abs_dloss_" + a.tag, mean_abs, "nats"),
+                 ("%s_mean_abs_dloss_ma%d_%s" % (a.prefix, a.smooth, a.tag), mean_abs_ma, "nats")]
         if vsteps:
-            lines.append(("convergence_val_rel_diff_" + a.tag, out["val_rel_diff"], "fraction"))
+            lines.append((a.prefix + "_val_rel_diff_" + a.tag, out["val_rel_diff"], "fraction"))
         with open(a.results, "a") as f:
             for name, v, unit in lines:
                 f.write(json.dumps({"bench": name, "value": round(v, 6), "unit": unit, "device": a.device,

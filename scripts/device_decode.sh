@@ -162,28 +162,35 @@ for s in $STAGES; do
       done
       timeout 120 $L bench prefill $M3B --weights fp8 --prompt-len 8192 --reps 7 --results "$R" --tag 3b 2>&1 |
         tee -a "$LOG" | grep -E "prefill of" ;;
-    fp8train)  # issue 31: laplace-3b whole steps (optimizer included) with FP8 products, random tokens; no --out,
-      # so no 36 GB checkpoint at the end. The figure is the median of steps 2..STEPS3B (step 1 pays first-use costs).
+    fp8train)  # laplace-3b whole steps (optimizer included), random tokens, one run per entry of TRAIN3B: fp8
+      # (--precision fp8), model (the same in model precision) and p1 (--distributed: the sharded trainer
+      # through a one-rank NCCL communicator). No --out, so no 36 GB checkpoint at the end. Each figure is
+      # the median of steps 2..STEPS3B (step 1 pays first-use costs).
       python3 -c "
 import numpy as np
 n, V = 6_000_000, 92160
 h = np.zeros(256, np.int32); h[0], h[1], h[2] = 20240520, 2, n
 open('build-gpu/rand3b.bin', 'wb').write(h.tobytes() + np.random.default_rng(1).integers(0, V, n, dtype=np.uint32).tobytes())"
-      for prec in ${FP8_PRECISIONS:-fp8 model}; do
+      for run in ${TRAIN3B:-fp8 model p1}; do
+        case $run in
+          fp8) args="--precision fp8"; tag=_fp8 ;;
+          model) args="--precision model"; tag=_same_call ;;
+          p1) args="--distributed"; tag=_p1_nccl ;;
+          *) echo "fp8train: unknown run $run"; continue ;;
+        esac
         timeout 400 $L train --config configs/laplace-3b.json --data build-gpu/rand3b.bin --device cuda --dtype bf16 \
           --seq 2048 --batch 8 --grad-accum 32 --steps ${STEPS3B:-4} --lr 1e-3 --warmup 1 --peak-tflops 989 \
-          --precision $prec 2>&1 | tee "$OUT/train3b_$prec.log" | grep -E "^step|error|FP8"
-        python3 - "$prec" "$R" "$OUT/train3b_$prec.log" <<'PY'
+          $args 2>&1 | tee "$OUT/train3b_$run.log" | grep -E "^step|error|FP8|plan"
+        python3 - "$tag" "$args" "$R" "$OUT/train3b_$run.log" <<'PY'
 import json, re, statistics, sys, time, os
-prec, results, log = sys.argv[1:4]
+tag, args, results, log = sys.argv[1:5]
 tps = [float(m.group(1)) for m in re.finditer(r"\| (\d+) tok/s", open(log).read())][1:]
 if tps:
-    tag = "_fp8" if prec == "fp8" else "_same_call"
     print(json.dumps({"bench": "train_tok_s_laplace3b_t2048" + tag, "value": round(statistics.median(tps)),
                       "unit": "tokens/s", "device": "NVIDIA H200", "commit": os.environ.get("LAPLACE_COMMIT", "?"),
                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                      "note": "laplace train --precision %s, B=8 x T=2048 x accum 32 (524288 tokens/step), random tokens, "
-                              "median of steps 2-%d" % (prec, len(tps) + 1),
+                      "note": "laplace train %s, B=8 x T=2048 x accum 32 (524288 tokens/step), random tokens, "
+                              "median of steps 2-%d" % (args, len(tps) + 1),
                       "command": "scripts/device_decode.sh (stage fp8train)"}), file=open(results, "a"))
 PY
       done ;;

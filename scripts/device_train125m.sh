@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200 (the `device` tool): the laplace-125m run of docs/quality.md and its PyTorch parity run.
 #
-#   stages (STAGES, in order): build data train ref parity twin side wait compare
+#   stages (STAGES, in order): build data train ref parity twin fp8 side wait compare
 #   build  CUDA build of the `laplace` program in build-gpu/ (TESTS=ON configures the tests too)
 #   data   the carried corpus slice ($CORPUS/docs.carry.jsonl.xz, from scripts/corpus.sh --carry)
 #          tokenized on every core into $RUNS/data/ with the carried tokenizer
@@ -22,6 +22,10 @@
 #          once the reference is done (TWIN_AFTER_REF=0: at once):
 #          the same tokens, order and math, other rounding; compare measures its distance from our curve,
 #          the floor that rounding alone sets under the reference's distance
+#   fp8    the run again with --precision fp8 (FP8 body products) for FP8_STEPS (STOP1) steps, in the
+#          background once our run is done (alone on the GPU; without one, the committed curve of TAG
+#          stands for it, checked as in parity); compare then gives fp8_*_laplace125m (bf16
+#          run against FP8 run, the same init, data order and schedule) and the plot $OUT/fp8.png
 #   compare once the reference is done: scripts/compare_runs.py against our metrics (or the curve), the
 #          convergence_* figures into $OUT/results.jsonl and the plot $OUT/parity.png
 #   side   (SIDE, default "tests hf3b mqar"; also "prebuild") while the two runs train (after the throughput figure), work whose timings do not matter:
@@ -170,23 +174,30 @@ EOF
   stamp "reference started ($REF_STEPS steps)"
 fi
 
-# The device tool returns at most 8 files: the figures and the summary as they are, the rest in one archive.
-if has parity; then
-  [ -f $RUNS/init.safetensors ] || $PY python/laplace_ref.py init --config "$CFG" --seed 1 --out $RUNS/init.safetensors
-  rm -rf $RUNS/ours_check $RUNS/ref $RUNS/ref.done
+# Our first CHECK_STEPS (50; 0: none) steps again, against a committed curve ($1): the trainer is
+# deterministic, so equal losses say the curve is this build's run and need not be trained again.
+check_curve() {
   CHECK_STEPS=${CHECK_STEPS:-50}
+  rm -rf $RUNS/ours_check
   [ "$CHECK_STEPS" -gt 0 ] && $LAPLACE train --config $CFG --init $RUNS/init.safetensors "${DATA[@]}" \
     --out $RUNS/ours_check --device cuda --dtype bf16 "${HP[@]}" --no-shuffle --stop-after "$CHECK_STEPS" --quiet \
     > $RUNS/ours_check.log 2>&1 &&
-  $PY - $RUNS/ours_check/metrics.jsonl bench/curves/laplace125m_ours.jsonl <<'EOF' 2>&1 | tee -a "$OUT/summary.txt"
+  $PY - $RUNS/ours_check/metrics.jsonl "$1" <<'EOF' 2>&1 | tee -a "$OUT/summary.txt"
 import json, sys
 def losses(path):
     return {r["step"]: r["loss"] for r in map(json.loads, open(path)) if "loss" in r}
 now, curve = losses(sys.argv[1]), losses(sys.argv[2])
 same = [s for s in sorted(now) if round(now[s], 6) == curve.get(s)]
-print("parity: %d of %d steps of this build equal the committed curve%s" % (
-    len(same), len(now), "" if len(same) == len(now) else " (the curve is not this trainer's: compare with a new run)"))
+print("parity: %d of %d steps of this build equal the committed curve %s%s" % (
+    len(same), len(now), sys.argv[2], "" if len(same) == len(now) else " (the curve is not this trainer's: compare with a new run)"))
 EOF
+}
+
+# The device tool returns at most 8 files: the figures and the summary as they are, the rest in one archive.
+if has parity; then
+  [ -f $RUNS/init.safetensors ] || $PY python/laplace_ref.py init --config "$CFG" --seed 1 --out $RUNS/init.safetensors
+  rm -rf $RUNS/ours_check $RUNS/ref $RUNS/ref.done
+  check_curve bench/curves/laplace125m_ours.jsonl
   setsid nohup bash -c "
     PYTHONUNBUFFERED=1 $PY python/reference_trainer.py --config $CFG --init $RUNS/init.safetensors $DATA_Q \
       --out $RUNS/ref ${HP[*]} --stop-after $REF_STEPS --amp bf16 --ns-mode bf16 --log-every 50 ${REF_ARGS:-}
@@ -209,6 +220,19 @@ if has twin; then
       $HP_TWIN --no-shuffle --stop-after ${TWIN_STEPS:-$REF_STEPS} --log-every 50
     echo exit \$? > $RUNS/twin.done" > $RUNS/twin.log 2>&1 < /dev/null &
   stamp "twin started (${TWIN_STEPS:-$REF_STEPS} steps, batch 32 x accum 1)"
+fi
+
+if has fp8; then
+  [ -f $RUNS/init.safetensors ] || $PY python/laplace_ref.py init --config "$CFG" --seed 1 --out $RUNS/init.safetensors
+  rm -rf $RUNS/fp8 $RUNS/fp8.done
+  # Without our run here, the committed curve of TAG stands for it once this build's first steps equal it.
+  [ -f $RUNS/ours.log ] || check_curve bench/curves/${TAG}_ours.jsonl
+  setsid nohup bash -c "
+    while [ -f $RUNS/ours.log ] && [ ! -f $RUNS/ours.done ]; do sleep 2; done
+    $LAPLACE train --config $CFG --init $RUNS/init.safetensors $DATA_Q --out $RUNS/fp8 --device cuda --dtype bf16 \
+      ${HP[*]} --no-shuffle --peak-tflops 989 --log-every 50 --stop-after ${FP8_STEPS:-$STOP1} --precision fp8
+    echo exit \$? > $RUNS/fp8.done" > $RUNS/fp8.log 2>&1 < /dev/null &
+  stamp "fp8 run started (${FP8_STEPS:-$STOP1} steps, after our run)"
 fi
 
 if has side; then
@@ -245,26 +269,29 @@ collect() {
   cp $RUNS/ours/metrics.jsonl $RUNS/ours_metrics.jsonl 2>/dev/null
   cp $RUNS/ref/metrics.jsonl $RUNS/ref_metrics.jsonl 2>/dev/null
   cp $RUNS/twin/metrics.jsonl $RUNS/twin_metrics.jsonl 2>/dev/null
+  cp $RUNS/fp8/metrics.jsonl $RUNS/fp8_metrics.jsonl 2>/dev/null
   cat $RUNS/quality_results.jsonl $RUNS/hf_*.jsonl $RUNS/mqar/results.jsonl > "$OUT/figures.jsonl" 2>/dev/null
   # (not $RUNS/*.jsonl: the decompressed corpus, docs.jsonl, is there too)
   tar czf "$OUT/runs.tar.gz" $RUNS/*.log $RUNS/*.done $RUNS/ours_metrics.jsonl $RUNS/ref_metrics.jsonl $RUNS/twin_metrics.jsonl \
-    $RUNS/quality_results.jsonl $RUNS/hf_*.jsonl $RUNS/ours/tb $RUNS/quality $RUNS/mqar $RUNS/data/prepare.json \
+    $RUNS/fp8_metrics.jsonl $RUNS/quality_results.jsonl $RUNS/hf_*.jsonl $RUNS/ours/tb $RUNS/quality $RUNS/mqar $RUNS/data/prepare.json \
     $RUNS/bench_a*/metrics.jsonl 2>/dev/null
   cp $RUNS/gpu_tests.log "$OUT/" 2>/dev/null
 }
 
 if has wait; then
   # A machine that went back between calls comes back bare: then there is nothing to wait for.
-  if [ ! -f $RUNS/ours.log ] && [ ! -f $RUNS/ref.log ] && [ ! -f $RUNS/twin.log ]; then
+  if [ ! -f $RUNS/ours.log ] && [ ! -f $RUNS/ref.log ] && [ ! -f $RUNS/twin.log ] && [ ! -f $RUNS/fp8.log ]; then
     stamp "no runs here: this is a fresh machine (the last one went back between calls); start them again"
     WAIT_S=0
   fi
   while (( $(date +%s) - t0 < WAIT_S )); do
-    [ -f $RUNS/ours.done ] && [ -f $RUNS/ref.done ] && { [ ! -f $RUNS/twin.log ] || [ -f $RUNS/twin.done ]; } && break
+    [ -f $RUNS/ours.done ] && [ -f $RUNS/ref.done ] && { [ ! -f $RUNS/twin.log ] || [ -f $RUNS/twin.done ]; } &&
+      { [ ! -f $RUNS/fp8.log ] || [ -f $RUNS/fp8.done ]; } && break
     sleep 10
   done
   stamp "ours: $(grep -E '^step' $RUNS/ours.log 2>/dev/null | tail -1) $(cat $RUNS/ours.done 2>/dev/null)"
   stamp "ref:  $(grep -E '^step' $RUNS/ref.log 2>/dev/null | tail -1) $(cat $RUNS/ref.done 2>/dev/null)"
+  [ -f $RUNS/fp8.log ] && stamp "fp8:  $(grep -E '^step' $RUNS/fp8.log 2>/dev/null | tail -1) $(cat $RUNS/fp8.done 2>/dev/null)"
   [ -f $RUNS/twin.log ] && stamp "twin: $(grep -E '^step' $RUNS/twin.log 2>/dev/null | tail -1) $(cat $RUNS/twin.done 2>/dev/null)"
   if [ -f $RUNS/ours.done ] && [ -d $RUNS/ours/tb ]; then
     $PY scripts/check_tensorboard.py $RUNS/ours/tb >> "$OUT/summary.txt" 2>&1; stamp "tensorboard check exit $?"
@@ -277,6 +304,15 @@ if has compare && [ -f $RUNS/twin.done ]; then
     --tag ${TAG}_twin --results "$OUT/results.jsonl" --commit "$COMMIT" --device "NVIDIA H200" \
     --command "scripts/device_train125m.sh (stages twin, compare)" --labels "laplace B16x2,laplace B32x1" \
     --plot "$OUT/twin.png" 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+fi
+
+if has compare && [ -f $RUNS/fp8.done ]; then
+  OURS=$RUNS/ours/metrics.jsonl
+  [ -f "$OURS" ] || OURS=bench/curves/${TAG}_ours.jsonl
+  $PY scripts/compare_runs.py "$OURS" $RUNS/fp8/metrics.jsonl --last 200 --prefix fp8 --tag laplace125m \
+    --results "$OUT/results.jsonl" --commit "$COMMIT" --device "NVIDIA H200" \
+    --command "scripts/device_train125m.sh (stages train fp8 compare)" --labels "bf16,fp8" \
+    --plot "$OUT/fp8.png" 2>&1 | tee -a "$OUT/summary.txt"
 fi
 
 if has compare && [ -f $RUNS/ref.done ]; then

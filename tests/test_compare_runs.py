@@ -65,6 +65,18 @@ class CompareRuns(unittest.TestCase):
         self.assertEqual(lines["convergence_mean_abs_dloss_t"]["commit"], "abc")
         self.assertEqual(lines["convergence_mean_abs_dloss_t"]["device"], "dev")
 
+    def test_prefix_names_the_figures(self):
+        ref = [4.0 - 0.1 * s for s in range(10)]
+        write(self.path("ours.jsonl"), [x + 0.01 for x in ref], vals=[(9, 3.03)])
+        write(self.path("ref.jsonl"), ref, vals=[(9, 3.0)])
+        res = self.path("results.jsonl")
+        rc, _, err = run(self.path("ours.jsonl"), self.path("ref.jsonl"), "--tag", "m", "--prefix", "fp8",
+                         "--results", res)
+        self.assertEqual(rc, 0, err)
+        lines = {r["bench"]: r["value"] for r in map(json.loads, open(res))}
+        self.assertEqual(sorted(lines), ["fp8_mean_abs_dloss_m", "fp8_mean_abs_dloss_ma20_m", "fp8_val_rel_diff_m"])
+        self.assertAlmostEqual(lines["fp8_val_rel_diff_m"], 0.01, places=6)
+
     def test_a_steady_offset_survives_smoothing(self):
         # A bias is not noise: the moving averages differ by it as much as the raw curves.
         ref = [3.0] * 40
