@@ -45,12 +45,13 @@ struct Row {
 bool g_random = false;  // --random 1
 
 // Every non-integer tensor of the arena: 0.01, or (g_random) uniform in [−0.5, 0.5] from a
-// fixed-seed generator, made on the host in the tensor's dtype and copied over.
+// fixed-seed generator, made on the host in the tensor's dtype and copied over. FP8 codes are
+// left alone: the quantisers write them before a product reads them.
 void fill_inputs(Backend& be, Arena& a) {
   uint64_t x = 0x9e3779b97f4a7c15ull;
   for (size_t i = 0; i < a.size(); ++i) {
     Tensor t = a.tensor(i);
-    if (t.dtype == DType::kI32) continue;
+    if (t.dtype == DType::kI32 || t.dtype == DType::kF8E4M3) continue;
     if (!g_random || (t.dtype != DType::kBF16 && t.dtype != DType::kF32)) {
       be.fill(t, 0.01);
       continue;
@@ -271,6 +272,91 @@ int bench_train_ops(Backend& e, const Config& c, int64_t B, int64_t T, int64_t L
 
 }  // namespace
 
+// The FP8 products' parts at laplace-3b's four body projections (ops/backend.h's
+// quantize_rows_e4m3, quantize_cols_e4m3, gemm_e4m3; Model::project and project_backward use them
+// in this order): each quantiser's time and its rate in GB/s of operand read once plus codes
+// written, each FP8 product against the bf16 gemm it replaces, and per micro-batch (training, M
+// tokens) and per decode step (B rows) the totals over L layers.
+int bench_fp8_ops(Backend& e, const Config& c, int64_t B, int64_t M, int64_t L, int reps) {
+  const int64_t D = c.hidden_size, R = c.qkvg_rows(), F = c.ffn_size, HV = c.num_heads * c.head_v_dim;
+  struct Proj {
+    const char* name;
+    int64_t in, out;
+  };
+  const Proj projs[] = {{"qkvg", D, R}, {"wo", HV, D}, {"w12", D, 2 * F}, {"w3", F, D}};
+  int64_t in_max = 0, out_max = 0;
+  for (const Proj& p : projs) in_max = std::max(in_max, p.in), out_max = std::max(out_max, p.out);
+  const DType bf = DType::kBF16, f32 = DType::kF32, f8 = DType::kF8E4M3;
+  Arena a;
+  Status st = a.create({{"x", bf, {M, in_max}},       {"dy", bf, {M, out_max}},    {"y", bf, {M, out_max}},
+                        {"dx", bf, {M, in_max}},      {"w", bf, {out_max, in_max}}, {"gw", f32, {out_max, in_max}},
+                        {"xq", f8, {M * in_max}},     {"xs", f32, {M}},            {"dyq", f8, {M * out_max}},
+                        {"dys", f32, {M}},            {"dytq", f8, {M * out_max}}, {"dyts", f32, {out_max}},
+                        {"xtq", f8, {M * in_max}},    {"xts", f32, {in_max}},      {"wq", f8, {out_max * in_max}},
+                        {"ws", f32, {out_max}},       {"wtq", f8, {out_max * in_max}}, {"wts", f32, {in_max}}},
+                       e.allocator(), "bench_ops fp8");
+  if (!st.is_ok()) {
+    std::fprintf(stderr, "bench_ops: fp8: %s\n", st.to_string().c_str());
+    return 1;
+  }
+  auto t = [&](const char* n) { return a.tensor(static_cast<size_t>(a.find(n))); };
+  fill_inputs(e, a);
+  auto mat = [](const Tensor& buf, DType dt, int64_t r, int64_t cc) {
+    const int64_t shape[2] = {r, cc};
+    return Tensor::make(buf.data, dt, shape, 2, buf.device);
+  };
+  auto gbs = [](double bytes, double ms) { return bytes / (ms * 1e6); };
+  std::printf("FP8 parts, laplace-3b projections; decode %lld rows, training %lld tokens, %lld layers\n",
+              (long long)B, (long long)M, (long long)L);
+  double dec_bf16 = 0, dec_fp8 = 0, tr_bf16 = 0, tr_fp8 = 0, tr_quant = 0;
+  for (const Proj& p : projs) {
+    const int64_t K = p.in, O = p.out;
+    const Tensor w = mat(t("w"), bf, O, K), wq = mat(t("wq"), f8, O, K), ws = t("ws").slice(0, 0, O);
+    const Tensor wtq = mat(t("wtq"), f8, K, O), wts = t("wts").slice(0, 0, K);
+    e.quantize_rows_e4m3(w, wq, ws);
+    e.quantize_cols_e4m3(w, wtq, wts);
+    for (const int64_t n : {B, M}) {
+      const Tensor x = mat(t("x"), bf, n, K), y = mat(t("y"), bf, n, O);
+      const Tensor xq = mat(t("xq"), f8, n, K), xs = t("xs").slice(0, 0, n);
+      const double q_rows = time_ms(e, reps, [&] { e.quantize_rows_e4m3(x, xq, xs); });
+      const double g8 = time_ms(e, reps, [&] { e.gemm_e4m3(xq, xs, wq, ws, Tensor{}, y); });
+      const double g16 = time_ms(e, reps, [&] { e.gemm(x, false, w, true, y, 1.0, 0.0); });
+      std::printf("  %-4s [%6lld, %5lld] x [%5lld]: quantize rows %.4f ms (%5.0f GB/s) | gemm fp8 %.4f ms, bf16 %.4f ms "
+                  "(x %.2f)\n",
+                  p.name, (long long)n, (long long)K, (long long)O, q_rows, gbs(3.0 * n * K, q_rows), g8, g16, g16 / g8);
+      if (n == B) {
+        dec_bf16 += g16 * L, dec_fp8 += (q_rows + g8) * L;
+        continue;
+      }
+      const Tensor dy = mat(t("dy"), bf, n, O), dx = mat(t("dx"), bf, n, K), gw = mat(t("gw"), f32, O, K);
+      const Tensor dyq = mat(t("dyq"), f8, n, O), dys = t("dys").slice(0, 0, n);
+      const Tensor dytq = mat(t("dytq"), f8, O, n), dyts = t("dyts").slice(0, 0, O);
+      const Tensor xtq = mat(t("xtq"), f8, K, n), xts = t("xts").slice(0, 0, K);
+      const double q_dy = time_ms(e, reps, [&] { e.quantize_rows_e4m3(dy, dyq, dys); });
+      const double c_dy = time_ms(e, reps, [&] { e.quantize_cols_e4m3(dy, dytq, dyts); });
+      const double c_x = time_ms(e, reps, [&] { e.quantize_cols_e4m3(x, xtq, xts); });
+      const double g8_dx = time_ms(e, reps, [&] { e.gemm_e4m3(dyq, dys, wtq, wts, Tensor{}, dx); });
+      const double g8_dw = time_ms(e, reps, [&] { e.gemm_e4m3(dytq, dyts, xtq, xts, gw, gw); });
+      const double g16_dx = time_ms(e, reps, [&] { e.gemm(dy, false, w, false, dx, 1.0, 0.0); });
+      const double g16_dw = time_ms(e, reps, [&] { e.gemm(dy, true, x, false, gw, 1.0, 1.0); });
+      std::printf("        backward: quantize dY rows %.4f ms (%5.0f GB/s), dY cols %.4f ms (%5.0f GB/s), X cols %.4f "
+                  "ms (%5.0f GB/s)\n",
+                  q_dy, gbs(3.0 * n * O, q_dy), c_dy, gbs(3.0 * n * O, c_dy), c_x, gbs(3.0 * n * K, c_x));
+      std::printf("        backward: dX fp8 %.4f ms, bf16 %.4f ms (x %.2f) | dW fp8 %.4f ms, bf16 %.4f ms (x %.2f)\n", g8_dx,
+                  g16_dx, g16_dx / g8_dx, g8_dw, g16_dw, g16_dw / g8_dw);
+      const double quant = q_rows + q_dy + c_dy + c_x;
+      tr_quant += quant * L;
+      tr_fp8 += (quant + g8 + g8_dx + g8_dw) * L;
+      tr_bf16 += (g16 + g16_dx + g16_dw) * L;
+    }
+  }
+  std::printf("decode step, %lld layers: projections bf16 %.3f ms, fp8 %.3f ms (quantisers included)\n", (long long)L,
+              dec_bf16, dec_fp8);
+  std::printf("training micro-batch, %lld layers: projections bf16 %.3f ms, fp8 %.3f ms, of which quantisers %.3f ms\n",
+              (long long)L, tr_bf16, tr_fp8, tr_quant);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   int64_t B = 1280, P = 8192, L = 24, TB = 8, TT = 2048;
   int reps = 10;
@@ -282,7 +368,7 @@ int main(int argc, char** argv) {
   app.add_option("--reps", reps, "timed calls per op (mean)")->check(CLI::Range(1, 1 << 30));
   app.add_option("--train-batch", TB, "training micro-batch")->check(CLI::Range(1, 1 << 30));
   app.add_option("--train-seq", TT, "training tokens per sequence")->check(CLI::Range(1, 1 << 30));
-  app.add_option("--only", only, "one section")->check(CLI::IsMember({"decode", "prefill", "train"}));
+  app.add_option("--only", only, "one section")->check(CLI::IsMember({"decode", "prefill", "train", "fp8"}));
   app.add_option("--random", g_random, "1: uniform noise inputs instead of the constant 0.01");
   CLI11_PARSE(app, argc, argv);
   std::string why;
@@ -295,6 +381,7 @@ int main(int argc, char** argv) {
   c.vocab_size = 92160, c.hidden_size = 3072, c.num_layers = 1, c.num_heads = 16;
   c.head_k_dim = 96, c.head_v_dim = 192, c.ffn_size = 8192, c.chunk_size = 128;
   if (only == "train") return bench_train_ops(*be, c, TB, TT, L, reps);
+  if (only == "fp8") return bench_fp8_ops(*be, c, B, TB * TT, L, reps);
   const int64_t D = c.hidden_size, R = c.qkvg_rows(), F = c.ffn_size, V = c.vocab_size, H = c.num_heads;
   const int64_t dk = c.head_k_dim, dv = c.head_v_dim, K = c.conv_size;
   const int64_t N = std::max(B, P);

@@ -319,8 +319,9 @@ TEST_F(CudaOps, Fp8QuantizeAndGemmAtModelShapes) {
 }
 
 // Per column, transposed, at the training step's operands of laplace-3b (W_qkvg for dX = dY·W, a
-// micro-batch's dY of W_o and its input X for dW = dYᵀ·X, X a column block of a wider matrix):
-// the CPU backend's codes and scales bit for bit, from BF16 and F32.
+// micro-batch's dY of W_o and its input X for dW = dYᵀ·X, X a column block of a wider matrix) and
+// at ragged shapes that take the kernels' edge paths: the CPU backend's codes and scales bit for
+// bit, from BF16 and F32, per column and per row.
 TEST_F(CudaOps, Fp8QuantizeColsAtTrainingShapes) {
   struct Shape {
     const char* what;
@@ -330,7 +331,9 @@ TEST_F(CudaOps, Fp8QuantizeColsAtTrainingShapes) {
   const Shape shapes[] = {{"W_qkvg [9216, 3072], bf16", 9216, 3072, 3072, kBF16},
                           {"dY of W_o [16384, 3072], bf16", 16384, 3072, 3072, kBF16},
                           {"X [16384, 3072] inside [16384, 3200], f32", 16384, 3072, 3200, kF32},
-                          {"ragged [1000, 77], f32", 1000, 77, 77, kF32}};
+                          {"ragged [1000, 77], f32", 1000, 77, 77, kF32},
+                          {"ragged [999, 77], bf16 (rows not whole words)", 999, 77, 77, kBF16},
+                          {"[1001, 264] inside [1001, 272], bf16 (rows not whole tiles)", 1001, 264, 272, kBF16}};
   uint64_t seed = 60;
   for (const Shape& sh : shapes) {
     SCOPED_TRACE(sh.what);
@@ -344,6 +347,15 @@ TEST_F(CudaOps, Fp8QuantizeColsAtTrainingShapes) {
     auto dq = down(q.t), ds = down(sc.t);
     EXPECT_EQ(0, std::memcmp(dq->t.data, hq->t.data, static_cast<size_t>(sh.R * sh.C))) << "codes";
     EXPECT_EQ(0, std::memcmp(ds->t.data, hs->t.data, static_cast<size_t>(sh.C) * 4)) << "scales";
+    // The same rows per row: the strided, ragged and odd-length rows take the one-element kernel.
+    auto hrq = host_tensor(DType::kF8E4M3, {sh.R, sh.C});
+    auto hrs = host_tensor(kF32, {sh.R});
+    DevTensor rq(*cuda_, DType::kF8E4M3, {sh.R, sh.C}), rs(*cuda_, kF32, {sh.R});
+    cpu_->quantize_rows_e4m3(xr, hrq->t, hrs->t);
+    cuda_->quantize_rows_e4m3(xd, rq.t, rs.t);
+    auto drq = down(rq.t), drs = down(rs.t);
+    EXPECT_EQ(0, std::memcmp(drq->t.data, hrq->t.data, static_cast<size_t>(sh.R * sh.C))) << "row codes";
+    EXPECT_EQ(0, std::memcmp(drs->t.data, hrs->t.data, static_cast<size_t>(sh.R) * 4)) << "row scales";
   }
 }
 

@@ -1,9 +1,11 @@
 // FP8 products (ops/backend.h's quantize_rows_e4m3, quantize_cols_e4m3 and gemm_e4m3) on CUDA.
 //
-// Quantisation: one block per row finds max |x| and writes the row's codes with the same
-// arithmetic as core/fp8.h's e4m3_quantize_row (the scale max/448, each value divided by it,
-// rounded to nearest even and saturated by __nv_cvt_float_to_fp8's SATFINITE), so F32 rows give
-// the CPU backend's codes and scales bit for bit.
+// Quantisation keeps core/fp8.h's arithmetic (the scale max/448, each value divided by it,
+// rounded to nearest even and saturated by __nv_cvt_float_to_fp8's SATFINITE), so the codes and
+// scales equal the CPU backend's bit for bit; the maxima are order-free, so how the kernels split
+// the work does not change a bit. The kernels are bandwidth-bound passes over the operand: rows
+// whose alignment allows it move 16 bytes per load and their codes 4 or 8 bytes per store, others
+// take the same kernels one element at a time.
 //
 // Product: cuBLASLt's FP8 matmul wants its A transposed and its B not ("TN"): with our row-major
 // X [M, K] and W [N, K] read column-major as Xᵀ [K, M] and Wᵀ [K, N], cuBLAS's A is W (op T) and
@@ -14,6 +16,8 @@
 // partitioning of K. A residual c is cuBLASLt's C operand (β = 1), added before the one rounding.
 #include <cuda_fp8.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 
 #include "ops/cuda/cuda_common.cuh"
@@ -22,22 +26,50 @@ namespace laplace {
 namespace cuda {
 namespace {
 
-constexpr int kQuantThreads = 256;
-
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 
-__global__ void quantize_rows_e4m3_kernel(const void* x, int dt, int64_t ld, int64_t cols, __nv_fp8_storage_t* q,
-                                          float* s) {
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// V consecutive values at p as floats: one 16-byte load when V > 1 (p 16-byte aligned).
+template <typename T, int V>
+__device__ __forceinline__ void load_vec(const T* p, float* f) {
+  if constexpr (V == 1) {
+    f[0] = to_float(p[0]);
+  } else {
+    static_assert(V * sizeof(T) == 16, "a vector is 16 bytes");
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const T* t = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int j = 0; j < V; ++j) f[j] = to_float(t[j]);
+  }
+}
+
+__device__ __forceinline__ uint32_t e4m3(float v, float scale) {
+  return __nv_cvt_float_to_fp8(v / scale, __NV_SATFINITE, __NV_E4M3);
+}
+
+__device__ __forceinline__ float scale_of(float amax) { return amax > 0.f ? amax / 448.f : 1.f; }
+
+// Per row: one block per row finds max |x|, then writes the row's codes (a second read, from L2).
+template <typename T, int V>
+__global__ void quantize_rows_e4m3_kernel(const T* x, int64_t ld, int64_t cols, __nv_fp8_storage_t* q, float* s) {
   __shared__ float sh[32];
   __shared__ float scale;
   const int64_t r = blockIdx.x;
-  const int64_t base = r * ld;
+  const T* row = x + r * ld;
+  const int64_t step = static_cast<int64_t>(blockDim.x) * V;
   float amax = 0.f;
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) amax = fmaxf(amax, fabsf(ldf(x, base + c, dt)));
+  for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < cols; c += step) {
+    float f[V];
+    load_vec<T, V>(row + c, f);
+#pragma unroll
+    for (int j = 0; j < V; ++j) amax = fmaxf(amax, fabsf(f[j]));
+  }
   amax = warp_max(amax);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) sh[warp] = amax;
@@ -46,58 +78,145 @@ __global__ void quantize_rows_e4m3_kernel(const void* x, int dt, int64_t ld, int
     float m = lane < (blockDim.x + 31) / 32 ? sh[lane] : 0.f;
     m = warp_max(m);
     if (lane == 0) {
-      scale = m > 0.f ? m / 448.f : 1.f;
+      scale = scale_of(m);
       s[r] = scale;
     }
   }
   __syncthreads();
   const float sc = scale;
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-    q[r * cols + c] = __nv_cvt_float_to_fp8(ldf(x, base + c, dt) / sc, __NV_SATFINITE, __NV_E4M3);
+  __nv_fp8_storage_t* qr = q + r * cols;
+  for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < cols; c += step) {
+    float f[V];
+    load_vec<T, V>(row + c, f);
+    if constexpr (V == 1) {
+      qr[c] = static_cast<__nv_fp8_storage_t>(e4m3(f[0], sc));
+    } else {
+      uint32_t w[V / 4] = {};
+#pragma unroll
+      for (int j = 0; j < V; ++j) w[j / 4] |= e4m3(f[j], sc) << (8 * (j % 4));
+      if constexpr (V == 8) *reinterpret_cast<uint2*>(qr + c) = make_uint2(w[0], w[1]);
+      else *reinterpret_cast<uint32_t*>(qr + c) = w[0];
+    }
+  }
+}
+
+// Per column, written transposed, in three passes over tiles of kColRows rows × 32·V columns
+// (blocks of 32 × 8 threads, a thread's V columns adjacent): the columns' max |x| into s as F32
+// bits by atomicMax (non-negative floats order as their bits do), then the codes, then s turned
+// into scales. A block of many rows' worth of columns keeps every SM busy, where one block per
+// column strip would serialise the rows.
+constexpr int kColRows = 128;
+constexpr int kColWords = kColRows / 4;  // one column of a tile's codes, as 32-bit words
+
+template <typename T, int V>
+__global__ void column_amax_kernel(const T* x, int64_t ld, int64_t rows, int64_t cols, unsigned* amax) {
+  __shared__ float part[8][32 * V];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * 32 * V, c = c0 + tx * V;
+  float m[V] = {};
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * kColRows; r0 < rows;
+       r0 += static_cast<int64_t>(gridDim.y) * kColRows) {
+    const int64_t r1 = min(r0 + kColRows, rows);
+    if (c < cols)
+      for (int64_t r = r0 + ty; r < r1; r += 8) {
+        float f[V];
+        load_vec<T, V>(x + r * ld + c, f);
+#pragma unroll
+        for (int j = 0; j < V; ++j) m[j] = fmaxf(m[j], fabsf(f[j]));
+      }
+  }
+#pragma unroll
+  for (int j = 0; j < V; ++j) part[ty][tx * V + j] = m[j];
+  __syncthreads();
+  for (int j = ty * 32 + tx; j < 32 * V; j += 256) {
+    float v = part[0][j];
+#pragma unroll
+    for (int i = 1; i < 8; ++i) v = fmaxf(v, part[i][j]);
+    if (c0 + j < cols && v > 0.f) atomicMax(amax + c0 + j, __float_as_uint(v));
+  }
+}
+
+// Each thread quantises its V columns over 4 consecutive rows and packs each column's 4 codes
+// into one word of the shared tile [32·V columns][kColWords]; the word's place in its column is
+// rotated by the writing lane, so that a warp's lanes hit 32 different banks both when they
+// write (one word each of different columns) and when they read (the words of one column).
+// Each warp then writes whole rows of qt: kColRows codes of one column, as words when `words`.
+template <typename T, int V>
+__global__ void column_codes_kernel(const T* x, int64_t ld, int64_t rows, int64_t cols, const unsigned* amax,
+                                    __nv_fp8_storage_t* qt, bool words) {
+  __shared__ uint32_t tile[32 * V * kColWords];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * 32 * V, c = c0 + tx * V;
+  float sc[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) sc[j] = scale_of(c + j < cols ? __uint_as_float(amax[c + j]) : 0.f);
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * kColRows; r0 < rows;
+       r0 += static_cast<int64_t>(gridDim.y) * kColRows) {
+    for (int w = ty; w < kColWords; w += 8) {
+      uint32_t packed[V] = {};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int64_t r = r0 + 4 * w + k;
+        float f[V] = {};
+        if (r < rows && c < cols) load_vec<T, V>(x + r * ld + c, f);
+#pragma unroll
+        for (int j = 0; j < V; ++j) packed[j] |= e4m3(f[j], sc[j]) << (8 * k);
+      }
+#pragma unroll
+      for (int j = 0; j < V; ++j) tile[(tx * V + j) * kColWords + ((w + tx) & (kColWords - 1))] = packed[j];
+    }
+    __syncthreads();
+    const int64_t r = r0 + 4 * tx;
+    for (int i = ty; i < 32 * V && c0 + i < cols; i += 8) {
+      const uint32_t word = tile[i * kColWords + ((tx + i / V) & (kColWords - 1))];
+      __nv_fp8_storage_t* dst = qt + (c0 + i) * rows + r;
+      if (words && r + 3 < rows) {
+        *reinterpret_cast<uint32_t*>(dst) = word;
+      } else {
+        for (int k = 0; k < 4 && r + k < rows; ++k) dst[k] = static_cast<__nv_fp8_storage_t>(word >> (8 * k));
+      }
+    }
+    __syncthreads();
+  }
+}
+
+__global__ void column_scales_kernel(float* s, int64_t cols) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c < cols) s[c] = scale_of(s[c]);
+}
+
+// Rows of x may move 16 bytes at a time: x's rows start 16-byte aligned and hold whole vectors.
+template <typename T>
+bool vector_rows(const void* x, int64_t ld, int64_t cols) {
+  constexpr int64_t v = 16 / sizeof(T);
+  return aligned16(x) && ld % v == 0 && cols % v == 0;
+}
+
+template <typename T, int V>
+void launch_rows(const Tensor& x, int64_t ld, Tensor q, Tensor s, cudaStream_t st) {
+  const int64_t R = x.shape[0], C = x.shape[1];
+  const int threads = V == 1 ? 256 : 128;
+  quantize_rows_e4m3_kernel<T, V><<<static_cast<unsigned>(R), threads, 0, st>>>(
+      static_cast<const T*>(x.data), ld, C, static_cast<__nv_fp8_storage_t*>(q.data), static_cast<float*>(s.data));
+}
+
+template <typename T, int V>
+void launch_cols(const Tensor& x, int64_t ld, Tensor qt, Tensor s, cudaStream_t st) {
+  const int64_t R = x.shape[0], C = x.shape[1];
+  const dim3 block(32, 8);
+  const dim3 grid(static_cast<unsigned>((C + 32 * V - 1) / (32 * V)),
+                  static_cast<unsigned>(std::clamp<int64_t>((R + kColRows - 1) / kColRows, 1, 65535)));
+  const T* xp = static_cast<const T*>(x.data);
+  unsigned* amax = static_cast<unsigned*>(s.data);
+  auto* q = static_cast<__nv_fp8_storage_t*>(qt.data);
+  const bool words = R % 4 == 0 && reinterpret_cast<uintptr_t>(qt.data) % 4 == 0;
+  CUDA_CHECK(cudaMemsetAsync(s.data, 0, static_cast<size_t>(C) * sizeof(float), st));
+  column_amax_kernel<T, V><<<grid, block, 0, st>>>(xp, ld, R, C, amax);
+  column_codes_kernel<T, V><<<grid, block, 0, st>>>(xp, ld, R, C, amax, q, words);
+  column_scales_kernel<<<static_cast<unsigned>((C + 255) / 256), 256, 0, st>>>(static_cast<float*>(s.data), C);
 }
 
 }  // namespace
-
-// Per column, written transposed (quantize_cols_e4m3): one block of 32 × 8 threads per 32 columns.
-// First each column's max |x| over every row (a warp reads 32 adjacent columns of a row), then the
-// codes through a 32 × 33 shared tile, so that both the reads of x and the writes of qt's rows are
-// adjacent addresses. The arithmetic is the row kernel's: scale max/448, each value divided by it.
-constexpr int kColTile = 32, kColRowsPerPass = 8;
-
-__global__ void quantize_cols_e4m3_kernel(const void* x, int dt, int64_t ld, int64_t rows, int64_t cols,
-                                          __nv_fp8_storage_t* qt, float* s) {
-  __shared__ float part[kColRowsPerPass][kColTile];
-  __shared__ float scale[kColTile];
-  __shared__ float tile[kColTile][kColTile + 1];
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kColTile, c = c0 + tx;
-  float amax = 0.f;
-  if (c < cols)
-    for (int64_t r = ty; r < rows; r += kColRowsPerPass) amax = fmaxf(amax, fabsf(ldf(x, r * ld + c, dt)));
-  part[ty][tx] = amax;
-  __syncthreads();
-  if (ty == 0) {
-    float m = part[0][tx];
-    for (int i = 1; i < kColRowsPerPass; ++i) m = fmaxf(m, part[i][tx]);
-    const float sc = m > 0.f ? m / 448.f : 1.f;
-    scale[tx] = sc;
-    if (c < cols) s[c] = sc;
-  }
-  __syncthreads();
-  for (int64_t r0 = 0; r0 < rows; r0 += kColTile) {
-    for (int i = ty; i < kColTile; i += kColRowsPerPass) {
-      const int64_t r = r0 + i;
-      tile[i][tx] = r < rows && c < cols ? ldf(x, r * ld + c, dt) : 0.f;
-    }
-    __syncthreads();
-    for (int j = ty; j < kColTile; j += kColRowsPerPass) {
-      const int64_t cc = c0 + j, r = r0 + tx;
-      if (cc < cols && r < rows)
-        qt[cc * rows + r] = __nv_cvt_float_to_fp8(tile[tx][j] / scale[j], __NV_SATFINITE, __NV_E4M3);
-    }
-    __syncthreads();
-  }
-}
 
 inline void check_e4m3_matrix(const Tensor& t, const char* what) {
   check_device(t, what);
@@ -128,8 +247,14 @@ void CudaBackend::quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s) {
   cuda::check_scales(s, R, "quantize_rows_e4m3: s");
   if (R == 0 || C == 0) return;
   const int64_t ld = std::max<int64_t>(x.stride[0], C);
-  cuda::quantize_rows_e4m3_kernel<<<static_cast<unsigned>(R), cuda::kQuantThreads, 0, stream_>>>(
-      x.data, dt, ld, C, static_cast<__nv_fp8_storage_t*>(q.data), static_cast<float*>(s.data));
+  const bool q8 = reinterpret_cast<uintptr_t>(q.data) % 8 == 0;
+  if (dt == cuda::kBF16) {
+    if (q8 && cuda::vector_rows<__nv_bfloat16>(x.data, ld, C)) cuda::launch_rows<__nv_bfloat16, 8>(x, ld, q, s, stream_);
+    else cuda::launch_rows<__nv_bfloat16, 1>(x, ld, q, s, stream_);
+  } else {
+    if (q8 && cuda::vector_rows<float>(x.data, ld, C)) cuda::launch_rows<float, 4>(x, ld, q, s, stream_);
+    else cuda::launch_rows<float, 1>(x, ld, q, s, stream_);
+  }
   CUDA_CHECK_LAUNCH();
 }
 
@@ -146,11 +271,13 @@ void CudaBackend::quantize_cols_e4m3(const Tensor& x, Tensor qt, Tensor s) {
   cuda::check_scales(s, C, "quantize_cols_e4m3: s");
   if (C == 0) return;  // no rows: every scale is 1, as on the CPU
   const int64_t ld = std::max<int64_t>(x.stride[0], C);
-  const dim3 block(cuda::kColTile, cuda::kColRowsPerPass);
-  const unsigned grid = static_cast<unsigned>((C + cuda::kColTile - 1) / cuda::kColTile);
-  cuda::quantize_cols_e4m3_kernel<<<grid, block, 0, stream_>>>(x.data, dt, ld, R, C,
-                                                              static_cast<__nv_fp8_storage_t*>(qt.data),
-                                                              static_cast<float*>(s.data));
+  if (dt == cuda::kBF16) {
+    if (cuda::vector_rows<__nv_bfloat16>(x.data, ld, C)) cuda::launch_cols<__nv_bfloat16, 8>(x, ld, qt, s, stream_);
+    else cuda::launch_cols<__nv_bfloat16, 1>(x, ld, qt, s, stream_);
+  } else {
+    if (cuda::vector_rows<float>(x.data, ld, C)) cuda::launch_cols<float, 4>(x, ld, qt, s, stream_);
+    else cuda::launch_cols<float, 1>(x, ld, qt, s, stream_);
+  }
   CUDA_CHECK_LAUNCH();
 }
 
