@@ -131,7 +131,7 @@ if has train; then
       Q=\"--model $RUNS/ours --data '$RUNS/data/val_*.bin' --device cuda --out $RUNS/quality --results $RUNS/quality_results.jsonl\"
       for mode in 'copy --dtype bf16 --trials 64 --batch 16' 'passkey --dtype bf16 --trials 16 --batch 4' \
           'position --dtype bf16 --context 131072 --streams 7' \
-          'serving --dtype f32 --options defer4,defer8,defer16,bf16-weights,bf16-states --prompts 64 --prompt-len 128 --steps 256'; do
+          'serving --dtype f32 --options defer4,defer8,defer16,bf16-weights,bf16-states,fp8-weights,fp8 --prompts 64 --prompt-len 128 --steps 256'; do
         eval $LAPLACE eval \$mode \$Q; echo \"eval \${mode%% *} exit \$?\"
       done
     fi > $RUNS/quality.log 2>&1
