@@ -239,7 +239,8 @@ size_t Model::fp8_bytes() const { return fp8_.bytes() + fp8t_.bytes() + fp8_inpu
 
 Status Model::create_fp8_arena(bool training) {
   if (!be_->supports({"gemm_e4m3", dtype_, {}}) || !be_->supports({"quantize_rows_e4m3", dtype_, {}}) ||
-      (training && !be_->supports({"quantize_cols_e4m3", dtype_, {}})))
+      (training && (!be_->supports({"quantize_cols_e4m3", dtype_, {}}) ||
+                    !be_->supports({"quantize_rows_cols_e4m3", dtype_, {}}))))
     return Status::unsupported(std::string("the ") + be_->name() + " backend has no FP8 products for " +
                                dtype_name(dtype_) + " models");
   if (fp8_on_ || fp8_train_) return Status::unsupported("this model already computes in FP8");
@@ -383,11 +384,10 @@ void Model::project_backward(const Tensor& dy, const Tensor& w, const Fp8Matrix&
   }
   const int64_t N = dy.shape[0], O = dy.shape[1], I = x.shape[1];
   const Tensor dyq = fp8_codes(fp8_dyq_, N, O), dys = fp8_dys_.slice(0, 0, N);
-  be.quantize_rows_e4m3(dy, dyq, dys);
-  be.gemm_e4m3(dyq, dys, ft.q, ft.s, Tensor{}, dx);  // dx [N, I] = dY·W = dY·(Wᵀ)ᵀ
   const Tensor dytq = fp8_codes(fp8_dytq_, O, N), dyts = fp8_dyts_.slice(0, 0, O);
+  be.quantize_rows_cols_e4m3(dy, dyq, dys, dytq, dyts);
+  be.gemm_e4m3(dyq, dys, ft.q, ft.s, Tensor{}, dx);  // dx [N, I] = dY·W = dY·(Wᵀ)ᵀ
   const Tensor xtq = fp8_codes(fp8_xtq_, I, N), xts = fp8_xts_.slice(0, 0, I);
-  be.quantize_cols_e4m3(dy, dytq, dyts);
   be.quantize_cols_e4m3(x, xtq, xts);
   be.gemm_e4m3(dytq, dyts, xtq, xts, gw, gw);  // gw [O, I] += dYᵀ·X
 }

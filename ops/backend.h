@@ -168,6 +168,10 @@ class Backend {
   // contiguous rows with one scale per row of each operand: this gives it W, dY and X in
   // that form, each scale along a dimension the product keeps.
   virtual void quantize_cols_e4m3(const Tensor& x, Tensor qt, Tensor s);
+  // Both of the above from one x, which a training step needs of dY (per row for dX, per
+  // column for dW): the codes and scales of the two calls, bit for bit. The default makes the
+  // two calls; CUDA finds both maxima in one pass and writes both codes in another.
+  virtual void quantize_rows_cols_e4m3(const Tensor& x, Tensor q, Tensor s, Tensor qt, Tensor st);
   // y[m][n] = c[m][n] + xs[m] · ws[n] · Σ_k x[m][k] · w[n][k], i.e. y = c + X·Wᵀ of the
   // dequantised operands, rounded once: xq [M, K] and wq [N, K] F8E4M3, xs [M] and ws [N] F32,
   // y [M, N] contiguous (the dtypes of quantize_rows_e4m3's x), c undefined (no residual) or of

@@ -356,6 +356,15 @@ TEST_F(CudaOps, Fp8QuantizeColsAtTrainingShapes) {
     auto drq = down(rq.t), drs = down(rs.t);
     EXPECT_EQ(0, std::memcmp(drq->t.data, hrq->t.data, static_cast<size_t>(sh.R * sh.C))) << "row codes";
     EXPECT_EQ(0, std::memcmp(drs->t.data, hrs->t.data, static_cast<size_t>(sh.R) * 4)) << "row scales";
+    // Both at once (a training step's dY): the same codes and scales as the two calls.
+    DevTensor bq(*cuda_, DType::kF8E4M3, {sh.R, sh.C}), bs(*cuda_, kF32, {sh.R});
+    DevTensor bqt(*cuda_, DType::kF8E4M3, {sh.C, sh.R}), bst(*cuda_, kF32, {sh.C});
+    cuda_->quantize_rows_cols_e4m3(xd, bq.t, bs.t, bqt.t, bst.t);
+    auto dbq = down(bq.t), dbs = down(bs.t), dbqt = down(bqt.t), dbst = down(bst.t);
+    EXPECT_EQ(0, std::memcmp(dbq->t.data, hrq->t.data, static_cast<size_t>(sh.R * sh.C))) << "both: row codes";
+    EXPECT_EQ(0, std::memcmp(dbs->t.data, hrs->t.data, static_cast<size_t>(sh.R) * 4)) << "both: row scales";
+    EXPECT_EQ(0, std::memcmp(dbqt->t.data, hq->t.data, static_cast<size_t>(sh.R * sh.C))) << "both: column codes";
+    EXPECT_EQ(0, std::memcmp(dbst->t.data, hs->t.data, static_cast<size_t>(sh.C) * 4)) << "both: column scales";
   }
 }
 

@@ -104,12 +104,15 @@ __global__ void quantize_rows_e4m3_kernel(const T* x, int64_t ld, int64_t cols, 
 // (blocks of 32 × 8 threads, a thread's V columns adjacent): the columns' max |x| into s as F32
 // bits by atomicMax (non-negative floats order as their bits do), then the codes, then s turned
 // into scales. A block of many rows' worth of columns keeps every SM busy, where one block per
-// column strip would serialise the rows.
+// column strip would serialise the rows. With kRows the same passes also make the per-row codes
+// and scales (quantize_rows_cols_e4m3): each warp reads whole rows of the tile, so a row's
+// maximum over the tile is one warp reduction and one atomicMax.
 constexpr int kColRows = 128;
 constexpr int kColWords = kColRows / 4;  // one column of a tile's codes, as 32-bit words
 
-template <typename T, int V>
-__global__ void column_amax_kernel(const T* x, int64_t ld, int64_t rows, int64_t cols, unsigned* amax) {
+template <typename T, int V, bool kRows>
+__global__ void column_amax_kernel(const T* x, int64_t ld, int64_t rows, int64_t cols, unsigned* amax,
+                                   unsigned* row_amax) {
   __shared__ float part[8][32 * V];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * 32 * V, c = c0 + tx * V;
@@ -117,13 +120,20 @@ __global__ void column_amax_kernel(const T* x, int64_t ld, int64_t rows, int64_t
   for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * kColRows; r0 < rows;
        r0 += static_cast<int64_t>(gridDim.y) * kColRows) {
     const int64_t r1 = min(r0 + kColRows, rows);
-    if (c < cols)
-      for (int64_t r = r0 + ty; r < r1; r += 8) {
-        float f[V];
-        load_vec<T, V>(x + r * ld + c, f);
+    for (int64_t r = r0 + ty; r < r1; r += 8) {
+      float f[V] = {};
+      if (c < cols) load_vec<T, V>(x + r * ld + c, f);
+      float rm = 0.f;
 #pragma unroll
-        for (int j = 0; j < V; ++j) m[j] = fmaxf(m[j], fabsf(f[j]));
+      for (int j = 0; j < V; ++j) {
+        m[j] = fmaxf(m[j], fabsf(f[j]));
+        rm = fmaxf(rm, fabsf(f[j]));
       }
+      if constexpr (kRows) {
+        rm = warp_max(rm);
+        if (tx == 0 && rm > 0.f) atomicMax(row_amax + r, __float_as_uint(rm));
+      }
+    }
   }
 #pragma unroll
   for (int j = 0; j < V; ++j) part[ty][tx * V + j] = m[j];
@@ -141,9 +151,11 @@ __global__ void column_amax_kernel(const T* x, int64_t ld, int64_t rows, int64_t
 // rotated by the writing lane, so that a warp's lanes hit 32 different banks both when they
 // write (one word each of different columns) and when they read (the words of one column).
 // Each warp then writes whole rows of qt: kColRows codes of one column, as words when `words`.
-template <typename T, int V>
+// With kRows each thread also writes its V codes of each of its rows into q, in place.
+template <typename T, int V, bool kRows>
 __global__ void column_codes_kernel(const T* x, int64_t ld, int64_t rows, int64_t cols, const unsigned* amax,
-                                    __nv_fp8_storage_t* qt, bool words) {
+                                    __nv_fp8_storage_t* qt, bool words, const unsigned* row_amax,
+                                    __nv_fp8_storage_t* q) {
   __shared__ uint32_t tile[32 * V * kColWords];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * 32 * V, c = c0 + tx * V;
@@ -157,10 +169,26 @@ __global__ void column_codes_kernel(const T* x, int64_t ld, int64_t rows, int64_
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int64_t r = r0 + 4 * w + k;
+        const bool in = r < rows && c < cols;
         float f[V] = {};
-        if (r < rows && c < cols) load_vec<T, V>(x + r * ld + c, f);
+        if (in) load_vec<T, V>(x + r * ld + c, f);
 #pragma unroll
         for (int j = 0; j < V; ++j) packed[j] |= e4m3(f[j], sc[j]) << (8 * k);
+        if constexpr (kRows) {
+          if (in) {
+            const float rs = scale_of(__uint_as_float(row_amax[r]));
+            __nv_fp8_storage_t* qr = q + r * cols + c;
+            if constexpr (V == 1) {
+              qr[0] = static_cast<__nv_fp8_storage_t>(e4m3(f[0], rs));
+            } else {
+              uint32_t rw[V / 4] = {};
+#pragma unroll
+              for (int j = 0; j < V; ++j) rw[j / 4] |= e4m3(f[j], rs) << (8 * (j % 4));
+              if constexpr (V == 8) *reinterpret_cast<uint2*>(qr) = make_uint2(rw[0], rw[1]);
+              else *reinterpret_cast<uint32_t*>(qr) = rw[0];
+            }
+          }
+        }
       }
 #pragma unroll
       for (int j = 0; j < V; ++j) tile[(tx * V + j) * kColWords + ((w + tx) & (kColWords - 1))] = packed[j];
@@ -200,20 +228,43 @@ void launch_rows(const Tensor& x, int64_t ld, Tensor q, Tensor s, cudaStream_t s
       static_cast<const T*>(x.data), ld, C, static_cast<__nv_fp8_storage_t*>(q.data), static_cast<float*>(s.data));
 }
 
-template <typename T, int V>
-void launch_cols(const Tensor& x, int64_t ld, Tensor qt, Tensor s, cudaStream_t st) {
+// The column passes; with q and s defined (kRows) the row codes and scales too.
+template <typename T, int V, bool kRows>
+void launch_cols(const Tensor& x, int64_t ld, Tensor qt, Tensor st, Tensor q, Tensor s, cudaStream_t stream) {
   const int64_t R = x.shape[0], C = x.shape[1];
   const dim3 block(32, 8);
   const dim3 grid(static_cast<unsigned>((C + 32 * V - 1) / (32 * V)),
                   static_cast<unsigned>(std::clamp<int64_t>((R + kColRows - 1) / kColRows, 1, 65535)));
   const T* xp = static_cast<const T*>(x.data);
-  unsigned* amax = static_cast<unsigned*>(s.data);
-  auto* q = static_cast<__nv_fp8_storage_t*>(qt.data);
+  unsigned* amax = static_cast<unsigned*>(st.data);
+  unsigned* row_amax = kRows ? static_cast<unsigned*>(s.data) : nullptr;
+  auto* codes_t = static_cast<__nv_fp8_storage_t*>(qt.data);
+  auto* codes = kRows ? static_cast<__nv_fp8_storage_t*>(q.data) : nullptr;
   const bool words = R % 4 == 0 && reinterpret_cast<uintptr_t>(qt.data) % 4 == 0;
-  CUDA_CHECK(cudaMemsetAsync(s.data, 0, static_cast<size_t>(C) * sizeof(float), st));
-  column_amax_kernel<T, V><<<grid, block, 0, st>>>(xp, ld, R, C, amax);
-  column_codes_kernel<T, V><<<grid, block, 0, st>>>(xp, ld, R, C, amax, q, words);
-  column_scales_kernel<<<static_cast<unsigned>((C + 255) / 256), 256, 0, st>>>(static_cast<float*>(s.data), C);
+  CUDA_CHECK(cudaMemsetAsync(st.data, 0, static_cast<size_t>(C) * sizeof(float), stream));
+  if (kRows) CUDA_CHECK(cudaMemsetAsync(s.data, 0, static_cast<size_t>(R) * sizeof(float), stream));
+  column_amax_kernel<T, V, kRows><<<grid, block, 0, stream>>>(xp, ld, R, C, amax, row_amax);
+  column_codes_kernel<T, V, kRows><<<grid, block, 0, stream>>>(xp, ld, R, C, amax, codes_t, words, row_amax, codes);
+  column_scales_kernel<<<static_cast<unsigned>((C + 255) / 256), 256, 0, stream>>>(static_cast<float*>(st.data), C);
+  if (kRows)
+    column_scales_kernel<<<static_cast<unsigned>((R + 255) / 256), 256, 0, stream>>>(static_cast<float*>(s.data), R);
+}
+
+template <bool kRows>
+void launch_cols_of(int dt, const Tensor& x, int64_t ld, Tensor qt, Tensor st, Tensor q, Tensor s,
+                    cudaStream_t stream) {
+  const int64_t C = x.shape[1];
+  // The row codes of a thread's V columns go out as one 4- or 8-byte store.
+  const bool q_ok = !kRows || reinterpret_cast<uintptr_t>(q.data) % 8 == 0;
+  if (dt == kBF16) {
+    if (q_ok && vector_rows<__nv_bfloat16>(x.data, ld, C))
+      launch_cols<__nv_bfloat16, 8, kRows>(x, ld, qt, st, q, s, stream);
+    else
+      launch_cols<__nv_bfloat16, 1, kRows>(x, ld, qt, st, q, s, stream);
+  } else {
+    if (q_ok && vector_rows<float>(x.data, ld, C)) launch_cols<float, 4, kRows>(x, ld, qt, st, q, s, stream);
+    else launch_cols<float, 1, kRows>(x, ld, qt, st, q, s, stream);
+  }
 }
 
 }  // namespace
@@ -271,13 +322,31 @@ void CudaBackend::quantize_cols_e4m3(const Tensor& x, Tensor qt, Tensor s) {
   cuda::check_scales(s, C, "quantize_cols_e4m3: s");
   if (C == 0) return;  // no rows: every scale is 1, as on the CPU
   const int64_t ld = std::max<int64_t>(x.stride[0], C);
-  if (dt == cuda::kBF16) {
-    if (cuda::vector_rows<__nv_bfloat16>(x.data, ld, C)) cuda::launch_cols<__nv_bfloat16, 8>(x, ld, qt, s, stream_);
-    else cuda::launch_cols<__nv_bfloat16, 1>(x, ld, qt, s, stream_);
-  } else {
-    if (cuda::vector_rows<float>(x.data, ld, C)) cuda::launch_cols<float, 4>(x, ld, qt, s, stream_);
-    else cuda::launch_cols<float, 1>(x, ld, qt, s, stream_);
+  cuda::launch_cols_of<false>(dt, x, ld, qt, s, Tensor{}, Tensor{}, stream_);
+  CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::quantize_rows_cols_e4m3(const Tensor& x, Tensor q, Tensor s, Tensor qt, Tensor st) {
+  cuda::check_device(x, "quantize_rows_cols_e4m3: x");
+  const int dt = cuda::float_code(x, "quantize_rows_cols_e4m3: x");
+  cuda::check_e4m3_matrix(q, "quantize_rows_cols_e4m3: q");
+  cuda::check_e4m3_matrix(qt, "quantize_rows_cols_e4m3: qt");
+  if (x.ndim != 2 || !same_shape(x, q) || qt.shape[0] != x.shape[1] || qt.shape[1] != x.shape[0] ||
+      (x.shape[1] > 1 && x.stride[1] != 1))
+    check_failed(__FILE__, __LINE__, "quantize_rows_cols_e4m3",
+                 ("x must be 2-D with contiguous rows, q its shape and qt its shape transposed: x " + x.shape_str() +
+                  ", q " + q.shape_str() + ", qt " + qt.shape_str())
+                     .c_str());
+  const int64_t R = x.shape[0], C = x.shape[1];
+  cuda::check_scales(s, R, "quantize_rows_cols_e4m3: s");
+  cuda::check_scales(st, C, "quantize_rows_cols_e4m3: st");
+  if (R == 0 || C == 0) {  // nothing to read: the two calls' conventions for empty operands
+    quantize_rows_e4m3(x, q, s);
+    quantize_cols_e4m3(x, qt, st);
+    return;
   }
+  const int64_t ld = std::max<int64_t>(x.stride[0], C);
+  cuda::launch_cols_of<true>(dt, x, ld, qt, st, q, s, stream_);
   CUDA_CHECK_LAUNCH();
 }
 
