@@ -334,6 +334,11 @@ TEST_F(CudaOps, Fp8QuantizeColsAtTrainingShapes) {
                           {"ragged [1000, 77], f32", 1000, 77, 77, kF32},
                           {"ragged [999, 77], bf16 (rows not whole words)", 999, 77, 77, kBF16},
                           {"[1001, 264] inside [1001, 272], bf16 (rows not whole tiles)", 1001, 264, 272, kBF16}};
+  // A device tensor's bytes against the CPU backend's.
+  auto expect_bytes = [&](const Tensor& dev, const auto& host, const char* what) {
+    auto d = down(dev);
+    EXPECT_EQ(0, std::memcmp(d->t.data, host->t.data, host->t.nbytes())) << what;
+  };
   uint64_t seed = 60;
   for (const Shape& sh : shapes) {
     SCOPED_TRACE(sh.what);
@@ -344,27 +349,24 @@ TEST_F(CudaOps, Fp8QuantizeColsAtTrainingShapes) {
     DevTensor q(*cuda_, DType::kF8E4M3, {sh.C, sh.R}), sc(*cuda_, kF32, {sh.C});
     cpu_->quantize_cols_e4m3(xr, hq->t, hs->t);
     cuda_->quantize_cols_e4m3(xd, q.t, sc.t);
-    auto dq = down(q.t), ds = down(sc.t);
-    EXPECT_EQ(0, std::memcmp(dq->t.data, hq->t.data, static_cast<size_t>(sh.R * sh.C))) << "codes";
-    EXPECT_EQ(0, std::memcmp(ds->t.data, hs->t.data, static_cast<size_t>(sh.C) * 4)) << "scales";
+    expect_bytes(q.t, hq, "codes");
+    expect_bytes(sc.t, hs, "scales");
     // The same rows per row: the strided, ragged and odd-length rows take the one-element kernel.
     auto hrq = host_tensor(DType::kF8E4M3, {sh.R, sh.C});
     auto hrs = host_tensor(kF32, {sh.R});
     DevTensor rq(*cuda_, DType::kF8E4M3, {sh.R, sh.C}), rs(*cuda_, kF32, {sh.R});
     cpu_->quantize_rows_e4m3(xr, hrq->t, hrs->t);
     cuda_->quantize_rows_e4m3(xd, rq.t, rs.t);
-    auto drq = down(rq.t), drs = down(rs.t);
-    EXPECT_EQ(0, std::memcmp(drq->t.data, hrq->t.data, static_cast<size_t>(sh.R * sh.C))) << "row codes";
-    EXPECT_EQ(0, std::memcmp(drs->t.data, hrs->t.data, static_cast<size_t>(sh.R) * 4)) << "row scales";
+    expect_bytes(rq.t, hrq, "row codes");
+    expect_bytes(rs.t, hrs, "row scales");
     // Both at once (a training step's dY): the same codes and scales as the two calls.
     DevTensor bq(*cuda_, DType::kF8E4M3, {sh.R, sh.C}), bs(*cuda_, kF32, {sh.R});
     DevTensor bqt(*cuda_, DType::kF8E4M3, {sh.C, sh.R}), bst(*cuda_, kF32, {sh.C});
     cuda_->quantize_rows_cols_e4m3(xd, bq.t, bs.t, bqt.t, bst.t);
-    auto dbq = down(bq.t), dbs = down(bs.t), dbqt = down(bqt.t), dbst = down(bst.t);
-    EXPECT_EQ(0, std::memcmp(dbq->t.data, hrq->t.data, static_cast<size_t>(sh.R * sh.C))) << "both: row codes";
-    EXPECT_EQ(0, std::memcmp(dbs->t.data, hrs->t.data, static_cast<size_t>(sh.R) * 4)) << "both: row scales";
-    EXPECT_EQ(0, std::memcmp(dbqt->t.data, hq->t.data, static_cast<size_t>(sh.R * sh.C))) << "both: column codes";
-    EXPECT_EQ(0, std::memcmp(dbst->t.data, hs->t.data, static_cast<size_t>(sh.C) * 4)) << "both: column scales";
+    expect_bytes(bq.t, hrq, "both: row codes");
+    expect_bytes(bs.t, hrs, "both: row scales");
+    expect_bytes(bqt.t, hq, "both: column codes");
+    expect_bytes(bst.t, hs, "both: column scales");
   }
 }
 
