@@ -3,9 +3,9 @@
 // Quantisation keeps core/fp8.h's arithmetic (the scale max/448, each value divided by it,
 // rounded to nearest even and saturated by __nv_cvt_float_to_fp8's SATFINITE), so the codes and
 // scales equal the CPU backend's bit for bit; the maxima are order-free, so how the kernels split
-// the work does not change a bit. The kernels are bandwidth-bound passes over the operand: rows
-// whose alignment allows it move 16 bytes per load and their codes 4 or 8 bytes per store, others
-// take the same kernels one element at a time.
+// the work does not change a bit. Each kernel is a plain pass over the operand, meant to run at
+// memory speed: rows whose alignment allows it move 16 bytes per load and their codes 4 or 8
+// bytes per store, others take the same kernels one element at a time.
 //
 // Product: cuBLASLt's FP8 matmul wants its A transposed and its B not ("TN"): with our row-major
 // X [M, K] and W [N, K] read column-major as Xᵀ [K, M] and Wᵀ [K, N], cuBLAS's A is W (op T) and
