@@ -419,7 +419,22 @@ void ShardedParameters::muon_exchange_all_to_all() {
     move(sendbuf + cur[units_[k].owner] * es, my_rows_of(k, u), n);
     cur[units_[k].owner] += n;
   }
+  auto orthogonalise_unit = [&](size_t k) {
+    const int64_t shape[2] = {units_[k].rows, units_[k].cols};
+    Tensor blk = Tensor::make(owned_block(k), dtype_, shape, 2, dev_);
+    newton_schulz(*be_, blk, blk, ns_, opt_->optim.ns_steps);
+  };
+  // The units this rank owns whole in its own shard take no part in the exchange: their
+  // Newton–Schulz runs beside it (a device communicator's own stream; the packing above is
+  // queued before the exchange starts), the others' after it. Each unit's arithmetic is the
+  // same in any order, so the bits are too.
+  comm_.overlap_begin();
   comm_.all_to_all(sendbuf, to, to_d, recvbuf, from, from_d, ctype_);
+  const int64_t exchanged = comm_.mark();
+  for (size_t k = 0; k < units_.size(); ++k)
+    if (units_[k].owner == me_ && in_place(k)) orthogonalise_unit(k);
+  comm_.compute_wait(exchanged);
+  comm_.overlap_end();
   cur = from_d;
   for (int q = 0; q < P_; ++q)
     for (size_t k = 0; k < units_.size(); ++k) {
@@ -429,13 +444,8 @@ void ShardedParameters::muon_exchange_all_to_all() {
       move(rows_in_block(k, q), recvbuf + cur[q] * es, n);
       cur[q] += n;
     }
-  // Every rank orthogonalises its units, in unit order.
-  for (size_t k = 0; k < units_.size(); ++k) {
-    if (units_[k].owner != me_) continue;
-    const int64_t shape[2] = {units_[k].rows, units_[k].cols};
-    Tensor blk = Tensor::make(owned_block(k), dtype_, shape, 2, dev_);
-    newton_schulz(*be_, blk, blk, ns_, opt_->optim.ns_steps);
-  }
+  for (size_t k = 0; k < units_.size(); ++k)
+    if (units_[k].owner == me_ && !in_place(k)) orthogonalise_unit(k);
   // Exchange 2: the mirror image, orthogonalised rows → row owners.
   cur = from_d;
   for (int q = 0; q < P_; ++q)
