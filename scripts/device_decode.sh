@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 export LAPLACE_COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export NCCL_NVLS_ENABLE=0
-STAGES=${STAGES:-tests decode eager bf16 prefill}
+STAGES=${STAGES-tests decode eager bf16 prefill}  # unset: these; set but empty: the build alone
 mkdir -p "$OUT"
 R="$OUT/results.jsonl"
 LOG="$OUT/run.log"
