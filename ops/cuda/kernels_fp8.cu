@@ -283,19 +283,39 @@ inline void check_scales(const Tensor& t, int64_t n, const char* what) {
                  (std::string("expected contiguous F32 [") + std::to_string(n) + "], got " + t.shape_str()).c_str());
 }
 
+// The quantisers' operand x [R, C]: on the device, F32 or BF16, rows contiguous. Its float code.
+inline int check_quant_input(const Tensor& x, const std::string& op) {
+  check_device(x, (op + ": x").c_str());
+  const int dt = float_code(x, (op + ": x").c_str());
+  if (x.ndim != 2 || (x.shape[1] > 1 && x.stride[1] != 1))
+    check_failed(__FILE__, __LINE__, op.c_str(), ("x must be 2-D with contiguous rows: x " + x.shape_str()).c_str());
+  return dt;
+}
+
+// x's codes per row: q [R, C] F8_E4M3 and s [R].
+inline void check_row_codes(const Tensor& x, const Tensor& q, const Tensor& s, const std::string& op) {
+  check_e4m3_matrix(q, (op + ": q").c_str());
+  if (!same_shape(x, q))
+    check_failed(__FILE__, __LINE__, op.c_str(),
+                 ("q must have x's shape: x " + x.shape_str() + ", q " + q.shape_str()).c_str());
+  check_scales(s, x.shape[0], (op + ": s").c_str());
+}
+
+// x's codes per column, transposed: qt [C, R] F8_E4M3 and s [C].
+inline void check_col_codes(const Tensor& x, const Tensor& qt, const Tensor& s, const std::string& op) {
+  check_e4m3_matrix(qt, (op + ": qt").c_str());
+  if (qt.shape[0] != x.shape[1] || qt.shape[1] != x.shape[0])
+    check_failed(__FILE__, __LINE__, op.c_str(),
+                 ("qt must have x's shape transposed: x " + x.shape_str() + ", qt " + qt.shape_str()).c_str());
+  check_scales(s, x.shape[1], (op + ": s").c_str());
+}
 
 }  // namespace cuda
 
 void CudaBackend::quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s) {
-  cuda::check_device(x, "quantize_rows_e4m3: x");
-  const int dt = cuda::float_code(x, "quantize_rows_e4m3: x");
-  cuda::check_e4m3_matrix(q, "quantize_rows_e4m3: q");
-  if (x.ndim != 2 || !same_shape(x, q) || (x.shape[1] > 1 && x.stride[1] != 1))
-    check_failed(__FILE__, __LINE__, "quantize_rows_e4m3",
-                 ("x must be 2-D with contiguous rows and q's shape: x " + x.shape_str() + ", q " + q.shape_str())
-                     .c_str());
+  const int dt = cuda::check_quant_input(x, "quantize_rows_e4m3");
+  cuda::check_row_codes(x, q, s, "quantize_rows_e4m3");
   const int64_t R = x.shape[0], C = x.shape[1];
-  cuda::check_scales(s, R, "quantize_rows_e4m3: s");
   if (R == 0 || C == 0) return;
   const int64_t ld = std::max<int64_t>(x.stride[0], C);
   const bool q8 = reinterpret_cast<uintptr_t>(q.data) % 8 == 0;
@@ -310,16 +330,9 @@ void CudaBackend::quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s) {
 }
 
 void CudaBackend::quantize_cols_e4m3(const Tensor& x, Tensor qt, Tensor s) {
-  cuda::check_device(x, "quantize_cols_e4m3: x");
-  const int dt = cuda::float_code(x, "quantize_cols_e4m3: x");
-  cuda::check_e4m3_matrix(qt, "quantize_cols_e4m3: qt");
-  if (x.ndim != 2 || qt.shape[0] != x.shape[1] || qt.shape[1] != x.shape[0] || (x.shape[1] > 1 && x.stride[1] != 1))
-    check_failed(__FILE__, __LINE__, "quantize_cols_e4m3",
-                 ("x must be 2-D with contiguous rows and qt its shape transposed: x " + x.shape_str() + ", qt " +
-                  qt.shape_str())
-                     .c_str());
-  const int64_t R = x.shape[0], C = x.shape[1];
-  cuda::check_scales(s, C, "quantize_cols_e4m3: s");
+  const int dt = cuda::check_quant_input(x, "quantize_cols_e4m3");
+  cuda::check_col_codes(x, qt, s, "quantize_cols_e4m3");
+  const int64_t C = x.shape[1];
   if (C == 0) return;  // no rows: every scale is 1, as on the CPU
   const int64_t ld = std::max<int64_t>(x.stride[0], C);
   cuda::launch_cols_of<false>(dt, x, ld, qt, s, Tensor{}, Tensor{}, stream_);
@@ -327,19 +340,10 @@ void CudaBackend::quantize_cols_e4m3(const Tensor& x, Tensor qt, Tensor s) {
 }
 
 void CudaBackend::quantize_rows_cols_e4m3(const Tensor& x, Tensor q, Tensor s, Tensor qt, Tensor st) {
-  cuda::check_device(x, "quantize_rows_cols_e4m3: x");
-  const int dt = cuda::float_code(x, "quantize_rows_cols_e4m3: x");
-  cuda::check_e4m3_matrix(q, "quantize_rows_cols_e4m3: q");
-  cuda::check_e4m3_matrix(qt, "quantize_rows_cols_e4m3: qt");
-  if (x.ndim != 2 || !same_shape(x, q) || qt.shape[0] != x.shape[1] || qt.shape[1] != x.shape[0] ||
-      (x.shape[1] > 1 && x.stride[1] != 1))
-    check_failed(__FILE__, __LINE__, "quantize_rows_cols_e4m3",
-                 ("x must be 2-D with contiguous rows, q its shape and qt its shape transposed: x " + x.shape_str() +
-                  ", q " + q.shape_str() + ", qt " + qt.shape_str())
-                     .c_str());
+  const int dt = cuda::check_quant_input(x, "quantize_rows_cols_e4m3");
+  cuda::check_row_codes(x, q, s, "quantize_rows_cols_e4m3");
+  cuda::check_col_codes(x, qt, st, "quantize_rows_cols_e4m3");
   const int64_t R = x.shape[0], C = x.shape[1];
-  cuda::check_scales(s, R, "quantize_rows_cols_e4m3: s");
-  cuda::check_scales(st, C, "quantize_rows_cols_e4m3: st");
   if (R == 0 || C == 0) {  // nothing to read: the two calls' conventions for empty operands
     quantize_rows_e4m3(x, q, s);
     quantize_cols_e4m3(x, qt, st);
