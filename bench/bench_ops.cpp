@@ -270,13 +270,11 @@ int bench_train_ops(Backend& e, const Config& c, int64_t B, int64_t T, int64_t L
   return 0;
 }
 
-}  // namespace
-
-// The FP8 products' parts at laplace-3b's four body projections (ops/backend.h's
-// quantize_rows_e4m3, quantize_cols_e4m3, gemm_e4m3; Model::project and project_backward use them
-// in this order): each quantiser's time and its rate in GB/s of operand read once plus codes
-// written, each FP8 product against the bf16 gemm it replaces, and per micro-batch (training, M
-// tokens) and per decode step (B rows) the totals over L layers.
+// The FP8 products' parts at laplace-3b's four body projections (ops/backend.h's FP8 quantisers
+// and gemm_e4m3, as Model::project and project_backward call them): each quantiser's time and its
+// rate in GB/s of operand read once plus codes written, each FP8 product against the bf16 gemm
+// it replaces, and per micro-batch (training, M tokens) and per decode step (B rows) the totals
+// over L layers.
 int bench_fp8_ops(Backend& e, const Config& c, int64_t B, int64_t M, int64_t L, int reps) {
   const int64_t D = c.hidden_size, R = c.qkvg_rows(), F = c.ffn_size, HV = c.num_heads * c.head_v_dim;
   struct Proj {
@@ -288,11 +286,12 @@ int bench_fp8_ops(Backend& e, const Config& c, int64_t B, int64_t M, int64_t L, 
   for (const Proj& p : projs) in_max = std::max(in_max, p.in), out_max = std::max(out_max, p.out);
   const DType bf = DType::kBF16, f32 = DType::kF32, f8 = DType::kF8E4M3;
   Arena a;
-  Status st = a.create({{"x", bf, {M, in_max}},       {"dy", bf, {M, out_max}},    {"y", bf, {M, out_max}},
-                        {"dx", bf, {M, in_max}},      {"w", bf, {out_max, in_max}}, {"gw", f32, {out_max, in_max}},
-                        {"xq", f8, {M * in_max}},     {"xs", f32, {M}},            {"dyq", f8, {M * out_max}},
-                        {"dys", f32, {M}},            {"dytq", f8, {M * out_max}}, {"dyts", f32, {out_max}},
-                        {"xtq", f8, {M * in_max}},    {"xts", f32, {in_max}},      {"wq", f8, {out_max * in_max}},
+  // Flat buffers, viewed at each projection's shapes.
+  Status st = a.create({{"x", bf, {M * in_max}},      {"dy", bf, {M * out_max}},     {"y", bf, {M * out_max}},
+                        {"dx", bf, {M * in_max}},     {"w", bf, {out_max * in_max}}, {"gw", f32, {out_max * in_max}},
+                        {"xq", f8, {M * in_max}},     {"xs", f32, {M}},              {"dyq", f8, {M * out_max}},
+                        {"dys", f32, {M}},            {"dytq", f8, {M * out_max}},   {"dyts", f32, {out_max}},
+                        {"xtq", f8, {M * in_max}},    {"xts", f32, {in_max}},        {"wq", f8, {out_max * in_max}},
                         {"ws", f32, {out_max}},       {"wtq", f8, {out_max * in_max}}, {"wts", f32, {in_max}}},
                        e.allocator(), "bench_ops fp8");
   if (!st.is_ok()) {
@@ -301,23 +300,21 @@ int bench_fp8_ops(Backend& e, const Config& c, int64_t B, int64_t M, int64_t L, 
   }
   auto t = [&](const char* n) { return a.tensor(static_cast<size_t>(a.find(n))); };
   fill_inputs(e, a);
-  auto mat = [](const Tensor& buf, DType dt, int64_t r, int64_t cc) {
-    const int64_t shape[2] = {r, cc};
-    return Tensor::make(buf.data, dt, shape, 2, buf.device);
-  };
+  auto mat = [&](const char* n, int64_t r, int64_t cc) { return t(n).slice(0, 0, r * cc).reshape({r, cc}); };
+  auto vec = [&](const char* n, int64_t len) { return t(n).slice(0, 0, len); };
   auto gbs = [](double bytes, double ms) { return bytes / (ms * 1e6); };
   std::printf("FP8 parts, laplace-3b projections; decode %lld rows, training %lld tokens, %lld layers\n",
               (long long)B, (long long)M, (long long)L);
   double dec_bf16 = 0, dec_fp8 = 0, tr_bf16 = 0, tr_fp8 = 0, tr_quant = 0;
   for (const Proj& p : projs) {
     const int64_t K = p.in, O = p.out;
-    const Tensor w = mat(t("w"), bf, O, K), wq = mat(t("wq"), f8, O, K), ws = t("ws").slice(0, 0, O);
-    const Tensor wtq = mat(t("wtq"), f8, K, O), wts = t("wts").slice(0, 0, K);
+    const Tensor w = mat("w", O, K), wq = mat("wq", O, K), ws = vec("ws", O);
+    const Tensor wtq = mat("wtq", K, O), wts = vec("wts", K);
     e.quantize_rows_e4m3(w, wq, ws);
     e.quantize_cols_e4m3(w, wtq, wts);
     for (const int64_t n : {B, M}) {
-      const Tensor x = mat(t("x"), bf, n, K), y = mat(t("y"), bf, n, O);
-      const Tensor xq = mat(t("xq"), f8, n, K), xs = t("xs").slice(0, 0, n);
+      const Tensor x = mat("x", n, K), y = mat("y", n, O);
+      const Tensor xq = mat("xq", n, K), xs = vec("xs", n);
       const double q_rows = time_ms(e, reps, [&] { e.quantize_rows_e4m3(x, xq, xs); });
       const double g8 = time_ms(e, reps, [&] { e.gemm_e4m3(xq, xs, wq, ws, Tensor{}, y); });
       const double g16 = time_ms(e, reps, [&] { e.gemm(x, false, w, true, y, 1.0, 0.0); });
@@ -328,10 +325,10 @@ int bench_fp8_ops(Backend& e, const Config& c, int64_t B, int64_t M, int64_t L, 
         dec_bf16 += g16 * L, dec_fp8 += (q_rows + g8) * L;
         continue;
       }
-      const Tensor dy = mat(t("dy"), bf, n, O), dx = mat(t("dx"), bf, n, K), gw = mat(t("gw"), f32, O, K);
-      const Tensor dyq = mat(t("dyq"), f8, n, O), dys = t("dys").slice(0, 0, n);
-      const Tensor dytq = mat(t("dytq"), f8, O, n), dyts = t("dyts").slice(0, 0, O);
-      const Tensor xtq = mat(t("xtq"), f8, K, n), xts = t("xts").slice(0, 0, K);
+      const Tensor dy = mat("dy", n, O), dx = mat("dx", n, K), gw = mat("gw", O, K);
+      const Tensor dyq = mat("dyq", n, O), dys = vec("dys", n);
+      const Tensor dytq = mat("dytq", O, n), dyts = vec("dyts", O);
+      const Tensor xtq = mat("xtq", K, n), xts = vec("xts", K);
       const double q_dy = time_ms(e, reps, [&] { e.quantize_rows_e4m3(dy, dyq, dys); });
       const double c_dy = time_ms(e, reps, [&] { e.quantize_cols_e4m3(dy, dytq, dyts); });
       const double c_x = time_ms(e, reps, [&] { e.quantize_cols_e4m3(x, xtq, xts); });
@@ -359,6 +356,8 @@ int bench_fp8_ops(Backend& e, const Config& c, int64_t B, int64_t M, int64_t L, 
               (long long)L, tr_bf16, tr_fp8, tr_quant);
   return 0;
 }
+
+}  // namespace
 
 int main(int argc, char** argv) {
   int64_t B = 1280, P = 8192, L = 24, TB = 8, TT = 2048;
