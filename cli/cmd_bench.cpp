@@ -117,6 +117,7 @@ struct DecodeArgs {
   bool eager = false;
   bool no_pipeline = false;
   int64_t defer_writeback = 0;
+  int64_t prefill_graphs = 16;
   int64_t accuracy_steps = 0;
   int64_t compare_prompt_len = 0;
   std::string results = "bench/results.jsonl", tag;
@@ -132,7 +133,8 @@ struct DecodeFigures {
 // which all of them decode (one batched forward each, sampling included).
 Status measure_decode(Model& m, const DecodeArgs& a, bool print_summary, DecodeFigures* f) {
   EngineOptions o;
-  LAPLACE_RETURN_IF_ERROR(engine_decode_options(a.model.device, a.state_dtype, a.eager, a.defer_writeback, &o));
+  LAPLACE_RETURN_IF_ERROR(
+      engine_decode_options(a.model.device, a.state_dtype, a.eager, a.defer_writeback, a.prefill_graphs, &o));
   o.pipeline = !a.no_pipeline;
   o.max_slots = a.batch;
   o.prefill_chunk = std::min(a.prefill_chunk, a.prompt_len);
@@ -438,6 +440,7 @@ struct ServeArgs {
   std::string state_dtype = "f32";
   bool eager = false;
   int64_t defer_writeback = 0;
+  int64_t prefill_graphs = 16;
 };
 
 struct ServeFigures {
@@ -553,7 +556,8 @@ Status run_bench_serve(const ServeArgs& a) {
   LAPLACE_RETURN_IF_ERROR(make_model(a.model, a.seed, 0, &lm, &random));
   const Config& c = lm.model.config();
   EngineOptions o;
-  LAPLACE_RETURN_IF_ERROR(engine_decode_options(a.model.device, a.state_dtype, a.eager, a.defer_writeback, &o));
+  LAPLACE_RETURN_IF_ERROR(
+      engine_decode_options(a.model.device, a.state_dtype, a.eager, a.defer_writeback, a.prefill_graphs, &o));
   o.max_slots = a.max_slots;
   o.max_batch_tokens = a.max_batch_tokens;
   o.prefill_chunk = a.prefill_chunk;
@@ -581,9 +585,11 @@ Status run_bench_serve(const ServeArgs& a) {
   };
   auto print = [&](const ServeFigures& f) {
     std::printf("serve: %lld requests in %.3f s (max %lld running, %lld queued); %lld steps, %lld prefill tokens in "
-                "%lld forwards, %lld decode tokens\n",
+                "%lld forwards (%lld replayed from graphs, %lld captured), %lld decode tokens\n",
                 (long long)a.count, f.span, (long long)f.max_running, (long long)f.max_queued, (long long)f.stats.steps,
-                (long long)f.stats.prefill_tokens, (long long)f.stats.prefill_forwards, (long long)f.stats.decode_tokens);
+                (long long)f.stats.prefill_tokens, (long long)f.stats.prefill_forwards,
+                (long long)f.stats.prefill_graph_replays, (long long)f.stats.prefill_graph_captures,
+                (long long)f.stats.decode_tokens);
     std::printf("serve: %.1f output tokens/s, %.3f requests/s; TTFT p50 %.3f ms p99 %.3f ms; TPOT p50 %.3f ms "
                 "p99 %.3f ms\n",
                 f.out_tokens / f.span, a.count / f.span, f.ttft_p50, f.ttft_p99, f.tpot_p50, f.tpot_p99);
@@ -721,7 +727,7 @@ void add_bench(CLI::App& app) {
                 "also time num_layers = 1, 2, 4, ... (random weights) and fit ms/step = overhead + slope x layers");
   dec->add_option("--sweep-max-layers", d->sweep_max_layers, "largest layer count of the sweep (default: config's)")
       ->check(CLI::NonNegativeNumber);
-  add_decode_options(dec, &d->state_dtype, &d->eager, &d->defer_writeback);
+  add_decode_options(dec, &d->state_dtype, &d->eager, &d->defer_writeback, &d->prefill_graphs);
   dec->add_flag("--no-pipeline", d->no_pipeline,
                 "queue each decode step only after the last one's tokens are emitted (EngineOptions::pipeline)");
   dec->add_option("--accuracy-steps", d->accuracy_steps,
@@ -776,7 +782,7 @@ void add_bench(CLI::App& app) {
                   "prefill pieces of many requests in one forward: equal (one length), ragged (any), off, or auto")
       ->check(CLI::IsMember(kBatchPrefillChoices));
   srv->add_option("--seed", s->seed, "seed of the random weights (no checkpoint), arrivals and prompts");
-  add_decode_options(srv, &s->state_dtype, &s->eager, &s->defer_writeback);
+  add_decode_options(srv, &s->state_dtype, &s->eager, &s->defer_writeback, &s->prefill_graphs);
   srv->add_option("--results", s->results, "append JSON lines here (empty: don't)");
   srv->add_option("--tag", s->tag, "suffix for the figure names");
   srv->callback([s] { g_exit_code = report(run_bench_serve(*s)); });

@@ -32,6 +32,7 @@ struct ServeArgs {
   std::string memory_budget = "1G";
   std::string state_dtype = "f32";
   int64_t defer_writeback = 0;
+  int64_t prefill_graphs = 16;
   bool eager = false;
 };
 
@@ -53,7 +54,8 @@ Status run_serve(const ServeArgs& a) {
   }
   o.device = a.device;
   LAPLACE_RETURN_IF_ERROR(parse_dtype(a.dtype, &o.dtype));
-  LAPLACE_RETURN_IF_ERROR(engine_decode_options(a.device, a.state_dtype, a.eager, a.defer_writeback, &o.engine));
+  LAPLACE_RETURN_IF_ERROR(
+      engine_decode_options(a.device, a.state_dtype, a.eager, a.defer_writeback, a.prefill_graphs, &o.engine));
   o.engine.max_slots = a.max_slots;
   if (a.max_slots == 0) LAPLACE_RETURN_IF_ERROR(parse_bytes(a.memory_budget, &o.engine.memory_budget));
   o.engine.cache_slots = a.cache_slots;
@@ -113,7 +115,7 @@ void add_serve(CLI::App& app) {
   cmd->add_option("--api-key-file", a->api_key_file, "read the API key from a file (keeps it out of ps)");
   cmd->add_option("--device", a->device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_option("--dtype", a->dtype, "f32 (CPU) or bf16 (CUDA)");
-  add_decode_options(cmd, &a->state_dtype, &a->eager, &a->defer_writeback);
+  add_decode_options(cmd, &a->state_dtype, &a->eager, &a->defer_writeback, &a->prefill_graphs);
   cmd->add_option("--max-slots", a->max_slots, "sequences served at once (0 = from --memory-budget)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--memory-budget", a->memory_budget, "bytes for state slots when --max-slots is 0 (e.g. 512M)");

@@ -75,7 +75,8 @@ Status parse_dtype(const std::string& s, DType* out) {
   return Status::ok();
 }
 
-void add_decode_options(CLI::App* cmd, std::string* state_dtype, bool* eager, int64_t* defer_writeback) {
+void add_decode_options(CLI::App* cmd, std::string* state_dtype, bool* eager, int64_t* defer_writeback,
+                        int64_t* prefill_graphs) {
   cmd->add_option("--state-dtype", *state_dtype, "decode state dtype: f32, or bf16 (CUDA, bf16 models: half the bytes)")
       ->check(CLI::IsMember({"f32", "bf16"}));
   cmd->add_flag("--eager", *eager, "CUDA: decode without CUDA graphs (same kernels and padded widths)");
@@ -83,11 +84,15 @@ void add_decode_options(CLI::App* cmd, std::string* state_dtype, bool* eager, in
                   "write each decode state back every R-th step only (R = 4, 8 or 16; 0 = every step, SPEC's slot "
                   "size): less state traffic, slots larger by the last R-1 tokens' k and v")
       ->check(CLI::IsMember({0, 4, 8, 16}));
+  cmd->add_option("--prefill-graphs", *prefill_graphs,
+                  "CUDA: ragged prefill layouts kept as CUDA graphs (captured when a layout recurs; 0 = eager prefill)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1024}));
 }
 
 Status engine_decode_options(const std::string& device, const std::string& state_dtype, bool eager,
-                             int64_t defer_writeback, EngineOptions* o) {
+                             int64_t defer_writeback, int64_t prefill_graphs, EngineOptions* o) {
   o->defer_writeback = defer_writeback;
+  o->prefill_graphs = prefill_graphs;
   if (state_dtype == "bf16") o->state_dtype = DType::kBF16;
   else if (state_dtype == "f32") o->state_dtype = DType::kF32;
   else return Status::invalid_argument("--state-dtype must be f32 or bf16, got '" + state_dtype + "'");

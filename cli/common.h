@@ -45,12 +45,14 @@ Status load_weights(const std::string& ckpt, const std::string& weights, Model* 
 Status parse_ids(const std::string& s, std::vector<int32_t>* out);
 Status parse_id_rows(const std::string& s, std::vector<std::vector<int32_t>>* out);
 
-// Engine decode options shared by serve and the benches: --state-dtype f32|bf16, --eager
-// and --defer-writeback R. On CUDA, decode runs from CUDA graphs captured at start-up unless
-// --eager (which keeps the same padded widths); on the CPU, decode is eager at exact widths.
-void add_decode_options(CLI::App* cmd, std::string* state_dtype, bool* eager, int64_t* defer_writeback);
+// Engine decode options shared by serve and the benches: --state-dtype f32|bf16, --eager,
+// --defer-writeback R and --prefill-graphs N. On CUDA, decode runs from CUDA graphs captured at
+// start-up, and ragged prefill from graphs of the N layouts last used, unless --eager (which
+// keeps the same padded widths); on the CPU, decode is eager at exact widths.
+void add_decode_options(CLI::App* cmd, std::string* state_dtype, bool* eager, int64_t* defer_writeback,
+                        int64_t* prefill_graphs);
 Status engine_decode_options(const std::string& device, const std::string& state_dtype, bool eager,
-                             int64_t defer_writeback, EngineOptions* o);
+                             int64_t defer_writeback, int64_t prefill_graphs, EngineOptions* o);
 
 // --batch-prefill's values (auto, off, equal, ragged) as EngineOptions::batch_prefill, and the list
 // for the option's check.

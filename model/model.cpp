@@ -454,8 +454,7 @@ void Model::forward(const int32_t* tokens, int64_t B, int64_t T, const ForwardOp
   run_forward(B, T, opt, pool, slots);
 }
 
-void Model::forward_ragged(const int32_t* tokens, const std::vector<int64_t>& lengths, StatePool& pool,
-                           const int32_t* slots) {
+std::vector<Model::Segment> Model::ragged_segments(const std::vector<int64_t>& lengths, const StatePool& pool) const {
   const int64_t G = static_cast<int64_t>(lengths.size());
   LAPLACE_CHECK(G >= 1 && G <= plan_.max_batch && G <= logit_rows_, "forward_ragged: sequences exceed the plan");
   std::vector<Segment> segs;
@@ -468,15 +467,45 @@ void Model::forward_ragged(const int32_t* tokens, const std::vector<int64_t>& le
     N += n;
   }
   LAPLACE_CHECK(N <= plan_rows_, "forward_ragged: more tokens than the plan holds");
+  for (const Segment& s : segs) check_forward(s.B, s.T, ragged_options(), &pool);
+  return segs;
+}
+
+ForwardOptions Model::ragged_options() {
   ForwardOptions opt;
   opt.form = GlaForm::kChunked;
   opt.last_logits_only = true;
-  for (const Segment& s : segs) check_forward(s.B, s.T, opt, &pool);
+  return opt;
+}
+
+void Model::forward_ragged(const int32_t* tokens, const std::vector<int64_t>& lengths, StatePool& pool,
+                           const int32_t* slots) {
+  const std::vector<Segment> segs = ragged_segments(lengths, pool);
+  const int64_t G = static_cast<int64_t>(lengths.size());
+  const int64_t N = segs.back().row + segs.back().B * segs.back().T;
   Backend& be = *be_;
   be.copy(ids_.slice(0, 0, N), Tensor(const_cast<int32_t*>(tokens), DType::kI32, {N}));
   for (int64_t g = 0; g < G; ++g) LAPLACE_CHECK(slots[g] >= 0 && slots[g] < pool.slots(), "forward_ragged: bad slot");
   be.copy(slots_.slice(0, 0, G), Tensor(const_cast<int32_t*>(slots), DType::kI32, {G}));
-  run_forward(segs, opt, &pool, slots);
+  run_forward(segs, ragged_options(), &pool, slots);
+}
+
+bool Model::ragged_queueable(const StatePool& pool) const {
+  // A BF16 pool's rows go through F32 staging copies addressed by host slot ids.
+  return pool.dtype() != DType::kBF16;
+}
+
+void Model::forward_ragged_queued(const std::vector<int64_t>& lengths, StatePool& pool) {
+  LAPLACE_CHECK(ragged_queueable(pool), "forward_ragged_queued: BF16 state pools are staged by host slot ids");
+  run_forward(ragged_segments(lengths, pool), ragged_options(), &pool, nullptr);
+}
+
+void Model::set_replayed_ragged(int64_t G) {
+  LAPLACE_CHECK(G >= 1 && G <= logit_rows_, "set_replayed_ragged: more sequences than logit rows");
+  last_B_ = G;
+  last_T_ = 0;
+  last_only_ = true;
+  logits_ = rows(logits_buf_, G);
 }
 
 void Model::forward_queued(int64_t B, int64_t T, const ForwardOptions& opt, StatePool* pool) {

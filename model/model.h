@@ -121,6 +121,15 @@ class Model {
   void forward_ragged(const int32_t* tokens, const std::vector<int64_t>& lengths, StatePool& pool,
                       const int32_t* slots);
 
+  // The ragged forward split for CUDA graphs: the caller has put the ids [Σ lengths] in
+  // input_ids() and the slot ids [G] in input_slots() on the device (slots not range-checked
+  // here); forward_ragged_queued() queues the forward without host copies or syncs, and
+  // set_replayed_ragged(G) makes logits() view a replay's [G, V]. Pools whose chunked forward
+  // stages states by host slot ids (BF16 states) cannot be queued: ragged_queueable().
+  bool ragged_queueable(const StatePool& pool) const;
+  void forward_ragged_queued(const std::vector<int64_t>& lengths, StatePool& pool);
+  void set_replayed_ragged(int64_t G);
+
   // The same forward split for CUDA graphs: the caller has put the ids [B·T] and (with
   // a pool) the slot ids [B] in input_ids() / input_slots() on the device, then
   // forward_queued() queues the whole forward without touching host memory (no copies,
@@ -185,6 +194,10 @@ class Model {
   // pool in a chunked forward (its rows' states are staged through stage_).
   void run_forward(std::span<const Segment> segs, const ForwardOptions& opt, StatePool* pool,
                    const int32_t* host_slots);
+  // A ragged forward's segments (runs of adjacent sequences of one length), checked against
+  // the plan and the pool; and its options (chunked form, last-token logits).
+  std::vector<Segment> ragged_segments(const std::vector<int64_t>& lengths, const StatePool& pool) const;
+  static ForwardOptions ragged_options();
   void run_forward(int64_t B, int64_t T, const ForwardOptions& opt, StatePool* pool, const int32_t* host_slots) {
     const Segment one{0, 0, B, T};
     run_forward(std::span<const Segment>(&one, 1), opt, pool, host_slots);

@@ -105,6 +105,11 @@ void EagerExecutor::forward_group(const std::vector<PrefillPiece>& pieces) {
     slots[g] = pieces[g].slot;
     lengths[g] = pieces[g].n;
   }
+  forward_ragged(tokens, lengths, slots);
+}
+
+void EagerExecutor::forward_ragged(const std::vector<int32_t>& tokens, const std::vector<int64_t>& lengths,
+                                   const std::vector<int32_t>& slots) {
   m_.forward_ragged(tokens.data(), lengths, pool_, slots.data());
 }
 
@@ -141,8 +146,10 @@ std::vector<int64_t> default_decode_widths(int64_t max_slots) {
 }
 
 Status GraphExecutor::create(Model& m, StatePool& pool, const std::vector<int64_t>& widths, int32_t scratch_slot,
-                             std::unique_ptr<GraphExecutor>* out) {
+                             std::unique_ptr<GraphExecutor>* out, int64_t prefill_graphs) {
+  if (prefill_graphs < 0) return Status::invalid_argument("graph executor: prefill_graphs must be ≥ 0");
   std::unique_ptr<GraphExecutor> g(new GraphExecutor(m, pool));
+  g->ragged_cap_ = prefill_graphs;
   Backend& be = m.backend();
   const ForwardOptions fo = decode_options();
   std::vector<int64_t> ws = widths;
@@ -183,6 +190,62 @@ void GraphExecutor::forward_decode_queued(int64_t w) {
   LAPLACE_CHECK(it != graphs_.end(), "graph decode: the batch width was not captured (engine widths and graphs differ)");
   it->second->launch();
   m_.set_replayed(w, 1, decode_options());
+}
+
+Graph* GraphExecutor::ragged_graph(const std::vector<int64_t>& lengths) {
+  if (ragged_cap_ == 0 || !m_.ragged_queueable(pool_)) return nullptr;
+  for (auto it = ragged_.begin(); it != ragged_.end(); ++it) {
+    if (it->lengths != lengths) continue;
+    ragged_.splice(ragged_.begin(), ragged_, it);
+    return ragged_.front().graph.get();
+  }
+  auto met = std::find(seen_.begin(), seen_.end(), lengths);
+  if (met == seen_.end()) {
+    // First sighting: remember it (a bounded list) and run it eagerly.
+    seen_.push_front(lengths);
+    if (static_cast<int64_t>(seen_.size()) > 4 * ragged_cap_) seen_.pop_back();
+    return nullptr;
+  }
+  seen_.erase(met);
+  std::unique_ptr<Graph> graph;
+  const Status st = m_.backend().capture([&] { m_.forward_ragged_queued(lengths, pool_); }, &graph);
+  if (!st.ok()) {
+    // Not expected where decode graphs were captured; prefill then stays eager for good.
+    std::fprintf(stderr, "engine: ragged prefill runs eagerly (%s)\n", st.message().c_str());
+    ragged_cap_ = 0;
+    return nullptr;
+  }
+  if (static_cast<int64_t>(ragged_.size()) >= ragged_cap_) {
+    // The evicted graph may still be running a replay: wait for it before destroying it.
+    m_.backend().synchronize();
+    ragged_.pop_back();
+  }
+  ragged_.push_front(RaggedGraph{lengths, std::move(graph)});
+  ++ragged_captures_;
+  return ragged_.front().graph.get();
+}
+
+void GraphExecutor::prefill(const PrefillPiece& piece, std::vector<float>* logits) {
+  forward_ragged(std::vector<int32_t>(piece.tokens, piece.tokens + piece.n), {piece.n}, {piece.slot});
+  if (logits) logits_rows_to_host(m_, 0, 1, logits);
+}
+
+void GraphExecutor::forward_ragged(const std::vector<int32_t>& tokens, const std::vector<int64_t>& lengths,
+                                   const std::vector<int32_t>& slots) {
+  Graph* graph = ragged_graph(lengths);
+  if (!graph) {
+    EagerExecutor::forward_ragged(tokens, lengths, slots);
+    return;
+  }
+  const int64_t G = static_cast<int64_t>(lengths.size()), N = static_cast<int64_t>(tokens.size());
+  for (int32_t s : slots) LAPLACE_CHECK(s >= 0 && s < pool_.slots(), "graph prefill: bad slot");
+  Backend& be = m_.backend();
+  // Queued H2D copies into the buffers the graph reads, then the replay, in stream order.
+  be.copy(m_.input_ids().slice(0, 0, N), Tensor(const_cast<int32_t*>(tokens.data()), DType::kI32, {N}));
+  be.copy(m_.input_slots().slice(0, 0, G), Tensor(const_cast<int32_t*>(slots.data()), DType::kI32, {G}));
+  graph->launch();
+  m_.set_replayed_ragged(G);
+  ++ragged_replays_;
 }
 
 void EagerExecutor::queue_argmax(int64_t n) {
@@ -338,7 +401,8 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
   }
   if (opt.graphs) {
     std::unique_ptr<GraphExecutor> g;
-    LAPLACE_RETURN_IF_ERROR(GraphExecutor::create(model, e->pool_, opt.decode_widths, e->scratch_slot(), &g)
+    LAPLACE_RETURN_IF_ERROR(GraphExecutor::create(model, e->pool_, opt.decode_widths, e->scratch_slot(), &g,
+                                                      opt.prefill_graphs)
                                 .with_context("engine: CUDA graphs (--eager runs without)"));
     e->exec_ = std::move(g);
   } else {
@@ -930,6 +994,7 @@ bool Engine::step() {
     stats_.decode_seconds += d.decode_seconds;
     stats_.sample_seconds += d.sample_seconds;
     stats_.chain_seconds += d.chain_seconds;
+    exec_->prefill_graph_stats(&stats_.prefill_graph_captures, &stats_.prefill_graph_replays);
     in_step_ = false;
   }
   done_.clear();

@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -94,6 +95,8 @@ struct EngineOptions {
   // engine is created, so no step waits for a capture. Needs a backend with graphs (CUDA).
   // With no decode_widths given, default_decode_widths(max_slots) are used.
   bool graphs = false;
+  // With graphs: ragged prefill layouts kept as graphs (GraphExecutor; 0: prefill eagerly).
+  int64_t prefill_graphs = 16;
   // Eager decode with the widths graphs would use (default_decode_widths when none are
   // given): the same kernels and shapes as graph decode, without graphs (--eager).
   bool default_widths = false;
@@ -132,6 +135,8 @@ struct EngineStats {
   // (the stop check and chain_greedy: the copy, the replay's launch, the argmax). With the
   // device caught up, the GPU idles for about this long between pipelined steps.
   double chain_seconds = 0;
+  // Ragged prefill forwards captured as CUDA graphs, and replayed from them (--prefill-graphs).
+  int64_t prefill_graph_captures = 0, prefill_graph_replays = 0;
 };
 
 // Usable slots (the scratch slot not counted) whose pool fits in budget_bytes, as
@@ -209,6 +214,11 @@ class StepExecutor {
     (void)live;
     (void)ids;
   }
+  // Ragged prefill forwards captured as graphs and replayed from them (GraphExecutor).
+  virtual void prefill_graph_stats(int64_t* captures, int64_t* replays) const {
+    *captures = 0;
+    *replays = 0;
+  }
 };
 
 // Model::forward for every piece and batch (works on any backend).
@@ -233,16 +243,28 @@ class EagerExecutor : public StepExecutor {
   virtual void forward_decode_queued(int64_t width);
   void queue_argmax(int64_t live);  // ids_dev_[0, live) = argmax of the logits' rows
   void forward_group(const std::vector<PrefillPiece>& pieces);  // prefill_group's forward
+  // Its ragged forward (Model::forward_ragged) of the pieces' tokens, lengths and slots.
+  virtual void forward_ragged(const std::vector<int32_t>& tokens, const std::vector<int64_t>& lengths,
+                              const std::vector<int32_t>& slots);
   Model& m_;
   StatePool& pool_;
   void* ids_dev_ = nullptr;  // [ids_cap] I32 on the backend's device: the argmax of each row
   int64_t ids_cap_ = 0;
 };
 
-// Decode forwards replayed from graphs captured at creation, one per width (prefill stays
-// eager: its pieces vary in length). The graphs hold the same kernels, shapes and cuBLAS
-// algorithms as EagerExecutor's forward at that width, so tokens and states are bitwise
-// those of eager decoding with the same widths (tests/test_cuda_model.cpp checks it).
+// Decode forwards replayed from graphs captured at creation, one per width, and ragged
+// prefill forwards replayed from graphs captured when their layout recurs. The graphs hold
+// the same kernels, shapes and cuBLAS algorithms as EagerExecutor's forwards, so tokens and
+// states are bitwise those of eager decoding with the same widths and of eager prefill
+// (tests/test_cuda_model.cpp checks both).
+//
+// Prefill: a ragged forward's kernels depend on its layout, the sequence of its pieces'
+// lengths (the mixer runs once per run of one length), so a graph serves one layout. Layouts
+// recur where prompts are cut into equal chunks (every full prefill_chunk piece of a long
+// prompt) or arrive in bursts of one length; a layout is captured the second time it is met
+// (the first runs eagerly, which also settles lazily made buffers), and the last
+// `prefill_graphs` layouts used are kept. Pools whose chunked forward stages states by host
+// slot ids (BF16 states) prefill eagerly.
 class GraphExecutor : public EagerExecutor {
  public:
   // Captures a decode forward for each width (after one eager warm-up run of it that
@@ -250,14 +272,34 @@ class GraphExecutor : public EagerExecutor {
   // neither re-planned nor given a new pool while the executor lives: the graphs hold the
   // device addresses of its activations, inputs, weights and states.
   static Status create(Model& m, StatePool& pool, const std::vector<int64_t>& widths, int32_t scratch_slot,
-                       std::unique_ptr<GraphExecutor>* out);
+                       std::unique_ptr<GraphExecutor>* out, int64_t prefill_graphs = 0);
   int64_t graphs() const { return static_cast<int64_t>(graphs_.size()); }
+  int64_t prefill_graphs() const { return static_cast<int64_t>(ragged_.size()); }
+  void prefill_graph_stats(int64_t* captures, int64_t* replays) const override {
+    *captures = ragged_captures_;
+    *replays = ragged_replays_;
+  }
 
  private:
   GraphExecutor(Model& m, StatePool& pool) : EagerExecutor(m, pool) {}
+  // One piece is a ragged forward of one sequence (the same kernels as Model::forward [1, n]).
+  void prefill(const PrefillPiece& piece, std::vector<float>* logits) override;
   void forward_decode(const DecodeBatch& batch) override;
   void forward_decode_queued(int64_t width) override;
+  void forward_ragged(const std::vector<int32_t>& tokens, const std::vector<int64_t>& lengths,
+                      const std::vector<int32_t>& slots) override;
+  // The graph of a layout: from the cache, else captured if the layout was met before (and
+  // the capture works), else null (run it eagerly).
+  Graph* ragged_graph(const std::vector<int64_t>& lengths);
   std::vector<std::pair<int64_t, std::unique_ptr<Graph>>> graphs_;  // by width, ascending
+  struct RaggedGraph {
+    std::vector<int64_t> lengths;
+    std::unique_ptr<Graph> graph;
+  };
+  int64_t ragged_cap_ = 0;
+  std::list<RaggedGraph> ragged_;               // most recently used first
+  std::list<std::vector<int64_t>> seen_;        // layouts met once, most recent first
+  int64_t ragged_captures_ = 0, ragged_replays_ = 0;
 };
 
 class Engine {

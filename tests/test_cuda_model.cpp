@@ -533,7 +533,8 @@ struct EngineRun {
   std::string slots;
   EngineStats stats;
 };
-EngineRun run_engine(Model& m, EngineOptions o, bool greedy_only) {
+// Nine requests with prompts of 3 + 17 i tokens, or one per entry of prompt_lens.
+EngineRun run_engine(Model& m, EngineOptions o, bool greedy_only, const std::vector<int64_t>& prompt_lens = {}) {
   EngineRun out;
   o.max_slots = 6;
   o.prefill_chunk = 32;
@@ -542,11 +543,12 @@ EngineRun run_engine(Model& m, EngineOptions o, bool greedy_only) {
   Status st = Engine::create(m, o, &eng);
   EXPECT_TRUE(st.is_ok()) << st.to_string();
   if (!st.is_ok()) return out;
-  const int n = 9;
+  const int n = prompt_lens.empty() ? 9 : static_cast<int>(prompt_lens.size());
   out.tokens.resize(n);
   for (int i = 0; i < n; ++i) {
     Request r;
-    r.prompt = random_tokens(3 + 17 * i, m.config().vocab_size, 500 + i);
+    r.prompt = random_tokens(prompt_lens.empty() ? 3 + 17 * i : prompt_lens[static_cast<size_t>(i)],
+                             m.config().vocab_size, 500 + i);
     r.max_tokens = 6 + 5 * (i % 4);
     r.eos_id = -1;
     r.sampling.temperature = (greedy_only || i % 3 != 1) ? 0.0 : 0.8;
@@ -592,6 +594,9 @@ TEST(CudaModel, GraphDecodeBitwiseEqualsEagerAndWidthInvariant) {
     EXPECT_EQ(eager.stats.padded_rows, graph.stats.padded_rows);
     EXPECT_EQ(eager.tokens, graph.tokens);
     EXPECT_TRUE(eager.slots == graph.slots) << "graph decode changed the states' bytes";
+    // Prefill pieces of 32 tokens recur, so F32 pools replay their layouts from graphs.
+    EXPECT_EQ(eager.stats.prefill_graph_replays, 0);
+    if (sdt == DType::kF32) EXPECT_GT(graph.stats.prefill_graph_replays, 0);
     const EngineRun mixed = run_engine(m, o, true);
     // All-greedy runs queue decodes ahead (EngineOptions::pipeline, fed the ids on the
     // device); without that, the same tokens and state bytes.
@@ -606,6 +611,46 @@ TEST(CudaModel, GraphDecodeBitwiseEqualsEagerAndWidthInvariant) {
     const EngineRun wide = run_engine(m, o, true);
     EXPECT_GT(wide.stats.padded_rows, mixed.stats.padded_rows);
     EXPECT_EQ(wide.tokens, mixed.tokens);
+  }
+}
+
+// Ragged prefill from graphs (GraphExecutor captures a layout the second time it is met)
+// against eager prefill: bitwise the same tokens and states, with room for every layout and
+// with one graph only (layouts evicted and captured again). Prompts of 32 tokens (one piece,
+// two per step) and of 45 and 70 (a full piece and a tail) make layouts recur; BF16 state pools
+// stage states by host slot ids, so they prefill eagerly and still agree.
+TEST(CudaModel, RaggedPrefillGraphsBitwiseEqualEager) {
+  LAPLACE_REQUIRE_CUDA(cuda);
+  Config c = three_b_two_layers();
+  Model m;
+  ASSERT_TRUE(m.create(c, *cuda, DType::kBF16).is_ok());
+  m.init_weights(47);
+  const std::vector<int64_t> lens = {32, 32, 32, 32, 32, 32, 45, 45, 45, 45, 70, 70, 32, 45};
+  for (auto [sdt, cap] : {std::pair{DType::kF32, int64_t{16}}, std::pair{DType::kF32, int64_t{1}},
+                          std::pair{DType::kBF16, int64_t{16}}}) {
+    SCOPED_TRACE(std::string(dtype_name(sdt)) + " prefill graphs " + std::to_string(cap));
+    EngineOptions o;
+    o.decode_widths = {1, 2, 4, 8};
+    o.state_dtype = sdt;
+    o.graphs = true;
+    o.prefill_graphs = 0;  // graph decode, eager prefill
+    const EngineRun eager = run_engine(m, o, false, lens);
+    o.prefill_graphs = cap;
+    const EngineRun graph = run_engine(m, o, false, lens);
+    ASSERT_EQ(graph.tokens.size(), lens.size());
+    EXPECT_EQ(eager.stats.prefill_graph_captures, 0);
+    EXPECT_EQ(eager.tokens, graph.tokens);
+    EXPECT_TRUE(eager.slots == graph.slots) << "prefill from graphs changed the states' bytes";
+    EXPECT_EQ(eager.stats.prefill_forwards, graph.stats.prefill_forwards);
+    std::printf("  %s states, %lld prefill graphs: %lld prefill forwards, %lld captured, %lld replayed\n",
+                dtype_name(sdt), (long long)cap, (long long)graph.stats.prefill_forwards,
+                (long long)graph.stats.prefill_graph_captures, (long long)graph.stats.prefill_graph_replays);
+    if (sdt == DType::kBF16) {
+      EXPECT_EQ(graph.stats.prefill_graph_captures, 0);
+    } else {
+      EXPECT_GT(graph.stats.prefill_graph_replays, graph.stats.prefill_graph_captures);
+      EXPECT_GE(graph.stats.prefill_graph_captures, 2);  // [32, 32] and [32] at least
+    }
   }
 }
 
