@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: build, run the engine's GPU tests, then the serving benchmarks of laplace-3b
 # (random bf16 weights); logs and JSON lines under $OUT. Stages run in the order given:
-#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson burst rates ops train train125 lab declab overlap deferred cores ncu trace ptrace algo fp8serve fp8train fp8 wgmma parity" COMMIT=abc123 scripts/device_decode.sh
+#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson burst pgraphs rates ops train train125 lab declab overlap deferred cores ncu trace ptrace algo fp8serve fp8train fp8 wgmma parity" COMMIT=abc123 scripts/device_decode.sh
 # COMMIT is written into every result line (the device's git HEAD may be stale).
 # The device tool returns at most 8 files from $OUT, so every stage appends to one log,
 # $OUT/run.log (the GPU tests and the build keep their own; results go to results.jsonl).
@@ -93,6 +93,16 @@ for s in $STAGES; do
       timeout 200 $L bench serve $M3B --burst --count 256 --prompt-len 2048 --output-len 4 --max-slots 256 \
         --prefill-chunk 2048 --max-batch-tokens 16384 --batch-prefill $BP --results "$R" --tag 3b_256x2048 2>&1 |
         tee -a "$LOG" | grep -E "serve:|burst:" ;;
+    pgraphs)  # ragged prefill from CUDA graphs (--prefill-graphs 16) against eager prefill (0), in one call:
+      # chunked long prompts (every piece one layout) and a small-budget burst (layouts rarely recur)
+      for pg in 0 16; do
+        timeout 120 $L bench serve $M3B --burst --count 8 --prompt-len 8192 --output-len 4 --max-slots 8 \
+          --prefill-chunk 512 --max-batch-tokens 512 --prefill-graphs $pg --results "$R" --tag 3b_8x8192_c512_pg$pg 2>&1 |
+          tee -a "$LOG" | grep -E "serve:|burst:"
+        timeout 120 $L bench serve $M3B --burst --count 1280 --prompt-len 16 --output-len 8 --max-slots 1280 \
+          --prefill-chunk 16 --max-batch-tokens 2048 --prefill-graphs $pg --results "$R" --tag 3b_1280x16_mbt2048_pg$pg 2>&1 |
+          tee -a "$LOG" | grep -E "serve:|burst:"
+      done ;;
     rates)  # issue 30: the highest Poisson rate within TTFT p99 <= 300 ms and TPOT p99 <= 60 ms
       timeout 500 $L bench serve $M3B --rates ${RATES:-2,4,8,16,32,64} --count ${COUNT:-256} --prompt-len 128 \
         --prompt-len-max 1024 --output-len 128 --output-len-max 512 --max-slots 1280 --max-batch-tokens 4096 \
