@@ -625,7 +625,8 @@ ForwardOptions ShardedParameters::forward_options() {
 
 void ShardedParameters::begin_micro(int64_t a) {
   if (a > 0) comm_.compute_wait(comm_.mark());  // the last micro-step's reduce-scatters have read full_g
-  grads_.zero();
+  // Each micro-batch's gradient starts afresh; the products write theirs (overwrite_gradients).
+  model_->zero_accumulated_gradients(grads_);
 }
 
 // The micro-batch's mean loss into a device scalar; nothing is read back until the step's end.

@@ -104,6 +104,7 @@ class ShardedParameters : public ParameterStore, private ShardExchange {
   void begin_micro(int64_t a) override;
   void micro_loss(const Tensor& losses, double count, int64_t a) override;
   const Arena& gradients() const override { return grads_; }
+  bool overwrite_gradients() const override { return true; }
   double loss_scale() const override;
   GroupHook after_group(int64_t a) override;
   void end_micro(int64_t a) override;

@@ -374,12 +374,12 @@ void Model::project(const Tensor& x, const Tensor& w, const Fp8Matrix& f, const 
   be.gemm_e4m3(xq, xs, f.q, f.s, residual, y);
 }
 
-void Model::project_backward(const Tensor& dy, const Tensor& w, const Fp8Matrix& ft, const Tensor& x, Tensor dx,
-                             Tensor gw) {
+void Model::project_backward(bool overwrite, const Tensor& dy, const Tensor& w, const Fp8Matrix& ft, const Tensor& x,
+                             Tensor dx, Tensor gw) {
   Backend& be = *be_;
   if (!ft.q.defined()) {
     be.gemm(dy, false, w, false, dx, 1.0, 0.0);
-    be.gemm(dy, true, x, false, gw, 1.0, 1.0);
+    be.gemm(dy, true, x, false, gw, 1.0, overwrite ? 0.0 : 1.0);
     return;
   }
   const int64_t N = dy.shape[0], O = dy.shape[1], I = x.shape[1];
@@ -389,7 +389,7 @@ void Model::project_backward(const Tensor& dy, const Tensor& w, const Fp8Matrix&
   be.gemm_e4m3(dyq, dys, ft.q, ft.s, Tensor{}, dx);  // dx [N, I] = dY·W = dY·(Wᵀ)ᵀ
   const Tensor xtq = fp8_codes(fp8_xtq_, I, N), xts = fp8_xts_.slice(0, 0, I);
   be.quantize_cols_e4m3(x, xtq, xts);
-  be.gemm_e4m3(dytq, dyts, xtq, xts, gw, gw);  // gw [O, I] += dYᵀ·X
+  be.gemm_e4m3(dytq, dyts, xtq, xts, overwrite ? Tensor{} : gw, gw);  // gw [O, I] (+)= dYᵀ·X
 }
 
 GlaParams Model::gla_params(GlaForm form) const {
@@ -666,7 +666,22 @@ double Model::loss(const int32_t* targets) {
   return count ? sum / static_cast<double>(count) : 0.0;
 }
 
-void Model::backward(const int32_t* targets, const Arena& grads, double loss_scale, const GroupHook& after_group) {
+void Model::zero_accumulated_gradients(const Arena& grads) {
+  // Every tensor but those backward(..., overwrite = true) writes with a product, so that a
+  // parameter added later is zeroed unless it is known to be written.
+  const ModelWeights g = weights_bind(cfg_, grads);
+  std::vector<const void*> written;
+  if (!cfg_.tie_embeddings) written.push_back(g.lm_head.data);
+  for (const LayerWeights& l : g.layers)
+    for (const Tensor* t : {&l.wqkvg, &l.wo, &l.w12, &l.w3}) written.push_back(t->data);
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const Tensor t = grads.tensor(i);
+    if (std::find(written.begin(), written.end(), t.data) == written.end()) be_->fill(t, 0.0);
+  }
+}
+
+void Model::backward(const int32_t* targets, const Arena& grads, double loss_scale, const GroupHook& after_group,
+                     bool overwrite) {
   LAPLACE_CHECK(plan_.training, "backward: the plan is not a training plan");
   LAPLACE_CHECK(!last_only_, "backward: needs the logits of every token");
   Backend& be = *be_;
@@ -684,7 +699,8 @@ void Model::backward(const int32_t* targets, const Arena& grads, double loss_sca
   be.cross_entropy_backward(logits_, tg, scale, logits_);  // dlogits in place
   const Tensor dx = rows(dx_, N), dtmp = rows(dtmp_, N);
   be.gemm(logits_, false, w_.lm_head, false, dtmp, 1.0, 0.0);
-  be.gemm(logits_, true, rows(zf_, N), false, g.lm_head, 1.0, 1.0);
+  // Tied embeddings: the head writes (or adds to) the shared gradient first; the embedding adds.
+  be.gemm(logits_, true, rows(zf_, N), false, g.lm_head, 1.0, overwrite ? 0.0 : 1.0);
   be.layernorm_backward(dtmp, rows(x_final_, N), w_.norm_w, rows(lnf_mean_, N), rows(lnf_rstd_, N), dx, false,
                         g.norm_w, g.norm_b);
   auto after = [&](int64_t group) {
@@ -702,14 +718,14 @@ void Model::backward(const int32_t* targets, const Arena& grads, double loss_sca
     const Tensor qkvg = rows(a.qkvg, N), dqkvg = rows(dqkvg_, N);
 
     // Channel mixer: x_out = x_mid + h·W_3ᵀ, h = SiLU(a) ⊙ b, [a|b] = z·W_12ᵀ.
-    project_backward(dx, w.w3, fp8t(3), rows(a.h, N), rows(dh_, N), gw.w3);
+    project_backward(overwrite, dx, w.w3, fp8t(3), rows(a.h, N), rows(dh_, N), gw.w3);
     be.swiglu_backward(rows(dh_, N), rows(a.ab, N), rows(dab_, N));
-    project_backward(rows(dab_, N), w.w12, fp8t(2), rows(a.z, N), rows(dz_, N), gw.w12);
+    project_backward(overwrite, rows(dab_, N), w.w12, fp8t(2), rows(a.z, N), rows(dz_, N), gw.w12);
     be.layernorm_backward(rows(dz_, N), rows(a.x_mid, N), w.norm2_w, rows(a.ln2_mean, N), rows(a.ln2_rstd, N), dx,
                           true, gw.norm2_w, gw.norm2_b);
 
     // Mixer: x_mid = x_in + y·W_oᵀ, y = RMSNorm(o) ⊙ SiLU(g), o = GLA(q, k, v).
-    project_backward(dx, w.wo, fp8t(1), rows(a.y, N), rows(dy_, N), gw.wo);
+    project_backward(overwrite, dx, w.wo, fp8t(1), rows(a.y, N), rows(dy_, N), gw.wo);
     Tensor o = bthd(rows(a.o, N), B, T, H, dv);
     if (plan_.recompute_mixer)
       be.gla_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), o, {}, {}, {});
@@ -722,7 +738,7 @@ void Model::backward(const int32_t* targets, const Arena& grads, double loss_sca
     be.gla_backward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), {},
                     bthd(rows(do_, N), B, T, H, dv), {}, qkvg_part(dqkvg, B, T, 0), qkvg_part(dqkvg, B, T, 1),
                     qkvg_part(dqkvg, B, T, 2), {});
-    project_backward(dqkvg, w.wqkvg, fp8t(0), rows(a.c, N), rows(dc_, N), gw.wqkvg);
+    project_backward(overwrite, dqkvg, w.wqkvg, fp8t(0), rows(a.c, N), rows(dc_, N), gw.wqkvg);
     be.conv_silu_backward(btc(rows(dc_, N), B, T), btc(rows(a.u, N), B, T), w.conv_w,
                           btc(rows(a.conv_pre, N), B, T), btc(rows(du_, N), B, T), gw.conv_w);
     be.layernorm_backward(rows(du_, N), rows(a.x_in, N), w.norm1_w, rows(a.ln1_mean, N), rows(a.ln1_rstd, N), dx,

@@ -596,7 +596,9 @@ TEST(CudaModel, GraphDecodeBitwiseEqualsEagerAndWidthInvariant) {
     EXPECT_TRUE(eager.slots == graph.slots) << "graph decode changed the states' bytes";
     // Prefill pieces of 32 tokens recur, so F32 pools replay their layouts from graphs.
     EXPECT_EQ(eager.stats.prefill_graph_replays, 0);
-    if (sdt == DType::kF32) EXPECT_GT(graph.stats.prefill_graph_replays, 0);
+    if (sdt == DType::kF32) {
+      EXPECT_GT(graph.stats.prefill_graph_replays, 0);
+    }
     const EngineRun mixed = run_engine(m, o, true);
     // All-greedy runs queue decodes ahead (EngineOptions::pipeline, fed the ids on the
     // device); without that, the same tokens and state bytes.

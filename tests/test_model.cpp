@@ -237,6 +237,47 @@ TEST(ModelGrad, RecomputeMixerIsBitwiseIdentical) {
   EXPECT_EQ(results[0], results[1]);
 }
 
+// backward(..., overwrite = true) into an arena of NaNs whose accumulated part
+// zero_accumulated_gradients() zeroed gives the values of a backward into a zeroed arena:
+// every product-written gradient is written whole and everything else is zeroed first. With
+// untied and tied embeddings (the head's product then writes the embedding's gradient before
+// the embedding adds to it), and with FP8 products. Values, not bytes: a written product may
+// keep a -0 that adding it to +0 would have turned into +0.
+TEST(ModelGrad, OverwriteEqualsAccumulatingIntoZeros) {
+  auto be = make_cpu_backend();
+  for (int variant = 0; variant < 3; ++variant) {
+    SCOPED_TRACE(variant == 0 ? "untied" : variant == 1 ? "tied embeddings" : "FP8 products");
+    Config c = small_config();
+    c.tie_embeddings = variant == 1;
+    Model m;
+    ASSERT_TRUE(m.create(c, *be, DType::kF32).is_ok());
+    m.init_weights(7);
+    if (variant == 2) {
+      ASSERT_TRUE(m.use_fp8_training().is_ok());
+    }
+    const int64_t B = 2, T = 13;
+    auto toks = random_tokens(B * T, c.vocab_size, 19);
+    auto targets = random_tokens(B * T, c.vocab_size, 20);
+    ASSERT_TRUE(m.plan({B, T, true, false}).is_ok());
+    Arena zeroed, garbage;
+    ASSERT_TRUE(zeroed.create(weight_specs(c, DType::kF32), be->allocator(), "zeroed").is_ok());
+    ASSERT_TRUE(garbage.create(weight_specs(c, DType::kF32), be->allocator(), "garbage").is_ok());
+    zeroed.zero();
+    for (size_t i = 0; i < garbage.size(); ++i) be->fill(garbage.tensor(i), std::nan(""));
+    m.zero_accumulated_gradients(garbage);
+    m.forward(toks.data(), B, T, ForwardOptions{});
+    m.backward(targets.data(), zeroed, 0.5);
+    m.forward(toks.data(), B, T, ForwardOptions{});
+    m.backward(targets.data(), garbage, 0.5, nullptr, true);
+    for (size_t i = 0; i < zeroed.size(); ++i) {
+      const Tensor a = zeroed.tensor(i), b = garbage.tensor(i);
+      int64_t differ = 0;
+      for (int64_t j = 0; j < a.numel(); ++j) differ += !(a.ptr<float>()[j] == b.ptr<float>()[j]);
+      EXPECT_EQ(differ, 0) << zeroed.spec(i).name;
+    }
+  }
+}
+
 TEST(ModelDeterminism, TwoRunsAreBitwiseIdentical) {
   auto be = make_cpu_backend();
   Config c = small_config(96, 192, 2);

@@ -12,7 +12,7 @@
 //     begin_micro(a)                      before the micro-batch's forward
 //     forward, per-token losses on the device
 //     micro_loss(losses, count, a)        the micro-batch's mean loss into the step's sum
-//     Model::backward(gradients(), loss_scale(), after_group(a))
+//     Model::backward(gradients(), loss_scale(), after_group(a), overwrite_gradients())
 //     end_micro(a)
 //   before_optimizer(); Optimizer::enqueue_step; after_optimizer()  (weights refreshed there)
 //   Optimizer::finish_step (the one synchronisation); step_loss()
@@ -98,6 +98,9 @@ class ParameterStore {
   virtual void micro_loss(const Tensor& losses, double count, int64_t a) = 0;
   virtual const Arena& gradients() const = 0;
   virtual double loss_scale() const = 0;
+  // Whether the backward writes the products' gradients instead of adding to them
+  // (Model::backward's overwrite; begin_micro has then zeroed only the rest).
+  virtual bool overwrite_gradients() const { return false; }
   virtual GroupHook after_group(int64_t a) { (void)a; return nullptr; }
   virtual void end_micro(int64_t a) = 0;
   virtual void before_optimizer() = 0;

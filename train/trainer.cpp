@@ -362,7 +362,8 @@ void Trainer::enqueue_step(int64_t step) {
     be_->copy(targets_dev_, Tensor(y_.data(), DType::kI32, {N}));
     be_->cross_entropy_forward(model_.logits(), targets_dev_, losses_dev_);
     store_->micro_loss(losses_dev_, static_cast<double>(count), micro);
-    model_.backward(y_.data(), store_->gradients(), store_->loss_scale(), store_->after_group(micro));
+    model_.backward(y_.data(), store_->gradients(), store_->loss_scale(), store_->after_group(micro),
+                    store_->overwrite_gradients());
     store_->end_micro(micro);
   }
   store_->before_optimizer();
