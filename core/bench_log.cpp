@@ -48,7 +48,7 @@ std::string BenchLog::commit_hash(const std::string& given) {
   if (!given.empty()) return given;
   if (const char* e = std::getenv("LAPLACE_COMMIT"); e && *e) return e;
   std::string out;
-  if (FILE* p = popen("git rev-parse --short HEAD 2>/dev/null", "r")) {
+  if (FILE* p = popen("git describe --always --dirty --abbrev=7 2>/dev/null", "r")) {
     char buf[64];
     while (std::fgets(buf, sizeof buf, p)) out += buf;
     pclose(p);

@@ -23,7 +23,9 @@ struct BenchLog {
 
   // "2026-11-30T14:02:41Z"
   static std::string iso_date_utc();
-  // `given` if set, else $LAPLACE_COMMIT, else `git rev-parse --short HEAD`, else "unknown".
+  // `given` if set, else $LAPLACE_COMMIT, else the working tree's commit (`git describe --always
+  // --dirty`: "-dirty" when tracked files differ from it, so a figure from an uncommitted or
+  // copied tree is not filed under a commit it did not run), else "unknown".
   static std::string commit_hash(const std::string& given = "");
   // This process's command line from /proc/self/cmdline, arguments joined by spaces (those
   // with spaces or quotes single-quoted); empty where it cannot be read.

@@ -4,7 +4,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
-COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+COMMIT=${COMMIT:-$(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)}
 mkdir -p "$OUT"
 FILTER=${FILTER:-CudaOps*:CudaModel*} ./scripts/device_check.sh || exit 1
 R="$OUT/results.jsonl"

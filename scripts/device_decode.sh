@@ -11,7 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
-export LAPLACE_COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export LAPLACE_COMMIT=${COMMIT:-$(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)}
 export NCCL_NVLS_ENABLE=0
 STAGES=${STAGES-tests decode eager bf16 prefill}  # unset: these; set but empty: the build alone
 mkdir -p "$OUT"

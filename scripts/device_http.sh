@@ -14,7 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-export LAPLACE_COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export LAPLACE_COMMIT=${COMMIT:-$(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)}
 BUILD=${BUILD:-build-srv-gpu}
 STREAMS=${STREAMS:-1280}
 TOKENS=${TOKENS:-256}     # per stream; the decode window is all but the first

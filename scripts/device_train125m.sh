@@ -43,7 +43,7 @@ STAGES=${STAGES:-"build data train ref wait"}
 PY=${PY:-python3}
 LAPLACE=${LAPLACE:-build-gpu/laplace}
 CFG=configs/laplace-125m.json
-COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+COMMIT=${COMMIT:-$(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)}
 # The run (docs/quality.md): 3,052 steps × 65,536 tokens = 200.0M tokens.
 STEPS=${STEPS:-3052}
 # TAG names the convergence_* figures of stage compare; a parity run with a schedule of its own

@@ -4,9 +4,11 @@
 // are not checked (no timed tests); what the modes count and record is.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -113,6 +115,34 @@ TEST(BenchLog, PercentileIsTheNearestRankAndMedianAveragesTheMiddle) {
   EXPECT_EQ(bench_percentile({}, 99), 0);
   EXPECT_EQ(bench_median(v), 5.5);
   EXPECT_EQ(bench_median({3, 1, 2}), 2);
+}
+
+// A figure's commit is the working tree's, marked "-dirty" when tracked files differ from it.
+TEST(BenchLog, CommitMarksATreeThatDiffersFromItsCommit) {
+  if (std::system("git --version > /dev/null 2>&1") != 0) GTEST_SKIP() << "no git";
+  const fs::path dir = fs::path(::testing::TempDir()) / ("bench_log_git_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string git = "git -C " + dir.string() + " ";
+  std::ofstream(dir / "a.txt") << "one\n";
+  ASSERT_EQ(std::system((git + "init -q && " + git + "add a.txt && " + git +
+                         "-c user.name=t -c user.email=t@t commit -qm one").c_str()),
+            0);
+  const fs::path here = fs::current_path();
+  const char* env = std::getenv("LAPLACE_COMMIT");
+  const std::string saved = env ? env : "";
+  ::unsetenv("LAPLACE_COMMIT");
+  fs::current_path(dir);
+  const std::string clean = BenchLog::commit_hash();
+  std::ofstream(dir / "a.txt") << "two\n";
+  const std::string dirty = BenchLog::commit_hash();
+  const std::string given = BenchLog::commit_hash("abc1234");
+  fs::current_path(here);
+  if (env) ::setenv("LAPLACE_COMMIT", saved.c_str(), 1);
+  fs::remove_all(dir);
+  EXPECT_TRUE(std::regex_match(clean, std::regex("[0-9a-f]{7,}"))) << clean;
+  EXPECT_EQ(dirty, clean + "-dirty");
+  EXPECT_EQ(given, "abc1234");
 }
 
 TEST_F(BenchServe, BadArgumentsAreClearErrors) {
