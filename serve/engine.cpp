@@ -161,9 +161,8 @@ Status GraphExecutor::create(Model& m, StatePool& pool, const std::vector<int64_
       return Status::invalid_argument("graph executor: decode width " + std::to_string(w) + " outside the plan");
     // Warm-up: every row feeds token 0 into the scratch slot; it settles lazily made
     // device buffers and cached gemm algorithms before the capture.
-    std::vector<int32_t> zeros(static_cast<size_t>(w), 0), scratch(static_cast<size_t>(w), scratch_slot);
-    be.copy(m.input_ids().slice(0, 0, w), Tensor(zeros.data(), DType::kI32, {w}));
-    be.copy(m.input_slots().slice(0, 0, w), Tensor(scratch.data(), DType::kI32, {w}));
+    g->stage_inputs(std::vector<int32_t>(static_cast<size_t>(w), 0),
+                    std::vector<int32_t>(static_cast<size_t>(w), scratch_slot));
     m.forward_queued(w, 1, fo, &pool);
     be.synchronize();
     std::unique_ptr<Graph> graph;
@@ -175,14 +174,18 @@ Status GraphExecutor::create(Model& m, StatePool& pool, const std::vector<int64_
   return Status::ok();
 }
 
-void GraphExecutor::forward_decode(const DecodeBatch& batch) {
-  const int64_t w = batch.width();
-  for (int64_t b = 0; b < w; ++b) LAPLACE_CHECK(batch.slots[b] >= 0 && batch.slots[b] < pool_.slots(), "graph decode: bad slot");
+void GraphExecutor::stage_inputs(const std::vector<int32_t>& tokens, const std::vector<int32_t>& slots) {
+  for (int32_t s : slots) LAPLACE_CHECK(s >= 0 && s < pool_.slots(), "graph replay: bad slot");
+  const int64_t N = static_cast<int64_t>(tokens.size()), G = static_cast<int64_t>(slots.size());
   Backend& be = m_.backend();
   // Queued H2D copies into the buffers the graph reads, then the replay, in stream order.
-  be.copy(m_.input_ids().slice(0, 0, w), Tensor(const_cast<int32_t*>(batch.tokens.data()), DType::kI32, {w}));
-  be.copy(m_.input_slots().slice(0, 0, w), Tensor(const_cast<int32_t*>(batch.slots.data()), DType::kI32, {w}));
-  forward_decode_queued(w);
+  be.copy(m_.input_ids().slice(0, 0, N), Tensor(const_cast<int32_t*>(tokens.data()), DType::kI32, {N}));
+  be.copy(m_.input_slots().slice(0, 0, G), Tensor(const_cast<int32_t*>(slots.data()), DType::kI32, {G}));
+}
+
+void GraphExecutor::forward_decode(const DecodeBatch& batch) {
+  stage_inputs(batch.tokens, batch.slots);
+  forward_decode_queued(batch.width());
 }
 
 void GraphExecutor::forward_decode_queued(int64_t w) {
@@ -237,14 +240,9 @@ void GraphExecutor::forward_ragged(const std::vector<int32_t>& tokens, const std
     EagerExecutor::forward_ragged(tokens, lengths, slots);
     return;
   }
-  const int64_t G = static_cast<int64_t>(lengths.size()), N = static_cast<int64_t>(tokens.size());
-  for (int32_t s : slots) LAPLACE_CHECK(s >= 0 && s < pool_.slots(), "graph prefill: bad slot");
-  Backend& be = m_.backend();
-  // Queued H2D copies into the buffers the graph reads, then the replay, in stream order.
-  be.copy(m_.input_ids().slice(0, 0, N), Tensor(const_cast<int32_t*>(tokens.data()), DType::kI32, {N}));
-  be.copy(m_.input_slots().slice(0, 0, G), Tensor(const_cast<int32_t*>(slots.data()), DType::kI32, {G}));
+  stage_inputs(tokens, slots);
   graph->launch();
-  m_.set_replayed_ragged(G);
+  m_.set_replayed_ragged(static_cast<int64_t>(lengths.size()));
   ++ragged_replays_;
 }
 

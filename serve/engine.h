@@ -288,6 +288,9 @@ class GraphExecutor : public EagerExecutor {
   void forward_decode_queued(int64_t width) override;
   void forward_ragged(const std::vector<int32_t>& tokens, const std::vector<int64_t>& lengths,
                       const std::vector<int32_t>& slots) override;
+  // A replay's inputs: slots range-checked, tokens and slots queued into the model's input
+  // buffers (the ones every captured forward reads).
+  void stage_inputs(const std::vector<int32_t>& tokens, const std::vector<int32_t>& slots);
   // The graph of a layout: from the cache, else captured if the layout was met before (and
   // the capture works), else null (run it eagerly).
   Graph* ragged_graph(const std::vector<int64_t>& lengths);
