@@ -8,7 +8,7 @@
 #   train  the run, in the background (setsid: it outlives this call while the machine is held): steps
 #          1..STOP1 (the parity point), then, once the reference is done, a resume to STEPS; then the
 #          loss over the whole validation split, a sample and (QUALITY=1) the quality evaluations of
-#          docs/quality.md (eval copy, passkey, position, serving) into $RUNS/quality and (HF=1) the
+#          docs/quality.md (eval copy, passkey, position, serving; QUALITY_MODES: which) into $RUNS/quality and (HF=1) the
 #          Python package's check on the trained model (scripts/device_hf_check.py). Metrics and
 #          TensorBoard events in $RUNS/ours
 #   ref    after the run's first 45 steps, alone on the GPU, give the throughput figure (into
@@ -132,8 +132,12 @@ if has train; then
       for mode in 'copy --dtype bf16 --trials 64 --batch 16' 'passkey --dtype bf16 --trials 16 --batch 4' \
           'position --dtype bf16 --context 131072 --streams 7' \
           'serving --dtype f32 --options defer4,defer8,defer16,bf16-weights,bf16-states,fp8-weights,fp8 --prompts 64 --prompt-len 128 --steps 256'; do
+        [[ \" ${QUALITY_MODES:-copy passkey position serving} \" == *\" \${mode%% *} \"* ]] || continue
         eval $LAPLACE eval \$mode \$Q; echo \"eval \${mode%% *} exit \$?\"
       done
+      # The validation loss again with the body products in FP8 (--weights fp8), against ours_eval.log.
+      $LAPLACE eval --model $RUNS/ours --data '$RUNS/data/val_*.bin' --batch 16 --seq 2048 --device cuda \
+        --dtype bf16 --weights fp8 > $RUNS/ours_eval_fp8.log 2>&1; echo \"eval --weights fp8 exit \$?\"
     fi > $RUNS/quality.log 2>&1
     if [ \$rc = 0 ] && [ ${HF:-1} = 1 ]; then
       $PY scripts/device_hf_check.py --laplace $LAPLACE --model $RUNS/ours --out $RUNS/hf_125m.jsonl
