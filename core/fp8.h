@@ -42,14 +42,22 @@ inline uint8_t e4m3_from_float(float x) {
   return sign | static_cast<uint8_t>(be << 3 | m);
 }
 
-// One row of a per-row quantisation: s = max |x| / 448 (1 for a row of zeros), q[c] = e4m3(x[c] / s)
-// (a division, not a product with 1/s: the CUDA kernel divides too, so the two give the same codes).
-// Returns s.
+// The scale of a row (or column) whose largest magnitude is amax: amax / 448, which maps that value
+// to the largest code; 1 for a row of zeros. It never goes below FLT_MIN, so that its reciprocal is
+// finite (a row whose largest value is below 448·FLT_MIN, about 5e-36, keeps codes below 448).
+inline float e4m3_scale(float amax) {
+  return amax > 0.f ? std::fmax(amax / kE4M3Max, std::numeric_limits<float>::min()) : 1.f;
+}
+
+// One row of a per-row quantisation: s = e4m3_scale(max |x|), q[c] = e4m3(x[c] · (1/s)), the
+// product rounded to F32 first. A product rather than a division: the CUDA quantisers are bound by
+// their instructions, and an IEEE division costs several times a product; both backends multiply
+// by the same rounded reciprocal, so they give the same codes. Returns s.
 inline float e4m3_quantize_row(const float* x, int64_t n, uint8_t* q) {
   float amax = 0.f;
   for (int64_t c = 0; c < n; ++c) amax = std::fmax(amax, std::fabs(x[c]));
-  const float s = amax > 0.f ? amax / kE4M3Max : 1.f;
-  for (int64_t c = 0; c < n; ++c) q[c] = e4m3_from_float(x[c] / s);
+  const float s = e4m3_scale(amax), inv = 1.f / s;
+  for (int64_t c = 0; c < n; ++c) q[c] = e4m3_from_float(x[c] * inv);
   return s;
 }
 

@@ -159,10 +159,11 @@ class Backend {
   // activations are quantised per row too, and the product is scaled per row and per column.
   // Backends without them state so in supports() and stop with a message when called.
   // x [R, C] (F32/F64 on the CPU, F32/BF16 on CUDA) → q [R, C] F8E4M3, s [R] F32, with
-  // s[r] = max_c |x[r][c]| / 448 (1 for a row of zeros) and q[r][c] = e4m3(x[r][c] / s[r]).
+  // s[r] = e4m3_scale(max_c |x[r][c]|) (max / 448; 1 for a row of zeros) and
+  // q[r][c] = e4m3(x[r][c] · (1 / s[r])) (core/fp8.h's e4m3_quantize_row).
   virtual void quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s);
   // The same per column, written transposed: x [R, C] → qt [C, R] F8E4M3, s [C] F32, with
-  // s[c] = max_r |x[r][c]| / 448 and qt[c][r] = e4m3(x[r][c] / s[c]): quantize_rows_e4m3 of xᵀ,
+  // s[c] = e4m3_scale(max_r |x[r][c]|) and qt[c][r] = e4m3(x[r][c] · (1 / s[c])): quantize_rows_e4m3 of xᵀ,
   // bit for bit. A training step's other two products contract over the rows of an operand
   // (dX = dY·W over W's rows, dW = dYᵀ·X over the tokens), and gemm_e4m3 contracts over
   // contiguous rows with one scale per row of each operand: this gives it W, dY and X in

@@ -327,13 +327,16 @@ TEST_F(CudaOps, Fp8QuantizeColsAtTrainingShapes) {
     const char* what;
     int64_t R, C, ld;
     DType dt;
+    double range = 3;  // values in [-range, range]
   };
   const Shape shapes[] = {{"W_qkvg [9216, 3072], bf16", 9216, 3072, 3072, kBF16},
                           {"dY of W_o [16384, 3072], bf16", 16384, 3072, 3072, kBF16},
                           {"X [16384, 3072] inside [16384, 3200], f32", 16384, 3072, 3200, kF32},
                           {"ragged [1000, 77], f32", 1000, 77, 77, kF32},
                           {"ragged [999, 77], bf16 (rows not whole words)", 999, 77, 77, kBF16},
-                          {"[1001, 264] inside [1001, 272], bf16 (rows not whole tiles)", 1001, 264, 272, kBF16}};
+                          {"[1001, 264] inside [1001, 272], bf16 (rows not whole tiles)", 1001, 264, 272, kBF16},
+                          {"tiny [520, 264], bf16 (scales at FLT_MIN)", 520, 264, 264, kBF16, 1e-37},
+                          {"tiny [520, 77], f32 (scales at FLT_MIN)", 520, 77, 77, kF32, 1e-37}};
   // A device tensor's bytes against the CPU backend's.
   auto expect_bytes = [&](const Tensor& dev, const auto& host, const char* what) {
     auto d = down(dev);
@@ -342,7 +345,7 @@ TEST_F(CudaOps, Fp8QuantizeColsAtTrainingShapes) {
   uint64_t seed = 60;
   for (const Shape& sh : shapes) {
     SCOPED_TRACE(sh.what);
-    Buf wide = input({sh.R, sh.ld}, sh.dt, kF32, ++seed, -3, 3);
+    Buf wide = input({sh.R, sh.ld}, sh.dt, kF32, ++seed, -sh.range, sh.range);
     const Tensor xr = wide.r().slice(1, 0, sh.C), xd = wide.d().slice(1, 0, sh.C);
     auto hq = host_tensor(DType::kF8E4M3, {sh.C, sh.R});
     auto hs = host_tensor(kF32, {sh.C});

@@ -144,6 +144,26 @@ TEST(Fp8Rows, ScalesMapEachRowsLargestToTheLargestCode) {
   }
 }
 
+// A row whose largest value is below 448·FLT_MIN keeps the scale FLT_MIN, whose reciprocal is
+// finite: no code is NaN or saturated by an infinite factor, and the values come back as closely
+// as E4M3's subnormal step at that scale allows. A row at the threshold maps its largest to 448.
+TEST(Fp8Rows, ScalesStopAtTheSmallestNormalFloat) {
+  const float tiny = std::numeric_limits<float>::min();
+  const std::vector<float> w = {3e-37f, -1.5e-37f, 0.f, 7e-38f, tiny * 448.f, -tiny * 100.f, 0.f, tiny};
+  std::vector<uint8_t> q(w.size());
+  std::vector<float> s(2), back(w.size());
+  fp8_quantize_rows(w.data(), 2, 4, q.data(), s.data());
+  fp8_dequantize_rows(q.data(), s.data(), 2, 4, back.data());
+  EXPECT_EQ(s[0], tiny);  // 3e-37 / 448 is below FLT_MIN
+  EXPECT_EQ(s[1], tiny);  // 448·FLT_MIN / 448, exactly
+  EXPECT_EQ(q[4], 0x7E);  // 448
+  for (size_t i = 0; i < w.size(); ++i) {
+    EXPECT_FALSE(is_nan_code(q[i])) << i;
+    EXPECT_LE(std::fabs(back[i] - w[i]), std::max(std::fabs(w[i]) * 0x1p-4f, std::ldexp(tiny, -10)) * 1.0001f) << i;
+  }
+  EXPECT_EQ(q[0], e4m3_from_float(3e-37f * (1.f / tiny)));
+}
+
 // ---- FP8 products on the CPU backend (the reference of the CUDA backend's) ---------------------
 
 // [R, C] F32 values ~N(0, sd) with an outlier every 97 columns (activations have outlier channels).

@@ -1,11 +1,14 @@
 // FP8 products (ops/backend.h's quantize_rows_e4m3, quantize_cols_e4m3 and gemm_e4m3) on CUDA.
 //
-// Quantisation keeps core/fp8.h's arithmetic (the scale max/448, each value divided by it,
-// rounded to nearest even and saturated by __nv_cvt_float_to_fp8's SATFINITE), so the codes and
-// scales equal the CPU backend's bit for bit; the maxima are order-free, so how the kernels split
-// the work does not change a bit. Each kernel is a plain pass over the operand, meant to run at
-// memory speed: rows whose alignment allows it move 16 bytes per load and their codes 4 or 8
-// bytes per store, others take the same kernels one element at a time.
+// Quantisation keeps core/fp8.h's arithmetic (the scale e4m3_scale(max), each value times the
+// scale's rounded reciprocal, rounded to nearest even and saturated by the SATFINITE conversion),
+// so the codes and scales equal the CPU backend's bit for bit; the maxima are order-free, so how
+// the kernels split the work does not change a bit. Each kernel is a plain pass over the operand,
+// meant to run at memory speed, so the work per value is kept to a product and half a paired
+// conversion (cvt.rn.satfinite.e4m3x2.f32: two values per instruction); a division per value
+// would make the passes bound by their instructions. Rows whose alignment allows it move 16
+// bytes per load and their codes 4 or 8 bytes per store, others take the same kernels one
+// element at a time.
 //
 // Product: cuBLASLt's FP8 matmul wants its A transposed and its B not ("TN"): with our row-major
 // X [M, K] and W [N, K] read column-major as Xᵀ [K, M] and Wᵀ [K, N], cuBLAS's A is W (op T) and
@@ -17,6 +20,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cstdint>
 #include <string>
 
@@ -49,11 +53,41 @@ __device__ __forceinline__ void load_vec(const T* p, float* f) {
   }
 }
 
-__device__ __forceinline__ uint32_t e4m3(float v, float scale) {
-  return __nv_cvt_float_to_fp8(v / scale, __NV_SATFINITE, __NV_E4M3);
+// The code of v · inv, inv the reciprocal of its scale.
+__device__ __forceinline__ uint32_t e4m3(float v, float inv) {
+  return __nv_cvt_float_to_fp8(v * inv, __NV_SATFINITE, __NV_E4M3);
 }
 
-__device__ __forceinline__ float scale_of(float amax) { return amax > 0.f ? amax / 448.f : 1.f; }
+// The codes of a · ia and b · ib as one 16-bit pair, a's in the low byte.
+__device__ __forceinline__ uint32_t e4m3x2(float a, float ia, float b, float ib) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(a * ia, b * ib), __NV_SATFINITE, __NV_E4M3);
+}
+
+// core/fp8.h's e4m3_scale.
+__device__ __forceinline__ float scale_of(float amax) { return amax > 0.f ? fmaxf(amax / 448.f, FLT_MIN) : 1.f; }
+
+// The codes of V adjacent values of one row (scale reciprocal inv), packed in V/4 words, the
+// first value in the lowest byte.
+template <int V>
+__device__ __forceinline__ void pack_row(const float* f, float inv, uint32_t* w) {
+  static_assert(V % 4 == 0, "whole words");
+#pragma unroll
+  for (int j = 0; j < V; j += 4)
+    w[j / 4] = e4m3x2(f[j], inv, f[j + 1], inv) | e4m3x2(f[j + 2], inv, f[j + 3], inv) << 16;
+}
+
+// A row's V codes at p: one 4- or 8-byte store when V > 1.
+template <int V>
+__device__ __forceinline__ void store_row_codes(const float* f, float inv, __nv_fp8_storage_t* p) {
+  if constexpr (V == 1) {
+    p[0] = static_cast<__nv_fp8_storage_t>(e4m3(f[0], inv));
+  } else {
+    uint32_t w[V / 4];
+    pack_row<V>(f, inv, w);
+    if constexpr (V == 8) *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+    else *reinterpret_cast<uint32_t*>(p) = w[0];
+  }
+}
 
 // Per row: one block per row finds max |x|, then writes the row's codes (a second read, from L2).
 template <typename T, int V>
@@ -83,20 +117,12 @@ __global__ void quantize_rows_e4m3_kernel(const T* x, int64_t ld, int64_t cols, 
     }
   }
   __syncthreads();
-  const float sc = scale;
+  const float inv = 1.f / scale;
   __nv_fp8_storage_t* qr = q + r * cols;
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < cols; c += step) {
     float f[V];
     load_vec<T, V>(row + c, f);
-    if constexpr (V == 1) {
-      qr[c] = static_cast<__nv_fp8_storage_t>(e4m3(f[0], sc));
-    } else {
-      uint32_t w[V / 4] = {};
-#pragma unroll
-      for (int j = 0; j < V; ++j) w[j / 4] |= e4m3(f[j], sc) << (8 * (j % 4));
-      if constexpr (V == 8) *reinterpret_cast<uint2*>(qr + c) = make_uint2(w[0], w[1]);
-      else *reinterpret_cast<uint32_t*>(qr + c) = w[0];
-    }
+    store_row_codes<V>(f, inv, qr + c);
   }
 }
 
@@ -146,7 +172,8 @@ __global__ void column_amax_kernel(const T* x, int64_t ld, int64_t rows, int64_t
   }
 }
 
-// Each thread quantises its V columns over 4 consecutive rows and packs each column's 4 codes
+// Each thread quantises its V columns over 4 consecutive rows, two rows at a time (a column's
+// codes of both in one paired conversion), and packs each column's 4 codes
 // into one word of the shared tile [32·V columns][kColWords]; the word's place in its column is
 // rotated by the writing lane, so that a warp's lanes hit 32 different banks both when they
 // write (one word each of different columns) and when they read (the words of one column).
@@ -159,35 +186,25 @@ __global__ void column_codes_kernel(const T* x, int64_t ld, int64_t rows, int64_
   __shared__ uint32_t tile[32 * V * kColWords];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * 32 * V, c = c0 + tx * V;
-  float sc[V];
+  float inv[V];  // the columns' scale reciprocals
 #pragma unroll
-  for (int j = 0; j < V; ++j) sc[j] = scale_of(c + j < cols ? __uint_as_float(amax[c + j]) : 0.f);
+  for (int j = 0; j < V; ++j) inv[j] = 1.f / scale_of(c + j < cols ? __uint_as_float(amax[c + j]) : 0.f);
   for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * kColRows; r0 < rows;
        r0 += static_cast<int64_t>(gridDim.y) * kColRows) {
     for (int w = ty; w < kColWords; w += 8) {
       uint32_t packed[V] = {};
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
+      for (int k = 0; k < 4; k += 2) {
         const int64_t r = r0 + 4 * w + k;
-        const bool in = r < rows && c < cols;
-        float f[V] = {};
-        if (in) load_vec<T, V>(x + r * ld + c, f);
+        const bool in0 = r < rows && c < cols, in1 = r + 1 < rows && c < cols;
+        float f0[V] = {}, f1[V] = {};
+        if (in0) load_vec<T, V>(x + r * ld + c, f0);
+        if (in1) load_vec<T, V>(x + (r + 1) * ld + c, f1);
 #pragma unroll
-        for (int j = 0; j < V; ++j) packed[j] |= e4m3(f[j], sc[j]) << (8 * k);
+        for (int j = 0; j < V; ++j) packed[j] |= e4m3x2(f0[j], inv[j], f1[j], inv[j]) << (8 * k);
         if constexpr (kRows) {
-          if (in) {
-            const float rs = scale_of(__uint_as_float(row_amax[r]));
-            __nv_fp8_storage_t* qr = q + r * cols + c;
-            if constexpr (V == 1) {
-              qr[0] = static_cast<__nv_fp8_storage_t>(e4m3(f[0], rs));
-            } else {
-              uint32_t rw[V / 4] = {};
-#pragma unroll
-              for (int j = 0; j < V; ++j) rw[j / 4] |= e4m3(f[j], rs) << (8 * (j % 4));
-              if constexpr (V == 8) *reinterpret_cast<uint2*>(qr) = make_uint2(rw[0], rw[1]);
-              else *reinterpret_cast<uint32_t*>(qr) = rw[0];
-            }
-          }
+          if (in0) store_row_codes<V>(f0, 1.f / scale_of(__uint_as_float(row_amax[r])), q + r * cols + c);
+          if (in1) store_row_codes<V>(f1, 1.f / scale_of(__uint_as_float(row_amax[r + 1])), q + (r + 1) * cols + c);
         }
       }
 #pragma unroll
