@@ -143,8 +143,11 @@ for s in $STAGES; do
       nvcc -O3 -std=c++17 -I. -gencode=arch=compute_90a,code=sm_90a -o build-gpu/experiment_decode_cores experiments/decode/cores.cu \
         >> "$LOG" 2>&1 && for sd in ${CORES_STATES:-f32 bf16}; do
         timeout 300 ./build-gpu/experiment_decode_cores --states $sd ${CORES_ARGS:-} 2>&1 | tee -a "$LOG"; done ;;
-    ncu)  # kernel metrics (Nsight Compute) of the kernels matching NCU_KERNELS in bench_ops --only NCU_SECTION
-      timeout 300 ncu --kernel-name "regex:${NCU_KERNELS:-layernorm_fwd|conv_prefill|rmsnorm_gate_fwd}" --launch-skip 1 \
+    ncu)  # kernel metrics (Nsight Compute) of the kernels matching NCU_KERNELS in bench_ops --only NCU_SECTION;
+      # NCU_BASE=demangled matches the regex against the full signature (one template instance, e.g.
+      # NCU_KERNELS="column_codes_kernel<__nv_bfloat16, 8, 1>": the row-and-column pass of dY)
+      timeout 300 ncu --kernel-name-base ${NCU_BASE:-function} \
+        --kernel-name "regex:${NCU_KERNELS:-layernorm_fwd|conv_prefill|rmsnorm_gate_fwd}" --launch-skip 1 \
         --launch-count ${NCU_COUNT:-3} --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section WarpStateStats ./build-gpu/bench/bench_ops --only ${NCU_SECTION:-prefill} --reps 1 > "$OUT/ncu.log" 2>&1
       echo "ncu exit $?"
