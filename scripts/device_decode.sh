@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: build, run the engine's GPU tests, then the serving benchmarks of laplace-3b
 # (random bf16 weights); logs and JSON lines under $OUT. Stages run in the order given:
-#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson burst pgraphs rates ops train train125 lab declab overlap deferred cores ncu trace ptrace algo fp8serve fp8train fp8 wgmma parity" COMMIT=abc123 scripts/device_decode.sh
+#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson burst pgraphs rates ops train train125 lab declab overlap deferred cores ncu trace ptrace algo fp8serve fp8train fp8 fp8q wgmma parity" COMMIT=abc123 scripts/device_decode.sh
 # COMMIT is written into every result line (the device's git HEAD may be stale).
 # The device tool returns at most 8 files from $OUT, so every stage appends to one log,
 # $OUT/run.log (the GPU tests and the build keep their own; results go to results.jsonl).
@@ -212,6 +212,10 @@ if tps:
                       "command": "scripts/device_decode.sh (stage fp8train)"}), file=open(results, "a"))
 PY
       done ;;
+    fp8q)  # experiments/fp8/quant.cu: dY's rows-and-columns quantisation, production against variants (FP8Q_ARGS)
+      nvcc -O3 -std=c++17 -I. --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Xptxas -v \
+        -o build-gpu/experiment_fp8_quant experiments/fp8/quant.cu 2>&1 | grep -E "error|registers|spill" >> "$LOG"
+      timeout 300 ./build-gpu/experiment_fp8_quant ${FP8Q_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     fp8)  # experiments/gemm/fp8.cu: e4m3 gemms per scaling granularity against bf16 (issue 31)
       nvcc -O3 -std=c++17 -I. -gencode=arch=compute_90a,code=sm_90a -o build-gpu/experiment_gemm_fp8 experiments/gemm/fp8.cu \
         -lcublasLt >> "$LOG" 2>&1 && timeout 400 ./build-gpu/experiment_gemm_fp8 ${FP8_ARGS:-} 2>&1 | tee -a "$LOG" ;;
