@@ -12,7 +12,7 @@
 //   v2  the two apart: the row quantiser, then the column passes alone
 //   v3  v1 with the tile's row reciprocals computed once per tile into shared memory (v1 divides
 //       once per row in every thread that writes part of the row)
-//   v4  v3 with __launch_bounds__(256, 5): five blocks per SM if the registers allow (v1 keeps four)
+//   v4  v3 with __launch_bounds__(256, 5): five blocks per SM (v1 fits three, v3 four, by registers)
 // Every variant's codes and scales must equal v1's byte for byte (v1's equal the CPU backend's:
 // CudaOps.Fp8QuantizeColsAtTrainingShapes); a mismatch ends the run with exit status 1.
 // Speed: each variant's `calls` calls captured in one CUDA graph, the graphs replayed in rotating
