@@ -8,7 +8,7 @@
 // conversion (cvt.rn.satfinite.e4m3x2.f32: two values per instruction); a division per value
 // would make the passes bound by their instructions. Rows whose alignment allows it move 16
 // bytes per load and their codes 4 or 8 bytes per store, others take the same kernels one
-// element at a time.
+// element at a time. The kernels are in ops/cuda/fp8_quant.cuh (shared with experiments/fp8/).
 //
 // Product: cuBLASLt's FP8 matmul wants its A transposed and its B not ("TN"): with our row-major
 // X [M, K] and W [N, K] read column-major as Xᵀ [K, M] and Wᵀ [K, N], cuBLAS's A is W (op T) and
@@ -20,7 +20,6 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
-#include <cfloat>
 #include <cstdint>
 #include <string>
 
