@@ -154,16 +154,17 @@ for s in $STAGES; do
       grep -E "^  [a-z_].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Stall|ERR" \
         "$OUT/ncu.log" | head -${NCU_TAIL:-60} ;;
     trace)  # kernel timeline of a deferred F32 decode run (experiments/trace/cupti_trace.cpp, CUPTI injection; no nsys there):
-      # idle time and kernel times per step (scripts/trace_step.py)
+      # idle time and kernel times per step (scripts/trace_step.py). TRACE_STATE: the states' dtype; TRACE_ARGS: more
+      # options for this stage and ptrace (e.g. --weights fp8)
       build_tracer &&
       CUDA_INJECTION64_PATH=$PWD/build-gpu/libcupti_trace.so CUPTI_TRACE_OUT=build-gpu/trace.csv timeout 300 \
         $L bench decode $M3B --batch 1280 --steps 12 --warmup 3 --prompt-len 16 --prefill-chunk 16 --max-batch-tokens 24000 --results "" \
-        --state-dtype ${TRACE_STATE:-f32} --defer-writeback ${DEFER_R:-8} 2>&1 | grep -E "decode:|cupti" | tee -a "$LOG"
+        --state-dtype ${TRACE_STATE:-f32} --defer-writeback ${DEFER_R:-8} ${TRACE_ARGS:-} 2>&1 | grep -E "decode:|cupti" | tee -a "$LOG"
       python3 scripts/trace_step.py build-gpu/trace.csv --steps 8 2>&1 | tee -a "$LOG" ;;
     ptrace)  # kernel timeline of the 8,192-token prefill (as trace; each repetition is a run between host syncs)
       build_tracer &&
       CUDA_INJECTION64_PATH=$PWD/build-gpu/libcupti_trace.so CUPTI_TRACE_OUT=build-gpu/ptrace.csv timeout 120 \
-        $L bench prefill $M3B --prompt-len 8192 --reps 3 --results "" 2>&1 | grep -E "prefill of|cupti" | tee -a "$LOG"
+        $L bench prefill $M3B --prompt-len 8192 --reps 3 --results "" ${TRACE_ARGS:-} 2>&1 | grep -E "prefill of|cupti" | tee -a "$LOG"
       python3 scripts/trace_step.py build-gpu/ptrace.csv --steps 3 --split-gap-ms 1 --top ${TRACE_TOP:-40} 2>&1 | tee -a "$LOG" ;;
     fp8serve)  # issue 31's serving figures with FP8 weights (--weights fp8), after the FP8 GPU tests (FP8_TESTS=0:
       # without them); FP8_DEFER=R: with --defer-writeback R (tags end in _deferR)
