@@ -8,11 +8,12 @@
 //   ./experiment_fp8_quant [--shapes 16384x9216,16384x3072,16384x16384] [--calls 10] [--rounds 15]
 //
 // Variants:
-//   v1  production: column maxima with the row maxima, then column codes with the row codes
+//   v1  production: column maxima with the row maxima, then column codes with the row codes, the
+//       tile's row reciprocals staged in shared memory, four blocks per SM
 //   v2  the two apart: the row quantiser, then the column passes alone
-//   v3  v1 with the tile's row reciprocals computed once per tile into shared memory (v1 divides
-//       once per row in every thread that writes part of the row)
-//   v4  v3 with __launch_bounds__(256, 5): five blocks per SM (v1 fits three, v3 four, by registers)
+//   v3  v1's codes kernel as it was before the staging: each thread divides once per row it
+//       writes part of, registers unbounded (three blocks per SM)
+//   v4  v1 with __launch_bounds__(256, 5): five blocks per SM
 // Every variant's codes and scales must equal v1's byte for byte (v1's equal the CPU backend's:
 // CudaOps.Fp8QuantizeColsAtTrainingShapes); a mismatch ends the run with exit status 1.
 // Speed: each variant's `calls` calls captured in one CUDA graph, the graphs replayed in rotating
@@ -34,12 +35,12 @@ namespace fq = laplace::cuda::fp8_quant;
 using bf16 = __nv_bfloat16;
 constexpr int V = 8;  // a thread's columns: one 16-byte load of BF16
 
-// v3/v4: column_codes_kernel<bf16, 8, true> with the row reciprocals of the tile staged in
-// shared memory by the first kColRows threads.
-template <int kMinBlocks>
+// v3/v4: column_codes_kernel<bf16, 8, true> with its row reciprocals staged (kStaged, as
+// production) or divided per row in each thread, at kMinBlocks blocks per SM.
+template <int kMinBlocks, bool kStaged>
 __global__ void __launch_bounds__(256, kMinBlocks)
-    codes_staged(const bf16* x, int64_t ld, int64_t rows, int64_t cols, const unsigned* amax,
-                 __nv_fp8_storage_t* qt, bool words, const unsigned* row_amax, __nv_fp8_storage_t* q) {
+    codes_variant(const bf16* x, int64_t ld, int64_t rows, int64_t cols, const unsigned* amax,
+                  __nv_fp8_storage_t* qt, bool words, const unsigned* row_amax, __nv_fp8_storage_t* q) {
   constexpr int kRowsT = fq::kColRows, kWords = fq::kColWords;
   __shared__ uint32_t tile[32 * V * kWords];
   __shared__ float rinv[kRowsT];
@@ -50,8 +51,10 @@ __global__ void __launch_bounds__(256, kMinBlocks)
   for (int j = 0; j < V; ++j) inv[j] = 1.f / fq::scale_of(c + j < cols ? __uint_as_float(amax[c + j]) : 0.f);
   for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRowsT; r0 < rows;
        r0 += static_cast<int64_t>(gridDim.y) * kRowsT) {
-    if (t < kRowsT) rinv[t] = r0 + t < rows ? 1.f / fq::scale_of(__uint_as_float(row_amax[r0 + t])) : 0.f;
-    __syncthreads();
+    if (kStaged) {
+      if (t < kRowsT) rinv[t] = r0 + t < rows ? 1.f / fq::scale_of(__uint_as_float(row_amax[r0 + t])) : 0.f;
+      __syncthreads();
+    }
     for (int w = ty; w < kWords; w += 8) {
       uint32_t packed[V] = {};
 #pragma unroll
@@ -63,8 +66,11 @@ __global__ void __launch_bounds__(256, kMinBlocks)
         if (in1) fq::load_vec<bf16, V>(x + (r + 1) * ld + c, f1);
 #pragma unroll
         for (int j = 0; j < V; ++j) packed[j] |= fq::e4m3x2(f0[j], inv[j], f1[j], inv[j]) << (8 * k);
-        if (in0) fq::store_row_codes<V>(f0, rinv[4 * w + k], q + r * cols + c);
-        if (in1) fq::store_row_codes<V>(f1, rinv[4 * w + k + 1], q + (r + 1) * cols + c);
+        const auto row_inv = [&](int64_t rr) {
+          return kStaged ? rinv[rr - r0] : 1.f / fq::scale_of(__uint_as_float(row_amax[rr]));
+        };
+        if (in0) fq::store_row_codes<V>(f0, row_inv(r), q + r * cols + c);
+        if (in1) fq::store_row_codes<V>(f1, row_inv(r + 1), q + (r + 1) * cols + c);
       }
 #pragma unroll
       for (int j = 0; j < V; ++j) tile[(tx * V + j) * kWords + ((w + tx) & (kWords - 1))] = packed[j];
@@ -85,8 +91,8 @@ __global__ void __launch_bounds__(256, kMinBlocks)
 }
 
 // The production launch sequence (fq::launch_cols<bf16, 8, true>) with another codes kernel.
-template <int kMinBlocks>
-void launch_staged(const bf16* x, int64_t R, int64_t C, __nv_fp8_storage_t* qt, float* st, __nv_fp8_storage_t* q,
+template <int kMinBlocks, bool kStaged>
+void launch_variant(const bf16* x, int64_t R, int64_t C, __nv_fp8_storage_t* qt, float* st, __nv_fp8_storage_t* q,
                    float* s, cudaStream_t stream) {
   const dim3 block(32, 8);
   const dim3 grid(static_cast<unsigned>((C + 32 * V - 1) / (32 * V)),
@@ -97,7 +103,7 @@ void launch_staged(const bf16* x, int64_t R, int64_t C, __nv_fp8_storage_t* qt, 
   CK(cudaMemsetAsync(st, 0, static_cast<size_t>(C) * sizeof(float), stream));
   CK(cudaMemsetAsync(s, 0, static_cast<size_t>(R) * sizeof(float), stream));
   fq::column_amax_kernel<bf16, V, true><<<grid, block, 0, stream>>>(x, C, R, C, amax, row_amax);
-  codes_staged<kMinBlocks><<<grid, block, 0, stream>>>(x, C, R, C, amax, qt, words, row_amax, q);
+  codes_variant<kMinBlocks, kStaged><<<grid, block, 0, stream>>>(x, C, R, C, amax, qt, words, row_amax, q);
   fq::column_scales_kernel<<<static_cast<unsigned>((C + 255) / 256), 256, 0, stream>>>(st, C);
   fq::column_scales_kernel<<<static_cast<unsigned>((R + 255) / 256), 256, 0, stream>>>(s, R);
 }
@@ -117,10 +123,10 @@ void v2(const bf16* x, int64_t R, int64_t C, const Out& o, cudaStream_t st) {
   fq::launch_cols<bf16, V, false>(x, C, R, C, o.qt, o.st, nullptr, nullptr, st);
 }
 void v3(const bf16* x, int64_t R, int64_t C, const Out& o, cudaStream_t st) {
-  launch_staged<4>(x, R, C, o.qt, o.st, o.q, o.s, st);
+  launch_variant<1, false>(x, R, C, o.qt, o.st, o.q, o.s, st);
 }
 void v4(const bf16* x, int64_t R, int64_t C, const Out& o, cudaStream_t st) {
-  launch_staged<5>(x, R, C, o.qt, o.st, o.q, o.s, st);
+  launch_variant<5, true>(x, R, C, o.qt, o.st, o.q, o.s, st);
 }
 
 template <typename T>
@@ -146,8 +152,8 @@ int main(int argc, char** argv) {
     }
   }
   const Variant variants[] = {v1, v2, v3, v4};
-  const char* names[] = {"v1 production", "v2 rows, then columns", "v3 staged row reciprocals",
-                         "v4 v3, 5 blocks/SM"};
+  const char* names[] = {"v1 production", "v2 rows, then columns", "v3 row divisions per thread",
+                         "v4 v1, 5 blocks/SM"};
   constexpr int kN = 4;
   cudaStream_t st;
   CK(cudaStreamCreate(&st));

@@ -164,12 +164,16 @@ __global__ void column_amax_kernel(const T* x, int64_t ld, int64_t rows, int64_t
 // rotated by the writing lane, so that a warp's lanes hit 32 different banks both when they
 // write (one word each of different columns) and when they read (the words of one column).
 // Each warp then writes whole rows of qt: kColRows codes of one column, as words when `words`.
-// With kRows each thread also writes its V codes of each of its rows into q, in place.
+// With kRows each thread also writes its V codes of each of its rows into q, in place, with the
+// rows' scale reciprocals that the tile's first kColRows threads put in shared memory (one
+// division per row and tile, not one per row in every thread that writes part of it; fewer
+// registers, so that four blocks fit on an SM).
 template <typename T, int V, bool kRows>
-__global__ void column_codes_kernel(const T* x, int64_t ld, int64_t rows, int64_t cols, const unsigned* amax,
-                                    __nv_fp8_storage_t* qt, bool words, const unsigned* row_amax,
-                                    __nv_fp8_storage_t* q) {
+__global__ void __launch_bounds__(256, kRows ? 4 : 1)
+    column_codes_kernel(const T* x, int64_t ld, int64_t rows, int64_t cols, const unsigned* amax,
+                        __nv_fp8_storage_t* qt, bool words, const unsigned* row_amax, __nv_fp8_storage_t* q) {
   __shared__ uint32_t tile[32 * V * kColWords];
+  __shared__ float row_inv[kRows ? kColRows : 1];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * 32 * V, c = c0 + tx * V;
   float inv[V];  // the columns' scale reciprocals
@@ -177,6 +181,11 @@ __global__ void column_codes_kernel(const T* x, int64_t ld, int64_t rows, int64_
   for (int j = 0; j < V; ++j) inv[j] = 1.f / scale_of(c + j < cols ? __uint_as_float(amax[c + j]) : 0.f);
   for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * kColRows; r0 < rows;
        r0 += static_cast<int64_t>(gridDim.y) * kColRows) {
+    if constexpr (kRows) {
+      const int t = ty * 32 + tx;
+      if (t < kColRows) row_inv[t] = r0 + t < rows ? 1.f / scale_of(__uint_as_float(row_amax[r0 + t])) : 0.f;
+      __syncthreads();
+    }
     for (int w = ty; w < kColWords; w += 8) {
       uint32_t packed[V] = {};
 #pragma unroll
@@ -189,8 +198,8 @@ __global__ void column_codes_kernel(const T* x, int64_t ld, int64_t rows, int64_
 #pragma unroll
         for (int j = 0; j < V; ++j) packed[j] |= e4m3x2(f0[j], inv[j], f1[j], inv[j]) << (8 * k);
         if constexpr (kRows) {
-          if (in0) store_row_codes<V>(f0, 1.f / scale_of(__uint_as_float(row_amax[r])), q + r * cols + c);
-          if (in1) store_row_codes<V>(f1, 1.f / scale_of(__uint_as_float(row_amax[r + 1])), q + (r + 1) * cols + c);
+          if (in0) store_row_codes<V>(f0, row_inv[4 * w + k], q + r * cols + c);
+          if (in1) store_row_codes<V>(f1, row_inv[4 * w + k + 1], q + (r + 1) * cols + c);
         }
       }
 #pragma unroll
