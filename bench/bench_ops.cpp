@@ -273,8 +273,8 @@ int bench_train_ops(Backend& e, const Config& c, int64_t B, int64_t T, int64_t L
 // The FP8 products' parts at laplace-3b's four body projections (ops/backend.h's FP8 quantisers
 // and gemm_e4m3, as Model::project and project_backward call them): each quantiser's time and its
 // rate in GB/s of operand read once plus codes written, each FP8 product against the bf16 gemm
-// it replaces, and per micro-batch (training, M tokens) and per decode step (B rows) the totals
-// over L layers.
+// it replaces (the forward product also with fast accumulation, which the totals leave out), and
+// per micro-batch (training, M tokens) and per decode step (B rows) the totals over L layers.
 int bench_fp8_ops(Backend& e, const Config& c, int64_t B, int64_t M, int64_t L, int reps) {
   const int64_t D = c.hidden_size, R = c.qkvg_rows(), F = c.ffn_size, HV = c.num_heads * c.head_v_dim;
   struct Proj {
@@ -316,11 +316,13 @@ int bench_fp8_ops(Backend& e, const Config& c, int64_t B, int64_t M, int64_t L, 
       const Tensor x = mat("x", n, K), y = mat("y", n, O);
       const Tensor xq = mat("xq", n, K), xs = vec("xs", n);
       const double q_rows = time_ms(e, reps, [&] { e.quantize_rows_e4m3(x, xq, xs); });
-      const double g8 = time_ms(e, reps, [&] { e.gemm_e4m3(xq, xs, wq, ws, Tensor{}, y); });
+      const double g8 = time_ms(e, reps, [&] { e.gemm_e4m3(xq, xs, wq, ws, Tensor{}, y, Fp8Accum::kF32); });
+      const double g8f = time_ms(e, reps, [&] { e.gemm_e4m3(xq, xs, wq, ws, Tensor{}, y, Fp8Accum::kFast); });
       const double g16 = time_ms(e, reps, [&] { e.gemm(x, false, w, true, y, 1.0, 0.0); });
-      std::printf("  %-4s [%6lld, %5lld] x [%5lld]: quantize rows %.4f ms (%5.0f GB/s) | gemm fp8 %.4f ms, bf16 %.4f ms "
-                  "(x %.2f)\n",
-                  p.name, (long long)n, (long long)K, (long long)O, q_rows, gbs(3.0 * n * K, q_rows), g8, g16, g16 / g8);
+      std::printf("  %-4s [%6lld, %5lld] x [%5lld]: quantize rows %.4f ms (%5.0f GB/s) | gemm fp8 %.4f ms (fast "
+                  "accumulation %.4f), bf16 %.4f ms (x %.2f)\n",
+                  p.name, (long long)n, (long long)K, (long long)O, q_rows, gbs(3.0 * n * K, q_rows), g8, g8f, g16,
+                  g16 / g8);
       if (n == B) {
         dec_bf16 += g16 * L, dec_fp8 += (q_rows + g8) * L;
         continue;
@@ -333,8 +335,8 @@ int bench_fp8_ops(Backend& e, const Config& c, int64_t B, int64_t M, int64_t L, 
       const double c_dy = time_ms(e, reps, [&] { e.quantize_cols_e4m3(dy, dytq, dyts); });
       const double c_x = time_ms(e, reps, [&] { e.quantize_cols_e4m3(x, xtq, xts); });
       const double rc_dy = time_ms(e, reps, [&] { e.quantize_rows_cols_e4m3(dy, dyq, dys, dytq, dyts); });
-      const double g8_dx = time_ms(e, reps, [&] { e.gemm_e4m3(dyq, dys, wtq, wts, Tensor{}, dx); });
-      const double g8_dw = time_ms(e, reps, [&] { e.gemm_e4m3(dytq, dyts, xtq, xts, gw, gw); });
+      const double g8_dx = time_ms(e, reps, [&] { e.gemm_e4m3(dyq, dys, wtq, wts, Tensor{}, dx, Fp8Accum::kF32); });
+      const double g8_dw = time_ms(e, reps, [&] { e.gemm_e4m3(dytq, dyts, xtq, xts, gw, gw, Fp8Accum::kF32); });
       const double g16_dx = time_ms(e, reps, [&] { e.gemm(dy, false, w, false, dx, 1.0, 0.0); });
       const double g16_dw = time_ms(e, reps, [&] { e.gemm(dy, true, x, false, gw, 1.0, 1.0); });
       std::printf("        backward: quantize dY rows %.4f ms (%5.0f GB/s), dY cols %.4f ms (%5.0f GB/s), X cols %.4f "

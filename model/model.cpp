@@ -371,7 +371,7 @@ void Model::project(const Tensor& x, const Tensor& w, const Fp8Matrix& f, const 
   const Tensor xq = fp8_codes(fp8_xq_, N, K);
   const Tensor xs = fp8_xs_.slice(0, 0, N);
   be.quantize_rows_e4m3(x, xq, xs);
-  be.gemm_e4m3(xq, xs, f.q, f.s, residual, y);
+  be.gemm_e4m3(xq, xs, f.q, f.s, residual, y, Fp8Accum::kF32);
 }
 
 void Model::project_backward(bool overwrite, const Tensor& dy, const Tensor& w, const Fp8Matrix& ft, const Tensor& x,
@@ -386,10 +386,10 @@ void Model::project_backward(bool overwrite, const Tensor& dy, const Tensor& w, 
   const Tensor dyq = fp8_codes(fp8_dyq_, N, O), dys = fp8_dys_.slice(0, 0, N);
   const Tensor dytq = fp8_codes(fp8_dytq_, O, N), dyts = fp8_dyts_.slice(0, 0, O);
   be.quantize_rows_cols_e4m3(dy, dyq, dys, dytq, dyts);
-  be.gemm_e4m3(dyq, dys, ft.q, ft.s, Tensor{}, dx);  // dx [N, I] = dY·W = dY·(Wᵀ)ᵀ
+  be.gemm_e4m3(dyq, dys, ft.q, ft.s, Tensor{}, dx, Fp8Accum::kF32);  // dx [N, I] = dY·W = dY·(Wᵀ)ᵀ
   const Tensor xtq = fp8_codes(fp8_xtq_, I, N), xts = fp8_xts_.slice(0, 0, I);
   be.quantize_cols_e4m3(x, xtq, xts);
-  be.gemm_e4m3(dytq, dyts, xtq, xts, overwrite ? Tensor{} : gw, gw);  // gw [O, I] (+)= dYᵀ·X
+  be.gemm_e4m3(dytq, dyts, xtq, xts, overwrite ? Tensor{} : gw, gw, Fp8Accum::kF32);  // gw [O, I] (+)= dYᵀ·X
 }
 
 GlaParams Model::gla_params(GlaForm form) const {

@@ -72,10 +72,12 @@ class Model {
   bool fp8_weights() const { return fp8_on_; }
 
   // FP8 training (`laplace train --precision fp8`): in training plans the four body projections
-  // of every layer compute all three of their products in FP8 E4M3 with F32 accumulation — the
-  // forward Y = X·Wᵀ (X and W scaled per row), dX = dY·W (dY per row, W per column) and
-  // dW += dYᵀ·X (dY and X per column): every scale lies along a dimension its product keeps
-  // (Backend::quantize_rows_e4m3 / quantize_cols_e4m3, Backend::gemm_e4m3). The quantisation is
+  // of every layer compute all three of their products in FP8 E4M3 — the forward Y = X·Wᵀ (X and
+  // W scaled per row), dX = dY·W (dY per row, W per column) and dW += dYᵀ·X (dY and X per
+  // column): every scale lies along a dimension its product keeps (Backend::quantize_rows_e4m3 /
+  // quantize_cols_e4m3, Backend::gemm_e4m3), all three accumulated in F32 (Fp8Accum::kF32;
+  // the faster kFast is what FP8 recipes use for forward products, not adopted here until its
+  // cost on a trained model's loss is measured). The quantisation is
   // straight-through: the backward treats it as the identity. Everything else (embedding, conv,
   // norms, the GLA mixer, the LM head, the optimizer and its F32 masters) keeps its precision.
   // Call before plan() (a training plan); the weights stay in the model dtype, and after every

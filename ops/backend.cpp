@@ -24,7 +24,7 @@ void Backend::quantize_rows_cols_e4m3(const Tensor& x, Tensor q, Tensor s, Tenso
   quantize_cols_e4m3(x, qt, st);
 }
 
-void Backend::gemm_e4m3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor) {
+void Backend::gemm_e4m3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor, Fp8Accum) {
   LAPLACE_CHECK(false, (std::string(name()) + " backend has no FP8 products (gemm_e4m3)").c_str());
 }
 

@@ -33,6 +33,15 @@ namespace laplace {
 
 enum class GlaForm { kQuadratic, kRecurrent, kChunked };
 
+// How gemm_e4m3 may accumulate. kF32: in F32 throughout (cuBLASLt moves the tensor cores' partial
+// sums into F32 registers as the contraction goes). kFast: in the tensor cores' own accumulator
+// over the whole contraction (cuBLASLt's fast accumulation), which keeps fewer bits: faster on
+// Hopper, with an error well below what quantising the operands to E4M3 costs, so that FP8
+// recipes use it for forward products and keep F32 for gradients, whose sums run over many
+// more terms. It is a permission, not an order: a backend that always accumulates exactly (the
+// CPU) treats both alike.
+enum class Fp8Accum { kF32, kFast };
+
 struct GlaParams {
   GlaForm form = GlaForm::kChunked;
   int64_t chunk = 128;          // C, for kChunked; any C ≥ 1, the tail chunk may be short
@@ -174,11 +183,12 @@ class Backend {
   // two calls; CUDA finds both maxima in one pass and writes both codes in another.
   virtual void quantize_rows_cols_e4m3(const Tensor& x, Tensor q, Tensor s, Tensor qt, Tensor st);
   // y[m][n] = c[m][n] + xs[m] · ws[n] · Σ_k x[m][k] · w[n][k], i.e. y = c + X·Wᵀ of the
-  // dequantised operands, rounded once: xq [M, K] and wq [N, K] F8E4M3, xs [M] and ws [N] F32,
-  // y [M, N] contiguous (the dtypes of quantize_rows_e4m3's x), c undefined (no residual) or of
-  // y's shape and dtype (y itself too). CUDA needs K and N multiples of 16 (cuBLASLt's FP8 layouts).
+  // dequantised operands, rounded once (the sum accumulated as `accum` allows): xq [M, K] and
+  // wq [N, K] F8E4M3, xs [M] and ws [N] F32, y [M, N] contiguous (the dtypes of
+  // quantize_rows_e4m3's x), c undefined (no residual) or of y's shape and dtype (y itself too).
+  // CUDA needs K and N multiples of 16 (cuBLASLt's FP8 layouts).
   virtual void gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, const Tensor& c,
-                         Tensor y);
+                         Tensor y, Fp8Accum accum);
 
   // out[n] = table[ids[n]]. ids [N] I32, table [V,D], out [N,D].
   virtual void embedding_forward(const Tensor& ids, const Tensor& table, Tensor out) = 0;

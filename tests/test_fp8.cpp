@@ -213,7 +213,7 @@ TEST(Fp8Ops, CpuGemmIsTheProductOfTheQuantisedOperands) {
                          Tensor(ws.data(), DType::kF32, {N}));
   be->gemm_e4m3(Tensor(xq.data(), DType::kF8E4M3, {M, K}), Tensor(xs.data(), DType::kF32, {M}),
                 Tensor(wq.data(), DType::kF8E4M3, {N, K}), Tensor(ws.data(), DType::kF32, {N}), Tensor{},
-                Tensor(y.data(), DType::kF32, {M, N}));
+                Tensor(y.data(), DType::kF32, {M, N}), Fp8Accum::kF32);
   double err2 = 0, ref2 = 0;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = 0; n < N; ++n) {
@@ -237,14 +237,22 @@ TEST(Fp8Ops, CpuGemmIsTheProductOfTheQuantisedOperands) {
   std::vector<double> yd(M * N);
   be->gemm_e4m3(Tensor(xq.data(), DType::kF8E4M3, {M, K}), Tensor(xs.data(), DType::kF32, {M}),
                 Tensor(wq.data(), DType::kF8E4M3, {N, K}), Tensor(ws.data(), DType::kF32, {N}), Tensor{},
-                Tensor(yd.data(), DType::kF64, {M, N}));
+                Tensor(yd.data(), DType::kF64, {M, N}), Fp8Accum::kF32);
   for (int64_t i = 0; i < M * N; ++i) ASSERT_EQ(y[i], static_cast<float>(yd[i])) << i;
+  // Fast accumulation is a permission the CPU does not use: the same bytes.
+  std::vector<float> yf(M * N);
+  be->gemm_e4m3(Tensor(xq.data(), DType::kF8E4M3, {M, K}), Tensor(xs.data(), DType::kF32, {M}),
+                Tensor(wq.data(), DType::kF8E4M3, {N, K}), Tensor(ws.data(), DType::kF32, {N}), Tensor{},
+                Tensor(yf.data(), DType::kF32, {M, N}), Fp8Accum::kFast);
+  EXPECT_EQ(0, std::memcmp(yf.data(), y.data(), y.size() * sizeof(float)));
   // A residual, added before the one rounding; in place too.
   std::vector<float> r(M * N, 0.25f), yr(M * N);
   const Tensor xqt(xq.data(), DType::kF8E4M3, {M, K}), xst(xs.data(), DType::kF32, {M});
   const Tensor wqt(wq.data(), DType::kF8E4M3, {N, K}), wst(ws.data(), DType::kF32, {N});
-  be->gemm_e4m3(xqt, xst, wqt, wst, Tensor(r.data(), DType::kF32, {M, N}), Tensor(yr.data(), DType::kF32, {M, N}));
-  be->gemm_e4m3(xqt, xst, wqt, wst, Tensor(r.data(), DType::kF32, {M, N}), Tensor(r.data(), DType::kF32, {M, N}));
+  be->gemm_e4m3(xqt, xst, wqt, wst, Tensor(r.data(), DType::kF32, {M, N}), Tensor(yr.data(), DType::kF32, {M, N}),
+                Fp8Accum::kF32);
+  be->gemm_e4m3(xqt, xst, wqt, wst, Tensor(r.data(), DType::kF32, {M, N}), Tensor(r.data(), DType::kF32, {M, N}),
+                Fp8Accum::kF32);
   for (int64_t i = 0; i < M * N; ++i) {
     ASSERT_EQ(yr[i], static_cast<float>(0.25 + yd[i])) << i;
     ASSERT_EQ(r[i], yr[i]) << i;
@@ -307,7 +315,8 @@ TEST(Fp8Ops, ForwardAndBothGradientProductsOfALinearLayer) {
     be->gemm_e4m3(Tensor(const_cast<uint8_t*>(aq.data()), DType::kF8E4M3, {a, k}),
                   Tensor(const_cast<float*>(as.data()), DType::kF32, {a}),
                   Tensor(const_cast<uint8_t*>(bq.data()), DType::kF8E4M3, {b, k}),
-                  Tensor(const_cast<float*>(bs.data()), DType::kF32, {b}), Tensor{}, Tensor(out.data(), DType::kF32, {a, b}));
+                  Tensor(const_cast<float*>(bs.data()), DType::kF32, {b}), Tensor{}, Tensor(out.data(), DType::kF32, {a, b}),
+                  Fp8Accum::kF32);
     double e2 = 0, r2 = 0;
     for (int64_t i = 0; i < a; ++i)
       for (int64_t j = 0; j < b; ++j) {

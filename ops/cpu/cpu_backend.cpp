@@ -991,8 +991,9 @@ void CpuBackend::quantize_cols_e4m3(const Tensor& x, Tensor qt, Tensor s) {
   });
 }
 
+// Exact products summed in F64 whatever `accum` allows.
 void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, const Tensor& c,
-                           Tensor y) {
+                           Tensor y, Fp8Accum /*accum*/) {
   check_e4m3_matrix(xq, "gemm_e4m3: xq");
   check_e4m3_matrix(wq, "gemm_e4m3: wq");
   check_cpu(y);

@@ -33,7 +33,7 @@ class CpuBackend final : public Backend {
   void quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s) override;
   void quantize_cols_e4m3(const Tensor& x, Tensor qt, Tensor s) override;
   void gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, const Tensor& c,
-                 Tensor y) override;
+                 Tensor y, Fp8Accum accum) override;
 
   void embedding_forward(const Tensor& ids, const Tensor& table, Tensor out) override;
   void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor dtable) override;

@@ -74,6 +74,9 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   // Diagnostics: LAPLACE_GRAPH_GEMM_MEMSETS=keep captures cuBLASLt's memsets where it queued
   // them (to time what gather_gemm_memsets saves).
   if (const char* v = std::getenv("LAPLACE_GRAPH_GEMM_MEMSETS")) gather_memsets_ = std::strcmp(v, "keep") != 0;
+  // LAPLACE_FP8_ACCUM=f32 makes every FP8 product accumulate in F32, Fp8Accum::kFast or not (to
+  // measure what fast accumulation gives and costs).
+  if (const char* v = std::getenv("LAPLACE_FP8_ACCUM")) fp8_fast_allowed_ = std::strcmp(v, "f32") != 0;
   // LAPLACE_GRAPH_COUNTERS=tail zeroes the gathered counters at the end of each graph instead of
   // at its head, so that a replay does not begin with the fill kernel (a graph rooted at a
   // kernel waits for it before anything else starts). Not the default until the graph-vs-eager
@@ -575,28 +578,34 @@ void CudaBackend::gemm_add(const Tensor& a, bool trans_a, const Tensor& b, bool 
       gemm_tune(plan, GemmCall{b.data, a.data, cin.data, c.data, fa, fb, span}, key);
     }
   }
-  // While capturing, a gemm whose algorithm needs little workspace (a tile counter) gets a
-  // slot of its own, so that capture() can zero all slots at once (gather_gemm_memsets).
-  CapturedGemm rec;
-  void* ws = workspace_;
-  size_t ws_bytes = workspace_bytes_;
+  GemmLaunch g = gemm_launch_begin(plan.ws_needed);
+  CUBLAS_CHECK(cublasLtMatmul(lt_, plan.desc, &fa, b.data, plan.lb, a.data, plan.la, &fb, cin.data, plan.lc, c.data,
+                              plan.lc, &plan.algo, g.ws, g.ws_bytes, stream_));
+  gemm_launch_end(std::move(g));
+}
+
+// While capturing, a gemm whose algorithm needs little workspace (a tile counter) gets a slot of
+// its own, so that capture() can zero all slots at once (gather_gemm_memsets).
+CudaBackend::GemmLaunch CudaBackend::gemm_launch_begin(size_t ws_needed) {
+  GemmLaunch g{workspace_, workspace_bytes_, {}};
   if (capturing_) {
-    rec.before = capture_frontier();
+    g.rec.before = capture_frontier();
     // A slot handed out is never handed out again in this capture, recorded or not.
-    if (counters_ && plan.ws_needed <= kCounterSlot && slots_used_ < kCounterSlots) {
-      rec.slot = slots_used_++;
-      ws = static_cast<char*>(counters_) + rec.slot * kCounterSlot;
-      ws_bytes = kCounterSlot;
+    if (counters_ && ws_needed <= kCounterSlot && slots_used_ < kCounterSlots) {
+      g.rec.slot = slots_used_++;
+      g.ws = static_cast<char*>(counters_) + g.rec.slot * kCounterSlot;
+      g.ws_bytes = kCounterSlot;
     }
   }
-  CUBLAS_CHECK(cublasLtMatmul(lt_, plan.desc, &fa, b.data, plan.lb, a.data, plan.la, &fb, cin.data, plan.lc, c.data,
-                              plan.lc, &plan.algo, ws, ws_bytes, stream_));
-  if (capturing_) {
-    const std::vector<cudaGraphNode_t> after = capture_frontier();
-    if (after.size() == 1) {
-      rec.kernel = after[0];
-      captured_gemms_.push_back(std::move(rec));
-    }
+  return g;
+}
+
+void CudaBackend::gemm_launch_end(GemmLaunch&& g) {
+  if (!capturing_) return;
+  const std::vector<cudaGraphNode_t> after = capture_frontier();
+  if (after.size() == 1) {
+    g.rec.kernel = after[0];
+    captured_gemms_.push_back(std::move(g.rec));
   }
 }
 

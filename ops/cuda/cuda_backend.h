@@ -123,7 +123,7 @@ class CudaBackend final : public Backend {
   void quantize_cols_e4m3(const Tensor& x, Tensor qt, Tensor s) override;
   void quantize_rows_cols_e4m3(const Tensor& x, Tensor q, Tensor s, Tensor qt, Tensor st) override;
   void gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, const Tensor& c,
-                 Tensor y) override;
+                 Tensor y, Fp8Accum accum) override;
 
   void embedding_forward(const Tensor& ids, const Tensor& table, Tensor out) override;
   void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor dtable) override;
@@ -272,16 +272,19 @@ class CudaBackend final : public Backend {
   size_t scratch_bytes_ = 0;
   double* host_f64_ = nullptr;  // pinned, one double: sum_squares' result
   std::map<GemmKey, GemmPlan> gemm_plans_;
-  // gemm_e4m3's plans by (M, N, K, output dtype); the scale pointers are set on each call.
+  // gemm_e4m3's plans by (M, N, K, output dtype, fast accumulation); the scale pointers are set
+  // on each call.
   struct Fp8GemmPlan {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t lw = nullptr, lx = nullptr, ly = nullptr;
     cublasLtMatmulAlgo_t algo{};
+    size_t ws_needed = 0;
   };
-  std::map<std::array<int64_t, 4>, Fp8GemmPlan> fp8_plans_;
+  std::map<std::array<int64_t, 5>, Fp8GemmPlan> fp8_plans_;
   // sw, sx: the scale vectors of the first call, set before the heuristic query (cuBLASLt
   // validates outer-vector scale modes against their pointers); each call sets its own.
-  Fp8GemmPlan& fp8_gemm_plan(int64_t M, int64_t N, int64_t K, DType out, const void* sw, const void* sx);
+  Fp8GemmPlan& fp8_gemm_plan(int64_t M, int64_t N, int64_t K, DType out, bool fast, const void* sw, const void* sx);
+  bool fp8_fast_allowed_ = true;  // false under LAPLACE_FP8_ACCUM=f32 (see the constructor)
   int64_t host_syncs_ = 0;
   // Per kernel: the dynamic shared-memory limit set so far (0: none) and whether the
   // carveout was set (kernel_smem).
@@ -309,6 +312,16 @@ class CudaBackend final : public Backend {
   void* counters_ = nullptr;  // [kCounterSlots × kCounterSlot] bytes, allocated at the first capture
   std::vector<CapturedGemm> captured_gemms_;
   int64_t slots_used_ = 0;  // of counters_, in the capture running
+  // Every cublasLtMatmul goes through these: the workspace a gemm whose algorithm needs
+  // ws_needed bytes gets (while capturing, a counter slot of its own when that is enough) with
+  // its record, and after the call the record kept for gather_gemm_memsets.
+  struct GemmLaunch {
+    void* ws;
+    size_t ws_bytes;
+    CapturedGemm rec;
+  };
+  GemmLaunch gemm_launch_begin(size_t ws_needed);
+  void gemm_launch_end(GemmLaunch&& g);
   int64_t graph_memsets_moved_ = 0;
   bool gemm_tune_ = true;
   bool gemm_tune_allowed_ = true;  // false under LAPLACE_GEMM_TUNE=0

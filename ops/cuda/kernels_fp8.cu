@@ -156,9 +156,9 @@ void CudaBackend::quantize_rows_cols_e4m3(const Tensor& x, Tensor q, Tensor s, T
   CUDA_CHECK_LAUNCH();
 }
 
-CudaBackend::Fp8GemmPlan& CudaBackend::fp8_gemm_plan(int64_t M, int64_t N, int64_t K, DType out, const void* sw,
-                                                       const void* sx) {
-  const std::array<int64_t, 4> key = {M, N, K, static_cast<int64_t>(out)};
+CudaBackend::Fp8GemmPlan& CudaBackend::fp8_gemm_plan(int64_t M, int64_t N, int64_t K, DType out, bool fast,
+                                                       const void* sw, const void* sx) {
+  const std::array<int64_t, 5> key = {M, N, K, static_cast<int64_t>(out), fast ? 1 : 0};
   auto it = fp8_plans_.find(key);
   if (it != fp8_plans_.end()) return it->second;
   Fp8GemmPlan p;
@@ -171,6 +171,8 @@ CudaBackend::Fp8GemmPlan& CudaBackend::fp8_gemm_plan(int64_t M, int64_t N, int64
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vec, sizeof(vec)));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sw, sizeof(sw)));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx, sizeof(sx)));
+  const int8_t fast_accum = fast ? 1 : 0;
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accum, sizeof(fast_accum)));
   const cudaDataType_t ty = out == DType::kBF16 ? CUDA_R_16BF : CUDA_R_32F;
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.lw, CUDA_R_8F_E4M3, K, N, K));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.lx, CUDA_R_8F_E4M3, K, M, K));
@@ -192,11 +194,12 @@ CudaBackend::Fp8GemmPlan& CudaBackend::fp8_gemm_plan(int64_t M, int64_t N, int64
     check_failed(__FILE__, __LINE__, "cublasLtMatmulAlgoGetHeuristic", msg.c_str());
   }
   p.algo = res.algo;
+  p.ws_needed = res.workspaceSize;
   return fp8_plans_.emplace(key, p).first->second;
 }
 
 void CudaBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, const Tensor& c,
-                            Tensor y) {
+                            Tensor y, Fp8Accum accum) {
   cuda::check_e4m3_matrix(xq, "gemm_e4m3: xq");
   cuda::check_e4m3_matrix(wq, "gemm_e4m3: wq");
   cuda::check_device(y, "gemm_e4m3: y");
@@ -226,14 +229,16 @@ void CudaBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq
   if (M == 0 || N == 0) return;
   const void* sw = ws.data;
   const void* sx = xs.data;
-  Fp8GemmPlan& p = fp8_gemm_plan(M, N, K, y.dtype, sw, sx);
+  Fp8GemmPlan& p = fp8_gemm_plan(M, N, K, y.dtype, accum == Fp8Accum::kFast && fp8_fast_allowed_, sw, sx);
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sw, sizeof(sw)));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx, sizeof(sx)));
   // D = α·(W·X) + β·C with C = c (β = 1) or none (β = 0: C is not read).
   const float one = 1.f, beta = c.defined() ? 1.f : 0.f;
   const void* cin = c.defined() ? c.data : y.data;
+  GemmLaunch g = gemm_launch_begin(p.ws_needed);
   CUBLAS_CHECK(cublasLtMatmul(lt_, p.desc, &one, wq.data, p.lw, xq.data, p.lx, &beta, cin, p.ly, y.data, p.ly,
-                              &p.algo, workspace_, workspace_bytes_, stream_));
+                              &p.algo, g.ws, g.ws_bytes, stream_));
+  gemm_launch_end(std::move(g));
 }
 
 }  // namespace laplace
