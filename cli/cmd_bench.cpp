@@ -85,7 +85,8 @@ Status make_model(const ModelArgs& a, uint64_t seed, int64_t layers, LoadedModel
   *random_weights = r.ckpt.empty() || layers > 0;
   if (!*random_weights) return load_weights(r.ckpt, r.weights, &out->model);
   out->model.init_weights(seed);
-  return r.weights == "fp8" ? out->model.use_fp8_weights() : Status::ok();
+  out->model.set_fp8_fast_forward(r.weights == "fp8-fast");
+  return r.weights == "fp8" || r.weights == "fp8-fast" ? out->model.use_fp8_weights() : Status::ok();
 }
 
 // The figures' note: the shape, the dtype (with FP8 body matrices, "bf16 + fp8 weights") and
@@ -95,7 +96,10 @@ std::string shape_note(const Config& c, const LoadedModel& lm, const std::string
   std::snprintf(buf, sizeof buf, "L%lld D%lld H%lld dk%lld dv%lld F%lld V%lld %s%s%s", (long long)c.num_layers,
                 (long long)c.hidden_size, (long long)c.num_heads, (long long)c.head_k_dim, (long long)c.head_v_dim,
                 (long long)c.ffn_size, (long long)c.vocab_size, dtype.c_str(),
-                lm.model.fp8_weights() ? " + fp8 weights" : "", random ? " random weights" : "");
+                lm.model.fp8_weights() ? (lm.model.fp8_fast_forward() ? " + fp8 weights (fast accumulation)"
+                                                                      : " + fp8 weights")
+                                       : "",
+                random ? " random weights" : "");
   return buf;
 }
 
@@ -410,9 +414,10 @@ Status run_bench_prefill(const PrefillArgs& a) {
   std::printf("prefill of %lld tokens: median %.2f ms (min %.2f), %.0f tokens/s\n", (long long)a.prompt_len, med,
               *std::min_element(ms.begin(), ms.end()), 1e3 * static_cast<double>(a.prompt_len) / med);
   // Names with the tag before the length and FP8 weights after it (prefill_ms_3b_t8192,
-  // prefill_ms_3b_t8192_fp8, as the issues name them).
+  // prefill_ms_3b_t8192_fp8, as the issues name them; _fp8fast with fast accumulation).
   const std::string mid = a.tag.empty() ? "" : a.tag + "_";
-  const std::string len = "t" + std::to_string(a.prompt_len) + (lm.model.fp8_weights() ? "_fp8" : "");
+  const char* fp8 = !lm.model.fp8_weights() ? "" : lm.model.fp8_fast_forward() ? "_fp8fast" : "_fp8";
+  const std::string len = "t" + std::to_string(a.prompt_len) + fp8;
   res.tag.clear();
   res.add("prefill_ms_" + mid + len, med, "ms");
   res.add("prefill_tok_s_" + mid + len, 1e3 * static_cast<double>(a.prompt_len) / med, "tok/s");

@@ -49,9 +49,10 @@ Status parse_batch(const std::string& v, TrainOptions* o) {
 Status run_train(TrainArgs& a) {
   LAPLACE_RETURN_IF_ERROR(parse_batch(a.batch, &a.o));
   LAPLACE_RETURN_IF_ERROR(parse_dtype(a.dtype, &a.o.dtype));
-  a.o.fp8 = a.precision == train_precision_name(true);
+  a.o.fp8_fast_forward = a.precision == train_precision_name(true, true);
+  a.o.fp8 = a.precision == train_precision_name(true) || a.o.fp8_fast_forward;
   if (!a.o.fp8 && a.precision != train_precision_name(false))
-    return Status::invalid_argument("--precision must be 'model' or 'fp8', got '" + a.precision + "'");
+    return Status::invalid_argument("--precision must be 'model', 'fp8' or 'fp8-fast', got '" + a.precision + "'");
   LAPLACE_RETURN_IF_ERROR(schedule_kind_from_name(a.schedule, &a.o.schedule.kind));
   LAPLACE_RETURN_IF_ERROR(muon_scale_from_name(a.muon_scale, &a.o.optim.scale));
   a.o.schedule.lr = a.lr;
@@ -181,7 +182,8 @@ void add_train(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--precision", a->precision,
                   "model: products in the model dtype; fp8: the body projections' forward and gradient products "
-                  "in FP8 E4M3 (docs/training.md)");
+                  "in FP8 E4M3 (docs/training.md); fp8-fast: the same with the forward products accumulated as the "
+                  "tensor cores do (faster; the gradients' stay F32)");
   cmd->add_option("--seq", o.seq, "tokens per sequence")->check(CLI::Range(1, 1 << 24));
   cmd->add_option("--grad-accum", o.grad_accum, "micro-batches per step")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--steps", o.steps, "optimizer steps")->check(CLI::Range(1, 1 << 30));

@@ -27,8 +27,9 @@ void ModelArgs::add_to(CLI::App* app, bool need_ckpt) {
   app->add_option("--dtype", dtype, "compute dtype: f32, f64 (CPU) or bf16 (CUDA)");
   app->add_option("--weights", weights,
                   "body matrices: auto (FP8 when the model file holds FP8 weights), fp8 (quantise them to FP8 "
-                  "E4M3 with per-row scales at load and multiply in FP8) or dtype (--dtype's)")
-      ->check(CLI::IsMember({"auto", "fp8", "dtype"}));
+                  "E4M3 with per-row scales at load and multiply in FP8), fp8-fast (the same, the products "
+                  "accumulated as the tensor cores do: faster) or dtype (--dtype's)")
+      ->check(CLI::IsMember({"auto", "fp8", "fp8-fast", "dtype"}));
 }
 
 Status ModelArgs::resolve() {
@@ -112,7 +113,8 @@ Status load_model(const ModelArgs& args, LoadedModel* out) {
   LAPLACE_RETURN_IF_ERROR(make_backend(a.device, &out->backend));
   LAPLACE_RETURN_IF_ERROR(out->model.create(cfg, *out->backend, dt));
   if (a.ckpt.empty()) {
-    if (a.weights == "fp8") return Status::invalid_argument("--weights fp8 needs weights to quantise (--model or --ckpt)");
+    if (a.weights == "fp8" || a.weights == "fp8-fast")
+      return Status::invalid_argument("--weights " + a.weights + " needs weights to quantise (--model or --ckpt)");
     return Status::ok();
   }
   return load_weights(a.ckpt, a.weights, &out->model);
@@ -121,9 +123,10 @@ Status load_model(const ModelArgs& args, LoadedModel* out) {
 Status load_weights(const std::string& ckpt, const std::string& weights, Model* m) {
   bool fp8_file = false;
   LAPLACE_RETURN_IF_ERROR(is_fp8_model_file(ckpt, &fp8_file));
+  m->set_fp8_fast_forward(weights == "fp8-fast");
   if (fp8_file && weights != "dtype") return m->load_fp8(ckpt);
   LAPLACE_RETURN_IF_ERROR(m->load(ckpt));
-  return weights == "fp8" ? m->use_fp8_weights() : Status::ok();
+  return weights == "fp8" || weights == "fp8-fast" ? m->use_fp8_weights() : Status::ok();
 }
 
 Status parse_ids(const std::string& s, std::vector<int32_t>* out) {

@@ -24,7 +24,8 @@ struct ModelArgs {
   std::string dtype = "f32";
   // auto: an FP8 model file (`laplace quantize`) computes with FP8 weights, any other with
   // --dtype's; fp8: the body matrices quantised to FP8 at load (an FP8 file's as they are);
-  // dtype: --dtype's weights only (an FP8 file is refused).
+  // fp8-fast: fp8 with the products accumulated fast (Model::set_fp8_fast_forward); dtype:
+  // --dtype's weights only (an FP8 file is refused).
   std::string weights = "auto";
   void add_to(CLI::App* app, bool need_ckpt = true);
   Status resolve();  // fills config/ckpt/tokenizer from dir
@@ -38,7 +39,7 @@ struct LoadedModel {
 Status parse_dtype(const std::string& s, DType* out);
 // Creates the backend and the model, and loads the checkpoint when one is named.
 Status load_model(const ModelArgs& a, LoadedModel* out);
-// Loads `ckpt` into a created model as ModelArgs::weights ("auto", "fp8", "dtype") says.
+// Loads `ckpt` into a created model as ModelArgs::weights ("auto", "fp8", "fp8-fast", "dtype") says.
 Status load_weights(const std::string& ckpt, const std::string& weights, Model* m);
 
 // "1,2,3" → {1,2,3}; "1,2;3,4" → {{1,2},{3,4}}. Errors name the bad item.

@@ -25,8 +25,9 @@ Status parse_serving_options(const std::string& list, std::vector<ServingOption>
       o.states = DType::kBF16;
     } else if (item == "fp8-weights") {
       o.fp8_weights = true;
-    } else if (item == "fp8") {
+    } else if (item == "fp8" || item == "fp8-fast") {
       o.fp8_compute = true;
+      o.fp8_fast = item == "fp8-fast";
     } else if (item.rfind("defer", 0) == 0) {
       const std::string r = item.substr(5);
       const bool digits = !r.empty() && r.size() <= 3 && std::all_of(r.begin(), r.end(), ::isdigit);
@@ -35,7 +36,7 @@ Status parse_serving_options(const std::string& list, std::vector<ServingOption>
         return Status::invalid_argument("serving option '" + item + "': deferred write-back takes R = 4, 8 or 16");
     } else {
       return Status::invalid_argument("unknown serving option '" + item +
-                                      "' (bf16-weights, bf16-states, fp8-weights, fp8, defer4, defer8, defer16)");
+                                      "' (bf16-weights, bf16-states, fp8-weights, fp8, fp8-fast, defer4, defer8, defer16)");
     }
     v.push_back(o);
   }
@@ -100,6 +101,7 @@ Status eval_serving_options(Model& ref, Model* low, Model* fp8, Model* fp8c, con
 
   for (const ServingOption& o : options) {
     Model& tm = o.fp8_compute ? *fp8c : o.fp8_weights ? *fp8 : o.low_weights ? *low : ref;
+    if (o.fp8_compute) fp8c->set_fp8_fast_forward(o.fp8_fast);
     StatePool pref, ptest;
     LAPLACE_RETURN_IF_ERROR(pref.create(c, ref.backend(), P, ref_states));
     const DType test_states = o.states == DType::kBF16 ? DType::kBF16 : (tm.dtype() == DType::kF64 ? DType::kF64 : DType::kF32);

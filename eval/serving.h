@@ -26,8 +26,10 @@ struct ServingOption {
   // (model/quantize.h): the weights' rounding alone, activations as they are
   bool fp8_weights = false;
   // "fp8": FP8 weights and FP8 products (Model::use_fp8_weights, what `--weights fp8` serves):
-  // the weights' and the activations' rounding together
+  // the weights' and the activations' rounding together; "fp8-fast": the same with the products
+  // accumulated fast (`--weights fp8-fast`, Model::set_fp8_fast_forward)
   bool fp8_compute = false;
+  bool fp8_fast = false;
   DType states = DType::kF32;
   int64_t defer = 0;          // deferred write-back R (0: every step)
 };

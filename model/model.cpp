@@ -371,7 +371,7 @@ void Model::project(const Tensor& x, const Tensor& w, const Fp8Matrix& f, const 
   const Tensor xq = fp8_codes(fp8_xq_, N, K);
   const Tensor xs = fp8_xs_.slice(0, 0, N);
   be.quantize_rows_e4m3(x, xq, xs);
-  be.gemm_e4m3(xq, xs, f.q, f.s, residual, y, Fp8Accum::kF32);
+  be.gemm_e4m3(xq, xs, f.q, f.s, residual, y, fp8_fast_forward_ ? Fp8Accum::kFast : Fp8Accum::kF32);
 }
 
 void Model::project_backward(bool overwrite, const Tensor& dy, const Tensor& w, const Fp8Matrix& ft, const Tensor& x,

@@ -70,14 +70,20 @@ class Model {
   Status use_fp8_weights();
   Status load_fp8(const std::string& path);
   bool fp8_weights() const { return fp8_on_; }
+  // How the FP8 forward products (inference and FP8 training's forward) accumulate: in F32 (the
+  // default) or, when on, as the tensor cores do (Fp8Accum::kFast: faster on Hopper, at an
+  // error well below what rounding the operands to E4M3 costs). The gradients' products always
+  // accumulate in F32. May be changed between forwards; captured graphs keep the choice they
+  // were captured with.
+  void set_fp8_fast_forward(bool on) { fp8_fast_forward_ = on; }
+  bool fp8_fast_forward() const { return fp8_fast_forward_; }
 
   // FP8 training (`laplace train --precision fp8`): in training plans the four body projections
   // of every layer compute all three of their products in FP8 E4M3 — the forward Y = X·Wᵀ (X and
   // W scaled per row), dX = dY·W (dY per row, W per column) and dW += dYᵀ·X (dY and X per
   // column): every scale lies along a dimension its product keeps (Backend::quantize_rows_e4m3 /
-  // quantize_cols_e4m3, Backend::gemm_e4m3), all three accumulated in F32 (Fp8Accum::kF32;
-  // the faster kFast is what FP8 recipes use for forward products, not adopted here until its
-  // cost on a trained model's loss is measured). The quantisation is
+  // quantize_cols_e4m3, Backend::gemm_e4m3), the gradients' products accumulated in F32, the
+  // forward's as set_fp8_fast_forward says. The quantisation is
   // straight-through: the backward treats it as the identity. Everything else (embedding, conv,
   // norms, the GLA mixer, the LM head, the optimizer and its F32 masters) keeps its precision.
   // Call before plan() (a training plan); the weights stay in the model dtype, and after every
@@ -262,6 +268,7 @@ class Model {
   Arena fp8t_, fp8_grads_;
   std::vector<std::array<Fp8Matrix, 4>> fp8_cols_;
   Tensor fp8_dyq_, fp8_dys_, fp8_dytq_, fp8_dyts_, fp8_xtq_, fp8_xts_;
+  bool fp8_fast_forward_ = false;
 };
 
 }  // namespace laplace

@@ -168,22 +168,23 @@ for s in $STAGES; do
       python3 scripts/trace_step.py build-gpu/ptrace.csv --steps 3 --split-gap-ms 1 --top ${TRACE_TOP:-40} 2>&1 | tee -a "$LOG" ;;
     fp8serve)  # issue 31's serving figures with FP8 weights (--weights fp8), after the FP8 GPU tests (FP8_TESTS=0:
       # without them); FP8_DEFER=R: with --defer-writeback R (tags end in _deferR); FP8_STATES: the decode runs' state
-      # dtypes (default "bf16 f32"), FP8_PREFILL=0: no prefill figure
+      # dtypes (default "bf16 f32"), FP8_PREFILL=0: no prefill figure; FP8_WEIGHTS=fp8-fast: fast accumulation (tags
+      # with fp8fast for fp8)
       if [ "${FP8_TESTS:-1}" = 1 ]; then
         ./build-gpu/tests/laplace_tests --gtest_filter="CudaOps.Fp8*:CudaModel.Fp8*:CudaModelTrain.Fp8*" > "$OUT/fp8_tests.log" 2>&1
         echo "fp8 tests exit $?"; grep -E "^\[  (FAILED|PASSED) |Failure|fp8 weights:" "$OUT/fp8_tests.log" | head -20
       fi
-      defer=; dtag=
+      defer=; dtag=; fw=${FP8_WEIGHTS:-fp8}
       [ -n "${FP8_DEFER:-}" ] && defer="--defer-writeback $FP8_DEFER" && dtag=_defer$FP8_DEFER
       for sd in ${FP8_STATES:-bf16 f32}; do
-        timeout 240 $L bench decode $M3B --weights fp8 --batch 1280 --steps 20 --warmup 3 --prompt-len 16 --prefill-chunk 16 \
-          --max-batch-tokens 24000 --state-dtype $sd $defer --results "$R" --tag 3b_1280_${sd/f32/fp32}state_fp8$dtag 2>&1 |
+        timeout 240 $L bench decode $M3B --weights $fw --batch 1280 --steps 20 --warmup 3 --prompt-len 16 --prefill-chunk 16 \
+          --max-batch-tokens 24000 --state-dtype $sd $defer --results "$R" --tag 3b_1280_${sd/f32/fp32}state_${fw/-/}$dtag 2>&1 |
           tee -a "$LOG" | grep -E "engine|decode:"
       done
-      [ "${FP8_PREFILL:-1}" = 1 ] && timeout 120 $L bench prefill $M3B --weights fp8 --prompt-len 8192 --reps 7 \
+      [ "${FP8_PREFILL:-1}" = 1 ] && timeout 120 $L bench prefill $M3B --weights $fw --prompt-len 8192 --reps 7 \
         --results "$R" --tag 3b 2>&1 | tee -a "$LOG" | grep -E "prefill of" ;;
     fp8train)  # laplace-3b whole steps (optimizer included), random tokens, one run per entry of TRAIN3B: fp8
-      # (--precision fp8), model (the same in model precision) and p1 (--distributed: the sharded trainer
+      # (--precision fp8), fp8fast (--precision fp8-fast), model (the same in model precision) and p1 (--distributed: the sharded trainer
       # through a one-rank NCCL communicator). No --out, so no 36 GB checkpoint at the end. Each figure is
       # the median of steps 2..STEPS3B (step 1 pays first-use costs).
       python3 -c "
@@ -194,6 +195,7 @@ open('build-gpu/rand3b.bin', 'wb').write(h.tobytes() + np.random.default_rng(1).
       for run in ${TRAIN3B:-fp8 model p1}; do
         case $run in
           fp8) args="--precision fp8"; tag=_fp8 ;;
+          fp8fast) args="--precision fp8-fast"; tag=_fp8fast ;;
           model) args="--precision model"; tag=_same_call ;;
           p1) args="--distributed"; tag=_p1_nccl ;;
           *) echo "fp8train: unknown run $run"; continue ;;

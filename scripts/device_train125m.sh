@@ -22,7 +22,8 @@
 #          once the reference is done (TWIN_AFTER_REF=0: at once):
 #          the same tokens, order and math, other rounding; compare measures its distance from our curve,
 #          the floor that rounding alone sets under the reference's distance
-#   fp8    the run again with --precision fp8 (FP8 body products) for FP8_STEPS (STOP1) steps, in the
+#   fp8    the run again with --precision fp8 (FP8 body products; FP8_PRECISION=fp8-fast: with fast forward
+#          accumulation, figures fp8fast_*) for FP8_STEPS (STOP1) steps, in the
 #          background once our run is done (alone on the GPU; without one, the committed curve of TAG
 #          stands for it, checked as in parity); compare then gives fp8_*_laplace125m (bf16
 #          run against FP8 run, the same init, data order and schedule) and the plot $OUT/fp8.png
@@ -131,7 +132,7 @@ if has train; then
       Q=\"--model $RUNS/ours --data '$RUNS/data/val_*.bin' --device cuda --out $RUNS/quality --results $RUNS/quality_results.jsonl\"
       for mode in 'copy --dtype bf16 --trials 64 --batch 16' 'passkey --dtype bf16 --trials 16 --batch 4' \
           'position --dtype bf16 --context 131072 --streams 7' \
-          'serving --dtype f32 --options defer4,defer8,defer16,bf16-weights,bf16-states,fp8-weights,fp8 --prompts 64 --prompt-len 128 --steps 256'; do
+          'serving --dtype f32 --options defer4,defer8,defer16,bf16-weights,bf16-states,fp8-weights,fp8,fp8-fast --prompts 64 --prompt-len 128 --steps 256'; do
         [[ \" ${QUALITY_MODES:-copy passkey position serving} \" == *\" \${mode%% *} \"* ]] || continue
         eval $LAPLACE eval \$mode \$Q; echo \"eval \${mode%% *} exit \$?\"
       done
@@ -234,7 +235,7 @@ if has fp8; then
   setsid nohup bash -c "
     while [ -f $RUNS/ours.log ] && [ ! -f $RUNS/ours.done ]; do sleep 2; done
     $LAPLACE train --config $CFG --init $RUNS/init.safetensors $DATA_Q --out $RUNS/fp8 --device cuda --dtype bf16 \
-      ${HP[*]} --no-shuffle --peak-tflops 989 --log-every 50 --stop-after ${FP8_STEPS:-$STOP1} --precision fp8
+      ${HP[*]} --no-shuffle --peak-tflops 989 --log-every 50 --stop-after ${FP8_STEPS:-$STOP1} --precision ${FP8_PRECISION:-fp8}
     echo exit \$? > $RUNS/fp8.done" > $RUNS/fp8.log 2>&1 < /dev/null &
   stamp "fp8 run started (${FP8_STEPS:-$STOP1} steps, after our run)"
 fi
@@ -313,9 +314,9 @@ fi
 if has compare && [ -f $RUNS/fp8.done ]; then
   OURS=$RUNS/ours/metrics.jsonl
   [ -f "$OURS" ] || OURS=bench/curves/${TAG}_ours.jsonl
-  $PY scripts/compare_runs.py "$OURS" $RUNS/fp8/metrics.jsonl --last 200 --prefix fp8 --tag laplace125m \
+  $PY scripts/compare_runs.py "$OURS" $RUNS/fp8/metrics.jsonl --last 200 --prefix "$(echo ${FP8_PRECISION:-fp8} | tr -d -)" --tag laplace125m \
     --results "$OUT/results.jsonl" --commit "$COMMIT" --device "NVIDIA H200" \
-    --command "scripts/device_train125m.sh (stages train fp8 compare)" --labels "bf16,fp8" \
+    --command "scripts/device_train125m.sh (stages train fp8 compare)" --labels "bf16,${FP8_PRECISION:-fp8}" \
     --plot "$OUT/fp8.png" 2>&1 | tee -a "$OUT/summary.txt"
 fi
 

@@ -461,7 +461,7 @@ TEST(DistCli, ShardedTrainerRefusesFp8AndUnknownPrecisions) {
   EXPECT_EQ(f.run(0, "fp8", "--batch 2 --precision fp8", &out, 2), 1) << out;
   EXPECT_NE(out.find("--precision fp8 trains on one device"), std::string::npos) << out;
   EXPECT_EQ(f.run(0, "fp16", "--batch 2 --precision fp16", &out, 2), 1) << out;
-  EXPECT_NE(out.find("--precision must be 'model' or 'fp8'"), std::string::npos) << out;
+  EXPECT_NE(out.find("--precision must be 'model', 'fp8' or 'fp8-fast'"), std::string::npos) << out;
 }
 
 // The memory plan in distributed mode: per rank, with its shards. --tokens-per-step counts

@@ -225,6 +225,23 @@ TEST(EvalServing, DeferredWriteBackIsIndistinguishableOnTheCpu) {
   EXPECT_GT(got[0].logit_relrms_mean, weights_only);
   EXPECT_LT(got[0].logit_relrms_mean, 0.3);
   EXPECT_LT(std::fabs(got[0].delta_loss()), 0.1);
+  // fp8-fast: the same model with its products accumulated fast, which the CPU's exact sums
+  // do not change; the model is left as the option found it.
+  ASSERT_TRUE(parse_serving_options("fp8-fast,fp8", &opts).is_ok());
+  ASSERT_EQ(opts.size(), 2u);
+  EXPECT_TRUE(opts[0].fp8_compute && opts[0].fp8_fast);
+  EXPECT_TRUE(opts[1].fp8_compute && !opts[1].fp8_fast);
+  const ServingAccuracy fp8_alone = got[0];
+  got.clear();
+  ASSERT_TRUE(eval_serving_options(t.m, nullptr, nullptr, &c.m, held, opts, run, [&](const ServingAccuracy& s) {
+    got.push_back(s);
+  }).is_ok());
+  ASSERT_EQ(got.size(), 2u);
+  for (const ServingAccuracy& s : got) {
+    EXPECT_EQ(s.option_loss, fp8_alone.option_loss) << s.option;
+    EXPECT_EQ(s.agreement, fp8_alone.agreement) << s.option;
+  }
+  EXPECT_FALSE(c.m.fp8_fast_forward());
   EXPECT_FALSE(parse_serving_options("defer5", &opts).is_ok());
   EXPECT_FALSE(parse_serving_options("fp4", &opts).is_ok());
   EXPECT_FALSE(parse_serving_options("", &opts).is_ok());

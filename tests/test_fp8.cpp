@@ -425,6 +425,11 @@ TEST(Fp8Model, ForwardWithFp8WeightsOnTheCpu) {
   // Batch invariance: the second sequence alone.
   b.forward(toks.data() + T, 1, T, ForwardOptions{});
   for (int64_t t = 0; t < T; ++t) ASSERT_EQ(logits_row(b, t), logits_row(a, T + t)) << t;
+  // Fast accumulation: the CPU's sums are exact either way.
+  EXPECT_FALSE(b.fp8_fast_forward());
+  b.set_fp8_fast_forward(true);
+  b.forward(toks.data(), 2, T, ForwardOptions{});
+  for (int64_t row = 0; row < 2 * T; ++row) ASSERT_EQ(logits_row(b, row), logits_row(a, row)) << row;
 
   // Not for training; not from a file that is not FP8.
   EXPECT_EQ(b.plan({2, T, true, false}).code(), Status::Code::kUnsupported);
@@ -535,6 +540,10 @@ TEST(Fp8Files, QuantizeRefuseDequantize) {
   // Inference computes with them (--weights auto); a path that cannot is refused, saying what to do.
   r = run_laplace("forward --model " + dir + "/q --tokens 1,2,3,4");
   EXPECT_EQ(r.exit_code, 0) << r.output;
+  // --weights fp8-fast: the products accumulated fast, which the CPU's exact sums do not change.
+  const testing::CliResult fast = run_laplace("forward --model " + dir + "/q --weights fp8-fast --tokens 1,2,3,4");
+  EXPECT_EQ(fast.exit_code, 0) << fast.output;
+  EXPECT_EQ(fast.output, r.output);
   for (const std::string& cmd : {"forward --model " + dir + "/q --weights dtype --tokens 1,2,3,4",
                                  "train --config " + cfg + " --init " + dir + "/q/model.safetensors --data " + dir +
                                      "/none.bin --steps 1"}) {

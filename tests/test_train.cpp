@@ -171,6 +171,25 @@ TEST(TrainFp8, LearnsNearTheModelPrecisionRunResumesExactlyAndRecordsIt) {
     EXPECT_FALSE(st.is_ok()) << dir;
     EXPECT_NE(st.to_string().find("--precision"), std::string::npos) << st.to_string();
   }
+  // fp8-fast (the forward products accumulated fast) is a permission the CPU's exact sums do not
+  // use: the same losses. It is recorded as a precision of its own, so an fp8 checkpoint does not
+  // resume as fp8-fast.
+  TrainOptions fast = f.options(f.dir + "/fp8fast");
+  fast.fp8 = true;
+  fast.fp8_fast_forward = true;
+  EXPECT_EQ(0, std::memcmp(train(fast).data(), a.data(), a.size() * sizeof(double)));
+  SafeTensorsReader rf;
+  ASSERT_TRUE(SafeTensorsReader::open(f.dir + "/fp8fast/checkpoint.safetensors", &rf).is_ok());
+  EXPECT_EQ(rf.metadata().at("train_precision"), "fp8-fast");
+  {
+    TrainOptions again = f.options(f.dir + "/fp8");
+    again.resume = "auto";
+    again.fp8 = true;
+    again.fp8_fast_forward = true;
+    Trainer t(again);
+    const Status st = t.setup();
+    EXPECT_NE(st.to_string().find("--precision fp8"), std::string::npos) << st.to_string();
+  }
   // The memory plan counts the FP8 arenas as they are allocated.
   TrainOptions planned = f.options(f.dir + "/fp8plan");
   planned.fp8 = true;

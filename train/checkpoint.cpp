@@ -88,7 +88,8 @@ Status checkpoint_read_progress(const SafeTensorsReader& r, const Config& c, Tra
   // Checkpoints from before FP8 training computed in the model dtype.
   const auto prec = meta.find("train_precision");
   p->precision = prec == meta.end() ? train_precision_name(false) : prec->second;
-  if (p->precision != train_precision_name(false) && p->precision != train_precision_name(true))
+  if (p->precision != train_precision_name(false) && p->precision != train_precision_name(true) &&
+      p->precision != train_precision_name(true, true))
     return Status::corrupt(path + ": unknown train_precision '" + p->precision + "'");
 
   return Status::ok();

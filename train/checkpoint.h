@@ -18,8 +18,11 @@
 namespace laplace {
 
 // The precision of a run's products, as checkpoints and --precision name it: with FP8 products
-// (Model::use_fp8_training) "fp8", else "model" (the model dtype's).
-inline const char* train_precision_name(bool fp8) { return fp8 ? "fp8" : "model"; }
+// (Model::use_fp8_training) "fp8", or "fp8-fast" with the forward products accumulated fast
+// (Model::set_fp8_fast_forward); else "model" (the model dtype's).
+inline const char* train_precision_name(bool fp8, bool fast_forward = false) {
+  return fp8 ? (fast_forward ? "fp8-fast" : "fp8") : "model";
+}
 
 struct TrainProgress {
   int64_t step = 0;               // optimizer steps taken (the next step's index)

@@ -220,7 +220,7 @@ Status Trainer::setup_local() {
       open_train_data(opt_, cfg_, store_->rank(), store_->ranks(), &train_loader_, &val_loader_, &has_val_));
   progress_ = TrainProgress{};
   progress_.seed = opt_.seed;
-  progress_.precision = train_precision_name(opt_.fp8);
+  progress_.precision = train_precision_name(opt_.fp8, opt_.fp8_fast_forward);
   if (store_->rank() == 0) LAPLACE_RETURN_IF_ERROR(create_out_dir(opt_));
   const int64_t N = opt_.batch * opt_.seq;
   x_.resize(N);
@@ -262,7 +262,7 @@ Status Trainer::check_ranks_agree() {
 
 Status Trainer::load_checkpoint(const std::string& path) {
   LAPLACE_RETURN_IF_ERROR(store_->load_checkpoint(path, &progress_));
-  if (progress_.precision != train_precision_name(opt_.fp8))
+  if (progress_.precision != train_precision_name(opt_.fp8, opt_.fp8_fast_forward))
     return Status::invalid_argument(path + " was trained with --precision " + progress_.precision +
                                     "; resume it with the same (or start a new run from its model.safetensors "
                                     "with --init)");

@@ -62,8 +62,10 @@ struct TrainOptions {
   uint64_t data_seed = 1;             // shuffle seed
   bool recompute_mixer = false;
   // --precision fp8: the body projections compute their forward and gradient products in FP8
-  // (Model::use_fp8_training); one device only.
+  // (Model::use_fp8_training); one device only. fp8-fast: the forward's accumulated fast
+  // (Model::set_fp8_fast_forward).
   bool fp8 = false;
+  bool fp8_fast_forward = false;
 
   int64_t eval_every = 0, eval_batches = 8;  // 0 = no validation
   int64_t ckpt_every = 0;                    // 0 = only at the end
