@@ -352,6 +352,17 @@ int bench_fp8_ops(Backend& e, const Config& c, int64_t B, int64_t M, int64_t L, 
       tr_bf16 += (g16 + g16_dx + g16_dw) * L;
     }
   }
+  // SwiGLU and W_3's input codes, as FP8 inference runs them (swiglu_forward_e4m3) against the two ops.
+  for (const int64_t n : {B, M}) {
+    const Tensor ab = mat("dy", n, 2 * F), h = mat("dx", n, F), hq = mat("xq", n, F), hs = vec("xs", n);
+    const double two = time_ms(e, reps, [&] {
+      e.swiglu_forward(ab, h);
+      e.quantize_rows_e4m3(h, hq, hs);
+    });
+    const double one = time_ms(e, reps, [&] { e.swiglu_forward_e4m3(ab, h, hq, hs); });
+    std::printf("  swiglu + W_3's input codes [%6lld, %5lld]: two ops %.4f ms, one pass %.4f ms (%5.0f GB/s)\n",
+                (long long)n, (long long)F, two, one, gbs(5.0 * n * F, one));
+  }
   std::printf("decode step, %lld layers: projections bf16 %.3f ms, fp8 %.3f ms (quantisers included)\n", (long long)L,
               dec_bf16, dec_fp8);
   std::printf("training micro-batch, %lld layers: projections bf16 %.3f ms, fp8 %.3f ms, of which quantisers %.3f ms\n",

@@ -371,7 +371,11 @@ void Model::project(const Tensor& x, const Tensor& w, const Fp8Matrix& f, const 
   const Tensor xq = fp8_codes(fp8_xq_, N, K);
   const Tensor xs = fp8_xs_.slice(0, 0, N);
   be.quantize_rows_e4m3(x, xq, xs);
-  be.gemm_e4m3(xq, xs, f.q, f.s, residual, y, fp8_fast_forward_ ? Fp8Accum::kFast : Fp8Accum::kF32);
+  project_codes(xq, xs, f, residual, y);
+}
+
+void Model::project_codes(const Tensor& xq, const Tensor& xs, const Fp8Matrix& f, const Tensor& residual, Tensor y) {
+  be_->gemm_e4m3(xq, xs, f.q, f.s, residual, y, fp8_fast_forward_ ? Fp8Accum::kFast : Fp8Accum::kF32);
 }
 
 void Model::project_backward(bool overwrite, const Tensor& dy, const Tensor& w, const Fp8Matrix& ft, const Tensor& x,
@@ -620,8 +624,16 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
     be.layernorm_forward(x_mid, w.norm2_w, w.norm2_b, cfg_.norm_eps, rows(a.z, N), rows(a.ln2_mean, N),
                          rows(a.ln2_rstd, N));
     project(rows(a.z, N), w.w12, fp8(2), Tensor{}, rows(a.ab, N));
-    be.swiglu_forward(rows(a.ab, N), rows(a.h, N));
-    project(rows(a.h, N), w.w3, fp8(3), x_mid, x_out);  // x_out = x_mid + h·W_3ᵀ
+    if (fp8_on_ && !plan_.training) {
+      // Inference with FP8 weights: h's only reader is W_3's product, which takes its codes,
+      // so the backend may produce them without writing h (Backend::swiglu_forward_e4m3).
+      const Tensor hq = fp8_codes(fp8_xq_, N, cfg_.ffn_size), hs = fp8_xs_.slice(0, 0, N);
+      be.swiglu_forward_e4m3(rows(a.ab, N), rows(a.h, N), hq, hs);
+      project_codes(hq, hs, fp8(3), x_mid, x_out);  // x_out = x_mid + h·W_3ᵀ
+    } else {
+      be.swiglu_forward(rows(a.ab, N), rows(a.h, N));
+      project(rows(a.h, N), w.w3, fp8(3), x_mid, x_out);  // x_out = x_mid + h·W_3ᵀ
+    }
   }
 
   // Head: logits = LN_f(x) · W_headᵀ, for every token or each sequence's last one.

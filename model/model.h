@@ -226,6 +226,8 @@ class Model {
   // y = residual + x·Wᵀ (residual may be undefined, or y itself): in FP8 when f holds the
   // matrix's codes (FP8 weights in inference, or FP8 training), else the backend's gemm / gemm_add.
   void project(const Tensor& x, const Tensor& w, const Fp8Matrix& f, const Tensor& residual, Tensor y);
+  // The FP8 product of project from x's codes and scales (quantize_rows_e4m3's xq, xs).
+  void project_codes(const Tensor& xq, const Tensor& xs, const Fp8Matrix& f, const Tensor& residual, Tensor y);
   // The backward of project: dx = dy·W and gw += dyᵀ·x (gw = dyᵀ·x with overwrite), in FP8 when
   // ft (W's per-column codes, [cols, rows]) is defined, else the backend's gemms.
   void project_backward(bool overwrite, const Tensor& dy, const Tensor& w, const Fp8Matrix& ft, const Tensor& x,

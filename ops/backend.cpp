@@ -24,6 +24,11 @@ void Backend::quantize_rows_cols_e4m3(const Tensor& x, Tensor q, Tensor s, Tenso
   quantize_cols_e4m3(x, qt, st);
 }
 
+void Backend::swiglu_forward_e4m3(const Tensor& ab, Tensor h, Tensor q, Tensor s) {
+  swiglu_forward(ab, h);
+  quantize_rows_e4m3(h, q, s);
+}
+
 void Backend::gemm_e4m3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor, Fp8Accum) {
   LAPLACE_CHECK(false, (std::string(name()) + " backend has no FP8 products (gemm_e4m3)").c_str());
 }

@@ -189,6 +189,10 @@ class Backend {
   // CUDA needs K and N multiples of 16 (cuBLASLt's FP8 layouts).
   virtual void gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, const Tensor& c,
                          Tensor y, Fp8Accum accum);
+  // quantize_rows_e4m3 of swiglu_forward(ab)'s h, bit for bit: q [N, F] and s [N], for the FP8
+  // product that is h's only reader in inference (W_3's). h [N, F] is the default's workspace (it
+  // runs the two ops); a backend that fuses them (CUDA, BF16) leaves h unwritten and reads ab once.
+  virtual void swiglu_forward_e4m3(const Tensor& ab, Tensor h, Tensor q, Tensor s);
 
   // out[n] = table[ids[n]]. ids [N] I32, table [V,D], out [N,D].
   virtual void embedding_forward(const Tensor& ids, const Tensor& table, Tensor out) = 0;

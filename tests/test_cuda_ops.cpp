@@ -331,6 +331,35 @@ TEST_F(CudaOps, Fp8QuantizeAndGemmAtModelShapes) {
   }
 }
 
+// SwiGLU with W_3's input codes in one pass (Backend::swiglu_forward_e4m3): the codes and scales
+// of swiglu_forward followed by quantize_rows_e4m3 on this backend, byte for byte, at laplace-3b's
+// decode and prefill rows (F 8,192: four chunks a thread), at widths that leave threads idle or
+// use one chunk, and where the fused kernel does not apply (F32, F not a multiple of 8, F past
+// its registers), which takes the two ops.
+TEST_F(CudaOps, Fp8SwigluCodesEqualTheTwoOps) {
+  struct Shape {
+    int64_t N, F;
+    DType dt;
+  };
+  const Shape shapes[] = {{1280, 8192, kBF16}, {8192, 8192, kBF16}, {7, 2056, kBF16}, {3, 8, kBF16},
+                          {5, 8192, kF32},     {4, 1000, kBF16},   {3, 12, kBF16},   {2, 8200, kBF16}};
+  uint64_t seed = 90;
+  for (const Shape& sh : shapes) {
+    SCOPED_TRACE("N " + std::to_string(sh.N) + " F " + std::to_string(sh.F) + " " + dtype_name(sh.dt));
+    // Pre-activations in the range a trained model's reach, a few rows all zero (scale 1).
+    Buf ab = input({sh.N, 2 * sh.F}, sh.dt, kF32, ++seed, -6, 6);
+    if (sh.N > 2) cuda_->fill(ab.d().select(1), 0.0);
+    DevTensor h(*cuda_, sh.dt, {sh.N, sh.F}), h2(*cuda_, sh.dt, {sh.N, sh.F});
+    DevTensor q(*cuda_, DType::kF8E4M3, {sh.N, sh.F}), s(*cuda_, kF32, {sh.N});
+    DevTensor q2(*cuda_, DType::kF8E4M3, {sh.N, sh.F}), s2(*cuda_, kF32, {sh.N});
+    cuda_->swiglu_forward(ab.d(), h2.t);
+    cuda_->quantize_rows_e4m3(h2.t, q2.t, s2.t);
+    cuda_->swiglu_forward_e4m3(ab.d(), h.t, q.t, s.t);
+    EXPECT_TRUE(same_bytes(q.t, q2.t)) << "codes";
+    EXPECT_TRUE(same_bytes(s.t, s2.t)) << "scales";
+  }
+}
+
 // Per column, transposed, at the training step's operands of laplace-3b (W_qkvg for dX = dY·W, a
 // micro-batch's dY of W_o and its input X for dW = dYᵀ·X, X a column block of a wider matrix) and
 // at ragged shapes that take the kernels' edge paths: the CPU backend's codes and scales bit for

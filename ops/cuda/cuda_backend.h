@@ -124,6 +124,7 @@ class CudaBackend final : public Backend {
   void quantize_rows_cols_e4m3(const Tensor& x, Tensor q, Tensor s, Tensor qt, Tensor st) override;
   void gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, const Tensor& c,
                  Tensor y, Fp8Accum accum) override;
+  void swiglu_forward_e4m3(const Tensor& ab, Tensor h, Tensor q, Tensor s) override;
 
   void embedding_forward(const Tensor& ids, const Tensor& table, Tensor out) override;
   void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor dtable) override;

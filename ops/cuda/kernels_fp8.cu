@@ -14,9 +14,10 @@
 // X [M, K] and W [N, K] read column-major as Xᵀ [K, M] and Wᵀ [K, N], cuBLAS's A is W (op T) and
 // its B is X (op N), and its D [N, M] column-major is our row-major Y [M, N]. Both operands carry
 // one F32 scale per row of ours, cuBLASLt's "outer vector" scale mode (W's along its M, X's along
-// its N). Accumulation is cuBLASLt's default (not the fast-accumulation mode), and split-K is
-// excluded as for the other gemms, so a call's result does not depend on the algorithm's
-// partitioning of K. A residual c is cuBLASLt's C operand (β = 1), added before the one rounding.
+// its N). Split-K is excluded as for the other gemms, so a call's result does not depend on the
+// algorithm's partitioning of K. A residual c is cuBLASLt's C operand (β = 1), added before the one rounding.
+// Accumulation: F32 (cuBLASLt's default) or, with Fp8Accum::kFast, cuBLASLt's fast accumulation;
+// the two are separate plans.
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -50,6 +51,53 @@ void launch_cols(const Tensor& x, int64_t ld, Tensor qt, Tensor st, Tensor q, Te
                                       static_cast<__nv_fp8_storage_t*>(qt.data), static_cast<float*>(st.data),
                                       kRows ? static_cast<__nv_fp8_storage_t*>(q.data) : nullptr,
                                       kRows ? static_cast<float*>(s.data) : nullptr, stream);
+}
+
+// SwiGLU with W_3's input codes (swiglu_forward_e4m3): one block per row of ab [N, 2F] (BF16,
+// F = 8·F8), thread t holding the 8-column chunks t + kSwiQThreads·i (i < NV) of h = SiLU(a)·b in
+// registers, each value computed by swiglu_forward's expression and rounded to BF16 as it stores
+// h; then the row's max |h| and its codes, as quantize_rows_e4m3 of that h computes them (the
+// maximum is order-free, the scale, reciprocal and paired conversions are the same functions).
+// h is not written: ab is read once and the codes written once.
+constexpr int kSwiQThreads = 256;
+constexpr int kSwiQMaxChunks = 4;  // F ≤ 8·256·4 = 8,192
+
+template <int NV>
+__global__ void __launch_bounds__(kSwiQThreads)
+    swiglu_e4m3_kernel(const __nv_bfloat16* ab, int64_t ld, int F8, __nv_fp8_storage_t* q, float* s) {
+  __shared__ float part[kSwiQThreads / 32];
+  const int64_t r = blockIdx.x;
+  const __nv_bfloat16* row = ab + r * ld;
+  float h[NV][8];
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int c = threadIdx.x + kSwiQThreads * i;
+    if (c >= F8) continue;
+    float a[8], b[8];
+    fp8_quant::load_vec<__nv_bfloat16, 8>(row + 8 * static_cast<int64_t>(c), a);
+    fp8_quant::load_vec<__nv_bfloat16, 8>(row + 8 * static_cast<int64_t>(F8 + c), b);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      h[i][k] = __bfloat162float(__float2bfloat16_rn(a[k] * sigmoidf_(a[k]) * b[k]));
+      amax = fmaxf(amax, fabsf(h[i][k]));
+    }
+  }
+  amax = fp8_quant::warp_max(amax);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = amax;
+  __syncthreads();
+  float m = 0.f;
+#pragma unroll
+  for (int w = 0; w < kSwiQThreads / 32; ++w) m = fmaxf(m, part[w]);
+  const float scale = fp8_quant::scale_of(m);
+  if (threadIdx.x == 0) s[r] = scale;
+  const float inv = 1.f / scale;
+  __nv_fp8_storage_t* qr = q + r * 8 * static_cast<int64_t>(F8);
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int c = threadIdx.x + kSwiQThreads * i;
+    if (c < F8) fp8_quant::store_row_codes<8>(h[i], inv, qr + 8 * static_cast<int64_t>(c));
+  }
 }
 
 template <bool kRows>
@@ -153,6 +201,40 @@ void CudaBackend::quantize_rows_cols_e4m3(const Tensor& x, Tensor q, Tensor s, T
   }
   const int64_t ld = std::max<int64_t>(x.stride[0], C);
   cuda::launch_cols_of<true>(dt, x, ld, qt, st, q, s, stream_);
+  CUDA_CHECK_LAUNCH();
+}
+
+// The fused kernel where its layout holds (BF16 rows of whole 16-byte vectors, F ≤ 8,192, the
+// codes 8-byte aligned), else the two ops.
+void CudaBackend::swiglu_forward_e4m3(const Tensor& ab, Tensor h, Tensor q, Tensor s) {
+  const cuda::RView vab = cuda::make_rview(ab, "swiglu_forward_e4m3: ab");
+  const int64_t N = vab.rows, F = vab.cols / 2;
+  cuda::check_e4m3_matrix(q, "swiglu_forward_e4m3: q");
+  if (vab.cols != 2 * F || q.shape[0] != N || q.shape[1] != F)
+    check_failed(__FILE__, __LINE__, "swiglu_forward_e4m3",
+                 ("expected ab [N, 2F] and q [N, F]: ab " + ab.shape_str() + ", q " + q.shape_str()).c_str());
+  cuda::check_scales(s, N, "swiglu_forward_e4m3: s");
+  const int64_t F8 = F / 8, nv = (F8 + cuda::kSwiQThreads - 1) / cuda::kSwiQThreads;
+  const bool fused = ab.ndim == 2 && vab.p && F > 0 && F % 8 == 0 && nv <= cuda::kSwiQMaxChunks &&
+                     cuda::bf16_rows(vab) && h.dtype == DType::kBF16 && reinterpret_cast<uintptr_t>(q.data) % 8 == 0 &&
+                     N <= 0x7fffffff;
+  if (!fused) {
+    Backend::swiglu_forward_e4m3(ab, h, q, s);
+    return;
+  }
+  if (N == 0) return;
+  const auto* x = static_cast<const __nv_bfloat16*>(ab.data);
+  auto* qp = static_cast<__nv_fp8_storage_t*>(q.data);
+  auto* sp = static_cast<float*>(s.data);
+  const int64_t ld = ab.stride[0];
+  const unsigned grid = static_cast<unsigned>(N);
+  const int f8 = static_cast<int>(F8);
+  switch (nv) {
+    case 1: cuda::swiglu_e4m3_kernel<1><<<grid, cuda::kSwiQThreads, 0, stream_>>>(x, ld, f8, qp, sp); break;
+    case 2: cuda::swiglu_e4m3_kernel<2><<<grid, cuda::kSwiQThreads, 0, stream_>>>(x, ld, f8, qp, sp); break;
+    case 3: cuda::swiglu_e4m3_kernel<3><<<grid, cuda::kSwiQThreads, 0, stream_>>>(x, ld, f8, qp, sp); break;
+    default: cuda::swiglu_e4m3_kernel<4><<<grid, cuda::kSwiQThreads, 0, stream_>>>(x, ld, f8, qp, sp); break;
+  }
   CUDA_CHECK_LAUNCH();
 }
 
