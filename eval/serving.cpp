@@ -36,7 +36,8 @@ Status parse_serving_options(const std::string& list, std::vector<ServingOption>
         return Status::invalid_argument("serving option '" + item + "': deferred write-back takes R = 4, 8 or 16");
     } else {
       return Status::invalid_argument("unknown serving option '" + item +
-                                      "' (bf16-weights, bf16-states, fp8-weights, fp8, fp8-fast, defer4, defer8, defer16)");
+                                      "' (bf16-weights, bf16-states, fp8-weights, fp8, fp8-fast, defer4, defer8, "
+                                      "defer16)");
     }
     v.push_back(o);
   }
@@ -99,6 +100,14 @@ Status eval_serving_options(Model& ref, Model* low, Model* fp8, Model* fp8c, con
   if (fp8c) LAPLACE_RETURN_IF_ERROR(plan_for(*fp8c, run));
   const DType ref_states = ref.dtype() == DType::kF64 ? DType::kF64 : DType::kF32;
 
+  // fp8 and fp8-fast share fp8c, each with its accumulation; fp8c gets its own back at the end.
+  struct FastForwardRestore {
+    Model* m;
+    bool was;
+    ~FastForwardRestore() {
+      if (m) m->set_fp8_fast_forward(was);
+    }
+  } restore{fp8c, fp8c && fp8c->fp8_fast_forward()};
   for (const ServingOption& o : options) {
     Model& tm = o.fp8_compute ? *fp8c : o.fp8_weights ? *fp8 : o.low_weights ? *low : ref;
     if (o.fp8_compute) fp8c->set_fp8_fast_forward(o.fp8_fast);

@@ -83,9 +83,9 @@ class Model {
   // W scaled per row), dX = dY·W (dY per row, W per column) and dW += dYᵀ·X (dY and X per
   // column): every scale lies along a dimension its product keeps (Backend::quantize_rows_e4m3 /
   // quantize_cols_e4m3, Backend::gemm_e4m3), the gradients' products accumulated in F32, the
-  // forward's as set_fp8_fast_forward says. The quantisation is
-  // straight-through: the backward treats it as the identity. Everything else (embedding, conv,
-  // norms, the GLA mixer, the LM head, the optimizer and its F32 masters) keeps its precision.
+  // forward's as set_fp8_fast_forward says. The quantisation is straight-through: the backward
+  // treats it as the identity. Everything else (embedding, conv, norms, the GLA mixer, the LM
+  // head, the optimizer and its F32 masters) keeps its precision.
   // Call before plan() (a training plan); the weights stay in the model dtype, and after every
   // change of them quantize_training_weights() writes both codes of each body matrix.
   // Errors: unsupported (the backend has no FP8 products, FP8 inference weights are on, or

@@ -227,10 +227,10 @@ TEST(EvalServing, DeferredWriteBackIsIndistinguishableOnTheCpu) {
   EXPECT_LT(std::fabs(got[0].delta_loss()), 0.1);
   // fp8-fast: the same model with its products accumulated fast, which the CPU's exact sums
   // do not change; the model is left as the option found it.
-  ASSERT_TRUE(parse_serving_options("fp8-fast,fp8", &opts).is_ok());
+  ASSERT_TRUE(parse_serving_options("fp8,fp8-fast", &opts).is_ok());
   ASSERT_EQ(opts.size(), 2u);
-  EXPECT_TRUE(opts[0].fp8_compute && opts[0].fp8_fast);
-  EXPECT_TRUE(opts[1].fp8_compute && !opts[1].fp8_fast);
+  EXPECT_TRUE(opts[0].fp8_compute && !opts[0].fp8_fast);
+  EXPECT_TRUE(opts[1].fp8_compute && opts[1].fp8_fast);
   const ServingAccuracy fp8_alone = got[0];
   got.clear();
   ASSERT_TRUE(eval_serving_options(t.m, nullptr, nullptr, &c.m, held, opts, run, [&](const ServingAccuracy& s) {

@@ -315,8 +315,8 @@ TEST(Fp8Ops, ForwardAndBothGradientProductsOfALinearLayer) {
     be->gemm_e4m3(Tensor(const_cast<uint8_t*>(aq.data()), DType::kF8E4M3, {a, k}),
                   Tensor(const_cast<float*>(as.data()), DType::kF32, {a}),
                   Tensor(const_cast<uint8_t*>(bq.data()), DType::kF8E4M3, {b, k}),
-                  Tensor(const_cast<float*>(bs.data()), DType::kF32, {b}), Tensor{}, Tensor(out.data(), DType::kF32, {a, b}),
-                  Fp8Accum::kF32);
+                  Tensor(const_cast<float*>(bs.data()), DType::kF32, {b}), Tensor{},
+                  Tensor(out.data(), DType::kF32, {a, b}), Fp8Accum::kF32);
     double e2 = 0, r2 = 0;
     for (int64_t i = 0; i < a; ++i)
       for (int64_t j = 0; j < b; ++j) {

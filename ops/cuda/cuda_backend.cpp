@@ -74,9 +74,6 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   // Diagnostics: LAPLACE_GRAPH_GEMM_MEMSETS=keep captures cuBLASLt's memsets where it queued
   // them (to time what gather_gemm_memsets saves).
   if (const char* v = std::getenv("LAPLACE_GRAPH_GEMM_MEMSETS")) gather_memsets_ = std::strcmp(v, "keep") != 0;
-  // LAPLACE_FP8_ACCUM=f32 makes every FP8 product accumulate in F32, Fp8Accum::kFast or not (to
-  // measure what fast accumulation gives and costs).
-  if (const char* v = std::getenv("LAPLACE_FP8_ACCUM")) fp8_fast_allowed_ = std::strcmp(v, "f32") != 0;
   // LAPLACE_GRAPH_COUNTERS=tail zeroes the gathered counters at the end of each graph instead of
   // at its head, so that a replay does not begin with the fill kernel (a graph rooted at a
   // kernel waits for it before anything else starts). Not the default until the graph-vs-eager

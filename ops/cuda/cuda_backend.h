@@ -285,7 +285,6 @@ class CudaBackend final : public Backend {
   // sw, sx: the scale vectors of the first call, set before the heuristic query (cuBLASLt
   // validates outer-vector scale modes against their pointers); each call sets its own.
   Fp8GemmPlan& fp8_gemm_plan(int64_t M, int64_t N, int64_t K, DType out, bool fast, const void* sw, const void* sx);
-  bool fp8_fast_allowed_ = true;  // false under LAPLACE_FP8_ACCUM=f32 (see the constructor)
   int64_t host_syncs_ = 0;
   // Per kernel: the dynamic shared-memory limit set so far (0: none) and whether the
   // carveout was set (kernel_smem).

@@ -15,9 +15,9 @@
 // its B is X (op N), and its D [N, M] column-major is our row-major Y [M, N]. Both operands carry
 // one F32 scale per row of ours, cuBLASLt's "outer vector" scale mode (W's along its M, X's along
 // its N). Split-K is excluded as for the other gemms, so a call's result does not depend on the
-// algorithm's partitioning of K. A residual c is cuBLASLt's C operand (β = 1), added before the one rounding.
-// Accumulation: F32 (cuBLASLt's default) or, with Fp8Accum::kFast, cuBLASLt's fast accumulation;
-// the two are separate plans.
+// algorithm's partitioning of K. A residual c is cuBLASLt's C operand (β = 1), added before the
+// one rounding. Accumulation: F32 (cuBLASLt's default) or, with Fp8Accum::kFast, cuBLASLt's fast
+// accumulation; the two are separate plans.
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -210,14 +210,16 @@ void CudaBackend::swiglu_forward_e4m3(const Tensor& ab, Tensor h, Tensor q, Tens
   const cuda::RView vab = cuda::make_rview(ab, "swiglu_forward_e4m3: ab");
   const int64_t N = vab.rows, F = vab.cols / 2;
   cuda::check_e4m3_matrix(q, "swiglu_forward_e4m3: q");
-  if (vab.cols != 2 * F || q.shape[0] != N || q.shape[1] != F)
+  if (vab.cols != 2 * F || q.shape[0] != N || q.shape[1] != F || h.ndim != 2 || h.shape[0] != N || h.shape[1] != F)
     check_failed(__FILE__, __LINE__, "swiglu_forward_e4m3",
-                 ("expected ab [N, 2F] and q [N, F]: ab " + ab.shape_str() + ", q " + q.shape_str()).c_str());
+                 ("expected ab [N, 2F], h and q [N, F]: ab " + ab.shape_str() + ", h " + h.shape_str() + ", q " +
+                  q.shape_str())
+                     .c_str());
   cuda::check_scales(s, N, "swiglu_forward_e4m3: s");
   const int64_t F8 = F / 8, nv = (F8 + cuda::kSwiQThreads - 1) / cuda::kSwiQThreads;
-  const bool fused = ab.ndim == 2 && vab.p && F > 0 && F % 8 == 0 && nv <= cuda::kSwiQMaxChunks &&
-                     cuda::bf16_rows(vab) && h.dtype == DType::kBF16 && reinterpret_cast<uintptr_t>(q.data) % 8 == 0 &&
-                     N <= 0x7fffffff;
+  const bool layout = ab.ndim == 2 && vab.p && F > 0 && F % 8 == 0 && nv <= cuda::kSwiQMaxChunks && N <= 0x7fffffff;
+  const bool bf16 = cuda::bf16_rows(vab) && h.dtype == DType::kBF16;
+  const bool fused = layout && bf16 && reinterpret_cast<uintptr_t>(q.data) % 8 == 0;
   if (!fused) {
     Backend::swiglu_forward_e4m3(ab, h, q, s);
     return;
@@ -254,7 +256,8 @@ CudaBackend::Fp8GemmPlan& CudaBackend::fp8_gemm_plan(int64_t M, int64_t N, int64
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sw, sizeof(sw)));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx, sizeof(sx)));
   const int8_t fast_accum = fast ? 1 : 0;
-  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accum, sizeof(fast_accum)));
+  CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accum, sizeof(fast_accum)));
   const cudaDataType_t ty = out == DType::kBF16 ? CUDA_R_16BF : CUDA_R_32F;
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.lw, CUDA_R_8F_E4M3, K, N, K));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.lx, CUDA_R_8F_E4M3, K, M, K));
@@ -311,7 +314,7 @@ void CudaBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq
   if (M == 0 || N == 0) return;
   const void* sw = ws.data;
   const void* sx = xs.data;
-  Fp8GemmPlan& p = fp8_gemm_plan(M, N, K, y.dtype, accum == Fp8Accum::kFast && fp8_fast_allowed_, sw, sx);
+  Fp8GemmPlan& p = fp8_gemm_plan(M, N, K, y.dtype, accum == Fp8Accum::kFast, sw, sx);
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sw, sizeof(sw)));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx, sizeof(sx)));
   // D = α·(W·X) + β·C with C = c (β = 1) or none (β = 0: C is not read).
