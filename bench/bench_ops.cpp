@@ -352,7 +352,19 @@ int bench_fp8_ops(Backend& e, const Config& c, int64_t B, int64_t M, int64_t L, 
       tr_bf16 += (g16 + g16_dx + g16_dw) * L;
     }
   }
-  // SwiGLU and W_3's input codes, as FP8 inference runs them (swiglu_forward_e4m3) against the two ops.
+  // LayerNorm and W_12's input codes, SwiGLU and W_3's, as FP8 inference runs them
+  // (layernorm_forward_e4m3, swiglu_forward_e4m3) against the two ops each.
+  const Tensor nw = mat("w", 1, D).reshape({D}), nb = mat("y", 1, D).reshape({D});
+  for (const int64_t n : {B, M}) {
+    const Tensor x = mat("x", n, D), z = mat("dx", n, D), zq = mat("xq", n, D), zs = vec("xs", n);
+    const double two = time_ms(e, reps, [&] {
+      e.layernorm_forward(x, nw, nb, 1e-5, z, Tensor{}, Tensor{});
+      e.quantize_rows_e4m3(z, zq, zs);
+    });
+    const double one = time_ms(e, reps, [&] { e.layernorm_forward_e4m3(x, nw, nb, 1e-5, z, zq, zs); });
+    std::printf("  layernorm + W_12's input codes [%6lld, %5lld]: two ops %.4f ms, one pass %.4f ms (%5.0f GB/s)\n",
+                (long long)n, (long long)D, two, one, gbs(3.0 * n * D, one));
+  }
   for (const int64_t n : {B, M}) {
     const Tensor ab = mat("dy", n, 2 * F), h = mat("dx", n, F), hq = mat("xq", n, F), hs = vec("xs", n);
     const double two = time_ms(e, reps, [&] {

@@ -621,16 +621,21 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
     project(rows(a.y, N), w.wo, fp8(1), x_in, x_mid);  // x_mid = x_in + y·W_oᵀ
 
     // Channel mixer: x_out = x_mid + (SiLU(a) ⊙ b) · W_3ᵀ with [a|b] = LN2(x_mid) · W_12ᵀ
-    be.layernorm_forward(x_mid, w.norm2_w, w.norm2_b, cfg_.norm_eps, rows(a.z, N), rows(a.ln2_mean, N),
-                         rows(a.ln2_rstd, N));
-    project(rows(a.z, N), w.w12, fp8(2), Tensor{}, rows(a.ab, N));
     if (fp8_on_ && !plan_.training) {
-      // Inference with FP8 weights: h's only reader is W_3's product, which takes its codes,
-      // so the backend may produce them without writing h (Backend::swiglu_forward_e4m3).
-      const Tensor hq = fp8_codes(fp8_xq_, N, cfg_.ffn_size), hs = fp8_xs_.slice(0, 0, N);
-      be.swiglu_forward_e4m3(rows(a.ab, N), rows(a.h, N), hq, hs);
-      project_codes(hq, hs, fp8(3), x_mid, x_out);  // x_out = x_mid + h·W_3ᵀ
+      // Inference with FP8 weights: LN2's output and h are read only by W_12's and W_3's
+      // products, which take their codes, so the backend may produce the codes without writing
+      // z or h (Backend::layernorm_forward_e4m3, swiglu_forward_e4m3). One codes buffer serves
+      // both products in turn.
+      const Tensor zq = fp8_codes(fp8_xq_, N, cfg_.hidden_size), xs = fp8_xs_.slice(0, 0, N);
+      be.layernorm_forward_e4m3(x_mid, w.norm2_w, w.norm2_b, cfg_.norm_eps, rows(a.z, N), zq, xs);
+      project_codes(zq, xs, fp8(2), Tensor{}, rows(a.ab, N));
+      const Tensor hq = fp8_codes(fp8_xq_, N, cfg_.ffn_size);
+      be.swiglu_forward_e4m3(rows(a.ab, N), rows(a.h, N), hq, xs);
+      project_codes(hq, xs, fp8(3), x_mid, x_out);  // x_out = x_mid + h·W_3ᵀ
     } else {
+      be.layernorm_forward(x_mid, w.norm2_w, w.norm2_b, cfg_.norm_eps, rows(a.z, N), rows(a.ln2_mean, N),
+                           rows(a.ln2_rstd, N));
+      project(rows(a.z, N), w.w12, fp8(2), Tensor{}, rows(a.ab, N));
       be.swiglu_forward(rows(a.ab, N), rows(a.h, N));
       project(rows(a.h, N), w.w3, fp8(3), x_mid, x_out);  // x_out = x_mid + h·W_3ᵀ
     }

@@ -29,6 +29,12 @@ void Backend::swiglu_forward_e4m3(const Tensor& ab, Tensor h, Tensor q, Tensor s
   quantize_rows_e4m3(h, q, s);
 }
 
+void Backend::layernorm_forward_e4m3(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tensor y,
+                                     Tensor q, Tensor s) {
+  layernorm_forward(x, w, b, eps, y, Tensor{}, Tensor{});
+  quantize_rows_e4m3(y, q, s);
+}
+
 void Backend::gemm_e4m3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor, Fp8Accum) {
   LAPLACE_CHECK(false, (std::string(name()) + " backend has no FP8 products (gemm_e4m3)").c_str());
 }

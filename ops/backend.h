@@ -193,6 +193,9 @@ class Backend {
   // product that is h's only reader in inference (W_3's). h [N, F] is the default's workspace (it
   // runs the two ops); a backend that fuses them (CUDA, BF16) leaves h unwritten and reads ab once.
   virtual void swiglu_forward_e4m3(const Tensor& ab, Tensor h, Tensor q, Tensor s);
+  // The same for layernorm_forward's y (without mean and rstd), for W_12's product in inference.
+  virtual void layernorm_forward_e4m3(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tensor y,
+                                      Tensor q, Tensor s);
 
   // out[n] = table[ids[n]]. ids [N] I32, table [V,D], out [N,D].
   virtual void embedding_forward(const Tensor& ids, const Tensor& table, Tensor out) = 0;

@@ -372,6 +372,38 @@ TEST_F(CudaOps, Fp8SwigluCodesEqualTheTwoOps) {
   }
 }
 
+// LayerNorm with W_12's input codes in one pass (Backend::layernorm_forward_e4m3): the codes and
+// scales of layernorm_forward followed by quantize_rows_e4m3 on this backend, byte for byte, at
+// laplace-3b's decode and prefill rows (D 3,072), at widths that leave lanes idle, without w and
+// b, and where the fused kernel does not apply (F32 rows, D not a multiple of 8), which takes the
+// two ops.
+TEST_F(CudaOps, Fp8LayerNormCodesEqualTheTwoOps) {
+  struct Shape {
+    int64_t N, D;
+    DType dt;
+    bool affine;
+  };
+  const Shape shapes[] = {{1280, 3072, kBF16, true}, {8192, 3072, kBF16, true}, {9, 264, kBF16, true},
+                          {5, 3072, kBF16, false},   {6, 3072, kF32, true},     {3, 100, kBF16, true}};
+  uint64_t seed = 120;
+  for (const Shape& sh : shapes) {
+    SCOPED_TRACE("N " + std::to_string(sh.N) + " D " + std::to_string(sh.D) + " " + dtype_name(sh.dt) +
+                 (sh.affine ? "" : ", no w and b"));
+    Buf x = input({sh.N, sh.D}, sh.dt, kF32, ++seed, -3, 3);
+    Buf w = input({sh.D}, sh.dt, kF32, ++seed, 0.5, 1.5), b = input({sh.D}, sh.dt, kF32, ++seed, -0.2, 0.2);
+    if (sh.N > 2) cuda_->fill(x.d().select(1), 0.25);  // a constant row: y = b
+    const Tensor wt = sh.affine ? w.d() : Tensor{}, bt = sh.affine ? b.d() : Tensor{};
+    DevTensor y(*cuda_, sh.dt, {sh.N, sh.D}), y2(*cuda_, sh.dt, {sh.N, sh.D});
+    DevTensor q(*cuda_, DType::kF8E4M3, {sh.N, sh.D}), s(*cuda_, kF32, {sh.N});
+    DevTensor q2(*cuda_, DType::kF8E4M3, {sh.N, sh.D}), s2(*cuda_, kF32, {sh.N});
+    cuda_->layernorm_forward(x.d(), wt, bt, 1e-5, y2.t, Tensor{}, Tensor{});
+    cuda_->quantize_rows_e4m3(y2.t, q2.t, s2.t);
+    cuda_->layernorm_forward_e4m3(x.d(), wt, bt, 1e-5, y.t, q.t, s.t);
+    EXPECT_TRUE(same_bytes(q.t, q2.t)) << "codes";
+    EXPECT_TRUE(same_bytes(s.t, s2.t)) << "scales";
+  }
+}
+
 // Per column, transposed, at the training step's operands of laplace-3b (W_qkvg for dX = dY·W, a
 // micro-batch's dY of W_o and its input X for dW = dYᵀ·X, X a column block of a wider matrix) and
 // at ragged shapes that take the kernels' edge paths: the CPU backend's codes and scales bit for

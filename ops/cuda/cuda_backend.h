@@ -125,6 +125,8 @@ class CudaBackend final : public Backend {
   void gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, const Tensor& c,
                  Tensor y, Fp8Accum accum) override;
   void swiglu_forward_e4m3(const Tensor& ab, Tensor h, Tensor q, Tensor s) override;
+  void layernorm_forward_e4m3(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tensor y, Tensor q,
+                              Tensor s) override;
 
   void embedding_forward(const Tensor& ids, const Tensor& table, Tensor out) override;
   void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor dtable) override;

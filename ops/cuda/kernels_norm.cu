@@ -7,6 +7,7 @@
 // shapes; the generic kernels serve the rest (see each launcher for the conditions).
 #include <cub/device/device_radix_sort.cuh>
 
+#include "ops/cuda/fp8_quant.cuh"
 #include "ops/cuda/row_common.cuh"
 
 namespace laplace {
@@ -208,10 +209,15 @@ enum : int { kLnVecX = 1, kLnVecY = 2, kLnVecW = 4, kLnVecB = 8 };  // which ten
 // chunks in order, then the butterfly); the backward's recomputation of the statistics runs
 // this same kernel (launch_layernorm_fwd), so it gets the forward's bits. XDT is x's dtype,
 // PDT that of y, w and b (dt_as): fixed, they let a lane's NV loads of x all be in flight.
-// x, y [N,D]; w, b [D]; mean, rstd [N]
-template <int NV, int XDT, int PDT>
+// kCodes (layernorm_forward_e4m3; PDT BF16): y is not written; each value, rounded to BF16 as it
+// would be stored, stays in the lane's registers, and the row's E4M3 codes and scale go to codes
+// and scales as quantize_rows_e4m3 of that y computes them (ops/cuda/fp8_quant.cuh's functions).
+// x, y [N,D]; w, b [D]; mean, rstd [N]; codes [N,D], scales [N]
+template <int NV, int XDT, int PDT, bool kCodes = false>
 __global__ void __launch_bounds__(32 * kLnWarps)
-    layernorm_fwd_vec_kernel(RView x, Vec w, Vec b, float eps, RView y, float* mean, float* rstd, int vec) {
+    layernorm_fwd_vec_kernel(RView x, Vec w, Vec b, float eps, RView y, float* mean, float* rstd, int vec,
+                             __nv_fp8_storage_t* codes = nullptr, float* scales = nullptr) {
+  static_assert(!kCodes || PDT == kBF16, "codes are of a BF16 y");
   const int64_t row = blockIdx.x * (int64_t)kLnWarps + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (row >= x.rows) return;  // whole warps: the shuffles below see all 32 lanes
@@ -245,8 +251,9 @@ __global__ void __launch_bounds__(32 * kLnWarps)
     }
   }
   const float r = 1.0f / sqrtf(warp_sum(s2) / static_cast<float>(x.cols) + eps);
-  if (y.p) {
-    const int64_t oy = y.row(row);
+  if (y.p || kCodes) {
+    const int64_t oy = kCodes ? 0 : y.row(row);
+    float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int q = lane + 32 * i;
@@ -264,7 +271,25 @@ __global__ void __launch_bounds__(32 * kLnWarps)
 #pragma unroll
         for (int k = 0; k < 8; ++k) o[k] += wb[k];
       }
-      st8(y.p, oy + 8 * q, dt_as<PDT>(y.dt), vec_as<PDT>(vec & kLnVecY), o);
+      if constexpr (kCodes) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          v[i][k] = __bfloat162float(__float2bfloat16_rn(o[k]));
+          amax = fmaxf(amax, fabsf(v[i][k]));
+        }
+      } else {
+        st8(y.p, oy + 8 * q, dt_as<PDT>(y.dt), vec_as<PDT>(vec & kLnVecY), o);
+      }
+    }
+    if constexpr (kCodes) {
+      const float scale = fp8_quant::scale_of(fp8_quant::warp_max(amax)), inv = 1.f / scale;
+      __nv_fp8_storage_t* qr = codes + row * x.cols;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int q = lane + 32 * i;
+        if (q < nq) fp8_quant::store_row_codes<8>(v[i], inv, qr + 8 * q);
+      }
+      if (lane == 0) scales[row] = scale;
     }
   }
   if (lane == 0) {
@@ -637,6 +662,36 @@ void launch_layernorm_fwd(const RView& x, const Vec& w, const Vec& b, float eps,
   CUDA_CHECK_LAUNCH();
 }
 
+// layernorm_forward_e4m3's fused forward (kCodes) for the rows it takes: BF16 rows of x whose
+// chunks the warp-per-row kernel holds, w and b BF16 (or none). False for any other: the caller
+// then runs the two ops.
+template <int NV>
+void layernorm_codes_launch(const RView& x, const Vec& w, const Vec& b, float eps, int vec,
+                            __nv_fp8_storage_t* codes, float* scales, cudaStream_t st) {
+  const unsigned grid = static_cast<unsigned>((x.rows + kLnWarps - 1) / kLnWarps);
+  layernorm_fwd_vec_kernel<NV, kBF16, kBF16, true>
+      <<<grid, 32 * kLnWarps, 0, st>>>(x, w, b, eps, RView{}, nullptr, nullptr, vec, codes, scales);
+}
+
+bool launch_layernorm_fwd_codes(const RView& x, const Vec& w, const Vec& b, float eps, __nv_fp8_storage_t* codes,
+                                float* scales, cudaStream_t st) {
+  const int64_t N = x.rows, D = x.cols;
+  const int64_t nv = (D + 255) / 256;
+  if (!(D > 0 && D % 8 == 0 && nv <= kLnMaxVec && bf16_rows(x) && bf16_vec(w) && bf16_vec(b))) return false;
+  if (N == 0) return true;
+  const int vec = kLnVecX | (w.p && aligned16(w.p) ? kLnVecW : 0) | (b.p && aligned16(b.p) ? kLnVecB : 0);
+  if (nv <= 1) layernorm_codes_launch<1>(x, w, b, eps, vec, codes, scales, st);
+  else if (nv <= 2) layernorm_codes_launch<2>(x, w, b, eps, vec, codes, scales, st);
+  else if (nv <= 3) layernorm_codes_launch<3>(x, w, b, eps, vec, codes, scales, st);
+  else if (nv <= 4) layernorm_codes_launch<4>(x, w, b, eps, vec, codes, scales, st);
+  else if (nv <= 6) layernorm_codes_launch<6>(x, w, b, eps, vec, codes, scales, st);
+  else if (nv <= 8) layernorm_codes_launch<8>(x, w, b, eps, vec, codes, scales, st);
+  else if (nv <= 12) layernorm_codes_launch<12>(x, w, b, eps, vec, codes, scales, st);
+  else layernorm_codes_launch<16>(x, w, b, eps, vec, codes, scales, st);
+  CUDA_CHECK_LAUNCH();
+  return true;
+}
+
 template <int NV>
 void layernorm_bwd_dx_vec_launch(const RView& dy, const RView& x, const Vec& w, const float* mean, const float* rstd,
                                  const RView& dx, int accumulate, cudaStream_t st) {
@@ -688,6 +743,28 @@ void CudaBackend::layernorm_forward(const Tensor& x, const Tensor& w, const Tens
   float* pr = f32_vec(rstd, N, "layernorm: rstd");
   if (N == 0) return;
   launch_layernorm_fwd(vx, vw, vb, static_cast<float>(eps), vy, pm, pr, stream_);
+}
+
+void CudaBackend::layernorm_forward_e4m3(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tensor y,
+                                         Tensor q, Tensor s) {
+  RView vx = make_rview(x, "layernorm_forward_e4m3: x");
+  const int64_t N = vx.rows, D = vx.cols;
+  if (!y.defined() || y.ndim != 2 || y.shape[0] != N || y.shape[1] != D || q.dtype != DType::kF8E4M3 ||
+      q.ndim != 2 || q.shape[0] != N || q.shape[1] != D || !q.is_contiguous() || s.dtype != DType::kF32 ||
+      s.ndim != 1 || s.shape[0] != N || !s.is_contiguous())
+    check_failed(__FILE__, __LINE__, "layernorm_forward_e4m3",
+                 ("expected x [N, D], y and q (F8_E4M3, contiguous) [N, D], s (F32) [N]: x " + x.shape_str() +
+                  ", y " + y.shape_str() + ", q " + q.shape_str() + ", s " + s.shape_str())
+                     .c_str());
+  Vec vw = make_vec(w, D, "layernorm_forward_e4m3: w"), vb = make_vec(b, D, "layernorm_forward_e4m3: b");
+  if (x.ndim == 2 && y.dtype == DType::kBF16 && reinterpret_cast<uintptr_t>(q.data) % 8 == 0 && N <= 0x7fffffff) {
+    check_device(q, "layernorm_forward_e4m3: q");
+    check_device(s, "layernorm_forward_e4m3: s");
+    if (launch_layernorm_fwd_codes(vx, vw, vb, static_cast<float>(eps), static_cast<__nv_fp8_storage_t*>(q.data),
+                                   static_cast<float*>(s.data), stream_))
+      return;
+  }
+  Backend::layernorm_forward_e4m3(x, w, b, eps, y, q, s);
 }
 
 void CudaBackend::layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& mean,
