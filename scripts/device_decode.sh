@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: build, run the engine's GPU tests, then the serving benchmarks of laplace-3b
 # (random bf16 weights); logs and JSON lines under $OUT. Stages run in the order given:
-#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson burst pgraphs rates ops train train125 lab declab overlap deferred cores ncu trace ptrace algo fp8serve fp8train fp8 fp8q wgmma parity" COMMIT=abc123 scripts/device_decode.sh
+#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson burst pgraphs rates ops train train125 lab declab overlap deferred cores ncu trace ptrace algo fp8serve fp8train fp8 fp8q dstream wgmma parity" COMMIT=abc123 scripts/device_decode.sh
 # COMMIT is written into every result line (the device's git HEAD may be stale).
 # The device tool returns at most 8 files from $OUT, so every stage appends to one log,
 # $OUT/run.log (the GPU tests and the build keep their own; results go to results.jsonl).
@@ -217,6 +217,11 @@ if tps:
                       "command": "scripts/device_decode.sh (stage fp8train)"}), file=open(results, "a"))
 PY
       done ;;
+    dstream)  # experiments/decode/stream.cu: the pending step's BF16 state read, block per (slot, head) against
+      # persistent double-buffered blocks (DSTREAM_ARGS, e.g. "--per-sm 3")
+      nvcc -O3 -std=c++17 -I. -gencode=arch=compute_90a,code=sm_90a -Xptxas -v \
+        -o build-gpu/experiment_decode_stream experiments/decode/stream.cu 2>&1 | grep -E "error|registers|spill" >> "$LOG"
+      timeout 120 ./build-gpu/experiment_decode_stream ${DSTREAM_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     fp8q)  # experiments/fp8/quant.cu: dY's rows-and-columns quantisation, production against variants (FP8Q_ARGS)
       nvcc -O3 -std=c++17 -I. --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Xptxas -v \
         -o build-gpu/experiment_fp8_quant experiments/fp8/quant.cu 2>&1 | grep -E "error|registers|spill" >> "$LOG"
