@@ -460,6 +460,8 @@ TEST(DistCli, ShardedTrainerRefusesFp8AndUnknownPrecisions) {
   std::string out;
   EXPECT_EQ(f.run(0, "fp8", "--batch 2 --precision fp8", &out, 2), 1) << out;
   EXPECT_NE(out.find("--precision fp8 trains on one device"), std::string::npos) << out;
+  EXPECT_EQ(f.run(0, "fp8fast", "--batch 2 --precision fp8-fast", &out, 2), 1) << out;  // FP8 too
+  EXPECT_NE(out.find("--precision fp8 trains on one device"), std::string::npos) << out;
   EXPECT_EQ(f.run(0, "fp16", "--batch 2 --precision fp16", &out, 2), 1) << out;
   EXPECT_NE(out.find("--precision must be 'model', 'fp8' or 'fp8-fast'"), std::string::npos) << out;
 }

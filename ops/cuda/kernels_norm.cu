@@ -7,6 +7,8 @@
 // shapes; the generic kernels serve the rest (see each launcher for the conditions).
 #include <cub/device/device_radix_sort.cuh>
 
+#include <type_traits>
+
 #include "ops/cuda/fp8_quant.cuh"
 #include "ops/cuda/row_common.cuh"
 
@@ -484,18 +486,28 @@ void layernorm_vec_launch(const RView& x, const Vec& w, const Vec& b, float eps,
     layernorm_fwd_vec_kernel<NV, XDT, kDtAny><<<grid, 32 * kLnWarps, 0, st>>>(x, w, b, eps, y, mean, rstd, vec);
 }
 
-// The warp-per-row forward for nv chunks of 256 columns a lane; the lanes' extra chunks are masked.
+// f(std::integral_constant<int, NV>{}) with the warp-per-row kernels' instance NV for nv chunks of
+// 256 columns a lane (nv ≤ kLnMaxVec; the lanes' extra chunks are masked). The forward, its FP8
+// codes and dx all take their instances from here.
+template <class F>
+void with_ln_chunks(int64_t nv, F&& f) {
+  if (nv <= 1) f(std::integral_constant<int, 1>{});
+  else if (nv <= 2) f(std::integral_constant<int, 2>{});
+  else if (nv <= 3) f(std::integral_constant<int, 3>{});
+  else if (nv <= 4) f(std::integral_constant<int, 4>{});
+  else if (nv <= 6) f(std::integral_constant<int, 6>{});
+  else if (nv <= 8) f(std::integral_constant<int, 8>{});
+  else if (nv <= 12) f(std::integral_constant<int, 12>{});
+  else f(std::integral_constant<int, 16>{});
+}
+
+// The warp-per-row forward for nv chunks of 256 columns a lane.
 template <int XDT>
 void layernorm_vec_dispatch(int64_t nv, const RView& x, const Vec& w, const Vec& b, float eps, const RView& y,
                             float* mean, float* rstd, int vec, cudaStream_t st) {
-  if (nv <= 1) layernorm_vec_launch<1, XDT>(x, w, b, eps, y, mean, rstd, vec, st);
-  else if (nv <= 2) layernorm_vec_launch<2, XDT>(x, w, b, eps, y, mean, rstd, vec, st);
-  else if (nv <= 3) layernorm_vec_launch<3, XDT>(x, w, b, eps, y, mean, rstd, vec, st);
-  else if (nv <= 4) layernorm_vec_launch<4, XDT>(x, w, b, eps, y, mean, rstd, vec, st);
-  else if (nv <= 6) layernorm_vec_launch<6, XDT>(x, w, b, eps, y, mean, rstd, vec, st);
-  else if (nv <= 8) layernorm_vec_launch<8, XDT>(x, w, b, eps, y, mean, rstd, vec, st);
-  else if (nv <= 12) layernorm_vec_launch<12, XDT>(x, w, b, eps, y, mean, rstd, vec, st);
-  else layernorm_vec_launch<16, XDT>(x, w, b, eps, y, mean, rstd, vec, st);
+  with_ln_chunks(nv, [&](auto c) {
+    layernorm_vec_launch<decltype(c)::value, XDT>(x, w, b, eps, y, mean, rstd, vec, st);
+  });
 }
 
 // ---- LayerNorm, one block per row (wide rows) ----
@@ -680,14 +692,7 @@ bool launch_layernorm_fwd_codes(const RView& x, const Vec& w, const Vec& b, floa
   if (!(D > 0 && D % 8 == 0 && nv <= kLnMaxVec && bf16_rows(x) && bf16_vec(w) && bf16_vec(b))) return false;
   if (N == 0) return true;
   const int vec = kLnVecX | (w.p && aligned16(w.p) ? kLnVecW : 0) | (b.p && aligned16(b.p) ? kLnVecB : 0);
-  if (nv <= 1) layernorm_codes_launch<1>(x, w, b, eps, vec, codes, scales, st);
-  else if (nv <= 2) layernorm_codes_launch<2>(x, w, b, eps, vec, codes, scales, st);
-  else if (nv <= 3) layernorm_codes_launch<3>(x, w, b, eps, vec, codes, scales, st);
-  else if (nv <= 4) layernorm_codes_launch<4>(x, w, b, eps, vec, codes, scales, st);
-  else if (nv <= 6) layernorm_codes_launch<6>(x, w, b, eps, vec, codes, scales, st);
-  else if (nv <= 8) layernorm_codes_launch<8>(x, w, b, eps, vec, codes, scales, st);
-  else if (nv <= 12) layernorm_codes_launch<12>(x, w, b, eps, vec, codes, scales, st);
-  else layernorm_codes_launch<16>(x, w, b, eps, vec, codes, scales, st);
+  with_ln_chunks(nv, [&](auto c) { layernorm_codes_launch<decltype(c)::value>(x, w, b, eps, vec, codes, scales, st); });
   CUDA_CHECK_LAUNCH();
   return true;
 }
@@ -715,15 +720,10 @@ void launch_layernorm_bwd_dx(const RView& dy, const RView& x, const Vec& w, cons
     else
       layernorm_bwd_dx_row_kernel<kDtAny><<<grid, block, 0, st>>>(dy, x, w, mean, rstd, dx, accumulate);
   } else if (D > 0 && D % 8 == 0 && nv <= kLnMaxVec && vec) {
-    // The forward's instances; the lanes' extra chunks are masked.
-    if (nv <= 1) layernorm_bwd_dx_vec_launch<1>(dy, x, w, mean, rstd, dx, accumulate, st);
-    else if (nv <= 2) layernorm_bwd_dx_vec_launch<2>(dy, x, w, mean, rstd, dx, accumulate, st);
-    else if (nv <= 3) layernorm_bwd_dx_vec_launch<3>(dy, x, w, mean, rstd, dx, accumulate, st);
-    else if (nv <= 4) layernorm_bwd_dx_vec_launch<4>(dy, x, w, mean, rstd, dx, accumulate, st);
-    else if (nv <= 6) layernorm_bwd_dx_vec_launch<6>(dy, x, w, mean, rstd, dx, accumulate, st);
-    else if (nv <= 8) layernorm_bwd_dx_vec_launch<8>(dy, x, w, mean, rstd, dx, accumulate, st);
-    else if (nv <= 12) layernorm_bwd_dx_vec_launch<12>(dy, x, w, mean, rstd, dx, accumulate, st);
-    else layernorm_bwd_dx_vec_launch<16>(dy, x, w, mean, rstd, dx, accumulate, st);
+    // The forward's instances.
+    with_ln_chunks(nv, [&](auto c) {
+      layernorm_bwd_dx_vec_launch<decltype(c)::value>(dy, x, w, mean, rstd, dx, accumulate, st);
+    });
   } else {
     layernorm_bwd_dx_kernel<<<static_cast<unsigned>((N + kWarpsPerBlock - 1) / kWarpsPerBlock),
                               32 * kWarpsPerBlock, 0, st>>>(dy, x, w, mean, rstd, dx, accumulate);
