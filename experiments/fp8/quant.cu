@@ -1,21 +1,18 @@
 // experiments/fp8/quant: a training step's dY quantised per row and per column in one call
 // (Backend::quantize_rows_cols_e4m3) — the production passes (ops/cuda/fp8_quant.cuh, v1) against
-// the two apart (v2) and variants of the codes pass, at laplace-3b's dY shapes, BF16.
-// Standalone: nvcc only.
+// the two apart (v2), at laplace-3b's dY shapes, BF16. Standalone: nvcc only.
 //
 //   nvcc -O3 -std=c++17 -I. --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
 //     -o experiment_fp8_quant experiments/fp8/quant.cu
 //   ./experiment_fp8_quant [--shapes 16384x9216,16384x3072,16384x16384] [--calls 10] [--rounds 15]
 //
 // Variants:
-//   v1  production: column maxima with the row maxima, then column codes with the row codes, the
-//       tile's row reciprocals staged in shared memory, four blocks per SM
+//   v1  production: column maxima with the row maxima, then column codes with the row codes
 //   v2  the two apart: the row quantiser, then the column passes alone
-//   v3  v1's codes kernel as it was before the staging: each thread divides once per row it
-//       writes part of, registers unbounded (three blocks per SM)
-//   v4  v1 with __launch_bounds__(256, 5): five blocks per SM
-// Every variant's codes and scales must equal v1's byte for byte (v1's equal the CPU backend's:
-// CudaOps.Fp8QuantizeColsAtTrainingShapes); a mismatch ends the run with exit status 1.
+// Variants of the codes kernel that lost to production (per-thread row divisions; a five-block
+// bound) are in BENCHMARKS.md and git, not here. v2's codes and scales must equal v1's byte for
+// byte (v1's equal the CPU backend's: CudaOps.Fp8QuantizeColsAtTrainingShapes); a mismatch ends
+// the run with exit status 1.
 // Speed: each variant's `calls` calls captured in one CUDA graph, the graphs replayed in rotating
 // order `rounds` times (experiments/host.h); ms per call (median) and the bytes a call really moves
 // (maxima pass: one read; codes pass: one read and both codes written) per second.
@@ -35,79 +32,6 @@ namespace fq = laplace::cuda::fp8_quant;
 using bf16 = __nv_bfloat16;
 constexpr int V = 8;  // a thread's columns: one 16-byte load of BF16
 
-// v3/v4: column_codes_kernel<bf16, 8, true> with its row reciprocals staged (kStaged, as
-// production) or divided per row in each thread, at kMinBlocks blocks per SM.
-template <int kMinBlocks, bool kStaged>
-__global__ void __launch_bounds__(256, kMinBlocks)
-    codes_variant(const bf16* x, int64_t ld, int64_t rows, int64_t cols, const unsigned* amax,
-                  __nv_fp8_storage_t* qt, bool words, const unsigned* row_amax, __nv_fp8_storage_t* q) {
-  constexpr int kRowsT = fq::kColRows, kWords = fq::kColWords;
-  __shared__ uint32_t tile[32 * V * kWords];
-  __shared__ float rinv[kRowsT];
-  const int tx = threadIdx.x, ty = threadIdx.y, t = ty * 32 + tx;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * 32 * V, c = c0 + tx * V;
-  float inv[V];
-#pragma unroll
-  for (int j = 0; j < V; ++j) inv[j] = 1.f / fq::scale_of(c + j < cols ? __uint_as_float(amax[c + j]) : 0.f);
-  for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRowsT; r0 < rows;
-       r0 += static_cast<int64_t>(gridDim.y) * kRowsT) {
-    if (kStaged) {
-      if (t < kRowsT) rinv[t] = r0 + t < rows ? 1.f / fq::scale_of(__uint_as_float(row_amax[r0 + t])) : 0.f;
-      __syncthreads();
-    }
-    for (int w = ty; w < kWords; w += 8) {
-      uint32_t packed[V] = {};
-#pragma unroll
-      for (int k = 0; k < 4; k += 2) {
-        const int64_t r = r0 + 4 * w + k;
-        const bool in0 = r < rows && c < cols, in1 = r + 1 < rows && c < cols;
-        float f0[V] = {}, f1[V] = {};
-        if (in0) fq::load_vec<bf16, V>(x + r * ld + c, f0);
-        if (in1) fq::load_vec<bf16, V>(x + (r + 1) * ld + c, f1);
-#pragma unroll
-        for (int j = 0; j < V; ++j) packed[j] |= fq::e4m3x2(f0[j], inv[j], f1[j], inv[j]) << (8 * k);
-        const auto row_inv = [&](int64_t rr) {
-          return kStaged ? rinv[rr - r0] : 1.f / fq::scale_of(__uint_as_float(row_amax[rr]));
-        };
-        if (in0) fq::store_row_codes<V>(f0, row_inv(r), q + r * cols + c);
-        if (in1) fq::store_row_codes<V>(f1, row_inv(r + 1), q + (r + 1) * cols + c);
-      }
-#pragma unroll
-      for (int j = 0; j < V; ++j) tile[(tx * V + j) * kWords + ((w + tx) & (kWords - 1))] = packed[j];
-    }
-    __syncthreads();
-    const int64_t r = r0 + 4 * tx;
-    for (int i = ty; i < 32 * V && c0 + i < cols; i += 8) {
-      const uint32_t word = tile[i * kWords + ((tx + i / V) & (kWords - 1))];
-      __nv_fp8_storage_t* dst = qt + (c0 + i) * rows + r;
-      if (words && r + 3 < rows) {
-        *reinterpret_cast<uint32_t*>(dst) = word;
-      } else {
-        for (int k = 0; k < 4 && r + k < rows; ++k) dst[k] = static_cast<__nv_fp8_storage_t>(word >> (8 * k));
-      }
-    }
-    __syncthreads();
-  }
-}
-
-// The production launch sequence (fq::launch_cols<bf16, 8, true>) with another codes kernel.
-template <int kMinBlocks, bool kStaged>
-void launch_variant(const bf16* x, int64_t R, int64_t C, __nv_fp8_storage_t* qt, float* st, __nv_fp8_storage_t* q,
-                   float* s, cudaStream_t stream) {
-  const dim3 block(32, 8);
-  const dim3 grid(static_cast<unsigned>((C + 32 * V - 1) / (32 * V)),
-                  static_cast<unsigned>(std::clamp<int64_t>((R + fq::kColRows - 1) / fq::kColRows, 1, 65535)));
-  unsigned* amax = reinterpret_cast<unsigned*>(st);
-  unsigned* row_amax = reinterpret_cast<unsigned*>(s);
-  const bool words = R % 4 == 0 && reinterpret_cast<uintptr_t>(qt) % 4 == 0;
-  CK(cudaMemsetAsync(st, 0, static_cast<size_t>(C) * sizeof(float), stream));
-  CK(cudaMemsetAsync(s, 0, static_cast<size_t>(R) * sizeof(float), stream));
-  fq::column_amax_kernel<bf16, V, true><<<grid, block, 0, stream>>>(x, C, R, C, amax, row_amax);
-  codes_variant<kMinBlocks, kStaged><<<grid, block, 0, stream>>>(x, C, R, C, amax, qt, words, row_amax, q);
-  fq::column_scales_kernel<<<static_cast<unsigned>((C + 255) / 256), 256, 0, stream>>>(st, C);
-  fq::column_scales_kernel<<<static_cast<unsigned>((R + 255) / 256), 256, 0, stream>>>(s, R);
-}
-
 struct Out {
   __nv_fp8_storage_t *q, *qt;
   float *s, *st;
@@ -121,12 +45,6 @@ void v1(const bf16* x, int64_t R, int64_t C, const Out& o, cudaStream_t st) {
 void v2(const bf16* x, int64_t R, int64_t C, const Out& o, cudaStream_t st) {
   fq::launch_rows<bf16, V>(x, C, R, C, o.q, o.s, st);
   fq::launch_cols<bf16, V, false>(x, C, R, C, o.qt, o.st, nullptr, nullptr, st);
-}
-void v3(const bf16* x, int64_t R, int64_t C, const Out& o, cudaStream_t st) {
-  launch_variant<1, false>(x, R, C, o.qt, o.st, o.q, o.s, st);
-}
-void v4(const bf16* x, int64_t R, int64_t C, const Out& o, cudaStream_t st) {
-  launch_variant<5, true>(x, R, C, o.qt, o.st, o.q, o.s, st);
 }
 
 template <typename T>
@@ -151,10 +69,9 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const Variant variants[] = {v1, v2, v3, v4};
-  const char* names[] = {"v1 production", "v2 rows, then columns", "v3 row divisions per thread",
-                         "v4 v1, 5 blocks/SM"};
-  constexpr int kN = 4;
+  const Variant variants[] = {v1, v2};
+  const char* names[] = {"v1 production", "v2 rows, then columns"};
+  constexpr int kN = 2;
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
   int bad = 0;
