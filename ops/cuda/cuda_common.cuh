@@ -32,6 +32,21 @@ inline void check_device(const Tensor& t, const char* what) {
     check_failed(__FILE__, __LINE__, what, (std::string("tensor must live on the GPU: ") + t.shape_str()).c_str());
 }
 
+// FP8 codes: a contiguous 2-D F8_E4M3 tensor on the device; their scales: contiguous F32 [n].
+inline void check_e4m3_matrix(const Tensor& t, const char* what) {
+  check_device(t, what);
+  if (t.dtype != DType::kF8E4M3 || t.ndim != 2 || !t.is_contiguous())
+    check_failed(__FILE__, __LINE__, what,
+                 (std::string("expected a contiguous 2-D F8_E4M3 tensor, got ") + t.shape_str()).c_str());
+}
+
+inline void check_scales(const Tensor& t, int64_t n, const char* what) {
+  check_device(t, what);
+  if (t.dtype != DType::kF32 || t.ndim != 1 || t.shape[0] != n || !t.is_contiguous())
+    check_failed(__FILE__, __LINE__, what,
+                 (std::string("expected contiguous F32 [") + std::to_string(n) + "], got " + t.shape_str()).c_str());
+}
+
 inline void check_f32(const Tensor& t, const char* what) {
   if (t.defined() && t.dtype != DType::kF32)
     check_failed(__FILE__, __LINE__, what, (std::string("expected an F32 tensor, got ") + t.shape_str()).c_str());
@@ -59,6 +74,9 @@ __device__ __forceinline__ void stf(void* p, int64_t i, int dt, float x) {
 }
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+// SwiGLU's h = SiLU(a)·b, one expression for every kernel that computes it (the forward's and
+// the FP8 codes' must give the same bits).
+__device__ __forceinline__ float swiglu_value(float a, float b) { return a * sigmoidf_(a) * b; }
 
 // Element-wise view: logical row-major index -> element offset. Dims that are contiguous
 // with each other are merged on the host, so a contiguous tensor has nd == 1.

@@ -428,7 +428,7 @@ __global__ void swiglu_fwd_kernel(RView ab, RView h, int64_t F) {
     const int64_t r = i / F, f = i - r * F;
     const int64_t oab = ab.row(r);
     const float a = ldf(ab.p, oab + f, ab.dt), b = ldf(ab.p, oab + F + f, ab.dt);
-    stf(h.p, h.row(r) + f, h.dt, a * sigmoidf_(a) * b);
+    stf(h.p, h.row(r) + f, h.dt, swiglu_value(a, b));
   }
 }
 
@@ -449,7 +449,7 @@ __global__ void __launch_bounds__(kSwiThreads) swiglu_fwd_vec_kernel(RView ab, R
   ld8(ab.p, oab, dt_as<DT>(ab.dt), a);
   ld8(ab.p, oab + 8LL * F8, dt_as<DT>(ab.dt), b);
 #pragma unroll
-  for (int k = 0; k < 8; ++k) y[k] = a[k] * sigmoidf_(a[k]) * b[k];
+  for (int k = 0; k < 8; ++k) y[k] = swiglu_value(a[k], b[k]);
   st8(h.p, oh, dt_as<DT>(h.dt), y);
 }
 

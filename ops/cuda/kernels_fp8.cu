@@ -55,7 +55,7 @@ void launch_cols(const Tensor& x, int64_t ld, Tensor qt, Tensor st, Tensor q, Te
 
 // SwiGLU with W_3's input codes (swiglu_forward_e4m3): one block per row of ab [N, 2F] (BF16,
 // F = 8·F8), thread t holding the 8-column chunks t + kSwiQThreads·i (i < NV) of h = SiLU(a)·b in
-// registers, each value computed by swiglu_forward's expression and rounded to BF16 as it stores
+// registers, each value computed by swiglu_forward's swiglu_value and rounded to BF16 as it stores
 // h; then the row's max |h| and its codes, as quantize_rows_e4m3 of that h computes them (the
 // maximum is order-free, the scale, reciprocal and paired conversions are the same functions).
 // h is not written: ab is read once and the codes written once.
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kSwiQThreads)
     fp8_quant::load_vec<__nv_bfloat16, 8>(row + 8 * static_cast<int64_t>(F8 + c), b);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      h[i][k] = __bfloat162float(__float2bfloat16_rn(a[k] * sigmoidf_(a[k]) * b[k]));
+      h[i][k] = __bfloat162float(__float2bfloat16_rn(swiglu_value(a[k], b[k])));
       amax = fmaxf(amax, fabsf(h[i][k]));
     }
   }
@@ -118,20 +118,6 @@ void launch_cols_of(int dt, const Tensor& x, int64_t ld, Tensor qt, Tensor st, T
 }
 
 }  // namespace
-
-inline void check_e4m3_matrix(const Tensor& t, const char* what) {
-  check_device(t, what);
-  if (t.dtype != DType::kF8E4M3 || t.ndim != 2 || !t.is_contiguous())
-    check_failed(__FILE__, __LINE__, what,
-                 (std::string("expected a contiguous 2-D F8_E4M3 tensor, got ") + t.shape_str()).c_str());
-}
-
-inline void check_scales(const Tensor& t, int64_t n, const char* what) {
-  check_device(t, what);
-  if (t.dtype != DType::kF32 || t.ndim != 1 || t.shape[0] != n || !t.is_contiguous())
-    check_failed(__FILE__, __LINE__, what,
-                 (std::string("expected contiguous F32 [") + std::to_string(n) + "], got " + t.shape_str()).c_str());
-}
 
 // The quantisers' operand x [R, C]: on the device, F32 or BF16, rows contiguous. Its float code.
 inline int check_quant_input(const Tensor& x, const std::string& op) {

@@ -749,17 +749,15 @@ void CudaBackend::layernorm_forward_e4m3(const Tensor& x, const Tensor& w, const
                                          Tensor q, Tensor s) {
   RView vx = make_rview(x, "layernorm_forward_e4m3: x");
   const int64_t N = vx.rows, D = vx.cols;
-  if (!y.defined() || y.ndim != 2 || y.shape[0] != N || y.shape[1] != D || q.dtype != DType::kF8E4M3 ||
-      q.ndim != 2 || q.shape[0] != N || q.shape[1] != D || !q.is_contiguous() || s.dtype != DType::kF32 ||
-      s.ndim != 1 || s.shape[0] != N || !s.is_contiguous())
+  check_e4m3_matrix(q, "layernorm_forward_e4m3: q");
+  check_scales(s, N, "layernorm_forward_e4m3: s");
+  if (!y.defined() || y.ndim != 2 || y.shape[0] != N || y.shape[1] != D || q.shape[0] != N || q.shape[1] != D)
     check_failed(__FILE__, __LINE__, "layernorm_forward_e4m3",
-                 ("expected x [N, D], y and q (F8_E4M3, contiguous) [N, D], s (F32) [N]: x " + x.shape_str() +
-                  ", y " + y.shape_str() + ", q " + q.shape_str() + ", s " + s.shape_str())
+                 ("expected x [N, D], y and q [N, D]: x " + x.shape_str() + ", y " + y.shape_str() + ", q " +
+                  q.shape_str())
                      .c_str());
   Vec vw = make_vec(w, D, "layernorm_forward_e4m3: w"), vb = make_vec(b, D, "layernorm_forward_e4m3: b");
   if (x.ndim == 2 && y.dtype == DType::kBF16 && reinterpret_cast<uintptr_t>(q.data) % 8 == 0 && N <= 0x7fffffff) {
-    check_device(q, "layernorm_forward_e4m3: q");
-    check_device(s, "layernorm_forward_e4m3: s");
     if (launch_layernorm_fwd_codes(vx, vw, vb, static_cast<float>(eps), static_cast<__nv_fp8_storage_t*>(q.data),
                                    static_cast<float*>(s.data), stream_))
       return;
