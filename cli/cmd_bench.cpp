@@ -85,8 +85,7 @@ Status make_model(const ModelArgs& a, uint64_t seed, int64_t layers, LoadedModel
   *random_weights = r.ckpt.empty() || layers > 0;
   if (!*random_weights) return load_weights(r.ckpt, r.weights, &out->model);
   out->model.init_weights(seed);
-  out->model.set_fp8_fast_forward(r.weights == "fp8-fast");
-  return r.weights == "fp8" || r.weights == "fp8-fast" ? out->model.use_fp8_weights() : Status::ok();
+  return apply_weights_option(r.weights, &out->model);
 }
 
 // The figures' note: the shape, the dtype (with FP8 body matrices, "bf16 + fp8 weights") and

@@ -123,9 +123,16 @@ Status load_model(const ModelArgs& args, LoadedModel* out) {
 Status load_weights(const std::string& ckpt, const std::string& weights, Model* m) {
   bool fp8_file = false;
   LAPLACE_RETURN_IF_ERROR(is_fp8_model_file(ckpt, &fp8_file));
-  m->set_fp8_fast_forward(weights == "fp8-fast");
-  if (fp8_file && weights != "dtype") return m->load_fp8(ckpt);
+  if (fp8_file && weights != "dtype") {
+    m->set_fp8_fast_forward(weights == "fp8-fast");
+    return m->load_fp8(ckpt);
+  }
   LAPLACE_RETURN_IF_ERROR(m->load(ckpt));
+  return apply_weights_option(weights, m);
+}
+
+Status apply_weights_option(const std::string& weights, Model* m) {
+  m->set_fp8_fast_forward(weights == "fp8-fast");
   return weights == "fp8" || weights == "fp8-fast" ? m->use_fp8_weights() : Status::ok();
 }
 

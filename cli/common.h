@@ -41,6 +41,9 @@ Status parse_dtype(const std::string& s, DType* out);
 Status load_model(const ModelArgs& a, LoadedModel* out);
 // Loads `ckpt` into a created model as ModelArgs::weights ("auto", "fp8", "fp8-fast", "dtype") says.
 Status load_weights(const std::string& ckpt, const std::string& weights, Model* m);
+// ModelArgs::weights for the weights a model already holds: fp8 and fp8-fast quantise its body
+// matrices (Model::use_fp8_weights), fp8-fast with fast accumulation; auto and dtype keep them.
+Status apply_weights_option(const std::string& weights, Model* m);
 
 // "1,2,3" → {1,2,3}; "1,2;3,4" → {{1,2},{3,4}}. Errors name the bad item.
 Status parse_ids(const std::string& s, std::vector<int32_t>* out);
