@@ -18,6 +18,7 @@
 //
 // The gate epilogue reproduces rmsnorm_gate_fwd_kernel (kernels_norm.cu) operation for
 // operation, o rounded to its dtype first, so fused and unfused decode give the same bits.
+#include <algorithm>
 #include <string>
 #include <type_traits>
 
@@ -289,10 +290,12 @@ struct PendArgs {
 // min/max clamp in its place took the write-back step at every step on the GPU (CUDA 13.0,
 // sm_90a) although its PTX compared the clamped count correctly; the cause was not found, and
 // the mask passes the op and model tests.
-__device__ __forceinline__ void pending_count(const PendArgs& p, int64_t slot, int h, int R, int* m, int* d) {
-  const int32_t w = p.cnt[slot * p.c_ss + h];
+__device__ __forceinline__ void count_fields(int32_t w, int R, int* m, int* d) {
   *m = pending_m(w) & (R - 1);
   *d = pending_d(w) & (R - 1);
+}
+__device__ __forceinline__ void pending_count(const PendArgs& p, int64_t slot, int h, int R, int* m, int* d) {
+  count_fields(p.cnt[slot * p.c_ss + h], R, m, d);
 }
 
 // Shared memory of one deferred step: the pairs, q̃, k, v, g, w and the scalars as F32 (16-byte
@@ -405,15 +408,46 @@ __device__ __forceinline__ void stage_pairs(const PendArgs& p, int64_t pk0, int6
   }
 }
 
+// stage_pairs for the streaming kernel, whose pairs arrive by bulk copy: the m pairs' raw rows
+// in shared memory (m rows of k, then m rows of v, in the pairs' dtype) into the F32 arrays,
+// with stage_pairs' values (a BF16 or F32 element as F32, times λ^{m−j} under kScale).
+template <int R, bool kScale>
+__device__ __forceinline__ void stage_pairs_raw(const unsigned char* raw, int p_dt, int m, int dk, int dv, float lam,
+                                                DeferSmem<R>& sm) {
+  const int t = threadIdx.x, n = blockDim.x;
+  const bool bf = p_dt == kBF16;
+  auto at = [&](int64_t x) {
+    return bf ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(raw)[x])
+              : reinterpret_cast<const float*>(raw)[x];
+  };
+  for (int j = 0; j < m; ++j) {
+    const float c = kScale ? lam_power(lam, m - j) : 1.f;
+    for (int i = t; i < dk; i += n) {
+      const float k = at(static_cast<int64_t>(j) * dk + i);
+      sm.pks[j][i] = kScale ? k * c : k;
+    }
+    for (int e = t; e < dv; e += n) sm.pvs[j][e] = at(static_cast<int64_t>(m) * dk + static_cast<int64_t>(j) * dv + e);
+  }
+}
+
+// Where a deferred step's state rows (and pairs) come from:
+//   kLoads       per-thread loads from global memory;
+//   kBulk        the block's own bulk copies into sS, issued at the step's start (BF16 states);
+//   kPrefetched  bulk copies issued one step earlier by the streaming kernel: the state in sS on
+//                bar[0 … G−1], the pairs' raw rows in `raw` on bar[G], phases of parity `parity`.
+enum class Src { kLoads, kBulk, kPrefetched };
+
 // One step of (slot, head) with m pending pairs and phase d; kFlush: the write-back step.
 // The two kinds of step are separate instances, each with only its own code.
-// kBulk (BF16 states, bulk_fits): the state [dk, dv] arrives in sS by G bulk copies, one per
-// row group on its own barrier of bar, issued before anything else; the rows are then read
-// from shared memory, and a write-back step stores them to global memory as before. The
-// arithmetic and its order are unchanged (the same bits).
-template <class ST, int R, bool kFlush, bool kBulk>
+// With bulk copies (kBulk, kPrefetched: BF16 states, bulk_fits) the state [dk, dv] arrives in
+// sS by G copies, one per row group on its own barrier of bar; the rows are then read from
+// shared memory, and a write-back step stores them to global memory as before. Every source
+// gives the same values in the same order (the same bits).
+template <class ST, int R, bool kFlush, Src kSrc>
 __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& p, DeferSmem<R>& sm, ST* sS,
-                                              uint64_t* bar, int b, int h, int64_t slot, int m, int d) {
+                                              uint64_t* bar, int b, int h, int64_t slot, int m, int d,
+                                              uint32_t parity = 0, const unsigned char* raw = nullptr) {
+  constexpr bool kBulk = kSrc != Src::kLoads;  // rows from sS
   constexpr int C = DecShape<ST>::kCols, G = DecShape<ST>::kGroups;
   static_assert(G <= 4, "DeferSmem holds 4 row groups");
   const int nv = a.dv / C, tid = threadIdx.x, c = tid % nv, rg = tid / nv;
@@ -428,16 +462,21 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
   const int rows = (a.dk + G - 1) / G;
   const int r0 = rg * rows, r1 = min(a.dk, r0 + rows);
   float s[kDecUnroll][C];
-  if constexpr (kBulk) {  // the copies first: they are the long pole
+  if constexpr (kSrc == Src::kBulk) {  // the copies first: they are the long pole
     if (tid == 0) {
       const uint32_t piece = static_cast<uint32_t>(rows * a.dv * static_cast<int>(sizeof(ST)));
       state_load_bulk<G>(static_cast<const ST*>(a.s_in) + slot * a.ss + h * a.sh, sS, rows, a.dv, piece, bar);
     }
-  } else {
+  } else if constexpr (kSrc == Src::kLoads) {
     load_rows(src, sk, r0, r1, s);
   }
   stage_inputs(a, kq, kk, kv, b * a.g_sb + h * a.g_sh, sm);
-  stage_pairs<R, kFlush>(p, pk0, pv0, m, a.dk, a.dv, a.lam[h], sm);
+  if constexpr (kSrc == Src::kPrefetched) {
+    mbar_wait(&bar[G], parity);
+    stage_pairs_raw<R, kFlush>(raw, p.p_dt, m, a.dk, a.dv, a.lam[h], sm);
+  } else {
+    stage_pairs<R, kFlush>(p, pk0, pv0, m, a.dk, a.dv, a.lam[h], sm);
+  }
   lam_table(a.lam[h], R, sm.lam_pow);
   __syncthreads();
   if constexpr (!kFlush) {  // one warp per dot product q̃·k_j (m + 1 ≤ R − 1 of them)
@@ -458,7 +497,7 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
     vt[j] = sm.vs[C * c + j];
   }
   if constexpr (kBulk) {
-    mbar_wait(&bar[rg], 0);
+    mbar_wait(&bar[rg], parity);
     load_rows(src, sk, r0, r1, s);
   }
   for (int i0 = r0; i0 < r1; i0 += kDecUnroll) {
@@ -541,8 +580,104 @@ __global__ void __launch_bounds__(kDecMaxDv, 4) gla_decode_deferred_kernel(DecAr
   const int64_t slot = a.slots ? a.slots[b] : b;
   int m, d;
   pending_count(p, slot, h, R, &m, &d);  // thread 0 rewrites the word after the step's barriers
-  if (m + 1 + d >= R) deferred_step<ST, R, true, kBulk>(a, p, sm, sS, bar, b, h, slot, m, d);
-  else deferred_step<ST, R, false, kBulk>(a, p, sm, sS, bar, b, h, slot, m, d);
+  constexpr Src kSrc = kBulk ? Src::kBulk : Src::kLoads;
+  if (m + 1 + d >= R) deferred_step<ST, R, true, kSrc>(a, p, sm, sS, bar, b, h, slot, m, d);
+  else deferred_step<ST, R, false, kSrc>(a, p, sm, sS, bar, b, h, slot, m, d);
+}
+
+
+// The deferred step for BF16 states as a stream (CudaBackend::set_deferred_stream): persistent
+// blocks walk the (b, h) items it = blockIdx.x, blockIdx.x + gridDim.x, … with two buffers, and
+// thread 0 issues the next item's state and pair copies before the current item is computed.
+// In gla_decode_deferred_kernel a block's copies are in flight only between its start and its
+// product, so an SM's few resident blocks (each holds a 36 KB state at laplace-3b's shapes)
+// leave the memory pipe idle through every block's prologue and epilogue; here a buffer is
+// refilled as soon as its item's rows are read. Each item runs deferred_step (kPrefetched) as
+// the block-per-item kernel runs it, so the bits are the same; which block takes an item does
+// not matter.
+//
+// Dynamic shared memory: state buffers 0 and 1 [dk, dv], then pair buffers 0 and 1 of
+// pair_bytes each (m rows of k, then m of v, in the pairs' dtype). Buffer n & 1 serves the n-th
+// item of the block; its barriers complete once per use, so that item waits on parity
+// (n >> 1) & 1. An item's count word is read two items before the item runs: only the scratch
+// slot, which padded batch rows share, can be written in between, and its outputs are discarded
+// (the mask keeps any word inside the pair arrays).
+template <int R>
+__global__ void __launch_bounds__(kDecMaxDv, 2) gla_decode_deferred_stream_kernel(DecArgs a, PendArgs p,
+                                                                                 uint32_t pair_bytes) {
+  using ST = __nv_bfloat16;
+  constexpr int G = DecShape<ST>::kGroups;
+  __shared__ DeferSmem<R> sm;
+  __shared__ uint64_t bar[2][G + 1];
+  __shared__ int64_t item_slot[2];
+  __shared__ int item_m[2], item_d[2];
+  extern __shared__ __align__(128) unsigned char state_smem[];
+  const int tid = threadIdx.x, items = a.B * a.H, rows = a.dk / G;
+  const int es = p.p_dt == kBF16 ? 2 : 4;
+  const uint32_t state_bytes = static_cast<uint32_t>(a.dk * a.dv) * 2u, piece = state_bytes / G;
+  auto sbuf = [&](int x) { return reinterpret_cast<ST*>(state_smem + x * state_bytes); };
+  auto raw = [&](int x) { return state_smem + 2 * state_bytes + x * pair_bytes; };
+  // Thread 0: item it's copies into buffer nb, given its slot and count word, and the slot and
+  // count fields into item_*[nb].
+  auto issue = [&](int it, int64_t slot, int32_t word, int nb) {
+    const int h = it % a.H;
+    const ST* gs = static_cast<const ST*>(a.s_in) + slot * a.ss + h * a.sh;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      mbar_arrive_expect_tx(&bar[nb][g], piece);
+      bulk_g2s(sbuf(nb) + g * rows * a.dv, gs + g * rows * a.dv, piece, &bar[nb][g]);
+    }
+    int m, d;
+    count_fields(word, R, &m, &d);
+    const uint32_t kb = static_cast<uint32_t>(m * a.dk * es), vb = static_cast<uint32_t>(m * a.dv * es);
+    mbar_arrive_expect_tx(&bar[nb][G], kb + vb);  // 0 bytes (m = 0): the arrival completes the phase
+    if (m > 0) {
+      bulk_g2s(raw(nb), static_cast<const char*>(p.pk) + (slot * p.k_ss + h * p.k_sh) * es, kb, &bar[nb][G]);
+      bulk_g2s(raw(nb) + kb, static_cast<const char*>(p.pv) + (slot * p.v_ss + h * p.v_sh) * es, vb, &bar[nb][G]);
+    }
+    item_slot[nb] = slot, item_m[nb] = m, item_d[nb] = d;
+  };
+  const int step = static_cast<int>(gridDim.x);
+  auto slot_of = [&](int it) -> int64_t { return it >= items ? 0 : a.slots ? a.slots[it / a.H] : it / a.H; };
+  auto word_of = [&](int it, int64_t slot) -> int32_t { return it >= items ? 0 : p.cnt[slot * p.c_ss + it % a.H]; };
+  // Thread 0 holds the slot and count word of the block's next item and the slot of the one
+  // after, loaded an item before they are needed, so that issuing copies never waits on a load.
+  int64_t next_slot = 0, after_slot = 0;
+  int32_t next_word = 0;
+  if (tid == 0) {
+    for (int x = 0; x < 2; ++x)
+#pragma unroll
+      for (int g = 0; g <= G; ++g) mbar_init(&bar[x][g], 1);
+    fence_barrier_init();
+    const int it = blockIdx.x;  // the host launches at most one block per item
+    const int64_t slot = slot_of(it);
+    issue(it, slot, word_of(it, slot), 0);
+    next_slot = slot_of(it + step);
+    next_word = word_of(it + step, next_slot);
+    after_slot = slot_of(it + 2 * step);
+  }
+  __syncthreads();
+  int n = 0;
+  for (int it = blockIdx.x; it < items; it += step, ++n) {
+    const int buf = n & 1;
+    // Buffer buf ^ 1 held item n − 1, whose rows every thread read before the barrier that
+    // ended it.
+    if (tid == 0) {
+      if (it + step < items) issue(it + step, next_slot, next_word, buf ^ 1);
+      next_slot = after_slot;
+      next_word = word_of(it + 2 * step, next_slot);
+      after_slot = slot_of(it + 3 * step);
+    }
+    const int b = it / a.H, h = it - b * a.H;
+    const int64_t slot = item_slot[buf];
+    const int m = item_m[buf], d = item_d[buf];
+    const uint32_t parity = (n >> 1) & 1;
+    if (m + 1 + d >= R)
+      deferred_step<ST, R, true, Src::kPrefetched>(a, p, sm, sbuf(buf), bar[buf], b, h, slot, m, d, parity, raw(buf));
+    else
+      deferred_step<ST, R, false, Src::kPrefetched>(a, p, sm, sbuf(buf), bar[buf], b, h, slot, m, d, parity, raw(buf));
+    __syncthreads();  // the item's shared memory is read; the next item may overwrite it
+  }
 }
 
 // S ← λ^m S + Σ_{j<m} λ^{m−1−j} k_jᵀ v_j and the count word ← (0, pending_phase(h, R)) for the
@@ -655,6 +790,39 @@ void launch_deferred(CudaBackend& be, int R, bool bulk, unsigned grid, unsigned 
     case 16: gla_decode_deferred_kernel<ST, 16, false><<<grid, threads, 0, st>>>(a, p); break;
     default: LAPLACE_CHECK(false, "gla deferred decode: R must be 4, 8 or 16");
   }
+}
+
+// The streaming kernel for R pending steps, with at most max_blocks blocks (0: as many as fit on
+// the device at once). False, having queued nothing, where it does not apply: the pairs' rows
+// are not whole 16-byte multiples at 16-byte-aligned addresses (bulk copies), or two states and
+// two steps' pairs do not fit in a block's shared memory. The caller has checked bulk_fits.
+bool launch_deferred_stream(CudaBackend& be, int R, int max_blocks, unsigned threads, const DecArgs& a,
+                            const PendArgs& p) {
+  const int64_t es = p.p_dt == kBF16 ? 2 : 4;
+  for (int64_t x : {a.dk * es, a.dv * es, p.k_ss * es, p.k_sh * es, p.v_ss * es, p.v_sh * es})
+    if (x % 16 != 0) return false;
+  if (!aligned(p.pk, 16) || !aligned(p.pv, 16)) return false;
+  const uint32_t pair_bytes = static_cast<uint32_t>(((R - 1) * (a.dk + a.dv) * es + 15) / 16 * 16);
+  const size_t smem = 2 * static_cast<size_t>(a.dk) * a.dv * 2 + 2 * static_cast<size_t>(pair_bytes);
+  auto go = [&](auto kernel, size_t static_bytes) {
+    if (smem + static_bytes > static_cast<size_t>(be.max_smem_optin())) return false;
+    be.kernel_smem(kernel, smem, /*max_carveout=*/true);
+    const int per_sm = be.blocks_per_sm(kernel, static_cast<int>(threads), smem);
+    if (per_sm < 1) return false;
+    int64_t grid = std::min<int64_t>(static_cast<int64_t>(a.B) * a.H, static_cast<int64_t>(per_sm) * be.num_sms());
+    if (max_blocks > 0) grid = std::min<int64_t>(grid, max_blocks);
+    kernel<<<static_cast<unsigned>(grid), threads, smem, be.stream()>>>(a, p, pair_bytes);
+    return true;
+  };
+  // Static shared memory beside DeferSmem: the barriers and the items' slots and counts.
+  constexpr size_t kExtra = 256;
+  switch (R) {
+    case 4: return go(gla_decode_deferred_stream_kernel<4>, sizeof(DeferSmem<4>) + kExtra);
+    case 8: return go(gla_decode_deferred_stream_kernel<8>, sizeof(DeferSmem<8>) + kExtra);
+    case 16: return go(gla_decode_deferred_stream_kernel<16>, sizeof(DeferSmem<16>) + kExtra);
+    default: LAPLACE_CHECK(false, "gla deferred decode: R must be 4, 8 or 16");
+  }
+  return false;
 }
 
 }  // namespace
@@ -787,9 +955,13 @@ void CudaBackend::gla_decode_gate_deferred(const GlaParams& p, const Tensor& q, 
   if (a.B == 0) return;
   const unsigned grid = static_cast<unsigned>(a.B * a.H), threads = static_cast<unsigned>(a.dv);
   const int R = static_cast<int>(pend.steps);
-  if (sdt == DType::kBF16)
-    cuda::launch_deferred<__nv_bfloat16>(*this, R, cuda::bulk_fits(a, states, states), grid, threads, a, pa);
-  else
+  if (sdt == DType::kBF16) {
+    const bool bulk = cuda::bulk_fits(a, states, states);
+    if (bulk && deferred_stream_ >= 0 && cuda::launch_deferred_stream(*this, R, deferred_stream_, threads, a, pa))
+      ++deferred_stream_launches_;
+    else
+      cuda::launch_deferred<__nv_bfloat16>(*this, R, bulk, grid, threads, a, pa);
+  } else
     cuda::launch_deferred<float>(*this, R, false, grid, threads, a, pa);
   CUDA_CHECK_LAUNCH();
 }
