@@ -103,6 +103,11 @@ Status engine_decode_options(const std::string& device, const std::string& state
   return Status::ok();
 }
 
+namespace {
+// Whether --weights asks for the FP8 products (quantising weights held in another dtype).
+bool fp8_products(const std::string& weights) { return weights == "fp8" || weights == "fp8-fast"; }
+}  // namespace
+
 Status load_model(const ModelArgs& args, LoadedModel* out) {
   ModelArgs a = args;
   LAPLACE_RETURN_IF_ERROR(a.resolve());
@@ -113,7 +118,7 @@ Status load_model(const ModelArgs& args, LoadedModel* out) {
   LAPLACE_RETURN_IF_ERROR(make_backend(a.device, &out->backend));
   LAPLACE_RETURN_IF_ERROR(out->model.create(cfg, *out->backend, dt));
   if (a.ckpt.empty()) {
-    if (a.weights == "fp8" || a.weights == "fp8-fast")
+    if (fp8_products(a.weights))
       return Status::invalid_argument("--weights " + a.weights + " needs weights to quantise (--model or --ckpt)");
     return Status::ok();
   }
@@ -133,7 +138,7 @@ Status load_weights(const std::string& ckpt, const std::string& weights, Model* 
 
 Status apply_weights_option(const std::string& weights, Model* m) {
   m->set_fp8_fast_forward(weights == "fp8-fast");
-  return weights == "fp8" || weights == "fp8-fast" ? m->use_fp8_weights() : Status::ok();
+  return fp8_products(weights) ? m->use_fp8_weights() : Status::ok();
 }
 
 Status parse_ids(const std::string& s, std::vector<int32_t>* out) {
