@@ -23,7 +23,8 @@
 #          the same tokens, order and math, other rounding; compare measures its distance from our curve,
 #          the floor that rounding alone sets under the reference's distance
 #   fp8    the run again with --precision fp8 (FP8 body products; FP8_PRECISION=fp8-fast: with fast forward
-#          accumulation, figures fp8fast_*) for FP8_STEPS (STOP1) steps, in the
+#          accumulation, figures fp8fast_*; FP8_SERVING=1: then `eval serving --options fp8-weights,fp8,fp8-fast`
+#          on the model it trained, figures tagged fp8run, log $RUNS/fp8_serving.log) for FP8_STEPS (STOP1) steps, in the
 #          background once our run is done (alone on the GPU; without one, the committed curve of TAG
 #          stands for it, checked as in parity); compare then gives fp8_*_laplace125m (bf16
 #          run against FP8 run, the same init, data order and schedule) and the plot $OUT/fp8.png
@@ -236,7 +237,14 @@ if has fp8; then
     while [ -f $RUNS/ours.log ] && [ ! -f $RUNS/ours.done ]; do sleep 2; done
     $LAPLACE train --config $CFG --init $RUNS/init.safetensors $DATA_Q --out $RUNS/fp8 --device cuda --dtype bf16 \
       ${HP[*]} --no-shuffle --peak-tflops 989 --log-every 50 --stop-after ${FP8_STEPS:-$STOP1} --precision ${FP8_PRECISION:-fp8}
-    echo exit \$? > $RUNS/fp8.done" > $RUNS/fp8.log 2>&1 < /dev/null &
+    rc=\$?
+    if [ \$rc = 0 ] && [ ${FP8_SERVING:-0} = 1 ]; then
+      LAPLACE_COMMIT=$COMMIT $LAPLACE eval serving --model $RUNS/fp8 --data '$RUNS/data/val_*.bin' --device cuda \
+        --dtype f32 --options fp8-weights,fp8,fp8-fast --prompts 64 --prompt-len 128 --steps 256 --tag fp8run \
+        --out $RUNS/fp8_quality --results $RUNS/fp8_quality_results.jsonl > $RUNS/fp8_serving.log 2>&1
+      echo \"eval serving exit \$?\" >> $RUNS/fp8_serving.log
+    fi
+    echo exit \$rc > $RUNS/fp8.done" > $RUNS/fp8.log 2>&1 < /dev/null &
   stamp "fp8 run started (${FP8_STEPS:-$STOP1} steps, after our run)"
 fi
 
@@ -275,10 +283,12 @@ collect() {
   cp $RUNS/ref/metrics.jsonl $RUNS/ref_metrics.jsonl 2>/dev/null
   cp $RUNS/twin/metrics.jsonl $RUNS/twin_metrics.jsonl 2>/dev/null
   cp $RUNS/fp8/metrics.jsonl $RUNS/fp8_metrics.jsonl 2>/dev/null
-  cat $RUNS/quality_results.jsonl $RUNS/hf_*.jsonl $RUNS/mqar/results.jsonl > "$OUT/figures.jsonl" 2>/dev/null
+  cat $RUNS/quality_results.jsonl $RUNS/fp8_quality_results.jsonl $RUNS/hf_*.jsonl $RUNS/mqar/results.jsonl \
+    > "$OUT/figures.jsonl" 2>/dev/null
   # (not $RUNS/*.jsonl: the decompressed corpus, docs.jsonl, is there too)
   tar czf "$OUT/runs.tar.gz" $RUNS/*.log $RUNS/*.done $RUNS/ours_metrics.jsonl $RUNS/ref_metrics.jsonl $RUNS/twin_metrics.jsonl \
-    $RUNS/fp8_metrics.jsonl $RUNS/quality_results.jsonl $RUNS/hf_*.jsonl $RUNS/ours/tb $RUNS/quality $RUNS/mqar $RUNS/data/prepare.json \
+    $RUNS/fp8_metrics.jsonl $RUNS/quality_results.jsonl $RUNS/fp8_quality_results.jsonl $RUNS/fp8_quality \
+    $RUNS/hf_*.jsonl $RUNS/ours/tb $RUNS/quality $RUNS/mqar $RUNS/data/prepare.json \
     $RUNS/bench_a*/metrics.jsonl 2>/dev/null
   cp $RUNS/gpu_tests.log "$OUT/" 2>/dev/null
 }
