@@ -259,6 +259,75 @@ TEST(Fp8Ops, CpuGemmIsTheProductOfTheQuantisedOperands) {
   }
 }
 
+// The CPU product's sums are exact (ops/cpu/cpu_backend.cpp: dgemm over tiles of 256 rows, whose
+// sums of E4M3 products are exact in any order), so every output is, bit for bit, its exact sum
+// scaled and rounded once: at shapes that cross the tiles' edges, with every code but NaN (the
+// largest values and the subnormals among them), widely spread scales, a residual, F32 and F64
+// outputs. And past the longest exact K, the loop's order.
+TEST(Fp8Ops, CpuGemmSumsAreExactAtEveryTile) {
+  auto be = make_cpu_backend();
+  const int64_t M = 300, K = 520, N = 270;
+  std::mt19937_64 rng(21);
+  auto codes = [&](int64_t n) {
+    std::vector<uint8_t> q(static_cast<size_t>(n));
+    for (auto& b : q) {
+      do b = static_cast<uint8_t>(rng() & 0xff);
+      while ((b & 0x7f) == 0x7f);  // not NaN
+    }
+    return q;
+  };
+  auto scales = [&](int64_t n) {
+    std::vector<float> v(static_cast<size_t>(n));
+    for (auto& x : v)
+      x = std::ldexp(1.f + static_cast<float>(rng() % 1000) / 1000.f, static_cast<int>(rng() % 24) - 16);
+    return v;
+  };
+  std::vector<uint8_t> xq = codes(M * K), wq = codes(N * K);
+  std::vector<float> xs = scales(M), ws = scales(N);
+  std::vector<long double> exact(static_cast<size_t>(M * N));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      long double acc = 0;  // 64 mantissa bits: these sums (below 2^48 units of 2^-18) are exact
+      for (int64_t k = 0; k < K; ++k)
+        acc += static_cast<long double>(e4m3_to_float(xq[m * K + k])) * e4m3_to_float(wq[n * K + k]);
+      exact[static_cast<size_t>(m * N + n)] = acc;
+    }
+  const Tensor xqt(xq.data(), DType::kF8E4M3, {M, K}), xst(xs.data(), DType::kF32, {M});
+  const Tensor wqt(wq.data(), DType::kF8E4M3, {N, K}), wst(ws.data(), DType::kF32, {N});
+  auto want = [&](int64_t i, double add) {
+    const double acc = static_cast<double>(exact[static_cast<size_t>(i)]);
+    const double scaled = acc * static_cast<double>(xs[i / N]) * static_cast<double>(ws[i % N]);
+    return add + scaled;
+  };
+  std::vector<float> y(M * N), r(M * N);
+  for (int64_t i = 0; i < M * N; ++i) r[i] = static_cast<float>(rng() % 7) - 3.f;
+  be->gemm_e4m3(xqt, xst, wqt, wst, Tensor{}, Tensor(y.data(), DType::kF32, {M, N}), Fp8Accum::kF32);
+  for (int64_t i = 0; i < M * N; ++i) ASSERT_EQ(y[i], static_cast<float>(want(i, 0.0))) << i;
+  std::vector<double> yd(M * N);
+  be->gemm_e4m3(xqt, xst, wqt, wst, Tensor{}, Tensor(yd.data(), DType::kF64, {M, N}), Fp8Accum::kF32);
+  for (int64_t i = 0; i < M * N; ++i) ASSERT_EQ(yd[i], want(i, 0.0)) << i;
+  be->gemm_e4m3(xqt, xst, wqt, wst, Tensor(r.data(), DType::kF32, {M, N}), Tensor(y.data(), DType::kF32, {M, N}),
+                Fp8Accum::kF32);
+  for (int64_t i = 0; i < M * N; ++i) ASSERT_EQ(y[i], static_cast<float>(want(i, r[i]))) << i;
+
+  // K past 2^17: the loop, in k order.
+  const int64_t M2 = 2, N2 = 3, K2 = (int64_t{1} << 17) + 16;
+  std::vector<uint8_t> xq2 = codes(M2 * K2), wq2 = codes(N2 * K2);
+  std::vector<float> y2(M2 * N2);
+  be->gemm_e4m3(Tensor(xq2.data(), DType::kF8E4M3, {M2, K2}), Tensor(xs.data(), DType::kF32, {M2}),
+                Tensor(wq2.data(), DType::kF8E4M3, {N2, K2}), Tensor(ws.data(), DType::kF32, {N2}), Tensor{},
+                Tensor(y2.data(), DType::kF32, {M2, N2}), Fp8Accum::kF32);
+  for (int64_t m = 0; m < M2; ++m)
+    for (int64_t n = 0; n < N2; ++n) {
+      double acc = 0;
+      for (int64_t k = 0; k < K2; ++k)
+        acc += static_cast<double>(e4m3_to_float(xq2[m * K2 + k])) *
+               static_cast<double>(e4m3_to_float(wq2[n * K2 + k]));
+      const double scaled = acc * static_cast<double>(xs[m]) * static_cast<double>(ws[n]);
+      ASSERT_EQ(y2[m * N2 + n], static_cast<float>(scaled)) << m << "," << n;
+    }
+}
+
 // Per column, transposed: quantize_rows_e4m3 of xᵀ, bit for bit, from a strided x too (a column
 // block of a wider matrix) and with a column of zeros (scale 1).
 TEST(Fp8Ops, CpuQuantizeColsIsQuantizeRowsOfTheTranspose) {

@@ -32,6 +32,10 @@ namespace laplace {
 namespace {
 
 constexpr int64_t kParallelMin = 1 << 14;  // elements of work below which loops stay serial
+// gemm_e4m3: the longest inner dimension whose F64 sums are exact in any order, and the rows of
+// X and of W decoded to F64 at a time (two tiles of at most 256 × K doubles).
+constexpr int64_t kFp8ExactK = int64_t{1} << 17;
+constexpr int64_t kFp8Tile = 256;
 constexpr int64_t kRowBlock = 64;          // rows per partial sum of a parameter gradient
 constexpr int64_t kColBlock = 64;          // columns per task of column-parallel reductions
 constexpr int64_t kConvBlock = 32;         // channels per task of the depthwise conv
@@ -991,7 +995,12 @@ void CpuBackend::quantize_cols_e4m3(const Tensor& x, Tensor qt, Tensor s) {
   });
 }
 
-// Exact products summed in F64 whatever `accum` allows.
+// Exact products summed in F64 whatever `accum` allows. An E4M3 value is an integer multiple of
+// 2^-9 below 2^8.9, so a product of two is a multiple of 2^-18 below 2^17.7, and a sum of K ≤
+// kFp8ExactK of them a multiple of 2^-18 below 2^53·2^-18: every partial sum, in any order, is
+// exact in F64. So the sums are taken by OpenBLAS's dgemm over tiles of the codes' values, and
+// are the same numbers as a plain loop's (and batch-invariant, as the forward products must be:
+// ops/cpu/gemm_rows.h); each is then scaled and rounded once. Longer K keeps the loop's order.
 void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, const Tensor& c,
                            Tensor y, Fp8Accum /*accum*/) {
   check_e4m3_matrix(xq, "gemm_e4m3: xq");
@@ -1008,6 +1017,7 @@ void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq,
   }
   check_scales(xs, M, "gemm_e4m3: xs");
   check_scales(ws, N, "gemm_e4m3: ws");
+  if (M == 0 || N == 0) return;
   const float* value = e4m3_values().data();
   const uint8_t* xp = static_cast<const uint8_t*>(xq.data);
   const uint8_t* wp = static_cast<const uint8_t*>(wq.data);
@@ -1017,15 +1027,41 @@ void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq,
     using T = decltype(tag);
     const T* cp = c.defined() ? static_cast<const T*>(c.data) : nullptr;
     T* yp = static_cast<T*>(y.data);
-    // Every output on its own (decode has few rows, so rows and columns are shared out together).
+    // y[m][n] from the exact sum of row m and column n (the one rounding).
+    auto out = [&](int64_t m, int64_t n, double acc) {
+      const double add = cp ? static_cast<double>(cp[m * N + n]) : 0.0;
+      yp[m * N + n] = static_cast<T>(add + acc * static_cast<double>(xsp[m]) * static_cast<double>(wsp[n]));
+    };
+    if (K > kFp8ExactK) {
 #pragma omp parallel for collapse(2) schedule(static) if (M * N * K > kParallelMin)
-    for (int64_t m = 0; m < M; ++m) {
-      for (int64_t n = 0; n < N; ++n) {
-        double acc = 0;
-        for (int64_t k = 0; k < K; ++k)
-          acc += static_cast<double>(value[xp[m * K + k]]) * static_cast<double>(value[wp[n * K + k]]);
-        const double add = cp ? static_cast<double>(cp[m * N + n]) : 0.0;
-        yp[m * N + n] = static_cast<T>(add + acc * static_cast<double>(xsp[m]) * static_cast<double>(wsp[n]));
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          double acc = 0;
+          for (int64_t k = 0; k < K; ++k)
+            acc += static_cast<double>(value[xp[m * K + k]]) * static_cast<double>(value[wp[n * K + k]]);
+          out(m, n, acc);
+        }
+      return;
+    }
+    // Tiles of kFp8Tile rows of X and of W as F64 values, their product by dgemm.
+    const int64_t mt = std::min(M, kFp8Tile), nt = std::min(N, kFp8Tile);
+    std::vector<double> xv(static_cast<size_t>(mt * K)), wv(static_cast<size_t>(nt * K)), acc(static_cast<size_t>(mt * nt));
+    auto decode = [&](const uint8_t* q, int64_t rows, double* v) {
+#pragma omp parallel for schedule(static) if (rows * K > kParallelMin)
+      for (int64_t i = 0; i < rows * K; ++i) v[i] = static_cast<double>(value[q[i]]);
+    };
+    for (int64_t n0 = 0; n0 < N; n0 += nt) {
+      const int64_t nc = std::min(nt, N - n0);
+      decode(wp + n0 * K, nc, wv.data());
+      for (int64_t m0 = 0; m0 < M; m0 += mt) {
+        const int64_t mc = std::min(mt, M - m0);
+        decode(xp + m0 * K, mc, xv.data());
+        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(mc), static_cast<int>(nc),
+                    static_cast<int>(K), 1.0, xv.data(), static_cast<int>(K), wv.data(), static_cast<int>(K), 0.0,
+                    acc.data(), static_cast<int>(nc));
+#pragma omp parallel for schedule(static) if (mc * nc > kParallelMin)
+        for (int64_t i = 0; i < mc; ++i)
+          for (int64_t j = 0; j < nc; ++j) out(m0 + i, n0 + j, acc[static_cast<size_t>(i * nc + j)]);
       }
     }
   });
