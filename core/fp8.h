@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 namespace laplace {
@@ -20,26 +21,25 @@ inline float e4m3_to_float(uint8_t b) {
   return sign * std::ldexp(1.f + static_cast<float>(m) / 8.f, e - 7);
 }
 
+// On the float's bits: a normal E4M3 keeps the top 3 of F32's 23 mantissa bits, rounded to
+// nearest even, and a carry out of them moves into the exponent, so the code is the rounded
+// top bits less the exponent bias difference ((127 − 7) << 3); below 2^-6 the value is a
+// multiple of 2^-9 (x·2^9 is exact, then rounded to an integer, ties to even).
 inline uint8_t e4m3_from_float(float x) {
-  if (std::isnan(x)) return 0x7F;
-  const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
-  const double a = std::fabs(static_cast<double>(x));
-  if (a >= kE4M3Max) return sign | 0x7E;  // saturate (±inf too)
-  if (a < std::ldexp(1.0, -6)) {          // subnormal (or zero): a multiple of 2^-9, ties to even
-    const int m = static_cast<int>(std::nearbyint(std::ldexp(a, 9)));  // 0…8; 8 is the smallest normal
+  uint32_t u = 0;
+  std::memcpy(&u, &x, sizeof u);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return 0x7F;                   // NaN
+  if (a >= 0x43E00000u) return sign | 0x7E;           // ≥ 448 (and ±inf): saturate
+  if (a < 0x3C800000u) {                              // below 2^-6: subnormal (or zero)
+    const float m = std::nearbyint(std::fabs(x) * 512.f);  // 0…8; 8 is the smallest normal
     return sign | static_cast<uint8_t>(m);
   }
-  int e2 = 0;
-  const double f = std::frexp(a, &e2);  // a = f·2^e2, f in [0.5, 1)
-  int e = e2 - 1;                       // a = (2f)·2^e, 2f in [1, 2)
-  int m = static_cast<int>(std::nearbyint((2.0 * f - 1.0) * 8.0));  // exact scaling; ties to even
-  if (m == 8) {
-    m = 0;
-    ++e;
-  }
-  const int be = e + 7;  // 1…15 here
-  if (be > 15 || (be == 15 && m == 7)) return sign | 0x7E;  // rounded past 448: saturate
-  return sign | static_cast<uint8_t>(be << 3 | m);
+  const uint32_t rest = a & 0xFFFFFu, half = 0x80000u;
+  uint32_t top = a >> 20;  // exponent and 3 mantissa bits
+  top += (rest > half || (rest == half && (top & 1u))) ? 1u : 0u;
+  return sign | static_cast<uint8_t>(top - (120u << 3));  // below 448, so at most 0x7E
 }
 
 // The scale of a row (or column) whose largest magnitude is amax: amax / 448, which maps that value

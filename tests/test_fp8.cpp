@@ -80,6 +80,69 @@ TEST(Fp8E4M3, SaturatesAndKeepsNaN) {
   EXPECT_EQ(e4m3_from_float(std::ldexp(1.f, -12)), 0x00);
 }
 
+// e4m3_from_float works on the float's bits; here is the definition it must equal, on doubles
+// (frexp, a rounded mantissa, a saturating check), for every float sampled across the whole range
+// (every 97th bit pattern below 2^9, both signs) and for the floats within 3 ulps of every code
+// and of every midpoint between neighbours.
+uint8_t e4m3_by_definition(float x) {
+  if (std::isnan(x)) return 0x7F;
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
+  const double a = std::fabs(static_cast<double>(x));
+  if (a >= kE4M3Max) return sign | 0x7E;
+  if (a < std::ldexp(1.0, -6)) return sign | static_cast<uint8_t>(std::nearbyint(std::ldexp(a, 9)));
+  int e2 = 0;
+  const double f = std::frexp(a, &e2);
+  int e = e2 - 1;
+  int m = static_cast<int>(std::nearbyint((2.0 * f - 1.0) * 8.0));
+  if (m == 8) {
+    m = 0;
+    ++e;
+  }
+  const int be = e + 7;
+  if (be > 15 || (be == 15 && m == 7)) return sign | 0x7E;
+  return sign | static_cast<uint8_t>(be << 3 | m);
+}
+
+TEST(Fp8E4M3, BitsEncoderEqualsTheDefinition) {
+  std::vector<float> xs;
+  auto near = [&](float v) {
+    float lo = v, hi = v;
+    xs.push_back(v);
+    for (int i = 0; i < 3; ++i) {
+      lo = std::nextafter(lo, -1.f);
+      hi = std::nextafter(hi, 1e9f);
+      xs.push_back(lo);
+      xs.push_back(hi);
+    }
+  };
+  for (int b = 0; b < 0x7E; ++b) {
+    const float v = e4m3_to_float(static_cast<uint8_t>(b)), w = e4m3_to_float(static_cast<uint8_t>(b + 1));
+    near(v);
+    near(0.5f * (v + w));
+  }
+  near(448.f);
+  int bad = 0;
+  int64_t n = 0;
+  auto check = [&](float x) {
+    ++n;
+    for (float y : {x, -x}) {
+      const int fast = e4m3_from_float(y), def = e4m3_by_definition(y);
+      if (fast != def && bad++ < 10) ADD_FAILURE() << y << ": bits " << fast << ", definition " << def;
+    }
+  };
+  for (float x : xs) check(x);
+  for (uint32_t u = 0; u < 0x44000000u; u += 97) {
+    float x = 0.f;
+    std::memcpy(&x, &u, sizeof x);
+    check(x);
+  }
+  for (float x : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::denorm_min(), 1e30f})
+    check(x);
+  EXPECT_EQ(bad, 0);
+  EXPECT_GT(n, 11000000);
+  EXPECT_EQ(e4m3_from_float(std::numeric_limits<float>::quiet_NaN()), 0x7F);
+}
+
 #if LAPLACE_HAVE_CUDA
 // CUDA's own conversions (host side of cuda_fp8.h; no GPU needed): the same bytes for every
 // float we can think of near the codes, and random ones over the whole range.
