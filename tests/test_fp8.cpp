@@ -326,7 +326,7 @@ TEST(Fp8Ops, CpuGemmIsTheProductOfTheQuantisedOperands) {
 // sums of E4M3 products are exact in any order), so every output is, bit for bit, its exact sum
 // scaled and rounded once: at shapes that cross the tiles' edges, with every code but NaN (the
 // largest values and the subnormals among them), widely spread scales, a residual, F32 and F64
-// outputs. And past the longest exact K, the loop's order.
+// outputs; a few rows (the loop) give the same bytes. And past the longest exact K, the loop's order.
 TEST(Fp8Ops, CpuGemmSumsAreExactAtEveryTile) {
   auto be = make_cpu_backend();
   const int64_t M = 300, K = 520, N = 270;
@@ -369,6 +369,13 @@ TEST(Fp8Ops, CpuGemmSumsAreExactAtEveryTile) {
   std::vector<double> yd(M * N);
   be->gemm_e4m3(xqt, xst, wqt, wst, Tensor{}, Tensor(yd.data(), DType::kF64, {M, N}), Fp8Accum::kF32);
   for (int64_t i = 0; i < M * N; ++i) ASSERT_EQ(yd[i], want(i, 0.0)) << i;
+  // A few rows (a decode step's shape, which loops over the codes): the same bytes as in the whole.
+  for (int64_t rows : {1, 5, 15}) {
+    std::vector<float> ys(rows * N);
+    be->gemm_e4m3(Tensor(xq.data(), DType::kF8E4M3, {rows, K}), Tensor(xs.data(), DType::kF32, {rows}), wqt, wst,
+                  Tensor{}, Tensor(ys.data(), DType::kF32, {rows, N}), Fp8Accum::kF32);
+    ASSERT_EQ(0, std::memcmp(ys.data(), y.data(), ys.size() * sizeof(float))) << rows << " rows";
+  }
   be->gemm_e4m3(xqt, xst, wqt, wst, Tensor(r.data(), DType::kF32, {M, N}), Tensor(y.data(), DType::kF32, {M, N}),
                 Fp8Accum::kF32);
   for (int64_t i = 0; i < M * N; ++i) ASSERT_EQ(y[i], static_cast<float>(want(i, r[i]))) << i;

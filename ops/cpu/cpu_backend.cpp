@@ -32,10 +32,12 @@ namespace laplace {
 namespace {
 
 constexpr int64_t kParallelMin = 1 << 14;  // elements of work below which loops stay serial
-// gemm_e4m3: the longest inner dimension whose F64 sums are exact in any order, and the rows of
-// X and of W decoded to F64 at a time (two tiles of at most 256 × K doubles).
+// gemm_e4m3: the longest inner dimension whose F64 sums are exact in any order; the rows of X
+// and of W decoded to F64 at a time (two tiles of at most 256 × K doubles); and the fewest rows
+// of X for which decoding W's tiles (N·K values, 8 bytes each) pays: below, a loop over the codes.
 constexpr int64_t kFp8ExactK = int64_t{1} << 17;
 constexpr int64_t kFp8Tile = 256;
+constexpr int64_t kFp8BlasRows = 16;
 constexpr int64_t kRowBlock = 64;          // rows per partial sum of a parameter gradient
 constexpr int64_t kColBlock = 64;          // columns per task of column-parallel reductions
 constexpr int64_t kConvBlock = 32;         // channels per task of the depthwise conv
@@ -1000,7 +1002,8 @@ void CpuBackend::quantize_cols_e4m3(const Tensor& x, Tensor qt, Tensor s) {
 // kFp8ExactK of them a multiple of 2^-18 below 2^53·2^-18: every partial sum, in any order, is
 // exact in F64. So the sums are taken by OpenBLAS's dgemm over tiles of the codes' values, and
 // are the same numbers as a plain loop's (and batch-invariant, as the forward products must be:
-// ops/cpu/gemm_rows.h); each is then scaled and rounded once. Longer K keeps the loop's order.
+// ops/cpu/gemm_rows.h); each is then scaled and rounded once. A few rows (a decode step) take
+// the loop, which reads the codes as they are; longer K keeps the loop's order.
 void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, const Tensor& c,
                            Tensor y, Fp8Accum /*accum*/) {
   check_e4m3_matrix(xq, "gemm_e4m3: xq");
@@ -1032,7 +1035,7 @@ void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq,
       const double add = cp ? static_cast<double>(cp[m * N + n]) : 0.0;
       yp[m * N + n] = static_cast<T>(add + acc * static_cast<double>(xsp[m]) * static_cast<double>(wsp[n]));
     };
-    if (K > kFp8ExactK) {
+    if (K > kFp8ExactK || M < kFp8BlasRows) {
 #pragma omp parallel for collapse(2) schedule(static) if (M * N * K > kParallelMin)
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = 0; n < N; ++n) {
