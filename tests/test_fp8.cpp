@@ -326,7 +326,8 @@ TEST(Fp8Ops, CpuGemmIsTheProductOfTheQuantisedOperands) {
 // sums of E4M3 products are exact in any order), so every output is, bit for bit, its exact sum
 // scaled and rounded once: at shapes that cross the tiles' edges, with every code but NaN (the
 // largest values and the subnormals among them), widely spread scales, a residual, F32 and F64
-// outputs; a few rows (the loop) give the same bytes. And past the longest exact K, the loop's order.
+// outputs; a few rows (the loop) give the same bytes; the longest exact K, in tiles of 32 rows.
+// And past it, the loop's order.
 TEST(Fp8Ops, CpuGemmSumsAreExactAtEveryTile) {
   auto be = make_cpu_backend();
   const int64_t M = 300, K = 520, N = 270;
@@ -379,6 +380,29 @@ TEST(Fp8Ops, CpuGemmSumsAreExactAtEveryTile) {
   be->gemm_e4m3(xqt, xst, wqt, wst, Tensor(r.data(), DType::kF32, {M, N}), Tensor(y.data(), DType::kF32, {M, N}),
                 Fp8Accum::kF32);
   for (int64_t i = 0; i < M * N; ++i) ASSERT_EQ(y[i], static_cast<float>(want(i, r[i]))) << i;
+
+  // The longest exact K, in tiles of 32 rows (32 MB of values each): the rows alone (the loop)
+  // give the same bytes as the whole product (dgemm), and those are the exact sums.
+  {
+    const int64_t M3 = 40, N3 = 36, K3 = (int64_t{1} << 17) - 16;
+    std::vector<uint8_t> xq3 = codes(M3 * K3), wq3 = codes(N3 * K3);
+    std::vector<float> y3(M3 * N3), y3r(N3);
+    const Tensor w3(wq3.data(), DType::kF8E4M3, {N3, K3}), ws3(ws.data(), DType::kF32, {N3});
+    be->gemm_e4m3(Tensor(xq3.data(), DType::kF8E4M3, {M3, K3}), Tensor(xs.data(), DType::kF32, {M3}), w3, ws3,
+                  Tensor{}, Tensor(y3.data(), DType::kF32, {M3, N3}), Fp8Accum::kF32);
+    for (int64_t m = 0; m < M3; m += 13) {
+      be->gemm_e4m3(Tensor(xq3.data() + m * K3, DType::kF8E4M3, {1, K3}), Tensor(xs.data() + m, DType::kF32, {1}),
+                    w3, ws3, Tensor{}, Tensor(y3r.data(), DType::kF32, {1, N3}), Fp8Accum::kF32);
+      ASSERT_EQ(0, std::memcmp(y3r.data(), y3.data() + m * N3, y3r.size() * sizeof(float))) << "row " << m;
+      for (int64_t n = 0; n < N3; n += 7) {
+        long double acc = 0;
+        for (int64_t k = 0; k < K3; ++k)
+          acc += static_cast<long double>(e4m3_to_float(xq3[m * K3 + k])) * e4m3_to_float(wq3[n * K3 + k]);
+        const double scaled = static_cast<double>(acc) * static_cast<double>(xs[m]) * static_cast<double>(ws[n]);
+        ASSERT_EQ(y3[m * N3 + n], static_cast<float>(scaled)) << m << "," << n;
+      }
+    }
+  }
 
   // K past 2^17: the loop, in k order.
   const int64_t M2 = 2, N2 = 3, K2 = (int64_t{1} << 17) + 16;

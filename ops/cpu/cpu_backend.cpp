@@ -33,10 +33,11 @@ namespace {
 
 constexpr int64_t kParallelMin = 1 << 14;  // elements of work below which loops stay serial
 // gemm_e4m3: the longest inner dimension whose F64 sums are exact in any order; the rows of X
-// and of W decoded to F64 at a time (two tiles of at most 256 × K doubles); and the fewest rows
-// of X for which decoding W's tiles (N·K values, 8 bytes each) pays: below, a loop over the codes.
+// and of W decoded to F64 at a time (at most 256, and at most 2^22 values per tile: 32 MB); and
+// the fewest rows of X for which decoding W's tiles (N·K values, 8 bytes each) pays: below, a
+// loop over the codes.
 constexpr int64_t kFp8ExactK = int64_t{1} << 17;
-constexpr int64_t kFp8Tile = 256;
+constexpr int64_t kFp8TileRows = 256, kFp8TileValues = int64_t{1} << 22;
 constexpr int64_t kFp8BlasRows = 16;
 constexpr int64_t kRowBlock = 64;          // rows per partial sum of a parameter gradient
 constexpr int64_t kColBlock = 64;          // columns per task of column-parallel reductions
@@ -1046,9 +1047,11 @@ void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq,
         }
       return;
     }
-    // Tiles of kFp8Tile rows of X and of W as F64 values, their product by dgemm.
-    const int64_t mt = std::min(M, kFp8Tile), nt = std::min(N, kFp8Tile);
-    std::vector<double> xv(static_cast<size_t>(mt * K)), wv(static_cast<size_t>(nt * K)), acc(static_cast<size_t>(mt * nt));
+    // Tiles of rows of X and of W as F64 values, their product by dgemm.
+    const int64_t tile = std::clamp(kFp8TileValues / K, kFp8BlasRows, kFp8TileRows);
+    const int64_t mt = std::min(M, tile), nt = std::min(N, tile);
+    std::vector<double> xv(static_cast<size_t>(mt * K)), wv(static_cast<size_t>(nt * K));
+    std::vector<double> sums(static_cast<size_t>(mt * nt));
     auto decode = [&](const uint8_t* q, int64_t rows, double* v) {
 #pragma omp parallel for schedule(static) if (rows * K > kParallelMin)
       for (int64_t i = 0; i < rows * K; ++i) v[i] = static_cast<double>(value[q[i]]);
@@ -1061,10 +1064,10 @@ void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq,
         decode(xp + m0 * K, mc, xv.data());
         cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(mc), static_cast<int>(nc),
                     static_cast<int>(K), 1.0, xv.data(), static_cast<int>(K), wv.data(), static_cast<int>(K), 0.0,
-                    acc.data(), static_cast<int>(nc));
+                    sums.data(), static_cast<int>(nc));
 #pragma omp parallel for schedule(static) if (mc * nc > kParallelMin)
         for (int64_t i = 0; i < mc; ++i)
-          for (int64_t j = 0; j < nc; ++j) out(m0 + i, n0 + j, acc[static_cast<size_t>(i * nc + j)]);
+          for (int64_t j = 0; j < nc; ++j) out(m0 + i, n0 + j, sums[static_cast<size_t>(i * nc + j)]);
       }
     }
   });
