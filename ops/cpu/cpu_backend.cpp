@@ -951,6 +951,15 @@ const std::array<float, 256>& e4m3_values() {
   return v;
 }
 
+const std::array<double, 256>& e4m3_values_f64() {
+  static const std::array<double, 256> v = [] {
+    std::array<double, 256> t{};
+    for (int b = 0; b < 256; ++b) t[static_cast<size_t>(b)] = e4m3_values()[static_cast<size_t>(b)];
+    return t;
+  }();
+  return v;
+}
+
 void check_scales(const Tensor& t, int64_t n, const char* what) {
   check_cpu(t);
   LAPLACE_CHECK(t.dtype == DType::kF32 && t.ndim == 1 && t.shape[0] == n && t.is_contiguous(),
@@ -1003,8 +1012,8 @@ void CpuBackend::quantize_cols_e4m3(const Tensor& x, Tensor qt, Tensor s) {
 // kFp8ExactK of them a multiple of 2^-18 below 2^53·2^-18: every partial sum, in any order, is
 // exact in F64. So the sums are taken by OpenBLAS's dgemm over tiles of the codes' values, and
 // are the same numbers as a plain loop's (and batch-invariant, as the forward products must be:
-// ops/cpu/gemm_rows.h); each is then scaled and rounded once. A few rows (a decode step) take
-// the loop, which reads the codes as they are; longer K keeps the loop's order.
+// ops/cpu/gemm_rows.h); each is then scaled and rounded once. A few rows (a decode step) take a
+// loop that reads W's codes as they are; longer K keeps a loop in k order.
 void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, const Tensor& c,
                            Tensor y, Fp8Accum /*accum*/) {
   check_e4m3_matrix(xq, "gemm_e4m3: xq");
@@ -1036,7 +1045,7 @@ void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq,
       const double add = cp ? static_cast<double>(cp[m * N + n]) : 0.0;
       yp[m * N + n] = static_cast<T>(add + acc * static_cast<double>(xsp[m]) * static_cast<double>(wsp[n]));
     };
-    if (K > kFp8ExactK || M < kFp8BlasRows) {
+    if (K > kFp8ExactK) {  // sums that may round: in k order
 #pragma omp parallel for collapse(2) schedule(static) if (M * N * K > kParallelMin)
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = 0; n < N; ++n) {
@@ -1047,15 +1056,37 @@ void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq,
         }
       return;
     }
+    auto decode = [&](const uint8_t* q, int64_t rows, double* v) {
+#pragma omp parallel for schedule(static) if (rows * K > kParallelMin)
+      for (int64_t i = 0; i < rows * K; ++i) v[i] = static_cast<double>(value[q[i]]);
+    };
+    if (M < kFp8BlasRows) {
+      // X's few rows as F64, W's codes read as they are; eight partial sums per output, so that
+      // the adds do not wait on one another (exact, so any split gives the same sum).
+      std::vector<double> xv(static_cast<size_t>(M * K));
+      decode(xp, M, xv.data());
+      const double* vt = e4m3_values_f64().data();
+#pragma omp parallel for collapse(2) schedule(static) if (M * N * K > kParallelMin)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          const double* xr = xv.data() + m * K;
+          const uint8_t* wr = wp + n * K;
+          double part[8] = {};
+          int64_t k = 0;
+          for (; k + 8 <= K; k += 8)
+            for (int j = 0; j < 8; ++j) part[j] += xr[k + j] * vt[wr[k + j]];
+          double acc = 0;
+          for (int j = 0; j < 8; ++j) acc += part[j];
+          for (; k < K; ++k) acc += xr[k] * vt[wr[k]];
+          out(m, n, acc);
+        }
+      return;
+    }
     // Tiles of rows of X and of W as F64 values, their product by dgemm.
     const int64_t tile = std::clamp(kFp8TileValues / K, kFp8BlasRows, kFp8TileRows);
     const int64_t mt = std::min(M, tile), nt = std::min(N, tile);
     std::vector<double> xv(static_cast<size_t>(mt * K)), wv(static_cast<size_t>(nt * K));
     std::vector<double> sums(static_cast<size_t>(mt * nt));
-    auto decode = [&](const uint8_t* q, int64_t rows, double* v) {
-#pragma omp parallel for schedule(static) if (rows * K > kParallelMin)
-      for (int64_t i = 0; i < rows * K; ++i) v[i] = static_cast<double>(value[q[i]]);
-    };
     for (int64_t n0 = 0; n0 < N; n0 += nt) {
       const int64_t nc = std::min(nt, N - n0);
       decode(wp + n0 * K, nc, wv.data());
