@@ -149,20 +149,27 @@ __device__ __forceinline__ void load_rows(const ST* src, int64_t sk, int i0, int
   }
 }
 
-// Thread 0 of a block: the state of one (slot, head) [G·rows, dv] from gs into sS by G bulk
-// copies of `piece` bytes, row group g completing on bar[g]. Each barrier completes once
-// (parity 0); a block barrier must come between this and any thread's wait.
+// One thread: the state of one (slot, head) [G·rows, dv] from gs into sS by G bulk copies of
+// `piece` bytes, row group g completing the current phase of bar[g] (initialised, count 1).
+template <int G, class ST>
+__device__ __forceinline__ void state_copy_bulk(const ST* gs, ST* sS, int rows, int dv, uint32_t piece,
+                                                uint64_t* bar) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    mbar_arrive_expect_tx(&bar[g], piece);
+    bulk_g2s(sS + g * rows * dv, gs + g * rows * dv, piece, &bar[g]);
+  }
+}
+
+// Thread 0 of a block: state_copy_bulk into freshly initialised barriers. Each barrier completes
+// once (parity 0); a block barrier must come between this and any thread's wait.
 template <int G, class ST>
 __device__ __forceinline__ void state_load_bulk(const ST* gs, ST* sS, int rows, int dv, uint32_t piece,
                                                 uint64_t* bar) {
 #pragma unroll
   for (int g = 0; g < G; ++g) mbar_init(&bar[g], 1);
   fence_barrier_init();
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    mbar_arrive_expect_tx(&bar[g], piece);
-    bulk_g2s(sS + g * rows * dv, gs + g * rows * dv, piece, &bar[g]);
-  }
+  state_copy_bulk<G>(gs, sS, rows, dv, piece, bar);
 }
 
 // kBulk (BF16 states, see gla_decode_forward): the state reaches shared memory through G bulk
@@ -338,6 +345,9 @@ __device__ __forceinline__ void stage_inputs(const DecArgs& a, int64_t kq, int64
   }
 }
 
+// Bytes of an element of dtype code dt (F32 or BF16).
+__host__ __device__ inline int dt_size(int dt) { return dt == kBF16 ? 2 : 4; }
+
 // The m pending pairs of (slot, head), k_j [dk] and v_j [dv] contiguous from pk0 and pv0, into
 // shared memory as F32, in 16-byte vectors with up to kPairVecs per thread in flight at once (at
 // R = 8 with BF16 pairs: at most 252 vectors, 2 per thread); a scalar loop where the rows are
@@ -363,7 +373,7 @@ template <int R, bool kScale>
 __device__ __forceinline__ void stage_pairs(const PendArgs& p, int64_t pk0, int64_t pv0, int m, int dk, int dv,
                                             float lam, DeferSmem<R>& sm) {
   const int t = threadIdx.x, n = blockDim.x;
-  const int es = p.p_dt == kBF16 ? 2 : 4, per = 16 / es;
+  const int es = dt_size(p.p_dt), per = 16 / es;
   const char* gk = static_cast<const char*>(p.pk) + pk0 * es;
   const char* gv = static_cast<const char*>(p.pv) + pv0 * es;
   if (dk % per != 0 || dv % per != 0 || (reinterpret_cast<uintptr_t>(gk) | reinterpret_cast<uintptr_t>(gv)) % 16 != 0) {
@@ -431,7 +441,6 @@ __device__ __forceinline__ void stage_pairs_raw(const unsigned char* raw, int p_
 struct InputOffsets {
   int q, k, v, g, bytes;
 };
-__host__ __device__ inline int dt_size(int dt) { return dt == kBF16 ? 2 : 4; }
 __host__ __device__ inline InputOffsets input_offsets(const DecArgs& a) {
   InputOffsets o;
   o.q = 0;
@@ -657,12 +666,7 @@ __global__ void __launch_bounds__(kDecMaxDv, 2) gla_decode_deferred_stream_kerne
   // count fields into item_*[nb].
   auto issue = [&](int64_t it, int64_t slot, int32_t word, int nb) {
     const int b = static_cast<int>(it / a.H), h = static_cast<int>(it - static_cast<int64_t>(b) * a.H);
-    const ST* gs = static_cast<const ST*>(a.s_in) + slot * a.ss + h * a.sh;
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      mbar_arrive_expect_tx(&bar[nb][g], piece);
-      bulk_g2s(sbuf(nb) + g * rows * a.dv, gs + g * rows * a.dv, piece, &bar[nb][g]);
-    }
+    state_copy_bulk<G>(static_cast<const ST*>(a.s_in) + slot * a.ss + h * a.sh, sbuf(nb), rows, a.dv, piece, bar[nb]);
     int m, d;
     count_fields(word, R, &m, &d);
     const uint32_t kb = static_cast<uint32_t>(m * a.dk * es), vb = static_cast<uint32_t>(m * a.dv * es);
