@@ -83,22 +83,26 @@ Status make_model(const ModelArgs& a, uint64_t seed, int64_t layers, LoadedModel
   LAPLACE_RETURN_IF_ERROR(make_backend(r.device, &out->backend));
   LAPLACE_RETURN_IF_ERROR(out->model.create(cfg, *out->backend, dt));
   *random_weights = r.ckpt.empty() || layers > 0;
-  if (!*random_weights) return load_weights(r.ckpt, r.weights, &out->model);
-  out->model.init_weights(seed);
-  return apply_weights_option(r.weights, &out->model);
+  if (!*random_weights) {
+    LAPLACE_RETURN_IF_ERROR(load_weights(r.ckpt, r.weights, &out->model));
+  } else {
+    out->model.init_weights(seed);
+    LAPLACE_RETURN_IF_ERROR(apply_weights_option(r.weights, &out->model));
+  }
+  return r.fp8_head ? out->model.set_fp8_head(true) : Status::ok();
 }
 
 // The figures' note: the shape, the dtype (with FP8 body matrices, "bf16 + fp8 weights") and
 // whether the weights are random.
 std::string shape_note(const Config& c, const LoadedModel& lm, const std::string& dtype, bool random) {
   char buf[256];
-  std::snprintf(buf, sizeof buf, "L%lld D%lld H%lld dk%lld dv%lld F%lld V%lld %s%s%s", (long long)c.num_layers,
+  std::snprintf(buf, sizeof buf, "L%lld D%lld H%lld dk%lld dv%lld F%lld V%lld %s%s%s%s", (long long)c.num_layers,
                 (long long)c.hidden_size, (long long)c.num_heads, (long long)c.head_k_dim, (long long)c.head_v_dim,
                 (long long)c.ffn_size, (long long)c.vocab_size, dtype.c_str(),
                 lm.model.fp8_weights() ? (lm.model.fp8_fast_forward() ? " + fp8 weights (fast accumulation)"
                                                                       : " + fp8 weights")
                                        : "",
-                random ? " random weights" : "");
+                lm.model.fp8_head() ? " + fp8 LM head" : "", random ? " random weights" : "");
   return buf;
 }
 
@@ -413,10 +417,11 @@ Status run_bench_prefill(const PrefillArgs& a) {
   std::printf("prefill of %lld tokens: median %.2f ms (min %.2f), %.0f tokens/s\n", (long long)a.prompt_len, med,
               *std::min_element(ms.begin(), ms.end()), 1e3 * static_cast<double>(a.prompt_len) / med);
   // Names with the tag before the length and FP8 weights after it (prefill_ms_3b_t8192,
-  // prefill_ms_3b_t8192_fp8, as the issues name them; _fp8fast with fast accumulation).
+  // prefill_ms_3b_t8192_fp8, as the issues name them; _fp8fast with fast accumulation, then
+  // _head with the LM head in FP8).
   const std::string mid = a.tag.empty() ? "" : a.tag + "_";
   const char* fp8 = !lm.model.fp8_weights() ? "" : lm.model.fp8_fast_forward() ? "_fp8fast" : "_fp8";
-  const std::string len = "t" + std::to_string(a.prompt_len) + fp8;
+  const std::string len = "t" + std::to_string(a.prompt_len) + fp8 + (lm.model.fp8_head() ? "_head" : "");
   res.tag.clear();
   res.add("prefill_ms_" + mid + len, med, "ms");
   res.add("prefill_tok_s_" + mid + len, 1e3 * static_cast<double>(a.prompt_len) / med, "tok/s");

@@ -325,7 +325,8 @@ void add_eval_quality(CLI::App* eval) {
     auto a = std::make_shared<ServingArgs>();
     add_common(cmd, a.get());
     cmd->add_option("--options", a->options,
-                    "comma-separated: defer4, defer8, defer16, bf16-weights, bf16-states, fp8-weights, fp8, fp8-fast")
+                    "comma-separated: defer4, defer8, defer16, bf16-weights, bf16-states, fp8-weights, fp8, fp8-fast, "
+                    "fp8-head, fp8-fast-head")
         ->capture_default_str();
     cmd->add_option("--prompts", a->run.prompts, "held-out prompts")->check(CLI::Range(1, 4096))->capture_default_str();
     cmd->add_option("--prompt-len", a->run.prompt_len, "tokens per prompt")->check(CLI::Range(1, 1 << 20))->capture_default_str();

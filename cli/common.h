@@ -27,6 +27,8 @@ struct ModelArgs {
   // fp8-fast: fp8 with the products accumulated fast (Model::set_fp8_fast_forward); dtype:
   // --dtype's weights only (an FP8 file is refused).
   std::string weights = "auto";
+  // --fp8-head: with FP8 weights, the LM head in FP8 too (Model::set_fp8_head).
+  bool fp8_head = false;
   void add_to(CLI::App* app, bool need_ckpt = true);
   Status resolve();  // fills config/ckpt/tokenizer from dir
 };

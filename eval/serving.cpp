@@ -25,9 +25,10 @@ Status parse_serving_options(const std::string& list, std::vector<ServingOption>
       o.states = DType::kBF16;
     } else if (item == "fp8-weights") {
       o.fp8_weights = true;
-    } else if (item == "fp8" || item == "fp8-fast") {
+    } else if (item == "fp8" || item == "fp8-fast" || item == "fp8-head" || item == "fp8-fast-head") {
       o.fp8_compute = true;
-      o.fp8_fast = item == "fp8-fast";
+      o.fp8_fast = item.rfind("fp8-fast", 0) == 0;
+      o.fp8_head = item.size() > 5 && item.compare(item.size() - 5, 5, "-head") == 0;
     } else if (item.rfind("defer", 0) == 0) {
       const std::string r = item.substr(5);
       const bool digits = !r.empty() && r.size() <= 3 && std::all_of(r.begin(), r.end(), ::isdigit);
@@ -36,8 +37,8 @@ Status parse_serving_options(const std::string& list, std::vector<ServingOption>
         return Status::invalid_argument("serving option '" + item + "': deferred write-back takes R = 4, 8 or 16");
     } else {
       return Status::invalid_argument("unknown serving option '" + item +
-                                      "' (bf16-weights, bf16-states, fp8-weights, fp8, fp8-fast, defer4, defer8, "
-                                      "defer16)");
+                                      "' (bf16-weights, bf16-states, fp8-weights, fp8, fp8-fast, fp8-head, "
+                                      "fp8-fast-head, defer4, defer8, defer16)");
     }
     v.push_back(o);
   }
@@ -100,17 +101,23 @@ Status eval_serving_options(Model& ref, Model* low, Model* fp8, Model* fp8c, con
   if (fp8c) LAPLACE_RETURN_IF_ERROR(plan_for(*fp8c, run));
   const DType ref_states = ref.dtype() == DType::kF64 ? DType::kF64 : DType::kF32;
 
-  // fp8 and fp8-fast share fp8c, each with its accumulation; fp8c gets its own back at the end.
-  struct FastForwardRestore {
+  // The fp8 options share fp8c, each with its accumulation and head; fp8c gets its own back at
+  // the end.
+  struct Fp8ChoiceRestore {
     Model* m;
-    bool was;
-    ~FastForwardRestore() {
-      if (m) m->set_fp8_fast_forward(was);
+    bool fast, head;
+    ~Fp8ChoiceRestore() {
+      if (!m) return;
+      m->set_fp8_fast_forward(fast);
+      (void)m->set_fp8_head(head);  // turning back to a state it was in cannot fail
     }
-  } restore{fp8c, fp8c && fp8c->fp8_fast_forward()};
+  } restore{fp8c, fp8c && fp8c->fp8_fast_forward(), fp8c && fp8c->fp8_head()};
   for (const ServingOption& o : options) {
     Model& tm = o.fp8_compute ? *fp8c : o.fp8_weights ? *fp8 : o.low_weights ? *low : ref;
-    if (o.fp8_compute) fp8c->set_fp8_fast_forward(o.fp8_fast);
+    if (o.fp8_compute) {
+      fp8c->set_fp8_fast_forward(o.fp8_fast);
+      LAPLACE_RETURN_IF_ERROR(fp8c->set_fp8_head(o.fp8_head).with_context("serving option '" + o.name + "'"));
+    }
     StatePool pref, ptest;
     LAPLACE_RETURN_IF_ERROR(pref.create(c, ref.backend(), P, ref_states));
     const DType test_states = o.states == DType::kBF16 ? DType::kBF16 : (tm.dtype() == DType::kF64 ? DType::kF64 : DType::kF32);

@@ -27,14 +27,16 @@ struct ServingOption {
   bool fp8_weights = false;
   // "fp8": FP8 weights and FP8 products (Model::use_fp8_weights, what `--weights fp8` serves):
   // the weights' and the activations' rounding together; "fp8-fast": the same with the products
-  // accumulated fast (`--weights fp8-fast`, Model::set_fp8_fast_forward)
+  // accumulated fast (`--weights fp8-fast`, Model::set_fp8_fast_forward); "fp8-head" and
+  // "fp8-fast-head": each of those with the LM head in FP8 too (`--fp8-head`, Model::set_fp8_head)
   bool fp8_compute = false;
   bool fp8_fast = false;
+  bool fp8_head = false;
   DType states = DType::kF32;
   int64_t defer = 0;          // deferred write-back R (0: every step)
 };
 
-// "defer4,defer8,bf16-weights,bf16-states,fp8-weights,fp8" → options; bf16-states implies bf16
+// "defer4,defer8,bf16-weights,bf16-states,fp8-weights,fp8,fp8-head" → options; bf16-states implies bf16
 // weights (bf16 state pools belong to bf16 models). Unknown names and R outside {4, 8, 16} are
 // errors.
 Status parse_serving_options(const std::string& list, std::vector<ServingOption>* out);

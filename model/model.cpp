@@ -235,7 +235,9 @@ std::vector<std::vector<TensorSpec>> Model::fp8_training_specs(const Config& c, 
           fp8_grad_specs(c, tokens)};
 }
 
-size_t Model::fp8_bytes() const { return fp8_.bytes() + fp8t_.bytes() + fp8_inputs_.bytes() + fp8_grads_.bytes(); }
+size_t Model::fp8_bytes() const {
+  return fp8_.bytes() + fp8t_.bytes() + fp8_inputs_.bytes() + fp8_grads_.bytes() + fp8_head_arena_.bytes();
+}
 
 Status Model::create_fp8_arena(bool training) {
   if (!be_->supports({"gemm_e4m3", dtype_, {}}) || !be_->supports({"quantize_rows_e4m3", dtype_, {}}) ||
@@ -312,6 +314,27 @@ Status Model::use_fp8_weights() {
       be_->copy(w, Tensor(v.data(), DType::kF32, {R, C}));
     }
   be_->synchronize();
+  return Status::ok();
+}
+
+Status Model::set_fp8_head(bool on) {
+  if (!on) {
+    fp8_head_on_ = false;
+    return Status::ok();
+  }
+  if (!fp8_on_) return Status::unsupported("an FP8 LM head needs FP8 weights (--weights fp8 or an FP8 model file)");
+  if (!fp8_head_.q.defined()) {
+    const int64_t V = cfg_.vocab_size, D = cfg_.hidden_size;
+    if (!be_->supports({"gemm_e4m3", dtype_, {V, D}}))
+      return Status::unsupported(std::string("the ") + be_->name() + " backend's FP8 products do not take the LM head [" +
+                                 std::to_string(V) + ", " + std::to_string(D) + "]");
+    LAPLACE_RETURN_IF_ERROR(fp8_head_arena_.create(
+        {{"lm_head.fp8", DType::kF8E4M3, {V, D}}, {"lm_head.fp8_scale", DType::kF32, {V}}}, be_->allocator(),
+        "FP8 LM head"));
+    fp8_head_ = {fp8_head_arena_.tensor(0), fp8_head_arena_.tensor(1)};
+    be_->quantize_rows_e4m3(w_.lm_head, fp8_head_.q, fp8_head_.s);
+  }
+  fp8_head_on_ = true;
   return Status::ok();
 }
 
@@ -658,7 +681,8 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
     }
   }
   logits_ = rows(logits_buf_, M);
-  be.gemm(rows(zf_, M), false, w_.lm_head, true, logits_, 1.0, 0.0);
+  static const Fp8Matrix kNoCodes{};
+  project(rows(zf_, M), w_.lm_head, fp8_head_on_ && !plan_.training ? fp8_head_ : kNoCodes, Tensor{}, logits_);
 }
 
 double Model::loss(const int32_t* targets) {

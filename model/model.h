@@ -77,6 +77,16 @@ class Model {
   // were captured with.
   void set_fp8_fast_forward(bool on) { fp8_fast_forward_ = on; }
   bool fp8_fast_forward() const { return fp8_fast_forward_; }
+  // The LM head in FP8 as well (inference, with FP8 weights on): the head's rows quantised as
+  // the body matrices' are, into codes of their own (the head's own values stay, since a tied
+  // embedding shares them), and the final norm's rows per row; the logits keep their dtype.
+  // Off by default: the head decides every greedy token, so what it costs is measured on a
+  // trained model (`eval serving`'s fp8-head options) before a server turns it on. The codes
+  // come from the head as it is when first turned on; set_fp8_head(false) turns it off again.
+  // Captured graphs keep the choice they were captured with. Errors: unsupported (no FP8
+  // weights, or the backend's FP8 products do not take the head's shape).
+  Status set_fp8_head(bool on);
+  bool fp8_head() const { return fp8_head_on_; }
 
   // FP8 training (`laplace train --precision fp8`): in training plans the four body projections
   // of every layer compute all three of their products in FP8 E4M3 — the forward Y = X·Wᵀ (X and
@@ -271,6 +281,10 @@ class Model {
   std::vector<std::array<Fp8Matrix, 4>> fp8_cols_;
   Tensor fp8_dyq_, fp8_dys_, fp8_dytq_, fp8_dyts_, fp8_xtq_, fp8_xts_;
   bool fp8_fast_forward_ = false;
+  // The FP8 LM head (set_fp8_head): codes [V, D] and scales [V], and whether forwards use them.
+  Arena fp8_head_arena_;
+  Fp8Matrix fp8_head_;
+  bool fp8_head_on_ = false;
 };
 
 }  // namespace laplace

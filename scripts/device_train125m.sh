@@ -23,8 +23,9 @@
 #          the same tokens, order and math, other rounding; compare measures its distance from our curve,
 #          the floor that rounding alone sets under the reference's distance
 #   fp8    the run again with --precision fp8 (FP8 body products; FP8_PRECISION=fp8-fast: with fast forward
-#          accumulation, figures fp8fast_*; FP8_SERVING=1: then `eval serving --options fp8-weights,fp8,fp8-fast`
-#          on the model it trained, figures tagged fp8run, log $RUNS/fp8_serving.log) for FP8_STEPS (STOP1) steps, in the
+#          accumulation, figures fp8fast_*; FP8_SERVING=1: then `eval serving --options
+#          fp8-weights,fp8,fp8-fast,fp8-head,fp8-fast-head` on the model it trained, figures tagged
+#          fp8run, log $RUNS/fp8_serving.log) for FP8_STEPS (STOP1) steps, in the
 #          background once our run is done (alone on the GPU; without one, the committed curve of TAG
 #          stands for it, checked as in parity); compare then gives fp8_*_laplace125m (bf16
 #          run against FP8 run, the same init, data order and schedule) and the plot $OUT/fp8.png
@@ -240,7 +241,7 @@ if has fp8; then
     rc=\$?
     if [ \$rc = 0 ] && [ ${FP8_SERVING:-0} = 1 ]; then
       LAPLACE_COMMIT=$COMMIT $LAPLACE eval serving --model $RUNS/fp8 --data '$RUNS/data/val_*.bin' --device cuda \
-        --dtype f32 --options fp8-weights,fp8,fp8-fast --prompts 64 --prompt-len 128 --steps 256 --tag fp8run \
+        --dtype f32 --options fp8-weights,fp8,fp8-fast,fp8-head,fp8-fast-head --prompts 64 --prompt-len 128 --steps 256 --tag fp8run \
         --out $RUNS/fp8_quality --results $RUNS/fp8_quality_results.jsonl > $RUNS/fp8_serving.log 2>&1
       echo \"eval serving exit \$?\" >> $RUNS/fp8_serving.log
     fi

@@ -788,6 +788,30 @@ TEST(CudaModel, Fp8WeightsFollowTheCpuAndKeepGraphAndBatchInvariance) {
   o.decode_widths = {8};
   const EngineRun wide = run_engine(f, o, true);
   EXPECT_EQ(wide.tokens, graph.tokens);
+
+  // The LM head in FP8 as well (Model::set_fp8_head): still near the CPU's, visibly not the
+  // bf16 head's product, and graph = eager and batch invariance still hold.
+  ASSERT_TRUE(ref.set_fp8_head(true).is_ok());
+  ASSERT_TRUE(f.set_fp8_head(true).is_ok());
+  ref.forward(prompt.data(), B, P, ForwardOptions{});
+  f.forward(prompt.data(), B, P, ForwardOptions{});
+  const auto lh = to_host(*cuda, f.logits());
+  const double h_cpu = rel_rms(lh, to_host(*cpu, ref.logits())), h_own = rel_rms(lh, lf);
+  EXPECT_LT(h_cpu, 0.25);
+  EXPECT_GT(h_own, 1e-4);
+  EXPECT_LT(h_own, 0.3);
+  std::printf("fp8 head: prefill logits rel RMS %.3g against the CPU's FP8 head, %.3g against the bf16 head\n", h_cpu,
+              h_own);
+  o.decode_widths = {1, 2, 4, 8};
+  o.graphs = false;
+  const EngineRun eager_h = run_engine(f, o, true);
+  o.graphs = true;
+  const EngineRun graph_h = run_engine(f, o, true);
+  ASSERT_EQ(eager_h.tokens.size(), 9u);
+  EXPECT_EQ(eager_h.tokens, graph_h.tokens);
+  EXPECT_TRUE(eager_h.slots == graph_h.slots) << "graph decode with an FP8 head changed the states' bytes";
+  o.decode_widths = {8};
+  EXPECT_EQ(run_engine(f, o, true).tokens, graph_h.tokens);
 }
 
 TEST(CudaModelTrain, FiftyStepsFollowTheCpuLossCurve) {

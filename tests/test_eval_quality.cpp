@@ -242,6 +242,24 @@ TEST(EvalServing, DeferredWriteBackIsIndistinguishableOnTheCpu) {
     EXPECT_EQ(s.agreement, fp8_alone.agreement) << s.option;
   }
   EXPECT_FALSE(c.m.fp8_fast_forward());
+  // fp8-head and fp8-fast-head: the LM head in FP8 as well, one more rounding: further from the
+  // reference than fp8 (a mutation that leaves the head alone gives fp8's figures); the model is
+  // left with its head as the option found it.
+  ASSERT_TRUE(parse_serving_options("fp8-head,fp8-fast-head", &opts).is_ok());
+  ASSERT_EQ(opts.size(), 2u);
+  EXPECT_TRUE(opts[0].fp8_compute && !opts[0].fp8_fast && opts[0].fp8_head);
+  EXPECT_TRUE(opts[1].fp8_compute && opts[1].fp8_fast && opts[1].fp8_head);
+  got.clear();
+  ASSERT_TRUE(eval_serving_options(t.m, nullptr, nullptr, &c.m, held, opts, run, [&](const ServingAccuracy& s) {
+    got.push_back(s);
+  }).is_ok());
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_GT(got[0].logit_relrms_mean, fp8_alone.logit_relrms_mean);
+  EXPECT_LT(got[0].logit_relrms_mean, 0.3);
+  EXPECT_LT(std::fabs(got[0].delta_loss()), 0.1);
+  EXPECT_EQ(got[1].option_loss, got[0].option_loss);  // the CPU's sums are exact either way
+  EXPECT_FALSE(c.m.fp8_head());
+  EXPECT_FALSE(parse_serving_options("fp8-head-fast", &opts).is_ok());
   EXPECT_FALSE(parse_serving_options("defer5", &opts).is_ok());
   EXPECT_FALSE(parse_serving_options("fp4", &opts).is_ok());
   EXPECT_FALSE(parse_serving_options("", &opts).is_ok());

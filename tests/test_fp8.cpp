@@ -603,6 +603,78 @@ TEST(Fp8Model, ForwardWithFp8WeightsOnTheCpu) {
   EXPECT_NE(st.message().find("does not hold FP8 weights"), std::string::npos) << st.message();
 }
 
+// The LM head in FP8 (Model::set_fp8_head): each logit is the exact sum of the products of the
+// final norm's row and the head's row, each quantised per row as the file quantiser does,
+// scaled once; refused without FP8 weights; rows stay independent; off again, the logits are
+// the head's own product's bytes.
+TEST(Fp8Model, Fp8HeadIsTheProductOfTheQuantisedNormRowsAndHeadRows) {
+  auto be = make_cpu_backend();
+  Config c;
+  ASSERT_TRUE(config_load(std::string(LAPLACE_SOURCE_DIR) + "/configs/laplace-tiny.json", &c).is_ok());
+  ASSERT_FALSE(c.tie_embeddings);
+  const int64_t T = 8, B = 2, V = c.vocab_size, D = c.hidden_size;
+  ASSERT_GE(V, D);
+  std::vector<int32_t> toks(B * T);
+  std::mt19937 rng(4);
+  for (auto& t : toks) t = static_cast<int32_t>(rng() % V);
+  Model a;
+  ASSERT_TRUE(a.create(c, *be, DType::kF32).is_ok());
+  a.init_weights(5);
+  EXPECT_EQ(a.set_fp8_head(true).code(), Status::Code::kUnsupported);  // no FP8 weights yet
+  EXPECT_FALSE(a.fp8_head());
+  ASSERT_TRUE(a.use_fp8_weights().is_ok());
+  ASSERT_TRUE(a.plan({B, T, false, false}).is_ok());
+  a.forward(toks.data(), B, T, ForwardOptions{});
+  std::vector<std::vector<float>> own(B * T);
+  for (int64_t r = 0; r < B * T; ++r) own[r] = logits_row(a, r);
+
+  // The final norm's rows: with the identity as the head's first D rows (and zeros after), the
+  // first D logits are those rows, bit for bit.
+  const Tensor head = a.weights().lm_head;
+  ASSERT_EQ(head.dtype, DType::kF32);
+  float* hp = static_cast<float*>(head.data);
+  const std::vector<float> hw(hp, hp + V * D);
+  std::fill(hp, hp + V * D, 0.f);
+  for (int64_t i = 0; i < D; ++i) hp[i * D + i] = 1.f;
+  a.forward(toks.data(), B, T, ForwardOptions{});
+  std::vector<float> zf(B * T * D);
+  for (int64_t r = 0; r < B * T; ++r) {
+    const std::vector<float> l = logits_row(a, r);
+    std::copy_n(l.begin(), D, zf.begin() + r * D);
+  }
+  std::copy(hw.begin(), hw.end(), hp);
+
+  ASSERT_TRUE(a.set_fp8_head(true).is_ok());
+  EXPECT_TRUE(a.fp8_head());
+  a.forward(toks.data(), B, T, ForwardOptions{});
+  std::vector<uint8_t> xq(B * T * D), wq(V * D);
+  std::vector<float> xs(B * T), ws(V);
+  fp8_quantize_rows(zf.data(), B * T, D, xq.data(), xs.data());
+  fp8_quantize_rows(hw.data(), V, D, wq.data(), ws.data());
+  double worst = 0;
+  for (int64_t r = 0; r < B * T; ++r) {
+    const std::vector<float> got = logits_row(a, r);
+    for (int64_t v = 0; v < V; ++v) {
+      long double acc = 0;  // exact: sums of E4M3 products at this K
+      for (int64_t k = 0; k < D; ++k)
+        acc += static_cast<long double>(e4m3_to_float(xq[r * D + k])) * e4m3_to_float(wq[v * D + k]);
+      const float want = static_cast<float>(static_cast<double>(acc) * xs[r] * ws[v]);
+      ASSERT_EQ(got[v], want) << "row " << r << " logit " << v;
+    }
+    worst = std::max(worst, max_rel(got, own[r]));
+  }
+  EXPECT_GT(worst, 1e-6);  // the head's rounding shows
+  EXPECT_LT(worst, 0.1);
+  // Each sequence alone gets its rows of the batch.
+  const std::vector<float> second = logits_row(a, T + 3);
+  a.forward(toks.data() + T, 1, T, ForwardOptions{});
+  EXPECT_EQ(logits_row(a, 3), second);
+  // Off again: the head's own product.
+  ASSERT_TRUE(a.set_fp8_head(false).is_ok());
+  a.forward(toks.data(), B, T, ForwardOptions{});
+  for (int64_t r = 0; r < B * T; ++r) ASSERT_EQ(logits_row(a, r), own[r]) << r;
+}
+
 using testing::run_laplace;
 
 // init → quantize: FP8 body matrices with scales, the precision in the metadata, and a clear
@@ -707,6 +779,14 @@ TEST(Fp8Files, QuantizeRefuseDequantize) {
   const testing::CliResult fast = run_laplace("forward --model " + dir + "/q --weights fp8-fast --tokens 1,2,3,4");
   EXPECT_EQ(fast.exit_code, 0) << fast.output;
   EXPECT_EQ(fast.output, r.output);
+  // --fp8-head: the LM head in FP8 too, another loss; without FP8 weights a clear refusal.
+  const testing::CliResult head = run_laplace("forward --model " + dir + "/q --fp8-head --tokens 1,2,3,4");
+  EXPECT_EQ(head.exit_code, 0) << head.output;
+  EXPECT_NE(head.output.find("loss="), std::string::npos) << head.output;
+  EXPECT_NE(head.output, r.output);
+  const testing::CliResult nohead = run_laplace("forward --model " + dir + "/m --fp8-head --tokens 1,2,3,4");
+  EXPECT_NE(nohead.exit_code, 0) << nohead.output;
+  EXPECT_NE(nohead.output.find("needs FP8 weights"), std::string::npos) << nohead.output;
   for (const std::string& cmd : {"forward --model " + dir + "/q --weights dtype --tokens 1,2,3,4",
                                  "train --config " + cfg + " --init " + dir + "/q/model.safetensors --data " + dir +
                                      "/none.bin --steps 1"}) {
