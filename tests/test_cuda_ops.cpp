@@ -554,14 +554,14 @@ TEST_F(CudaOps, GemmAddResidualBF16) {
 // A captured chain of the decode step's gemm shapes (β = 0, M = 1,280: qkvg 9216 × 3072, w12
 // 16384 × 3072 reading a strided slice of the first's output, then qkvg again) with an
 // element-wise op between each. Before such multi-wave gemms cuBLASLt queues a memset of a
-// tile counter, which capture() replaces by one zeroing kernel at the head (or, under
-// LAPLACE_GRAPH_COUNTERS=tail, the end) of the graph (gather_gemm_memsets). Replays must give
+// tile counter, which capture() replaces by one zeroing kernel at the end (or, under
+// LAPLACE_GRAPH_COUNTERS=head, the head) of the graph (gather_gemm_memsets). Replays must give
 // eager's bytes, twice with fresh inputs (and a second replay the same: the counters are zeroed
 // again), and on sm_90 (cuBLASLt 13 on the H200 queues one before each of these three gemms) the
 // rewiring must have happened: the memsets replaced are counted.
 TEST_F(CudaOps, GraphOfGemmsMovesMemsetsAndKeepsEagerBits) {
-  // Twice: counters zeroed by the graph's first node (the default), then by its last, on a
-  // backend made under LAPLACE_GRAPH_COUNTERS=tail (the arena zeroed once when allocated).
+  // Twice: counters zeroed by the graph's last node (the default; the arena zeroed once when
+  // allocated), then by its first, on a backend made under LAPLACE_GRAPH_COUNTERS=head.
   const auto check = [&] {
     auto* be = dynamic_cast<CudaBackend*>(cuda_.get());
     ASSERT_NE(be, nullptr);
@@ -620,17 +620,17 @@ TEST_F(CudaOps, GraphOfGemmsMovesMemsetsAndKeepsEagerBits) {
     }
   };
   check();
-  ::setenv("LAPLACE_GRAPH_COUNTERS", "tail", 1);
+  ::setenv("LAPLACE_GRAPH_COUNTERS", "head", 1);
   std::string why;
-  std::unique_ptr<Backend> tail = make_cuda_backend(&why);
+  std::unique_ptr<Backend> head = make_cuda_backend(&why);
   ::unsetenv("LAPLACE_GRAPH_COUNTERS");
-  ASSERT_NE(tail, nullptr) << why;
-  std::swap(cuda_, tail);  // input(), same_bytes() and the rest use cuda_
+  ASSERT_NE(head, nullptr) << why;
+  std::swap(cuda_, head);  // input(), same_bytes() and the rest use cuda_
   {
-    SCOPED_TRACE("counters zeroed at the graph's tail");
+    SCOPED_TRACE("counters zeroed at the graph's head");
     check();
   }
-  std::swap(cuda_, tail);
+  std::swap(cuda_, head);
 }
 
 // Gemm tuning (gemm_tune in cuda_backend.cpp): the first eager call of a large shape times

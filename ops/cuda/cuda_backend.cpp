@@ -74,11 +74,10 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   // Diagnostics: LAPLACE_GRAPH_GEMM_MEMSETS=keep captures cuBLASLt's memsets where it queued
   // them (to time what gather_gemm_memsets saves).
   if (const char* v = std::getenv("LAPLACE_GRAPH_GEMM_MEMSETS")) gather_memsets_ = std::strcmp(v, "keep") != 0;
-  // LAPLACE_GRAPH_COUNTERS=tail zeroes the gathered counters at the end of each graph instead of
-  // at its head, so that a replay does not begin with the fill kernel (a graph rooted at a
-  // kernel waits for it before anything else starts). Not the default until the graph-vs-eager
-  // bitwise tests have run with it.
-  if (const char* v = std::getenv("LAPLACE_GRAPH_COUNTERS")) counters_at_tail_ = std::strcmp(v, "tail") == 0;
+  // The gathered counters are zeroed at the end of each graph (and once when allocated), so that
+  // a replay does not begin with the fill kernel: a graph rooted at a kernel waits for it before
+  // anything else starts. LAPLACE_GRAPH_COUNTERS=head zeroes them at the graph's head instead.
+  if (const char* v = std::getenv("LAPLACE_GRAPH_COUNTERS")) counters_at_tail_ = std::strcmp(v, "head") != 0;
   if (const char* v = std::getenv("LAPLACE_DEFERRED_STREAM")) set_deferred_stream(std::atoi(v));
   if (const char* v = std::getenv("LAPLACE_GEMM_TUNE")) {
     gemm_tune_ = gemm_tune_allowed_ = std::strcmp(v, "0") != 0;
@@ -226,7 +225,7 @@ Status CudaBackend::capture(const std::function<void()>& queue_ops, std::unique_
   captured_gemms_.clear();
   slots_used_ = 0;
   // Every replay starts with its gemms' counters at zero (gather_gemm_memsets): zeroed by the
-  // graph's first node, or by its last (and at allocation) under LAPLACE_GRAPH_COUNTERS=tail.
+  // graph's last node (and at allocation), or by its first under LAPLACE_GRAPH_COUNTERS=head.
   if (counters_ && !counters_at_tail_) zero_counters();
   capturing_ = true;
   queue_ops();

@@ -332,7 +332,7 @@ class CudaBackend final : public Backend {
   static constexpr int64_t kCounterSlots = 1024;  // gemms per graph that get one
   bool capturing_ = false;
   bool gather_memsets_ = true;
-  bool counters_at_tail_ = false;  // LAPLACE_GRAPH_COUNTERS=tail (see the constructor)
+  bool counters_at_tail_ = true;  // false under LAPLACE_GRAPH_COUNTERS=head (see the constructor)
   void* counters_ = nullptr;  // [kCounterSlots × kCounterSlot] bytes, allocated at the first capture
   std::vector<CapturedGemm> captured_gemms_;
   int64_t slots_used_ = 0;  // of counters_, in the capture running
