@@ -30,9 +30,6 @@
 #include "model/config.h"
 #include "model/state.h"
 #include "ops/backend.h"
-#ifdef LAPLACE_HAVE_CUDA
-#include "ops/cuda/cuda_backend.h"
-#endif
 
 namespace {
 
@@ -559,48 +556,6 @@ int main(int argc, char** argv) {
                   "copies): heads out of step (engine) %.4f ms\n",
                   phased);
     }
-#ifdef LAPLACE_HAVE_CUDA
-    // The streaming deferred kernel (CudaBackend::set_deferred_stream: persistent blocks that copy
-    // one item ahead) on BF16 states, against the block-per-item kernel in the same run: the
-    // pending step alone and the engine's phased cycle. State bytes read per pending step beside.
-    if (auto* cb = dynamic_cast<CudaBackend*>(be.get())) {
-      const int64_t R8 = 8;
-      StatePool pd;
-      if (!pd.create(c, *be, B + 1, bf, {R8, bf}).is_ok()) {
-        std::fprintf(stderr, "bench_ops: out of memory for a deferred state pool\n");
-        return 1;
-      }
-      const Tensor sd = pd.gla(0);
-      const GlaPending pend = pd.pending(0);
-      auto step = [&] { e.gla_decode_gate_deferred(gp, qh, kh, vh, gh, t("onorm_w"), 1e-5, sd, pend, slots, oh, yh); };
-      auto reset = [&] { e.fill(pend.count, 0.0); };
-      const double read_bytes = 2.0 * static_cast<double>(B) * H * dk * dv;  // BF16 states, read once
-      const int before = cb->deferred_stream();
-      for (int on : {-1, 0}) {
-        cb->set_deferred_stream(on);
-        const int64_t launches = cb->deferred_stream_launches();
-        const double tp = (time_ms(e, reps,
-                                   [&] {
-                                     reset();
-                                     for (int64_t i = 0; i + 1 < R8; ++i) step();
-                                   }) -
-                           time_ms(e, reps, reset)) /
-                          static_cast<double>(R8 - 1);
-        e.gla_pending_flush(gp, sd, pend, slots);
-        const double phased = time_ms(e, reps, [&] {
-                                for (int64_t i = 0; i < R8; ++i) step();
-                              }) /
-                              static_cast<double>(R8);
-        const bool streamed = cb->deferred_stream_launches() > launches;
-        std::printf("  gla_decode_gate_deferred R =  8, BF16 state, %s: pending step %.4f ms (%.1f GB/s of states "
-                    "read), heads out of step (engine) %.4f ms\n",
-                    on < 0 ? "a block per (sequence, head)" : streamed ? "streaming kernel" : "streaming kernel "
-                    "(not applicable: ran the block kernel)",
-                    tp, read_bytes / (tp * 1e6), phased);
-      }
-      cb->set_deferred_stream(before);
-    }
-#endif
   }
   if (only == "decode") return 0;
 

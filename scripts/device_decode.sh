@@ -156,8 +156,7 @@ for s in $STAGES; do
         "$OUT/ncu.log" | head -${NCU_TAIL:-60} ;;
     trace)  # kernel timeline of a deferred F32 decode run (experiments/trace/cupti_trace.cpp, CUPTI injection; no nsys there):
       # idle time and kernel times per step (scripts/trace_step.py). TRACE_STATE: the states' dtype; TRACE_ARGS: more
-      # options for this stage and ptrace (e.g. --weights fp8); LAPLACE_DEFERRED_STREAM=0 in the environment traces the
-      # streaming deferred kernel
+      # options for this stage and ptrace (e.g. --weights fp8)
       build_tracer &&
       CUDA_INJECTION64_PATH=$PWD/build-gpu/libcupti_trace.so CUPTI_TRACE_OUT=build-gpu/trace.csv timeout 300 \
         $L bench decode $M3B --batch 1280 --steps 12 --warmup 3 --prompt-len 16 --prefill-chunk 16 --max-batch-tokens 24000 --results "" \
@@ -172,9 +171,8 @@ for s in $STAGES; do
     fp8serve)  # issue 31's serving figures with FP8 weights (--weights fp8), after the FP8 GPU tests (FP8_TESTS=0:
       # without them); FP8_DEFER=R: with --defer-writeback R (tags end in _deferR); FP8_STATES: the decode runs' state
       # dtypes (default "bf16 f32"), FP8_PREFILL=0: no prefill figure; FP8_WEIGHTS=fp8-fast: fast accumulation (tags
-      # with fp8fast for fp8); FP8_DSTREAM=1: each BF16-state deferred run again with the streaming deferred kernel
-      # (LAPLACE_DEFERRED_STREAM=0, tags end in _dstream); FP8_HEAD=1: the LM head in FP8 too (--fp8-head, tags
-      # end in _fp8head; the prefill's figures end in _head)
+      # with fp8fast for fp8); FP8_HEAD=1: the LM head in FP8 too (--fp8-head, tags end in _fp8head; the prefill's
+      # figures end in _head)
       if [ "${FP8_TESTS:-1}" = 1 ]; then
         timeout ${TESTS_TIMEOUT:-420} ./build-gpu/tests/laplace_tests \
           --gtest_filter="CudaOps.Fp8*:CudaModel.Fp8*:CudaModelTrain.Fp8*" > "$OUT/fp8_tests.log" 2>&1
@@ -184,13 +182,9 @@ for s in $STAGES; do
       [ "${FP8_HEAD:-0}" = 1 ] && head=--fp8-head && htag=_fp8head
       [ -n "${FP8_DEFER:-}" ] && defer="--defer-writeback $FP8_DEFER" && dtag=_defer$FP8_DEFER
       for sd in ${FP8_STATES:-bf16 f32}; do
-        streams=-1; [ "${FP8_DSTREAM:-0}" = 1 ] && [ "$sd" = bf16 ] && [ -n "$defer" ] && streams="-1 0"
-        for ds in $streams; do
-          stag=; [ "$ds" = 0 ] && stag=_dstream
-          LAPLACE_DEFERRED_STREAM=$ds timeout 240 $L bench decode $M3B --weights $fw $head --batch 1280 --steps 20 \
-            --warmup 3 --prompt-len 16 --prefill-chunk 16 --max-batch-tokens 24000 --state-dtype $sd $defer --results "$R" \
-            --tag 3b_1280_${sd/f32/fp32}state_${fw/-/}$dtag$stag$htag 2>&1 | tee -a "$LOG" | grep -E "engine|decode:"
-        done
+        timeout 240 $L bench decode $M3B --weights $fw $head --batch 1280 --steps 20 --warmup 3 --prompt-len 16 \
+          --prefill-chunk 16 --max-batch-tokens 24000 --state-dtype $sd $defer --results "$R" \
+          --tag 3b_1280_${sd/f32/fp32}state_${fw/-/}$dtag$htag 2>&1 | tee -a "$LOG" | grep -E "engine|decode:"
       done
       [ "${FP8_PREFILL:-1}" = 1 ] && timeout 120 $L bench prefill $M3B --weights $fw $head --prompt-len 8192 --reps 7 \
         --results "$R" --tag 3b 2>&1 | tee -a "$LOG" | grep -E "prefill of" ;;

@@ -44,9 +44,6 @@
 #include "tests/test_util.h"
 #include "text/shard.h"
 #include "train/trainer.h"
-#ifdef LAPLACE_HAVE_CUDA
-#include "ops/cuda/cuda_backend.h"
-#endif
 
 namespace laplace {
 namespace {
@@ -616,27 +613,6 @@ TEST(CudaModel, GraphDecodeBitwiseEqualsEagerAndWidthInvariant) {
     const EngineRun wide = run_engine(m, o, true);
     EXPECT_GT(wide.stats.padded_rows, mixed.stats.padded_rows);
     EXPECT_EQ(wide.tokens, mixed.tokens);
-#ifdef LAPLACE_HAVE_CUDA
-    if (sdt == DType::kBF16 && R > 0) {  // the streaming deferred kernel: the same tokens and bytes
-      auto& be = dynamic_cast<CudaBackend&>(*cuda);
-      for (int blocks : {0, 2}) {
-        SCOPED_TRACE("deferred stream, blocks " + std::to_string(blocks));
-        be.set_deferred_stream(blocks);
-        const int64_t launches = be.deferred_stream_launches();
-        o.decode_widths = {1, 2, 4, 8};
-        o.graphs = false;
-        const EngineRun s_eager = run_engine(m, o, false);
-        o.graphs = true;
-        const EngineRun s_graph = run_engine(m, o, false);
-        be.set_deferred_stream(-1);
-        EXPECT_GT(be.deferred_stream_launches(), launches);
-        EXPECT_EQ(s_eager.tokens, eager.tokens);
-        EXPECT_TRUE(s_eager.slots == eager.slots) << "the streaming kernel changed the states' bytes";
-        EXPECT_EQ(s_graph.tokens, eager.tokens);
-        EXPECT_TRUE(s_graph.slots == eager.slots) << "the streaming kernel changed the states' bytes (graphs)";
-      }
-    }
-#endif
   }
 }
 

@@ -174,22 +174,6 @@ class CudaOps : public ::testing::Test {
 #endif
   }
 
-  // CudaBackend::set_deferred_stream of cuda_, and the streaming kernel's launches so far.
-  void set_deferred_stream(int max_blocks) {
-#ifdef LAPLACE_HAVE_CUDA
-    dynamic_cast<CudaBackend&>(*cuda_).set_deferred_stream(max_blocks);
-#else
-    (void)max_blocks;
-#endif
-  }
-  int64_t deferred_stream_launches() const {
-#ifdef LAPLACE_HAVE_CUDA
-    return dynamic_cast<const CudaBackend&>(*cuda_).deferred_stream_launches();
-#else
-    return 0;
-#endif
-  }
-
   std::unique_ptr<Backend> cuda_, cpu_;
 };
 
@@ -1293,66 +1277,6 @@ TEST_F(CudaOps, GlaDecodeDeferredTracksPlainDecode) {
   EXPECT_LE(worst, 1e-5) << "F32 outputs of the two schemes";
   cuda_->gla_pending_flush(p, deferred.t, pend, slots.d());
   EXPECT_LE(max_rel_error(down(deferred.t)->t, down(plain.d())->t), 1e-5);
-}
-
-// The streaming deferred kernel (CudaBackend::set_deferred_stream: persistent blocks, copies one
-// item ahead) against the block-per-item kernel on copies of the same BF16 states, pairs and
-// counts: the same bytes of o, y, states, pairs and counts after every step. Count words start
-// at every (m, d) with m + d < R, so pending and write-back items mix within a block's walk;
-// BF16 and F32 pairs; as many blocks as fit, and 3 or 7 blocks, each then walking ~200 or ~85
-// items through both buffers and both barrier parities.
-TEST_F(CudaOps, GlaDecodeDeferredStreamGivesTheBlockKernelsBits) {
-  const int64_t B = 37, S = 41, H = 16, dk = 96, dv = 192;
-  GlaParams p = gla_params(H, dk, 128, GlaForm::kRecurrent);
-  std::vector<int32_t> sl(B);
-  for (int64_t b = 0; b < B; ++b) sl[b] = static_cast<int32_t>((b * 7 + 3) % S);
-  Buf slots = ints(sl);
-  Buf w = input({dv}, kBF16, kF64, 904, 0.5, 1.5);
-  for (int64_t R : {4, 8, 16}) {
-    for (DType pdt : {kBF16, kF32}) {
-      for (int blocks : {0, 3, 7}) {
-        SCOPED_TRACE("R " + std::to_string(R) + " pairs " + dtype_name(pdt) + " blocks " + std::to_string(blocks));
-        const int64_t P = R - 1;
-        Buf pool = input({S, H, dk, dv}, kBF16, kF64, 905);
-        Buf pk = input({S, H, P, dk}, pdt, kF64, 906), pv = input({S, H, P, dv}, pdt, kF64, 907);
-        std::vector<int32_t> counts(S * H);
-        for (size_t i = 0; i < counts.size(); ++i) {
-          const int32_t m = static_cast<int32_t>((i * 5 + 1) % R);
-          counts[i] = pending_word(m, static_cast<int32_t>((i * 3) % (R - m)));
-        }
-        Buf cnt = ints(counts);
-        DevTensor pool2(*cuda_, kBF16, {S, H, dk, dv}), pk2(*cuda_, pdt, {S, H, P, dk}),
-            pv2(*cuda_, pdt, {S, H, P, dv}), cnt2(*cuda_, DType::kI32, {S, H});
-        cuda_->copy(pool2.t, pool.d());
-        cuda_->copy(pk2.t, pk.d());
-        cuda_->copy(pv2.t, pv.d());
-        cuda_->copy(cnt2.t, cnt.d().reshape({S, H}));
-        const GlaPending pend{pk.d(), pv.d(), cnt.d().reshape({S, H}), R}, pend2{pk2.t, pv2.t, cnt2.t, R};
-        for (int64_t t = 0; t < 2 * R + 3; ++t) {
-          const uint64_t sd = 910 + 10 * t;
-          Buf q = input({B, 1, H, dk}, kBF16, kF64, sd), k = input({B, 1, H, dk}, kBF16, kF64, sd + 1),
-              v = input({B, 1, H, dv}, kBF16, kF64, sd + 2), g = input({B, 1, H, dv}, kBF16, kF64, sd + 3, -3, 3);
-          DevTensor o1(*cuda_, kBF16, {B, 1, H, dv}), y1(*cuda_, kBF16, {B, 1, H, dv}),
-              o2(*cuda_, kBF16, {B, 1, H, dv}), y2(*cuda_, kBF16, {B, 1, H, dv});
-          set_deferred_stream(-1);
-          cuda_->gla_decode_gate_deferred(p, q.d(), k.d(), v.d(), g.d(), w.d(), 1e-5, pool.d(), pend, slots.d(), o1.t,
-                                          y1.t);
-          set_deferred_stream(blocks);
-          const int64_t launches = deferred_stream_launches();
-          cuda_->gla_decode_gate_deferred(p, q.d(), k.d(), v.d(), g.d(), w.d(), 1e-5, pool2.t, pend2, slots.d(), o2.t,
-                                          y2.t);
-          ASSERT_EQ(deferred_stream_launches(), launches + 1) << "the streaming kernel did not run";
-          set_deferred_stream(-1);
-          ASSERT_TRUE(same_bytes(o2.t, o1.t)) << "o, step " << t;
-          ASSERT_TRUE(same_bytes(y2.t, y1.t)) << "y, step " << t;
-          ASSERT_TRUE(same_bytes(cnt2.t, cnt.d().reshape({S, H}))) << "counts, step " << t;
-        }
-        EXPECT_TRUE(same_bytes(pool2.t, pool.d())) << "states";
-        EXPECT_TRUE(same_bytes(pk2.t, pk.d())) << "pending k";
-        EXPECT_TRUE(same_bytes(pv2.t, pv.d())) << "pending v";
-      }
-    }
-  }
 }
 
 // ---- device-scalar optimizer ops (no host sync): vs the CPU op / the ungated CUDA op ----

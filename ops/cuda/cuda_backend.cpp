@@ -78,7 +78,6 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   // a replay does not begin with the fill kernel: a graph rooted at a kernel waits for it before
   // anything else starts. LAPLACE_GRAPH_COUNTERS=head zeroes them at the graph's head instead.
   if (const char* v = std::getenv("LAPLACE_GRAPH_COUNTERS")) counters_at_tail_ = std::strcmp(v, "head") != 0;
-  if (const char* v = std::getenv("LAPLACE_DEFERRED_STREAM")) set_deferred_stream(std::atoi(v));
   if (const char* v = std::getenv("LAPLACE_GEMM_TUNE")) {
     gemm_tune_ = gemm_tune_allowed_ = std::strcmp(v, "0") != 0;
     gemm_tune_verbose_ = std::strcmp(v, "verbose") == 0;
@@ -278,16 +277,6 @@ void CudaBackend::kernel_smem_set(const void* kernel, size_t dyn_bytes, bool max
     ++kernel_attr_calls_;
     ka.carveout = true;
   }
-}
-
-int CudaBackend::blocks_per_sm_of(const void* kernel, int threads, size_t dyn_bytes) {
-  const auto key = std::make_tuple(kernel, threads, dyn_bytes);
-  auto it = blocks_per_sm_.find(key);
-  if (it != blocks_per_sm_.end()) return it->second;
-  int n = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, dyn_bytes));
-  blocks_per_sm_.emplace(key, n);
-  return n;
 }
 
 void* CudaBackend::scratch(size_t bytes) {

@@ -43,7 +43,6 @@
 //                  gla_forward (T = 1) followed by rmsnorm_gate_forward.
 //  gla_decode_gate_deferred / gla_pending_flush  the same kernel reading S every step and
 //                  writing it every R-th (R = 4, 8, 16); pairs F32/BF16, states F32/BF16.
-//                  BF16 states may take a streaming kernel instead (set_deferred_stream).
 //  rmsnorm_gate    o, g, y, dy, d_o, dg float; w, dw float [dv]; rstd F32 [B,T,H] contiguous
 //                  (optional: recomputed by the backward when undefined, eps = 1e-5).
 //  swiglu          ab, h, dh, dab float. dab may alias ab.
@@ -76,7 +75,6 @@
 #include <map>
 #include <memory>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "ops/backend.h"
@@ -233,22 +231,6 @@ class CudaBackend final : public Backend {
   void kernel_smem(Kernel* kernel, size_t dyn_bytes, bool max_carveout = false) {
     kernel_smem_set(reinterpret_cast<const void*>(kernel), dyn_bytes, max_carveout);
   }
-  // Resident blocks per SM of `kernel` launched with `threads` threads and `dyn_bytes` of
-  // dynamic shared memory: the occupancy calculator's answer, asked once per (kernel, size).
-  template <class Kernel>
-  int blocks_per_sm(Kernel* kernel, int threads, size_t dyn_bytes) {
-    return blocks_per_sm_of(reinterpret_cast<const void*>(kernel), threads, dyn_bytes);
-  }
-  // The deferred decode step with BF16 states (gla_decode_gate_deferred) as a stream of
-  // persistent blocks that fetch one item ahead (kernels_gla_decode.cu,
-  // gla_decode_deferred_stream_kernel) instead of a block per (sequence, head): −1 (the
-  // default) off, 0 on with as many blocks as fit at once, n > 0 on with at most n blocks
-  // (tests use few, so that each block walks many items). Both give the same bits. Off by
-  // default until it is measured faster; LAPLACE_DEFERRED_STREAM=n sets it for the process.
-  void set_deferred_stream(int max_blocks) { deferred_stream_ = max_blocks < 0 ? -1 : max_blocks; }
-  int deferred_stream() const { return deferred_stream_; }
-  // Launches of the streaming deferred kernel so far; tests read it.
-  int64_t deferred_stream_launches() const { return deferred_stream_launches_; }
   // CUDA function-attribute calls (reads and sets) made by kernel_smem so far; tests read it.
   int64_t kernel_attr_calls() const { return kernel_attr_calls_; }
   // A fingerprint of `bytes` bytes of device memory (order-independent 64-bit hash of the
@@ -313,10 +295,6 @@ class CudaBackend final : public Backend {
     bool carveout = false;
   };
   std::map<const void*, KernelAttrs> kernel_attrs_;
-  std::map<std::tuple<const void*, int, size_t>, int> blocks_per_sm_;
-  int blocks_per_sm_of(const void* kernel, int threads, size_t dyn_bytes);
-  int deferred_stream_ = -1;
-  int64_t deferred_stream_launches_ = 0;
   int64_t kernel_attr_calls_ = 0;
   void kernel_smem_set(const void* kernel, size_t dyn_bytes, bool max_carveout);
 

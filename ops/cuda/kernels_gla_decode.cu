@@ -18,7 +18,6 @@
 //
 // The gate epilogue reproduces rmsnorm_gate_fwd_kernel (kernels_norm.cu) operation for
 // operation, o rounded to its dtype first, so fused and unfused decode give the same bits.
-#include <algorithm>
 #include <string>
 #include <type_traits>
 
@@ -149,27 +148,20 @@ __device__ __forceinline__ void load_rows(const ST* src, int64_t sk, int i0, int
   }
 }
 
-// One thread: the state of one (slot, head) [G·rows, dv] from gs into sS by G bulk copies of
-// `piece` bytes, row group g completing the current phase of bar[g] (initialised, count 1).
-template <int G, class ST>
-__device__ __forceinline__ void state_copy_bulk(const ST* gs, ST* sS, int rows, int dv, uint32_t piece,
-                                                uint64_t* bar) {
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    mbar_arrive_expect_tx(&bar[g], piece);
-    bulk_g2s(sS + g * rows * dv, gs + g * rows * dv, piece, &bar[g]);
-  }
-}
-
-// Thread 0 of a block: state_copy_bulk into freshly initialised barriers. Each barrier completes
-// once (parity 0); a block barrier must come between this and any thread's wait.
+// Thread 0 of a block: the state of one (slot, head) [G·rows, dv] from gs into sS by G bulk
+// copies of `piece` bytes, row group g completing on bar[g]. Each barrier completes once
+// (parity 0); a block barrier must come between this and any thread's wait.
 template <int G, class ST>
 __device__ __forceinline__ void state_load_bulk(const ST* gs, ST* sS, int rows, int dv, uint32_t piece,
                                                 uint64_t* bar) {
 #pragma unroll
   for (int g = 0; g < G; ++g) mbar_init(&bar[g], 1);
   fence_barrier_init();
-  state_copy_bulk<G>(gs, sS, rows, dv, piece, bar);
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    mbar_arrive_expect_tx(&bar[g], piece);
+    bulk_g2s(sS + g * rows * dv, gs + g * rows * dv, piece, &bar[g]);
+  }
 }
 
 // kBulk (BF16 states, see gla_decode_forward): the state reaches shared memory through G bulk
@@ -297,12 +289,10 @@ struct PendArgs {
 // min/max clamp in its place took the write-back step at every step on the GPU (CUDA 13.0,
 // sm_90a) although its PTX compared the clamped count correctly; the cause was not found, and
 // the mask passes the op and model tests.
-__device__ __forceinline__ void count_fields(int32_t w, int R, int* m, int* d) {
+__device__ __forceinline__ void pending_count(const PendArgs& p, int64_t slot, int h, int R, int* m, int* d) {
+  const int32_t w = p.cnt[slot * p.c_ss + h];
   *m = pending_m(w) & (R - 1);
   *d = pending_d(w) & (R - 1);
-}
-__device__ __forceinline__ void pending_count(const PendArgs& p, int64_t slot, int h, int R, int* m, int* d) {
-  count_fields(p.cnt[slot * p.c_ss + h], R, m, d);
 }
 
 // Shared memory of one deferred step: the pairs, q̃, k, v, g, w and the scalars as F32 (16-byte
@@ -345,9 +335,6 @@ __device__ __forceinline__ void stage_inputs(const DecArgs& a, int64_t kq, int64
   }
 }
 
-// Bytes of an element of dtype code dt (F32 or BF16).
-__host__ __device__ inline int dt_size(int dt) { return dt == kBF16 ? 2 : 4; }
-
 // The m pending pairs of (slot, head), k_j [dk] and v_j [dv] contiguous from pk0 and pv0, into
 // shared memory as F32, in 16-byte vectors with up to kPairVecs per thread in flight at once (at
 // R = 8 with BF16 pairs: at most 252 vectors, 2 per thread); a scalar loop where the rows are
@@ -373,7 +360,7 @@ template <int R, bool kScale>
 __device__ __forceinline__ void stage_pairs(const PendArgs& p, int64_t pk0, int64_t pv0, int m, int dk, int dv,
                                             float lam, DeferSmem<R>& sm) {
   const int t = threadIdx.x, n = blockDim.x;
-  const int es = dt_size(p.p_dt), per = 16 / es;
+  const int es = p.p_dt == kBF16 ? 2 : 4, per = 16 / es;
   const char* gk = static_cast<const char*>(p.pk) + pk0 * es;
   const char* gv = static_cast<const char*>(p.pv) + pv0 * es;
   if (dk % per != 0 || dv % per != 0 || (reinterpret_cast<uintptr_t>(gk) | reinterpret_cast<uintptr_t>(gv)) % 16 != 0) {
@@ -418,75 +405,15 @@ __device__ __forceinline__ void stage_pairs(const PendArgs& p, int64_t pk0, int6
   }
 }
 
-// stage_pairs for the streaming kernel, whose pairs arrive by bulk copy: the m pairs' raw rows
-// in shared memory (m rows of k, then m rows of v, in the pairs' dtype) into the F32 arrays,
-// with stage_pairs' values (a BF16 or F32 element as F32, times λ^{m−j} under kScale).
-template <int R, bool kScale>
-__device__ __forceinline__ void stage_pairs_raw(const unsigned char* raw, int p_dt, int m, int dk, int dv, float lam,
-                                                DeferSmem<R>& sm) {
-  const int t = threadIdx.x, n = blockDim.x;
-  for (int j = 0; j < m; ++j) {
-    const float c = kScale ? lam_power(lam, m - j) : 1.f;
-    for (int i = t; i < dk; i += n) {
-      const float k = ldf(raw, static_cast<int64_t>(j) * dk + i, p_dt);
-      sm.pks[j][i] = kScale ? k * c : k;
-    }
-    for (int e = t; e < dv; e += n)
-      sm.pvs[j][e] = ldf(raw, static_cast<int64_t>(m) * dk + static_cast<int64_t>(j) * dv + e, p_dt);
-  }
-}
-
-// The streaming kernel's item inputs as they arrive by bulk copy: q [dk], k [dk], v [dv] and g
-// [dv], each row in its own dtype and starting at a multiple of 16 bytes (input_offsets).
-struct InputOffsets {
-  int q, k, v, g, bytes;
-};
-__host__ __device__ inline InputOffsets input_offsets(const DecArgs& a) {
-  InputOffsets o;
-  o.q = 0;
-  o.k = o.q + a.dk * dt_size(a.q_dt);
-  o.v = o.k + a.dk * dt_size(a.k_dt);
-  o.g = o.v + a.dv * dt_size(a.v_dt);
-  o.bytes = o.g + a.dv * dt_size(a.g_dt);
-  return o;
-}
-
-// stage_inputs for the streaming kernel: q̃ = scale·q, k, v and g from the raw rows in `in`
-// (input_offsets), with stage_inputs' values; w was staged once for the block.
-template <int R>
-__device__ __forceinline__ void stage_inputs_raw(const DecArgs& a, const unsigned char* in, DeferSmem<R>& sm) {
-  const int t = threadIdx.x, n = blockDim.x;
-  const InputOffsets o = input_offsets(a);
-  for (int i = t; i < a.dk; i += n) {
-    sm.qs[i] = a.scale * ldf(in + o.q, i, a.q_dt);
-    sm.ks[i] = ldf(in + o.k, i, a.k_dt);
-  }
-  for (int e = t; e < a.dv; e += n) {
-    sm.vs[e] = ldf(in + o.v, e, a.v_dt);
-    sm.gs[e] = ldf(in + o.g, e, a.g_dt);
-  }
-}
-
-// Where a deferred step's state rows (and pairs and inputs) come from:
-//   kLoads       per-thread loads from global memory;
-//   kBulk        the block's own bulk copies into sS, issued at the step's start (BF16 states);
-//   kPrefetched  bulk copies issued one step earlier by the streaming kernel: the state in sS on
-//                bar[0 … G−1], the pairs' raw rows in `raw` and q, k, v and g in `in` on bar[G],
-//                phases of parity `parity`.
-enum class Src { kLoads, kBulk, kPrefetched };
-
 // One step of (slot, head) with m pending pairs and phase d; kFlush: the write-back step.
 // The two kinds of step are separate instances, each with only its own code.
-// With bulk copies (kBulk, kPrefetched: BF16 states, bulk_fits) the state [dk, dv] arrives in
-// sS by G copies, one per row group on its own barrier of bar; the rows are then read from
-// shared memory, and a write-back step stores them to global memory as before. Every source
-// gives the same values in the same order (the same bits).
-template <class ST, int R, bool kFlush, Src kSrc>
+// kBulk (BF16 states, bulk_fits): the state [dk, dv] arrives in sS by G bulk copies, one per
+// row group on its own barrier of bar, issued before anything else; the rows are then read
+// from shared memory, and a write-back step stores them to global memory as before. The
+// arithmetic and its order are unchanged (the same bits).
+template <class ST, int R, bool kFlush, bool kBulk>
 __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& p, DeferSmem<R>& sm, ST* sS,
-                                              uint64_t* bar, int b, int h, int64_t slot, int m, int d,
-                                              uint32_t parity = 0, const unsigned char* raw = nullptr,
-                                              const unsigned char* in = nullptr) {
-  constexpr bool kBulk = kSrc != Src::kLoads;  // rows from sS
+                                              uint64_t* bar, int b, int h, int64_t slot, int m, int d) {
   constexpr int C = DecShape<ST>::kCols, G = DecShape<ST>::kGroups;
   static_assert(G <= 4, "DeferSmem holds 4 row groups");
   const int nv = a.dv / C, tid = threadIdx.x, c = tid % nv, rg = tid / nv;
@@ -501,22 +428,16 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
   const int rows = (a.dk + G - 1) / G;
   const int r0 = rg * rows, r1 = min(a.dk, r0 + rows);
   float s[kDecUnroll][C];
-  if constexpr (kSrc == Src::kBulk) {  // the copies first: they are the long pole
+  if constexpr (kBulk) {  // the copies first: they are the long pole
     if (tid == 0) {
       const uint32_t piece = static_cast<uint32_t>(rows * a.dv * static_cast<int>(sizeof(ST)));
       state_load_bulk<G>(static_cast<const ST*>(a.s_in) + slot * a.ss + h * a.sh, sS, rows, a.dv, piece, bar);
     }
-  } else if constexpr (kSrc == Src::kLoads) {
+  } else {
     load_rows(src, sk, r0, r1, s);
   }
-  if constexpr (kSrc == Src::kPrefetched) {
-    mbar_wait(&bar[G], parity);
-    stage_inputs_raw(a, in, sm);
-    stage_pairs_raw<R, kFlush>(raw, p.p_dt, m, a.dk, a.dv, a.lam[h], sm);
-  } else {
-    stage_inputs(a, kq, kk, kv, b * a.g_sb + h * a.g_sh, sm);
-    stage_pairs<R, kFlush>(p, pk0, pv0, m, a.dk, a.dv, a.lam[h], sm);
-  }
+  stage_inputs(a, kq, kk, kv, b * a.g_sb + h * a.g_sh, sm);
+  stage_pairs<R, kFlush>(p, pk0, pv0, m, a.dk, a.dv, a.lam[h], sm);
   lam_table(a.lam[h], R, sm.lam_pow);
   __syncthreads();
   if constexpr (!kFlush) {  // one warp per dot product q̃·k_j (m + 1 ≤ R − 1 of them)
@@ -537,7 +458,7 @@ __device__ __forceinline__ void deferred_step(const DecArgs& a, const PendArgs& 
     vt[j] = sm.vs[C * c + j];
   }
   if constexpr (kBulk) {
-    mbar_wait(&bar[rg], parity);
+    mbar_wait(&bar[rg], 0);
     load_rows(src, sk, r0, r1, s);
   }
   for (int i0 = r0; i0 < r1; i0 += kDecUnroll) {
@@ -620,118 +541,8 @@ __global__ void __launch_bounds__(kDecMaxDv, 4) gla_decode_deferred_kernel(DecAr
   const int64_t slot = a.slots ? a.slots[b] : b;
   int m, d;
   pending_count(p, slot, h, R, &m, &d);  // thread 0 rewrites the word after the step's barriers
-  constexpr Src kSrc = kBulk ? Src::kBulk : Src::kLoads;
-  if (m + 1 + d >= R) deferred_step<ST, R, true, kSrc>(a, p, sm, sS, bar, b, h, slot, m, d);
-  else deferred_step<ST, R, false, kSrc>(a, p, sm, sS, bar, b, h, slot, m, d);
-}
-
-
-// The deferred step for BF16 states as a stream (CudaBackend::set_deferred_stream): persistent
-// blocks walk the (b, h) items it = blockIdx.x, blockIdx.x + gridDim.x, … with two buffers, and
-// thread 0 issues the next item's copies (state, pairs, q, k, v, g) before the current item is
-// computed. In gla_decode_deferred_kernel a block's copies are in flight only between its start
-// and its product, so an SM's few resident blocks (each holds a 36 KB state at laplace-3b's
-// shapes) leave the memory pipe idle through every block's prologue and epilogue; here a buffer
-// is refilled as soon as its item's rows are read. Each item runs deferred_step (kPrefetched) as
-// the block-per-item kernel runs it, so the bits are the same; which block takes an item does
-// not matter.
-//
-// Dynamic shared memory: state buffers 0 and 1 [dk, dv], pair buffers 0 and 1 of pair_bytes
-// each (m rows of k, then m of v, in the pairs' dtype), input buffers 0 and 1 of in_bytes each
-// (q, k, v and g: input_offsets). Buffers n & 1 serve the n-th item of the block; their barriers
-// complete once per use, so that item waits on parity (n >> 1) & 1. Every global read of an
-// item is one of these copies but three: w, the same for every item, staged once; and the slot
-// and count word, which thread 0 loads three and two items ahead so that issuing never waits on
-// a load. Between that read of a count word and its item only the scratch slot, which padded
-// batch rows share, can be written; its outputs are discarded, and the mask keeps any word
-// inside the pair arrays.
-template <int R>
-__global__ void __launch_bounds__(kDecMaxDv, 2) gla_decode_deferred_stream_kernel(DecArgs a, PendArgs p,
-                                                                                 uint32_t pair_bytes,
-                                                                                 uint32_t in_bytes) {
-  using ST = __nv_bfloat16;
-  constexpr int G = DecShape<ST>::kGroups;
-  __shared__ DeferSmem<R> sm;
-  __shared__ uint64_t bar[2][G + 1];
-  __shared__ int64_t item_slot[2];
-  __shared__ int item_m[2], item_d[2];
-  extern __shared__ __align__(128) unsigned char state_smem[];
-  const int tid = threadIdx.x, items = a.B * a.H, rows = a.dk / G, es = dt_size(p.p_dt);
-  const uint32_t state_bytes = static_cast<uint32_t>(a.dk * a.dv) * 2u, piece = state_bytes / G;
-  auto sbuf = [&](int x) { return reinterpret_cast<ST*>(state_smem + x * state_bytes); };
-  auto raw = [&](int x) { return state_smem + 2 * state_bytes + x * pair_bytes; };
-  auto in = [&](int x) { return state_smem + 2 * (state_bytes + pair_bytes) + x * in_bytes; };
-  const InputOffsets io = input_offsets(a);
-  // Thread 0: item it's copies into buffer nb, given its slot and count word, and the slot and
-  // count fields into item_*[nb].
-  auto issue = [&](int64_t it, int64_t slot, int32_t word, int nb) {
-    const int b = static_cast<int>(it / a.H), h = static_cast<int>(it - static_cast<int64_t>(b) * a.H);
-    state_copy_bulk<G>(static_cast<const ST*>(a.s_in) + slot * a.ss + h * a.sh, sbuf(nb), rows, a.dv, piece, bar[nb]);
-    int m, d;
-    count_fields(word, R, &m, &d);
-    const uint32_t kb = static_cast<uint32_t>(m * a.dk * es), vb = static_cast<uint32_t>(m * a.dv * es);
-    mbar_arrive_expect_tx(&bar[nb][G], kb + vb + static_cast<uint32_t>(io.bytes));
-    if (m > 0) {
-      bulk_g2s(raw(nb), static_cast<const char*>(p.pk) + (slot * p.k_ss + h * p.k_sh) * es, kb, &bar[nb][G]);
-      bulk_g2s(raw(nb) + kb, static_cast<const char*>(p.pv) + (slot * p.v_ss + h * p.v_sh) * es, vb, &bar[nb][G]);
-    }
-    auto row = [&](const void* base, int64_t sb, int64_t sh, int dt, int off, int len) {
-      const char* src = static_cast<const char*>(base) + (b * sb + h * sh) * dt_size(dt);
-      bulk_g2s(in(nb) + off, src, static_cast<uint32_t>(len * dt_size(dt)), &bar[nb][G]);
-    };
-    row(a.q, a.q_sb, a.q_sh, a.q_dt, io.q, a.dk);
-    row(a.k, a.k_sb, a.k_sh, a.k_dt, io.k, a.dk);
-    row(a.v, a.v_sb, a.v_sh, a.v_dt, io.v, a.dv);
-    row(a.g, a.g_sb, a.g_sh, a.g_dt, io.g, a.dv);
-    item_slot[nb] = slot, item_m[nb] = m, item_d[nb] = d;
-  };
-  const int step = static_cast<int>(gridDim.x);
-  // Items past the end read nothing (items are counted in 64 bits: it + 3·step may pass 2^31).
-  auto slot_of = [&](int64_t it) -> int64_t { return it >= items ? 0 : a.slots ? a.slots[it / a.H] : it / a.H; };
-  auto word_of = [&](int64_t it, int64_t slot) -> int32_t {
-    return it >= items ? 0 : p.cnt[slot * p.c_ss + it % a.H];
-  };
-  // Thread 0 holds the slot and count word of the block's next item and the slot of the one
-  // after, loaded an item before they are needed, so that issuing copies never waits on a load.
-  int64_t next_slot = 0, after_slot = 0;
-  int32_t next_word = 0;
-  if (tid == 0) {
-    for (int x = 0; x < 2; ++x)
-#pragma unroll
-      for (int g = 0; g <= G; ++g) mbar_init(&bar[x][g], 1);
-    fence_barrier_init();
-    const int64_t it = blockIdx.x;  // the host launches at most one block per item
-    const int64_t slot = slot_of(it);
-    issue(it, slot, word_of(it, slot), 0);
-    next_slot = slot_of(it + step);
-    next_word = word_of(it + step, next_slot);
-    after_slot = slot_of(it + 2 * step);
-  }
-  for (int e = tid; e < a.dv; e += blockDim.x) sm.ws[e] = a.w ? ldf(a.w, e, a.w_dt) : 0.f;
-  __syncthreads();
-  int n = 0;
-  for (int64_t it = blockIdx.x; it < items; it += step, ++n) {
-    const int buf = n & 1;
-    // Buffer buf ^ 1 held item n − 1, whose rows every thread read before the barrier that
-    // ended it.
-    if (tid == 0) {
-      if (it + step < items) issue(it + step, next_slot, next_word, buf ^ 1);
-      next_slot = after_slot;
-      next_word = word_of(it + 2 * step, next_slot);
-      after_slot = slot_of(it + 3 * step);
-    }
-    const int b = static_cast<int>(it / a.H), h = static_cast<int>(it - static_cast<int64_t>(b) * a.H);
-    const int64_t slot = item_slot[buf];
-    const int m = item_m[buf], d = item_d[buf];
-    const uint32_t parity = (n >> 1) & 1;
-    if (m + 1 + d >= R)
-      deferred_step<ST, R, true, Src::kPrefetched>(a, p, sm, sbuf(buf), bar[buf], b, h, slot, m, d, parity, raw(buf),
-                                                   in(buf));
-    else
-      deferred_step<ST, R, false, Src::kPrefetched>(a, p, sm, sbuf(buf), bar[buf], b, h, slot, m, d, parity, raw(buf),
-                                                    in(buf));
-    __syncthreads();  // the item's shared memory is read; the next item may overwrite it
-  }
+  if (m + 1 + d >= R) deferred_step<ST, R, true, kBulk>(a, p, sm, sS, bar, b, h, slot, m, d);
+  else deferred_step<ST, R, false, kBulk>(a, p, sm, sS, bar, b, h, slot, m, d);
 }
 
 // S ← λ^m S + Σ_{j<m} λ^{m−1−j} k_jᵀ v_j and the count word ← (0, pending_phase(h, R)) for the
@@ -844,55 +655,6 @@ void launch_deferred(CudaBackend& be, int R, bool bulk, unsigned grid, unsigned 
     case 16: gla_decode_deferred_kernel<ST, 16, false><<<grid, threads, 0, st>>>(a, p); break;
     default: LAPLACE_CHECK(false, "gla deferred decode: R must be 4, 8 or 16");
   }
-}
-
-// The streaming kernel for R pending steps, with at most max_blocks blocks (0: as many as fit on
-// the device at once). False, having queued nothing, where it does not apply: the pairs' or the
-// inputs' rows are not whole 16-byte multiples at 16-byte-aligned addresses (bulk copies), or two
-// items' states, pairs and inputs do not fit in a block's shared memory. The caller has checked
-// bulk_fits.
-bool launch_deferred_stream(CudaBackend& be, int R, int max_blocks, unsigned threads, const DecArgs& a,
-                            const PendArgs& p) {
-  const int64_t es = dt_size(p.p_dt);
-  for (int64_t x : {a.dk * es, a.dv * es, p.k_ss * es, p.k_sh * es, p.v_ss * es, p.v_sh * es})
-    if (x % 16 != 0) return false;
-  if (!aligned(p.pk, 16) || !aligned(p.pv, 16)) return false;
-  // q, k, v and g: every row a whole number of 16-byte pieces at a 16-byte-aligned address.
-  const struct {
-    const void* p;
-    int dt;
-    int64_t sb, sh, len;
-  } rows[] = {{a.q, a.q_dt, a.q_sb, a.q_sh, a.dk},
-              {a.k, a.k_dt, a.k_sb, a.k_sh, a.dk},
-              {a.v, a.v_dt, a.v_sb, a.v_sh, a.dv},
-              {a.g, a.g_dt, a.g_sb, a.g_sh, a.dv}};
-  for (const auto& r : rows) {
-    const int64_t e = dt_size(r.dt);
-    if (!r.p || !aligned(r.p, 16) || (r.len * e) % 16 != 0 || (r.sb * e) % 16 != 0 || (r.sh * e) % 16 != 0)
-      return false;
-  }
-  const uint32_t pair_bytes = static_cast<uint32_t>(((R - 1) * (a.dk + a.dv) * es + 15) / 16 * 16);
-  const uint32_t in_bytes = static_cast<uint32_t>(input_offsets(a).bytes);
-  const size_t smem = 2 * (static_cast<size_t>(a.dk) * a.dv * 2 + pair_bytes + in_bytes);
-  auto go = [&](auto kernel, size_t static_bytes) {
-    if (smem + static_bytes > static_cast<size_t>(be.max_smem_optin())) return false;
-    be.kernel_smem(kernel, smem, /*max_carveout=*/true);
-    const int per_sm = be.blocks_per_sm(kernel, static_cast<int>(threads), smem);
-    if (per_sm < 1) return false;
-    int64_t grid = std::min<int64_t>(static_cast<int64_t>(a.B) * a.H, static_cast<int64_t>(per_sm) * be.num_sms());
-    if (max_blocks > 0) grid = std::min<int64_t>(grid, max_blocks);
-    kernel<<<static_cast<unsigned>(grid), threads, smem, be.stream()>>>(a, p, pair_bytes, in_bytes);
-    return true;
-  };
-  // Static shared memory beside DeferSmem: the barriers and the items' slots and counts.
-  constexpr size_t kExtra = 256;
-  switch (R) {
-    case 4: return go(gla_decode_deferred_stream_kernel<4>, sizeof(DeferSmem<4>) + kExtra);
-    case 8: return go(gla_decode_deferred_stream_kernel<8>, sizeof(DeferSmem<8>) + kExtra);
-    case 16: return go(gla_decode_deferred_stream_kernel<16>, sizeof(DeferSmem<16>) + kExtra);
-    default: LAPLACE_CHECK(false, "gla deferred decode: R must be 4, 8 or 16");
-  }
-  return false;
 }
 
 }  // namespace
@@ -1025,13 +787,9 @@ void CudaBackend::gla_decode_gate_deferred(const GlaParams& p, const Tensor& q, 
   if (a.B == 0) return;
   const unsigned grid = static_cast<unsigned>(a.B * a.H), threads = static_cast<unsigned>(a.dv);
   const int R = static_cast<int>(pend.steps);
-  if (sdt == DType::kBF16) {
-    const bool bulk = cuda::bulk_fits(a, states, states);
-    if (bulk && deferred_stream_ >= 0 && cuda::launch_deferred_stream(*this, R, deferred_stream_, threads, a, pa))
-      ++deferred_stream_launches_;
-    else
-      cuda::launch_deferred<__nv_bfloat16>(*this, R, bulk, grid, threads, a, pa);
-  } else
+  if (sdt == DType::kBF16)
+    cuda::launch_deferred<__nv_bfloat16>(*this, R, cuda::bulk_fits(a, states, states), grid, threads, a, pa);
+  else
     cuda::launch_deferred<float>(*this, R, false, grid, threads, a, pa);
   CUDA_CHECK_LAUNCH();
 }
