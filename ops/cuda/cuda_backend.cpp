@@ -163,8 +163,9 @@ bool same_nodes(std::vector<cudaGraphNode_t> a, std::vector<cudaGraphNode_t> b) 
 // waits for the kernel before the gemm and the gemm for the memset: two dependency hops of
 // idle GPU per gemm, paid once for every gemm of a decode step. Hanging the memset off the
 // previous gemm instead (a branch beside the kernels in between) does not help: the gemm then waits at the join. So while capturing, each gemm whose algorithm needs at most
-// kCounterSlot bytes of workspace gets its own slot of counters_ (gemm_add), the graph's first
-// node zeroes all slots (a fill kernel: capture()), and here every memset that zeroes exactly
+// kCounterSlot bytes of workspace gets its own slot of counters_ (gemm_add), the graph's last
+// node zeroes all slots for the next replay (a fill kernel: capture(); the first replay finds them
+// zeroed at allocation), and here every memset that zeroes exactly
 // such a gemm's slot is dropped (its producers now feed the gemm directly). No kernel
 // and no data dependency changes, nor do the results; graphs never overlap (one stream), so
 // all graphs may share the slots. Only the captured shape is rewired: K's one dependency a
@@ -210,7 +211,7 @@ Status CudaBackend::capture(const std::function<void()>& queue_ops, std::unique_
   // Allocated before the capture: cudaMalloc may not be called while capturing.
   if (gather_memsets_ && !counters_) {
     CUDA_CHECK(cudaMalloc(&counters_, kCounterSlots * kCounterSlot));
-    // Zero for the first replay when the graphs zero them at their tail; on the backend's
+    // Zero for the first replay (graphs zero them at their tail by default); on the backend's
     // stream, which does not wait for the legacy default stream.
     CUDA_CHECK(cudaMemsetAsync(counters_, 0, kCounterSlots * kCounterSlot, stream_));
   }
