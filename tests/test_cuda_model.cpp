@@ -753,21 +753,25 @@ TEST(CudaModel, Fp8WeightsFollowTheCpuAndKeepGraphAndBatchInvariance) {
   std::printf("fp8 weights: prefill logits rel RMS %.3g against the CPU's FP8 model, %.3g against bf16 weights\n",
               e_cpu, e_bf16);
 
-  EngineOptions o;
-  o.decode_widths = {1, 2, 4, 8};
-  const EngineRun eager = run_engine(f, o, true);
-  o.graphs = true;
-  const EngineRun graph = run_engine(f, o, true);
-  ASSERT_EQ(eager.tokens.size(), 9u);
-  EXPECT_EQ(eager.tokens, graph.tokens);
-  EXPECT_TRUE(eager.slots == graph.slots) << "graph decode changed the states' bytes";
-  o.decode_widths = {8};
-  const EngineRun wide = run_engine(f, o, true);
-  EXPECT_EQ(wide.tokens, graph.tokens);
+  // Engines over f: graph = eager (tokens and the states' bytes), and the same tokens at one width.
+  const auto check_engines = [&](const char* what) {
+    SCOPED_TRACE(what);
+    EngineOptions o;
+    o.decode_widths = {1, 2, 4, 8};
+    const EngineRun eager = run_engine(f, o, true);
+    o.graphs = true;
+    const EngineRun graph = run_engine(f, o, true);
+    ASSERT_EQ(eager.tokens.size(), 9u);
+    EXPECT_EQ(eager.tokens, graph.tokens);
+    EXPECT_TRUE(eager.slots == graph.slots) << "graph decode changed the states' bytes";
+    o.decode_widths = {8};
+    EXPECT_EQ(run_engine(f, o, true).tokens, graph.tokens);
+  };
+  check_engines("bf16 LM head");
 
   // The LM head in FP8 as well (Model::set_fp8_head): still near the CPU's, visibly not the
-  // bf16 head's product, and graph = eager and batch invariance still hold. (The engines planned
-  // f for themselves: plan it for the prefill again.)
+  // bf16 head's product, and the engines' invariants still hold. (The engines planned f for
+  // themselves: plan it for the prefill again.)
   ASSERT_TRUE(ref.set_fp8_head(true).is_ok());
   ASSERT_TRUE(f.set_fp8_head(true).is_ok());
   ASSERT_TRUE(f.plan(po).is_ok());
@@ -780,16 +784,7 @@ TEST(CudaModel, Fp8WeightsFollowTheCpuAndKeepGraphAndBatchInvariance) {
   EXPECT_LT(h_own, 0.3);
   std::printf("fp8 head: prefill logits rel RMS %.3g against the CPU's FP8 head, %.3g against the bf16 head\n", h_cpu,
               h_own);
-  o.decode_widths = {1, 2, 4, 8};
-  o.graphs = false;
-  const EngineRun eager_h = run_engine(f, o, true);
-  o.graphs = true;
-  const EngineRun graph_h = run_engine(f, o, true);
-  ASSERT_EQ(eager_h.tokens.size(), 9u);
-  EXPECT_EQ(eager_h.tokens, graph_h.tokens);
-  EXPECT_TRUE(eager_h.slots == graph_h.slots) << "graph decode with an FP8 head changed the states' bytes";
-  o.decode_widths = {8};
-  EXPECT_EQ(run_engine(f, o, true).tokens, graph_h.tokens);
+  check_engines("FP8 LM head");
 }
 
 TEST(CudaModelTrain, FiftyStepsFollowTheCpuLossCurve) {
