@@ -2,8 +2,7 @@
 // compute, F32 master weights, F32 gradients, Muon (body matrices) + AdamW (the rest),
 // gradient-norm clipping, then masters → BF16 weights. The same pieces as `laplace train`
 // (train/trainer.h: make_optimizer_params, copy_masters_to_weights), driven directly so
-// that no data files are needed and the 3.3B weights are initialised fast (a tiled block of
-// N(0,1) values scaled per tensor as weights_init scales them, instead of 3.3B serial draws).
+// that no data files are needed (weights from weights_init, random tokens).
 //
 // One step = grad_accum micro-batches of B×T random tokens (forward, loss, backward), then
 // the optimizer step. The micro-batch B is the largest of 8, 4, 2, 1 whose memory plan
@@ -38,6 +37,7 @@
 
 #include "core/bench_log.h"
 #include "model/model.h"
+#include "model/weights.h"
 #include "train/memory_plan.h"
 #include "train/trainer.h"
 
@@ -85,61 +85,6 @@ void add_args(CLI::App& app, Args* a) {
 double now_s() {
   using namespace std::chrono;
   return duration<double>(steady_clock::now().time_since_epoch()).count();
-}
-
-bool ends_with(const std::string& s, const std::string& suf) {
-  return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
-}
-
-struct Rng {
-  uint64_t s;
-  explicit Rng(uint64_t seed) : s(seed) {}
-  uint64_t next() {
-    const uint64_t z = splitmix64_hash(s);
-    s += kSplitMixGamma;
-    return z;
-  }
-  double uniform() { return (static_cast<double>(next() >> 11) + 0.5) * 0x1.0p-53; }  // (0, 1)
-};
-
-// The distributions of weights_init (model/weights.h), drawn from a tiled block of N(0,1)
-// values: constants for norms/biases, N(0, 1/√K) for the conv, N(0, 0.02/√(2L)) for W_o and
-// W_3, N(0, 0.02) for every other matrix.
-void fast_init(Backend& be, const Config& c, const Arena& masters) {
-  const int64_t kTile = int64_t{1} << 24, kPool = int64_t{1} << 25;
-  std::vector<float> pool(static_cast<size_t>(kPool));
-  Rng rng(12345);
-  for (int64_t i = 0; i + 1 < kPool; i += 2) {  // Box–Muller
-    const double r = std::sqrt(-2.0 * std::log(rng.uniform())), t = 6.283185307179586 * rng.uniform();
-    pool[i] = static_cast<float>(r * std::cos(t));
-    pool[i + 1] = static_cast<float>(r * std::sin(t));
-  }
-  const double out_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(c.num_layers));
-  for (size_t i = 0; i < masters.size(); ++i) {
-    const std::string& n = masters.spec(i).name;
-    Tensor t = masters.tensor(i);
-    int64_t numel = t.numel();
-    Tensor flat = Tensor::make(t.data, t.dtype, &numel, 1, t.device);
-    if (ends_with(n, "norm1.weight") || ends_with(n, "norm2.weight") || n == "model.norm.weight" ||
-        ends_with(n, "onorm.weight")) {
-      be.fill(flat, 1.0);
-      continue;
-    }
-    if (ends_with(n, ".bias")) {
-      be.fill(flat, 0.0);
-      continue;
-    }
-    double sd = 0.02;
-    if (ends_with(n, "conv.weight")) sd = 1.0 / std::sqrt(static_cast<double>(c.conv_size));
-    else if (ends_with(n, "wo.weight") || ends_with(n, "w3.weight")) sd = 0.02 * out_scale;
-    for (int64_t c0 = 0, chunk = 0; c0 < numel; c0 += kTile, ++chunk) {
-      const int64_t len = std::min(kTile, numel - c0);
-      const int64_t off = static_cast<int64_t>((i * 7919 + static_cast<size_t>(chunk) * 104729) % (kPool - kTile));
-      be.copy(flat.slice(0, c0, c0 + len), Tensor(pool.data() + off, DType::kF32, {len}));
-    }
-    be.scale(flat, sd);
-  }
-  be.synchronize();
 }
 
 double gb(size_t bytes) { return static_cast<double>(bytes) / 1e9; }
@@ -191,7 +136,8 @@ int run(const Args& a) {
       return 1;
     }
   }
-  fast_init(*be, cfg, masters);
+  weights_init(cfg, *be, masters, 12345);
+  be->synchronize();
   copy_masters_to_weights(*be, masters, model.weight_arena());
   be->synchronize();
   std::printf("weights, masters, gradients, optimizer allocated and initialised in %.1f s\n", now_s() - t0);
@@ -228,7 +174,7 @@ int run(const Args& a) {
               gb(free_after), gb(total_mem));
 
   // Data: random tokens (loss ≈ ln V), a fresh micro-batch each time.
-  Rng drng(7);
+  SplitMix64 drng{7};
   std::vector<int32_t> x(static_cast<size_t>(N)), y(static_cast<size_t>(N));
   auto next_batch = [&]() {
     for (int64_t i = 0; i < N; ++i) {

@@ -1,10 +1,12 @@
 #include "model/weights.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
-#include <random>
 #include <set>
+#include <thread>
 
+#include "core/rng.h"
 #include "core/safetensors.h"
 #include "model/quantize.h"
 
@@ -84,14 +86,56 @@ std::vector<int64_t> muon_blocks(const Config& c, const std::string& n) {
 
 bool is_decayed_by_adamw(const std::string& n) { return n == "model.embed.weight" || n == "lm_head.weight"; }
 
-void weights_init(const Config& c, Backend& be, const Arena& arena, uint64_t seed) {
-  std::mt19937_64 rng(seed);
+namespace {
+
+// Runs f(begin, end) over pieces of [0, n) on up to `threads` threads (one piece when n is
+// small).
+template <class F>
+void parallel_pieces(int64_t n, int64_t threads, const F& f) {
+  constexpr int64_t kMinPiece = int64_t{1} << 16;
+  const int64_t pieces = std::clamp<int64_t>(n / kMinPiece, 1, threads);
+  if (pieces == 1) {
+    f(int64_t{0}, n);
+    return;
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<size_t>(pieces));
+  for (int64_t p = 0; p < pieces; ++p) pool.emplace_back(f, n * p / pieces, n * (p + 1) / pieces);
+  for (std::thread& t : pool) t.join();
+}
+
+// A 64-bit FNV-1a hash of a tensor's name: each tensor's draws depend on its name, not on
+// where it sits in the table.
+uint64_t name_hash(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char ch : s) h = (h ^ ch) * 0x100000001b3ull;
+  return h;
+}
+
+// Values [b, e) of a tensor's N(0, sd) draws: element 2j and 2j + 1 are the Box–Muller pair of
+// the tensor's SplitMix64 stream's outputs 2j and 2j + 1 (the stream starts at `key`), so any
+// piece is computed on its own and the values do not depend on how the tensor is split.
+void normal_values(uint64_t key, double sd, int64_t b, int64_t e, float* out) {
+  for (int64_t j = b / 2; 2 * j < e; ++j) {
+    SplitMix64 g{key + 2 * static_cast<uint64_t>(j) * kSplitMixGamma};
+    const double u1 = 1.0 - g.uniform(), u2 = g.uniform();  // u1 in (0, 1]
+    const double r = std::sqrt(-2.0 * std::log(u1)), t = 6.283185307179586 * u2;
+    if (2 * j >= b) out[2 * j - b] = static_cast<float>(sd * r * std::cos(t));
+    if (2 * j + 1 < e) out[2 * j + 1 - b] = static_cast<float>(sd * r * std::sin(t));
+  }
+}
+
+}  // namespace
+
+void weights_init(const Config& c, Backend& be, const Arena& arena, uint64_t seed, int threads) {
+  const int64_t nt = threads > 0 ? threads : std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 64);
   const double out_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(c.num_layers));
   std::vector<float> host;
+  std::vector<uint16_t> half;
   for (size_t i = 0; i < arena.size(); ++i) {
     const TensorSpec& s = arena.spec(i);
     const int64_t n = s.numel();
-    host.assign(static_cast<size_t>(n), 0.0f);
+    host.resize(static_cast<size_t>(n));
     double std_dev = 0.02;
     double constant = -1;  // < 0: random
     if (ends_with(s.name, "norm1.weight") || ends_with(s.name, "norm2.weight") ||
@@ -105,10 +149,10 @@ void weights_init(const Config& c, Backend& be, const Arena& arena, uint64_t see
       std_dev = 0.02 * out_scale;
     }
     if (constant >= 0) {
-      for (auto& x : host) x = static_cast<float>(constant);
+      std::fill(host.begin(), host.end(), static_cast<float>(constant));
     } else {
-      std::normal_distribution<double> nd(0.0, std_dev);
-      for (auto& x : host) x = static_cast<float>(nd(rng));
+      const uint64_t key = splitmix64_hash(seed ^ name_hash(s.name));
+      parallel_pieces(n, nt, [&](int64_t b, int64_t e) { normal_values(key, std_dev, b, e, host.data() + b); });
     }
     Tensor src = Tensor::make(host.data(), DType::kF32, s.shape.data(), static_cast<int>(s.shape.size()));
     Tensor dst = arena.tensor(i);
@@ -119,9 +163,11 @@ void weights_init(const Config& c, Backend& be, const Arena& arena, uint64_t see
       be.copy(dst, Tensor::make(d.data(), DType::kF64, s.shape.data(), static_cast<int>(s.shape.size())));
     } else {
       LAPLACE_CHECK(dst.dtype == DType::kBF16, "weights_init: unsupported dtype");
-      std::vector<uint16_t> b(host.size());
-      for (size_t k = 0; k < host.size(); ++k) b[k] = float_to_bf16(host[k]);
-      be.copy(dst, Tensor::make(b.data(), DType::kBF16, s.shape.data(), static_cast<int>(s.shape.size())));
+      half.resize(host.size());
+      parallel_pieces(n, nt, [&](int64_t b, int64_t e) {
+        for (int64_t k = b; k < e; ++k) half[static_cast<size_t>(k)] = float_to_bf16(host[static_cast<size_t>(k)]);
+      });
+      be.copy(dst, Tensor::make(half.data(), DType::kBF16, s.shape.data(), static_cast<int>(s.shape.size())));
     }
   }
 }

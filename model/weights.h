@@ -46,10 +46,13 @@ std::vector<int64_t> muon_blocks(const Config& c, const std::string& name);
 // Parameters that AdamW decays (embedding and head).
 bool is_decayed_by_adamw(const std::string& name);
 
-// Deterministic initialisation from a seed, on the host then copied to the arena's
+// Deterministic initialisation from a seed, on the host's cores then copied to the arena's
 // device: matrices N(0, 0.02), W_o and W_3 scaled by 1/√(2L), norm weights 1, biases
-// 0, onorm 1, conv N(0, 1/√K).
-void weights_init(const Config& c, Backend& be, const Arena& arena, uint64_t seed);
+// 0, onorm 1, conv N(0, 1/√K). Each tensor's normal values are Box–Muller pairs of a
+// SplitMix64 stream keyed by the seed and the tensor's name (core/rng.h), so they do not
+// depend on the thread count (`threads`; 0: the host's cores), and a 3B model initialises in
+// seconds.
+void weights_init(const Config& c, Backend& be, const Arena& arena, uint64_t seed, int threads = 0);
 
 // A model file's metadata: {"format": "pt", "laplace_config": the config's JSON,
 // "laplace_precision": the weights' dtype ("f32", "bf16", "f64"; model/quantize.h's FP8 files

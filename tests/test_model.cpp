@@ -7,7 +7,10 @@
 #include <cstring>
 #include <random>
 
+#include "core/rng.h"
+#include "model/config.h"
 #include "model/model.h"
+#include "model/weights.h"
 #include "serve/generate.h"
 #include "tests/test_util.h"
 
@@ -276,6 +279,74 @@ TEST(ModelGrad, OverwriteEqualsAccumulatingIntoZeros) {
       EXPECT_EQ(differ, 0) << zeroed.spec(i).name;
     }
   }
+}
+
+// weights_init's values are its documented definition (model/weights.h), whatever pieces its
+// threads split a tensor into: each random tensor's element 2j and 2j + 1 are the Box–Muller
+// pair of outputs 2j and 2j + 1 of a SplitMix64 stream keyed by the seed and the FNV-1a hash of
+// the tensor's name, times its standard deviation; constants for norms and biases. The vocabulary
+// is odd so that the embedding ends in half a pair; with 7 threads the embedding's three pieces
+// meet at an odd element.
+TEST(ModelInit, WeightsAreTheSeededStreamOfEachTensor) {
+  auto be = make_cpu_backend();
+  Config c;
+  ASSERT_TRUE(config_load(std::string(LAPLACE_SOURCE_DIR) + "/configs/laplace-tiny.json", &c).is_ok());
+  c.vocab_size = 2047;
+  Model m;
+  ASSERT_TRUE(m.create(c, *be, DType::kF32).is_ok());
+  for (int threads : {1, 2, 7, 0}) {
+    SCOPED_TRACE("threads " + std::to_string(threads));
+    weights_init(c, *be, m.weight_arena(), 77, threads);
+    const Arena& a = m.weight_arena();
+    const double out_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(c.num_layers));
+    int64_t random_tensors = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      const std::string& name = a.spec(i).name;
+      const Tensor t = a.tensor(i);
+      const float* got = t.ptr<float>();
+      const auto ends = [&](const char* suffix) {
+        const std::string sfx(suffix);
+        return name.size() >= sfx.size() && name.compare(name.size() - sfx.size(), sfx.size(), sfx) == 0;
+      };
+      if (ends("norm1.weight") || ends("norm2.weight") || name == "model.norm.weight" || ends("onorm.weight") ||
+          ends(".bias")) {
+        const float want = ends(".bias") ? 0.f : 1.f;
+        for (int64_t k = 0; k < t.numel(); ++k) ASSERT_EQ(got[k], want) << name << " " << k;
+        continue;
+      }
+      ++random_tensors;
+      const double sd = ends("conv.weight") ? 1.0 / std::sqrt(static_cast<double>(c.conv_size))
+                        : ends("wo.weight") || ends("w3.weight") ? 0.02 * out_scale
+                                                                 : 0.02;
+      uint64_t h = 0xcbf29ce484222325ull;
+      for (unsigned char ch : name) h = (h ^ ch) * 0x100000001b3ull;
+      SplitMix64 g{splitmix64_hash(77 ^ h)};
+      double sum2 = 0;
+      for (int64_t k = 0; k < t.numel(); k += 2) {
+        const double u1 = 1.0 - g.uniform(), u2 = g.uniform();
+        const double r = std::sqrt(-2.0 * std::log(u1)), th = 6.283185307179586 * u2;
+        ASSERT_EQ(got[k], static_cast<float>(sd * r * std::cos(th))) << name << " " << k;
+        if (k + 1 < t.numel()) {
+          ASSERT_EQ(got[k + 1], static_cast<float>(sd * r * std::sin(th))) << name << " " << k + 1;
+        }
+        sum2 += static_cast<double>(got[k]) * got[k];
+      }
+      if (t.numel() >= 4096) {  // half the values, the even ones: their RMS is the standard deviation
+        const double rms = std::sqrt(sum2 / static_cast<double>((t.numel() + 1) / 2));
+        EXPECT_NEAR(rms / sd, 1.0, 0.05) << name;
+      }
+    }
+    EXPECT_EQ(random_tensors, 1 + 5 * c.num_layers + (c.tie_embeddings ? 0 : 1));
+  }
+  m.init_weights(77);
+  // Another seed, other values; the same seed, the same bytes.
+  Model m2;
+  ASSERT_TRUE(m2.create(c, *be, DType::kF32).is_ok());
+  m2.init_weights(78);
+  const Tensor e1 = m.weights().embed, e2 = m2.weights().embed;
+  EXPECT_NE(0, std::memcmp(e1.data, e2.data, e1.nbytes()));
+  m2.init_weights(77);
+  EXPECT_EQ(0, std::memcmp(e1.data, e2.data, e1.nbytes()));
 }
 
 TEST(ModelDeterminism, TwoRunsAreBitwiseIdentical) {
