@@ -127,8 +127,8 @@ TEST(EvalPosition, BucketsAddUpToTheWholeSequenceLoss) {
   t.m.forward(x.data(), 2, 300, ForwardOptions{});
   const double whole = t.m.loss(y.data());
   EXPECT_NEAR(sum / static_cast<double>(count), whole, 1e-9);
-  // Context helps on this stream: the late buckets' loss is below the first one's.
-  EXPECT_LT(got.back().mean_loss(), got.front().mean_loss());
+  // (Whether context lowers the loss is not asked of random weights: their buckets differ by
+  // noise. The sum above is what shows each bucket saw the state of every earlier position.)
 }
 
 TEST(EvalCopy, BatchingDoesNotChangeTheResultAndCountsAreExact) {
