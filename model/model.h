@@ -80,9 +80,9 @@ class Model {
   // The LM head in FP8 as well (inference, with FP8 weights on): the head's rows quantised as
   // the body matrices' are, into codes of their own (the head's own values stay, since a tied
   // embedding shares them), and the final norm's rows per row; the logits keep their dtype.
-  // Off by default: the head decides every greedy token, so what it costs is measured on a
-  // trained model (`eval serving`'s fp8-head options) before a server turns it on. The codes
-  // come from the head as it is when first turned on; set_fp8_head(false) turns it off again.
+  // Off by default, because the head decides every greedy token (`eval serving`'s fp8-head
+  // options compare it with the model's own head). The codes come from the head as it is when
+  // first turned on; set_fp8_head(false) turns it off again.
   // Captured graphs keep the choice they were captured with. Errors: unsupported (no FP8
   // weights, or the backend's FP8 products do not take the head's shape).
   Status set_fp8_head(bool on);
