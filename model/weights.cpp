@@ -4,7 +4,8 @@
 #include <cctype>
 #include <cmath>
 #include <set>
-#include <thread>
+
+#include <omp.h>
 
 #include "core/rng.h"
 #include "core/safetensors.h"
@@ -88,22 +89,6 @@ bool is_decayed_by_adamw(const std::string& n) { return n == "model.embed.weight
 
 namespace {
 
-// Runs f(begin, end) over pieces of [0, n) on up to `threads` threads (one piece when n is
-// small).
-template <class F>
-void parallel_pieces(int64_t n, int64_t threads, const F& f) {
-  constexpr int64_t kMinPiece = int64_t{1} << 16;
-  const int64_t pieces = std::clamp<int64_t>(n / kMinPiece, 1, threads);
-  if (pieces == 1) {
-    f(int64_t{0}, n);
-    return;
-  }
-  std::vector<std::thread> pool;
-  pool.reserve(static_cast<size_t>(pieces));
-  for (int64_t p = 0; p < pieces; ++p) pool.emplace_back(f, n * p / pieces, n * (p + 1) / pieces);
-  for (std::thread& t : pool) t.join();
-}
-
 // A 64-bit FNV-1a hash of a tensor's name: each tensor's draws depend on its name, not on
 // where it sits in the table.
 uint64_t name_hash(const std::string& s) {
@@ -112,23 +97,27 @@ uint64_t name_hash(const std::string& s) {
   return h;
 }
 
-// Values [b, e) of a tensor's N(0, sd) draws: element 2j and 2j + 1 are the Box–Muller pair of
-// the tensor's SplitMix64 stream's outputs 2j and 2j + 1 (the stream starts at `key`), so any
-// piece is computed on its own and the values do not depend on how the tensor is split.
-void normal_values(uint64_t key, double sd, int64_t b, int64_t e, float* out) {
-  for (int64_t j = b / 2; 2 * j < e; ++j) {
+// Below this many values a tensor is filled by one thread.
+constexpr int64_t kParallelValues = int64_t{1} << 16;
+
+// A tensor's n values of N(0, sd): elements 2j and 2j + 1 are the Box–Muller pair of outputs
+// 2j and 2j + 1 of the tensor's SplitMix64 stream (which starts at `key`), so each pair is
+// computed on its own and the values do not depend on the thread count.
+void normal_values(uint64_t key, double sd, int64_t n, int threads, float* out) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= kParallelValues)
+  for (int64_t j = 0; j < (n + 1) / 2; ++j) {
     SplitMix64 g{key + 2 * static_cast<uint64_t>(j) * kSplitMixGamma};
     const double u1 = 1.0 - g.uniform(), u2 = g.uniform();  // u1 in (0, 1]
     const double r = std::sqrt(-2.0 * std::log(u1)), t = 6.283185307179586 * u2;
-    if (2 * j >= b) out[2 * j - b] = static_cast<float>(sd * r * std::cos(t));
-    if (2 * j + 1 < e) out[2 * j + 1 - b] = static_cast<float>(sd * r * std::sin(t));
+    out[2 * j] = static_cast<float>(sd * r * std::cos(t));
+    if (2 * j + 1 < n) out[2 * j + 1] = static_cast<float>(sd * r * std::sin(t));
   }
 }
 
 }  // namespace
 
 void weights_init(const Config& c, Backend& be, const Arena& arena, uint64_t seed, int threads) {
-  const int64_t nt = threads > 0 ? threads : std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 64);
+  const int nt = threads > 0 ? threads : omp_get_max_threads();
   const double out_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(c.num_layers));
   std::vector<float> host;
   std::vector<uint16_t> half;
@@ -152,7 +141,7 @@ void weights_init(const Config& c, Backend& be, const Arena& arena, uint64_t see
       std::fill(host.begin(), host.end(), static_cast<float>(constant));
     } else {
       const uint64_t key = splitmix64_hash(seed ^ name_hash(s.name));
-      parallel_pieces(n, nt, [&](int64_t b, int64_t e) { normal_values(key, std_dev, b, e, host.data() + b); });
+      normal_values(key, std_dev, n, nt, host.data());
     }
     Tensor src = Tensor::make(host.data(), DType::kF32, s.shape.data(), static_cast<int>(s.shape.size()));
     Tensor dst = arena.tensor(i);
@@ -164,9 +153,8 @@ void weights_init(const Config& c, Backend& be, const Arena& arena, uint64_t see
     } else {
       LAPLACE_CHECK(dst.dtype == DType::kBF16, "weights_init: unsupported dtype");
       half.resize(host.size());
-      parallel_pieces(n, nt, [&](int64_t b, int64_t e) {
-        for (int64_t k = b; k < e; ++k) half[static_cast<size_t>(k)] = float_to_bf16(host[static_cast<size_t>(k)]);
-      });
+#pragma omp parallel for schedule(static) num_threads(nt) if (n >= kParallelValues)
+      for (int64_t k = 0; k < n; ++k) half[static_cast<size_t>(k)] = float_to_bf16(host[static_cast<size_t>(k)]);
       be.copy(dst, Tensor::make(half.data(), DType::kBF16, s.shape.data(), static_cast<int>(s.shape.size())));
     }
   }

@@ -50,8 +50,7 @@ bool is_decayed_by_adamw(const std::string& name);
 // device: matrices N(0, 0.02), W_o and W_3 scaled by 1/√(2L), norm weights 1, biases
 // 0, onorm 1, conv N(0, 1/√K). Each tensor's normal values are Box–Muller pairs of a
 // SplitMix64 stream keyed by the seed and the tensor's name (core/rng.h), so they do not
-// depend on the thread count (`threads`; 0: the host's cores), and a 3B model initialises in
-// seconds.
+// depend on the thread count (`threads`; 0: OpenMP's), and a 3B model initialises in seconds.
 void weights_init(const Config& c, Backend& be, const Arena& arena, uint64_t seed, int threads = 0);
 
 // A model file's metadata: {"format": "pt", "laplace_config": the config's JSON,

@@ -281,12 +281,11 @@ TEST(ModelGrad, OverwriteEqualsAccumulatingIntoZeros) {
   }
 }
 
-// weights_init's values are its documented definition (model/weights.h), whatever pieces its
-// threads split a tensor into: each random tensor's element 2j and 2j + 1 are the Box–Muller
-// pair of outputs 2j and 2j + 1 of a SplitMix64 stream keyed by the seed and the FNV-1a hash of
-// the tensor's name, times its standard deviation; constants for norms and biases. The vocabulary
-// is odd so that the embedding ends in half a pair; with 7 threads the embedding's three pieces
-// meet at an odd element.
+// weights_init's values are its documented definition (model/weights.h) with any number of
+// threads: each random tensor's element 2j and 2j + 1 are the Box–Muller pair of outputs 2j and
+// 2j + 1 of a SplitMix64 stream keyed by the seed and the FNV-1a hash of the tensor's name, times
+// its standard deviation; constants for norms and biases. The vocabulary is odd so that the
+// embedding ends in half a pair.
 TEST(ModelInit, WeightsAreTheSeededStreamOfEachTensor) {
   auto be = make_cpu_backend();
   Config c;
