@@ -941,20 +941,11 @@ void check_e4m3_matrix(const Tensor& t, const char* what) {
                 (std::string(what) + " must be a contiguous 2-D F8_E4M3 tensor").c_str());
 }
 
-// Every code's value, for the product's inner loop.
-const std::array<float, 256>& e4m3_values() {
-  static const std::array<float, 256> v = [] {
-    std::array<float, 256> t{};
-    for (int b = 0; b < 256; ++b) t[static_cast<size_t>(b)] = e4m3_to_float(static_cast<uint8_t>(b));
-    return t;
-  }();
-  return v;
-}
-
-const std::array<double, 256>& e4m3_values_f64() {
+// Every code's value as F64 (exact), for the product's inner loops.
+const std::array<double, 256>& e4m3_values() {
   static const std::array<double, 256> v = [] {
     std::array<double, 256> t{};
-    for (int b = 0; b < 256; ++b) t[static_cast<size_t>(b)] = e4m3_values()[static_cast<size_t>(b)];
+    for (int b = 0; b < 256; ++b) t[static_cast<size_t>(b)] = e4m3_to_float(static_cast<uint8_t>(b));
     return t;
   }();
   return v;
@@ -1031,7 +1022,7 @@ void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq,
   check_scales(xs, M, "gemm_e4m3: xs");
   check_scales(ws, N, "gemm_e4m3: ws");
   if (M == 0 || N == 0) return;
-  const float* value = e4m3_values().data();
+  const double* value = e4m3_values().data();
   const uint8_t* xp = static_cast<const uint8_t*>(xq.data);
   const uint8_t* wp = static_cast<const uint8_t*>(wq.data);
   const float* xsp = static_cast<const float*>(xs.data);
@@ -1051,21 +1042,20 @@ void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq,
         for (int64_t n = 0; n < N; ++n) {
           double acc = 0;
           for (int64_t k = 0; k < K; ++k)
-            acc += static_cast<double>(value[xp[m * K + k]]) * static_cast<double>(value[wp[n * K + k]]);
+            acc += value[xp[m * K + k]] * value[wp[n * K + k]];
           out(m, n, acc);
         }
       return;
     }
     auto decode = [&](const uint8_t* q, int64_t rows, double* v) {
 #pragma omp parallel for schedule(static) if (rows * K > kParallelMin)
-      for (int64_t i = 0; i < rows * K; ++i) v[i] = static_cast<double>(value[q[i]]);
+      for (int64_t i = 0; i < rows * K; ++i) v[i] = value[q[i]];
     };
     if (M < kFp8BlasRows) {
       // X's few rows as F64, W's codes read as they are; eight partial sums per output, so that
       // the adds do not wait on one another (exact, so any split gives the same sum).
       std::vector<double> xv(static_cast<size_t>(M * K));
       decode(xp, M, xv.data());
-      const double* vt = e4m3_values_f64().data();
 #pragma omp parallel for collapse(2) schedule(static) if (M * N * K > kParallelMin)
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = 0; n < N; ++n) {
@@ -1074,10 +1064,10 @@ void CpuBackend::gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq,
           double part[8] = {};
           int64_t k = 0;
           for (; k + 8 <= K; k += 8)
-            for (int j = 0; j < 8; ++j) part[j] += xr[k + j] * vt[wr[k + j]];
+            for (int j = 0; j < 8; ++j) part[j] += xr[k + j] * value[wr[k + j]];
           double acc = 0;
           for (int j = 0; j < 8; ++j) acc += part[j];
-          for (; k < K; ++k) acc += xr[k] * vt[wr[k]];
+          for (; k < K; ++k) acc += xr[k] * value[wr[k]];
           out(m, n, acc);
         }
       return;
