@@ -241,6 +241,7 @@ size_t Model::fp8_bytes() const {
 
 Status Model::create_fp8_arena(bool training) {
   if (!be_->supports({"gemm_e4m3", dtype_, {}}) || !be_->supports({"quantize_rows_e4m3", dtype_, {}}) ||
+      !be_->supports({"dequantize_rows_e4m3", dtype_, {}}) ||
       (training && (!be_->supports({"quantize_cols_e4m3", dtype_, {}}) ||
                     !be_->supports({"quantize_rows_cols_e4m3", dtype_, {}}))))
     return Status::unsupported(std::string("the ") + be_->name() + " backend has no FP8 products for " +
@@ -298,20 +299,8 @@ Status Model::use_fp8_weights() {
       const Tensor w = weights_.tensor(static_cast<size_t>(weights_.find(body_name(l, k))));
       const Fp8Matrix& f = fp8_layers_[l][k];
       be_->quantize_rows_e4m3(w, f.q, f.s);
-    }
-  // The weights' own copies take the values the products use (code × scale), through the host.
-  for (int64_t l = 0; l < cfg_.num_layers; ++l)
-    for (int k = 0; k < 4; ++k) {
-      const Tensor w = weights_.tensor(static_cast<size_t>(weights_.find(body_name(l, k))));
-      const Fp8Matrix& f = fp8_layers_[l][k];
-      const int64_t R = f.q.shape[0], C = f.q.shape[1];
-      std::vector<uint8_t> q(static_cast<size_t>(R * C));
-      std::vector<float> s(static_cast<size_t>(R)), v(static_cast<size_t>(R * C));
-      be_->copy(Tensor(q.data(), DType::kF8E4M3, {R, C}), f.q);
-      be_->copy(Tensor(s.data(), DType::kF32, {R}), f.s);
-      be_->synchronize();
-      fp8_dequantize_rows(q.data(), s.data(), R, C, v.data());
-      be_->copy(w, Tensor(v.data(), DType::kF32, {R, C}));
+      // The weight's own copy takes the values the products use (code × scale).
+      be_->dequantize_rows_e4m3(f.q, f.s, w);
     }
   be_->synchronize();
   return Status::ok();
@@ -352,7 +341,6 @@ Status Model::load_fp8(const std::string& path) {
     expected.insert(s.name);
     const SafeTensorInfo* info = r.find(s.name);
     if (!info) return Status::invalid_argument(path + ": missing tensor " + s.name);
-    std::vector<float> v(static_cast<size_t>(s.numel()));
     const int64_t fi = fp8_.find(s.name);
     if (fi >= 0) {
       const std::string sn = fp8_scale_name(s.name);
@@ -367,13 +355,13 @@ Status Model::load_fp8(const std::string& path) {
       LAPLACE_RETURN_IF_ERROR(r.read_into(sn, Tensor(scales.data(), DType::kF32, {R})).with_context(path));
       be_->copy(q, Tensor(codes.data(), DType::kF8E4M3, {R, C}));
       be_->copy(sc, Tensor(scales.data(), DType::kF32, {R}));
-      fp8_dequantize_rows(codes.data(), scales.data(), R, C, v.data());
+      be_->dequantize_rows_e4m3(q, sc, weights_.tensor(i));  // the weight's own copy: code × scale
     } else {
-      LAPLACE_RETURN_IF_ERROR(
-          r.read_into(s.name, Tensor::make(v.data(), DType::kF32, s.shape.data(), static_cast<int>(s.shape.size())))
-              .with_context(path));
+      std::vector<float> v(static_cast<size_t>(s.numel()));
+      const Tensor t = Tensor::make(v.data(), DType::kF32, s.shape.data(), static_cast<int>(s.shape.size()));
+      LAPLACE_RETURN_IF_ERROR(r.read_into(s.name, t).with_context(path));
+      be_->copy(weights_.tensor(i), t);
     }
-    be_->copy(weights_.tensor(i), Tensor::make(v.data(), DType::kF32, s.shape.data(), static_cast<int>(s.shape.size())));
     be_->synchronize();
   }
   for (const SafeTensorInfo& t : r.tensors())

@@ -15,6 +15,10 @@ void Backend::quantize_rows_e4m3(const Tensor&, Tensor, Tensor) {
   LAPLACE_CHECK(false, (std::string(name()) + " backend has no FP8 products (quantize_rows_e4m3)").c_str());
 }
 
+void Backend::dequantize_rows_e4m3(const Tensor&, const Tensor&, Tensor) {
+  LAPLACE_CHECK(false, (std::string(name()) + " backend has no FP8 products (dequantize_rows_e4m3)").c_str());
+}
+
 void Backend::quantize_cols_e4m3(const Tensor&, Tensor, Tensor) {
   LAPLACE_CHECK(false, (std::string(name()) + " backend has no FP8 products (quantize_cols_e4m3)").c_str());
 }
@@ -67,7 +71,7 @@ bool is_backend_op(const std::string& op) {
       "cross_entropy_backward", "sum_squares", "row_sum_squares", "scale", "adamw_update", "muon_momentum",
       "muon_apply", "sum_squares_into", "grad_clip_scalars", "scale_by", "scale_by_inv_norm", "adamw_update_gated",
       "muon_momentum_gated", "muon_apply_gated", "loss_sum_into", "quantize_rows_e4m3", "quantize_cols_e4m3",
-      "quantize_rows_cols_e4m3", "gemm_e4m3"};
+      "quantize_rows_cols_e4m3", "dequantize_rows_e4m3", "gemm_e4m3"};
   for (const char* o : kOps)
     if (op == o) return true;
   return false;

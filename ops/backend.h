@@ -171,6 +171,10 @@ class Backend {
   // s[r] = e4m3_scale(max_c |x[r][c]|) (max / 448; 1 for a row of zeros) and
   // q[r][c] = e4m3(x[r][c] · (1 / s[r])) (core/fp8.h's e4m3_quantize_row).
   virtual void quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s);
+  // The values those codes stand for: q [R, C] F8E4M3 and s [R] F32 → w [R, C] contiguous (F32/F64
+  // on the CPU, F32/BF16 on CUDA), w[r][c] = e4m3(q[r][c]) · s[r], the product in F32 rounded once
+  // to w's dtype: what a weight's own copy holds when its products use the codes.
+  virtual void dequantize_rows_e4m3(const Tensor& q, const Tensor& s, Tensor w);
   // The same per column, written transposed: x [R, C] → qt [C, R] F8E4M3, s [C] F32, with
   // s[c] = e4m3_scale(max_r |x[r][c]|) and qt[c][r] = e4m3(x[r][c] · (1 / s[c])): quantize_rows_e4m3 of xᵀ,
   // bit for bit. A training step's other two products contract over the rows of an operand

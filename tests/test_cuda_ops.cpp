@@ -343,6 +343,35 @@ TEST_F(CudaOps, Fp8QuantizeAndGemmAtModelShapes) {
   }
 }
 
+// dequantize_rows_e4m3 (what a weight's own copy takes under FP8 weights): the CPU's F32 values,
+// byte for byte, in F32 and rounded once to BF16, at W_12's shape with every finite code.
+TEST_F(CudaOps, Fp8DequantizeRowsEqualsTheCpu) {
+  const int64_t R = 16384, C = 3072;
+  std::vector<uint8_t> q(R * C);
+  std::mt19937_64 rng(95);
+  for (int64_t i = 0; i < R * C; ++i) {
+    uint8_t b = static_cast<uint8_t>(i < 256 ? i : rng());
+    if ((b & 0x7F) == 0x7F) b ^= 1;  // not the NaN codes: their payloads are not the op's business
+    q[i] = b;
+  }
+  std::vector<float> s(R);
+  for (int64_t r = 0; r < R; ++r) s[r] = std::ldexp(1.f + static_cast<float>(rng() % 1000) / 1000.f, -12 + static_cast<int>(r % 20));
+  const Tensor qh(q.data(), DType::kF8E4M3, {R, C}), sh(s.data(), kF32, {R});
+  std::vector<float> want(R * C);
+  std::vector<uint16_t> want16(R * C);
+  cpu_->dequantize_rows_e4m3(qh, sh, Tensor(want.data(), kF32, {R, C}));
+  for (int64_t i = 0; i < R * C; ++i) want16[i] = float_to_bf16(want[i]);
+  DevTensor qd(*cuda_, DType::kF8E4M3, {R, C}), sd(*cuda_, kF32, {R}), w32(*cuda_, kF32, {R, C}),
+      w16(*cuda_, kBF16, {R, C});
+  cuda_->copy(qd.t, qh);
+  cuda_->copy(sd.t, sh);
+  cuda_->dequantize_rows_e4m3(qd.t, sd.t, w32.t);
+  cuda_->dequantize_rows_e4m3(qd.t, sd.t, w16.t);
+  auto h32 = down(w32.t), h16 = down(w16.t);
+  EXPECT_EQ(0, std::memcmp(h32->t.data, want.data(), want.size() * sizeof(float))) << "F32";
+  EXPECT_EQ(0, std::memcmp(h16->t.data, want16.data(), want16.size() * sizeof(uint16_t))) << "BF16";
+}
+
 // SwiGLU with W_3's input codes in one pass (Backend::swiglu_forward_e4m3): the codes and scales
 // of swiglu_forward followed by quantize_rows_e4m3 on this backend, byte for byte, at laplace-3b's
 // decode and prefill rows (F 8,192: four chunks a thread), at widths that leave threads idle or

@@ -262,6 +262,42 @@ TEST(Fp8Ops, CpuQuantizeRowsIsTheFilesQuantiser) {
   EXPECT_TRUE(be->supports({"quantize_rows_e4m3", DType::kF32, {}}));
 }
 
+// dequantize_rows_e4m3 gives every code of a row times the row's scale, the product in F32 (the
+// file tool's fp8_dequantize_rows), widened exactly into F64; bad shapes are refused.
+TEST(Fp8Ops, CpuDequantizeRowsIsCodeTimesScale) {
+  auto be = make_cpu_backend();
+  const int64_t R = 4, C = 256;
+  std::vector<uint8_t> q(R * C);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) q[r * C + c] = static_cast<uint8_t>((c + 37 * r) % 256);  // every code, every row
+  std::vector<float> s = {1.f, 0.0123f, 3.7e-5f, 17.25f};
+  std::vector<float> w(R * C), want(R * C);
+  std::vector<double> wd(R * C);
+  const Tensor qt(q.data(), DType::kF8E4M3, {R, C}), st(s.data(), DType::kF32, {R});
+  be->dequantize_rows_e4m3(qt, st, Tensor(w.data(), DType::kF32, {R, C}));
+  be->dequantize_rows_e4m3(qt, st, Tensor(wd.data(), DType::kF64, {R, C}));
+  fp8_dequantize_rows(q.data(), s.data(), R, C, want.data());
+  int nan = 0;
+  for (int64_t i = 0; i < R * C; ++i) {
+    const float e = e4m3_to_float(q[i]) * s[i / C];
+    if (std::isnan(e)) {  // codes 0x7F and 0xFF
+      ++nan;
+      EXPECT_TRUE(std::isnan(w[i]) && std::isnan(wd[i]) && std::isnan(want[i])) << i;
+      continue;
+    }
+    ASSERT_EQ(w[i], e) << i;
+    ASSERT_EQ(w[i], want[i]) << i;
+    ASSERT_EQ(wd[i], static_cast<double>(e)) << i;
+  }
+  EXPECT_EQ(nan, 2 * R);
+  EXPECT_TRUE(be->supports({"dequantize_rows_e4m3", DType::kF32, {}}));
+  std::vector<float> small(R * (C - 1));
+  EXPECT_DEATH(be->dequantize_rows_e4m3(qt, st, Tensor(small.data(), DType::kF32, {R, C - 1})),
+               "dequantize_rows_e4m3");
+  EXPECT_DEATH(be->dequantize_rows_e4m3(qt, Tensor(s.data(), DType::kF32, {R - 1}), Tensor(w.data(), DType::kF32, {R, C})),
+               "dequantize_rows_e4m3");
+}
+
 // y = X·Wᵀ of the dequantised operands, against a long-double sum of the same codes and scales;
 // and against the unquantised product, within what E4M3's 3 mantissa bits allow.
 TEST(Fp8Ops, CpuGemmIsTheProductOfTheQuantisedOperands) {

@@ -978,6 +978,25 @@ void CpuBackend::quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s) {
   });
 }
 
+void CpuBackend::dequantize_rows_e4m3(const Tensor& q, const Tensor& s, Tensor w) {
+  check_e4m3_matrix(q, "dequantize_rows_e4m3: q");
+  check_scales(s, q.shape[0], "dequantize_rows_e4m3: s");
+  check_cpu(w);
+  LAPLACE_CHECK(same_shape(w, q) && w.is_contiguous(), "dequantize_rows_e4m3: w must be contiguous and of q's shape");
+  dispatch(w.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const int64_t R = q.shape[0], C = q.shape[1];
+    const uint8_t* qp = static_cast<const uint8_t*>(q.data);
+    const float* sp = static_cast<const float*>(s.data);
+    T* wp = static_cast<T*>(w.data);
+    const std::array<double, 256>& v = e4m3_values();
+#pragma omp parallel for schedule(static) if (R * C > kParallelMin)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c)
+        wp[r * C + c] = static_cast<T>(static_cast<float>(v[qp[r * C + c]]) * sp[r]);
+  });
+}
+
 void CpuBackend::quantize_cols_e4m3(const Tensor& x, Tensor qt, Tensor s) {
   check_cpu(x);
   check_e4m3_matrix(qt, "quantize_cols_e4m3: qt");

@@ -31,6 +31,7 @@ class CpuBackend final : public Backend {
             double beta) override;
 
   void quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s) override;
+  void dequantize_rows_e4m3(const Tensor& q, const Tensor& s, Tensor w) override;
   void quantize_cols_e4m3(const Tensor& x, Tensor qt, Tensor s) override;
   void gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, const Tensor& c,
                  Tensor y, Fp8Accum accum) override;

@@ -120,6 +120,7 @@ class CudaBackend final : public Backend {
   // FP8 products (ops/cuda/kernels_fp8.cu): one block per row quantises; the product is one
   // cuBLASLt call with per-row ("outer vector") scales on both operands.
   void quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s) override;
+  void dequantize_rows_e4m3(const Tensor& q, const Tensor& s, Tensor w) override;
   void quantize_cols_e4m3(const Tensor& x, Tensor qt, Tensor s) override;
   void quantize_rows_cols_e4m3(const Tensor& x, Tensor q, Tensor s, Tensor qt, Tensor st) override;
   void gemm_e4m3(const Tensor& xq, const Tensor& xs, const Tensor& wq, const Tensor& ws, const Tensor& c,

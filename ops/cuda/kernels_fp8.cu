@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "ops/cuda/cuda_common.cuh"
 #include "ops/cuda/fp8_quant.cuh"
@@ -100,6 +101,20 @@ __global__ void __launch_bounds__(kSwiQThreads)
   }
 }
 
+// w[r][c] = e4m3(q[r][c]) · s[r] (Backend::dequantize_rows_e4m3): a block per row at a time; a
+// code's value is exact in half precision, and the F32 product is rounded once to T.
+template <typename T>
+__global__ void dequantize_rows_e4m3_kernel(const __nv_fp8_storage_t* q, const float* s, int64_t R, int64_t C, T* w) {
+  for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
+    const float sc = s[r];
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+      const float v = __half2float(__half(__nv_cvt_fp8_to_halfraw(q[r * C + c], __NV_E4M3))) * sc;
+      if constexpr (std::is_same_v<T, float>) w[r * C + c] = v;
+      else w[r * C + c] = __float2bfloat16_rn(v);
+    }
+  }
+}
+
 template <bool kRows>
 void launch_cols_of(int dt, const Tensor& x, int64_t ld, Tensor qt, Tensor st, Tensor q, Tensor s,
                     cudaStream_t stream) {
@@ -162,6 +177,26 @@ void CudaBackend::quantize_rows_e4m3(const Tensor& x, Tensor q, Tensor s) {
     if (q8 && cuda::vector_rows<float>(x.data, ld, C)) cuda::launch_rows<float, 4>(x, ld, q, s, stream_);
     else cuda::launch_rows<float, 1>(x, ld, q, s, stream_);
   }
+  CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::dequantize_rows_e4m3(const Tensor& q, const Tensor& s, Tensor w) {
+  cuda::check_e4m3_matrix(q, "dequantize_rows_e4m3: q");
+  cuda::check_scales(s, q.shape[0], "dequantize_rows_e4m3: s");
+  cuda::check_device(w, "dequantize_rows_e4m3: w");
+  const int dt = cuda::float_code(w, "dequantize_rows_e4m3: w");
+  if (!same_shape(w, q) || !w.is_contiguous())
+    check_failed(__FILE__, __LINE__, "dequantize_rows_e4m3",
+                 ("w must be contiguous and of q's shape: q " + q.shape_str() + ", w " + w.shape_str()).c_str());
+  const int64_t R = q.shape[0], C = q.shape[1];
+  if (R == 0 || C == 0) return;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(R, 65535));
+  const auto* qp = static_cast<const __nv_fp8_storage_t*>(q.data);
+  const auto* sp = static_cast<const float*>(s.data);
+  if (dt == cuda::kBF16)
+    cuda::dequantize_rows_e4m3_kernel<<<grid, 256, 0, stream_>>>(qp, sp, R, C, static_cast<__nv_bfloat16*>(w.data));
+  else
+    cuda::dequantize_rows_e4m3_kernel<<<grid, 256, 0, stream_>>>(qp, sp, R, C, static_cast<float*>(w.data));
   CUDA_CHECK_LAUNCH();
 }
 
