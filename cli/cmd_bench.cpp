@@ -89,7 +89,7 @@ Status make_model(const ModelArgs& a, uint64_t seed, int64_t layers, LoadedModel
     out->model.init_weights(seed);
     LAPLACE_RETURN_IF_ERROR(apply_weights_option(r.weights, &out->model));
   }
-  return r.fp8_head ? out->model.set_fp8_head(true) : Status::ok();
+  return apply_fp8_options(r, &out->model);
 }
 
 // The figures' note: the shape, the dtype (with FP8 body matrices, "bf16 + fp8 weights") and

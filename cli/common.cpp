@@ -123,26 +123,27 @@ Status load_model(const ModelArgs& args, LoadedModel* out) {
   if (a.ckpt.empty()) {
     if (fp8_products(a.weights))
       return Status::invalid_argument("--weights " + a.weights + " needs weights to quantise (--model or --ckpt)");
-    return Status::ok();
+  } else {
+    LAPLACE_RETURN_IF_ERROR(load_weights(a.ckpt, a.weights, &out->model));
   }
-  LAPLACE_RETURN_IF_ERROR(load_weights(a.ckpt, a.weights, &out->model));
-  return a.fp8_head ? out->model.set_fp8_head(true) : Status::ok();
+  return apply_fp8_options(a, &out->model);
 }
 
 Status load_weights(const std::string& ckpt, const std::string& weights, Model* m) {
   bool fp8_file = false;
   LAPLACE_RETURN_IF_ERROR(is_fp8_model_file(ckpt, &fp8_file));
-  if (fp8_file && weights != "dtype") {
-    m->set_fp8_fast_forward(weights == "fp8-fast");
-    return m->load_fp8(ckpt);
-  }
+  if (fp8_file && weights != "dtype") return m->load_fp8(ckpt);
   LAPLACE_RETURN_IF_ERROR(m->load(ckpt));
   return apply_weights_option(weights, m);
 }
 
 Status apply_weights_option(const std::string& weights, Model* m) {
-  m->set_fp8_fast_forward(weights == "fp8-fast");
   return fp8_products(weights) ? m->use_fp8_weights() : Status::ok();
+}
+
+Status apply_fp8_options(const ModelArgs& a, Model* m) {
+  m->set_fp8_fast_forward(a.weights == "fp8-fast");
+  return a.fp8_head ? m->set_fp8_head(true) : Status::ok();
 }
 
 Status parse_ids(const std::string& s, std::vector<int32_t>* out) {

@@ -44,8 +44,11 @@ Status load_model(const ModelArgs& a, LoadedModel* out);
 // Loads `ckpt` into a created model as ModelArgs::weights ("auto", "fp8", "fp8-fast", "dtype") says.
 Status load_weights(const std::string& ckpt, const std::string& weights, Model* m);
 // ModelArgs::weights for the weights a model already holds: fp8 and fp8-fast quantise its body
-// matrices (Model::use_fp8_weights), fp8-fast with fast accumulation; auto and dtype keep them.
+// matrices (Model::use_fp8_weights); auto and dtype keep them.
 Status apply_weights_option(const std::string& weights, Model* m);
+// What ModelArgs asks of a model whose weights are in place: fp8-fast's fast accumulation
+// (Model::set_fp8_fast_forward) and --fp8-head (Model::set_fp8_head, refused without FP8 weights).
+Status apply_fp8_options(const ModelArgs& a, Model* m);
 
 // "1,2,3" → {1,2,3}; "1,2;3,4" → {{1,2},{3,4}}. Errors name the bad item.
 Status parse_ids(const std::string& s, std::vector<int32_t>* out);

@@ -823,6 +823,9 @@ TEST(Fp8Files, QuantizeRefuseDequantize) {
   const testing::CliResult nohead = run_laplace("forward --model " + dir + "/m --fp8-head --tokens 1,2,3,4");
   EXPECT_NE(nohead.exit_code, 0) << nohead.output;
   EXPECT_NE(nohead.output.find("needs FP8 weights"), std::string::npos) << nohead.output;
+  const testing::CliResult random_head = run_laplace("forward --config " + cfg + " --fp8-head --tokens 1,2,3,4");
+  EXPECT_NE(random_head.exit_code, 0) << "random weights: refused, not ignored\n" << random_head.output;
+  EXPECT_NE(random_head.output.find("needs FP8 weights"), std::string::npos) << random_head.output;
   for (const std::string& cmd : {"forward --model " + dir + "/q --weights dtype --tokens 1,2,3,4",
                                  "train --config " + cfg + " --init " + dir + "/q/model.safetensors --data " + dir +
                                      "/none.bin --steps 1"}) {
