@@ -239,6 +239,12 @@ size_t Model::fp8_bytes() const {
   return fp8_.bytes() + fp8t_.bytes() + fp8_inputs_.bytes() + fp8_grads_.bytes() + fp8_head_arena_.bytes();
 }
 
+Status Model::fp8_product_fits(const std::string& what, int64_t rows, int64_t cols) const {
+  if (be_->supports({"gemm_e4m3", dtype_, {rows, cols}})) return Status::ok();
+  return Status::unsupported(std::string("the ") + be_->name() + " backend's FP8 products do not take " + what + " [" +
+                             std::to_string(rows) + ", " + std::to_string(cols) + "]");
+}
+
 Status Model::create_fp8_arena(bool training) {
   if (!be_->supports({"gemm_e4m3", dtype_, {}}) || !be_->supports({"quantize_rows_e4m3", dtype_, {}}) ||
       !be_->supports({"dequantize_rows_e4m3", dtype_, {}}) ||
@@ -255,11 +261,9 @@ Status Model::create_fp8_arena(bool training) {
       const int64_t i = weights_.find(n);
       LAPLACE_CHECK(i >= 0, "FP8 weights: a body matrix is missing from the weight table");
       const TensorSpec& w = weights_.spec(static_cast<size_t>(i));
-      // The product's other operand shapes: Wᵀ [cols, rows] in dX = dY·W.
-      if (!be_->supports({"gemm_e4m3", dtype_, {w.shape[0], w.shape[1]}}) ||
-          (training && !be_->supports({"gemm_e4m3", dtype_, {w.shape[1], w.shape[0]}})))
-        return Status::unsupported(std::string("the ") + be_->name() + " backend's FP8 products do not take " + n +
-                                   " [" + std::to_string(w.shape[0]) + ", " + std::to_string(w.shape[1]) + "]");
+      LAPLACE_RETURN_IF_ERROR(fp8_product_fits(n, w.shape[0], w.shape[1]));
+      // The product's other operand shape: Wᵀ [cols, rows] in dX = dY·W.
+      if (training) LAPLACE_RETURN_IF_ERROR(fp8_product_fits(n + "ᵀ", w.shape[1], w.shape[0]));
     }
   LAPLACE_RETURN_IF_ERROR(fp8_.create(fp8_matrix_specs(cfg_, false), be_->allocator(), "FP8 weights"));
   fp8_layers_ = fp8_layer_views<Fp8Matrix>(fp8_, cfg_.num_layers);
@@ -314,9 +318,7 @@ Status Model::set_fp8_head(bool on) {
   if (!fp8_on_) return Status::unsupported("an FP8 LM head needs FP8 weights (--weights fp8 or an FP8 model file)");
   if (!fp8_head_.q.defined()) {
     const int64_t V = cfg_.vocab_size, D = cfg_.hidden_size;
-    if (!be_->supports({"gemm_e4m3", dtype_, {V, D}}))
-      return Status::unsupported(std::string("the ") + be_->name() + " backend's FP8 products do not take the LM head [" +
-                                 std::to_string(V) + ", " + std::to_string(D) + "]");
+    LAPLACE_RETURN_IF_ERROR(fp8_product_fits("the LM head", V, D));
     LAPLACE_RETURN_IF_ERROR(fp8_head_arena_.create(
         {{"lm_head.fp8", DType::kF8E4M3, {V, D}}, {"lm_head.fp8_scale", DType::kF32, {V}}}, be_->allocator(),
         "FP8 LM head"));

@@ -243,6 +243,8 @@ class Model {
   void project_backward(bool overwrite, const Tensor& dy, const Tensor& w, const Fp8Matrix& ft, const Tensor& x,
                         Tensor dx, Tensor gw);
   Status create_fp8_arena(bool training);
+  // Whether the backend's FP8 products take a weight [rows, cols]; else why not, naming `what`.
+  Status fp8_product_fits(const std::string& what, int64_t rows, int64_t cols) const;
   Status plan_fp8_inputs();  // the projections' input codes and scales, for plan_rows_ rows
   Config cfg_;
   Backend* be_ = nullptr;
