@@ -4,6 +4,7 @@
 // Largest finite 448, smallest normal 2^-6, smallest subnormal 2^-9. Encoding rounds to nearest
 // even and saturates beyond ±448 (CUDA's __NV_SATFINITE, what a quantiser with a scale wants).
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -13,13 +14,30 @@ namespace laplace {
 
 inline constexpr float kE4M3Max = 448.f;
 
-inline float e4m3_to_float(uint8_t b) {
+namespace detail {
+inline float e4m3_decode(uint8_t b) {
   const float sign = (b & 0x80) ? -1.f : 1.f;
   const int e = (b >> 3) & 0xF, m = b & 0x7;
   if (e == 0xF && m == 0x7) return std::numeric_limits<float>::quiet_NaN();
   if (e == 0) return sign * std::ldexp(static_cast<float>(m), -9);  // subnormal: m·2^-9
   return sign * std::ldexp(1.f + static_cast<float>(m) / 8.f, e - 7);
 }
+}  // namespace detail
+
+// A code's value (exact in F32), from a table: dequantising a model's weights decodes billions.
+inline float e4m3_to_float(uint8_t b) {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int c = 0; c < 256; ++c) t[static_cast<size_t>(c)] = detail::e4m3_decode(static_cast<uint8_t>(c));
+    return t;
+  }();
+  return table[b];
+}
+
+// What code q of a row with scale s stands for: the F32 product, rounded once. The file tool
+// (fp8_dequantize_rows), the backends' dequantize_rows_e4m3 and so a weight's own copy in an
+// FP8 model all give these bits.
+inline float e4m3_dequantize(uint8_t q, float s) { return e4m3_to_float(q) * s; }
 
 // On the float's bits: a normal E4M3 keeps the top 3 of F32's 23 mantissa bits, rounded to
 // nearest even, and a carry out of them moves into the exponent, so the code is the rounded

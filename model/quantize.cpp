@@ -22,7 +22,7 @@ void fp8_quantize_rows(const float* w, int64_t rows, int64_t cols, uint8_t* q, f
 
 void fp8_dequantize_rows(const uint8_t* q, const float* scale, int64_t rows, int64_t cols, float* w) {
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) w[r * cols + c] = e4m3_to_float(q[r * cols + c]) * scale[r];
+    for (int64_t c = 0; c < cols; ++c) w[r * cols + c] = e4m3_dequantize(q[r * cols + c], scale[r]);
 }
 
 std::string fp8_scale_name(const std::string& weight) { return weight + "_scale"; }

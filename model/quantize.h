@@ -21,7 +21,7 @@ inline constexpr const char* kPrecisionFp8Rows = "fp8_e4m3_rows";
 // s[r] = e4m3_scale(max_c |w[r][c]|) (max / 448; 1 for a row of zeros); q[r][c] = e4m3(w[r][c] · (1 / s[r]))
 // (core/fp8.h's e4m3_quantize_row).
 void fp8_quantize_rows(const float* w, int64_t rows, int64_t cols, uint8_t* q, float* scale);
-// w[r][c] = e4m3_to_float(q[r][c]) · s[r], the product rounded once to F32.
+// w[r][c] = e4m3_dequantize(q[r][c], s[r]) (core/fp8.h).
 void fp8_dequantize_rows(const uint8_t* q, const float* scale, int64_t rows, int64_t cols, float* w);
 // "<weight>_scale".
 std::string fp8_scale_name(const std::string& weight);

@@ -562,15 +562,6 @@ std::vector<float> logits_row(const Model& m, int64_t row) {
   return std::vector<float>(t.ptr<float>(), t.ptr<float>() + t.numel());
 }
 
-double max_rel(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 1e-30;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num = std::max(num, static_cast<double>(std::fabs(a[i] - b[i])));
-    den = std::max(den, static_cast<double>(std::fabs(b[i])));
-  }
-  return num / den;
-}
-
 // The FP8 forward against the same weights' FP8 values in F32 products: they differ by the
 // activations' rounding to E4M3 only (a few per cent of the logits, never zero); weights
 // quantised at load and the same model saved by `laplace quantize` and loaded give the same
@@ -604,7 +595,7 @@ TEST(Fp8Model, ForwardWithFp8WeightsOnTheCpu) {
   const Tensor wa = a.weights().layers[1].w12, wr = ref.weights().layers[1].w12;
   EXPECT_EQ(0, std::memcmp(wa.data, wr.data, wa.nbytes()));
   for (int64_t row : {int64_t{0}, T - 1, 2 * T - 1}) {
-    const double e = max_rel(logits_row(a, row), logits_row(ref, row));
+    const double e = testing::max_rel_error(logits_row(a, row), logits_row(ref, row));
     EXPECT_GT(e, 1e-6) << row;  // the activations' rounding is there
     EXPECT_LT(e, 0.1) << row;
   }
@@ -735,7 +726,7 @@ TEST(Fp8Model, Fp8HeadIsTheProductOfTheQuantisedNormRowsAndHeadRows) {
       const float want = static_cast<float>(static_cast<double>(acc) * xs[r] * ws[v]);
       ASSERT_EQ(got[v], want) << "row " << r << " logit " << v;
     }
-    worst = std::max(worst, max_rel(got, own[r]));
+    worst = std::max(worst, testing::max_rel_error(got, own[r]));
   }
   EXPECT_GT(worst, 1e-6);  // the head's rounding shows
   EXPECT_LT(worst, 0.1);

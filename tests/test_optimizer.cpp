@@ -63,16 +63,6 @@ void from_vec(Tensor t, const Vec& v) {
   }
 }
 
-double max_rel(const Vec& a, const Vec& b) {
-  double num = 0, den = 1e-300;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    num = std::max(num, std::fabs(a[i] - b[i]));
-    den = std::max(den, std::fabs(b[i]));
-  }
-  return num / den;
-}
-
 Vec transpose(const Vec& x, int64_t r, int64_t c) {
   Vec t(x.size());
   for (int64_t i = 0; i < r; ++i)
@@ -251,12 +241,12 @@ TEST(Muon, NewtonSchulzMatchesReferenceF64) {
     fill_normal(g, seed++);
     Vec got = run_ns(g);
     Vec want = ref_ns(to_vec(g), r, c);
-    EXPECT_LT(max_rel(got, want), 1e-12) << r << "x" << c;
+    EXPECT_LT(testing::max_rel_error(got, want), 1e-12) << r << "x" << c;
   }
   // Other step counts, including 0 (just the normalisation).
   OwnedTensor g(DType::kF64, {6, 10});
   fill_normal(g, 77);
-  for (int steps : {0, 1, 3, 7}) EXPECT_LT(max_rel(run_ns(g, steps), ref_ns(to_vec(g), 6, 10, steps)), 1e-12) << steps;
+  for (int steps : {0, 1, 3, 7}) EXPECT_LT(testing::max_rel_error(run_ns(g, steps), ref_ns(to_vec(g), 6, 10, steps)), 1e-12) << steps;
 }
 
 TEST(Muon, NewtonSchulzMatchesReferenceF32) {
@@ -267,7 +257,7 @@ TEST(Muon, NewtonSchulzMatchesReferenceF32) {
     fill_normal(g, seed++);
     Vec got = run_ns(g);
     Vec want = ref_ns(to_vec(g), r, c);  // double reference on the same (fp32) inputs
-    EXPECT_LT(max_rel(got, want), 1e-5) << r << "x" << c;
+    EXPECT_LT(testing::max_rel_error(got, want), 1e-5) << r << "x" << c;
   }
 }
 
@@ -310,7 +300,7 @@ TEST(Muon, TallIsTransposeOfWide) {
   fill_normal(g, 3);
   from_vec(gt, transpose(to_vec(g), 12, 30));
   Vec wide = run_ns(g), tall = run_ns(gt);
-  EXPECT_LT(max_rel(transpose(wide, 12, 30), tall), 1e-12);
+  EXPECT_LT(testing::max_rel_error(transpose(wide, 12, 30), tall), 1e-12);
 }
 
 TEST(Muon, OutMayAliasInputAndInputMayBeAView) {
@@ -325,7 +315,7 @@ TEST(Muon, OutMayAliasInputAndInputMayBeAView) {
   s.plan(8, 16);
   ASSERT_TRUE(s.allocate(cpu().allocator()).is_ok());
   newton_schulz(cpu(), rows, rows, s);
-  EXPECT_LT(max_rel(to_vec(rows), want), 1e-12);
+  EXPECT_LT(testing::max_rel_error(to_vec(rows), want), 1e-12);
   Vec after = to_vec(big);
   for (int64_t i = 0; i < 20 * 16; ++i)
     if (i < 4 * 16 || i >= 12 * 16) {
@@ -351,15 +341,15 @@ TEST(Muon, PerBlockDiffersFromFusedAndEqualsSeparateBlocks) {
     ASSERT_TRUE(s.allocate(cpu().allocator()).is_ok());
     muon_orthogonalise(cpu(), u, blocks, per, s, 5);
     muon_orthogonalise(cpu(), u, {rows}, fused, s, 5);
-    EXPECT_GT(max_rel(to_vec(per), to_vec(fused)), 1e-2);
+    EXPECT_GT(testing::max_rel_error(to_vec(per), to_vec(fused)), 1e-2);
     int64_t r0 = 0;
     for (int64_t b : blocks) {
       OwnedTensor blk(dt, {b, cols});
       cpu().copy(blk, Tensor(u).slice(0, r0, r0 + b));
       Vec sep = run_ns(blk);
       Vec got = to_vec(Tensor(per).slice(0, r0, r0 + b));
-      EXPECT_LT(max_rel(got, sep), dt == DType::kF64 ? 1e-13 : 1e-6) << "block at row " << r0;
-      EXPECT_LT(max_rel(got, ref_ns(to_vec(blk), b, cols)), dt == DType::kF64 ? 1e-12 : 1e-5);
+      EXPECT_LT(testing::max_rel_error(got, sep), dt == DType::kF64 ? 1e-13 : 1e-6) << "block at row " << r0;
+      EXPECT_LT(testing::max_rel_error(got, ref_ns(to_vec(blk), b, cols)), dt == DType::kF64 ? 1e-12 : 1e-5);
       r0 += b;
     }
   }
@@ -424,11 +414,11 @@ TEST(Muon, StepMatchesFormula) {
         ASSERT_FALSE(res.skipped);
         EXPECT_EQ(res.clip_coef, 1.0);
         EXPECT_EQ(opt.step_count(), step + 1);
-        EXPECT_LT(max_rel(to_vec(p.list[0].w), w), 1e-12) << "step " << step;
+        EXPECT_LT(testing::max_rel_error(to_vec(p.list[0].w), w), 1e-12) << "step " << step;
         auto st = opt.state_tensors();
         ASSERT_EQ(st.size(), 1u);
         EXPECT_EQ(st[0].first, "optim.w.momentum");
-        EXPECT_LT(max_rel(to_vec(st[0].second), m), 1e-14);
+        EXPECT_LT(testing::max_rel_error(to_vec(st[0].second), m), 1e-14);
       }
     }
   }
@@ -472,11 +462,11 @@ TEST(AdamW, StepMatchesFormula) {
     auto st = opt.state_tensors();
     ASSERT_EQ(st.size(), 4u);
     for (size_t k = 0; k < p.list.size(); ++k) {
-      EXPECT_LT(max_rel(to_vec(p.list[k].w), w[k]), 1e-13) << "param " << k << " step " << t;
+      EXPECT_LT(testing::max_rel_error(to_vec(p.list[k].w), w[k]), 1e-13) << "param " << k << " step " << t;
       EXPECT_EQ(st[2 * k].first, "optim." + p.list[k].name + ".adam_m");
       EXPECT_EQ(st[2 * k + 1].first, "optim." + p.list[k].name + ".adam_v");
-      EXPECT_LT(max_rel(to_vec(st[2 * k].second), m[k]), 1e-14);
-      EXPECT_LT(max_rel(to_vec(st[2 * k + 1].second), v[k]), 1e-14);
+      EXPECT_LT(testing::max_rel_error(to_vec(st[2 * k].second), m[k]), 1e-14);
+      EXPECT_LT(testing::max_rel_error(to_vec(st[2 * k + 1].second), v[k]), 1e-14);
     }
   }
 }

@@ -1,6 +1,8 @@
 // Helpers shared by the C++ tests.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -34,6 +36,19 @@ void fill_uniform(Tensor t, uint64_t seed, double lo = -1.0, double hi = 1.0);
 
 // max|a−b| / max(max|b|, tiny): the normalised error used by cross-backend tests.
 double max_rel_error(const Tensor& a, const Tensor& b);
+// The same for two arrays of one length; a value of a that is not finite, or a NaN in b, gives
+// infinity.
+template <class A, class B>
+double max_rel_error(const std::vector<A>& a, const std::vector<B>& b) {
+  double num = 0, den = 1e-30;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    const double x = static_cast<double>(a[i]), y = static_cast<double>(b[i]);
+    if (!std::isfinite(x) || std::isnan(y)) return INFINITY;
+    num = std::max(num, std::fabs(x - y));
+    den = std::max(den, std::fabs(y));
+  }
+  return a.size() == b.size() ? num / den : INFINITY;
+}
 // sqrt(Σ(a−b)²) / sqrt(Σb²).
 double rms_rel_error(const Tensor& a, const Tensor& b);
 

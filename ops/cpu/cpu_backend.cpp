@@ -989,11 +989,9 @@ void CpuBackend::dequantize_rows_e4m3(const Tensor& q, const Tensor& s, Tensor w
     const uint8_t* qp = static_cast<const uint8_t*>(q.data);
     const float* sp = static_cast<const float*>(s.data);
     T* wp = static_cast<T*>(w.data);
-    const std::array<double, 256>& v = e4m3_values();
 #pragma omp parallel for schedule(static) if (R * C > kParallelMin)
     for (int64_t r = 0; r < R; ++r)
-      for (int64_t c = 0; c < C; ++c)
-        wp[r * C + c] = static_cast<T>(static_cast<float>(v[qp[r * C + c]]) * sp[r]);
+      for (int64_t c = 0; c < C; ++c) wp[r * C + c] = static_cast<T>(e4m3_dequantize(qp[r * C + c], sp[r]));
   });
 }
 

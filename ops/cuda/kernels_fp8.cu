@@ -101,8 +101,9 @@ __global__ void __launch_bounds__(kSwiQThreads)
   }
 }
 
-// w[r][c] = e4m3(q[r][c]) · s[r] (Backend::dequantize_rows_e4m3): a block per row at a time; a
-// code's value is exact in half precision, and the F32 product is rounded once to T.
+// w[r][c] = e4m3_dequantize(q[r][c], s[r]) (core/fp8.h; Backend::dequantize_rows_e4m3): a block
+// per row at a time; a code's value is exact in half precision, and the F32 product is rounded
+// once to T.
 template <typename T>
 __global__ void dequantize_rows_e4m3_kernel(const __nv_fp8_storage_t* q, const float* s, int64_t R, int64_t C, T* w) {
   for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
