@@ -617,6 +617,75 @@ __device__ __forceinline__ void store_rows(const float (&acc)[NT][4], const OutV
   }
 }
 
+// Where a chunk kernel's block and warp work (grid B·H·N, block = bh·N + n): sequence b, head h,
+// chunk n of Le rows from t0; the warp's row tile rt (rows r0 … r0 + 15) and its lane's g.
+struct ChunkTile {
+  int bh, n, b, h, t0, Le, rt, g, r0;
+};
+__device__ __forceinline__ ChunkTile chunk_tile(const Args& a) {
+  ChunkTile c;
+  c.bh = blockIdx.x / a.N;
+  c.n = blockIdx.x - c.bh * a.N;
+  c.b = c.bh / a.H;
+  c.h = c.bh - c.b * a.H;
+  c.t0 = c.n * kC;
+  c.Le = min(kC, a.T - c.t0);
+  c.rt = row_tile();
+  c.g = (threadIdx.x & 31) >> 2;
+  c.r0 = c.rt * 16;
+  return c;
+}
+
+// acc += rows r0 … r0 + 15 of X [·][ldx] times columns c0 … c0 + 8·NT − 1 of a [KD × ·] operand B,
+// contracting over KD: B stored row-major [KD][ldb] (KN), or as its transpose, B[k][c] at
+// c·ldb + k. TWO adds B2's product (the state's lo plane) right after B's at each step.
+template <int KD, int NT, bool KN, bool TWO = false>
+__device__ __forceinline__ void mma_rows(float (&acc)[NT][4], const __nv_bfloat16* X, int ldx, int r0,
+                                         const __nv_bfloat16* B, const __nv_bfloat16* B2, int ldb, int c0) {
+#pragma unroll
+  for (int ks = 0; ks < KD / 16; ++ks) {
+    uint32_t xa[4];
+    lda(xa, X, ldx, r0, ks * 16);
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t bf[4];
+      if (KN) ldb_kn(bf, B, ldb, ks * 16, c0 + np * 16);
+      else ldb_nk(bf, B, ldb, c0 + np * 16, ks * 16);
+      mma(acc[2 * np], xa, bf[0], bf[1]);
+      mma(acc[2 * np + 1], xa, bf[2], bf[3]);
+      if (TWO) {
+        if (KN) ldb_kn(bf, B2, ldb, ks * 16, c0 + np * 16);
+        else ldb_nk(bf, B2, ldb, c0 + np * 16, ks * 16);
+        mma(acc[2 * np], xa, bf[0], bf[1]);
+        mma(acc[2 * np + 1], xa, bf[2], bf[3]);
+      }
+    }
+  }
+}
+
+// acc += P·Y over the 16-column steps of this warp's causal triangle (LOWER: steps 0 … rt, else
+// rt … 7): P packed by decayed_block (ph, then pl when LO), Y [kC][ldy], columns c0 … c0 + 8·NT − 1.
+template <int NT, bool LOWER, bool LO = false>
+__device__ __forceinline__ void mma_causal(float (&acc)[NT][4], const uint32_t (&ph)[8][4], const uint32_t (&pl)[8][4],
+                                           int rt, const __nv_bfloat16* Y, int ldy, int c0) {
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    if (LOWER ? ks <= rt : ks >= rt) {
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t bf[4];
+        ldb_kn(bf, Y, ldy, ks * 16, c0 + np * 16);
+        mma(acc[2 * np], ph[ks], bf[0], bf[1]);
+        mma(acc[2 * np + 1], ph[ks], bf[2], bf[3]);
+        if (LO) {
+          mma(acc[2 * np], pl[ks], bf[0], bf[1]);
+          mma(acc[2 * np + 1], pl[ks], bf[2], bf[3]);
+        }
+      }
+    }
+  }
+}
+
 // ---- forward output ----------------------------------------------------------------------------
 // grid B·H·N (block = bh·N + n), 256 threads; states bf16 hi/lo planes [B·H][N][2][DK][DV].
 constexpr int kThreads = 256;
@@ -638,11 +707,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_o_kernel(Args a, Act Q, Act K
   __nv_bfloat16* Sl = Sh + DK * LDV;
   float* pw = reinterpret_cast<float*>(Sl + DK * LDV);
 
-  const int bh = blockIdx.x / a.N, n = blockIdx.x - bh * a.N;
-  const int b = bh / a.H, h = bh - b * a.H;
-  const int t0 = n * kC, Le = min(kC, a.T - t0);
-  const int rt = row_tile(), lane = threadIdx.x & 31, g = lane >> 2;
-  const int r0 = rt * 16;
+  const auto [bh, n, b, h, t0, Le, rt, g, r0] = chunk_tile(a);
 
   // two cp.async groups: Q, K first (the QKᵀ block starts as soon as they land), then V and
   // the state's hi/lo planes, which load while the block is computed
@@ -671,41 +736,10 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_o_kernel(Args a, Act Q, Act K
     float acc[NT][4];
     zero(acc);
     // inter-chunk: q_i · S (hi + lo), then the row factor scale·λ^{i+1}
-#pragma unroll
-    for (int ks = 0; ks < DK / 16; ++ks) {
-      uint32_t qa[4];
-      lda(qa, Qs, LDK, r0, ks * 16);
-#pragma unroll
-      for (int np = 0; np < NT / 2; ++np) {
-        uint32_t bf[4];
-        ldb_kn(bf, Sh, LDV, ks * 16, hf * HALF + np * 16);
-        mma(acc[2 * np], qa, bf[0], bf[1]);
-        mma(acc[2 * np + 1], qa, bf[2], bf[3]);
-        if (GLA_S_LO) {
-          ldb_kn(bf, Sl, LDV, ks * 16, hf * HALF + np * 16);
-          mma(acc[2 * np], qa, bf[0], bf[1]);
-          mma(acc[2 * np + 1], qa, bf[2], bf[3]);
-        }
-      }
-    }
+    mma_rows<DK, NT, true, GLA_S_LO>(acc, Qs, LDK, r0, Sh, Sl, LDV, hf * HALF);
     scale_rows(acc, f0, f1);
     // intra-chunk: A · V over the column blocks j ≤ this warp's rows
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      if (ks <= rt) {
-#pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
-          uint32_t bf[4];
-          ldb_kn(bf, Vs, LDV, ks * 16, hf * HALF + np * 16);
-          mma(acc[2 * np], ah[ks], bf[0], bf[1]);
-          mma(acc[2 * np + 1], ah[ks], bf[2], bf[3]);
-          if (GLA_A_LO) {
-            mma(acc[2 * np], al[ks], bf[0], bf[1]);
-            mma(acc[2 * np + 1], al[ks], bf[2], bf[3]);
-          }
-        }
-      }
-    }
+    mma_causal<NT, true, GLA_A_LO>(acc, ah, al, rt, Vs, LDV, hf * HALF);
     store_rows(acc, O, b, t0, Le, h, hf * HALF);
   }
 }
@@ -727,11 +761,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dv_kernel(Args a, Act Q, Act 
   __nv_bfloat16* Gs = Os + kC * LDV;
   float* pw = reinterpret_cast<float*>(Gs + DK * LDV);
 
-  const int bh = blockIdx.x / a.N, n = blockIdx.x - bh * a.N;
-  const int b = bh / a.H, h = bh - b * a.H;
-  const int t0 = n * kC, Le = min(kC, a.T - t0);
-  const int rt = row_tile(), lane = threadIdx.x & 31, g = lane >> 2;
-  const int r0 = rt * 16;
+  const auto [bh, n, b, h, t0, Le, rt, g, r0] = chunk_tile(a);
 
   load_rows_async<DK>(Qs, LDK, Q, b, t0, Le, h);
   load_rows_async<DK>(Ks, LDK, K, b, t0, Le, h);
@@ -754,31 +784,9 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dv_kernel(Args a, Act Q, Act 
   for (int hf = 0; hf < 2; ++hf) {
     float acc[NT][4];
     zero(acc);
-#pragma unroll
-    for (int ks = 0; ks < DK / 16; ++ks) {
-      uint32_t ka[4];
-      lda(ka, Ks, LDK, r0, ks * 16);
-#pragma unroll
-      for (int np = 0; np < NT / 2; ++np) {
-        uint32_t bf[4];
-        ldb_kn(bf, Gs, LDV, ks * 16, hf * HALF + np * 16);
-        mma(acc[2 * np], ka, bf[0], bf[1]);
-        mma(acc[2 * np + 1], ka, bf[2], bf[3]);
-      }
-    }
+    mma_rows<DK, NT, true>(acc, Ks, LDK, r0, Gs, nullptr, LDV, hf * HALF);
     scale_rows(acc, f0, f1);
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      if (ks >= rt) {
-#pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
-          uint32_t bf[4];
-          ldb_kn(bf, Os, LDV, ks * 16, hf * HALF + np * 16);
-          mma(acc[2 * np], ph[ks], bf[0], bf[1]);
-          mma(acc[2 * np + 1], ph[ks], bf[2], bf[3]);
-        }
-      }
-    }
+    mma_causal<NT, false>(acc, ph, pl, rt, Os, LDV, hf * HALF);
     store_rows(acc, dV, b, t0, Le, h, hf * HALF);
   }
 }
@@ -803,11 +811,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqk_kernel(Args a, Act Q, Act
   __nv_bfloat16* SG = Os + kC * LDV;
   float* pw = reinterpret_cast<float*>(SG + DK * LDV);
 
-  const int bh = blockIdx.x / a.N, n = blockIdx.x - bh * a.N;
-  const int b = bh / a.H, h = bh - b * a.H;
-  const int t0 = n * kC, Le = min(kC, a.T - t0);
-  const int rt = row_tile(), lane = threadIdx.x & 31, g = lane >> 2;
-  const int r0 = rt * 16;
+  const auto [bh, n, b, h, t0, Le, rt, g, r0] = chunk_tile(a);
   const int64_t plane = (static_cast<int64_t>(bh) * a.N + n) * DK * DV;
 
   load_rows_async<DV>(Vs, LDV, V, b, t0, Le, h);
@@ -830,32 +834,10 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqk_kernel(Args a, Act Q, Act
     __syncthreads();
     float acc[NT][4];
     zero(acc);
-    // dO_i · S_nᵀ: B[e][c] = S[c][e], i.e. S is the [n][k] layout
-#pragma unroll
-    for (int ks = 0; ks < DV / 16; ++ks) {
-      uint32_t oa[4];
-      lda(oa, Os, LDV, r0, ks * 16);
-#pragma unroll
-      for (int np = 0; np < NT / 2; ++np) {
-        uint32_t bf[4];
-        ldb_nk(bf, SG, LDV, np * 16, ks * 16);
-        mma(acc[2 * np], oa, bf[0], bf[1]);
-        mma(acc[2 * np + 1], oa, bf[2], bf[3]);
-      }
-    }
+    // dO_i · S_nᵀ: B[e][c] = S[c][e], i.e. S is the transposed layout
+    mma_rows<DV, NT, false>(acc, Os, LDV, r0, SG, nullptr, LDV, 0);
     scale_rows(acc, a.scale * pw[i0 + 1], a.scale * pw[i1 + 1]);
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      if (ks <= rt) {
-#pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
-          uint32_t bf[4];
-          ldb_kn(bf, Ks, LDK, ks * 16, np * 16);
-          mma(acc[2 * np], ph[ks], bf[0], bf[1]);
-          mma(acc[2 * np + 1], ph[ks], bf[2], bf[3]);
-        }
-      }
-    }
+    mma_causal<NT, true>(acc, ph, pl, rt, Ks, LDK, 0);
     store_rows(acc, dQ, b, t0, Le, h, 0);
   }
   if (dK.p) {
@@ -869,31 +851,9 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqk_kernel(Args a, Act Q, Act
     __syncthreads();
     float acc[NT][4];
     zero(acc);
-#pragma unroll
-    for (int ks = 0; ks < DV / 16; ++ks) {
-      uint32_t va[4];
-      lda(va, Vs, LDV, r0, ks * 16);
-#pragma unroll
-      for (int np = 0; np < NT / 2; ++np) {
-        uint32_t bf[4];
-        ldb_nk(bf, SG, LDV, np * 16, ks * 16);
-        mma(acc[2 * np], va, bf[0], bf[1]);
-        mma(acc[2 * np + 1], va, bf[2], bf[3]);
-      }
-    }
+    mma_rows<DV, NT, false>(acc, Vs, LDV, r0, SG, nullptr, LDV, 0);
     scale_rows(acc, i0 < Le ? pw[Le - 1 - i0] : 0.f, i1 < Le ? pw[Le - 1 - i1] : 0.f);
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      if (ks >= rt) {
-#pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
-          uint32_t bf[4];
-          ldb_kn(bf, Qs, LDK, ks * 16, np * 16);
-          mma(acc[2 * np], ph[ks], bf[0], bf[1]);
-          mma(acc[2 * np + 1], ph[ks], bf[2], bf[3]);
-        }
-      }
-    }
+    mma_causal<NT, false>(acc, ph, pl, rt, Qs, LDK, 0);
     store_rows(acc, dK, b, t0, Le, h, 0);
   }
 }

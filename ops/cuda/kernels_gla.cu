@@ -56,34 +56,47 @@ struct GlaArgs {
 // tiles: rows 4·ti + r, columns tj + nt·c (nt = ⌈N/4⌉), so adjacent lanes read adjacent
 // columns of B and mostly the same rows of A (broadcast). Out-of-range rows/columns are
 // clamped for the loads and skipped in the epilogue.
+// The loads' rows ii and columns jj of tile t (clamped into the matrix).
+__device__ __forceinline__ void tile_coords(int t, int M, int N, int nt, int& ti, int& tj, int (&ii)[4], int (&jj)[4]) {
+  ti = t / nt;
+  tj = t - ti * nt;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    ii[r] = min(4 * ti + r, M - 1);
+    jj[r] = min(tj + nt * r, N - 1);
+  }
+}
+
+// acc[r][c] = Σ_{k<K} A(ii[r], k)·B(k, jj[c]), k in order, from zero.
+template <class FA, class FB>
+__device__ __forceinline__ void tile_product(float (&acc)[4][4], const int (&ii)[4], const int (&jj)[4], int K, FA fa,
+                                             FB fb) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[r][c] = 0.f;
+  for (int kk = 0; kk < K; ++kk) {
+    float av[4], bv[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      av[r] = fa(ii[r], kk);
+      bv[r] = fb(kk, jj[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[r][c] = fmaf(av[r], bv[c], acc[r][c]);
+  }
+}
+
 template <class FA, class FB, class FE>
 __device__ __forceinline__ void tile_mm(int M, int N, int K, FA fa, FB fb, FE epi) {
   const int mt = (M + 3) >> 2, nt = (N + 3) >> 2;
   for (int t = threadIdx.x; t < mt * nt; t += blockDim.x) {
-    const int ti = t / nt, tj = t - ti * nt;
-    int ii[4], jj[4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      ii[r] = min(4 * ti + r, M - 1);
-      jj[r] = min(tj + nt * r, N - 1);
-    }
+    int ti, tj, ii[4], jj[4];
+    tile_coords(t, M, N, nt, ti, tj, ii, jj);
     float acc[4][4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[r][c] = 0.f;
-    for (int kk = 0; kk < K; ++kk) {
-      float av[4], bv[4];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        av[r] = fa(ii[r], kk);
-        bv[r] = fb(kk, jj[r]);
-      }
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[r][c] = fmaf(av[r], bv[c], acc[r][c]);
-    }
+    tile_product(acc, ii, jj, K, fa, fb);
 #pragma unroll
     for (int r = 0; r < 4; ++r)
 #pragma unroll
@@ -100,42 +113,11 @@ template <class FA1, class FB1, class FA2, class FB2, class FE>
 __device__ __forceinline__ void tile_mm2(int M, int N, int K1, int K2, FA1 fa1, FB1 fb1, FA2 fa2, FB2 fb2, FE epi) {
   const int mt = (M + 3) >> 2, nt = (N + 3) >> 2;
   for (int t = threadIdx.x; t < mt * nt; t += blockDim.x) {
-    const int ti = t / nt, tj = t - ti * nt;
-    int ii[4], jj[4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      ii[r] = min(4 * ti + r, M - 1);
-      jj[r] = min(tj + nt * r, N - 1);
-    }
+    int ti, tj, ii[4], jj[4];
+    tile_coords(t, M, N, nt, ti, tj, ii, jj);
     float x[4][4], y[4][4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) x[r][c] = y[r][c] = 0.f;
-    for (int kk = 0; kk < K1; ++kk) {
-      float av[4], bv[4];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        av[r] = fa1(ii[r], kk);
-        bv[r] = fb1(kk, jj[r]);
-      }
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) x[r][c] = fmaf(av[r], bv[c], x[r][c]);
-    }
-    for (int kk = 0; kk < K2; ++kk) {
-      float av[4], bv[4];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        av[r] = fa2(ii[r], kk);
-        bv[r] = fb2(kk, jj[r]);
-      }
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) y[r][c] = fmaf(av[r], bv[c], y[r][c]);
-    }
+    tile_product(x, ii, jj, K1, fa1, fb1);
+    tile_product(y, ii, jj, K2, fa2, fb2);
 #pragma unroll
     for (int r = 0; r < 4; ++r)
 #pragma unroll

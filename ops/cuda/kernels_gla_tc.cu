@@ -34,17 +34,11 @@ bool tc_shape_ok(const Tensor& q, const Tensor& v) {
          q.shape[0] * q.shape[2] <= 65535 && q.shape[2] <= gla_tc::kMaxHeads;
 }
 
-gla_tc::Act tc_act(const Tensor& t) {
-  gla_tc::Act a;
-  a.p = t.data;
-  a.dt = t.dtype == DType::kBF16 ? gla_tc::kBF16 : gla_tc::kF32;
-  a.sb = t.stride[0];
-  a.st = t.stride[1];
-  a.sh = t.stride[2];
-  return a;
-}
-gla_tc::OutV tc_out(const Tensor& t) {
-  gla_tc::OutV a;
+// A [B,T,H,d] tensor as the kernels' input (gla_tc::Act) or output (gla_tc::OutV) view; an
+// undefined tensor gives a null view.
+template <class View>
+View tc_view(const Tensor& t) {
+  View a;
   if (!t.defined()) return a;
   a.p = t.data;
   a.dt = t.dtype == DType::kBF16 ? gla_tc::kBF16 : gla_tc::kF32;
@@ -53,6 +47,8 @@ gla_tc::OutV tc_out(const Tensor& t) {
   a.sh = t.stride[2];
   return a;
 }
+gla_tc::Act tc_act(const Tensor& t) { return tc_view<gla_tc::Act>(t); }
+gla_tc::OutV tc_out(const Tensor& t) { return tc_view<gla_tc::OutV>(t); }
 gla_tc::StV tc_state(const Tensor& t) {
   gla_tc::StV s;
   if (!t.defined()) return s;
