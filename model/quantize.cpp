@@ -27,6 +27,20 @@ void fp8_dequantize_rows(const uint8_t* q, const float* scale, int64_t rows, int
 
 std::string fp8_scale_name(const std::string& weight) { return weight + "_scale"; }
 
+Status fp8_check_rows(const uint8_t* q, const float* scale, int64_t rows, int64_t cols, const std::string& name) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!(std::isfinite(scale[r]) && scale[r] > 0.f))
+      return Status::invalid_argument(fp8_scale_name(name) + ": row " + std::to_string(r) + "'s scale is " +
+                                      std::to_string(scale[r]) + " (a scale must be finite and positive)");
+    const uint8_t* row = q + r * cols;
+    for (int64_t c = 0; c < cols; ++c)
+      if ((row[c] & 0x7F) == 0x7F)
+        return Status::invalid_argument(name + ": a NaN code at row " + std::to_string(r) + ", column " +
+                                        std::to_string(c) + " (FP8 weights hold none)");
+  }
+  return Status::ok();
+}
+
 Status is_fp8_model_file(const std::string& path, bool* fp8) {
   SafeTensorsReader r;
   LAPLACE_RETURN_IF_ERROR(SafeTensorsReader::open(path, &r));
@@ -101,6 +115,9 @@ Status quantize_model_dir(const std::string& model_dir, const std::string& out_d
       LAPLACE_RETURN_IF_ERROR(r.read_into(s.name, Tensor::make(q.data(), DType::kF8E4M3, shape2, 2)));
       LAPLACE_RETURN_IF_ERROR(
           r.read_into(fp8_scale_name(s.name), Tensor::make(sc.data(), DType::kF32, shape1, 1)));
+      LAPLACE_RETURN_IF_ERROR(fp8_check_rows(reinterpret_cast<const uint8_t*>(q.data()),
+                                             reinterpret_cast<const float*>(sc.data()), rows, cols, s.name)
+                                  .with_context(in_path));
       bufs.emplace_back(static_cast<size_t>(rows * cols) * 4);
       fp8_dequantize_rows(reinterpret_cast<const uint8_t*>(q.data()), reinterpret_cast<const float*>(sc.data()), rows,
                           cols, reinterpret_cast<float*>(bufs.back().data()));
@@ -122,8 +139,9 @@ Status quantize_model_dir(const std::string& model_dir, const std::string& out_d
     for (int64_t r0 = 0; r0 < rows; ++r0)
       for (int64_t c0 = 0; c0 < cols; ++c0) {
         const double x = w[r0 * cols + c0];
-        const double d = static_cast<double>(e4m3_to_float(static_cast<uint8_t>(q[r0 * cols + c0]))) *
-                             reinterpret_cast<const float*>(sc.data())[r0] - x;
+        const double d = static_cast<double>(e4m3_dequantize(static_cast<uint8_t>(q[r0 * cols + c0]),
+                                                             reinterpret_cast<const float*>(sc.data())[r0])) -
+                         x;
         e2 += d * d;
         w2 += x * x;
       }

@@ -25,6 +25,10 @@ void fp8_quantize_rows(const float* w, int64_t rows, int64_t cols, uint8_t* q, f
 void fp8_dequantize_rows(const uint8_t* q, const float* scale, int64_t rows, int64_t cols, float* w);
 // "<weight>_scale".
 std::string fp8_scale_name(const std::string& weight);
+// Whether the codes and scales of a matrix read from a file are FP8 weights: every scale finite
+// and positive (e4m3_scale gives at least FLT_MIN) and no code NaN (a quantiser saturates, so
+// 0x7F and 0xFF never stand for a weight). Says which row or element otherwise, under `name`.
+Status fp8_check_rows(const uint8_t* q, const float* scale, int64_t rows, int64_t cols, const std::string& name);
 // Whether a model file holds FP8 weights (its metadata says kPrecisionFp8Rows); reads the header only.
 Status is_fp8_model_file(const std::string& path, bool* fp8);
 // Every body matrix of `m` ← its FP8 round trip (quantise per row, dequantise), in m's dtype:

@@ -582,6 +582,22 @@ class TestExportCli(unittest.TestCase):
         self.run_cli("export", "hf", "--model", q, "--out", hf)
         me = self.load_exported(hf).LaplaceForCausalLM.from_pretrained(hf)
         self.assertTrue(torch.equal(me.state_dict()[name], sq[name]))
+        # a damaged scale or a NaN code: named, not turned into NaN weights
+        with open(os.path.join(q, "model.safetensors"), "rb") as f:
+            good = f.read()
+        n = struct.unpack("<Q", good[:8])[0]
+        info = json.loads(good[8:8 + n].decode("utf-8"))
+        at_scale = 8 + n + info[name + "_scale"]["data_offsets"][0] + 4 * 2
+        at_code = 8 + n + info[name]["data_offsets"][0] + 5
+        for at, patch, want in ((at_scale, struct.pack("<f", float("nan")), r"weight_scale: row 2's scale is nan"),
+                                (at_scale, struct.pack("<f", -1.0), r"row 2's scale is -1\.0"),
+                                (at_code, b"\x7f", r"wqkvg\.weight: a NaN code at row 0, column 5")):
+            with open(os.path.join(q, "model.safetensors"), "wb") as f:
+                f.write(good[:at] + patch + good[at + len(patch):])
+            with self.assertRaisesRegex(laplace.LaplaceCheckpointError, want):
+                laplace.LaplaceForCausalLM.from_pretrained(q)
+        with open(os.path.join(q, "model.safetensors"), "wb") as f:
+            f.write(good)
         # scales missing: named, before any weight is read
         t = ml.read_safetensors_header(os.path.join(q, "model.safetensors"))
         self.assertIn(name + "_scale", t)

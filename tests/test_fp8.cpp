@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "core/file_util.h"
 #include "core/fp8.h"
 #include "core/safetensors.h"
 #include "model/config.h"
@@ -903,6 +904,65 @@ TEST(Fp8Files, QuantizeRefuseDequantize) {
   const double lq = loss_of(dir + "/q");
   EXPECT_NEAR(lq, l0, 0.02 * l0);
   EXPECT_NE(lq, l1);
+}
+
+// FP8 weights from a file are checked before use: a scale that is not finite and positive, or a
+// NaN code (0x7F, 0xFF: a quantiser saturates and never writes one), is refused by every loader
+// (inference, `quantize --dequantize`, `export hf`) with the tensor and row, and nothing is written.
+TEST(Fp8Files, CorruptScalesAndCodesAreRefused) {
+  const std::string dir = testing::make_temp_dir("fp8bad");
+  const std::string cfg = std::string(LAPLACE_SOURCE_DIR) + "/configs/laplace-tiny.json";
+  ASSERT_EQ(run_laplace("init --config " + cfg + " --out " + dir + "/m --seed 4").exit_code, 0);
+  ASSERT_EQ(run_laplace("quantize --model " + dir + "/m --out " + dir + "/q").exit_code, 0);
+  const std::string name = "model.layers.1.w3.weight";
+  std::string file;
+  ASSERT_TRUE(read_file(dir + "/q/model.safetensors", &file).is_ok());
+  uint64_t header = 0;
+  std::memcpy(&header, file.data(), 8);
+  SafeTensorsReader q;
+  ASSERT_TRUE(SafeTensorsReader::open(dir + "/q/model.safetensors", &q).is_ok());
+  const SafeTensorInfo* codes = q.find(name);
+  const SafeTensorInfo* scales = q.find(fp8_scale_name(name));
+  ASSERT_NE(codes, nullptr);
+  ASSERT_NE(scales, nullptr);
+  const int64_t C = codes->shape[1];
+  struct Case {
+    std::string what, want;
+    uint64_t at;  // file offset of the bytes to replace
+    std::string bytes;
+  };
+  auto f32 = [](float v) { return std::string(reinterpret_cast<const char*>(&v), 4); };
+  const uint64_t data = 8 + header;
+  const std::vector<Case> cases = {
+      {"NaN scale", "row 2's scale is", data + scales->begin + 2 * 4, f32(std::nanf(""))},
+      {"zero scale", "row 0's scale is", data + scales->begin, f32(0.f)},
+      {"negative scale", "finite and positive", data + scales->begin + 5 * 4, f32(-1.f)},
+      {"infinite scale", "finite and positive", data + scales->begin + 1 * 4, f32(INFINITY)},
+      {"code 0x7F", "a NaN code at row 3, column 7", data + codes->begin + 3 * C + 7, std::string(1, '\x7f')},
+      {"code 0xFF", "a NaN code at row 0, column 0", data + codes->begin, std::string(1, '\xff')},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const std::string bad = dir + "/bad";
+    std::filesystem::remove_all(bad);
+    std::filesystem::remove_all(dir + "/d");
+    std::filesystem::remove_all(dir + "/hf");
+    std::filesystem::create_directory(bad);
+    std::filesystem::copy_file(dir + "/q/config.json", bad + "/config.json");
+    std::string patched = file;
+    patched.replace(c.at, c.bytes.size(), c.bytes);
+    ASSERT_TRUE(write_file_atomic(bad + "/model.safetensors", patched.data(), patched.size()).is_ok());
+    for (const std::string& cmd :
+         {"forward --model " + bad + " --tokens 1,2,3", "quantize --model " + bad + " --out " + dir + "/d --dequantize",
+          "export hf --model " + bad + " --out " + dir + "/hf"}) {
+      const testing::CliResult r = run_laplace(cmd);
+      EXPECT_NE(r.exit_code, 0) << cmd << "\n" << r.output;
+      EXPECT_NE(r.output.find(name), std::string::npos) << cmd << "\n" << r.output;
+      EXPECT_NE(r.output.find(c.want), std::string::npos) << cmd << "\n" << r.output;
+    }
+    EXPECT_FALSE(std::filesystem::exists(dir + "/d/model.safetensors")) << "nothing written";
+    EXPECT_FALSE(std::filesystem::exists(dir + "/hf")) << "nothing exported";
+  }
 }
 
 }  // namespace

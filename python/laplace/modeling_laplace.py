@@ -484,6 +484,16 @@ def dequantize_fp8(tensors, names):
     for n in names:
         scale = out.pop(fp8_scale_name(n))
         w = out[n]
+        # a quantiser writes finite, positive scales and saturates (no NaN code): anything else is a damaged file
+        bad = ~(torch.isfinite(scale) & (scale > 0))
+        if bool(bad.any()):
+            r = int(bad.nonzero()[0][0])
+            raise LaplaceCheckpointError("%s: row %d's scale is %r (a scale must be finite and positive)"
+                                         % (fp8_scale_name(n), r, float(scale[r])))
+        nan = torch.isnan(w.reshape(w.shape[0], -1))
+        if bool(nan.any()):
+            r, c = (int(x) for x in nan.nonzero()[0])
+            raise LaplaceCheckpointError("%s: a NaN code at row %d, column %d (FP8 weights hold none)" % (n, r, c))
         out[n] = (w.reshape(w.shape[0], -1) * scale.reshape(-1, 1)).reshape(w.shape)
     return out
 
