@@ -33,10 +33,15 @@ Status fp8_check_rows(const uint8_t* q, const float* scale, int64_t rows, int64_
       return Status::invalid_argument(fp8_scale_name(name) + ": row " + std::to_string(r) + "'s scale is " +
                                       std::to_string(scale[r]) + " (a scale must be finite and positive)");
     const uint8_t* row = q + r * cols;
-    for (int64_t c = 0; c < cols; ++c)
-      if ((row[c] & 0x7F) == 0x7F)
-        return Status::invalid_argument(name + ": a NaN code at row " + std::to_string(r) + ", column " +
-                                        std::to_string(c) + " (FP8 weights hold none)");
+    // (b & 0x7F) + 1 reaches 0x80 for the NaN codes alone; byte ORs without an early exit
+    // vectorise, and a 3B model has 2.7 billion codes.
+    uint8_t any = 0;
+    for (int64_t c = 0; c < cols; ++c) any |= static_cast<uint8_t>((row[c] & 0x7F) + 1);
+    if (!(any & 0x80)) continue;
+    int64_t c = 0;
+    while ((row[c] & 0x7F) != 0x7F) ++c;
+    return Status::invalid_argument(name + ": a NaN code at row " + std::to_string(r) + ", column " +
+                                    std::to_string(c) + " (FP8 weights hold none)");
   }
   return Status::ok();
 }
