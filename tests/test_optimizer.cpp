@@ -246,7 +246,8 @@ TEST(Muon, NewtonSchulzMatchesReferenceF64) {
   // Other step counts, including 0 (just the normalisation).
   OwnedTensor g(DType::kF64, {6, 10});
   fill_normal(g, 77);
-  for (int steps : {0, 1, 3, 7}) EXPECT_LT(testing::max_rel_error(run_ns(g, steps), ref_ns(to_vec(g), 6, 10, steps)), 1e-12) << steps;
+  for (int steps : {0, 1, 3, 7})
+    EXPECT_LT(testing::max_rel_error(run_ns(g, steps), ref_ns(to_vec(g), 6, 10, steps)), 1e-12) << steps;
 }
 
 TEST(Muon, NewtonSchulzMatchesReferenceF32) {
