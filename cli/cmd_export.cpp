@@ -8,7 +8,6 @@
 // config must load and its model.safetensors must hold exactly the config's tensors (names and shapes).
 // DIR may equal SRC (the files are then added in place).
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <set>
 #include <string>
@@ -61,7 +60,7 @@ Status check_weights(const Config& c, const std::string& path) {
     // Their values too: the package would otherwise turn a NaN code or a bad scale into NaN weights.
     const int64_t cols = info->numel() / rows[0];
     std::vector<float> scales(static_cast<size_t>(rows[0]));
-    std::memcpy(scales.data(), r.bytes(*si), scales.size() * sizeof(float));
+    LAPLACE_RETURN_IF_ERROR(r.read_into(scale, Tensor(scales.data(), DType::kF32, {rows[0]})).with_context(path));
     LAPLACE_RETURN_IF_ERROR(fp8_check_rows(r.bytes(*info), scales.data(), rows[0], cols, spec.name).with_context(path));
     expected.insert(scale);
   }

@@ -351,11 +351,9 @@ Status Model::load_fp8(const std::string& path) {
         return Status::invalid_argument(path + ": " + s.name + " must be F8_E4M3 with its scales " + sn);
       const Tensor q = fp8_.tensor(static_cast<size_t>(fi)), sc = fp8_.tensor(static_cast<size_t>(fi) + 1);
       const int64_t R = q.shape[0], C = q.shape[1];
-      std::vector<uint8_t> codes(static_cast<size_t>(R * C));
-      std::vector<float> scales(static_cast<size_t>(R));
-      LAPLACE_RETURN_IF_ERROR(r.read_into(s.name, Tensor(codes.data(), DType::kF8E4M3, {R, C})).with_context(path));
-      LAPLACE_RETURN_IF_ERROR(r.read_into(sn, Tensor(scales.data(), DType::kF32, {R})).with_context(path));
-      LAPLACE_RETURN_IF_ERROR(fp8_check_rows(codes.data(), scales.data(), R, C, s.name).with_context(path));
+      std::vector<uint8_t> codes;
+      std::vector<float> scales;
+      LAPLACE_RETURN_IF_ERROR(fp8_read_rows(r, s.name, R, C, &codes, &scales).with_context(path));
       be_->copy(q, Tensor(codes.data(), DType::kF8E4M3, {R, C}));
       be_->copy(sc, Tensor(scales.data(), DType::kF32, {R}));
       be_->dequantize_rows_e4m3(q, sc, weights_.tensor(i));  // the weight's own copy: code × scale

@@ -46,6 +46,15 @@ Status fp8_check_rows(const uint8_t* q, const float* scale, int64_t rows, int64_
   return Status::ok();
 }
 
+Status fp8_read_rows(const SafeTensorsReader& r, const std::string& name, int64_t rows, int64_t cols,
+                     std::vector<uint8_t>* q, std::vector<float>* s) {
+  q->resize(static_cast<size_t>(rows * cols));
+  s->resize(static_cast<size_t>(rows));
+  LAPLACE_RETURN_IF_ERROR(r.read_into(name, Tensor(q->data(), DType::kF8E4M3, {rows, cols})));
+  LAPLACE_RETURN_IF_ERROR(r.read_into(fp8_scale_name(name), Tensor(s->data(), DType::kF32, {rows})));
+  return fp8_check_rows(q->data(), s->data(), rows, cols, name);
+}
+
 Status is_fp8_model_file(const std::string& path, bool* fp8) {
   SafeTensorsReader r;
   LAPLACE_RETURN_IF_ERROR(SafeTensorsReader::open(path, &r));
@@ -116,16 +125,11 @@ Status quantize_model_dir(const std::string& model_dir, const std::string& out_d
     if (dequantize && body) {
       if (!r.find(fp8_scale_name(s.name)))
         return Status::invalid_argument(in_path + ": missing tensor " + fp8_scale_name(s.name));
-      std::vector<char> q(static_cast<size_t>(rows * cols)), sc(static_cast<size_t>(rows) * 4);
-      LAPLACE_RETURN_IF_ERROR(r.read_into(s.name, Tensor::make(q.data(), DType::kF8E4M3, shape2, 2)));
-      LAPLACE_RETURN_IF_ERROR(
-          r.read_into(fp8_scale_name(s.name), Tensor::make(sc.data(), DType::kF32, shape1, 1)));
-      LAPLACE_RETURN_IF_ERROR(fp8_check_rows(reinterpret_cast<const uint8_t*>(q.data()),
-                                             reinterpret_cast<const float*>(sc.data()), rows, cols, s.name)
-                                  .with_context(in_path));
+      std::vector<uint8_t> q;
+      std::vector<float> sc;
+      LAPLACE_RETURN_IF_ERROR(fp8_read_rows(r, s.name, rows, cols, &q, &sc).with_context(in_path));
       bufs.emplace_back(static_cast<size_t>(rows * cols) * 4);
-      fp8_dequantize_rows(reinterpret_cast<const uint8_t*>(q.data()), reinterpret_cast<const float*>(sc.data()), rows,
-                          cols, reinterpret_cast<float*>(bufs.back().data()));
+      fp8_dequantize_rows(q.data(), sc.data(), rows, cols, reinterpret_cast<float*>(bufs.back().data()));
       named.push_back({s.name, Tensor::make(bufs.back().data(), DType::kF32, s.shape.data(),
                                             static_cast<int>(s.shape.size()))});
       continue;

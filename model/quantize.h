@@ -9,7 +9,9 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
+#include "core/safetensors.h"
 #include "core/status.h"
 #include "model/model.h"
 
@@ -29,6 +31,10 @@ std::string fp8_scale_name(const std::string& weight);
 // and positive (e4m3_scale gives at least FLT_MIN) and no code NaN (a quantiser saturates, so
 // 0x7F and 0xFF never stand for a weight). Says which row or element otherwise, under `name`.
 Status fp8_check_rows(const uint8_t* q, const float* scale, int64_t rows, int64_t cols, const std::string& name);
+// Matrix `name`'s codes [rows, cols] and its scales (fp8_scale_name) [rows] from a model file into
+// q and s, checked by fp8_check_rows: what every loader of FP8 weights reads.
+Status fp8_read_rows(const SafeTensorsReader& r, const std::string& name, int64_t rows, int64_t cols,
+                     std::vector<uint8_t>* q, std::vector<float>* s);
 // Whether a model file holds FP8 weights (its metadata says kPrecisionFp8Rows); reads the header only.
 Status is_fp8_model_file(const std::string& path, bool* fp8);
 // Every body matrix of `m` ← its FP8 round trip (quantise per row, dequantise), in m's dtype:
