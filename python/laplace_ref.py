@@ -123,6 +123,85 @@ def write_safetensors(path, tensors, metadata=None):
 
 
 # ----------------------------------------------------------------------------------------------
+# Documents kept apart (varlen). A packed row holds several documents; with them kept apart the mixer
+# and the conv restart from a zero state at each document's first token, as flash-linear-attention
+# does with cu_seqlens. The per-token form every function below takes (the C++ side's, core/doc_starts.h):
+# doc[b, t] = the position in row b of the first token of t's document, or -1 when that document began
+# before the row (it continues from the row's initial state and conv window). Valid rows: doc[0] in
+# {-1, 0} and doc[t] in {doc[t-1], t}; a document starts at t exactly when doc[t] == t.
+# ----------------------------------------------------------------------------------------------
+DOCUMENT_SEPARATOR = 2  # "</s>": the shards put one before every document (docs/data.md §3)
+
+
+def doc_starts_from_separator(tokens, sep=DOCUMENT_SEPARATOR):
+    """tokens [B,T] -> doc [B,T] int64: a document starts at every token equal to `sep`; tokens before a
+    row's first separator continue the document that was running (-1)."""
+    tokens = torch.as_tensor(tokens)
+    T = tokens.shape[-1]
+    pos = torch.arange(T, dtype=torch.int64, device=tokens.device).expand(tokens.shape)
+    marked = torch.where(tokens == sep, pos, torch.full_like(pos, -1))
+    return torch.cummax(marked, dim=-1)[0]          # the latest start at or before t
+
+
+def doc_starts_from_cu_seqlens(cu_seqlens, T):
+    """flash-linear-attention's offsets [0, o_1, ..., T] of one packed row of T tokens (document i is
+    [o_i, o_{i+1})) -> doc [1, T] int64 (one row, ready for the forward's doc). ValueError, naming the
+    value, for fewer than two offsets, a first offset other than 0, one out of order, a repeated one
+    (an empty document), one past T, a last other than T."""
+    offs = [int(o) for o in torch.as_tensor(cu_seqlens).reshape(-1).tolist()]
+    T = int(T)
+    if T < 1:
+        raise ValueError("documents: row length %d is out of range" % T)
+    if len(offs) < 2:
+        raise ValueError("documents: need at least two offsets (0 and the row length %d), got %d" % (T, len(offs)))
+    if offs[0] != 0:
+        raise ValueError("documents: the first offset must be 0, got %d" % offs[0])
+    for i in range(1, len(offs)):
+        a, b = offs[i - 1], offs[i]
+        if b > T:
+            raise ValueError("documents: offset %d = %d is past the row's %d tokens" % (i, b, T))
+        if b == a:
+            raise ValueError("documents: document %d is empty (offsets %d and %d are both %d)" % (i - 1, i - 1, i, a))
+        if b < a:
+            raise ValueError("documents: offset %d = %d is before offset %d = %d" % (i, b, i - 1, a))
+    if offs[-1] != T:
+        raise ValueError("documents: the last offset must be the row length %d, got %d" % (T, offs[-1]))
+    doc = torch.empty(T, dtype=torch.int64)
+    for a, b in zip(offs[:-1], offs[1:]):
+        doc[a:b] = a
+    return doc[None]
+
+
+def validate_doc_starts(doc):
+    """ValueError, naming the row, the position and the value, unless doc [B,T] is of the form above."""
+    doc = torch.as_tensor(doc)
+    if doc.dim() != 2:
+        raise ValueError("documents: doc must be [B, T], got shape %s" % (tuple(doc.shape),))
+    # doc[t] is doc[t-1] or t, with doc[-1] = -1 before the row (so doc[0] is -1 or 0); one vector test,
+    # since the trainers check every batch.
+    prev = torch.cat([torch.full_like(doc[:, :1], -1), doc[:, :-1]], dim=1)
+    bad = ((doc != prev) & (doc != torch.arange(doc.shape[1], device=doc.device))).nonzero()
+    if len(bad):
+        b, t = (int(x) for x in bad[0])
+        raise ValueError("documents: row %d, position %d: document start %d is neither %s" % (
+            b, t, int(doc[b, t]), "-1 nor 0" if t == 0 else
+            "the previous token's (%d) nor the position itself" % int(doc[b, t - 1])))
+
+
+def _doc_arg(doc, B, T, device):
+    """doc as int64 on `device`, or None when no token starts a document: such rows are one document
+    each, and dropping doc then keeps the arithmetic of the plain forms bit for bit."""
+    if doc is None:
+        return None
+    doc = torch.as_tensor(doc).to(device=device, dtype=torch.int64)
+    if tuple(doc.shape) != (B, T):
+        raise ValueError("documents: doc has shape %s, the tokens are [%d, %d]" % (tuple(doc.shape), B, T))
+    if not bool((doc == torch.arange(T, device=device)).any()):
+        return None
+    return doc
+
+
+# ----------------------------------------------------------------------------------------------
 # GLA mixer, three forms (SPEC §1). q,k: [B,T,H,dk]; v: [B,T,H,dv]; lam: [H] float64;
 # S0: [B,H,dk,dv] or None (zeros). Returns (o [B,T,H,dv], S_final [B,H,dk,dv]).
 # ----------------------------------------------------------------------------------------------
@@ -138,10 +217,18 @@ def _init_state(q, v, S0):
     return S0.to(q.dtype)
 
 
-def gla_quadratic(q, k, v, lam, scale, S0=None):
+def _keep(mask, x):
+    """x where mask, else zero (a where, not a product, so kept values are untouched bit for bit)."""
+    return torch.where(mask, x, x.new_zeros(()))
+
+
+def gla_quadratic(q, k, v, lam, scale, S0=None, doc=None):
     """o_t = lam^{t+1} q_t S0 + sum_{s<=t} lam^{t-s} (q_t.k_s) v_s ;
-    S_T = lam^T S0 + sum_s lam^{T-1-s} k_s^T v_s  (q pre-scaled). Tests only."""
-    T, dt = q.shape[1], q.dtype
+    S_T = lam^T S0 + sum_s lam^{T-1-s} k_s^T v_s  (q pre-scaled). Tests only.
+    doc [B,T] (documents kept apart): a pair (t, s) counts only within one document, S0 reaches only
+    the tokens of a document that began before the row (doc -1), and S_T is the last document's."""
+    B, T, dt = q.shape[0], q.shape[1], q.dtype
+    doc = _doc_arg(doc, B, T, q.device)
     S0 = _init_state(q, v, S0)
     q = q * scale
     lam = lam.to(torch.float64).to(q.device)
@@ -149,31 +236,52 @@ def gla_quadratic(q, k, v, lam, scale, S0=None):
     diff = t[:, None] - t[None, :]                                   # t - s
     Dm = torch.where(diff >= 0, lam[:, None, None] ** diff.clamp(min=0), torch.zeros((), dtype=torch.float64))
     A = torch.einsum("bthk,bshk->bhts", q, k) * Dm.to(dt)            # [B,H,T,T]
+    if doc is not None:
+        A = _keep((doc[:, :, None] == doc[:, None, :])[:, None], A)
     o = torch.einsum("bhts,bshv->bthv", A, v)
-    o = o + torch.einsum("bthk,ht,bhkv->bthv", q, (lam[:, None] ** (t + 1)).to(dt), S0)
+    inter = torch.einsum("bthk,ht,bhkv->bthv", q, (lam[:, None] ** (t + 1)).to(dt), S0)
+    if doc is not None:
+        inter = _keep((doc < 0)[:, :, None, None], inter)
+    o = o + inter
     dk_ = (lam[:, None] ** (T - 1 - t)).to(dt)                       # [H,T]
-    S = (lam ** T).to(dt)[None, :, None, None] * S0 + torch.einsum("bshk,hs,bshv->bhkv", k, dk_, v)
+    S_old, k_in = (lam ** T).to(dt)[None, :, None, None] * S0, k
+    if doc is not None:
+        last = doc[:, -1]
+        S_old = _keep((last < 0)[:, None, None, None], S_old)
+        k_in = _keep((doc == last[:, None])[:, :, None, None], k)
+    S = S_old + torch.einsum("bshk,hs,bshv->bhkv", k_in, dk_, v)
     return o, S
 
 
-def gla_recurrent(q, k, v, lam, scale, S0=None):
-    """S_t = lam S_{t-1} + k_t^T v_t ; o_t = (q_t*scale) S_t  (token t sees itself). Decode form."""
+def gla_recurrent(q, k, v, lam, scale, S0=None, doc=None):
+    """S_t = lam S_{t-1} + k_t^T v_t ; o_t = (q_t*scale) S_t  (token t sees itself). Decode form.
+    doc [B,T]: S_t = (doc[t] == t ? 0 : lam S_{t-1}) + k_t^T v_t, the restart of each document."""
+    doc = _doc_arg(doc, q.shape[0], q.shape[1], q.device)
     S = _init_state(q, v, S0)
     q = q * scale
     lam_c = lam.to(torch.float64).to(q.dtype).to(q.device)[None, :, None, None]
     outs = []
     for t in range(q.shape[1]):
-        S = lam_c * S + torch.einsum("bhk,bhv->bhkv", k[:, t], v[:, t])
+        S_old = lam_c * S
+        if doc is not None:
+            S_old = _keep((doc[:, t] != t)[:, None, None, None], S_old)
+        S = S_old + torch.einsum("bhk,bhv->bhkv", k[:, t], v[:, t])
         outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
     return torch.stack(outs, dim=1), S
 
 
-def gla_chunked(q, k, v, lam, scale, S0=None, chunk=128, state_dtype=None):
+def gla_chunked(q, k, v, lam, scale, S0=None, chunk=128, state_dtype=None, doc=None):
     """Chunks of `chunk` tokens (the tail chunk may be shorter, length n). In chunk with entering S:
     o_i = lam^{i+1} q_i S + sum_{j<=i} lam^{i-j} (q_i.k_j) v_j ;  S <- lam^n S + sum_j lam^{n-1-j} k_j^T v_j.
     state_dtype: the dtype S is carried in between chunks (default q's); bf16 training carries it in
-    fp32 (SPEC §1: S is fp32), the products stay in q's dtype."""
-    T, dt = q.shape[1], q.dtype
+    fp32 (SPEC §1: S is fp32), the products stay in q's dtype.
+    doc [B,T] (documents kept apart) masks each chunk's terms rather than cutting the row into segments,
+    as a chunked kernel does: the intra-chunk pair (i, j) counts iff doc[j] == doc[i]; the inter term
+    reaches token i only if its document began before the chunk (doc[i] < chunk start); the state update
+    drops lam^n S when a document starts inside the chunk and sums only the tokens of the chunk's last
+    document (doc[j] == doc[last])."""
+    B, T, dt = q.shape[0], q.shape[1], q.dtype
+    doc = _doc_arg(doc, B, T, q.device)
     S = _init_state(q, v, S0)
     sdt = state_dtype or dt
     S = S.to(sdt)
@@ -183,28 +291,41 @@ def gla_chunked(q, k, v, lam, scale, S0=None, chunk=128, state_dtype=None):
     for c0 in range(0, T, chunk):
         qc, kc, vc = q[:, c0:c0 + chunk], k[:, c0:c0 + chunk], v[:, c0:c0 + chunk]
         n = qc.shape[1]
+        dc = doc[:, c0:c0 + n] if doc is not None else None
         i = torch.arange(n, dtype=torch.float64, device=q.device)
         diff = i[:, None] - i[None, :]
         Dm = torch.where(diff >= 0, lam[:, None, None] ** diff.clamp(min=0), torch.zeros((), dtype=torch.float64))
         A = torch.einsum("bihk,bjhk->bhij", qc, kc) * Dm.to(dt)      # intra-chunk, causal incl. diagonal
+        if dc is not None:
+            A = _keep((dc[:, :, None] == dc[:, None, :])[:, None], A)
         o = torch.einsum("bhij,bjhv->bihv", A, vc)
-        o = o + torch.einsum("bihk,hi,bhkv->bihv", qc, (lam[:, None] ** (i + 1)).to(dt), S.to(dt))
+        inter = torch.einsum("bihk,hi,bhkv->bihv", qc, (lam[:, None] ** (i + 1)).to(dt), S.to(dt))
+        if dc is not None:
+            inter = _keep((dc < c0)[:, :, None, None], inter)
+        o = o + inter
         decay_k = (lam[:, None] ** (n - 1 - i)).to(dt)
-        S = (lam ** n).to(sdt)[None, :, None, None] * S + \
-            torch.einsum("bjhk,hj,bjhv->bhkv", kc, decay_k, vc).to(sdt)
+        S_old, k_in = (lam ** n).to(sdt)[None, :, None, None] * S, kc
+        if dc is not None:
+            last = dc[:, -1]
+            S_old = _keep((last < c0)[:, None, None, None], S_old)
+            k_in = _keep((dc == last[:, None])[:, :, None, None], kc)
+        S = S_old + torch.einsum("bjhk,hj,bjhv->bhkv", k_in, decay_k, vc).to(sdt)
         outs.append(o)
     return torch.cat(outs, dim=1), S
 
 
-def gla_chunked_batched(q, k, v, lam, scale, S0=None, chunk=128, state_dtype=None):
+def gla_chunked_batched(q, k, v, lam, scale, S0=None, chunk=128, state_dtype=None, doc=None):
     """gla_chunked's arithmetic with every full chunk at once: the intra-chunk products and each chunk's
     state contribution U_n = sum_j lam^{C-1-j} k_j^T v_j are single batched products over the chunks, and
     the state entering chunk n is lam^{Cn} S0 + sum_{m<n} lam^{C(n-1-m)} U_m (one more product, in
     state_dtype). A shorter tail is one more chunk of its own length. Same result as gla_chunked up to the
-    order of the state sums; far fewer kernels, which is what the GPU reference trainer needs."""
+    order of the state sums; far fewer kernels, which is what the GPU reference trainer needs.
+    doc [B,T]: gla_chunked's masks; in the sum for the entering state, U_m (and S0) count only if no
+    document starts in a chunk between it and chunk n, since such a start zeroes the state there."""
     B, T, H, dk = q.shape
     dv, dt = v.shape[-1], q.dtype
     sdt = state_dtype or dt
+    doc = _doc_arg(doc, B, T, q.device)
     S = _init_state(q, v, S0).to(sdt)
     lam = lam.to(torch.float64).to(q.device)
     q = q * scale
@@ -217,15 +338,35 @@ def gla_chunked_batched(q, k, v, lam, scale, S0=None, chunk=128, state_dtype=Non
         diff = i[:, None] - i[None, :]
         Dm = torch.where(diff >= 0, lam[:, None, None] ** diff.clamp(min=0), torch.zeros((), dtype=torch.float64))
         A = torch.einsum("bnihk,bnjhk->bnhij", qc, kc) * Dm.to(dt)
-        o = torch.einsum("bnhij,bnjhv->bnihv", A, vc)
-        U = torch.einsum("bnjhk,hj,bnjhv->bnhkv", kc, (lam[:, None] ** (C - 1 - i)).to(dt), vc).to(sdt)
         n = torch.arange(N, dtype=torch.float64, device=q.device)
         gap = n[:, None] - 1 - n[None, :]                            # n - 1 - m
         W = torch.where(gap >= 0, lam[:, None, None] ** (C * gap.clamp(min=0)), torch.zeros((), dtype=torch.float64))
-        S_in = torch.einsum("hnm,bmhkv->bnhkv", W.to(sdt), U) + \
-            torch.einsum("hn,bhkv->bnhkv", (lam[:, None] ** (C * n)).to(sdt), S)  # entering chunk n
-        o = o + torch.einsum("bnihk,hi,bnhkv->bnihv", qc, (lam[:, None] ** (i + 1)).to(dt), S_in.to(dt))
-        S = (lam ** C).to(sdt)[None, :, None, None] * S_in[:, -1] + U[:, -1]
+        W0 = lam[:, None] ** (C * n)                                 # [H,N]: S0's weight entering chunk n
+        if doc is None:
+            o = torch.einsum("bnhij,bnjhv->bnihv", A, vc)
+            U = torch.einsum("bnjhk,hj,bnjhv->bnhkv", kc, (lam[:, None] ** (C - 1 - i)).to(dt), vc).to(sdt)
+            S_in = torch.einsum("hnm,bmhkv->bnhkv", W.to(sdt), U) + \
+                torch.einsum("hn,bhkv->bnhkv", W0.to(sdt), S)        # entering chunk n
+            o = o + torch.einsum("bnihk,hi,bnhkv->bnihv", qc, (lam[:, None] ** (i + 1)).to(dt), S_in.to(dt))
+            S = (lam ** C).to(sdt)[None, :, None, None] * S_in[:, -1] + U[:, -1]
+            return o.reshape(B, N * C, H, dv), S
+        d = doc[:, t0:t0 + N * C].reshape(B, N, C)
+        c0 = t0 + C * torch.arange(N, device=q.device)               # each chunk's first position
+        A = _keep((d[:, :, :, None] == d[:, :, None, :])[:, :, None], A)
+        o = torch.einsum("bnhij,bnjhv->bnihv", A, vc)
+        k_in = _keep((d == d[:, :, -1:])[..., None, None], kc)       # the chunk's last document only
+        U = torch.einsum("bnjhk,hj,bnjhv->bnhkv", k_in, (lam[:, None] ** (C - 1 - i)).to(dt), vc).to(sdt)
+        reset = d[:, :, -1] >= c0                                    # [B,N]: a document starts in chunk n
+        upto = torch.cumsum(reset.long(), 1)                         # starts in chunks 0..n
+        before = upto - reset.long()                                 # starts in chunks 0..n-1
+        # U_m reaches chunk n iff no start in chunks m+1..n-1, i.e. before[n] == upto[m]
+        Wb = _keep((before[:, :, None] == upto[:, None, :])[:, None], W[None])       # [B,H,N,M]
+        W0b = _keep((before == 0)[:, None], W0[None])                                # [B,H,N]
+        S_in = torch.einsum("bhnm,bmhkv->bnhkv", Wb.to(sdt), U) + torch.einsum("bhn,bhkv->bnhkv", W0b.to(sdt), S)
+        inter = torch.einsum("bnihk,hi,bnhkv->bnihv", qc, (lam[:, None] ** (i + 1)).to(dt), S_in.to(dt))
+        o = o + _keep((d < c0[:, None])[..., None, None], inter)
+        S_old = _keep(~reset[:, -1, None, None, None], (lam ** C).to(sdt)[None, :, None, None] * S_in[:, -1])
+        S = S_old + U[:, -1]
         return o.reshape(B, N * C, H, dv), S
 
     N, tail = T // chunk, T % chunk
@@ -244,6 +385,28 @@ def gla_chunked_batched(q, k, v, lam, scale, S0=None, chunk=128, state_dtype=Non
 # ----------------------------------------------------------------------------------------------
 # Model (SPEC §1)
 # ----------------------------------------------------------------------------------------------
+def conv_silu(u, w, win, doc=None):
+    """Causal depthwise conv and its SiLU: c_t = SiLU(sum_j w[:,j] * u_{t-K+1+j}), u [B,T,D], w [D,K];
+    inputs before the row come from win [B,K,D] (its last K-1 rows; zeros for a new sequence).
+    Returns (c [B,T,D], the new window: the last K inputs).
+    doc [B,T] (documents kept apart): token t reads no input u_p with p < doc[t] (zeros there; doc -1
+    reads the window), and the new window holds zeros before the start of the row's last document, so
+    that a continuation carries on that document as if it had begun from a zero window."""
+    B, T, _ = u.shape
+    K = w.shape[1]
+    doc = _doc_arg(doc, B, T, u.device)
+    ext = torch.cat([win.to(u.dtype), u], dim=1)                     # [B, K+T, D]; ext[K+t] = u_t
+    if doc is None:
+        cv = sum(w[:, j] * ext[:, 1 + j:1 + j + T] for j in range(K))
+        return F.silu(cv), ext[:, -K:]
+    # First position each token may read: its document's start, or anything (-K) for doc -1.
+    first = torch.where(doc < 0, torch.full_like(doc, -K), doc)     # [B,T]
+    t = torch.arange(T, device=u.device)
+    cv = sum(w[:, j] * _keep((t - K + 1 + j >= first)[..., None], ext[:, 1 + j:1 + j + T]) for j in range(K))
+    p = torch.arange(T - K, T, device=u.device)                      # the window's positions
+    return F.silu(cv), _keep((p >= first[:, -1:])[..., None], ext[:, -K:])
+
+
 def param_shapes(cfg):
     """Canonical names and shapes, in canonical (model) order; this is also the init RNG order."""
     c = cfg
@@ -320,13 +483,24 @@ class Laplace(torch.nn.Module):
         return [(torch.zeros(B, c.H, c.dk, c.dv, dtype=dt, device=dev), torch.zeros(B, c.K, c.D, dtype=dt, device=dev))
                 for _ in range(c.L)]
 
-    def forward(self, tokens, state=None, mixer="chunked", chunk=None, state_dtype=None):
+    def forward(self, tokens, state=None, mixer="chunked", chunk=None, state_dtype=None, doc=None,
+                document_separator=None):
         """tokens [B,T] int64; state: list over layers of (gla_state [B,H,dk,dv], conv_window [B,K,D])
         or None (zeros). Returns (logits [B,T,V], new state). state_dtype: see gla_chunked (under bf16
-        autocast, fp32 keeps the GLA state and the output RMSNorm in fp32 as the CUDA path does)."""
+        autocast, fp32 keeps the GLA state and the output RMSNorm in fp32 as the CUDA path does).
+        Documents kept apart: doc [B,T] (the form above), or document_separator (2, "</s>") to derive it
+        from the tokens; every layer's mixer and conv restart from zero at each document start, and the
+        returned state continues the last document. Neither: each row is one document."""
         c = self.cfg
         B, T = tokens.shape
         chunk = chunk or c.C
+        if document_separator is not None:
+            if doc is not None:
+                raise ValueError("documents: give doc or document_separator, not both")
+            doc = doc_starts_from_separator(tokens, document_separator)
+        if doc is not None:
+            validate_doc_starts(doc)
+            doc = _doc_arg(doc, B, T, tokens.device)
         lam, scale = head_decays(c.H), 1.0 / math.sqrt(c.dk)
         x = F.embedding(tokens, self._w("model.embed.weight"))
         dt = x.dtype
@@ -338,12 +512,7 @@ class Laplace(torch.nn.Module):
             S0, win = state[li]
             # --- token mixer ---
             u = F.layer_norm(x, (c.D,), self._w(p + "norm1.weight"), self._w(p + "norm1.bias"), c.eps)
-            # causal depthwise conv: c_t = SiLU(sum_j w[:,j] * u_{t-K+1+j}); older inputs from the window
-            ext = torch.cat([win.to(dt), u], dim=1)                  # [B, K+T, D]; ext[K+t] = u_t
-            wc = self._w(p + "conv.weight")                          # [D, K]
-            cv = sum(wc[:, j] * ext[:, 1 + j:1 + j + T] for j in range(c.K))
-            cv = F.silu(cv)
-            new_win = ext[:, -c.K:]
+            cv, new_win = conv_silu(u, self._w(p + "conv.weight"), win.to(dt), doc)
             qkvg = cv @ self._w(p + "wqkvg.weight").t()
             hk, hv = c.H * c.dk, c.H * c.dv
             q = qkvg[..., :hk].reshape(B, T, c.H, c.dk)
@@ -351,13 +520,13 @@ class Laplace(torch.nn.Module):
             v = qkvg[..., 2 * hk:2 * hk + hv].reshape(B, T, c.H, c.dv)
             g = qkvg[..., 2 * hk + hv:].reshape(B, T, c.H, c.dv)
             if mixer == "chunked":
-                o, S = gla_chunked(q, k, v, lam, scale, S0, chunk, state_dtype)
+                o, S = gla_chunked(q, k, v, lam, scale, S0, chunk, state_dtype, doc)
             elif mixer == "batched":
-                o, S = gla_chunked_batched(q, k, v, lam, scale, S0, chunk, state_dtype)
+                o, S = gla_chunked_batched(q, k, v, lam, scale, S0, chunk, state_dtype, doc)
             elif mixer == "recurrent":
-                o, S = gla_recurrent(q, k, v, lam, scale, S0)
+                o, S = gla_recurrent(q, k, v, lam, scale, S0, doc)
             elif mixer == "quadratic":
-                o, S = gla_quadratic(q, k, v, lam, scale, S0)
+                o, S = gla_quadratic(q, k, v, lam, scale, S0, doc)
             else:
                 raise ValueError(mixer)
             # per-head RMSNorm (weight [dv] shared by heads) times SiLU gate
@@ -607,9 +776,11 @@ class DataLoader:
 
 
 def train(cfg, params, tokens, steps, B, T, lr, warmup=0, schedule="cosine", min_lr_frac=0.1, decay_frac=0.2,
-          wd=0.1, max_grad_norm=1.0, dtype="f32", mixer="chunked", chunk=None, log=None, **opt_kw):
+          wd=0.1, max_grad_norm=1.0, dtype="f32", mixer="chunked", chunk=None, log=None, document_separator=None,
+          **opt_kw):
     """Reproduces `laplace train` on CPU. Per step s (0-based): lr_s = lr_at(s); forward on the next batch;
-    loss = mean CE; backward; Optimizer.step (clip / skip / Muon + AdamW).
+    loss = mean CE; backward; Optimizer.step (clip / skip / Muon + AdamW). document_separator: documents
+    kept apart, each starting at that token (Laplace.forward).
     Returns (history: list of dicts {step, loss, grad_norm, lr, skipped}, final params dict)."""
     model = Laplace(cfg, params)
     if dtype == "f64":
@@ -621,7 +792,7 @@ def train(cfg, params, tokens, steps, B, T, lr, warmup=0, schedule="cosine", min
         lr_s = lr_at(s, steps, lr, warmup, schedule, min_lr_frac, decay_frac)
         x, y = dl.next_batch()
         model.zero_grad(set_to_none=True)
-        logits, _ = model(x, mixer=mixer, chunk=chunk)
+        logits, _ = model(x, mixer=mixer, chunk=chunk, document_separator=document_separator)
         loss = loss_fn(logits, y)
         loss.backward()
         norm, ok = opt.step(lr_s)
@@ -665,7 +836,7 @@ def cmd_forward(a):
     if a.state_in:
         state = state_from_tensors(read_safetensors(a.state_in), cfg.L, _tdt(a.dtype))
     with torch.no_grad():
-        logits, st = model(tok, state=state, mixer=a.mixer, chunk=a.chunk)
+        logits, st = model(tok, state=state, mixer=a.mixer, chunk=a.chunk, document_separator=a.document_separator)
         out = {"logits": logits, "tokens": tok}
         if tok.shape[1] > 1:
             out["loss"] = loss_fn(logits[:, :-1], tok[:, 1:]).reshape(1)
@@ -683,7 +854,7 @@ def cmd_grad(a):
     if a.initial_state:
         state = state_from_tensors(read_safetensors(a.initial_state), cfg.L, _tdt(a.dtype))
         state = [(S.requires_grad_(), w.requires_grad_()) for S, w in state]
-    logits, _ = model(x, state=state, mixer=a.mixer, chunk=a.chunk)
+    logits, _ = model(x, state=state, mixer=a.mixer, chunk=a.chunk, document_separator=a.document_separator)
     loss = loss_fn(logits, y)
     loss.backward()
     out = {n: p.grad for n, p in model.named()}
@@ -720,7 +891,7 @@ def cmd_train(a):
                          warmup=a.warmup, schedule=a.schedule, min_lr_frac=a.min_lr_frac, decay_frac=a.decay_frac,
                          wd=a.wd, max_grad_norm=a.max_grad_norm, dtype=a.dtype, mixer=a.mixer, chunk=a.chunk,
                          log=print, momentum=a.momentum, fused=a.muon_fused, scale_mode=a.muon_scale,
-                         ns_mode=a.ns_mode, muon_lr_mult=a.muon_lr_mult)
+                         ns_mode=a.ns_mode, muon_lr_mult=a.muon_lr_mult, document_separator=a.document_separator)
     if a.out_losses:
         with open(a.out_losses, "w") as f:
             f.writelines("%.9g\n" % r["loss"] for r in hist)
@@ -744,11 +915,16 @@ def main(argv=None):
         p.add_argument("--mixer", choices=["chunked", "batched", "recurrent", "quadratic"], default="chunked")
         p.add_argument("--chunk", type=int, default=None, help="chunk size (default: config chunk_size)")
 
+    def doc_arg(p):
+        p.add_argument("--document-separator", type=int, default=None,
+                       help="keep documents apart, each starting at this token (2, </s>); "
+                            "default: each row is one document")
+
     p = sub.add_parser("init"); p.set_defaults(fn=cmd_init)
     p.add_argument("--config", required=True); p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
 
-    p = sub.add_parser("forward"); p.set_defaults(fn=cmd_forward); model_args(p)
+    p = sub.add_parser("forward"); p.set_defaults(fn=cmd_forward); model_args(p); doc_arg(p)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--tokens", help='rows separated by ";", ids by ",": "1,2,3;4,5,6"')
     g.add_argument("--tokens-file", help="llm.c shard; first batch*seq tokens")
@@ -756,7 +932,7 @@ def main(argv=None):
     p.add_argument("--state-in"); p.add_argument("--state-out")
     p.add_argument("--out", required=True)
 
-    p = sub.add_parser("grad"); p.set_defaults(fn=cmd_grad); model_args(p)
+    p = sub.add_parser("grad"); p.set_defaults(fn=cmd_grad); model_args(p); doc_arg(p)
     p.add_argument("--tokens-file", required=True)
     p.add_argument("--batch", type=int, required=True); p.add_argument("--seq", type=int, required=True)
     p.add_argument("--initial-state"); p.add_argument("--out", required=True)
@@ -784,6 +960,7 @@ def main(argv=None):
     p.add_argument("--dtype", choices=["f32", "f64"], default="f32")
     p.add_argument("--mixer", choices=["chunked", "batched", "recurrent", "quadratic"], default="chunked")
     p.add_argument("--chunk", type=int, default=None)
+    doc_arg(p)
     p.add_argument("--out-losses"); p.add_argument("--out", help="final checkpoint")
 
     p = sub.add_parser("ns"); p.set_defaults(fn=cmd_ns)

@@ -121,6 +121,9 @@ def main(argv=None):
                         "not only the operands of matrix products as autocast does")
     p.add_argument("--mixer", choices=["batched", "chunked"], default="batched",
                    help="the GLA chunked form: all chunks in batched products (default) or one chunk at a time")
+    p.add_argument("--document-separator", type=int, default=None,
+                   help="keep documents apart (varlen), each starting at this token (2, </s>), as "
+                        "`laplace train` does when asked; default: each row is one document")
     a = p.parse_args(argv)
 
     dev = torch.device(a.device)
@@ -161,10 +164,10 @@ def main(argv=None):
     def forward_loss(x, y):
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         if amp is None:
-            logits, _ = model(x, mixer=a.mixer)
+            logits, _ = model(x, mixer=a.mixer, document_separator=a.document_separator)
             return ref.loss_fn(logits, y)
         with amp:
-            logits, _ = model(x, mixer=a.mixer, state_dtype=state_dtype)
+            logits, _ = model(x, mixer=a.mixer, state_dtype=state_dtype, document_separator=a.document_separator)
             return ref.loss_fn(logits.float(), y)
 
     def save(next_step):

@@ -156,6 +156,259 @@ class TestModel(unittest.TestCase):
         self.assertFalse(torch.equal(a["lm_head.weight"], lr.init_params(self.cfg, 8)["lm_head.weight"]))
 
 
+# Documents kept apart: row 0 starts at 0, mid-chunk (7), exactly at chunk edges (16, 32), a one-token
+# document (16), and at 40; row 1 continues a document from before the row, then a one-token document
+# (5), a start one before a chunk edge (31) and a one-token document as the row's last token (44, inside
+# the last K). T = 45 is no multiple of the chunk (16).
+DOC_T = 45
+DOC_STARTS = ([0, 7, 16, 17, 32, 40], [5, 6, 31, 44])
+
+
+def doc_rows(starts=DOC_STARTS, T=DOC_T):
+    rows = []
+    for st in starts:
+        row, cur = [], -1
+        for t in range(T):
+            cur = t if t in st else cur
+            row.append(cur)
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def segments(row):
+    """[(start, end, continues)] of a doc row: its documents, the first one continuing if doc[0] == -1."""
+    row = row.tolist()
+    cuts = [t for t in range(len(row)) if row[t] == t]
+    bounds = ([0] if row[0] == -1 else []) + cuts + [len(row)]
+    return [(a, b, row[a] == -1) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+class TestDocuments(unittest.TestCase):
+    MIXERS = ("chunked", "batched", "recurrent", "quadratic")
+
+    def setUp(self):
+        self.cfg = lr.Config(**TINY)
+        self.model = lr.Laplace(self.cfg, lr.init_params(self.cfg, 1)).double()
+        self.doc = doc_rows()
+        g = torch.Generator().manual_seed(5)
+        # separators exactly at the starts, nowhere else
+        self.tok = torch.randint(3, self.cfg.V, (2, DOC_T), generator=g)
+        self.tok[self.doc == torch.arange(DOC_T)] = lr.DOCUMENT_SEPARATOR
+        self.y = torch.randint(0, self.cfg.V, (2, DOC_T), generator=g)
+
+    def test_helpers(self):
+        self.assertTrue(torch.equal(lr.doc_starts_from_separator(self.tok), self.doc))
+        self.assertEqual(lr.doc_starts_from_separator(torch.tensor([[5, 2, 7, 2, 2, 9], [2, 1, 1, 1, 1, 1]])).tolist(),
+                         [[-1, 1, 1, 3, 4, 4], [0, 0, 0, 0, 0, 0]])
+        self.assertEqual(lr.doc_starts_from_separator(torch.tensor([[5, 9, 7]]), 9).tolist(), [[-1, 1, 1]])
+        self.assertEqual(lr.doc_starts_from_cu_seqlens([0, 3, 4, 8], 8).tolist(), [[0, 0, 0, 3, 4, 4, 4, 4]])
+        self.assertEqual(lr.doc_starts_from_cu_seqlens(torch.tensor([0, 5]), 5).tolist(), [[0] * 5])
+        lr.validate_doc_starts(self.doc)
+        lr.validate_doc_starts([[-1, -1, 2], [0, 1, 2]])
+
+    def test_helper_errors(self):
+        for offs, T, msg in (([0, 5, 3, 8], 8, "offset 2 = 3 is before offset 1 = 5"),
+                             ([0, 9], 8, "offset 1 = 9 is past the row's 8 tokens"),
+                             ([0, 3, 3, 8], 8, "document 1 is empty"),
+                             ([1, 8], 8, "the first offset must be 0, got 1"),
+                             ([0, 5], 8, "the last offset must be the row length 8, got 5"),
+                             ([0], 8, "at least two offsets"),
+                             ([0, 0], 0, "row length 0")):
+            with self.assertRaisesRegex(ValueError, msg):
+                lr.doc_starts_from_cu_seqlens(offs, T)
+        for doc, msg in (([[1, 1, 1]], "row 0, position 0: document start 1"),
+                         ([[0, 0, 0], [0, 0, 1]], "row 1, position 2: document start 1"),
+                         ([[-1, -1, 0]], "position 2: document start 0"),
+                         ([[-1, 2, 2]], "position 1: document start 2"),
+                         ([0, 0], "must be \\[B, T\\]")):
+            with self.assertRaisesRegex(ValueError, msg):
+                lr.validate_doc_starts(doc)
+        with self.assertRaisesRegex(ValueError, "position 1"):
+            self.model(self.tok[:, :3], doc=[[0, 2, 2], [0, 0, 0]])
+        with self.assertRaisesRegex(ValueError, "not both"):
+            self.model(self.tok, doc=self.doc, document_separator=2)
+        with self.assertRaisesRegex(ValueError, "shape"):
+            lr.gla_recurrent(*rand_qkv(1, 4, 1, 2, 2, torch.float64)[:3], lr.head_decays(1), 1.0, doc=[[0, 0, 0]])
+
+    def test_forms_agree(self):
+        q, k, v, S0 = rand_qkv(2, DOC_T, 3, 8, 16, torch.float64, seed=6)
+        lam, scale = lr.head_decays(3), 1 / math.sqrt(8)
+        for init in (None, S0):
+            oq, sq = lr.gla_quadratic(q, k, v, lam, scale, init, doc=self.doc)
+            orr, sr = lr.gla_recurrent(q, k, v, lam, scale, init, doc=self.doc)
+            self.assertLess(rel(orr, oq), 1e-10)
+            self.assertLess(rel(sr, sq), 1e-10)
+            for C in (16, 5, 8, 64):
+                for form in (lr.gla_chunked, lr.gla_chunked_batched):
+                    oc, sc = form(q, k, v, lam, scale, init, chunk=C, doc=self.doc)
+                    self.assertLess(rel(oc, oq), 1e-10, (form.__name__, C))
+                    self.assertLess(rel(sc, sq), 1e-10, (form.__name__, C))
+        grads = []
+        for f in (lambda *a: lr.gla_chunked(*a, chunk=16, doc=self.doc),
+                  lambda *a: lr.gla_chunked_batched(*a, chunk=16, doc=self.doc),
+                  lambda *a: lr.gla_quadratic(*a, doc=self.doc), lambda *a: lr.gla_recurrent(*a, doc=self.doc)):
+            xs = [t.clone().requires_grad_() for t in (q, k, v, S0)]
+            o, S = f(xs[0], xs[1], xs[2], lam, scale, xs[3])
+            ((o * o.sin()).sum() + S.cos().sum()).backward()
+            grads.append([x.grad for x in xs])
+        for other in grads[1:]:
+            for a, b in zip(grads[-1], other):
+                self.assertLess(rel(b, a), 1e-10)
+
+    def test_mixer_packed_equals_segments(self):
+        q, k, v, S0 = rand_qkv(2, DOC_T, 2, 4, 8, torch.float64, seed=7)
+        lam = lr.head_decays(2)
+        for form in (lambda *a, **kw: lr.gla_chunked(*a, chunk=16, **kw),
+                     lambda *a, **kw: lr.gla_chunked_batched(*a, chunk=16, **kw), lr.gla_recurrent, lr.gla_quadratic):
+            o, S = form(q, k, v, lam, 0.5, S0, doc=self.doc)
+            for b in range(2):
+                for s, e, cont in segments(self.doc[b]):
+                    os_, Ss = lr.gla_quadratic(q[b:b + 1, s:e], k[b:b + 1, s:e], v[b:b + 1, s:e], lam, 0.5,
+                                               S0[b:b + 1] if cont else None)
+                    self.assertLess(rel(o[b:b + 1, s:e], os_), 1e-10)
+                self.assertLess(rel(S[b:b + 1], Ss), 1e-10)          # the state is the last document's
+
+    def test_model_packed_equals_documents(self):
+        # Per-token losses and the gradients of their sum: the packed rows against each document run on its
+        # own from zero states (a document continuing into the row starts from zero too: the state is None).
+        def grads_of(m):
+            return [p.grad.clone() for _, p in m.named()]
+
+        ce = lambda lg, y: torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), y.reshape(-1),  # noqa: E731
+                                                            reduction="none")
+        sep_model = lr.Laplace(self.cfg, lr.init_params(self.cfg, 1)).double()
+        want_loss = torch.zeros(2, DOC_T, dtype=torch.float64)
+        for b in range(2):
+            for s, e, _ in segments(self.doc[b]):
+                lg, _ = sep_model(self.tok[b:b + 1, s:e])
+                loss = ce(lg, self.y[b:b + 1, s:e])
+                want_loss[b, s:e] = loss.detach()
+                loss.sum().backward()
+        want_grads = grads_of(sep_model)
+        for mixer in self.MIXERS:
+            for how in ({"doc": self.doc}, {"document_separator": 2}):
+                self.model.zero_grad(set_to_none=True)
+                lg, _ = self.model(self.tok, mixer=mixer, **how)
+                loss = ce(lg, self.y)
+                self.assertLess(rel(loss.detach(), want_loss.reshape(-1)), 1e-10, mixer)
+                loss.sum().backward()
+                for (n, _), g, w in zip(self.model.named(), grads_of(self.model), want_grads):
+                    self.assertLess(rel(g, w), 1e-10, (mixer, n))
+
+    def test_model_initial_state(self):
+        # With an initial state, row 1's first document continues from it; row 0 (doc[0] = 0) ignores it.
+        with torch.no_grad():
+            _, st = self.model(torch.randint(3, self.cfg.V, (2, 11), generator=torch.Generator().manual_seed(8)))
+            zero, _ = self.model(self.tok, doc=self.doc)
+            for mixer in self.MIXERS:
+                lg, _ = self.model(self.tok, state=st, mixer=mixer, doc=self.doc)
+                self.assertLess(rel(lg[0], zero[0]), 1e-10, mixer)
+                s, e, cont = segments(self.doc[1])[0]
+                self.assertTrue(cont)
+                first, _ = self.model(self.tok[1:, s:e], state=[(S[1:], w[1:]) for S, w in st])
+                self.assertLess(rel(lg[1, s:e], first[0]), 1e-10, mixer)
+                self.assertLess(rel(lg[1, e:], zero[1, e:]), 1e-10, mixer)
+
+    def test_no_starts_is_no_doc_bitwise(self):
+        none = torch.full((2, DOC_T), -1, dtype=torch.int64)
+        with torch.no_grad():
+            _, st = self.model(self.tok[:, :9])
+            for state in (None, st):
+                for mixer in self.MIXERS:
+                    a, sa = self.model(self.tok, state=state, mixer=mixer)
+                    b, sb = self.model(self.tok, state=state, mixer=mixer, doc=none)
+                    c, sc = self.model(self.tok, state=state, mixer=mixer, document_separator=self.cfg.V)
+                    self.assertTrue(torch.equal(a, b) and torch.equal(a, c), mixer)
+                    for (x, y), (z, w) in zip(sa, sb):
+                        self.assertTrue(torch.equal(x, z) and torch.equal(y, w), mixer)
+
+    def test_masked_forms_with_no_starts_are_exact(self):
+        # The masks keep values by `where`, so even past the no-start shortcut a row of one document gives
+        # the plain forms' results bit for bit: the shortcut is a speed-up, not a different function.
+        q, k, v, S0 = rand_qkv(2, 37, 2, 4, 8, torch.float64, seed=9)
+        lam = lr.head_decays(2)
+        mixed = torch.tensor([[-1] * 37, [0] * 37])  # row 1 starts at 0: one document too
+        for form in (lambda *a, **kw: lr.gla_chunked(*a, chunk=16, **kw), lr.gla_recurrent, lr.gla_quadratic):
+            o, S = form(q[:1], k[:1], v[:1], lam, 0.5, S0[:1])
+            od, Sd = form(q, k, v, lam, 0.5, S0, doc=mixed)
+            self.assertTrue(torch.equal(o[0], od[0]) and torch.equal(S[0], Sd[0]))
+            o1, S1 = form(q[1:], k[1:], v[1:], lam, 0.5, None)
+            self.assertLess(rel(od[1], o1[0]), 1e-12)
+            self.assertLess(rel(Sd[1], S1[0]), 1e-12)
+
+    def test_conv_window_after_last_document(self):
+        # The row's last document starts in its last K tokens: the window keeps its inputs and zeros
+        # before them, so the next row continues that document as if it had started from zeros.
+        K, D = 4, 6
+        g = torch.Generator().manual_seed(10)
+        w = torch.randn(D, K, generator=g, dtype=torch.float64)
+        win = torch.randn(1, K, D, generator=g, dtype=torch.float64)
+        u = torch.randn(1, 10, D, generator=g, dtype=torch.float64)
+        for start in (6, 7, 8, 9):
+            doc = torch.tensor([[-1] * 3 + [3] * (start - 3) + [start] * (10 - start)])
+            c, nw = lr.conv_silu(u, w, win, doc)
+            keep = 10 - start
+            self.assertTrue(torch.equal(nw[:, :K - keep], torch.zeros(1, K - keep, D, dtype=torch.float64)))
+            self.assertTrue(torch.equal(nw[:, K - keep:], u[:, start:]))
+            alone, _ = lr.conv_silu(u[:, start:], w, torch.zeros_like(win))
+            # to rounding only: SiLU's vectorised loop and its scalar tail round apart at different lengths
+            self.assertLess(rel(c[:, start:], alone), 1e-14)
+            mid, _ = lr.conv_silu(u[:, 3:start], w, torch.zeros_like(win))
+            self.assertLess(rel(c[:, 3:start], mid), 1e-14)
+            first, _ = lr.conv_silu(u[:, :3], w, win)
+            self.assertLess(rel(c[:, :3], first), 1e-14)
+        # a row shorter than K: the old window's inputs go too once a document starts
+        _, nw = lr.conv_silu(u[:, :2], w, win, torch.tensor([[-1, 1]]))
+        self.assertTrue(torch.equal(nw[:, :3], torch.zeros(1, 3, D, dtype=torch.float64)))
+        self.assertTrue(torch.equal(nw[:, 3], u[:, 1]))
+        _, nw = lr.conv_silu(u[:, :2], w, win, torch.tensor([[-1, -1]]))
+        self.assertTrue(torch.equal(nw, torch.cat([win[:, 2:], u[:, :2]], 1)))
+        # through the model: a packed row whose last document starts 2 tokens before its end, then a
+        # continuation (prefill and a decode step) against that document run from zeros
+        tok = torch.randint(3, self.cfg.V, (1, 24), generator=g)
+        tok[0, 5] = tok[0, 22] = 2
+        with torch.no_grad():
+            for mixer in ("chunked", "batched", "recurrent"):
+                _, st = self.model(tok[:, :20], mixer=mixer, document_separator=2)
+                cont, st2 = self.model(tok[:, 20:23], state=st, mixer=mixer, document_separator=2)
+                step, _ = self.model(tok[:, 23:], state=st2, mixer="recurrent", document_separator=2)
+                alone, _ = self.model(tok[:, 22:], mixer=mixer)
+                self.assertLess(rel(cont[:, 2:], alone[:, :1]), 1e-10)
+                self.assertLess(rel(step, alone[:, 1:]), 1e-10)
+                for (S, wn), (_, wa) in zip(st2, self.model(tok[:, 22:23])[1]):
+                    self.assertTrue(torch.equal(wn[:, :3], torch.zeros_like(wn[:, :3])))
+                    self.assertLess(rel(wn, wa), 1e-12)
+
+    def test_train_and_cli(self):
+        cfg = self.cfg
+        rng = np.random.RandomState(1)
+        toks = rng.randint(3, cfg.V, 400)
+        toks[rng.randint(0, 400, 12)] = 2
+        with tempfile.TemporaryDirectory() as d:
+            cpath, ck, shard, out = (os.path.join(d, f) for f in ("c.json", "i.safetensors", "s.bin", "o.safetensors"))
+            with open(cpath, "w") as f:
+                json.dump(cfg.to_dict(), f)
+            lr.write_safetensors(ck, lr.init_params(cfg, 2))
+            lr.write_shard(shard, toks)
+            hist, _ = lr.train(cfg, lr.read_safetensors(ck), lr.read_shard(shard), 2, 2, 32, 1e-3,
+                               document_separator=2)
+            x, y = lr.DataLoader(lr.read_shard(shard), 2, 32).next_batch()
+            self.assertTrue(bool((x == 2).any()))
+            with torch.no_grad():
+                m = lr.Laplace(cfg, lr.read_safetensors(ck))
+                want = float(lr.loss_fn(m(x, document_separator=2)[0], y))
+                plain = float(lr.loss_fn(m(x)[0], y))
+            self.assertAlmostEqual(hist[0]["loss"], want, places=6)
+            self.assertNotAlmostEqual(want, plain, places=6)
+            with contextlib.redirect_stdout(io.StringIO()):
+                lr.main(["forward", "--config", cpath, "--ckpt", ck, "--tokens", "5,2,7,9;2,4,2,6", "--dtype", "f64",
+                         "--document-separator", "2", "--out", out])
+            tok = torch.tensor([[5, 2, 7, 9], [2, 4, 2, 6]])
+            with torch.no_grad():
+                lg, _ = lr.Laplace(cfg, lr.read_safetensors(ck)).double()(tok, doc=[[-1, 1, 1, 1], [0, 0, 2, 2]])
+            self.assertTrue(torch.equal(lr.read_safetensors(out)["logits"], lg))
+
+
 class TestRoundParams(unittest.TestCase):
     def test_forward_reads_bf16_parameters_and_gradients_pass_through(self):
         # round_params = bf16: the forward equals one over parameters rounded to bf16 beforehand, bit for
