@@ -47,6 +47,13 @@ struct GlaParams {
   int64_t chunk = 128;          // C, for kChunked; any C ≥ 1, the tail chunk may be short
   double scale = 1.0;           // q is multiplied by this (1/√dk in the model)
   std::vector<double> decay;    // λ_h per head, size H
+  // Documents kept apart (varlen, docs/model.md §4): doc [B, T] I32 on the backend's device,
+  // for each token the position in its row of its document's first token, or −1 for a
+  // document that began before the row (it continues from s_in). The state restarts from zero
+  // at every t with doc[t] = t, so each document is computed as if run alone; undefined: each
+  // row is one document. Valid rows (core/doc_starts.h): doc[0] ∈ {−1, 0}, doc[t] ∈ {doc[t−1], t}.
+  // The chunked and recurrent forms and the backward take it; decode steps (T = 1) do not.
+  Tensor doc;
 };
 
 // Deferred write-back of decode states (an engine option; docs/serving.md §4). Beside each
@@ -218,11 +225,15 @@ class Backend {
   // win_in/win_out [S,K,D]: the last K conv inputs of each sequence (u_{<0} = 0 when
   // win_in is undefined); win_out receives the last K inputs after this call and may
   // alias win_in. pre (optional) receives the pre-activation for the backward.
+  // doc (optional, GlaParams::doc's form): token t reads no input before doc[t] (those count
+  // as zeros; doc[t] = −1 reads the window), and win_out holds zeros for the inputs before
+  // the last token's document: each document starts from a zero window.
   virtual void conv_silu_forward(const Tensor& u, const Tensor& w, Tensor c, Tensor pre,
-                                 const Tensor& win_in, Tensor win_out, const Tensor& slots) = 0;
-  // Backward with a zero initial window. du written; dw accumulates.
+                                 const Tensor& win_in, Tensor win_out, const Tensor& slots,
+                                 const Tensor& doc = Tensor{}) = 0;
+  // Backward with a zero initial window. du written; dw accumulates. doc as in the forward.
   virtual void conv_silu_backward(const Tensor& dc, const Tensor& u, const Tensor& w,
-                                  const Tensor& pre, Tensor du, Tensor dw) = 0;
+                                  const Tensor& pre, Tensor du, Tensor dw, const Tensor& doc = Tensor{}) = 0;
 
   // GLA mixer, docs/model.md §4. q,k [B,T,H,dk]; v,o [B,T,H,dv]; states [S,H,dk,dv].
   // s_in undefined means S_0 = 0; s_out (optional) gets the final state and may alias s_in.

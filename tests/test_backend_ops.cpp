@@ -40,7 +40,7 @@
 namespace laplace {
 namespace {
 
-enum class Init { kUniform, kPositive, kIds, kTargets, kSlots };
+enum class Init { kUniform, kPositive, kIds, kTargets, kSlots, kDocs };
 
 struct Arg {
   std::vector<int64_t> shape;
@@ -57,6 +57,10 @@ Arg io(std::vector<int64_t> s, Init i = Init::kUniform) { return Arg{std::move(s
 Arg ids(std::vector<int64_t> s, int64_t range, Init i = Init::kIds) { return Arg{std::move(s), i, false, DType::kI32, range}; }
 Arg ints_out(std::vector<int64_t> s) { return Arg{std::move(s), Init::kUniform, true, DType::kI32}; }
 Arg f64_out(std::vector<int64_t> s) { return Arg{std::move(s), Init::kUniform, true, DType::kF64}; }
+// Document starts [B, T] (GlaParams::doc) with chunk 8: even rows start documents at 0, mid-chunk
+// (5), at both chunk edges (8, 16) and hold a one-token document (16); odd rows continue the
+// initial state up to 3, then a one-token document (3) and starts at 4 and mid-chunk (11).
+Arg docs(std::vector<int64_t> s) { return Arg{std::move(s), Init::kDocs, false, DType::kI32}; }
 
 // Where a case runs in BF16, these stay F32, as the model and the CUDA kernels keep them: norm statistics,
 // GLA states of the chunked forms, per-row losses, master weights and optimizer moments.
@@ -129,6 +133,14 @@ std::vector<OpCase> all_cases() {
   add({"conv_silu_backward", "[2,9,16], dw accumulates",
        {}, {in({2, 9, 16}), in({2, 9, 16}), in({16, 4}), in({2, 9, 16}), out({2, 9, 16}), io({16, 4})},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.conv_silu_backward(t[0], t[1], t[2], t[3], t[4], t[5]); }});
+  add({"conv_silu_forward", "[2,9,16], documents, windows in slots {2,0} of 3",
+       {}, {in({2, 9, 16}), in({16, 4}), out({2, 9, 16}), out({2, 9, 16}), io({3, 4, 16}), ids({2}, 3, Init::kSlots), docs({2, 9})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.conv_silu_forward(t[0], t[1], t[2], t[3], t[4], t[4], t[5], t[6]); }});
+  add({"conv_silu_forward", "[2,19,16], documents, zero window", {}, {in({2, 19, 16}), in({16, 4}), out({2, 19, 16}), docs({2, 19})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.conv_silu_forward(t[0], t[1], t[2], {}, {}, {}, {}, t[3]); }});
+  add({"conv_silu_backward", "[2,19,16], documents, dw accumulates",
+       {}, {in({2, 19, 16}), in({2, 19, 16}), in({16, 4}), in({2, 19, 16}), out({2, 19, 16}), io({16, 4}), docs({2, 19})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.conv_silu_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6]); }});
   // ---- GLA (B 2, T 19, H 2, dk 8, dv 12; chunk 8 leaves a short tail chunk)
   const GlaParams chunked = gla_params(GlaForm::kChunked, 8, 2), recurrent = gla_params(GlaForm::kRecurrent, 8, 2);
   add({"gla_forward", "chunked, T 19, from and into states", {2, 8, 12},
@@ -142,6 +154,29 @@ std::vector<OpCase> all_cases() {
         out({2, 19, 2, 8}), out({2, 19, 2, 8}), out({2, 19, 2, 12}), f32(out({2, 2, 8, 12}))},
        1e-4, 1e-2, [chunked](Backend& b, const std::vector<Tensor>& t) {
          b.gla_backward(chunked, t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9]);
+       }});
+  // Documents kept apart (varlen): the doc argument (last) is set into the params per call.
+  auto with_doc = [](GlaParams p, const Tensor& doc) {
+    p.doc = doc;
+    return p;
+  };
+  add({"gla_forward", "chunked, T 19, documents, from and into states", {2, 8, 12},
+       {in({2, 19, 2, 8}), in({2, 19, 2, 8}), in({2, 19, 2, 12}), out({2, 19, 2, 12}), f32(in({2, 2, 8, 12})), f32(out({2, 2, 8, 12})),
+        docs({2, 19})},
+       1e-4, 1e-2, [chunked, with_doc](Backend& b, const std::vector<Tensor>& t) {
+         b.gla_forward(with_doc(chunked, t[6]), t[0], t[1], t[2], t[3], t[4], t[5], {});
+       }});
+  add({"gla_forward", "recurrent, T 19, documents, from a state", {2, 8, 12},
+       {in({2, 19, 2, 8}), in({2, 19, 2, 8}), in({2, 19, 2, 12}), out({2, 19, 2, 12}), f32(in({2, 2, 8, 12})), f32(out({2, 2, 8, 12})),
+        docs({2, 19})},
+       1e-4, 1e-2, [recurrent, with_doc](Backend& b, const std::vector<Tensor>& t) {
+         b.gla_forward(with_doc(recurrent, t[6]), t[0], t[1], t[2], t[3], t[4], t[5], {});
+       }});
+  add({"gla_backward", "chunked, T 19, documents, state gradients", {2, 8, 12},
+       {in({2, 19, 2, 8}), in({2, 19, 2, 8}), in({2, 19, 2, 12}), f32(in({2, 2, 8, 12})), in({2, 19, 2, 12}), f32(in({2, 2, 8, 12})),
+        out({2, 19, 2, 8}), out({2, 19, 2, 8}), out({2, 19, 2, 12}), f32(out({2, 2, 8, 12})), docs({2, 19})},
+       1e-4, 1e-2, [chunked, with_doc](Backend& b, const std::vector<Tensor>& t) {
+         b.gla_backward(with_doc(chunked, t[10]), t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9]);
        }});
   add({"gla_decode_gate", "3 rows in slots of 4, states in place", {2, 8, 12},
        {in({3, 1, 2, 8}), in({3, 1, 2, 8}), in({3, 1, 2, 12}), in({3, 1, 2, 12}), in({12}), io({4, 2, 8, 12}),
@@ -294,6 +329,15 @@ std::vector<double> values_for(const Arg& a, int64_t n, DType dt, uint64_t seed)
         LAPLACE_CHECK(n <= a.range, "a slots argument needs as many slots as rows");
         const int64_t half = (a.range + 1) / 2;
         x[i] = static_cast<double>(i < half ? a.range - 1 - 2 * i : a.range - 2 - 2 * (i - half));
+        break;
+      }
+      case Init::kDocs: {
+        const int64_t T = a.shape[1], b = i / T, t = i % T;
+        const std::vector<int64_t> starts = b % 2 ? std::vector<int64_t>{3, 4, 11} : std::vector<int64_t>{0, 5, 8, 16, 17};
+        int64_t d = -1;
+        for (int64_t s : starts)
+          if (s <= t) d = s;
+        x[i] = static_cast<double>(d);
         break;
       }
     }

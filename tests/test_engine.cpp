@@ -79,12 +79,12 @@ class RowGemmBackend : public Backend {
     cpu_->layernorm_backward(dy, x, w, mean, rstd, dx, acc, dw, db);
   }
   void conv_silu_forward(const Tensor& u, const Tensor& w, Tensor c, Tensor pre, const Tensor& wi, Tensor wo,
-                         const Tensor& slots) override {
-    cpu_->conv_silu_forward(u, w, c, pre, wi, wo, slots);
+                         const Tensor& slots, const Tensor& doc) override {
+    cpu_->conv_silu_forward(u, w, c, pre, wi, wo, slots, doc);
   }
   void conv_silu_backward(const Tensor& dc, const Tensor& u, const Tensor& w, const Tensor& pre, Tensor du,
-                          Tensor dw) override {
-    cpu_->conv_silu_backward(dc, u, w, pre, du, dw);
+                          Tensor dw, const Tensor& doc) override {
+    cpu_->conv_silu_backward(dc, u, w, pre, du, dw, doc);
   }
   void gla_forward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor o, const Tensor& si,
                    Tensor so, const Tensor& slots) override {

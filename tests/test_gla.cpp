@@ -11,6 +11,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #ifdef _OPENMP
@@ -612,6 +613,140 @@ void check_deferred(DType dt, double tol) {
 
 TEST(GlaDeferred, DecodeTracksRecurrentAndFlushGivesTheTrueStateF64) { check_deferred(DType::kF64, 1e-12); }
 TEST(GlaDeferred, DecodeTracksRecurrentAndFlushGivesTheTrueStateF32) { check_deferred(DType::kF32, 1e-5); }
+
+// ---- documents kept apart (GlaParams::doc) --------------------------------------------------
+namespace docs {
+
+// Row starts: row 0 at 0, mid-chunk (37), both edges of a 64-token chunk (64, 128), a one-token
+// document (128), and a short tail (250 of 300); row 1 continues its initial state up to 100.
+const std::vector<std::vector<int64_t>> kStarts = {{0, 37, 64, 128, 129, 250}, {100, 192}};
+
+Owned doc_tensor(int64_t B, int64_t T) {
+  Owned d = owned(DType::kI32, {B, T});
+  for (int64_t b = 0; b < B; ++b) {
+    int32_t cur = -1;
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t s : kStarts[static_cast<size_t>(b)])
+        if (s == t) cur = static_cast<int32_t>(t);
+      d->ptr<int32_t>()[b * T + t] = cur;
+    }
+  }
+  return d;
+}
+
+// The documents of row b as [begin, end, continues the initial state].
+std::vector<std::tuple<int64_t, int64_t, bool>> segments(int64_t b, int64_t T) {
+  std::vector<int64_t> cuts = {0};
+  for (int64_t s : kStarts[static_cast<size_t>(b)])
+    if (s > 0) cuts.push_back(s);
+  cuts.push_back(T);
+  std::vector<std::tuple<int64_t, int64_t, bool>> out;
+  for (size_t i = 0; i + 1 < cuts.size(); ++i)
+    out.emplace_back(cuts[i], cuts[i + 1], i == 0 && kStarts[static_cast<size_t>(b)].front() != 0);
+  return out;
+}
+
+// Rows [t0, t1) of batch row b: a [1, t1 − t0, H, d] view.
+Tensor rows_of(const Tensor& x, int64_t b, int64_t t0, int64_t t1) { return x.slice(0, b, b + 1).slice(1, t0, t1); }
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  if (a.numel() != b.numel()) return false;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    const double x = element_get(a, i), y = element_get(b, i);
+    if (std::memcmp(&x, &y, sizeof x) != 0) return false;
+  }
+  return true;
+}
+
+// A packed batch with documents gives, bit for bit, what each document gives run alone (from
+// s0 when it continues the row's initial state, else from zero): outputs, final states, and
+// every gradient, ∂L/∂S_T flowing into the last document only.
+void check_packed_equals_one_by_one(DType dt, GlaForm form) {
+  const Dims d{2, 300, 2, 16, 24};
+  const Inputs in = random_inputs(d, dt, 404);
+  GlaParams p = make_params(form, 64, model_decays(d.H), d.dk);
+  const Owned doc = doc_tensor(d.B, d.T);
+  GlaParams pd = p;
+  pd.doc = *doc;
+  const FwdOut packed = run_forward(pd, in, true);
+  Owned d_o = owned(dt, {d.B, d.T, d.H, d.dv}), ds_out = owned(dt, {d.B, d.H, d.dk, d.dv});
+  testing::fill_uniform(*d_o, 405);
+  testing::fill_uniform(*ds_out, 406);
+  const Grads g = form == GlaForm::kChunked ? run_backward(pd, in, true, *d_o, *ds_out) : Grads{};
+  for (int64_t b = 0; b < d.B; ++b) {
+    const auto segs = segments(b, d.T);
+    for (size_t i = 0; i < segs.size(); ++i) {
+      const auto [t0, t1, from_s0] = segs[i];
+      SCOPED_TRACE("row " + std::to_string(b) + " document [" + std::to_string(t0) + ", " + std::to_string(t1) + ")");
+      const int64_t n = t1 - t0;
+      const Tensor s0 = from_s0 ? in.s0->t.slice(0, b, b + 1) : Tensor{};
+      Owned o = owned(dt, {1, n, d.H, d.dv}), s = owned(dt, {1, d.H, d.dk, d.dv});
+      cpu::gla_forward(p, rows_of(*in.q, b, t0, t1), rows_of(*in.k, b, t0, t1), rows_of(*in.v, b, t0, t1), *o, s0, *s,
+                       Tensor{});
+      EXPECT_TRUE(same_bits(*o, rows_of(*packed.o, b, t0, t1)));
+      const bool last = i + 1 == segs.size();
+      if (last) EXPECT_TRUE(same_bits(*s, packed.s->t.slice(0, b, b + 1)));
+      if (form != GlaForm::kChunked) continue;
+      Owned dq = owned(dt, {1, n, d.H, d.dk}), dk = owned(dt, {1, n, d.H, d.dk}), dv = owned(dt, {1, n, d.H, d.dv}),
+            ds = owned(dt, {1, d.H, d.dk, d.dv});
+      cpu::gla_backward(p, rows_of(*in.q, b, t0, t1), rows_of(*in.k, b, t0, t1), rows_of(*in.v, b, t0, t1), s0,
+                        rows_of(*d_o, b, t0, t1), last ? ds_out->t.slice(0, b, b + 1) : Tensor{}, *dq, *dk, *dv, *ds);
+      EXPECT_TRUE(same_bits(*dq, rows_of(*g.dq, b, t0, t1)));
+      EXPECT_TRUE(same_bits(*dk, rows_of(*g.dk, b, t0, t1)));
+      EXPECT_TRUE(same_bits(*dv, rows_of(*g.dv, b, t0, t1)));
+      if (i == 0) {
+        const Tensor packed_ds = g.ds->t.slice(0, b, b + 1);
+        if (from_s0) {
+          EXPECT_TRUE(same_bits(*ds, packed_ds));
+        } else {
+          for (int64_t e = 0; e < packed_ds.numel(); ++e) EXPECT_EQ(element_get(packed_ds, e), 0.0);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace docs
+
+TEST(GlaDocuments, PackedEqualsOneByOneChunkedF64) { docs::check_packed_equals_one_by_one(DType::kF64, GlaForm::kChunked); }
+TEST(GlaDocuments, PackedEqualsOneByOneChunkedF32) { docs::check_packed_equals_one_by_one(DType::kF32, GlaForm::kChunked); }
+TEST(GlaDocuments, PackedEqualsOneByOneRecurrentF32) {
+  docs::check_packed_equals_one_by_one(DType::kF32, GlaForm::kRecurrent);
+}
+
+// An independent statement of the semantics: S_t = (t starts a document ? 0 : λ S_{t−1}) + k_tᵀ v_t,
+// o_t = scale·q_t S_t, written as plain loops in F64, against the chunked form with documents.
+TEST(GlaDocuments, ChunkedMatchesTheRecurrenceWithResets) {
+  const Dims d{2, 300, 2, 8, 12};
+  const Inputs in = random_inputs(d, DType::kF64, 77);
+  GlaParams p = make_params(GlaForm::kChunked, 64, fast_decays(d.H), d.dk);
+  p.decay = {0.97, 0.999};
+  const Owned doc = docs::doc_tensor(d.B, d.T);
+  p.doc = *doc;
+  const FwdOut r = run_forward(p, in, true);
+  double worst = 0;
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t h = 0; h < d.H; ++h) {
+      std::vector<double> S(d.dk * d.dv);
+      for (int64_t i = 0; i < d.dk * d.dv; ++i) S[i] = element_get(*in.s0, (b * d.H + h) * d.dk * d.dv + i);
+      for (int64_t t = 0; t < d.T; ++t) {
+        const bool start = doc->ptr<int32_t>()[b * d.T + t] == t;
+        const auto at = [&](const Tensor& x, int64_t dim, int64_t i) {
+          return element_get(x, ((b * d.T + t) * d.H + h) * dim + i);
+        };
+        for (int64_t a = 0; a < d.dk; ++a)
+          for (int64_t c = 0; c < d.dv; ++c)
+            S[a * d.dv + c] = (start ? 0.0 : p.decay[h] * S[a * d.dv + c]) + at(*in.k, d.dk, a) * at(*in.v, d.dv, c);
+        for (int64_t c = 0; c < d.dv; ++c) {
+          double o = 0;
+          for (int64_t a = 0; a < d.dk; ++a) o += p.scale * at(*in.q, d.dk, a) * S[a * d.dv + c];
+          const double got = at(*r.o, d.dv, c);
+          worst = std::max(worst, std::fabs(got - o) / std::max(1.0, std::fabs(o)));
+        }
+      }
+    }
+  EXPECT_LE(worst, 1e-12);
+}
 
 }  // namespace
 }  // namespace laplace

@@ -411,9 +411,31 @@ void check_window(const Tensor& win, const Tensor& u, const ConvShape& cs, const
 //   win_out[i] = e[T + i]   (the last K inputs; old window entries when T < K)
 // Parallel over (batch row, channel block); each task reads and writes only its own
 // channels of its own window entry, so win_out may alias win_in.
+// Document starts (GlaParams::doc's form) of batch row b, or nullptr when there are none.
+const int32_t* conv_doc_row(const Tensor& doc, int64_t b) {
+  if (!doc.defined()) return nullptr;
+  return static_cast<const int32_t*>(doc.data) + b * doc.stride[0];
+}
+
+void check_conv_doc(const Tensor& doc, const ConvShape& cs) {
+  if (!doc.defined()) return;
+  check_cpu(doc);
+  LAPLACE_CHECK(doc.dtype == DType::kI32 && doc.ndim == 2 && doc.shape[0] == cs.B && doc.shape[1] == cs.T &&
+                    doc.stride[1] == 1,
+                "conv_silu: doc must be [B, T] I32, contiguous in T");
+  for (int64_t b = 0; b < cs.B; ++b) {
+    const int32_t* d = conv_doc_row(doc, b);
+    for (int64_t t = 0; t < cs.T; ++t)
+      LAPLACE_CHECK(t == 0 ? (d[0] == -1 || d[0] == 0) : (d[t] == d[t - 1] || d[t] == t),
+                    "conv_silu: doc is not a valid document-start row (core/doc_starts.h)");
+  }
+}
+
+// With documents (doc), token t reads no input before its document's start doc[t] (≥ 0):
+// those count as zeros, as u_{<0} does for a document that starts the row.
 template <class T>
 void conv_fwd(const Tensor& u, const Tensor& w, Tensor c, Tensor pre, const Tensor& win_in,
-              Tensor win_out, const Tensor& slots) {
+              Tensor win_out, const Tensor& slots, const Tensor& doc) {
   const ConvShape cs = conv_shape(u, w);
   const int64_t B = cs.B, T_ = cs.T, D = cs.D, K = cs.K;
   check_like_btd(c, u, "conv_silu: c must match u");
@@ -422,6 +444,7 @@ void conv_fwd(const Tensor& u, const Tensor& w, Tensor c, Tensor pre, const Tens
   if (slots.defined()) rs = index_rows(slots, B, "conv_silu: slots must be [B] I32");
   if (win_in.defined()) check_window(win_in, u, cs, slots);
   if (win_out.defined()) check_window(win_out, u, cs, slots);
+  check_conv_doc(doc, cs);
   const T* U = static_cast<const T*>(u.data);
   const T* W = static_cast<const T*>(w.data);
   T* C = static_cast<T*>(c.data);
@@ -438,9 +461,14 @@ void conv_fwd(const Tensor& u, const Tensor& w, Tensor c, Tensor pre, const Tens
       if (e >= K) return U + b * u.stride[0] + (e - K) * u.stride[1] + d0;
       return wi ? wi + e * win_in.stride[1] + d0 : zeros.data();
     };
+    const int32_t* dr = conv_doc_row(doc, b);
+    // Row e of the extended sequence as token t sees it: zeros before t's document.
+    auto seen = [&](int64_t t, int64_t e) -> const T* {
+      return dr && dr[t] >= 0 && e - K < dr[t] ? zeros.data() : ext(e);
+    };
     std::vector<const T*> src(K);
     for (int64_t t = 0; t < T_; ++t) {
-      for (int64_t j = 0; j < K; ++j) src[j] = ext(t + 1 + j);  // u_{t−K+1+j} = e[t+1+j]
+      for (int64_t j = 0; j < K; ++j) src[j] = seen(t, t + 1 + j);  // u_{t−K+1+j} = e[t+1+j]
       T* cr = C + b * c.stride[0] + t * c.stride[1] + d0;
       T* pr = P ? P + b * pre.stride[0] + t * pre.stride[1] + d0 : nullptr;
       for (int64_t i = 0; i < nd; ++i) {
@@ -455,7 +483,7 @@ void conv_fwd(const Tensor& u, const Tensor& w, Tensor c, Tensor pre, const Tens
       // Ascending i reads e[T+i] ≥ row i+1 of the old window before it is overwritten.
       T* wo = window_entry<T>(win_out, slots, rs, b);
       for (int64_t i = 0; i < K; ++i) {
-        const T* s = ext(T_ + i);
+        const T* s = T_ > 0 ? seen(T_ - 1, T_ + i) : ext(T_ + i);
         T* dst = wo + i * win_out.stride[1] + d0;
         if (dst != s)
           for (int64_t k = 0; k < nd; ++k) dst[k] = s[k];
@@ -471,7 +499,7 @@ void conv_fwd(const Tensor& u, const Tensor& w, Tensor c, Tensor pre, const Tens
 // b and t serially, so dw sums in a fixed order.
 template <class T>
 void conv_bwd(const Tensor& dc, const Tensor& u, const Tensor& w, const Tensor& pre, Tensor du,
-              Tensor dw) {
+              Tensor dw, const Tensor& doc) {
   const ConvShape cs = conv_shape(u, w);
   const int64_t B = cs.B, T_ = cs.T, D = cs.D, K = cs.K;
   check_like_btd(dc, u, "conv_silu_backward: dc must match u");
@@ -483,6 +511,7 @@ void conv_bwd(const Tensor& dc, const Tensor& u, const Tensor& w, const Tensor& 
                       (dw.stride[1] == 1 || K == 1),
                   "conv_silu_backward: dw must be [D, K] like w");
   }
+  check_conv_doc(doc, cs);
   const T* U = static_cast<const T*>(u.data);
   const T* W = static_cast<const T*>(w.data);
   const T* DC = static_cast<const T*>(dc.data);
@@ -496,6 +525,9 @@ void conv_bwd(const Tensor& dc, const Tensor& u, const Tensor& w, const Tensor& 
     std::vector<double> dp(T_ * nd), accw(K * nd, 0.0);
     for (int64_t b = 0; b < B; ++b) {
       const T* ub = U + b * u.stride[0] + d0;
+      const int32_t* dr = conv_doc_row(doc, b);
+      // The first input token t reads: 0, or its document's start.
+      auto first = [&](int64_t t) -> int64_t { return dr && dr[t] > 0 ? dr[t] : 0; };
       for (int64_t t = 0; t < T_; ++t) {
         const T* dcr = DC + b * dc.stride[0] + t * dc.stride[1] + d0;
         for (int64_t i = 0; i < nd; ++i) {
@@ -507,7 +539,7 @@ void conv_bwd(const Tensor& dc, const Tensor& u, const Tensor& w, const Tensor& 
             z = 0;
             for (int64_t j = 0; j < K; ++j) {
               const int64_t s = t - K + 1 + j;
-              z += static_cast<double>(wr[j]) * (s >= 0 ? static_cast<double>(ub[s * u.stride[1] + i]) : 0.0);
+              z += static_cast<double>(wr[j]) * (s >= first(t) ? static_cast<double>(ub[s * u.stride[1] + i]) : 0.0);
             }
           }
           dp[t * nd + i] = static_cast<double>(dcr[i]) * dsilu(z);
@@ -521,7 +553,7 @@ void conv_bwd(const Tensor& dc, const Tensor& u, const Tensor& w, const Tensor& 
             double a = 0;
             for (int64_t j = 0; j < K; ++j) {
               const int64_t t = s + K - 1 - j;
-              if (t < T_) a += static_cast<double>(wr[j]) * dp[t * nd + i];
+              if (t < T_ && s >= first(t)) a += static_cast<double>(wr[j]) * dp[t * nd + i];
             }
             dur[i] = static_cast<T>(a);
           }
@@ -531,7 +563,7 @@ void conv_bwd(const Tensor& dc, const Tensor& u, const Tensor& w, const Tensor& 
         for (int64_t t = 0; t < T_; ++t)
           for (int64_t j = 0; j < K; ++j) {
             const int64_t s = t - K + 1 + j;
-            if (s < 0) continue;
+            if (s < first(t)) continue;
             const T* us = ub + s * u.stride[1];
             for (int64_t i = 0; i < nd; ++i) accw[j * nd + i] += dp[t * nd + i] * us[i];
           }
@@ -883,12 +915,12 @@ void CpuBackend::layernorm_backward(const Tensor& dy, const Tensor& x, const Ten
 }
 
 void CpuBackend::conv_silu_forward(const Tensor& u, const Tensor& w, Tensor c, Tensor pre,
-                                   const Tensor& win_in, Tensor win_out, const Tensor& slots) {
-  dispatch(u.dtype, [&](auto tag) { conv_fwd<decltype(tag)>(u, w, c, pre, win_in, win_out, slots); });
+                                   const Tensor& win_in, Tensor win_out, const Tensor& slots, const Tensor& doc) {
+  dispatch(u.dtype, [&](auto tag) { conv_fwd<decltype(tag)>(u, w, c, pre, win_in, win_out, slots, doc); });
 }
 void CpuBackend::conv_silu_backward(const Tensor& dc, const Tensor& u, const Tensor& w,
-                                    const Tensor& pre, Tensor du, Tensor dw) {
-  dispatch(u.dtype, [&](auto tag) { conv_bwd<decltype(tag)>(dc, u, w, pre, du, dw); });
+                                    const Tensor& pre, Tensor du, Tensor dw, const Tensor& doc) {
+  dispatch(u.dtype, [&](auto tag) { conv_bwd<decltype(tag)>(dc, u, w, pre, du, dw, doc); });
 }
 
 void CpuBackend::gla_forward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,

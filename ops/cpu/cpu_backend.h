@@ -46,9 +46,9 @@ class CpuBackend final : public Backend {
                           Tensor db) override;
 
   void conv_silu_forward(const Tensor& u, const Tensor& w, Tensor c, Tensor pre,
-                         const Tensor& win_in, Tensor win_out, const Tensor& slots) override;
+                         const Tensor& win_in, Tensor win_out, const Tensor& slots, const Tensor& doc) override;
   void conv_silu_backward(const Tensor& dc, const Tensor& u, const Tensor& w, const Tensor& pre,
-                          Tensor du, Tensor dw) override;
+                          Tensor du, Tensor dw, const Tensor& doc) override;
 
   void gla_forward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor o,
                    const Tensor& s_in, Tensor s_out, const Tensor& slots) override;

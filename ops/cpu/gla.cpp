@@ -413,6 +413,58 @@ void check_slots(const Tensor& slots, int64_t B, const Tensor& s_in, const Tenso
   }
 }
 
+// ---- documents kept apart (GlaParams::doc) --------------------------------------------
+//
+// A row with document starts runs as its documents one after another, each from a zero
+// state (the first from s_in when it began before the row): the same chunk alignment and
+// sums as each document run alone, so a packed row gives the bits of its documents run one
+// by one.
+
+struct Segment {
+  int64_t begin, end;
+  bool from_initial;  // continues the row's initial state (doc = −1)
+};
+
+void check_doc(const Tensor& doc, int64_t B, int64_t T) {
+  if (!doc.defined()) return;
+  LAPLACE_CHECK(doc.device == Device::kCPU && doc.dtype == DType::kI32 && doc.ndim == 2 && doc.shape[0] == B &&
+                    doc.shape[1] == T && doc.stride[1] == 1,
+                "gla: doc must be [B, T] I32 on the CPU, contiguous in T");
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t* d = static_cast<const int32_t*>(doc.data) + b * doc.stride[0];
+    for (int64_t t = 0; t < T; ++t)
+      LAPLACE_CHECK(t == 0 ? (d[0] == -1 || d[0] == 0) : (d[t] == d[t - 1] || d[t] == t),
+                    "gla: doc is not a valid document-start row (core/doc_starts.h)");
+  }
+}
+
+std::vector<Segment> row_segments(const Tensor& doc, int64_t b, int64_t T) {
+  if (!doc.defined() || T == 0) return {{0, T, true}};
+  const int32_t* d = static_cast<const int32_t*>(doc.data) + b * doc.stride[0];
+  std::vector<Segment> segs;
+  int64_t begin = 0;
+  for (int64_t t = 1; t <= T; ++t)
+    if (t == T || d[t] == t) {
+      segs.push_back({begin, t, d[begin] == -1});
+      begin = t;
+    }
+  return segs;
+}
+
+template <class F>
+Rows<F> shifted(Rows<F> r, int64_t t0) {
+  return {r.base + t0 * r.ts, r.ts};
+}
+
+template <class F>
+HeadIn<F> segment_in(HeadIn<F> in, const Segment& s) {
+  in.q = shifted(in.q, s.begin);
+  in.k = shifted(in.k, s.begin);
+  in.v = shifted(in.v, s.begin);
+  in.n_tok = s.end - s.begin;
+  return in;
+}
+
 // ---- typed drivers ------------------------------------------------------------------
 
 template <class F>
@@ -439,11 +491,16 @@ void forward_typed(const GlaParams& p, const Tensor& q, const Tensor& k, const T
     const Rows<F> out = head_rows<F>(o, b, h);
     // The whole initial state is read before anything is written: s_out may alias s_in.
     std::vector<F> S(dk * dv);
-    load_state(s_in, e, h, dk, dv, S.data());
-    switch (p.form) {
-      case GlaForm::kQuadratic: quadratic_forward_head(in, S.data(), out); break;
-      case GlaForm::kRecurrent: recurrent_forward_head(in, S.data(), out); break;
-      case GlaForm::kChunked: chunked_forward_head(in, p.chunk, S.data(), out); break;
+    for (const Segment& sg : row_segments(p.doc, b, q.shape[1])) {
+      if (sg.from_initial) load_state(s_in, e, h, dk, dv, S.data());
+      else std::fill(S.begin(), S.end(), F(0));
+      const HeadIn<F> si = segment_in(in, sg);
+      const Rows<F> so = shifted(out, sg.begin);
+      switch (p.form) {
+        case GlaForm::kQuadratic: quadratic_forward_head(si, S.data(), so); break;
+        case GlaForm::kRecurrent: recurrent_forward_head(si, S.data(), so); break;
+        case GlaForm::kChunked: chunked_forward_head(si, p.chunk, S.data(), so); break;
+      }
     }
     if (s_out.defined()) store_state(s_out, e, h, dk, dv, S.data());
   }
@@ -460,12 +517,28 @@ void backward_typed(const GlaParams& p, const Tensor& q, const Tensor& k, const 
   for (int64_t bh = 0; bh < B * H; ++bh) {
     const int64_t b = bh / H, h = bh % H;
     BackwardScratch<F> w(C, n_chunks, Dk, Dv);
-    load_state(s_in, b, h, Dk, Dv, w.S.data());
-    load_state(ds_out, b, h, Dk, Dv, w.dS.data());
     const HeadGrads<F> g{head_rows<F>(d_o, b, h), head_rows<F>(dq, b, h), head_rows<F>(dk, b, h),
                          head_rows<F>(dv, b, h)};
-    chunked_backward_head(head_in<F>(p, q, k, v, b, h), C, w, g);
-    if (ds_in.defined()) store_state(ds_in, b, h, Dk, Dv, w.dS.data());
+    const HeadIn<F> in = head_in<F>(p, q, k, v, b, h);
+    // Documents in reverse: ∂L/∂S_T enters the last; each earlier one ends in a reset, so
+    // nothing flows into its final state; only a first one that continues s_in gives ds_in.
+    const std::vector<Segment> segs = row_segments(p.doc, b, T);
+    bool ds_in_set = false;
+    for (size_t i = segs.size(); i-- > 0;) {
+      const Segment& sg = segs[i];
+      if (sg.from_initial) load_state(s_in, b, h, Dk, Dv, w.S.data());
+      else std::fill(w.S.begin(), w.S.end(), F(0));
+      if (i + 1 == segs.size()) load_state(ds_out, b, h, Dk, Dv, w.dS.data());
+      else std::fill(w.dS.begin(), w.dS.end(), F(0));
+      const HeadGrads<F> gs{shifted(g.d_o, sg.begin), shifted(g.dq, sg.begin), shifted(g.dk, sg.begin),
+                            shifted(g.dv, sg.begin)};
+      chunked_backward_head(segment_in(in, sg), C, w, gs);
+      if (i == 0 && sg.from_initial) ds_in_set = true;
+    }
+    if (ds_in.defined()) {
+      if (!ds_in_set) std::fill(w.dS.begin(), w.dS.end(), F(0));
+      store_state(ds_in, b, h, Dk, Dv, w.dS.data());
+    }
   }
 }
 
@@ -607,6 +680,7 @@ void gla_forward(const GlaParams& p, const Tensor& q, const Tensor& k, const Ten
   check_state(s_in, q, v, 0);
   check_state(s_out, q, v, 0);
   check_slots(slots, q.shape[0], s_in, s_out);
+  check_doc(p.doc, q.shape[0], q.shape[1]);
   if (q.dtype == DType::kF64)
     forward_typed<double>(p, q, k, v, o, s_in, s_out, slots);
   else
@@ -626,6 +700,7 @@ void gla_backward(const GlaParams& p, const Tensor& q, const Tensor& k, const Te
   check_state(s_in, q, v, B);
   check_state(ds_out, q, v, B);
   check_state(ds_in, q, v, B);
+  check_doc(p.doc, B, q.shape[1]);
   if (q.dtype == DType::kF64)
     backward_typed<double>(p, q, k, v, s_in, d_o, ds_out, dq, dk, dv, ds_in);
   else
