@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "core/doc_starts.h"
 #include "core/fixed_sum.h"
 #include "core/safetensors.h"
 #include "model/quantize.h"
@@ -130,6 +131,7 @@ Status Model::plan(const PlanOptions& opt) {
   s.push_back({"ids", DType::kI32, {N}});
   s.push_back({"targets", DType::kI32, {N}});
   s.push_back({"slots", DType::kI32, {B}});
+  s.push_back({"doc", DType::kI32, {N}});
   for (int64_t l = 0; l < sets; ++l) {
     // append, not "l" + to_string(l): GCC 12 reports a false -Wrestrict on the latter
     const std::string p = std::string("l").append(std::to_string(l)).append(".");
@@ -170,6 +172,8 @@ Status Model::plan(const PlanOptions& opt) {
   ids_ = get("ids");
   targets_ = get("targets");
   slots_ = get("slots");
+  doc_ = get("doc");
+  doc_on_ = false;
   layer_.assign(cfg_.num_layers, LayerActs{});
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
     const std::string p = std::string("l").append(std::to_string(opt.training ? l : 0)).append(".");
@@ -408,6 +412,10 @@ void Model::project_backward(bool overwrite, const Tensor& dy, const Tensor& w, 
   be.gemm_e4m3(dytq, dyts, xtq, xts, overwrite ? Tensor{} : gw, gw, Fp8Accum::kF32);  // gw [O, I] (+)= dYᵀ·X
 }
 
+Tensor Model::doc_view(int64_t B, int64_t T) const {
+  return doc_.slice(0, 0, B * T).reshape({B, T});
+}
+
 GlaParams Model::gla_params(GlaForm form) const {
   GlaParams p;
   p.form = form;
@@ -457,6 +465,18 @@ void Model::forward(const int32_t* tokens, int64_t B, int64_t T, const ForwardOp
   Backend& be = *be_;
   const int64_t N = B * T;
   be.copy(ids_.slice(0, 0, N), Tensor(const_cast<int32_t*>(tokens), DType::kI32, {N}));
+  doc_on_ = false;
+  if (opt.document_separator >= 0) {
+    LAPLACE_CHECK(!(T == 1 && opt.form == GlaForm::kRecurrent && pool),
+                  "forward: decode steps do not take documents; a request starts from a fresh slot");
+    std::vector<int32_t> doc(static_cast<size_t>(N));
+    doc_starts_from_separator(tokens, B, T, opt.document_separator, doc.data());
+    // Rows that hold no document start compute as before, on every backend's fast path.
+    if (doc_starts_split(doc.data(), B, T)) {
+      be.copy(doc_.slice(0, 0, N), Tensor(doc.data(), DType::kI32, {N}));
+      doc_on_ = true;
+    }
+  }
   std::vector<int32_t> identity;
   if (pool) {
     if (!slots) {
@@ -503,6 +523,7 @@ void Model::forward_ragged(const int32_t* tokens, const std::vector<int64_t>& le
   be.copy(ids_.slice(0, 0, N), Tensor(const_cast<int32_t*>(tokens), DType::kI32, {N}));
   for (int64_t g = 0; g < G; ++g) LAPLACE_CHECK(slots[g] >= 0 && slots[g] < pool.slots(), "forward_ragged: bad slot");
   be.copy(slots_.slice(0, 0, G), Tensor(const_cast<int32_t*>(slots), DType::kI32, {G}));
+  doc_on_ = false;
   run_forward(segs, ragged_options(), &pool, slots);
 }
 
@@ -513,6 +534,7 @@ bool Model::ragged_queueable(const StatePool& pool) const {
 
 void Model::forward_ragged_queued(const std::vector<int64_t>& lengths, StatePool& pool) {
   LAPLACE_CHECK(ragged_queueable(pool), "forward_ragged_queued: BF16 state pools are staged by host slot ids");
+  doc_on_ = false;
   run_forward(ragged_segments(lengths, pool), ragged_options(), &pool, nullptr);
 }
 
@@ -528,6 +550,8 @@ void Model::forward_queued(int64_t B, int64_t T, const ForwardOptions& opt, Stat
   check_forward(B, T, opt, pool);
   LAPLACE_CHECK(!pool || (T == 1 && opt.form == GlaForm::kRecurrent),
                 "forward_queued: with a state pool only decode steps (T = 1, recurrent) are queued");
+  LAPLACE_CHECK(opt.document_separator < 0, "forward_queued: documents are kept apart by forward() only");
+  doc_on_ = false;
   run_forward(B, T, opt, pool, nullptr);
 }
 
@@ -566,7 +590,10 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
   };
   before(0);
   be.embedding_forward(tok_ids, w_.embed, rows(layer_[0].x_in, N));
-  const GlaParams gp = gla_params(opt.form);
+  GlaParams gp = gla_params(opt.form);
+  // Documents kept apart: [B, T] starts for the conv and the mixer (one segment: not ragged).
+  const Tensor doc = doc_on_ ? doc_view(B, T) : Tensor{};
+  gp.doc = doc;
   // Decode: one token per sequence from its slot (the training plan keeps rstd instead).
   const bool decode_step = !ragged && pool && T == 1 && opt.form == GlaForm::kRecurrent && !plan_.training;
   for (int64_t l = 0; l < L; ++l) {
@@ -583,7 +610,8 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
     Tensor win = pool ? pool->conv(l) : Tensor{};
     for (const Segment& s : segs)
       be.conv_silu_forward(btc(seg_rows(a.u, s), s.B, s.T), w.conv_w, btc(seg_rows(a.c, s), s.B, s.T),
-                           plan_.training ? btc(seg_rows(a.conv_pre, s), s.B, s.T) : Tensor{}, win, win, seg_slots(s));
+                           plan_.training ? btc(seg_rows(a.conv_pre, s), s.B, s.T) : Tensor{}, win, win, seg_slots(s),
+                           doc);
     static const Fp8Matrix kNone{};
     const std::array<Fp8Matrix, 4>* f8 = (fp8_on_ && !plan_.training) || fp8_train_ ? &fp8_layers_[l] : nullptr;
     const auto fp8 = [&](int kind) -> const Fp8Matrix& { return f8 ? (*f8)[kind] : kNone; };
@@ -738,7 +766,9 @@ void Model::backward(const int32_t* targets, const Arena& grads, double loss_sca
   };
   after(cfg_.num_layers + 1);
 
-  const GlaParams gp = gla_params(GlaForm::kChunked);
+  GlaParams gp = gla_params(GlaForm::kChunked);
+  const Tensor doc = doc_on_ ? doc_view(B, T) : Tensor{};
+  gp.doc = doc;
   static const Fp8Matrix kNone{};
   for (int64_t l = cfg_.num_layers - 1; l >= 0; --l) {
     const LayerActs& a = layer_[l];
@@ -770,7 +800,7 @@ void Model::backward(const int32_t* targets, const Arena& grads, double loss_sca
                     qkvg_part(dqkvg, B, T, 2), {});
     project_backward(overwrite, dqkvg, w.wqkvg, fp8t(0), rows(a.c, N), rows(dc_, N), gw.wqkvg);
     be.conv_silu_backward(btc(rows(dc_, N), B, T), btc(rows(a.u, N), B, T), w.conv_w,
-                          btc(rows(a.conv_pre, N), B, T), btc(rows(du_, N), B, T), gw.conv_w);
+                          btc(rows(a.conv_pre, N), B, T), btc(rows(du_, N), B, T), gw.conv_w, doc);
     be.layernorm_backward(rows(du_, N), rows(a.x_in, N), w.norm1_w, rows(a.ln1_mean, N), rows(a.ln1_rstd, N), dx,
                           true, gw.norm1_w, gw.norm1_b);
     after(1 + l);

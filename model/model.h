@@ -43,6 +43,11 @@ struct ForwardOptions {
   GlaForm form = GlaForm::kChunked;  // kRecurrent for decode
   bool last_logits_only = false;     // logits of each sequence's last token only
   GroupHook before_group;            // optional: called before the first op that reads group g
+  // Documents kept apart (docs/model.md §4): ≥ 0 makes every token equal to it start a document,
+  // from a zero state and a zero conv window (core/doc_starts.h), as serving starts each request;
+  // −1 runs each row as one stream ("packed"). forward() only (not decode steps, ragged or queued
+  // forwards); the backward follows the forward it differentiates.
+  int32_t document_separator = -1;
 };
 
 class Model {
@@ -206,6 +211,7 @@ class Model {
   };
 
   GlaParams gla_params(GlaForm form) const;
+  Tensor doc_view(int64_t B, int64_t T) const;  // doc_ as [B, T]
   // Views of the fused projection as q, k, v, g: [B, T, H, d].
   Tensor qkvg_part(const Tensor& qkvg, int64_t B, int64_t T, int part) const;
   void check_forward(int64_t B, int64_t T, const ForwardOptions& opt, const StatePool* pool) const;
@@ -257,6 +263,8 @@ class Model {
   Arena scratch_;  // backward scratch (training only)
   std::vector<LayerActs> layer_;
   Tensor ids_, targets_, slots_;  // [N] I32, [N] I32, [B] I32 on the device
+  Tensor doc_;                    // [N] I32 on the device: the last forward's document starts
+  bool doc_on_ = false;           // whether the last forward kept documents apart
   Tensor x_final_;                // [N, D] residual stream after the last layer
   Tensor lnf_mean_, lnf_rstd_;    // [N]
   Tensor zf_;                     // [N, D] final norm output

@@ -281,6 +281,75 @@ TEST(ModelGrad, OverwriteEqualsAccumulatingIntoZeros) {
   }
 }
 
+// Documents kept apart (ForwardOptions::document_separator): a packed batch with separators
+// gives each document's logits bit for bit as the document run alone from a zero state (the CPU's
+// ops are row-invariant and the mixer runs each document with its own chunk alignment), and the
+// gradient of the batch's mean loss equals the sum of the documents' (n_i / N)-weighted mean-loss
+// gradients (F64, to the rounding of sums taken in another order). Documents start at 0, mid-chunk,
+// on a chunk edge (the small config's chunk is 8), and one is a single token.
+TEST(ModelDocuments, PackedBatchEqualsTheDocumentsOneByOne) {
+  const int32_t sep = 2;
+  for (DType dt : {DType::kF32, DType::kF64}) {
+    SCOPED_TRACE(dtype_name(dt));
+    auto be = make_cpu_backend();
+    const Config c = small_config();
+    const int64_t B = 2, T = 29;
+    auto toks = random_tokens(B * T, c.vocab_size, 31);
+    auto targets = random_tokens(B * T, c.vocab_size, 32);
+    for (int32_t& t : toks)
+      if (t == sep) t = sep + 1;
+    for (int64_t t : {0, 5, 8, 16, 17}) toks[t] = sep;  // row 0
+    for (int64_t t : {11, 24}) toks[T + t] = sep;       // row 1: tokens 0..10 continue a document
+    Model m;
+    ASSERT_TRUE(m.create(c, *be, dt).is_ok());
+    m.init_weights(9);
+    ASSERT_TRUE(m.plan({B, T, true, false}).is_ok());
+    Arena packed, alone;
+    const DType gdt = dt;
+    ASSERT_TRUE(packed.create(weight_specs(c, gdt), be->allocator(), "packed").is_ok());
+    ASSERT_TRUE(alone.create(weight_specs(c, gdt), be->allocator(), "alone").is_ok());
+    packed.zero();
+    alone.zero();
+    ForwardOptions fo;
+    fo.document_separator = sep;
+    m.forward(toks.data(), B, T, fo);
+    std::vector<std::vector<double>> packed_logits;
+    for (int64_t r = 0; r < B * T; ++r) packed_logits.push_back(logits_of(m, r));
+    m.backward(targets.data(), packed);
+    for (int64_t b = 0; b < B; ++b) {
+      std::vector<int64_t> cuts = {0};
+      for (int64_t t = 1; t < T; ++t)
+        if (toks[b * T + t] == sep) cuts.push_back(t);
+      cuts.push_back(T);
+      for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+        const int64_t t0 = cuts[i], n = cuts[i + 1] - cuts[i];
+        SCOPED_TRACE("row " + std::to_string(b) + " from " + std::to_string(t0));
+        m.forward(toks.data() + b * T + t0, 1, n, ForwardOptions{});
+        for (int64_t r = 0; r < n; ++r) {
+          const std::vector<double> got = logits_of(m, r);
+          EXPECT_EQ(std::memcmp(got.data(), packed_logits[b * T + t0 + r].data(), got.size() * sizeof(double)), 0)
+              << "logits of position " << t0 + r;
+        }
+        m.backward(targets.data() + b * T + t0, alone, static_cast<double>(n) / static_cast<double>(B * T));
+      }
+    }
+    double worst = 0;
+    for (size_t i = 0; i < packed.size(); ++i) {
+      const Tensor a = packed.tensor(i), r = alone.tensor(i);
+      double num = 0, den = 1e-30;
+      for (int64_t j = 0; j < a.numel(); ++j) {
+        num = std::max(num, std::fabs(testing::element_get(a, j) - testing::element_get(r, j)));
+        den = std::max(den, std::fabs(testing::element_get(r, j)));
+      }
+      worst = std::max(worst, num / den);
+    }
+    EXPECT_LE(worst, dt == DType::kF64 ? 1e-12 : 1e-5);
+    // Packed (no separator honoured) differs: the test can fail.
+    m.forward(toks.data(), B, T, ForwardOptions{});
+    EXPECT_NE(logits_of(m, 6), packed_logits[6]);
+  }
+}
+
 // weights_init's values are its documented definition (model/weights.h) with any number of
 // threads: each random tensor's element 2j and 2j + 1 are the Box–Muller pair of outputs 2j and
 // 2j + 1 of a SplitMix64 stream keyed by the seed and the FNV-1a hash of the tensor's name, times

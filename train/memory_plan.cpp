@@ -45,7 +45,8 @@ size_t activation_bytes(const Config& c, DType dt, int64_t B, int64_t T, bool re
   const int64_t N = B * T, D = c.hidden_size, R = c.qkvg_rows(), HV = c.v_dim(), H = c.num_heads;
   const int64_t F = c.ffn_size, V = c.vocab_size;
   const DType st = dt == DType::kBF16 ? DType::kF32 : dt;
-  std::vector<TensorSpec> s = {{"ids", DType::kI32, {N}}, {"targets", DType::kI32, {N}}, {"slots", DType::kI32, {B}}};
+  std::vector<TensorSpec> s = {{"ids", DType::kI32, {N}}, {"targets", DType::kI32, {N}}, {"slots", DType::kI32, {B}},
+                               {"doc", DType::kI32, {N}}};
   for (int64_t l = 0; l < c.num_layers; ++l) {
     for (const TensorSpec& t : std::vector<TensorSpec>{{"x_in", dt, {N, D}},
                                                        {"ln1_mean", st, {N}},
