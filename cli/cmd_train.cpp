@@ -30,7 +30,26 @@ struct TrainArgs {
   std::string muon_comm = "all_to_all";
   std::string batch = "8";  // a count, or "auto" (the memory plan chooses)
   std::string precision = train_precision_name(false);
+  std::string documents = "separate";
 };
+
+// --documents: "separate" keeps the documents of a packed window apart (each from a zero state,
+// as serving starts each request), "packed" runs the window as one stream. The separator is the
+// tokenizer's (the shards were written with it), else the one `data prepare` writes (</s>, 2).
+Status parse_documents(const std::string& v, const std::string& tokenizer, int32_t* sep) {
+  if (v == "packed") {
+    *sep = -1;
+    return Status::ok();
+  }
+  if (v != "separate") return Status::invalid_argument("--documents must be 'separate' or 'packed', got '" + v + "'");
+  *sep = kDefaultDocumentSeparator;
+  if (!tokenizer.empty()) {
+    Tokenizer tok;
+    LAPLACE_RETURN_IF_ERROR(Tokenizer::load(tokenizer, &tok));
+    *sep = document_separator_id(tok);
+  }
+  return Status::ok();
+}
 
 // --batch: a positive count, or "auto".
 Status parse_batch(const std::string& v, TrainOptions* o) {
@@ -49,6 +68,7 @@ Status parse_batch(const std::string& v, TrainOptions* o) {
 Status run_train(TrainArgs& a) {
   LAPLACE_RETURN_IF_ERROR(parse_batch(a.batch, &a.o));
   LAPLACE_RETURN_IF_ERROR(parse_dtype(a.dtype, &a.o.dtype));
+  LAPLACE_RETURN_IF_ERROR(parse_documents(a.documents, a.o.tokenizer, &a.o.document_separator));
   a.o.fp8_fast_forward = a.precision == train_precision_name(true, true);
   a.o.fp8 = a.precision == train_precision_name(true) || a.o.fp8_fast_forward;
   if (!a.o.fp8 && a.precision != train_precision_name(false))
@@ -87,11 +107,12 @@ struct EvalArgs {
   std::vector<std::string> data;
   std::string text;  // a text file instead of shards
   int64_t batch = 4, seq = 256, max_batches = 0;
+  std::string documents = "separate";
 };
 
 // Loss over a text file: encoded with the model's tokenizer, a separator before it
 // (as data prepare does), cut into windows of seq+1 tokens with stride seq.
-Status eval_text(LoadedModel& lm, const EvalArgs& a, double* loss, int64_t* tokens) {
+Status eval_text(LoadedModel& lm, const EvalArgs& a, const ForwardOptions& fo, double* loss, int64_t* tokens) {
   ModelArgs paths = a.m;
   LAPLACE_RETURN_IF_ERROR(paths.resolve());
   if (paths.tokenizer.empty()) return Status::invalid_argument("--text needs a tokenizer (--tokenizer or --model DIR)");
@@ -112,7 +133,7 @@ Status eval_text(LoadedModel& lm, const EvalArgs& a, double* loss, int64_t* toke
   for (int64_t w = 0; w < windows; ++w) {
     std::copy(ids.begin() + w * T, ids.begin() + w * T + T, x.begin());
     std::copy(ids.begin() + w * T + 1, ids.begin() + w * T + T + 1, y.begin());
-    lm.model.forward(x.data(), 1, T, ForwardOptions{});
+    lm.model.forward(x.data(), 1, T, fo);
     sum += lm.model.loss(y.data());
   }
   *loss = sum / static_cast<double>(windows);
@@ -123,11 +144,15 @@ Status eval_text(LoadedModel& lm, const EvalArgs& a, double* loss, int64_t* toke
 Status run_eval(const EvalArgs& a) {
   LoadedModel lm;
   LAPLACE_RETURN_IF_ERROR(load_model(a.m, &lm));
+  ModelArgs paths = a.m;
+  LAPLACE_RETURN_IF_ERROR(paths.resolve());
+  ForwardOptions fo;
+  LAPLACE_RETURN_IF_ERROR(parse_documents(a.documents, paths.tokenizer, &fo.document_separator));
   if (a.data.empty() == a.text.empty()) return Status::invalid_argument("give exactly one of --data or --text");
   if (!a.text.empty()) {
     double loss = 0;
     int64_t tokens = 0;
-    LAPLACE_RETURN_IF_ERROR(eval_text(lm, a, &loss, &tokens));
+    LAPLACE_RETURN_IF_ERROR(eval_text(lm, a, fo, &loss, &tokens));
     std::printf("tokens=%lld\nloss=%.6f\nperplexity=%.4f\n", (long long)tokens, loss, std::exp(loss));
     return Status::ok();
   }
@@ -147,7 +172,7 @@ Status run_eval(const EvalArgs& a) {
   double sum = 0;
   for (int64_t i = 0; i < n; ++i) {
     loader.next(x.data(), y.data());
-    lm.model.forward(x.data(), a.batch, a.seq, ForwardOptions{});
+    lm.model.forward(x.data(), a.batch, a.seq, fo);
     sum += lm.model.loss(y.data());
   }
   const double loss = sum / static_cast<double>(n);
@@ -185,6 +210,9 @@ void add_train(CLI::App& app) {
                   "in FP8 E4M3 (docs/training.md); fp8-fast: the same with the forward products accumulated as the "
                   "tensor cores do (faster; the gradients' stay F32)");
   cmd->add_option("--seq", o.seq, "tokens per sequence")->check(CLI::Range(1, 1 << 24));
+  cmd->add_option("--documents", a->documents,
+                  "separate: each document of a window from a zero state (as served); packed: one stream")
+      ->capture_default_str();
   cmd->add_option("--grad-accum", o.grad_accum, "micro-batches per step")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--steps", o.steps, "optimizer steps")->check(CLI::Range(1, 1 << 30));
   cmd->add_option("--stop-after", o.stop_after, "stop after this step (checkpointed); the schedule still spans --steps")
@@ -243,6 +271,9 @@ void add_eval(CLI::App& app) {
   cmd->add_option("--seq", a->seq, "tokens per sequence")->check(CLI::Range(1, 1 << 24));
   cmd->add_option("--max-batches", a->max_batches, "stop after N batches (0 = one pass)")
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--documents", a->documents,
+                  "separate: each document of a window from a zero state (as served); packed: one stream")
+      ->capture_default_str();
   add_eval_mqar(cmd);
   add_eval_quality(cmd);
   cmd->callback([a, cmd] {

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <sstream>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -104,6 +105,56 @@ TEST(TrainResume, BitwiseIdenticalToAStraightRun) {
   EXPECT_EQ(bytes_of(f.dir + "/resumed/model.safetensors"), bytes_of(f.dir + "/straight/model.safetensors"));
   EXPECT_EQ(bytes_of(f.dir + "/resumed/checkpoint.safetensors"),
             bytes_of(f.dir + "/straight/checkpoint.safetensors"));
+}
+
+// Documents kept apart (TrainOptions::document_separator; the fixture's stream holds the separator
+// 2 about once in 97 tokens): training and validation differ from a packed run, the run resumes
+// bit for bit, and `laplace train --documents` refuses an unknown value, naming it.
+TEST(TrainDocuments, SeparateDiffersFromPackedResumesExactlyAndBadValuesFail) {
+  Fixture f;
+  TrainOptions o = f.options(f.dir + "/separate");
+  o.document_separator = 2;
+  o.val_data = {f.shard};
+  o.eval_every = 4;
+  o.eval_batches = 2;
+  const std::vector<double> separate = train(o);
+  TrainOptions p = o;
+  p.out_dir = f.dir + "/packed";
+  p.document_separator = -1;
+  const std::vector<double> packed = train(p);
+  ASSERT_EQ(separate.size(), 8u);
+  EXPECT_NE(separate, packed);
+  EXPECT_LT(separate.back(), separate.front());
+
+  TrainOptions first = o;
+  first.out_dir = f.dir + "/resumed";
+  first.stop_after = 4;
+  std::vector<double> a = train(first);
+  TrainOptions second = first;
+  second.stop_after = 0;
+  second.resume = "auto";
+  const std::vector<double> b = train(second);
+  a.insert(a.end(), b.begin(), b.end());
+  ASSERT_EQ(a.size(), 8u);
+  EXPECT_EQ(std::memcmp(a.data(), separate.data(), 8 * sizeof(double)), 0);
+  // The validation lines (the other lines carry timings).
+  auto val_lines = [&](const std::string& run) {
+    std::istringstream in(bytes_of(f.dir + "/" + run + "/metrics.jsonl"));
+    std::string all;
+    for (std::string line; std::getline(in, line);)
+      if (line.find("val_loss") != std::string::npos) all += line + "\n";
+    return all;
+  };
+  EXPECT_EQ(val_lines("resumed"), val_lines("separate"));
+  EXPECT_NE(val_lines("separate").find("\"step\":7,\"val_loss\""), std::string::npos);
+  EXPECT_NE(val_lines("separate"), val_lines("packed"));
+
+  const std::string log = f.dir + "/bad.log";
+  const std::string cmd = std::string(LAPLACE_BINARY) + " train --config " + f.config + " --data " + f.shard +
+                          " --out " + f.dir + "/bad --documents apart --steps 1 > " + log + " 2>&1";
+  EXPECT_NE(std::system(cmd.c_str()), 0);
+  EXPECT_NE(bytes_of(log).find("--documents must be 'separate' or 'packed', got 'apart'"), std::string::npos)
+      << bytes_of(log);
 }
 
 TEST(TrainResume, SameSeedSameBytesDifferentSeedDifferent) {

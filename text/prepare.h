@@ -71,6 +71,9 @@ struct PrepareStats {
 // The token data_prepare puts before every document (the eos id); -1 if the
 // tokenizer has none.
 int32_t document_separator_id(const Tokenizer& tok);
+// That token for every tokenizer tokenizer_train makes (</s>): what training assumes of shards
+// when no tokenizer is given.
+constexpr int32_t kDefaultDocumentSeparator = 2;
 
 Status data_prepare(const PrepareOptions& options, PrepareStats* stats = nullptr);
 

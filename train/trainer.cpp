@@ -327,7 +327,9 @@ Status Trainer::validate(int64_t batches, double* loss) {
   for (int64_t i = 0; i < batches; ++i) {
     val_loader_.next(x_.data(), y_.data());
     if (opt_.target_mask) opt_.target_mask(x_.data(), y_.data(), opt_.batch, opt_.seq);
-    model_.forward(x_.data(), opt_.batch, opt_.seq, ForwardOptions{});
+    ForwardOptions vo;
+    vo.document_separator = opt_.document_separator;
+    model_.forward(x_.data(), opt_.batch, opt_.seq, vo);
     store_->all_gather_value(model_.loss(y_.data()), all.data());
     for (int q = 0; q < P; ++q) sum += all[q];
   }
@@ -348,7 +350,8 @@ Status Trainer::save_checkpoint() {
 
 void Trainer::enqueue_step(int64_t step) {
   store_->begin_step();
-  const ForwardOptions fo = store_->forward_options();
+  ForwardOptions fo = store_->forward_options();
+  fo.document_separator = opt_.document_separator;
   const int64_t N = opt_.batch * opt_.seq;
   for (int64_t micro = 0; micro < opt_.grad_accum; ++micro) {
     store_->begin_micro(micro);

@@ -58,6 +58,10 @@ struct TrainOptions {
   OptimizerConfig optim;              // weight decay, betas, momentum, clipping, Muon scale
   bool muon_fused = false;            // orthogonalise W_qkvg and W_12 whole
   bool shuffle = true;
+  // Documents kept apart (`--documents separate`, docs/training.md): ≥ 0 is the token that starts
+  // a document (the shards' separator), at which the mixer and the conv restart from zero, in
+  // training and validation alike; −1 runs each window as one stream ("packed").
+  int32_t document_separator = -1;
   uint64_t seed = 1234;               // init seed
   uint64_t data_seed = 1;             // shuffle seed
   bool recompute_mixer = false;
