@@ -469,8 +469,10 @@ class TestNewtonSchulz(unittest.TestCase):
                 O = lr.newton_schulz(G, mode=mode)
                 self.assertEqual(O.dtype, torch.float32)
                 sv = torch.linalg.svdvals(O.double())
-                # fp32: the exact quintic band [0.68, 1.21]; bf16 rounding widens it (measured ~[0.66, 1.15])
-                lo, hi = (0.68, 1.21) if mode == "fp32" else (0.62, 1.25)
+                # fp32: the exact quintic band [0.68, 1.21]; bf16 rounding widens it, by how much depends on
+                # the CPU's bf16 product kernels (measured ~[0.66, 1.15] on one machine, 0.612 at the low end
+                # on another): the bound catches an iteration that diverges or stalls, not the last bits
+                lo, hi = (0.68, 1.21) if mode == "fp32" else (0.58, 1.25)
                 self.assertGreaterEqual(float(sv.min()), lo, (m, n, mode))
                 self.assertLessEqual(float(sv.max()), hi, (m, n, mode))
             ref = torch.from_numpy(np_newton_schulz(G.double().numpy()))
