@@ -4,6 +4,7 @@
 //   laplace eval copy     --model DIR --data VAL [--m 16,64,256] [--d 0,1024,4096,16384,65536]
 //   laplace eval passkey  --model DIR --data VAL [--contexts 1024,4096,16384,65536] [--depths 0,0.25,0.5,0.75,1]
 //   laplace eval position --model DIR --data VAL [--context 131072] [--streams 1]
+//                         [--documents [--min-doc-tokens N]]   (whole documents, each from a zero state)
 //   laplace eval serving  --model DIR --data VAL [--options defer4,defer8,defer16,bf16-weights,bf16-states]
 //   common: [--device cpu|cuda] [--dtype f32|f64|bf16] [--seed S] [--out DIR] [--results FILE --tag T]
 //
@@ -180,9 +181,58 @@ Status run_passkey(PasskeyArgs& a) {
 
 struct PositionArgs : QualityArgs {
   PositionLossOptions o;
+  bool documents = false;
+  int64_t min_doc_tokens = 1;
 };
 
+// --documents: every held-out document alone from the zero state (eval/context.h), figures longdoc_*.
+Status run_documents(PositionArgs& a) {
+  QualityRun r;
+  LAPLACE_RETURN_IF_ERROR(open_run(a, "longdoc", &r));
+  DocumentLossOptions o;
+  o.context = a.o.context;
+  o.min_tokens = a.min_doc_tokens;
+  o.streams = a.o.streams;
+  o.piece = a.o.piece;
+  o.first_bucket = a.o.first_bucket;
+  // The note names the documents once they are counted; the figures are recorded after the run.
+  std::vector<PositionBucket> got;
+  DocumentLossSummary sum;
+  const Status st = eval_document_position_loss(r.lm.model, r.heldout, o, [&](const PositionBucket& b) {
+    got.push_back(b);
+  }, &sum);
+  if (!st.is_ok()) return close_run(&r, st);
+  const std::string note = "laplace eval position --documents: " + model_note(a, r) + ", " +
+                           std::to_string(sum.scored) + " of " + std::to_string(sum.documents) +
+                           " documents of at least " + std::to_string(o.min_tokens) + " tokens, each from a zero "
+                           "state, scored to " + std::to_string(o.context) + " tokens";
+  std::printf("%lld of %lld documents of at least %lld tokens (the longest %lld), %lld positions scored to at most "
+              "%lld per document\n",
+              (long long)sum.scored, (long long)sum.documents, (long long)o.min_tokens, (long long)sum.longest,
+              (long long)sum.scored_tokens, (long long)o.context);
+  std::printf("%10s %10s %10s %10s %14s\n", "from", "to", "tokens", "loss", "memory MiB");
+  int64_t mem_lo = -1, mem_hi = 0;
+  for (const PositionBucket& b : got) {
+    std::printf("%10lld %10lld %10lld %10.4f %14.1f\n", (long long)b.begin, (long long)b.end, (long long)b.count,
+                b.mean_loss(), static_cast<double>(b.memory_bytes) / (1 << 20));
+    emit(&r, {{"mode", "longdoc"}, {"begin", b.begin}, {"end", b.end}, {"tokens", b.count}, {"loss", b.mean_loss()},
+              {"memory_bytes", b.memory_bytes}, {"documents", sum.scored}, {"min_doc_tokens", o.min_tokens}});
+    r.record("longdoc_loss_" + std::to_string(b.begin) + "_" + std::to_string(b.end), b.mean_loss(), "nats", note);
+    mem_lo = mem_lo < 0 ? b.memory_bytes : std::min(mem_lo, b.memory_bytes);
+    mem_hi = std::max(mem_hi, b.memory_bytes);
+  }
+  std::printf("memory from the first bucket to the last: %.1f MiB to %.1f MiB (spread %.1f MiB)\n",
+              static_cast<double>(mem_lo) / (1 << 20), static_cast<double>(mem_hi) / (1 << 20),
+              static_cast<double>(mem_hi - mem_lo) / (1 << 20));
+  std::fflush(stdout);
+  r.record("longdoc_documents", static_cast<double>(sum.scored), "documents", note);
+  r.record("longdoc_memory_spread_mib", static_cast<double>(mem_hi - mem_lo) / (1 << 20), "MiB", note);
+  return close_run(&r, st);
+}
+
 Status run_position(PositionArgs& a) {
+  if (a.documents) return run_documents(a);
+  if (a.min_doc_tokens != 1) return Status::invalid_argument("--min-doc-tokens goes with --documents");
   a.o.seed = a.seed;
   QualityRun r;
   LAPLACE_RETURN_IF_ERROR(open_run(a, "position", &r));
@@ -311,11 +361,18 @@ void add_eval_quality(CLI::App* eval) {
     auto* cmd = eval->add_subcommand("position", "held-out loss by position up to long contexts, and the memory held");
     auto a = std::make_shared<PositionArgs>();
     add_common(cmd, a.get());
-    cmd->add_option("--context", a->o.context, "positions per stream")->check(CLI::Range(2, 1 << 26))->capture_default_str();
+    cmd->add_option("--context", a->o.context, "positions per stream (with --documents: per document, at most)")
+        ->check(CLI::Range(2, 1 << 26))
+        ->capture_default_str();
     cmd->add_option("--streams", a->o.streams, "streams run side by side")->check(CLI::Range(1, 4096))->capture_default_str();
     cmd->add_option("--piece", a->o.piece, "tokens per forward (a power of two)")->capture_default_str();
     cmd->add_option("--first-bucket", a->o.first_bucket, "the first bucket's width (a power of two); each next "
                                                             "bucket doubles")
+        ->capture_default_str();
+    cmd->add_flag("--documents", a->documents, "score every held-out document alone, from a zero state, to its end "
+                                               "(or --context): documents are the tokens after each separator (id 2)");
+    cmd->add_option("--min-doc-tokens", a->min_doc_tokens, "with --documents: only documents of at least N tokens")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
         ->capture_default_str();
     cmd->callback([a] { g_exit_code = report(run_position(*a)); });
   }

@@ -131,6 +131,146 @@ TEST(EvalPosition, BucketsAddUpToTheWholeSequenceLoss) {
   // noise. The sum above is what shows each bucket saw the state of every earlier position.)
 }
 
+// ---- whole documents from the zero state (eval_document_position_loss) ---------------------
+
+// Held-out "documents": a stray tail of an earlier document, then each document after its
+// separator (2); the tokens themselves never 2.
+std::vector<int32_t> documents_stream(const std::vector<int64_t>& lengths, int64_t V) {
+  std::vector<int32_t> t = {7, 8, 9};
+  uint64_t seed = 40;
+  for (int64_t n : lengths) {
+    t.push_back(2);
+    std::vector<int32_t> d = heldout_stream(std::max<int64_t>(n, 1), V);
+    std::vector<int32_t> r = testing::random_tokens(std::max<int64_t>(n, 1), V, ++seed);
+    for (int64_t i = 0; i < n; ++i) {
+      int32_t v = i % 2 ? d[static_cast<size_t>(i)] : r[static_cast<size_t>(i)];
+      t.push_back(v == 2 ? 3 : v);
+    }
+  }
+  return t;
+}
+
+// The reference: each document alone in one plain forward from the empty state, [sep, t1, …]
+// predicting [t1, t2, …], up to `context` positions; the loss of every position by log-softmax.
+std::vector<PositionBucket> documents_alone(Model& m, const std::vector<int32_t>& toks, int64_t min_tokens,
+                                            int64_t context, int64_t first_bucket) {
+  const int64_t V = m.config().vocab_size;
+  std::vector<std::pair<int64_t, int64_t>> docs;  // begin, scored positions
+  for (const DocumentSpan& d : split_documents(toks, 2))
+    if (d.tokens >= min_tokens) docs.push_back({d.begin, std::min(d.tokens, context)});
+  int64_t L = 0;
+  for (const auto& d : docs) L = std::max(L, d.second);
+  std::vector<PositionBucket> out;
+  for (int64_t b0 = 0; b0 < L;) {
+    PositionBucket b;
+    b.begin = b0;
+    b.end = std::min(L, b0 == 0 ? first_bucket : 2 * b0);
+    out.push_back(b);
+    b0 = b.end;
+  }
+  for (const auto& [begin, n] : docs) {
+    EXPECT_TRUE(m.plan({1, n, false, false}).is_ok());
+    m.forward(toks.data() + begin, 1, n, ForwardOptions{});
+    std::vector<float> logits;
+    logits_rows_to_host(m, 0, n, &logits);
+    for (int64_t p = 0; p < n; ++p) {
+      const float* row = logits.data() + p * V;
+      double mx = row[0], z = 0;
+      for (int64_t v = 1; v < V; ++v) mx = std::max(mx, static_cast<double>(row[v]));
+      for (int64_t v = 0; v < V; ++v) z += std::exp(static_cast<double>(row[v]) - mx);
+      const double nll = mx + std::log(z) - row[toks[static_cast<size_t>(begin + p + 1)]];
+      for (PositionBucket& b : out)
+        if (p >= b.begin && p < b.end) {
+          b.loss_sum += nll;
+          ++b.count;
+        }
+    }
+  }
+  return out;
+}
+
+TEST(EvalDocuments, EachDocumentIsScoredAloneFromTheZeroState) {
+  Tiny t(DType::kF64);
+  const int64_t V = t.m.config().vocab_size;
+  const std::vector<int32_t> toks = documents_stream({150, 37, 300, 5, 0, 90}, V);
+  const std::vector<DocumentSpan> spans = split_documents(toks, 2);
+  ASSERT_EQ(spans.size(), 6u);
+  EXPECT_EQ(spans[0].begin, 3);
+  EXPECT_EQ(spans[2].tokens, 300);
+  EXPECT_EQ(spans[4].tokens, 0);
+  const std::vector<PositionBucket> want = documents_alone(t.m, toks, 1, 100000, 16);
+  // [0,16) [16,32) [32,64) [64,128) [128,256) [256,300): to the longest document's end.
+  ASSERT_EQ(want.size(), 6u);
+  EXPECT_EQ(want.back().end, 300);
+  EXPECT_EQ(want[0].count, 5 * 16 - 11);          // the 5-token document has 5 positions
+  EXPECT_EQ(want[5].count, 44);                   // only the 300-token one reaches [256, 300)
+  for (const int64_t streams : {1, 3, 8}) {
+    DocumentLossOptions o;
+    o.context = 100000;
+    o.piece = 32;
+    o.first_bucket = 16;
+    o.streams = streams;
+    std::vector<PositionBucket> got;
+    DocumentLossSummary sum;
+    ASSERT_TRUE(eval_document_position_loss(t.m, toks, o, [&](const PositionBucket& b) { got.push_back(b); }, &sum)
+                    .is_ok());
+    EXPECT_EQ(sum.documents, 6);
+    EXPECT_EQ(sum.scored, 5);  // not the empty one
+    EXPECT_EQ(sum.longest, 300);
+    EXPECT_EQ(sum.scored_tokens, 150 + 37 + 300 + 5 + 90);
+    ASSERT_EQ(got.size(), want.size()) << streams << " streams";
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].begin, want[i].begin);
+      EXPECT_EQ(got[i].end, want[i].end);
+      EXPECT_EQ(got[i].count, want[i].count) << streams << " streams, bucket " << i;
+      EXPECT_NEAR(got[i].loss_sum, want[i].loss_sum, 1e-9 * want[i].loss_sum) << streams << " streams, bucket " << i;
+      EXPECT_GT(got[i].memory_bytes, 0);
+    }
+  }
+}
+
+TEST(EvalDocuments, MinimumLengthAndContextCap) {
+  Tiny t(DType::kF64);
+  const int64_t V = t.m.config().vocab_size;
+  const std::vector<int32_t> toks = documents_stream({150, 37, 300, 5, 90}, V);
+  struct Case {
+    int64_t min_tokens, context, scored, last_end;
+  } cases[] = {{100, 100000, 2, 300}, {100, 100, 2, 100}, {37, 64, 4, 64}, {300, 1000, 1, 300}};
+  for (const Case& c : cases) {
+    DocumentLossOptions o;
+    o.min_tokens = c.min_tokens;
+    o.context = c.context;
+    o.piece = 64;
+    o.first_bucket = 16;
+    o.streams = 2;
+    std::vector<PositionBucket> got;
+    DocumentLossSummary sum;
+    ASSERT_TRUE(eval_document_position_loss(t.m, toks, o, [&](const PositionBucket& b) { got.push_back(b); }, &sum)
+                    .is_ok());
+    EXPECT_EQ(sum.scored, c.scored) << c.min_tokens;
+    const std::vector<PositionBucket> want = documents_alone(t.m, toks, c.min_tokens, c.context, 16);
+    ASSERT_EQ(got.size(), want.size());
+    EXPECT_EQ(got.back().end, c.last_end);
+    EXPECT_EQ(got.front().count, 16 * c.scored);
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].count, want[i].count) << c.min_tokens << " " << c.context << " bucket " << i;
+      EXPECT_NEAR(got[i].loss_sum, want[i].loss_sum, 1e-9 * want[i].loss_sum);
+    }
+  }
+  // No document long enough, no document at all, bad options: clear errors.
+  DocumentLossOptions o;
+  o.min_tokens = 1000;
+  Status st = eval_document_position_loss(t.m, toks, o, nullptr);
+  EXPECT_NE(st.message().find("no document of at least 1000 tokens among the 5 documents"), std::string::npos)
+      << st.to_string();
+  EXPECT_NE(st.message().find("the longest has 300"), std::string::npos) << st.to_string();
+  o.min_tokens = 1;
+  st = eval_document_position_loss(t.m, heldout_stream(500, 2), o, nullptr);  // only ids 0 and 1
+  EXPECT_NE(st.message().find("no separator token (id 2)"), std::string::npos) << st.to_string();
+  o.piece = 100;
+  EXPECT_NE(eval_document_position_loss(t.m, toks, o, nullptr).message().find("powers of two"), std::string::npos);
+}
+
 TEST(EvalCopy, BatchingDoesNotChangeTheResultAndCountsAreExact) {
   Tiny t(DType::kF32);
   const int64_t V = t.m.config().vocab_size;
@@ -285,6 +425,14 @@ class EvalCli : public ::testing::Test {
     ASSERT_TRUE(tok.encode(corpus, &ids).is_ok());
     std::vector<uint32_t> u(ids.begin(), ids.end());
     ASSERT_TRUE(shard_write(d + "/val.bin", u, tok.vocab_size()).is_ok());
+    // The same text as three documents of 40, 300 and 120 tokens, each after its separator.
+    ASSERT_GE(u.size(), 460u);
+    std::vector<uint32_t> docs;
+    for (const auto& [from, to] : {std::pair{0, 40}, std::pair{40, 340}, std::pair{340, 460}}) {
+      docs.push_back(2);
+      docs.insert(docs.end(), u.begin() + from, u.begin() + to);
+    }
+    ASSERT_TRUE(shard_write(d + "/docs.bin", docs, tok.vocab_size()).is_ok());
   }
   static void TearDownTestSuite() {
     std::error_code ec;
@@ -324,6 +472,45 @@ TEST_F(EvalCli, EachModeRunsAndWritesItsLines) {
   EXPECT_TRUE(names.count("position_loss_256_500"));
   EXPECT_TRUE(names.count("serving_defer8_delta_loss"));
   EXPECT_TRUE(names.count("serving_fp8_weights_delta_loss"));
+}
+
+TEST_F(EvalCli, PositionOnWholeDocuments) {
+  const std::string& d = *dir_;
+  const std::string common = "eval position --documents --model " + d + " --data " + d + "/docs.bin --out " + d +
+                             "/docout --results " + d + "/docres.jsonl --piece 128 --first-bucket 32";
+  CmdResult r = run_cli(common + " --min-doc-tokens 100 --streams 2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("2 of 3 documents of at least 100 tokens (the longest 300)"), std::string::npos) << r.output;
+  std::vector<nlohmann::json> lines;
+  {
+    std::ifstream f(d + "/docout/longdoc.jsonl");
+    for (std::string l; std::getline(f, l);) lines.push_back(nlohmann::json::parse(l));
+  }
+  // [0,32) [32,64) [64,128) [128,256) [256,300): to the longest document's end.
+  ASSERT_EQ(lines.size(), 5u);
+  EXPECT_EQ(lines[0]["mode"], "longdoc");
+  EXPECT_EQ(lines[0]["tokens"], 64);   // both documents
+  EXPECT_EQ(lines[2]["tokens"], 64 + 56);  // [64, 128): the 120-token document ends at 120
+  EXPECT_EQ(lines[3]["tokens"], 128);      // [128, 256): the 300-token one alone
+  EXPECT_EQ(lines[4]["end"], 300);
+  EXPECT_EQ(lines[4]["tokens"], 44);
+  std::set<std::string> names;
+  {
+    std::ifstream f(d + "/docres.jsonl");
+    for (std::string l; std::getline(f, l);) names.insert(nlohmann::json::parse(l)["bench"].get<std::string>());
+  }
+  EXPECT_TRUE(names.count("longdoc_loss_0_32"));
+  EXPECT_TRUE(names.count("longdoc_loss_256_300"));
+  EXPECT_TRUE(names.count("longdoc_documents"));
+  EXPECT_TRUE(names.count("longdoc_memory_spread_mib"));
+  EXPECT_FALSE(names.count("position_loss_0_32"));
+  r = run_cli(common + " --min-doc-tokens 100000");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("no document of at least 100000 tokens among the 3 documents"), std::string::npos)
+      << r.output;
+  r = run_cli("eval position --model " + d + " --data " + d + "/docs.bin --min-doc-tokens 100");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("--min-doc-tokens goes with --documents"), std::string::npos) << r.output;
 }
 
 TEST_F(EvalCli, BadArgumentsGetClearErrors) {
