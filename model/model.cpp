@@ -116,6 +116,10 @@ Status Model::plan(const PlanOptions& opt) {
   if (opt.max_tokens < 0 || opt.max_logit_rows < 0) return Status::invalid_argument("plan: negative row count");
   if (opt.training && (opt.max_tokens || opt.max_logit_rows))
     return Status::invalid_argument("plan: training plans keep every token row");
+  if ((opt.recompute_mixer || opt.recompute_layers) && !opt.training)
+    return Status::invalid_argument("plan: recompute is for training plans");
+  if (opt.recompute_mixer && opt.recompute_layers)
+    return Status::invalid_argument("plan: recompute_layers already recomputes the mixer (not both)");
   plan_ = opt;
   const int64_t B = opt.max_batch;
   const int64_t N = opt.max_tokens > 0 ? opt.max_tokens : opt.max_batch * opt.max_seq;
@@ -125,6 +129,8 @@ Status Model::plan(const PlanOptions& opt) {
   const int64_t D = cfg_.hidden_size, R = cfg_.qkvg_rows(), HV = cfg_.v_dim(), H = cfg_.num_heads;
   const int64_t F = cfg_.ffn_size, V = cfg_.vocab_size;
   const DType st = dtype_ == DType::kBF16 ? DType::kF32 : dtype_;  // statistics dtype
+  // Training: a set of buffers per layer, or (recompute_layers) each layer's x_in and one set
+  // of everything else. Inference: one set.
   const int64_t sets = opt.training ? cfg_.num_layers : 1;
 
   std::vector<TensorSpec> s;
@@ -136,6 +142,7 @@ Status Model::plan(const PlanOptions& opt) {
     // append, not "l" + to_string(l): GCC 12 reports a false -Wrestrict on the latter
     const std::string p = std::string("l").append(std::to_string(l)).append(".");
     s.push_back({p + "x_in", dtype_, {N, D}});
+    if (l > 0 && opt.recompute_layers) continue;
     s.push_back({p + "ln1_mean", st, {N}});
     s.push_back({p + "ln1_rstd", st, {N}});
     s.push_back({p + "u", dtype_, {N, D}});
@@ -179,22 +186,24 @@ Status Model::plan(const PlanOptions& opt) {
     const std::string p = std::string("l").append(std::to_string(opt.training ? l : 0)).append(".");
     LayerActs& a = layer_[l];
     a.x_in = get(p + "x_in");
-    a.ln1_mean = get(p + "ln1_mean");
-    a.ln1_rstd = get(p + "ln1_rstd");
-    a.u = get(p + "u");
-    a.conv_pre = get(p + "conv_pre");
-    a.c = get(p + "c");
-    a.qkvg = get(p + "qkvg");
-    a.o = get(opt.recompute_mixer ? "l0.o" : p + "o");
-    a.onorm_rstd = get(p + "onorm_rstd");
-    a.y = get(p + "y");
+    // The rest: this layer's own set, or the one shared set.
+    const std::string q = opt.recompute_layers ? std::string("l0.") : p;
+    a.ln1_mean = get(q + "ln1_mean");
+    a.ln1_rstd = get(q + "ln1_rstd");
+    a.u = get(q + "u");
+    a.conv_pre = get(q + "conv_pre");
+    a.c = get(q + "c");
+    a.qkvg = get(q + "qkvg");
+    a.o = get(opt.recompute_mixer ? "l0.o" : q + "o");
+    a.onorm_rstd = get(q + "onorm_rstd");
+    a.y = get(q + "y");
     // Inference updates the residual stream in place; training keeps each stage.
-    a.x_mid = opt.training ? get(p + "x_mid") : a.x_in;
-    a.ln2_mean = get(p + "ln2_mean");
-    a.ln2_rstd = get(p + "ln2_rstd");
-    a.z = get(p + "z");
-    a.ab = get(p + "ab");
-    a.h = get(p + "h");
+    a.x_mid = opt.training ? get(q + "x_mid") : a.x_in;
+    a.ln2_mean = get(q + "ln2_mean");
+    a.ln2_rstd = get(q + "ln2_rstd");
+    a.z = get(q + "z");
+    a.ab = get(q + "ab");
+    a.h = get(q + "h");
   }
   x_final_ = opt.training ? get("x_final") : layer_[0].x_in;
   lnf_mean_ = get("lnf_mean");
@@ -594,10 +603,19 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
   // Documents kept apart: [B, T] starts for the conv and the mixer (one segment: not ragged).
   const Tensor doc = doc_on_ ? doc_view(B, T) : Tensor{};
   gp.doc = doc;
-  // Decode: one token per sequence from its slot (the training plan keeps rstd instead).
-  const bool decode_step = !ragged && pool && T == 1 && opt.form == GlaForm::kRecurrent && !plan_.training;
+  // Decode: one token per sequence from its slot (a training plan takes no pool).
+  const bool decode_step = !ragged && pool && T == 1 && opt.form == GlaForm::kRecurrent;
+  if (plan_.training) {  // what the backward's recompute_layers runs again
+    last_form_ = opt.form;
+    last_before_ = plan_.recompute_layers ? opt.before_group : GroupHook{};
+  }
   for (int64_t l = 0; l < L; ++l) {
     before(1 + l);
+    if (plan_.training) {  // one segment [B, T] from the zero state (check_forward: no pool)
+      train_layer_forward(l, B, T, gp, true);
+      continue;
+    }
+    // Inference plans: pools, decode steps, ragged segments, FP8 weights.
     const LayerActs& a = layer_[l];
     const LayerWeights& w = w_.layers[l];
     const Tensor x_in = rows(a.x_in, N), x_mid = rows(a.x_mid, N);
@@ -609,11 +627,10 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
                          rows(a.ln1_rstd, N));
     Tensor win = pool ? pool->conv(l) : Tensor{};
     for (const Segment& s : segs)
-      be.conv_silu_forward(btc(seg_rows(a.u, s), s.B, s.T), w.conv_w, btc(seg_rows(a.c, s), s.B, s.T),
-                           plan_.training ? btc(seg_rows(a.conv_pre, s), s.B, s.T) : Tensor{}, win, win, seg_slots(s),
-                           doc);
+      be.conv_silu_forward(btc(seg_rows(a.u, s), s.B, s.T), w.conv_w, btc(seg_rows(a.c, s), s.B, s.T), Tensor{}, win,
+                           win, seg_slots(s), doc);
     static const Fp8Matrix kNone{};
-    const std::array<Fp8Matrix, 4>* f8 = (fp8_on_ && !plan_.training) || fp8_train_ ? &fp8_layers_[l] : nullptr;
+    const std::array<Fp8Matrix, 4>* f8 = fp8_on_ ? &fp8_layers_[l] : nullptr;
     const auto fp8 = [&](int kind) -> const Fp8Matrix& { return f8 ? (*f8)[kind] : kNone; };
     project(rows(a.c, N), w.wqkvg, fp8(0), Tensor{}, qkvg);
     Tensor st = pool ? pool->gla(l) : Tensor{};
@@ -661,7 +678,7 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
     project(rows(a.y, N), w.wo, fp8(1), x_in, x_mid);  // x_mid = x_in + y·W_oᵀ
 
     // Channel mixer: x_out = x_mid + (SiLU(a) ⊙ b) · W_3ᵀ with [a|b] = LN2(x_mid) · W_12ᵀ
-    if (fp8_on_ && !plan_.training) {
+    if (fp8_on_) {
       // Inference with FP8 weights: LN2's output and h are read only by W_12's and W_3's
       // products, which take their codes, so the backend may produce the codes without writing
       // z or h (Backend::layernorm_forward_e4m3, swiglu_forward_e4m3). One codes buffer serves
@@ -700,6 +717,41 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
   logits_ = rows(logits_buf_, M);
   static const Fp8Matrix kNoCodes{};
   project(rows(zf_, M), w_.lm_head, fp8_head_on_ && !plan_.training ? fp8_head_ : kNoCodes, Tensor{}, logits_);
+}
+
+void Model::train_layer_forward(int64_t l, int64_t B, int64_t T, const GlaParams& gp, bool write_out) {
+  Backend& be = *be_;
+  const int64_t N = B * T, H = cfg_.num_heads, dv = cfg_.head_v_dim;
+  const LayerActs& a = layer_[l];
+  const LayerWeights& w = w_.layers[l];
+  static const Fp8Matrix kNone{};
+  const auto fp8 = [&](int kind) -> const Fp8Matrix& { return fp8_train_ ? fp8_layers_[l][kind] : kNone; };
+  const Tensor x_in = rows(a.x_in, N), x_mid = rows(a.x_mid, N), qkvg = rows(a.qkvg, N);
+
+  // Mixer block: x_mid = x_in + (RMSNorm(GLA(conv(LN1 x))) ⊙ SiLU(g)) · W_oᵀ
+  be.layernorm_forward(x_in, w.norm1_w, w.norm1_b, cfg_.norm_eps, rows(a.u, N), rows(a.ln1_mean, N),
+                       rows(a.ln1_rstd, N));
+  be.conv_silu_forward(btc(rows(a.u, N), B, T), w.conv_w, btc(rows(a.c, N), B, T), btc(rows(a.conv_pre, N), B, T),
+                       Tensor{}, Tensor{}, Tensor{}, gp.doc);
+  project(rows(a.c, N), w.wqkvg, fp8(0), Tensor{}, qkvg);
+  be.gla_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
+                 bthd(rows(a.o, N), B, T, H, dv), Tensor{}, Tensor{}, Tensor{});
+  Tensor rstd = a.onorm_rstd.slice(0, 0, N);
+  rstd.ndim = 3;
+  rstd.shape = {B, T, H, 0};
+  rstd.stride = {T * H, H, 1, 0};
+  be.rmsnorm_gate_forward(bthd(rows(a.o, N), B, T, H, dv), qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps,
+                          bthd(rows(a.y, N), B, T, H, dv), rstd);
+  project(rows(a.y, N), w.wo, fp8(1), x_in, x_mid);  // x_mid = x_in + y·W_oᵀ
+
+  // Channel mixer: x_out = x_mid + (SiLU(a) ⊙ b) · W_3ᵀ with [a|b] = LN2(x_mid) · W_12ᵀ
+  be.layernorm_forward(x_mid, w.norm2_w, w.norm2_b, cfg_.norm_eps, rows(a.z, N), rows(a.ln2_mean, N),
+                       rows(a.ln2_rstd, N));
+  project(rows(a.z, N), w.w12, fp8(2), Tensor{}, rows(a.ab, N));
+  be.swiglu_forward(rows(a.ab, N), rows(a.h, N));
+  if (!write_out) return;  // the recompute: the backward reads h, not x_out
+  const Tensor x_out = rows(l + 1 < cfg_.num_layers ? layer_[l + 1].x_in : x_final_, N);
+  project(rows(a.h, N), w.w3, fp8(3), x_mid, x_out);  // x_out = x_mid + h·W_3ᵀ
 }
 
 double Model::loss(const int32_t* targets) {
@@ -769,8 +821,14 @@ void Model::backward(const int32_t* targets, const Arena& grads, double loss_sca
   GlaParams gp = gla_params(GlaForm::kChunked);
   const Tensor doc = doc_on_ ? doc_view(B, T) : Tensor{};
   gp.doc = doc;
+  GlaParams fwd = gla_params(last_form_);  // recompute_layers: the forward's GLA
+  fwd.doc = doc;
   static const Fp8Matrix kNone{};
   for (int64_t l = cfg_.num_layers - 1; l >= 0; --l) {
+    if (plan_.recompute_layers) {  // layer l's intermediates again, into the shared set
+      if (last_before_) last_before_(1 + l);
+      train_layer_forward(l, B, T, fwd, false);
+    }
     const LayerActs& a = layer_[l];
     const LayerWeights& w = w_.layers[l];
     const LayerWeights& gw = g.layers[l];

@@ -32,6 +32,14 @@ struct PlanOptions {
   // Inference: rows of the logits buffer (0 = the token rows). An engine only asks for
   // each sequence's last logits, so max_batch rows are enough.
   int64_t max_logit_rows = 0;
+  // Training: full-layer recompute (activation checkpointing per layer). The forward keeps
+  // only each layer's input x_in (and the head's x_final, final-norm statistics and logits),
+  // running every layer's intermediates through one shared set of buffers; the backward, for
+  // l = L−1 … 0, first runs layer l's forward again from its x_in into that set, then layer l's
+  // backward as without recompute: the same ops on the same inputs, so the same gradients bit
+  // for bit, for about one more forward's work. Excludes recompute_mixer (the layer's GLA output
+  // is recomputed with the rest).
+  bool recompute_layers = false;
 };
 
 // Weight groups, in forward order: 0 = embedding, 1 + l = layer l, L + 1 = final norm
@@ -42,7 +50,12 @@ using GroupHook = std::function<void(int64_t group)>;
 struct ForwardOptions {
   GlaForm form = GlaForm::kChunked;  // kRecurrent for decode
   bool last_logits_only = false;     // logits of each sequence's last token only
-  GroupHook before_group;            // optional: called before the first op that reads group g
+  // Optional: called before the first op that reads group g. A training plan with
+  // recompute_layers keeps it for the backward, which calls before_group(1 + l) again before it
+  // runs layer l's forward again (and then that layer's backward): the hook must stay callable
+  // until the backward, and a store that releases a layer's weights after its forward gathers
+  // them again there.
+  GroupHook before_group;
   // Documents kept apart (docs/model.md §4): ≥ 0 makes every token equal to it start a document,
   // from a zero state and a zero conv window (core/doc_starts.h), as serving starts each request;
   // −1 runs each row as one stream ("packed"). forward() only (not decode steps, ragged or queued
@@ -178,7 +191,10 @@ class Model {
   // caller zeroes it once per optimizer step. `loss_scale` multiplies the gradient
   // (1/accumulation steps when micro-batches are averaged). Overwrites the logits.
   // `after_group` (optional) is called once every op that writes group g's gradients
-  // has been queued, in backward order (L + 1, L, …, 0).
+  // has been queued, in backward order (L + 1, L, …, 0). With recompute_layers the backward
+  // first runs layer l's forward again (the same GLA form, documents and FP8 codes as the
+  // forward's; the FP8 accumulation as set_fp8_fast_forward says now), after calling the
+  // forward's before_group(1 + l).
   //
   // With `overwrite`, the gradients that products write (the four projections of every
   // layer and the LM head) are written, not added to, so the caller need not zero them:
@@ -217,6 +233,11 @@ class Model {
   void check_forward(int64_t B, int64_t T, const ForwardOptions& opt, const StatePool* pool) const;
   // F32 staging for B rows' states [B, H, dk, dv] (grown on demand).
   Tensor state_stage(int64_t B);
+  // One layer's forward in a training plan ([B, T] from the zero state, no pool): reads layer l's
+  // x_in, writes its intermediates (with recompute_layers, the shared set) and, with write_out,
+  // x_out (the next layer's x_in, or x_final_). run_forward runs it for every layer; the backward
+  // of a recompute_layers plan runs it again for layer l without x_out (nothing reads it again).
+  void train_layer_forward(int64_t l, int64_t B, int64_t T, const GlaParams& gp, bool write_out);
   // Sequences [first, first + B) of one length T, at token row `row` of the forward.
   struct Segment {
     int64_t row = 0, first = 0, B = 0, T = 0;
@@ -265,6 +286,9 @@ class Model {
   Tensor ids_, targets_, slots_;  // [N] I32, [N] I32, [B] I32 on the device
   Tensor doc_;                    // [N] I32 on the device: the last forward's document starts
   bool doc_on_ = false;           // whether the last forward kept documents apart
+  // The last training forward's GLA form and group hook, for the backward's recompute_layers.
+  GlaForm last_form_ = GlaForm::kChunked;
+  GroupHook last_before_;
   Tensor x_final_;                // [N, D] residual stream after the last layer
   Tensor lnf_mean_, lnf_rstd_;    // [N]
   Tensor zf_;                     // [N, D] final norm output
