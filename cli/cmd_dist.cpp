@@ -80,9 +80,22 @@ Status run_predict(const PlanArgs& a, const Config& c) {
   return Status::ok();
 }
 
+// The plan at the request's micro-batch with the recompute `laplace train` would choose for it:
+// none if that fits, else the mixer's, else (where `layers`) every layer's; when nothing fits,
+// the last of those (whose total then exceeds the memory).
+MemoryPlan plan_at_batch(const Config& c, MemoryPlanRequest r, bool layers) {
+  r.recompute = kRecomputeChoose;
+  r.allow_recompute_layers = layers;
+  MemoryPlan p;
+  if (!choose_memory_plan(c, r, &p).is_ok())
+    p = memory_plan_for(c, r, r.batch, layers ? kRecomputeLayers : kRecomputeMixer);
+  p.chosen = false;  // B is given
+  return p;
+}
+
 // What `laplace train --device cuda` plans on each of P GPUs (bf16 weights, f32 masters and
 // gradients, Newton–Schulz in bf16) for the step model's micro-batch, sharded (FSDP), and the
-// single-device trainer's plan beside it at P = 1.
+// single-device trainer's plan beside it at P = 1 (which may recompute every layer).
 void print_memory(const PlanArgs& a, const Config& c, const std::vector<ShardedParam>& params,
                   const std::vector<MuonUnit>& units) {
   MemoryPlanRequest r;
@@ -97,12 +110,12 @@ void print_memory(const PlanArgs& a, const Config& c, const std::vector<ShardedP
   const ShardBytes sb = fsdp_shard_bytes_max(c, params, units, a.ranks, DType::kF32, DType::kBF16, DType::kBF16);
   r.sharded = &sb;
   r.ranks = a.ranks;
-  const MemoryPlan sharded = memory_plan_for(c, r, a.work.batch, false);
+  const MemoryPlan sharded = plan_at_batch(c, r, false);
   std::printf("\nmemory per GPU, sharded (laplace train --distributed, %d rank%s):\n%s", a.ranks,
               a.ranks > 1 ? "s" : "", format_memory_plan(sharded, "device").c_str());
   if (a.ranks == 1) {
     r.sharded = nullptr;
-    const MemoryPlan one = memory_plan_for(c, r, a.work.batch, false);
+    const MemoryPlan one = plan_at_batch(c, r, true);
     std::printf("memory, the single-device trainer (laplace train):\n%s", format_memory_plan(one, "device").c_str());
   }
 }

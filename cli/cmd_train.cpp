@@ -232,6 +232,9 @@ void add_train(CLI::App& app) {
   cmd->add_option("--data-seed", o.data_seed, "shuffle seed");
   cmd->add_flag("--no-shuffle", a->no_shuffle, "read the data in order (llm.c's sequential loader)");
   cmd->add_flag("--recompute-mixer", o.recompute_mixer, "recompute the GLA output in the backward");
+  cmd->add_flag("--recompute-layers", o.recompute_layers,
+                "keep only each layer's input; the backward runs each layer's forward again (about one more "
+                "forward per step, far less memory; same bits); --batch auto chooses it when nothing else fits");
   cmd->add_option("--eval-every", o.eval_every, "validate every N steps (0 = never)")->check(CLI::NonNegativeNumber);
   cmd->add_option("--eval-batches", o.eval_batches, "validation batches")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--ckpt-every", o.ckpt_every, "checkpoint every N steps (0 = at the end)")

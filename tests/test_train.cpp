@@ -365,18 +365,21 @@ TEST(MemoryPlan, BytesMatchTheRealArenas) {
   ASSERT_TRUE(config_load(f.config, &c).is_ok());
   auto be = make_cpu_backend();
   for (DType dt : {DType::kF32, DType::kBF16}) {
-    for (bool rc : {false, true}) {
+    for (int rc : {kRecomputeNone, kRecomputeMixer, kRecomputeLayers}) {
       for (bool fused : {false, true}) {
-        SCOPED_TRACE(std::string(dtype_name(dt)) + (rc ? " recompute" : "") + (fused ? " fused" : ""));
+        SCOPED_TRACE(std::string(dtype_name(dt)) + " recompute " + recompute_name(rc) + (fused ? " fused" : ""));
         MemoryPlanRequest r;
         r.seq = 40;
         r.dtype = dt;
         r.muon_fused = fused;
         r.ns_bf16 = true;  // BF16 models: NS scratch in bf16 (ignored for F32 masters)
         const MemoryPlan p = memory_plan_for(c, r, 3, rc);
+        EXPECT_EQ(p.recompute(), rc);
         Model m;
         ASSERT_TRUE(m.create(c, *be, dt).is_ok());
-        ASSERT_TRUE(m.plan({3, 40, true, rc}).is_ok());
+        ASSERT_TRUE(m.plan(training_plan_options(p)).is_ok());
+        EXPECT_EQ(m.plan_options().recompute_mixer, rc == kRecomputeMixer);
+        EXPECT_EQ(m.plan_options().recompute_layers, rc == kRecomputeLayers);
         EXPECT_EQ(p.weights, m.weight_arena().bytes());
         EXPECT_EQ(p.activations + p.backward_scratch, m.activation_bytes());
         const DType pdt = dt == DType::kBF16 ? DType::kF32 : dt;
@@ -445,6 +448,73 @@ TEST(MemoryPlan, ChoosesTheLargestMicroBatchThatFitsThenRecompute) {
   ASSERT_TRUE(choose_memory_plan(c, q, &p).is_ok());
   EXPECT_GE(p.batch, 1);
   EXPECT_NE(format_memory_plan(p, "device").find("master weights (f32)"), std::string::npos);
+}
+
+// Full-layer recompute comes after every B without it (and with the mixer's), and only where
+// the caller allows it: laplace-3b at T = 32768 on synthetic device sizes, and the H200 case.
+TEST(MemoryPlan, ChoosesLayerRecomputeWhenNothingElseFits) {
+  const Config c = laplace_3b();
+  MemoryPlanRequest r;
+  r.seq = 32768;
+  r.dtype = DType::kBF16;
+  r.reserve_bytes = size_t{3} << 30;
+  r.allow_recompute_layers = true;
+  auto total = [&](int64_t b, int rc) { return memory_plan_for(c, r, b, rc).total(); };
+  // The orderings the cases below rely on.
+  ASSERT_LT(total(1, kRecomputeMixer), total(1, kRecomputeNone));
+  ASSERT_LT(total(4, kRecomputeLayers), total(1, kRecomputeMixer));
+  ASSERT_LT(total(1, kRecomputeMixer), total(8, kRecomputeLayers));
+  ASSERT_LT(total(1, kRecomputeLayers), total(2, kRecomputeLayers));
+  struct Case {
+    size_t device;
+    int64_t batch;
+    int recompute;
+  };
+  const Case cases[] = {
+      {total(1, kRecomputeMixer) + r.reserve_bytes, 1, kRecomputeMixer},
+      {total(1, kRecomputeMixer) + r.reserve_bytes - 1, 4, kRecomputeLayers},  // the largest B that fits
+      {total(2, kRecomputeLayers) + r.reserve_bytes - 1, 1, kRecomputeLayers},
+      {total(1, kRecomputeLayers) + r.reserve_bytes, 1, kRecomputeLayers},
+  };
+  for (const Case& k : cases) {
+    MemoryPlanRequest q = r;
+    q.device_bytes = k.device;
+    MemoryPlan p;
+    ASSERT_TRUE(choose_memory_plan(c, q, &p).is_ok()) << k.device;
+    EXPECT_EQ(p.batch, k.batch) << k.device;
+    EXPECT_EQ(p.recompute(), k.recompute) << k.device;
+    EXPECT_TRUE(p.chosen);
+    EXPECT_LE(p.total() + q.reserve_bytes, q.device_bytes);
+  }
+  // Not allowed (a store that cannot plan it, or a caller that does not know it): out of memory.
+  MemoryPlanRequest q = r;
+  q.device_bytes = total(1, kRecomputeMixer) + r.reserve_bytes - 1;
+  q.allow_recompute_layers = false;
+  MemoryPlan p;
+  EXPECT_EQ(choose_memory_plan(c, q, &p).code(), Status::Code::kOutOfMemory);
+  // Nothing fits: every candidate is listed, the layer recompute's last.
+  q.allow_recompute_layers = true;
+  q.device_bytes = total(1, kRecomputeLayers) + r.reserve_bytes - 1;
+  const Status st = choose_memory_plan(c, q, &p);
+  EXPECT_EQ(st.code(), Status::Code::kOutOfMemory);
+  EXPECT_NE(st.to_string().find("B=1 recompute layers"), std::string::npos) << st.to_string();
+  // Given: B = 1 with the layer recompute is kept as given.
+  q.device_bytes = 0;
+  q.batch = 1;
+  q.recompute = kRecomputeLayers;
+  ASSERT_TRUE(choose_memory_plan(c, q, &p).is_ok());
+  EXPECT_TRUE(p.recompute_layers);
+  EXPECT_FALSE(p.recompute_mixer);
+  EXPECT_FALSE(p.chosen);
+  // One H200 (141 GB, the 3 GiB reserve): B = 1 fits only with the layer recompute.
+  q = r;
+  q.device_bytes = size_t{141} * 1000 * 1000 * 1000;
+  q.batch = 1;
+  ASSERT_TRUE(choose_memory_plan(c, q, &p).is_ok());
+  EXPECT_TRUE(p.recompute_layers);
+  const std::string text = format_memory_plan(p, "device");
+  EXPECT_NE(text.find("recompute_layers on"), std::string::npos) << text;
+  EXPECT_NE(text.find("activations (layers recomputed)"), std::string::npos) << text;
 }
 
 TEST(MemoryPlan, TokensPerStepSetsAccumulation) {
@@ -516,6 +586,48 @@ TEST(MemoryPlan, ExplicitBatchIsKept) {
   EXPECT_FALSE(t.memory_plan().chosen);
   // The plan counts what the one-device store allocates (as the sharded store's test checks).
   EXPECT_EQ(t.memory_plan().total(), t.allocated_bytes());
+}
+
+// --recompute-layers (TrainOptions::recompute_layers) trains step for step as without recompute:
+// bitwise losses and weights, documents kept apart; the plan counts what is allocated; the CLI
+// prints the mode and refuses both recomputes at once.
+TEST(TrainRecompute, LayersEqualsNoRecomputeStepForStep) {
+  Fixture f;
+  TrainOptions o = f.options(f.dir + "/none");
+  o.document_separator = 2;
+  const std::vector<double> none = train(o);
+  TrainOptions l = o;
+  l.out_dir = f.dir + "/layers";
+  l.recompute_layers = true;
+  const std::vector<double> layers = train(l);
+  ASSERT_EQ(none.size(), 8u);
+  ASSERT_EQ(layers.size(), 8u);
+  for (size_t i = 0; i < 8; ++i)
+    EXPECT_EQ(std::memcmp(&layers[i], &none[i], sizeof(double)), 0) << "step " << i << ": " << layers[i] << " vs "
+                                                                     << none[i];
+  EXPECT_EQ(bytes_of(f.dir + "/layers/model.safetensors"), bytes_of(f.dir + "/none/model.safetensors"));
+
+  l.out_dir = f.dir + "/layers-plan";
+  l.steps = 1;
+  Trainer t(l);
+  ASSERT_TRUE(t.setup().is_ok());
+  EXPECT_TRUE(t.memory_plan().recompute_layers);
+  EXPECT_TRUE(t.model().plan_options().recompute_layers);
+  EXPECT_EQ(t.memory_plan().total(), t.allocated_bytes());
+  l.recompute_mixer = true;
+  Trainer both(l);
+  EXPECT_EQ(both.setup().code(), Status::Code::kInvalidArgument);
+
+  const std::string bin = LAPLACE_BINARY;
+  const std::string log = f.dir + "/layers.log";
+  const std::string cmd = bin + " train --config " + f.config + " --data " + f.shard + " --out " + f.dir +
+                          "/cli --batch 2 --seq 40 --steps 1 --lr 0.02 --recompute-layers > " + log + " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << bytes_of(log);
+  EXPECT_NE(bytes_of(log).find("recompute_layers on"), std::string::npos) << bytes_of(log);
+  const std::string cmd2 = bin + " train --config " + f.config + " --data " + f.shard + " --out " + f.dir +
+                           "/cli2 --steps 1 --recompute-layers --recompute-mixer > " + log + " 2>&1";
+  EXPECT_NE(std::system(cmd2.c_str()), 0);
+  EXPECT_NE(bytes_of(log).find("--recompute-layers already recomputes the mixer"), std::string::npos) << bytes_of(log);
 }
 
 // The trainer's loss (cross-entropy + loss_sum_into, read at the step boundary) is
@@ -614,6 +726,29 @@ TEST(CudaTrain, TwoRunsGiveBitwiseIdenticalLosses) {
     EXPECT_TRUE(std::isfinite(a[i]));
   }
   EXPECT_LT(a.back(), a.front()) << "the loss should fall on the fixture's learnable data";
+}
+
+// --recompute-layers on the GPU (bf16, documents kept apart): every step's loss is the run's
+// without recompute, bit for bit (the same kernels on the same inputs), and the plan counts what
+// was allocated.
+TEST(CudaTrain, RecomputeLayersGivesBitwiseIdenticalLosses) {
+  const std::string why = cuda_unavailable();
+  if (!why.empty()) GTEST_SKIP() << "no CUDA device: " << why;
+  Fixture f;
+  TrainOptions o = gpu_options(f, "");
+  o.document_separator = 2;
+  const std::vector<double> none = train(o);
+  o.recompute_layers = true;
+  const std::vector<double> layers = train(o);
+  ASSERT_EQ(none.size(), 8u);
+  ASSERT_EQ(layers.size(), 8u);
+  for (size_t i = 0; i < none.size(); ++i)
+    EXPECT_EQ(std::memcmp(&layers[i], &none[i], sizeof(double)), 0) << "step " << i << ": " << layers[i] << " vs "
+                                                                     << none[i];
+  Trainer t(o);
+  ASSERT_TRUE(t.setup().is_ok());
+  EXPECT_TRUE(t.model().plan_options().recompute_layers);
+  EXPECT_EQ(t.memory_plan().total(), t.allocated_bytes());
 }
 
 // The device-scalar optimizer on the GPU: bitwise the host-scalar step (the CPU backend's

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
+#include <utility>
 
 #include "core/arena.h"
 #include "model/model.h"
@@ -40,16 +41,18 @@ size_t optimizer_bytes(const Config& c, DType param_dtype, bool muon_fused, bool
   return Arena::planned_bytes(specs);
 }
 
-// Model::plan's activation arena for a training plan (per-layer sets).
-size_t activation_bytes(const Config& c, DType dt, int64_t B, int64_t T, bool recompute) {
+// Model::plan's activation arena for a training plan: a set per layer (with kRecomputeMixer one
+// GLA output for all), or (kRecomputeLayers) each layer's input and one set of the rest.
+size_t activation_bytes(const Config& c, DType dt, int64_t B, int64_t T, int recompute) {
   const int64_t N = B * T, D = c.hidden_size, R = c.qkvg_rows(), HV = c.v_dim(), H = c.num_heads;
   const int64_t F = c.ffn_size, V = c.vocab_size;
   const DType st = dt == DType::kBF16 ? DType::kF32 : dt;
   std::vector<TensorSpec> s = {{"ids", DType::kI32, {N}}, {"targets", DType::kI32, {N}}, {"slots", DType::kI32, {B}},
                                {"doc", DType::kI32, {N}}};
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    for (const TensorSpec& t : std::vector<TensorSpec>{{"x_in", dt, {N, D}},
-                                                       {"ln1_mean", st, {N}},
+    s.push_back({"x_in", dt, {N, D}});
+    if (l > 0 && recompute == kRecomputeLayers) continue;
+    for (const TensorSpec& t : std::vector<TensorSpec>{{"ln1_mean", st, {N}},
                                                        {"ln1_rstd", st, {N}},
                                                        {"u", dt, {N, D}},
                                                        {"conv_pre", dt, {N, D}},
@@ -64,8 +67,8 @@ size_t activation_bytes(const Config& c, DType dt, int64_t B, int64_t T, bool re
                                                        {"ab", dt, {N, 2 * F}},
                                                        {"h", dt, {N, F}}})
       s.push_back(t);
-    // With recompute, one shared GLA output buffer instead of one per layer.
-    if (l == 0 || !recompute) s.push_back({"o", dt, {N, HV}});
+    // With the mixer recompute, one shared GLA output buffer instead of one per layer.
+    if (l == 0 || recompute != kRecomputeMixer) s.push_back({"o", dt, {N, HV}});
   }
   for (const TensorSpec& t : std::vector<TensorSpec>{{"x_final", dt, {N, D}},
                                                      {"lnf_mean", st, {N}},
@@ -96,6 +99,16 @@ double gb(size_t b) { return static_cast<double>(b) / 1e9; }
 
 }  // namespace
 
+PlanOptions training_plan_options(const MemoryPlan& p) {
+  PlanOptions o;
+  o.max_batch = p.batch;
+  o.max_seq = p.seq;
+  o.training = true;
+  o.recompute_mixer = p.recompute_mixer;
+  o.recompute_layers = p.recompute_layers;
+  return o;
+}
+
 size_t fp8_training_bytes(const Config& c, int64_t N) {
   const std::vector<std::vector<TensorSpec>> arenas = Model::fp8_training_specs(c, N);
   size_t b = 0;
@@ -103,14 +116,25 @@ size_t fp8_training_bytes(const Config& c, int64_t N) {
   return b;
 }
 
-MemoryPlan memory_plan_for(const Config& c, const MemoryPlanRequest& r, int64_t batch, bool recompute) {
+const char* recompute_name(int recompute) {
+  switch (recompute) {
+    case kRecomputeNone: return "none";
+    case kRecomputeMixer: return "mixer";
+    case kRecomputeLayers: return "layers";
+    default: return "auto";
+  }
+}
+
+MemoryPlan memory_plan_for(const Config& c, const MemoryPlanRequest& r, int64_t batch, int recompute) {
+  LAPLACE_CHECK(recompute >= kRecomputeNone && recompute <= kRecomputeLayers, "memory_plan_for: bad recompute mode");
   const bool mixed = r.dtype == DType::kBF16;
   const DType param_dtype = mixed ? DType::kF32 : r.dtype;
   MemoryPlan p;
   p.batch = batch;
   p.seq = r.seq;
   p.grad_accum = r.grad_accum;
-  p.recompute_mixer = recompute;
+  p.recompute_mixer = recompute == kRecomputeMixer;
+  p.recompute_layers = recompute == kRecomputeLayers;
   p.dtype = r.dtype;
   p.device_bytes = r.device_bytes;
   p.reserve_bytes = r.reserve_bytes;
@@ -156,29 +180,41 @@ Status choose_memory_plan(const Config& c, const MemoryPlanRequest& r, MemoryPla
     for (int64_t b = top; b >= 1; b /= 2)
       if (seqs == 0 || (b <= seqs && seqs % b == 0)) batches.push_back(b);
   }
-  const std::vector<bool> recomputes =
-      r.recompute < 0 ? std::vector<bool>{false, true} : std::vector<bool>{r.recompute != 0};
+  if (r.recompute < kRecomputeChoose || r.recompute > kRecomputeLayers)
+    return Status::invalid_argument("memory plan: recompute must be -1 (choose), 0 (none), 1 (mixer) or 2 (layers)");
+  // The candidates (B, recompute) in order: every B with recompute off, then the mixer's; then,
+  // if allowed, every B with full-layer recompute (about one more forward per step, which costs
+  // more than a smaller B's GEMMs lose, so it comes only once nothing else fits).
+  std::vector<std::pair<int64_t, int>> candidates;
+  if (r.recompute != kRecomputeChoose) {
+    for (int64_t b : batches) candidates.push_back({b, r.recompute});
+  } else {
+    for (int64_t b : batches)
+      for (int rc : {kRecomputeNone, kRecomputeMixer}) candidates.push_back({b, rc});
+    if (r.allow_recompute_layers)
+      for (int64_t b : batches) candidates.push_back({b, kRecomputeLayers});
+  }
   std::vector<std::string> rejected;
-  for (int64_t b : batches) {
-    for (bool rc : recomputes) {
-      MemoryPlanRequest rr = r;
-      if (seqs > 0) rr.grad_accum = seqs / b;
-      MemoryPlan p = memory_plan_for(c, rr, b, rc);
-      if (p.fits()) {
-        p.chosen = r.batch == 0 || r.recompute < 0;
-        p.rejected = std::move(rejected);
-        *out = std::move(p);
-        return Status::ok();
-      }
-      char line[160];
-      std::snprintf(line, sizeof line, "B=%lld recompute %s: %.2f GB + %.2f GB reserve > %.2f GB", (long long)b,
-                    rc ? "on" : "off", gb(p.total()), gb(r.reserve_bytes), gb(r.device_bytes));
-      rejected.push_back(line);
+  for (const auto& [b, rc] : candidates) {
+    MemoryPlanRequest rr = r;
+    if (seqs > 0) rr.grad_accum = seqs / b;
+    MemoryPlan p = memory_plan_for(c, rr, b, rc);
+    if (p.fits()) {
+      p.chosen = r.batch == 0 || r.recompute == kRecomputeChoose;
+      p.rejected = std::move(rejected);
+      *out = std::move(p);
+      return Status::ok();
     }
+    char line[160];
+    std::snprintf(line, sizeof line, "B=%lld recompute %s: %.2f GB + %.2f GB reserve > %.2f GB", (long long)b,
+                  rc == kRecomputeNone ? "off" : rc == kRecomputeMixer ? "on" : "layers", gb(p.total()),
+                  gb(r.reserve_bytes), gb(r.device_bytes));
+    rejected.push_back(line);
   }
   std::string msg = "memory plan: nothing fits at T=" + std::to_string(r.seq) + ":";
   for (const std::string& s : rejected) msg += "\n  " + s;
-  return Status::out_of_memory(msg + "\n  (try a smaller --seq, --recompute-mixer or a smaller --reserve-gib)");
+  return Status::out_of_memory(msg + "\n  (try a smaller --seq, --recompute-mixer, --recompute-layers or a smaller "
+                                     "--reserve-gib)");
 }
 
 std::string format_memory_plan(const MemoryPlan& p, const std::string& device_label) {
@@ -189,10 +225,12 @@ std::string format_memory_plan(const MemoryPlan& p, const std::string& device_la
   std::string s;
   char line[256];
   std::snprintf(line, sizeof line,
-                "memory plan: T=%lld, micro-batch B=%lld%s, grad accumulation %lld (%lld tokens/step%s), "
-                "recompute_mixer %s\n",
+                "memory plan: T=%lld, micro-batch B=%lld%s, grad accumulation %lld (%lld tokens/step%s), %s\n",
                 (long long)p.seq, (long long)p.batch, p.chosen ? " (chosen)" : "", (long long)p.grad_accum,
-                (long long)p.tokens_per_step(), p.ranks > 0 ? " per rank" : "", p.recompute_mixer ? "on" : "off");
+                (long long)p.tokens_per_step(), p.ranks > 0 ? " per rank" : "",
+                p.recompute_layers  ? "recompute_layers on"
+                : p.recompute_mixer ? "recompute_mixer on"
+                                    : "recompute_mixer off");
   s += line;
   auto row = [&](const std::string& name, size_t bytes) {
     std::snprintf(line, sizeof line, "  %-34s %14zu bytes %9.3f GB\n", name.c_str(), bytes, gb(bytes));
@@ -204,7 +242,10 @@ std::string format_memory_plan(const MemoryPlan& p, const std::string& device_la
   else if (mixed) row("master weights (f32)", p.masters);
   row(std::string("gradients (") + pdt + (p.ranks > 0 ? ", local + shard" : "") + ")", p.gradients);
   row(p.ranks > 0 ? "optimizer state (" + shard.substr(2) + ")" : "optimizer state (Muon, AdamW, NS)", p.optimizer);
-  row(std::string("activations") + (p.recompute_mixer ? " (GLA output recomputed)" : ""), p.activations);
+  row(std::string("activations") + (p.recompute_layers  ? " (layers recomputed)"
+                                     : p.recompute_mixer ? " (GLA output recomputed)"
+                                                         : ""),
+      p.activations);
   row("backward scratch", p.backward_scratch);
   if (p.fp8 > 0) row("FP8 codes and operands", p.fp8);
   if (p.ranks > 0) row("collective staging", p.staging);

@@ -1,6 +1,6 @@
 // The memory plan of a training run (issue #4): which micro-batch B, gradient
-// accumulation A and mixer recompute fit on the device, and the bytes of each buffer
-// class. A pure function of the config and the request (no allocation), so it runs before
+// accumulation A and recompute (none, the mixer's GLA output, or every layer's activations)
+// fit on the device, and the bytes of each buffer class. A pure function of the config and the request (no allocation), so it runs before
 // anything is allocated and tests can feed it synthetic memory sizes.
 //
 // Buffer classes (each an Arena; sizes include the arena's 256-byte alignment padding):
@@ -9,7 +9,9 @@
 //   gradients         weight_specs(c, F32 or the compute dtype)
 //   optimizer         Muon momentum / AdamW m, v (param dtype) + the Muon update buffer +
 //                     Newton–Schulz scratch + the step's device scalars (Optimizer::init)
-//   activations       Model::plan's activation arena for a training plan of B×T
+//   activations       Model::plan's activation arena for a training plan of B×T: every layer's
+//                     intermediates; with the mixer recompute one GLA output for all layers;
+//                     with full-layer recompute each layer's input and one layer's intermediates
 //   backward scratch  Model::plan's backward scratch arena
 //   fp8               FP8 training (Model::use_fp8_training): both codes and scales of every
 //                     body matrix, the projections' input codes and the gradient products' operands
@@ -18,10 +20,12 @@
 // comes out of the reserve.
 //
 // Choice (when asked to choose): micro-batches from the largest candidate down; for each,
-// recompute off before on (recompute costs a GLA forward per layer; a smaller B costs
-// GEMM efficiency everywhere); the first that leaves `reserve_bytes` of `device_bytes`
-// free wins. With a tokens-per-step target, B must divide the step's sequences and
-// A = sequences / B; otherwise A is as requested.
+// recompute off before the mixer's (which costs a GLA forward per layer; a smaller B costs
+// GEMM efficiency everywhere); then, where allowed, full-layer recompute for each B from the
+// largest down (it costs about one more forward per step: a last resort, e.g. laplace-3b at
+// T = 32768); the first that leaves `reserve_bytes` of `device_bytes` free wins. With a
+// tokens-per-step target, B must divide the step's sequences and A = sequences / B; otherwise
+// A is as requested.
 #pragma once
 
 #include <cstddef>
@@ -35,6 +39,8 @@
 
 namespace laplace {
 
+struct PlanOptions;  // model/model.h
+
 // FSDP (dist/fsdp_layout.h): one rank's sharded buffers, in bytes. The full weights and the
 // full local gradient of a micro-batch stay the plan's own classes.
 struct ShardBytes {
@@ -45,13 +51,25 @@ struct ShardBytes {
   size_t init_table = 0;  // full initial weights held during setup (BF16 models); counted as if held throughout
 };
 
+// What a training plan recomputes in the backward (MemoryPlanRequest::recompute).
+enum : int {
+  kRecomputeChoose = -1,  // choose (see above)
+  kRecomputeNone = 0,     // every layer's activations kept
+  kRecomputeMixer = 1,    // PlanOptions::recompute_mixer
+  kRecomputeLayers = 2,   // PlanOptions::recompute_layers
+};
+const char* recompute_name(int recompute);  // "none", "mixer", "layers" ("auto" for choose)
+
 struct MemoryPlanRequest {
   int64_t seq = 2048;            // T
   DType dtype = DType::kBF16;    // model dtype (BF16 trains F32 masters and F32 gradients)
   int64_t batch = 0;             // micro-batch B; 0 = choose
   int64_t grad_accum = 1;        // A, when tokens_per_step is 0
   int64_t tokens_per_step = 0;   // B·T·A target; 0 = none (A = grad_accum)
-  int recompute = -1;            // recompute_mixer: -1 choose, 0 off, 1 on
+  int recompute = kRecomputeChoose;  // -1 choose, 0 none, 1 the mixer, 2 full layers (kRecompute*)
+  // Choosing: whether full-layer recompute is a candidate. Off unless the caller plans it
+  // (PlanOptions::recompute_layers from MemoryPlan::recompute_layers).
+  bool allow_recompute_layers = false;
   bool muon_fused = false;       // Newton–Schulz scratch sized for whole matrices
   bool ns_bf16 = true;           // Newton–Schulz scratch in BF16 (the CUDA trainer)
   size_t device_bytes = 0;       // memory available before anything is allocated; 0 = unknown
@@ -66,7 +84,8 @@ struct MemoryPlanRequest {
 
 struct MemoryPlan {
   int64_t batch = 0, grad_accum = 0, seq = 0;
-  bool recompute_mixer = false;
+  bool recompute_mixer = false;   // PlanOptions::recompute_mixer
+  bool recompute_layers = false;  // PlanOptions::recompute_layers
   bool chosen = false;  // B (and recompute) were chosen here, not given
   DType dtype = DType::kF32;
   size_t weights = 0, masters = 0, gradients = 0, optimizer = 0, activations = 0, backward_scratch = 0;
@@ -76,6 +95,10 @@ struct MemoryPlan {
   size_t device_bytes = 0, reserve_bytes = 0;
   std::vector<std::string> rejected;  // "B=8 recompute off: 151.2 GB > 140.4 GB" per rejected candidate
 
+  int recompute() const {
+    return recompute_layers ? kRecomputeLayers : recompute_mixer ? kRecomputeMixer : kRecomputeNone;
+  }
+
   size_t total() const {
     return weights + masters + gradients + optimizer + activations + backward_scratch + staging + init_table + fp8;
   }
@@ -84,12 +107,16 @@ struct MemoryPlan {
   bool fits() const { return device_bytes == 0 || total() + reserve_bytes <= device_bytes; }
 };
 
+// Model::plan's options for this plan's training micro-batch (B, T and the recompute).
+PlanOptions training_plan_options(const MemoryPlan& p);
+
 // The FP8 training arenas of a model for N tokens per micro-batch (Model::use_fp8_training's and
 // its plan's spec lists).
 size_t fp8_training_bytes(const Config& c, int64_t tokens);
 
-// The bytes of each class for a given B, T and recompute (no choice; fits() as given).
-MemoryPlan memory_plan_for(const Config& c, const MemoryPlanRequest& r, int64_t batch, bool recompute);
+// The bytes of each class for a given B, T and recompute (kRecomputeNone/Mixer/Layers; false and
+// true are none and the mixer's); no choice, fits() as given.
+MemoryPlan memory_plan_for(const Config& c, const MemoryPlanRequest& r, int64_t batch, int recompute);
 
 // Chooses B/A/recompute as described above. Errors: invalid request (T < 1, a
 // tokens-per-step target that is not a multiple of T, a given B that does not divide

@@ -61,7 +61,11 @@ MemoryPlanRequest memory_request_for(const TrainOptions& o, Backend& be) {
   r.batch = o.batch_auto ? 0 : o.batch;
   r.grad_accum = o.grad_accum;
   r.tokens_per_step = o.tokens_per_step;
-  r.recompute = o.batch_auto && !o.recompute_mixer ? -1 : (o.recompute_mixer ? 1 : 0);
+  r.recompute = o.recompute_layers ? kRecomputeLayers
+                : o.recompute_mixer ? kRecomputeMixer
+                : o.batch_auto      ? kRecomputeChoose
+                                    : kRecomputeNone;
+  r.allow_recompute_layers = true;  // the Trainer turns it off for a store that cannot plan it
   r.muon_fused = o.muon_fused;
   r.fp8 = o.fp8;
   const bool cuda = be.device() == Device::kCUDA;
@@ -75,15 +79,30 @@ MemoryPlanRequest memory_request_for(const TrainOptions& o, Backend& be) {
 }
 
 Status apply_memory_plan(const Config& c, const MemoryPlanRequest& r, TrainOptions* o, MemoryPlan* plan) {
+  if (o->recompute_mixer && o->recompute_layers)
+    return Status::invalid_argument("--recompute-layers already recomputes the mixer: give one of "
+                                    "--recompute-mixer and --recompute-layers");
   if (o->batch_auto || r.tokens_per_step > 0) {
     LAPLACE_RETURN_IF_ERROR(choose_memory_plan(c, r, plan));
   } else {
-    *plan = memory_plan_for(c, r, o->batch, o->recompute_mixer);  // as given; allocation decides
+    const int rc = o->recompute_layers ? kRecomputeLayers : o->recompute_mixer ? kRecomputeMixer : kRecomputeNone;
+    *plan = memory_plan_for(c, r, o->batch, rc);  // as given; allocation decides
   }
   o->batch = plan->batch;
   o->grad_accum = plan->grad_accum;
   o->recompute_mixer = plan->recompute_mixer;
+  o->recompute_layers = plan->recompute_layers;
   return Status::ok();
+}
+
+PlanOptions training_plan_options(const TrainOptions& o) {
+  PlanOptions p;
+  p.max_batch = o.batch;
+  p.max_seq = o.seq;
+  p.training = true;
+  p.recompute_mixer = o.recompute_mixer;
+  p.recompute_layers = o.recompute_layers;
+  return p;
 }
 
 Status open_train_data(const TrainOptions& o, const Config& c, int rank, int world, DataLoader* train,
@@ -190,6 +209,9 @@ Status Trainer::setup_backend() {
     return Status::invalid_argument("batch, seq, grad-accum and steps must all be ≥ 1");
   if (opt_.tokens_per_step < 0) return Status::invalid_argument("tokens per step must be ≥ 0");
   LAPLACE_RETURN_IF_ERROR(store_->check_options(opt_));
+  if (opt_.recompute_layers && !store_plans_layer_recompute())
+    return Status::unsupported("--recompute-layers trains on one device; the sharded trainer (--distributed, "
+                               "mpirun) recomputes the mixer at most (--recompute-mixer)");
   opt_.schedule.total_steps = opt_.steps;
   LAPLACE_RETURN_IF_ERROR(opt_.schedule.validate());
   LAPLACE_RETURN_IF_ERROR(opt_.optim.validate());
@@ -203,8 +225,14 @@ Status Trainer::setup_backend() {
   return store_->attach(parts);
 }
 
+bool Trainer::store_plans_layer_recompute() const {
+  // WholeParameters::create plans training_plan_options(opt_); the sharded store does not yet.
+  return dynamic_cast<const WholeParameters*>(store_.get()) != nullptr;
+}
+
 Status Trainer::plan_memory() {
   MemoryPlanRequest r = memory_request_for(opt_, *be_);
+  r.allow_recompute_layers = store_plans_layer_recompute();
   store_->plan_request(&r);
   LAPLACE_RETURN_IF_ERROR(apply_memory_plan(cfg_, r, &opt_, &plan_));
   if (!opt_.quiet) {
@@ -216,6 +244,9 @@ Status Trainer::plan_memory() {
 
 Status Trainer::setup_local() {
   LAPLACE_RETURN_IF_ERROR(store_->create());
+  const PlanOptions& po = model_.plan_options();
+  if (po.recompute_mixer != opt_.recompute_mixer || po.recompute_layers != opt_.recompute_layers)
+    return Status::unsupported("the parameter store planned the model with another recompute than the memory plan's");
   LAPLACE_RETURN_IF_ERROR(
       open_train_data(opt_, cfg_, store_->rank(), store_->ranks(), &train_loader_, &val_loader_, &has_val_));
   progress_ = TrainProgress{};

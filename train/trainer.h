@@ -48,8 +48,9 @@ struct TrainOptions {
 
   int64_t batch = 8, seq = 256, grad_accum = 1, steps = 100;
   // Memory plan (train/memory_plan.h). batch_auto: choose the micro-batch (and, unless
-  // recompute_mixer is set, the mixer recompute) that fits the device. tokens_per_step > 0:
-  // grad_accum = tokens_per_step / (batch·seq) (with batch_auto, B must divide it).
+  // recompute_mixer or recompute_layers is set, the recompute) that fits the device.
+  // tokens_per_step > 0: grad_accum = tokens_per_step / (batch·seq) (with batch_auto, B must
+  // divide it).
   bool batch_auto = false;
   int64_t tokens_per_step = 0;
   double reserve_gib = -1;            // left free by the plan; < 0: 3 GiB on CUDA, 0.25 GiB on the CPU
@@ -64,7 +65,11 @@ struct TrainOptions {
   int32_t document_separator = -1;
   uint64_t seed = 1234;               // init seed
   uint64_t data_seed = 1;             // shuffle seed
+  // What the backward recomputes instead of keeping it (Model's PlanOptions): the GLA output
+  // (--recompute-mixer) or every layer's activations from the layer's input (--recompute-layers,
+  // the single-device trainer only); at most one. As given, or as the memory plan chose.
   bool recompute_mixer = false;
+  bool recompute_layers = false;
   // --precision fp8: the body projections compute their forward and gradient products in FP8
   // (Model::use_fp8_training); one device only. fp8-fast: the forward's accumulated fast
   // (Model::set_fp8_fast_forward).
@@ -100,9 +105,11 @@ std::string val_loss_record(int64_t step, double loss);
 // CPU) and the reserve (--reserve-gib; 3 GiB on CUDA, 0.25 GiB on the CPU by default).
 MemoryPlanRequest memory_request_for(const TrainOptions& o, Backend& be);
 // With --batch auto or a tokens-per-step target, chooses the plan (choose_memory_plan); else
-// computes it for the given micro-batch. Either way writes its batch, grad_accum and
-// recompute_mixer into *o.
+// computes it for the given micro-batch. Either way writes its batch, grad_accum,
+// recompute_mixer and recompute_layers into *o.
 Status apply_memory_plan(const Config& c, const MemoryPlanRequest& r, TrainOptions* o, MemoryPlan* plan);
+// Model::plan's training plan for these options (batch, seq and the recompute), once applied.
+PlanOptions training_plan_options(const TrainOptions& o);
 // The Trainer's setup and saving helpers:
 // the training loader (rank `rank` of `world` reads its part of every step's windows) and,
 // with --val-data, the validation loader (*has_val); the output directory, created; the
@@ -159,8 +166,10 @@ class Trainer {
   // setup's collective phases: options, backend and the store's attachment; the memory
   // plan; the parameters, data and buffers; then what every rank must agree on.
   Status setup_backend();
+  // Whether the store plans the model with recompute_layers (the single-device store does).
+  bool store_plans_layer_recompute() const;
   // Chooses (or, with an explicit batch, just computes) the memory plan before anything
-  // is allocated, and applies it to opt_ (batch, grad_accum, recompute_mixer).
+  // is allocated, and applies it to opt_ (batch, grad_accum, recompute_mixer, recompute_layers).
   Status plan_memory();
   Status setup_local();
   Status check_ranks_agree();

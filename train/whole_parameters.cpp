@@ -41,7 +41,7 @@ Status WholeParameters::create() {
     LAPLACE_RETURN_IF_ERROR(model.use_fp8_training());
     model.set_fp8_fast_forward(o.fp8_fast_forward);
   }
-  LAPLACE_RETURN_IF_ERROR(model.plan({o.batch, o.seq, true, o.recompute_mixer}));
+  LAPLACE_RETURN_IF_ERROR(model.plan(training_plan_options(o)));
   LAPLACE_RETURN_IF_ERROR(grads_.create(weight_specs(c, param_dtype), be.allocator(), "gradients"));
   // On the GPU, Newton–Schulz runs in bf16 as SPEC §2 has it; the CPU keeps the master
   // dtype so the F32 reference can check it.
