@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Linux-source corpus (docs/quality.md), from Debian's linux-source-6.1 package, in one command:
 #
-#   scripts/corpus.sh [--out DIR] [--carry] [--no-shards] [--laplace PATH]
+#   scripts/corpus.sh [--out DIR] [--carry] [--no-shards] [--laplace PATH] [--long [--long-out LDIR]]
 #
 #   1. installs linux-source-6.1 if it is missing (as root; otherwise says how);
 #   2. scripts/corpus.py: C sources, headers and Documentation/**/*.rst as whole-file documents,
@@ -11,13 +11,21 @@
 #   4. token shards (unless --no-shards): 1 % of the documents, whole files, held out for validation
 #      -> DIR/data/{train,val}_*.bin;
 #   5. --carry: the slice a GPU machine can take in one call (at most 54 MiB of xz) and the tokenizer
-#      -> .carry/corpus/, which scripts/device_train125m.sh tokenizes there.
-# DIR defaults to runs/corpus. Nothing is downloaded beyond Debian's package.
+#      -> .carry/corpus/, which scripts/device_train125m.sh tokenizes there;
+#   6. --long: the long-document corpus (scripts/corpus.py --long-docs): a document per source directory
+#      (its .h then .c files) and per Documentation book, 2 % of the directories held out, lengths counted
+#      with DIR's tokenizer -> LDIR/{docs,train,val,val_long}.jsonl, stats.json, lengths.md; and its shards
+#      (unless --no-shards) with the same tokenizer, so token ids are shared with DIR's: LDIR/data/train_*.bin,
+#      LDIR/data/val_*.bin (the held-out directories) and LDIR/test/long_*.bin (the held-out documents of at
+#      least 32,768 tokens: `laplace eval position --documents --min-doc-tokens 32768`).
+# DIR defaults to runs/corpus, LDIR to runs/corpus-long. Nothing is downloaded beyond Debian's package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=runs/corpus
 CARRY=0
 SHARDS=1
+LONG=0
+LONG_OUT=runs/corpus-long
 LAPLACE=${LAPLACE:-build/laplace}
 while (($#)); do
   case "$1" in
@@ -25,7 +33,9 @@ while (($#)); do
     --carry) CARRY=1; shift ;;
     --no-shards) SHARDS=0; shift ;;
     --laplace) LAPLACE=$2; shift 2 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    --long) LONG=1; shift ;;
+    --long-out) LONG_OUT=$2; shift 2 ;;
+    -h|--help) sed -n '2,/^# DIR defaults/p' "$0"; exit 0 ;;
     *) echo "corpus.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -58,4 +68,32 @@ if ((CARRY)); then
   mkdir -p .carry/corpus
   cp "$OUT/docs.carry.jsonl.xz" "$OUT/tokenizer.model" .carry/corpus/
   echo "corpus: .carry/corpus/ ready ($(du -sh .carry/corpus | cut -f1)); name .carry/corpus in the device call's carry"
+fi
+if ((LONG)); then
+  mkdir -p "$LONG_OUT"
+  python3 scripts/corpus.py --tarball "$TARBALL" --out "$LONG_OUT" --long-docs --tokenizer "$OUT/tokenizer.model"
+  if ((SHARDS)); then
+    # One `data prepare` per split (no hash split inside it: the split is by directory, made above); the
+    # held-out shards are renamed from prepare's train_* to val_* and long_*.
+    prepare() { "$LAPLACE" data prepare --input "$1" --tokenizer "$OUT/tokenizer.model" --out "$2" \
+                  --val-fraction 0 --overwrite; }
+    prepare "$LONG_OUT/train.jsonl" "$LONG_OUT/data"
+    for split in val val_long; do
+      if [ "$split" = val ]; then dest="$LONG_OUT/data" name=val; else dest="$LONG_OUT/test" name=long; fi
+      mkdir -p "$dest"
+      rm -f "$dest/${name}"_*.bin
+      if [ ! -s "$LONG_OUT/$split.jsonl" ]; then
+        echo "corpus: $LONG_OUT/$split.jsonl holds no documents: no $name shards" >&2
+        continue
+      fi
+      tmp="$LONG_OUT/.prepare-$split"
+      rm -rf "$tmp"
+      prepare "$LONG_OUT/$split.jsonl" "$tmp"
+      for f in "$tmp"/train_*.bin; do
+        [ -e "$f" ] && mv "$f" "$dest/${name}_${f##*/train_}"
+      done
+      rm -rf "$tmp"
+    done
+    echo "corpus: long-document shards in $LONG_OUT/data (train_*, val_*) and $LONG_OUT/test (long_*)"
+  fi
 fi
