@@ -44,7 +44,10 @@ double Config::train_flops_per_token() const {
 
 std::vector<double> Config::decays() const {
   std::vector<double> d(num_heads);
-  for (int64_t h = 0; h < num_heads; ++h) d[h] = 1.0 - std::ldexp(1.0, static_cast<int>(-5 - h));
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const int64_t e = decay_exponents.empty() ? 5 + h : decay_exponents[static_cast<size_t>(h)];
+    d[h] = 1.0 - std::ldexp(1.0, static_cast<int>(-e));
+  }
   return d;
 }
 
@@ -69,7 +72,15 @@ Status Config::validate() const {
       return bad(r.name, "= " + std::to_string(r.v) + " is outside [" + std::to_string(r.lo) + ", " +
                              std::to_string(r.hi) + "]");
   // λ_h = 1 − 2^(−5−h) must stay distinguishable from 1 in double precision.
-  if (num_heads > 40) return bad("num_heads", "> 40 gives decays that round to 1.0");
+  if (decay_exponents.empty() && num_heads > 40) return bad("num_heads", "> 40 gives decays that round to 1.0");
+  if (!decay_exponents.empty()) {
+    if (static_cast<int64_t>(decay_exponents.size()) != num_heads)
+      return bad("decay_exponents", "has " + std::to_string(decay_exponents.size()) + " entries; num_heads is " +
+                                        std::to_string(num_heads));
+    for (int64_t e : decay_exponents)
+      if (e < 1 || e > 44)
+        return bad("decay_exponents", "holds " + std::to_string(e) + ", outside [1, 44] (λ = 1 − 2^(−e) must be in (0, 1))");
+  }
   if (!(norm_eps > 0 && norm_eps < 1)) return bad("norm_eps", "must be in (0, 1)");
   if (bos_token_id >= vocab_size) return bad("bos_token_id", "must be < vocab_size");
   if (eos_token_id >= vocab_size) return bad("eos_token_id", "must be < vocab_size");
@@ -92,6 +103,7 @@ std::string Config::to_json() const {
   j["tie_embeddings"] = tie_embeddings;
   if (bos_token_id >= 0) j["bos_token_id"] = bos_token_id;
   if (eos_token_id >= 0) j["eos_token_id"] = eos_token_id;
+  if (!decay_exponents.empty()) j["decay_exponents"] = decay_exponents;
   return j.dump(2) + "\n";
 }
 
@@ -133,6 +145,15 @@ Status config_from_json(const std::string& text, Config* out) {
     if (!j["tie_embeddings"].is_boolean())
       return Status::invalid_argument("config field 'tie_embeddings' must be true or false");
     c.tie_embeddings = j["tie_embeddings"].get<bool>();
+  }
+  if (j.contains("decay_exponents") && !j["decay_exponents"].is_null()) {
+    const auto& v = j["decay_exponents"];
+    if (!v.is_array()) return Status::invalid_argument("config field 'decay_exponents' must be an array of integers");
+    for (const auto& e : v) {
+      if (!e.is_number_integer())
+        return Status::invalid_argument("config field 'decay_exponents' must be an array of integers");
+      c.decay_exponents.push_back(e.get<int64_t>());
+    }
   }
   LAPLACE_RETURN_IF_ERROR(c.validate());
   *out = c;

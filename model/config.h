@@ -24,6 +24,12 @@ struct Config {
   // Optional, used by the tokenizer/generation once a tokenizer is attached.
   int64_t bos_token_id = -1;
   int64_t eos_token_id = -1;
+  // Optional "decay_exponents" [H]: λ_h = 1 − 2^(−e_h) instead of the default e_h = 5 + h. The
+  // default gives head h a memory of about 2^(5+h) tokens: 32 … 2^20 for laplace-3b's 16 heads,
+  // but only 32 … 256 for 4 heads, too short for any use of context past a few thousand tokens
+  // (a token 8,192 back weighs (1 − 2⁻⁸)^8192 ≈ e⁻³² in the slowest head). A model with few heads
+  // can spread the same range instead, e.g. [5, 10, 15, 20]. Empty: the default.
+  std::vector<int64_t> decay_exponents;
 
   int64_t qkvg_rows() const { return num_heads * (2 * head_k_dim + 2 * head_v_dim); }
   int64_t qk_dim() const { return num_heads * head_k_dim; }   // H·dk
@@ -38,7 +44,7 @@ struct Config {
   // Training FLOPs per token, docs/model.md §7: 6·(body + V·D) + L·3·H·(C(dk+dv) + 4·dk·dv).
   double train_flops_per_token() const;
 
-  // λ_h = 1 − 2^(−5−h), h = 0..H−1 (fixed decay per head; docs/model.md §3).
+  // λ_h = 1 − 2^(−e_h), e_h = 5 + h unless decay_exponents is given (fixed per head; docs/model.md §3).
   std::vector<double> decays() const;
 
   Status validate() const;

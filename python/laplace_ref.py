@@ -47,12 +47,24 @@ class Config:
         self.H, self.dk, self.dv = int(d["num_heads"]), int(d["head_k_dim"]), int(d["head_v_dim"])
         self.F, self.K, self.C = int(d["ffn_size"]), int(d["conv_size"]), int(d["chunk_size"])
         self.eps, self.tie = float(d["norm_eps"]), bool(d["tie_embeddings"])
+        # Optional decay_exponents [H]: lam_h = 1 - 2^(-e_h) instead of e_h = 5 + h (model/config.h).
+        self.decay_exponents = None
+        if d.get("decay_exponents") is not None:
+            e = d["decay_exponents"]
+            if not isinstance(e, (list, tuple)) or any(isinstance(x, bool) or not isinstance(x, int) for x in e):
+                raise ValueError("config field 'decay_exponents' must be an array of integers")
+            if len(e) != self.H:
+                raise ValueError("config field 'decay_exponents' has %d entries; num_heads is %d" % (len(e), self.H))
+            if any(x < 1 or x > 44 for x in e):
+                raise ValueError("config field 'decay_exponents' holds a value outside [1, 44]")
+            self.decay_exponents = [int(x) for x in e]
 
     def to_dict(self):
         return {"model_type": "laplace", "vocab_size": self.V, "hidden_size": self.D,
                 "num_layers": self.L, "num_heads": self.H, "head_k_dim": self.dk,
                 "head_v_dim": self.dv, "ffn_size": self.F, "conv_size": self.K,
-                "chunk_size": self.C, "norm_eps": self.eps, "tie_embeddings": self.tie}
+                "chunk_size": self.C, "norm_eps": self.eps, "tie_embeddings": self.tie,
+                **({"decay_exponents": list(self.decay_exponents)} if self.decay_exponents else {})}
 
 
 def load_config(path):
@@ -205,9 +217,10 @@ def _doc_arg(doc, B, T, device):
 # GLA mixer, three forms (SPEC §1). q,k: [B,T,H,dk]; v: [B,T,H,dv]; lam: [H] float64;
 # S0: [B,H,dk,dv] or None (zeros). Returns (o [B,T,H,dv], S_final [B,H,dk,dv]).
 # ----------------------------------------------------------------------------------------------
-def head_decays(H):
-    """lam_h = 1 - 2^(-5-h), float64 (SPEC §1)."""
-    return torch.tensor([1.0 - 2.0 ** (-5 - h) for h in range(H)], dtype=torch.float64)
+def head_decays(H, exponents=None):
+    """lam_h = 1 - 2^(-e_h), e_h = 5 + h (SPEC §1) unless the config's decay_exponents give them; float64."""
+    e = exponents if exponents else [5 + h for h in range(H)]
+    return torch.tensor([1.0 - 2.0 ** (-x) for x in e], dtype=torch.float64)
 
 
 def _init_state(q, v, S0):
@@ -501,7 +514,7 @@ class Laplace(torch.nn.Module):
         if doc is not None:
             validate_doc_starts(doc)
             doc = _doc_arg(doc, B, T, tokens.device)
-        lam, scale = head_decays(c.H), 1.0 / math.sqrt(c.dk)
+        lam, scale = head_decays(c.H, c.decay_exponents), 1.0 / math.sqrt(c.dk)
         x = F.embedding(tokens, self._w("model.embed.weight"))
         dt = x.dtype
         if state is None:

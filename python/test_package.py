@@ -79,7 +79,8 @@ def write_model_dir(path, cfg_dict, params):
 
 class TestModelVsReference(unittest.TestCase):
     def test_logits_f32(self):
-        for T, over in ((45, {}), (150, dict(chunk_size=64)), (7, {}), (1, {}), (33, dict(tie_embeddings=True))):
+        for T, over in ((45, {}), (150, dict(chunk_size=64)), (7, {}), (1, {}), (33, dict(tie_embeddings=True)),
+                        (45, dict(decay_exponents=[6, 20]))):
             ref, model, _ = pair(1, **over)
             x = tokens(2, T, seed=T)
             with torch.no_grad():
@@ -360,6 +361,10 @@ class TestConfigAndLoading(unittest.TestCase):
             laplace.LaplaceConfig(**dict(TINY, num_heads=0))
         with self.assertRaisesRegex(ValueError, "'tie_embeddings' must be true or false"):
             laplace.LaplaceConfig(**dict(TINY, tie_embeddings="yes"))
+        with self.assertRaisesRegex(ValueError, "'decay_exponents' must be num_heads integers"):
+            laplace.LaplaceConfig(**dict(TINY, decay_exponents=[5]))
+        with self.assertRaisesRegex(ValueError, "'decay_exponents' has 1 entries"):
+            lr.Config(**dict(TINY, decay_exponents=[5]))
 
     def test_reference_checkpoint_loads_and_matches(self):
         ref, _, params = pair(20)

@@ -43,6 +43,23 @@ TEST(Config, DefaultsAndRoundTrip) {
   EXPECT_EQ(back.to_json(), c.to_json());
 }
 
+// decay_exponents spreads a few heads' memories (λ_h = 1 − 2^(−e_h)) and survives the round trip; the
+// default is 5 + h.
+TEST(Config, DecayExponents) {
+  Config c;
+  ASSERT_TRUE(config_from_json(kTiny, &c).is_ok());
+  EXPECT_DOUBLE_EQ(c.decays()[1], 1.0 - std::ldexp(1.0, -6));
+  EXPECT_EQ(c.to_json().find("decay_exponents"), std::string::npos);
+  c.decay_exponents = {5, 20};
+  ASSERT_TRUE(c.validate().is_ok());
+  EXPECT_DOUBLE_EQ(c.decays()[0], 1.0 - 1.0 / 32.0);
+  EXPECT_DOUBLE_EQ(c.decays()[1], 1.0 - std::ldexp(1.0, -20));
+  Config back;
+  ASSERT_TRUE(config_from_json(c.to_json(), &back).is_ok());
+  EXPECT_EQ(back.decay_exponents, (std::vector<int64_t>{5, 20}));
+  EXPECT_EQ(back.decays(), c.decays());
+}
+
 TEST(Config, TiedEmbeddingsDropTheHead) {
   Config c;
   ASSERT_TRUE(config_from_json(kTiny, &c).is_ok());
@@ -84,6 +101,14 @@ TEST(Config, BadValuesGiveClearErrors) {
            "num_heads": 2, "head_k_dim": 16, "head_v_dim": 32, "ffn_size": 256})", "vocab_size"},
       {R"({"model_type": "laplace", "vocab_size": 256, "hidden_size": 64, "num_layers": 2, "num_heads": 2,
            "head_k_dim": 16, "head_v_dim": 32, "ffn_size": 256, "eos_token_id": 256})", "eos_token_id"},
+      {R"({"model_type": "laplace", "vocab_size": 256, "hidden_size": 64, "num_layers": 2, "num_heads": 2,
+           "head_k_dim": 16, "head_v_dim": 32, "ffn_size": 256, "decay_exponents": [5]})", "has 1 entries; num_heads is 2"},
+      {R"({"model_type": "laplace", "vocab_size": 256, "hidden_size": 64, "num_layers": 2, "num_heads": 2,
+           "head_k_dim": 16, "head_v_dim": 32, "ffn_size": 256, "decay_exponents": [5, 0]})", "holds 0, outside [1, 44]"},
+      {R"({"model_type": "laplace", "vocab_size": 256, "hidden_size": 64, "num_layers": 2, "num_heads": 2,
+           "head_k_dim": 16, "head_v_dim": 32, "ffn_size": 256, "decay_exponents": [5, 2.5]})", "array of integers"},
+      {R"({"model_type": "laplace", "vocab_size": 256, "hidden_size": 64, "num_layers": 2, "num_heads": 2,
+           "head_k_dim": 16, "head_v_dim": 32, "ffn_size": 256, "decay_exponents": 5})", "array of integers"},
   };
   for (const auto& bc : cases) {
     Config c;

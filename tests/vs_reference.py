@@ -93,6 +93,14 @@ class LogitsVsReference(unittest.TestCase):
     def test_real_head_dims(self):
         self.check(REAL_HEADS, B=2, T=200, seed=2)
 
+    def test_decay_exponents(self):
+        """A config's decay_exponents reach both sides (the fast heads' logits would differ otherwise)."""
+        with open(os.path.join(SRC, "configs", "laplace-tiny.json")) as f:
+            cfg = json.load(f)
+        cfg["decay_exponents"] = [5, 9, 14, 20][:cfg["num_heads"]] + [20] * max(0, cfg["num_heads"] - 4)
+        cfg["name"] = "decay_exponents"
+        self.check(cfg, B=2, T=150, seed=3)
+
 
 class GreedyVsReference(unittest.TestCase):
     def test_64_greedy_tokens_identical(self):

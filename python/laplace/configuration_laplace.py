@@ -112,7 +112,7 @@ class LaplaceConfig(_ConfigBase):
 
     def __init__(self, vocab_size=2048, hidden_size=128, num_layers=4, num_heads=4, head_k_dim=32, head_v_dim=64,
                  ffn_size=512, conv_size=4, chunk_size=128, norm_eps=1e-5, tie_embeddings=False, use_cache=True,
-                 bos_token_id=None, eos_token_id=None, pad_token_id=None, **kwargs):
+                 bos_token_id=None, eos_token_id=None, pad_token_id=None, decay_exponents=None, **kwargs):
         model_type = kwargs.pop("model_type", "laplace")
         if model_type != "laplace":
             raise ValueError("config model_type is %r; a Laplace model needs \"laplace\"" % (model_type,))
@@ -136,6 +136,14 @@ class LaplaceConfig(_ConfigBase):
         for name in LAPLACE_FIELDS:
             setattr(self, name, given[name])
         self.norm_eps = float(self.norm_eps)
+        # Optional: lam_h = 1 - 2^(-e_h) instead of e_h = 5 + h (model/config.h's decay_exponents).
+        if decay_exponents is not None:
+            e = decay_exponents
+            if not isinstance(e, (list, tuple)) or any(isinstance(x, bool) or not isinstance(x, int) for x in e) \
+                    or len(e) != self.num_heads or any(x < 1 or x > 44 for x in e):
+                raise ValueError("config field 'decay_exponents' must be num_heads integers in [1, 44], got %r" % (e,))
+            decay_exponents = [int(x) for x in e]
+        self.decay_exponents = decay_exponents
         self.use_cache = use_cache
         super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                          tie_word_embeddings=self.tie_embeddings, **kwargs)

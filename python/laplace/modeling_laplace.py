@@ -67,9 +67,11 @@ class LaplaceCheckpointError(ValueError):
 # ------------------------------------------------------------------------------------------------------------
 # GLA mixer (SPEC §1): S_t = lam_h S_{t-1} + k_t^T v_t ; o_t = (q_t / sqrt(dk)) S_t, lam_h = 1 - 2^(-5-h)
 # ------------------------------------------------------------------------------------------------------------
-def head_decays(num_heads, device=None):
-    """lam_h = 1 - 2^(-5-h) in float64 (every power of it is taken in float64, then cast)."""
-    return torch.tensor([1.0 - 2.0 ** (-5 - h) for h in range(num_heads)], dtype=torch.float64, device=device)
+def head_decays(num_heads, device=None, exponents=None):
+    """lam_h = 1 - 2^(-e_h) in float64 (every power of it is taken in float64, then cast), e_h = 5 + h unless the
+    config's decay_exponents give them."""
+    e = exponents if exponents else [5 + h for h in range(num_heads)]
+    return torch.tensor([1.0 - 2.0 ** (-x) for x in e], dtype=torch.float64, device=device)
 
 
 def _gla_block(q, k, v, S, lam, C):
@@ -100,7 +102,7 @@ def _gla_block(q, k, v, S, lam, C):
     return o.permute(0, 2, 3, 1, 4).reshape(B, T, H, dv), S
 
 
-def gla_torch(q, k, v, S0, scale, chunk):
+def gla_torch(q, k, v, S0, scale, chunk, exponents=None):
     """Plain-PyTorch GLA over q,k [B,T,H,dk], v [B,T,H,dv] from state S0 [B,H,dk,dv] (None: zeros).
     Computes in float32 (float64 for float64 inputs). Returns (o [B,T,H,dv], S_T [B,H,dk,dv]) in that dtype.
     One token: the recurrent step; more: chunks of `chunk` tokens (the tail chunk shorter)."""
@@ -109,7 +111,7 @@ def gla_torch(q, k, v, S0, scale, chunk):
     dv = v.shape[-1]
     q, k, v = q.to(cd) * scale, k.to(cd), v.to(cd)
     S = torch.zeros(B, H, dk, dv, dtype=cd, device=q.device) if S0 is None else S0.to(cd)
-    lam = head_decays(H, q.device)
+    lam = head_decays(H, q.device, exponents)
     if T == 1:
         S = lam.to(cd)[None, :, None, None] * S + k[:, 0, :, :, None] * v[:, 0, :, None, :]
         return (q[:, 0, :, None, :] @ S).reshape(B, 1, H, dv), S
@@ -150,12 +152,12 @@ def gla_backend(q):
     return "fla" if usable else "torch"
 
 
-def gla(q, k, v, S0, scale, chunk, need_state=True):
+def gla(q, k, v, S0, scale, chunk, need_state=True, exponents=None):
     """Dispatch to flash-linear-attention or the PyTorch form. S0 and the returned state are fp32 (fp64 stays)."""
     if gla_backend(q) == "torch":
-        return gla_torch(q, k, v, S0, scale, chunk)
+        return gla_torch(q, k, v, S0, scale, chunk, exponents)
     H = q.shape[2]
-    gamma = torch.log(head_decays(H, q.device)).to(torch.float32)  # ln lam_h, [H]
+    gamma = torch.log(head_decays(H, q.device, exponents)).to(torch.float32)  # ln lam_h, [H]
     S0 = None if S0 is None else S0.to(torch.float32).contiguous()
     small = q.shape[1] <= 16 and not torch.is_grad_enabled()
     fn = _fla_recurrent if small and _fla_kwargs(_fla_recurrent) is not None else _fla_chunk
@@ -265,6 +267,7 @@ class LaplaceLayer(nn.Module):
         D, H, dk, dv, K = c.hidden_size, c.num_heads, c.head_k_dim, c.head_v_dim, c.conv_size
         self.D, self.H, self.dk, self.dv, self.K, self.Fs = D, H, dk, dv, K, c.ffn_size
         self.eps, self.chunk = float(c.norm_eps), int(c.chunk_size)
+        self.decay_exponents = getattr(c, "decay_exponents", None)
         self.norm1 = nn.LayerNorm(D, eps=self.eps)
         self.conv = nn.Module()
         self.conv.weight = nn.Parameter(torch.empty(D, K))
@@ -299,7 +302,7 @@ class LaplaceLayer(nn.Module):
         k = qkvg[..., hk:2 * hk].reshape(B, T, H, dk)
         v = qkvg[..., 2 * hk:2 * hk + hv].reshape(B, T, H, dv)
         g = qkvg[..., 2 * hk + hv:].reshape(B, T, H, dv)
-        o, S = gla(q, k, v, S0, 1.0 / math.sqrt(dk), self.chunk, need_state)
+        o, S = gla(q, k, v, S0, 1.0 / math.sqrt(dk), self.chunk, need_state, self.decay_exponents)
         o = o.to(sdt)  # the output RMSNorm and the gate in fp32 (fp64 for a float64 model)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.onorm.weight.to(sdt)
         y = (o * F.silu(g.to(sdt))).reshape(B, T, hv).to(dt)
