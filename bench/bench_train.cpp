@@ -6,9 +6,11 @@
 //
 // One step = grad_accum micro-batches of B×T random tokens (forward, loss, backward), then
 // the optimizer step. The micro-batch B is the largest of 8, 4, 2, 1 whose memory plan
-// (train/memory_plan.h: full per-layer activations, else the GLA output recomputed; always
-// recomputed with --recompute-mixer) leaves --reserve-gib free on the device, unless
-// --batch is given. The memory plan is printed before the first step.
+// (train/memory_plan.h) leaves --reserve-gib free on the device, unless --batch is given; either
+// way the plan chooses what the backward recomputes (nothing, the GLA output, or every layer's
+// activations) unless --recompute-mixer or --recompute-layers forces it. The memory plan is
+// printed before the first step. --doc-len N puts a document start every N tokens on average
+// (documents kept apart); --tag names the model in the figures.
 //
 // Reported (median over --steps timed steps after --warmup untimed ones):
 //   train_tok_s_laplace3b_t2048      tokens/s of whole steps (optimizer included)
@@ -19,7 +21,8 @@
 //                                    measured parts (micro-batches × fwd+bwd + one optimizer step)
 //
 // Usage: bench_train [--config configs/laplace-3b.json] [--seq 2048] [--batch N] [--accum 2]
-//                    [--steps 2] [--warmup 1] [--recompute-mixer] [--reserve-gib 3]
+//                    [--steps 2] [--warmup 1] [--recompute-mixer | --recompute-layers] [--reserve-gib 3]
+//                    [--doc-len N] [--tag NAME]
 //                    [--peak-tflops 989] [--lr 3e-4] [--results bench/results.jsonl] [--commit HASH]
 #include <algorithm>
 #include <chrono>
@@ -56,10 +59,12 @@ struct Args {
   std::string config = "configs/laplace-3b.json";
   int64_t seq = 2048, batch = 0, accum = 2;
   int steps = 2, warmup = 1;
-  bool recompute = false;
+  bool recompute = false, recompute_layers = false;
   double reserve_gib = 3.0, peak_tflops = 989.0, lr = 3e-4;
   std::string results = "bench/results.jsonl";
   std::string commit;
+  std::string tag;     // the figures' model name (default: laplace3b, or L<layers>D<width>)
+  int64_t doc_len = 0;  // > 0: a separator starts a document every doc_len tokens on average
 };
 
 // The command line (CLI11, as the laplace program); exits through CLI11 on --help or a bad value.
@@ -72,11 +77,16 @@ void add_args(CLI::App& app, Args* a) {
   app.add_option("--steps", a->steps, "timed steps (median)")->check(CLI::Range(1, 1 << 30));
   app.add_option("--warmup", a->warmup, "untimed steps first")->check(CLI::Range(0, 1 << 30));
   app.add_flag("--recompute-mixer", a->recompute, "recompute the GLA output in the backward");
+  app.add_flag("--recompute-layers", a->recompute_layers, "recompute every layer's activations in the backward");
   app.add_option("--reserve-gib", a->reserve_gib, "device memory left free by the plan")->check(CLI::Range(0.0, 1e4));
   app.add_option("--peak-tflops", a->peak_tflops, "peak for MFU")->check(CLI::Range(1.0, 1e6));
   app.add_option("--lr", a->lr, "learning rate")->check(CLI::Range(0.0, 10.0));
   app.add_option("--results", a->results, "JSON lines appended here");
   app.add_option("--commit", a->commit, "commit written into each line (default: git's HEAD)");
+  app.add_option("--tag", a->tag, "model name in the figures' names (e.g. laplace125m)");
+  app.add_option("--doc-len", a->doc_len,
+                 "documents kept apart: a separator token (2) every N tokens on average (0: one stream, no separator)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
 }
 
 #ifdef LAPLACE_HAVE_CUDA
@@ -112,9 +122,10 @@ int run(const Args& a) {
   cudaGetDeviceProperties(&prop, cb->device_id());
   size_t free0 = 0, total_mem = 0;
   cudaMemGetInfo(&free0, &total_mem);
-  const std::string tag = (is_laplace_3b(cfg) ? std::string("laplace3b") : "L" + std::to_string(cfg.num_layers) + "D" +
-                                                                              std::to_string(cfg.hidden_size));
-  const std::string tag_t = tag + "_t" + std::to_string(a.seq);
+  const std::string tag = !a.tag.empty()        ? a.tag
+                          : is_laplace_3b(cfg) ? std::string("laplace3b")
+                                               : "L" + std::to_string(cfg.num_layers) + "D" + std::to_string(cfg.hidden_size);
+  const std::string tag_t = tag + "_t" + std::to_string(a.seq) + (a.doc_len > 0 ? "_docs" : "");
   std::printf("bench_train: %s (%.1f GB, %.1f GB free), %s: %lld parameters (%lld in Muon matrices)\n", prop.name,
               gb(total_mem), gb(free0), a.config.c_str(), (long long)cfg.total_params(), (long long)cfg.body_params());
 
@@ -150,13 +161,16 @@ int run(const Args& a) {
   req.dtype = DType::kBF16;
   req.batch = a.batch;
   req.grad_accum = a.accum;
-  req.recompute = a.recompute ? 1 : (a.batch > 0 ? 0 : -1);
+  // Long sequences: with a given B the plan still chooses the recompute (none, the mixer's, then
+  // every layer's) unless one is forced.
+  req.recompute = a.recompute_layers ? kRecomputeLayers : a.recompute ? kRecomputeMixer : kRecomputeChoose;
+  req.allow_recompute_layers = true;
   req.ns_bf16 = true;
   req.device_bytes = free0;
   req.reserve_bytes = static_cast<size_t>(a.reserve_gib * 1073741824.0);
   MemoryPlan mp;
   st = choose_memory_plan(cfg, req, &mp);
-  if (st.is_ok()) st = model.plan({mp.batch, a.seq, true, mp.recompute_mixer});
+  if (st.is_ok()) st = model.plan(training_plan_options(mp));
   if (!st.is_ok()) {
     std::fprintf(stderr, "bench_train: %s\n", st.to_string().c_str());
     return 1;
@@ -164,7 +178,7 @@ int run(const Args& a) {
   for (const std::string& r : mp.rejected) std::printf("  rejected: %s\n", r.c_str());
   std::fputs(format_memory_plan(mp, "device").c_str(), stdout);
   const int64_t B = mp.batch;
-  const bool recompute = mp.recompute_mixer;
+  const std::string recompute = recompute_name(mp.recompute());
   const int64_t T = a.seq, N = B * T, tokens_per_step = N * a.accum;
   const size_t planned = model.weight_arena().bytes() + masters.bytes() + grads.bytes() + opt.state_bytes() +
                          model.activation_bytes();
@@ -173,15 +187,25 @@ int run(const Args& a) {
   std::printf("  allocated %.3f GB (plan %.3f GB); %.2f GB of %.2f GB left free\n", gb(planned), gb(mp.total()),
               gb(free_after), gb(total_mem));
 
-  // Data: random tokens (loss ≈ ln V), a fresh micro-batch each time.
+  // Data: random tokens (loss ≈ ln V), a fresh micro-batch each time. With --doc-len, token 2
+  // (the shards' separator) starts a document with probability 1/doc_len at each position, and
+  // the forward keeps the documents apart (ForwardOptions::document_separator); otherwise token 2
+  // is drawn like any other and the window is one stream.
+  constexpr int32_t kSep = 2;
   SplitMix64 drng{7};
   std::vector<int32_t> x(static_cast<size_t>(N)), y(static_cast<size_t>(N));
   auto next_batch = [&]() {
     for (int64_t i = 0; i < N; ++i) {
       x[i] = static_cast<int32_t>(drng.next() % static_cast<uint64_t>(cfg.vocab_size));
       y[i] = static_cast<int32_t>(drng.next() % static_cast<uint64_t>(cfg.vocab_size));
+      if (a.doc_len > 0) {
+        if (x[i] == kSep) x[i] = kSep + 1;
+        if (drng.next() % static_cast<uint64_t>(a.doc_len) == 0) x[i] = kSep;
+      }
     }
   };
+  ForwardOptions fo;
+  if (a.doc_len > 0) fo.document_separator = kSep;
 
   // The trainer's queued loss (train/trainer.cpp enqueue_step): the per-token losses are summed
   // on the device and read back once the step is done, so no micro-batch waits for the host.
@@ -201,7 +225,7 @@ int run(const Args& a) {
     double loss = 0;
     for (int64_t m = 0; m < a.accum; ++m) {
       next_batch();
-      model.forward(x.data(), B, T, ForwardOptions{});
+      model.forward(x.data(), B, T, fo);
       be->copy(targets_dev, Tensor(y.data(), DType::kI32, {N}));
       be->cross_entropy_forward(model.logits(), targets_dev, losses_dev);
       be->loss_sum_into(losses_dev, static_cast<double>(N), loss_sum, m > 0);  // random targets: all counted
@@ -233,7 +257,7 @@ int run(const Args& a) {
     next_batch();
     be->synchronize();
     const double p0 = now_s();
-    model.forward(x.data(), B, T, ForwardOptions{});
+    model.forward(x.data(), B, T, fo);
     be->synchronize();
     const double p1 = now_s();
     be->copy(targets_dev, Tensor(y.data(), DType::kI32, {N}));
@@ -271,12 +295,13 @@ int run(const Args& a) {
   res.device = prop.name;
   res.commit = BenchLog::commit_hash(a.commit);
   res.date = BenchLog::iso_date_utc();
-  char note[256];
+  char note[384];
   std::snprintf(note, sizeof note,
-                "bf16 + f32 masters, B=%lld x T=%lld, accum %lld (%lld tokens/step), recompute_mixer %s, "
-                "optimizer included, median of %d steps",
-                (long long)B, (long long)T, (long long)a.accum, (long long)tokens_per_step, recompute ? "on" : "off",
-                a.steps);
+                "bf16 + f32 masters, B=%lld x T=%lld, accum %lld (%lld tokens/step), recompute %s, "
+                "optimizer included, median of %d steps%s",
+                (long long)B, (long long)T, (long long)a.accum, (long long)tokens_per_step, recompute.c_str(),
+                a.steps, a.doc_len > 0 ? ("; documents kept apart, one every " + std::to_string(a.doc_len) +
+                                          " tokens on average").c_str() : "");
   res.add("train_tok_s_" + tag_t, tok_s, "tokens/s", note);
   res.add("train_mfu_" + tag_t, mfu, "fraction of " + std::to_string(static_cast<int>(a.peak_tflops)) + " TFLOP/s",
           note);
