@@ -421,6 +421,67 @@ void Model::project_backward(bool overwrite, const Tensor& dy, const Tensor& w, 
   be.gemm_e4m3(dytq, dyts, xtq, xts, overwrite ? Tensor{} : gw, gw, Fp8Accum::kF32);  // gw [O, I] (+)= dYᵀ·X
 }
 
+bool Model::documents_by_views() const { return doc_on_ && !be_->keeps_documents_apart(); }
+
+namespace {
+// Rows [t0, t1) of batch row b of a [B, T, …] view, as [1, t1 − t0, …]. Its dim-0 stride is that of
+// a batch of one (a single row is contiguous where the batch was), so ops that check the
+// layout take it as they take a whole batch.
+Tensor doc_rows(const Tensor& x, int64_t b, int64_t t0, int64_t t1) {
+  if (!x.defined()) return Tensor{};
+  Tensor v = x.slice(0, b, b + 1).slice(1, t0, t1);
+  v.stride[0] = v.shape[1] * v.stride[1];
+  return v;
+}
+}  // namespace
+
+void Model::conv_forward(const Tensor& u, const Tensor& w, Tensor c, Tensor pre, const Tensor& doc) {
+  if (!doc.defined() || !documents_by_views()) {
+    be_->conv_silu_forward(u, w, c, pre, Tensor{}, Tensor{}, Tensor{}, doc);
+    return;
+  }
+  for (const auto& [b, t0, t1] : doc_segs_)
+    be_->conv_silu_forward(doc_rows(u, b, t0, t1), w, doc_rows(c, b, t0, t1), doc_rows(pre, b, t0, t1), Tensor{},
+                           Tensor{}, Tensor{});
+}
+
+void Model::conv_backward(const Tensor& dc, const Tensor& u, const Tensor& w, const Tensor& pre, Tensor du, Tensor dw,
+                          const Tensor& doc) {
+  if (!doc.defined() || !documents_by_views()) {
+    be_->conv_silu_backward(dc, u, w, pre, du, dw, doc);
+    return;
+  }
+  for (const auto& [b, t0, t1] : doc_segs_)  // dw accumulates over the documents
+    be_->conv_silu_backward(doc_rows(dc, b, t0, t1), doc_rows(u, b, t0, t1), w, doc_rows(pre, b, t0, t1),
+                            doc_rows(du, b, t0, t1), dw);
+}
+
+void Model::mixer_forward(const GlaParams& gp, const Tensor& q, const Tensor& k, const Tensor& v, Tensor o) {
+  if (!gp.doc.defined() || !documents_by_views()) {
+    be_->gla_forward(gp, q, k, v, o, Tensor{}, Tensor{}, Tensor{});
+    return;
+  }
+  GlaParams p = gp;
+  p.doc = Tensor{};
+  for (const auto& [b, t0, t1] : doc_segs_)
+    be_->gla_forward(p, doc_rows(q, b, t0, t1), doc_rows(k, b, t0, t1), doc_rows(v, b, t0, t1), doc_rows(o, b, t0, t1),
+                     Tensor{}, Tensor{}, Tensor{});
+}
+
+void Model::mixer_backward(const GlaParams& gp, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& d_o,
+                           Tensor dq, Tensor dk, Tensor dv) {
+  if (!gp.doc.defined() || !documents_by_views()) {
+    be_->gla_backward(gp, q, k, v, Tensor{}, d_o, Tensor{}, dq, dk, dv, Tensor{});
+    return;
+  }
+  GlaParams p = gp;
+  p.doc = Tensor{};
+  for (const auto& [b, t0, t1] : doc_segs_)
+    be_->gla_backward(p, doc_rows(q, b, t0, t1), doc_rows(k, b, t0, t1), doc_rows(v, b, t0, t1), Tensor{},
+                      doc_rows(d_o, b, t0, t1), Tensor{}, doc_rows(dq, b, t0, t1), doc_rows(dk, b, t0, t1),
+                      doc_rows(dv, b, t0, t1), Tensor{});
+}
+
 Tensor Model::doc_view(int64_t B, int64_t T) const {
   return doc_.slice(0, 0, B * T).reshape({B, T});
 }
@@ -484,6 +545,15 @@ void Model::forward(const int32_t* tokens, int64_t B, int64_t T, const ForwardOp
     if (doc_starts_split(doc.data(), B, T)) {
       be.copy(doc_.slice(0, 0, N), Tensor(doc.data(), DType::kI32, {N}));
       doc_on_ = true;
+      doc_segs_.clear();
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0, first = 0; t < T; ++t)
+          if (t + 1 == T || doc[b * T + t + 1] == t + 1) {
+            doc_segs_.push_back({b, first, t + 1});
+            first = t + 1;
+          }
+      LAPLACE_CHECK(!pool || be.keeps_documents_apart(),
+                    "forward: this backend keeps documents apart only in forwards without a state pool");
     }
   }
   std::vector<int32_t> identity;
@@ -626,9 +696,13 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
     be.layernorm_forward(x_in, w.norm1_w, w.norm1_b, cfg_.norm_eps, rows(a.u, N), rows(a.ln1_mean, N),
                          rows(a.ln1_rstd, N));
     Tensor win = pool ? pool->conv(l) : Tensor{};
-    for (const Segment& s : segs)
-      be.conv_silu_forward(btc(seg_rows(a.u, s), s.B, s.T), w.conv_w, btc(seg_rows(a.c, s), s.B, s.T), Tensor{}, win,
-                           win, seg_slots(s), doc);
+    if (documents_by_views()) {  // one segment, no pool (forward() checked)
+      conv_forward(btc(rows(a.u, N), B, T), w.conv_w, btc(rows(a.c, N), B, T), Tensor{}, doc);
+    } else {
+      for (const Segment& s : segs)
+        be.conv_silu_forward(btc(seg_rows(a.u, s), s.B, s.T), w.conv_w, btc(seg_rows(a.c, s), s.B, s.T), Tensor{},
+                             win, win, seg_slots(s), doc);
+    }
     static const Fp8Matrix kNone{};
     const std::array<Fp8Matrix, 4>* f8 = fp8_on_ ? &fp8_layers_[l] : nullptr;
     const auto fp8 = [&](int kind) -> const Fp8Matrix& { return f8 ? (*f8)[kind] : kNone; };
@@ -659,6 +733,8 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
           be.gla_forward(gp, qkvg_part(q, s.B, s.T, 0), qkvg_part(q, s.B, s.T, 1), qkvg_part(q, s.B, s.T, 2), o,
                          stage, stage, Tensor{});
           for (int64_t b = 0; b < s.B; ++b) be.copy(st.select(host_slots[s.first + b]), stage.select(b));
+        } else if (documents_by_views()) {
+          mixer_forward(gp, qkvg_part(q, s.B, s.T, 0), qkvg_part(q, s.B, s.T, 1), qkvg_part(q, s.B, s.T, 2), o);
         } else {
           be.gla_forward(gp, qkvg_part(q, s.B, s.T, 0), qkvg_part(q, s.B, s.T, 1), qkvg_part(q, s.B, s.T, 2), o, st,
                          st, seg_slots(s));
@@ -731,11 +807,10 @@ void Model::train_layer_forward(int64_t l, int64_t B, int64_t T, const GlaParams
   // Mixer block: x_mid = x_in + (RMSNorm(GLA(conv(LN1 x))) ⊙ SiLU(g)) · W_oᵀ
   be.layernorm_forward(x_in, w.norm1_w, w.norm1_b, cfg_.norm_eps, rows(a.u, N), rows(a.ln1_mean, N),
                        rows(a.ln1_rstd, N));
-  be.conv_silu_forward(btc(rows(a.u, N), B, T), w.conv_w, btc(rows(a.c, N), B, T), btc(rows(a.conv_pre, N), B, T),
-                       Tensor{}, Tensor{}, Tensor{}, gp.doc);
+  conv_forward(btc(rows(a.u, N), B, T), w.conv_w, btc(rows(a.c, N), B, T), btc(rows(a.conv_pre, N), B, T), gp.doc);
   project(rows(a.c, N), w.wqkvg, fp8(0), Tensor{}, qkvg);
-  be.gla_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
-                 bthd(rows(a.o, N), B, T, H, dv), Tensor{}, Tensor{}, Tensor{});
+  mixer_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
+                bthd(rows(a.o, N), B, T, H, dv));
   Tensor rstd = a.onorm_rstd.slice(0, 0, N);
   rstd.ndim = 3;
   rstd.shape = {B, T, H, 0};
@@ -846,19 +921,19 @@ void Model::backward(const int32_t* targets, const Arena& grads, double loss_sca
     project_backward(overwrite, dx, w.wo, fp8t(1), rows(a.y, N), rows(dy_, N), gw.wo);
     Tensor o = bthd(rows(a.o, N), B, T, H, dv);
     if (plan_.recompute_mixer)
-      be.gla_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), o, {}, {}, {});
+      mixer_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), o);
     Tensor rstd = a.onorm_rstd.slice(0, 0, N);
     rstd.ndim = 3;
     rstd.shape = {B, T, H, 0};
     rstd.stride = {T * H, H, 1, 0};
     be.rmsnorm_gate_backward(bthd(rows(dy_, N), B, T, H, dv), o, qkvg_part(qkvg, B, T, 3), w.onorm_w, rstd,
                              bthd(rows(do_, N), B, T, H, dv), qkvg_part(dqkvg, B, T, 3), gw.onorm_w);
-    be.gla_backward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), {},
-                    bthd(rows(do_, N), B, T, H, dv), {}, qkvg_part(dqkvg, B, T, 0), qkvg_part(dqkvg, B, T, 1),
-                    qkvg_part(dqkvg, B, T, 2), {});
+    mixer_backward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
+                   bthd(rows(do_, N), B, T, H, dv), qkvg_part(dqkvg, B, T, 0), qkvg_part(dqkvg, B, T, 1),
+                   qkvg_part(dqkvg, B, T, 2));
     project_backward(overwrite, dqkvg, w.wqkvg, fp8t(0), rows(a.c, N), rows(dc_, N), gw.wqkvg);
-    be.conv_silu_backward(btc(rows(dc_, N), B, T), btc(rows(a.u, N), B, T), w.conv_w,
-                          btc(rows(a.conv_pre, N), B, T), btc(rows(du_, N), B, T), gw.conv_w, doc);
+    conv_backward(btc(rows(dc_, N), B, T), btc(rows(a.u, N), B, T), w.conv_w, btc(rows(a.conv_pre, N), B, T),
+                  btc(rows(du_, N), B, T), gw.conv_w, doc);
     be.layernorm_backward(rows(du_, N), rows(a.x_in, N), w.norm1_w, rows(a.ln1_mean, N), rows(a.ln1_rstd, N), dx,
                           true, gw.norm1_w, gw.norm1_b);
     after(1 + l);

@@ -228,6 +228,19 @@ class Model {
 
   GlaParams gla_params(GlaForm form) const;
   Tensor doc_view(int64_t B, int64_t T) const;  // doc_ as [B, T]
+  // Documents kept apart on a backend whose ops do not take GlaParams::doc
+  // (Backend::keeps_documents_apart() false): each document of each row of the last forward
+  // (doc_segs_) runs through the conv and the mixer as a [1, n] sequence of its own (views into the
+  // batch), from a zero state and window: the same function as the ops' doc, in more calls. Only
+  // forwards without a state pool (training, evaluation). With a backend that takes doc, or no
+  // documents, each wrapper is the one op call.
+  bool documents_by_views() const;
+  void conv_forward(const Tensor& u, const Tensor& w, Tensor c, Tensor pre, const Tensor& doc);
+  void conv_backward(const Tensor& dc, const Tensor& u, const Tensor& w, const Tensor& pre, Tensor du, Tensor dw,
+                     const Tensor& doc);
+  void mixer_forward(const GlaParams& gp, const Tensor& q, const Tensor& k, const Tensor& v, Tensor o);
+  void mixer_backward(const GlaParams& gp, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& d_o,
+                      Tensor dq, Tensor dk, Tensor dv);
   // Views of the fused projection as q, k, v, g: [B, T, H, d].
   Tensor qkvg_part(const Tensor& qkvg, int64_t B, int64_t T, int part) const;
   void check_forward(int64_t B, int64_t T, const ForwardOptions& opt, const StatePool* pool) const;
@@ -286,6 +299,7 @@ class Model {
   Tensor ids_, targets_, slots_;  // [N] I32, [N] I32, [B] I32 on the device
   Tensor doc_;                    // [N] I32 on the device: the last forward's document starts
   bool doc_on_ = false;           // whether the last forward kept documents apart
+  std::vector<std::array<int64_t, 3>> doc_segs_;  // its documents: (row, first, end) each
   // The last training forward's GLA form and group hook, for the backward's recompute_layers.
   GlaForm last_form_ = GlaForm::kChunked;
   GroupHook last_before_;

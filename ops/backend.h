@@ -134,6 +134,11 @@ class Backend {
   // shape's first use. The CPU backend does not tune.
   virtual void set_tuning(bool on) { (void)on; }
 
+  // Whether the GLA and conv ops take GlaParams::doc (documents kept apart in one row). A backend
+  // that does not refuses a defined doc; the model then runs each document through the ops as a
+  // sequence of its own (Model::keeps_documents_apart_by_views), the same function in more calls.
+  virtual bool keeps_documents_apart() const { return false; }
+
   // Records the ops `queue_ops` queues into a Graph instead of running them. Nothing in
   // queue_ops may read host memory or wait for the device (copies to or from the host,
   // synchronize, sum_squares, a growing scratch buffer): the capture then fails with an

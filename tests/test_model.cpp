@@ -12,6 +12,7 @@
 #include "model/config.h"
 #include "model/model.h"
 #include "model/weights.h"
+#include "ops/cpu/cpu_backend.h"
 #include "serve/generate.h"
 #include "tests/test_util.h"
 
@@ -483,6 +484,92 @@ TEST(ModelDocuments, PackedBatchEqualsTheDocumentsOneByOne) {
     // Packed (no separator honoured) differs: the test can fail.
     m.forward(toks.data(), B, T, ForwardOptions{});
     EXPECT_NE(logits_of(m, 6), packed_logits[6]);
+  }
+}
+
+// A CPU backend whose GLA and conv ops do not take documents (as a backend without the masked
+// kernels): every call must come without doc, so the model runs each document by itself.
+class DocumentlessBackend : public CpuBackend {
+ public:
+  bool keeps_documents_apart() const override { return false; }
+  void conv_silu_forward(const Tensor& u, const Tensor& w, Tensor c, Tensor pre, const Tensor& wi, Tensor wo,
+                         const Tensor& slots, const Tensor& doc) override {
+    EXPECT_FALSE(doc.defined());
+    CpuBackend::conv_silu_forward(u, w, c, pre, wi, wo, slots, doc);
+  }
+  void conv_silu_backward(const Tensor& dc, const Tensor& u, const Tensor& w, const Tensor& pre, Tensor du, Tensor dw,
+                          const Tensor& doc) override {
+    EXPECT_FALSE(doc.defined());
+    CpuBackend::conv_silu_backward(dc, u, w, pre, du, dw, doc);
+  }
+  void gla_forward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor o, const Tensor& si,
+                   Tensor so, const Tensor& slots) override {
+    EXPECT_FALSE(p.doc.defined());
+    ++gla_calls;
+    CpuBackend::gla_forward(p, q, k, v, o, si, so, slots);
+  }
+  void gla_backward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& si,
+                    const Tensor& d_o, const Tensor& dso, Tensor dq, Tensor dk, Tensor dv, Tensor dsi) override {
+    EXPECT_FALSE(p.doc.defined());
+    CpuBackend::gla_backward(p, q, k, v, si, d_o, dso, dq, dk, dv, dsi);
+  }
+  int64_t gla_calls = 0;
+};
+
+// Model::documents_by_views: on a backend whose ops take no documents, the model runs each document
+// as its own sequence and gets the ops' own result — logits bit for bit (the CPU's documents run with
+// their own chunk alignment either way), gradients to the order of the conv weight's sums — for
+// training (with each recompute) and inference plans; a state pool is refused.
+TEST(ModelDocuments, ByViewsOnABackendWithoutDocumentsEqualsTheOps) {
+  const int32_t sep = 2;
+  const Config c = small_config();
+  const int64_t B = 2, T = 29;
+  auto toks = random_tokens(B * T, c.vocab_size, 41);
+  auto targets = random_tokens(B * T, c.vocab_size, 42);
+  for (int32_t& t : toks)
+    if (t == sep) t = sep + 1;
+  for (int64_t t : {0, 5, 8, 16, 17}) toks[t] = sep;
+  for (int64_t t : {11, 24}) toks[T + t] = sep;
+  ForwardOptions fo;
+  fo.document_separator = sep;
+  for (int recompute = 0; recompute < 3; ++recompute) {
+    SCOPED_TRACE("recompute " + std::to_string(recompute));
+    auto views = std::make_unique<DocumentlessBackend>();
+    std::unique_ptr<Backend> cpu = make_cpu_backend();
+    Backend* bes[2] = {cpu.get(), views.get()};
+    std::vector<std::vector<double>> logits[2];
+    Arena grads[2];
+    for (int side = 0; side < 2; ++side) {
+      Backend& be = *bes[side];
+      Model m;
+      ASSERT_TRUE(m.create(c, be, DType::kF64).is_ok());
+      m.init_weights(13);
+      PlanOptions po{B, T, true, recompute == 1};
+      po.recompute_layers = recompute == 2;
+      ASSERT_TRUE(m.plan(po).is_ok());
+      ASSERT_TRUE(grads[side].create(weight_specs(c, DType::kF64), be.allocator(), "grads").is_ok());
+      grads[side].zero();
+      m.forward(toks.data(), B, T, fo);
+      for (int64_t r = 0; r < B * T; ++r) logits[side].push_back(logits_of(m, r));
+      m.backward(targets.data(), grads[side]);
+    }
+    EXPECT_GE(views->gla_calls, c.num_layers * 7);  // 7 documents in the batch, each layer
+    for (int64_t r = 0; r < B * T; ++r) EXPECT_EQ(logits[1][r], logits[0][r]) << "row " << r;
+    double worst = 0;
+    for (size_t i = 0; i < grads[0].size(); ++i) {
+      const Tensor a = grads[0].tensor(i), g = grads[1].tensor(i);
+      for (int64_t j = 0; j < a.numel(); ++j)
+        worst = std::max(worst, std::fabs(a.ptr<double>()[j] - g.ptr<double>()[j]) /
+                                    std::max(1e-3, std::fabs(a.ptr<double>()[j])));
+    }
+    EXPECT_LE(worst, 1e-10);
+    // Inference: the same logits; a state pool with documents is refused on such a backend.
+    Model inf;
+    ASSERT_TRUE(inf.create(c, *views, DType::kF64).is_ok());
+    inf.init_weights(13);
+    ASSERT_TRUE(inf.plan({B, T, false, false}).is_ok());
+    inf.forward(toks.data(), B, T, fo);
+    for (int64_t r = 0; r < B * T; ++r) EXPECT_EQ(logits_of(inf, r), logits[0][r]) << "inference row " << r;
   }
 }
 

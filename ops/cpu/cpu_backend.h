@@ -13,7 +13,7 @@
 
 namespace laplace {
 
-class CpuBackend final : public Backend {
+class CpuBackend : public Backend {
  public:
   Device device() const override { return Device::kCPU; }
   const char* name() const override { return "cpu"; }
@@ -44,6 +44,8 @@ class CpuBackend final : public Backend {
   void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& mean,
                           const Tensor& rstd, Tensor dx, bool accumulate_dx, Tensor dw,
                           Tensor db) override;
+
+  bool keeps_documents_apart() const override { return true; }
 
   void conv_silu_forward(const Tensor& u, const Tensor& w, Tensor c, Tensor pre,
                          const Tensor& win_in, Tensor win_out, const Tensor& slots, const Tensor& doc) override;
