@@ -1,0 +1,163 @@
+#!/usr/bin/env bash
+# On the H200 (the `device` tool): long context (docs/quality.md "Long context", BENCHMARKS.md).
+#
+#   stages (STAGES, in order):
+#   build  CUDA build (sm_90a) of laplace, the tests, bench_train and the CUPTI tracer in build-gpu/
+#   tests  the GPU tests of documents kept apart and of the GLA and conv ops (FILTER), log in $OUT
+#   sweep  whole training steps against T (bench_train, random tokens, one stream and documents kept
+#          apart): laplace-125m at 2k/8k/32k/64k with B·T = 32,768 (65,536 at 64k); figures into $OUT/results.jsonl
+#   sweep3b the same for laplace-3b at 2k (B 4), 8k and 32k (B 1; the plan recomputes what does not fit)
+#   trace  a CUPTI kernel trace of two 125M steps at T = 2,048 (B 16) and T = 32,768 (B 1): GPU time per
+#          kernel name per step, side by side ($OUT/trace_125m.txt)
+#   peer   ../shared/peers/tsweep_peer.py (carried as .carry/tsweep_peer.py: PyTorch + flash-linear-attention, and
+#          softmax attention) at 2k/8k/32k, in the same call: needs FLA's `fla` package carried in .carry/fla
+#   quality the long-context comparison at a small size (docs/quality.md "Long context"): the carried slice of the
+#          long-document corpus (.carry/longctx: train.jsonl.xz, val_long.jsonl.xz, tokenizer.model; made by
+#          scripts/corpus.sh --long) tokenized here; a 6-layer D512 model with the default decays and one with
+#          decay_exponents [5, 10, 15, 20], each trained at T = 2,048 and at T = 32,768 on the same tokens in the same
+#          order (documents kept apart), then `eval position --documents` on the held-out documents of at least
+#          32,768 tokens, each from a zero state; figures longdoc_* into $OUT/results.jsonl
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+STAGES=${STAGES:-"build tests sweep trace peer"}
+LC=${LC:-runs/longctx}       # the quality stage's data and runs (kept while the machine is held)
+COMMIT=${COMMIT:-$(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)}
+B=build-gpu
+RES="$OUT/results.jsonl"
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+
+if has build; then
+  t0=$(date +%s)
+  cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a -DLAPLACE_EXPERIMENTS=ON \
+    > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+  cmake --build $B -j "$(nproc)" --target laplace laplace_tests bench_train ${TRACE_TARGET:-cupti_trace} \
+    > "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -60; exit 1; }
+  echo "build ok in $(( $(date +%s) - t0 )) s"
+fi
+
+if has tests; then
+  FILTER=${FILTER:-"CudaVarlen*:BackendOps*:CudaOps.Gla*:CudaOps.Conv*:GlaDocuments*:ModelDocuments*:CudaModel*"}
+  timeout ${TEST_S:-240} $B/tests/laplace_tests --gtest_filter="$FILTER" > "$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests exit $?"
+  grep -E "^\[  (FAILED|PASSED) |Failure|error:|tests? ran" "$OUT/gpu_tests.log" | head -60
+fi
+
+train_bench() {  # tag config seq batch accum [extra...]
+  local tag=$1 cfg=$2 seq=$3 batch=$4 accum=$5; shift 5
+  timeout ${BENCH_S:-150} $B/bench/bench_train --config "$cfg" --tag "$tag" --seq "$seq" --batch "$batch" --accum "$accum" \
+    --steps ${STEPS:-3} --warmup 1 --results "$RES" --commit "$COMMIT" "$@" > "$OUT/train_${tag}_t${seq}$*.log" 2>&1
+  echo "$tag T=$seq B=$batch $*: $(grep -E '^result' "$OUT/train_${tag}_t${seq}$*.log" || tail -2 "$OUT/train_${tag}_t${seq}$*.log")"
+}
+if has sweep; then
+  for st in "2048 16" "8192 4" "32768 1" "65536 1"; do
+    set -- $st; train_bench laplace125m configs/laplace-125m.json $1 $2 2
+  done
+  for st in "2048 16" "32768 1"; do
+    set -- $st; train_bench laplace125m configs/laplace-125m.json $1 $2 2 --doc-len 2048
+  done
+fi
+if has sweep3b; then
+  for st in "2048 4" "8192 1" "32768 1"; do
+    set -- $st; train_bench laplace3b configs/laplace-3b.json $1 $2 2
+  done
+fi
+
+if has trace; then
+  for st in "2048 16" "32768 1"; do
+    set -- $st
+    CUDA_INJECTION64_PATH=$B/experiments/libcupti_trace.so CUPTI_TRACE_OUT="$OUT/trace_t$1.csv" \
+      timeout 120 $B/bench/bench_train --config configs/laplace-125m.json --tag trace --seq $1 --batch $2 --accum 1 \
+      --steps 2 --warmup 1 --results /dev/null > "$OUT/trace_t$1.log" 2>&1
+  done
+  python3 - "$OUT/trace_t2048.csv" "$OUT/trace_t32768.csv" > "$OUT/trace_125m.txt" 2>&1 <<'PY'
+import csv, collections, sys
+def load(p):
+    with open(p) as f:
+        r = csv.reader(f); h = next(r)
+        ci = lambda pre: next(i for i, x in enumerate(h) if x.startswith(pre))
+        d, n = ci("Duration"), ci("Name")
+        acc = collections.Counter()
+        for row in r: acc[row[n][:70]] += float(row[d]) / 1e6
+    return acc
+a, b = load(sys.argv[1]), load(sys.argv[2])
+ta, tb = sum(a.values()), sum(b.values())
+print("GPU ms over the traced run (3 steps + the phase micro-batch; same tokens per micro-batch)")
+print("%-70s %10s %10s %8s" % ("kernel", "T=2048", "T=32768", "ratio"))
+for k in sorted(set(a) | set(b), key=lambda k: -(b[k] - a[k])):
+    print("%-70s %10.2f %10.2f %8.2f" % (k, a[k], b[k], b[k] / a[k] if a[k] else float("inf")))
+print("%-70s %10.2f %10.2f %8.2f" % ("total", ta, tb, tb / ta))
+PY
+  head -25 "$OUT/trace_125m.txt"
+  rm -f "$OUT"/trace_t*.csv
+fi
+
+if has peer; then
+  PYTHONUNBUFFERED=1 timeout ${PEER_S:-300} python3 .carry/tsweep_peer.py --fla .carry/fla 2>&1 \
+    | tee "$OUT/peer.log" | grep '^{' || tail -5 "$OUT/peer.log"
+fi
+
+if has quality; then
+  mkdir -p "$LC"
+  TOK=.carry/longctx/tokenizer.model
+  if [ ! -f "$LC/data/train_000000.bin" ]; then
+    t0=$(date +%s)
+    xz -T0 -dc .carry/longctx/train.jsonl.xz > "$LC/train.jsonl" && xz -dc .carry/longctx/val_long.jsonl.xz > "$LC/val_long.jsonl"
+    $B/laplace data prepare --input "$LC/train.jsonl" --tokenizer $TOK --out "$LC/data" --val-fraction 0 --overwrite \
+      > "$OUT/prepare_train.log" 2>&1 || { tail -5 "$OUT/prepare_train.log"; exit 1; }
+    $B/laplace data prepare --input "$LC/val_long.jsonl" --tokenizer $TOK --out "$LC/test" --val-fraction 0 --overwrite \
+      > "$OUT/prepare_test.log" 2>&1 || { tail -5 "$OUT/prepare_test.log"; exit 1; }
+    echo "data in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/prepare_train.log")"
+  fi
+  SMALL='"model_type": "laplace", "vocab_size": 32768, "hidden_size": 512, "num_layers": 6, "num_heads": 4,
+         "head_k_dim": 96, "head_v_dim": 192, "ffn_size": 1536, "conv_size": 4, "chunk_size": 128'
+  echo "{$SMALL}" > "$LC/small.json"
+  echo "{$SMALL, \"decay_exponents\": [5, 10, 15, 20]}" > "$LC/spread.json"
+  TOKENS=${LC_TOKENS:-60000000}                 # per run; 65,536 per step (B·T = 32,768, accumulation 2)
+  LC_STEPS=$(( TOKENS / 65536 ))
+  for model in ${LC_MODELS:-spread small}; do
+    for T in 2048 32768; do
+      run="$LC/${model}_t$T"
+      if [ ! -f "$run/model.safetensors" ]; then
+        t0=$(date +%s)
+        $B/laplace train --config "$LC/$model.json" --data "$LC/data/train_*.bin" --tokenizer $TOK --out "$run" \
+          --device cuda --dtype bf16 --batch $(( 32768 / T )) --seq $T --grad-accum 2 --steps $LC_STEPS \
+          --lr ${LC_LR:-2e-3} --warmup $(( LC_STEPS / 20 )) --wd 0.1 --no-shuffle --documents separate --log-every 100 \
+          > "$OUT/train_${model}_t$T.log" 2>&1 || { tail -5 "$OUT/train_${model}_t$T.log"; continue; }
+        echo "$model T=$T: $LC_STEPS steps in $(( $(date +%s) - t0 )) s; $(grep -E '^step' "$OUT/train_${model}_t$T.log" | tail -1)"
+      fi
+      timeout ${EVAL_S:-240} $B/laplace eval position --model "$run" --data "$LC/test/train_*.bin" --documents \
+        --min-doc-tokens 32768 --context ${LC_CONTEXT:-131072} --device cuda --dtype bf16 --out "$run/eval" \
+        --results "$RES" --tag "${model}_t$T" > "$OUT/eval_${model}_t$T.log" 2>&1
+      tail -14 "$OUT/eval_${model}_t$T.log"
+      cp "$run/metrics.jsonl" "$OUT/metrics_${model}_t$T.jsonl" 2>/dev/null
+      cp "$run/eval/longdoc.jsonl" "$OUT/longdoc_${model}_t$T.jsonl" 2>/dev/null
+    done
+    # The headline figures: the long-trained model's gain over positions 8k-32k, and its slope.
+    python3 - "$OUT/longdoc_${model}_t2048.jsonl" "$OUT/longdoc_${model}_t32768.jsonl" "$model" "$COMMIT" "$(cut -d, -f1 "$OUT/gpu.txt")" >> "$RES" <<'PY'
+import json, sys, datetime
+def rows(p):
+    with open(p) as f:
+        return [json.loads(l) for l in f if l.strip()]
+def mean(rs, lo, hi):
+    sel = [r for r in rs if r["begin"] >= lo and r["end"] <= hi and r["tokens"] > 0]
+    n = sum(r["tokens"] for r in sel)
+    return sum(r["loss"] * r["tokens"] for r in sel) / n if n else float("nan")
+a, b = rows(sys.argv[1]), rows(sys.argv[2])
+model, commit = sys.argv[3], sys.argv[4]
+now = datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ")
+dev = sys.argv[5]
+for name, value, note in (
+        ("longdoc_gain_32k_vs_2k_%s" % model, mean(a, 8192, 32768) - mean(b, 8192, 32768),
+         "mean loss over positions 8,192-32,768 of the T=2,048 run minus the T=32,768 run's"),
+        ("longdoc_slope_%s_t32k" % model, mean(b, 16384, 32768) - mean(b, 2048, 4096),
+         "T=32,768 run: loss at positions 16k-32k minus 2k-4k")):
+    print(json.dumps({"bench": name, "value": value, "unit": "nats", "device": dev, "commit": commit, "date": now,
+                      "note": note + "; held-out documents of at least 32,768 tokens, each from a zero state",
+                      "command": "STAGES=quality scripts/device_longctx.sh"}))
+PY
+    tail -2 "$RES"
+  done
+fi
