@@ -728,4 +728,20 @@ std::unique_ptr<Backend> make_cuda_backend(std::string* why) {
   return std::make_unique<CudaBackend>(dev);
 }
 
+namespace cuda {
+
+const int32_t* doc_starts_arg(const Tensor& doc, int64_t B, int64_t T, const char* what) {
+  if (!doc.defined()) return nullptr;
+  if (doc.device != Device::kCUDA)
+    check_failed(__FILE__, __LINE__, what, ("doc must live on the GPU: " + doc.shape_str()).c_str());
+  if (doc.dtype != DType::kI32 || doc.ndim != 2 || doc.shape[0] != B || doc.shape[1] != T || !doc.is_contiguous())
+    check_failed(__FILE__, __LINE__, what,
+                 ("doc must be a contiguous I32 [" + std::to_string(B) + ", " + std::to_string(T) + "] tensor, got " +
+                  doc.shape_str())
+                     .c_str());
+  return static_cast<const int32_t*>(doc.data);
+}
+
+}  // namespace cuda
+
 }  // namespace laplace

@@ -28,7 +28,10 @@
 //  conv_silu       u, c, pre, dc, du float [B,T,D]; w, dw float [D,K], K <= 8; win_in/win_out
 //                  float [S,K,D] (BF16 in a BF16 state pool) with win[s,j] = u_{T-K+j} (j = K-1 the newest input, oldest
 //                  first); slots I32 [B] or undefined. pre may be undefined in the backward
-//                  (recomputed from u and w with a zero window).
+//                  (recomputed from u and w with a zero window). doc (optional): I32 [B,T]
+//                  contiguous on the GPU (GlaParams::doc's form; its values are not checked on
+//                  the device: an invalid row gives wrong values, never out-of-range reads); a
+//                  T = 1 call with doc runs the generic kernels.
 //  gla             q, k, v, o, d_o, dq, dk, dv float; s_in, s_out, ds_in, ds_out F32 [S,H,dk,dv]
 //                  (dv contiguous); dk <= 128, dv <= 256, H <= 128; slots I32 [B] (not
 //                  range-checked on the device).
@@ -39,6 +42,9 @@
 //                  dk = 96, dv = 192 with bf16 q/k/v (and dO), T >= 32, the tensor-core kernels
 //                  (chunk 128, fp32 states) run; otherwise the generic FP32-FMA kernels, whose
 //                  internal chunk is min(p.chunk, a size that fits shared memory).
+//                  p.doc (optional): I32 [B,T] contiguous on the GPU, not checked on the device
+//                  (as conv_silu's doc). Every path but decode takes it; a T = 1 gla_forward
+//                  with doc runs the generic kernels instead of the decode kernel.
 //  gla_decode_gate the decode kernel with the rmsnorm_gate epilogue fused: the same bits as
 //                  gla_forward (T = 1) followed by rmsnorm_gate_forward.
 //  gla_decode_gate_deferred / gla_pending_flush  the same kernel reading S every step and
@@ -139,9 +145,9 @@ class CudaBackend final : public Backend {
                           Tensor db) override;
 
   void conv_silu_forward(const Tensor& u, const Tensor& w, Tensor c, Tensor pre,
-                         const Tensor& win_in, Tensor win_out, const Tensor& slots) override;
+                         const Tensor& win_in, Tensor win_out, const Tensor& slots, const Tensor& doc) override;
   void conv_silu_backward(const Tensor& dc, const Tensor& u, const Tensor& w, const Tensor& pre,
-                          Tensor du, Tensor dw) override;
+                          Tensor du, Tensor dw, const Tensor& doc) override;
 
   void gla_forward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor o,
                    const Tensor& s_in, Tensor s_out, const Tensor& slots) override;
@@ -196,6 +202,9 @@ class CudaBackend final : public Backend {
   // kernels at most kMaxDecodeHeads heads (the limits kernels_gla.cu and
   // kernels_gla_decode.cu check).
   bool supports(const OpQuery& q) const override;
+  // The chunked GLA kernels (tensor-core and generic) and the conv kernels take GlaParams::doc
+  // (tests/test_cuda_varlen.cpp); decode steps do not (a request starts from a fresh slot).
+  bool keeps_documents_apart() const override { return true; }
   static constexpr int64_t kMaxGlaDk = 128, kMaxGlaDv = 256, kMaxDecodeHeads = 128;
   int device_id() const { return device_; }
   int num_sms() const { return num_sms_; }
@@ -370,6 +379,10 @@ bool gla_decode_forward(CudaBackend& be, const GlaParams& p, const Tensor& q, co
 bool gla_tc_backward(CudaBackend& be, const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
                      const Tensor& s_in, const Tensor& d_o, const Tensor& ds_out, Tensor dq, Tensor dk, Tensor dv,
                      Tensor ds_in);
+// Document starts (GlaParams::doc's form, ops/backend.h) for B rows of T tokens: nullptr when
+// undefined, else its data after checking that it is an I32 [B, T] contiguous tensor on the GPU
+// (a LAPLACE_CHECK naming `what` otherwise). The values are not read (that would synchronise).
+const int32_t* doc_starts_arg(const Tensor& doc, int64_t B, int64_t T, const char* what);
 }  // namespace cuda
 
 }  // namespace laplace

@@ -2,6 +2,13 @@
 // backward (du, and dw through the column reductions of row_common.cuh). Fast paths move 8
 // channels per thread with 16-byte accesses; the generic kernels serve the rest (see each
 // launcher for the conditions).
+//
+// Documents kept apart (doc [B, T], ops/backend.h): token t reads no input before doc[t] (a
+// document start at or before t: those inputs count as zeros, the window included), and the
+// window output holds zeros before the last token's document. The generic kernels compare each
+// input's position with its token's doc; the prefill and backward fast paths (VARLEN instances)
+// keep their sliding registers and zero them at starts (forward) or mask each term by the doc
+// values slid beside them (backward). Without doc the fast paths are the instances they were.
 #include "ops/cuda/row_common.cuh"
 
 namespace laplace {
@@ -29,6 +36,7 @@ struct ConvArgs {
   int K;
   WView win;         // input window (p null: zeros)
   const int32_t* slots;
+  const int32_t* doc;  // [B, T] document starts, or null
 };
 
 // u_s of sequence b at channel d for s ∈ [−K, T): the window supplies s < 0 (win[K+s]).
@@ -39,12 +47,23 @@ __device__ __forceinline__ float conv_input(const ConvArgs& a, int64_t b, int64_
   return ldf(a.win.p, slot * a.win.s0 + (a.K + s) * a.win.s1 + d, a.win.dt);
 }
 
-// pre_t = Σ_j w[d,j]·u_{t−K+1+j}
+// The first input position token t of row b reads: its document's start when that lies in the
+// row, else −K (the window's oldest entry: every input).
+__device__ __forceinline__ int64_t conv_lo(const ConvArgs& a, int64_t b, int64_t t) {
+  if (!a.doc) return -a.K;
+  const int32_t s = a.doc[b * a.T + t];
+  return s >= 0 ? s : -a.K;
+}
+
+// pre_t = Σ_j w[d,j]·u_{t−K+1+j}   (inputs before conv_lo count as zeros)
 __device__ __forceinline__ float conv_pre(const ConvArgs& a, int64_t r, int64_t d) {
   const int64_t b = r / a.T, t = r - b * a.T, r0 = b * a.T;
-  const int64_t ow = a.w.row(d);
+  const int64_t ow = a.w.row(d), lo = conv_lo(a, b, t);
   float acc = 0.f;
-  for (int j = 0; j < a.K; ++j) acc += ldf(a.w.p, ow + j, a.w.dt) * conv_input(a, b, r0, t - a.K + 1 + j, d);
+  for (int j = 0; j < a.K; ++j) {
+    const int64_t s = t - a.K + 1 + j;
+    acc += ldf(a.w.p, ow + j, a.w.dt) * (s >= lo ? conv_input(a, b, r0, s, d) : 0.f);
+  }
   return acc;
 }
 
@@ -59,16 +78,18 @@ __global__ void conv_fwd_kernel(ConvArgs a, RView c, RView pre) {
   }
 }
 
-// win_out[slot(b), j, d] = u_{T−K+j} (from win_in when T−K+j < 0). One thread per (b, d); all K
-// values are read before any is written, so win_out may alias win_in.
+// win_out[slot(b), j, d] = u_{T−K+j} (from win_in when T−K+j < 0; zero before the last token's
+// document). One thread per (b, d); all K values are read before any is written, so win_out
+// may alias win_in.
 __global__ void conv_window_kernel(ConvArgs a, WView wout) {
   const int64_t n = a.B * a.D;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t b = i / a.D, d = i - b * a.D;
+    const int64_t lo = a.T > 0 ? conv_lo(a, b, a.T - 1) : -a.K;
     float vals[kMaxConvK];
 #pragma unroll
     for (int j = 0; j < kMaxConvK; ++j)
-      vals[j] = j < a.K ? conv_input(a, b, b * a.T, a.T - a.K + j, d) : 0.f;
+      vals[j] = j < a.K && a.T - a.K + j >= lo ? conv_input(a, b, b * a.T, a.T - a.K + j, d) : 0.f;
     const int64_t slot = a.slots ? a.slots[b] : b;
 #pragma unroll
     for (int j = 0; j < kMaxConvK; ++j)
@@ -83,31 +104,37 @@ __device__ __forceinline__ float conv_dpre(const ConvArgs& a, const RView& dc, c
   return ldf(dc.p, dc.row(r) + d, dc.dt) * s * (1.0f + p * (1.0f - s));
 }
 
-// du_t = Σ_j w[d,j] · dpre_{t+K−1−j}  (terms with t+K−1−j ≥ T vanish). du [B,T,D]
+// du_t = Σ_j w[d,j] · dpre_{t+K−1−j}  (terms with t+K−1−j ≥ T vanish, and those of tokens
+// that do not read u_t: t before their conv_lo). du [B,T,D]
 __global__ void conv_bwd_du_kernel(ConvArgs a, RView dc, RView pre, RView du) {
   const int64_t n = a.B * a.T * a.D;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t r = i / a.D, d = i - r * a.D;
-    const int64_t t = r % a.T;
+    const int64_t b = r / a.T, t = r - b * a.T;
     const int64_t ow = a.w.row(d);
     float acc = 0.f;
     for (int j = 0; j < a.K; ++j) {
       const int64_t s = t + a.K - 1 - j;
-      if (s < a.T) acc += ldf(a.w.p, ow + j, a.w.dt) * conv_dpre(a, dc, pre, r + (a.K - 1 - j), d);
+      if (s < a.T && t >= conv_lo(a, b, s))
+        acc += ldf(a.w.p, ow + j, a.w.dt) * conv_dpre(a, dc, pre, r + (a.K - 1 - j), d);
     }
     stf(du.p, du.row(r) + d, du.dt, acc);
   }
 }
 
-// Column terms: dw[d, j] += dpre_t[d] · u_{t−K+1+j}[d]  (zero initial window).
+// Column terms: dw[d, j] += dpre_t[d] · u_{t−K+1+j}[d]  (zero initial window; inputs before
+// conv_lo count as zeros).
 struct ConvDwTerms {
   ConvArgs a;
   RView dc, pre;
   __device__ void operator()(int64_t r, int64_t d, float* t) const {
     const float dp = conv_dpre(a, dc, pre, r, d);
-    const int64_t b = r / a.T, tt = r - b * a.T, r0 = b * a.T;
+    const int64_t b = r / a.T, tt = r - b * a.T, r0 = b * a.T, lo = conv_lo(a, b, tt);
 #pragma unroll
-    for (int j = 0; j < kMaxConvK; ++j) t[j] = j < a.K ? dp * conv_input(a, b, r0, tt - a.K + 1 + j, d) : 0.f;
+    for (int j = 0; j < kMaxConvK; ++j) {
+      const int64_t s = tt - a.K + 1 + j;
+      t[j] = j < a.K ? dp * (s >= lo ? conv_input(a, b, r0, s, d) : 0.f) : 0.f;
+    }
   }
 };
 
@@ -124,6 +151,7 @@ ConvArgs conv_args(const Tensor& u, const Tensor& w, const char* what) {
   a.K = static_cast<int>(w.shape[1]);
   LAPLACE_CHECK(a.K >= 1 && a.K <= kMaxConvK, "conv_silu: K must be in [1, 8]");
   a.slots = nullptr;
+  a.doc = nullptr;
   return a;
 }
 
@@ -164,6 +192,7 @@ struct ConvVecArgs {
   const int32_t* slots;
   int B, T, nq, ntile;  // nq = D/8 chunks of channels; ntile = ⌈T / kConvTile⌉
   int wvec;             // w is [D,K] contiguous and 16-byte aligned
+  const int32_t* doc;   // [B, T] document starts (VARLEN prefill, the window), or null
 };
 
 BtdView btd_view(const Tensor& t) {
@@ -265,13 +294,18 @@ __global__ void __launch_bounds__(kConvThreads) conv_decode_vec_kernel(ConvVecAr
 // window output is conv_window_vec_kernel's, launched after this kernel because win_out may
 // alias win_in, which the first tile reads. At most 128 registers (4 blocks per SM) for K ≤ 4:
 // left alone, the compiler interleaves the steps' SiLUs and takes ~170 at K = 4.
-template <int K, int DT>
+// VARLEN (a.doc): the inputs before doc[t0] are zeros in the prologue (the window unread), and
+// a document start at t zeroes the registers holding the inputs before t, so that t and the
+// rest of its document read none of them.
+template <int K, int DT, bool VARLEN = false>
 __global__ void __launch_bounds__(kConvThreads, K <= 4 ? 4 : 2) conv_prefill_vec_kernel(ConvVecArgs a) {
   const int i = blockIdx.x * kConvThreads + threadIdx.x;
   if (i >= a.B * a.ntile * a.nq) return;
   const int rest = i / a.nq, qd = i - rest * a.nq;
   const int b = rest / a.ntile, tile = rest - b * a.ntile;
   const int d0 = 8 * qd, t0 = tile * kConvTile, t1 = min(a.T, t0 + kConvTile);
+  const int32_t* doc = VARLEN ? a.doc + static_cast<int64_t>(b) * a.T : nullptr;
+  const int lo = VARLEN ? doc[t0] : -1;  // t0's document start (−1: before the row)
   float wf[8][K];
   load_conv_w<K, DT>(a.w, a.wvec, d0, wf);
   // e[j] = u_{t−K+1+j} for the step at t: e[0..K−2] the K−1 inputs before t, then the step's.
@@ -279,7 +313,10 @@ __global__ void __launch_bounds__(kConvThreads, K <= 4 ? 4 : 2) conv_prefill_vec
 #pragma unroll
   for (int j = 0; j + 1 < K; ++j) {
     const int s = t0 - (K - 1) + j;
-    if (s >= 0) {
+    if (VARLEN && lo >= 0 && s < lo) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) e[j][k] = 0.f;
+    } else if (s >= 0) {
       ld8(a.u.p, b * a.u.sb + s * a.u.st + d0, dt_as<DT>(a.u.dt), true, e[j]);
     } else if (a.win.p) {
       const int64_t slot = a.slots ? a.slots[b] : b;
@@ -291,19 +328,42 @@ __global__ void __launch_bounds__(kConvThreads, K <= 4 ? 4 : 2) conv_prefill_vec
   }
   int64_t ou = b * a.u.sb + t0 * a.u.st + d0, oc = b * a.c.sb + t0 * a.c.st + d0,
           op = b * a.pre.sb + t0 * a.pre.st + d0;
+  // VARLEN: before step s, a start at t + s zeroes e[0 … K−2+s], the inputs before it
+  auto reset = [&](int s, bool start) {
+    if (start) {
+#pragma unroll
+      for (int j = 0; j < K - 1 + s; ++j)
+#pragma unroll
+        for (int k = 0; k < 8; ++k) e[j][k] = 0.f;
+    }
+  };
   for (int t = t0; t < t1; t += kConvStep) {
+    bool start[kConvStep] = {};
     if (t + kConvStep <= t1) {  // a whole step: the loads unconditional, so all are in flight at once
 #pragma unroll
       for (int s = 0; s < kConvStep; ++s) ld8(a.u.p, ou + s * a.u.st, dt_as<DT>(a.u.dt), true, e[K - 1 + s]);
+      if (VARLEN) {
 #pragma unroll
-      for (int s = 0; s < kConvStep; ++s) conv_out8<K, DT>(a, wf, e + s, oc + s * a.c.st, op + s * a.pre.st);
+        for (int s = 0; s < kConvStep; ++s) start[s] = doc[t + s] == t + s;
+      }
+#pragma unroll
+      for (int s = 0; s < kConvStep; ++s) {
+        if (VARLEN) reset(s, start[s]);
+        conv_out8<K, DT>(a, wf, e + s, oc + s * a.c.st, op + s * a.pre.st);
+      }
     } else {
 #pragma unroll
       for (int s = 0; s < kConvStep; ++s)
         if (t + s < t1) ld8(a.u.p, ou + s * a.u.st, dt_as<DT>(a.u.dt), true, e[K - 1 + s]);
+      if (VARLEN) {
 #pragma unroll
-      for (int s = 0; s < kConvStep; ++s)
+        for (int s = 0; s < kConvStep; ++s) start[s] = t + s < t1 && doc[t + s] == t + s;
+      }
+#pragma unroll
+      for (int s = 0; s < kConvStep; ++s) {
+        if (VARLEN) reset(s, start[s]);
         if (t + s < t1) conv_out8<K, DT>(a, wf, e + s, oc + s * a.c.st, op + s * a.pre.st);
+      }
     }
 #pragma unroll
     for (int j = 0; j + 1 < K; ++j)
@@ -315,19 +375,24 @@ __global__ void __launch_bounds__(kConvThreads, K <= 4 ? 4 : 2) conv_prefill_vec
   }
 }
 
-// win_out[slot(b), j] = u_{T−K+j} (from win_in when T−K+j < 0): conv_window_kernel with 8
-// channels per thread; all K entries are read before any is written (win_out may alias win_in).
+// win_out[slot(b), j] = u_{T−K+j} (from win_in when T−K+j < 0; with doc, zeros before the last
+// token's document start): conv_window_kernel with 8 channels per thread; all K entries are
+// read before any is written (win_out may alias win_in).
 template <int K>
 __global__ void __launch_bounds__(kConvThreads) conv_window_vec_kernel(ConvVecArgs a) {
   const int i = blockIdx.x * kConvThreads + threadIdx.x;
   if (i >= a.B * a.nq) return;
   const int b = i / a.nq, d0 = 8 * (i - b * a.nq);
   const int64_t slot = a.slots ? a.slots[b] : b;
+  const int lo = a.doc ? a.doc[static_cast<int64_t>(b) * a.T + a.T - 1] : -1;
   float e[K][8];
 #pragma unroll
   for (int j = 0; j < K; ++j) {
     const int s = a.T - K + j;
-    if (s >= 0) {
+    if (lo >= 0 && s < lo) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) e[j][k] = 0.f;
+    } else if (s >= 0) {
       ld8(a.u.p, b * a.u.sb + s * a.u.st + d0, a.u.dt, true, e[j]);
     } else if (a.win.p) {
       ld8(a.win.p, slot * a.win.s0 + (K + s) * a.win.s1 + d0, a.win.dt, true, e[j]);
@@ -359,10 +424,15 @@ void conv_vec_launch(const ConvVecArgs& a, cudaStream_t st) {
   const unsigned grid = blocks(static_cast<int64_t>(a.B) * a.ntile * a.nq);
   // DT fixes the dtype of u, c, pre and w; the window (only the first tile's prologue reads it)
   // keeps its run-time dtype, so prefills into F32 state slots take the BF16 instance too.
-  if (a.u.dt == kBF16 && a.c.dt == kBF16 && (!a.pre.p || a.pre.dt == kBF16) && a.w.dt == kBF16 && a.wvec)
+  const bool bf16 = a.u.dt == kBF16 && a.c.dt == kBF16 && (!a.pre.p || a.pre.dt == kBF16) && a.w.dt == kBF16 && a.wvec;
+  if (a.doc) {
+    if (bf16) conv_prefill_vec_kernel<K, kBF16, true><<<grid, kConvThreads, 0, st>>>(a);
+    else conv_prefill_vec_kernel<K, kDtAny, true><<<grid, kConvThreads, 0, st>>>(a);
+  } else if (bf16) {
     conv_prefill_vec_kernel<K, kBF16><<<grid, kConvThreads, 0, st>>>(a);
-  else
+  } else {
     conv_prefill_vec_kernel<K, kDtAny><<<grid, kConvThreads, 0, st>>>(a);
+  }
   CUDA_CHECK_LAUNCH();
   if (a.wout.p) {
     conv_window_vec_kernel<K><<<blocks(static_cast<int64_t>(a.B) * a.nq), kConvThreads, 0, st>>>(a);
@@ -371,10 +441,11 @@ void conv_vec_launch(const ConvVecArgs& a, cudaStream_t st) {
 }
 
 // The fast path of conv_silu_forward when the arguments allow it (see above); false, having
-// queued nothing, otherwise. B, T ≥ 1 here.
+// queued nothing, otherwise. B, T ≥ 1 here. A one-token call with doc takes the generic kernels
+// (the decode kernel has no doc).
 bool conv_forward_vec(const ConvArgs& g, const WView& wout, const Tensor& u, const Tensor& c, const Tensor& pre,
                       const Tensor& win_in, const Tensor& win_out, cudaStream_t st) {
-  if (g.D % 8 != 0 || g.B < 1 || g.T < 1) return false;
+  if (g.D % 8 != 0 || g.B < 1 || g.T < 1 || (g.doc && g.T == 1)) return false;
   const int64_t nq = g.D / 8, ntile = (g.T + kConvTile - 1) / kConvTile;
   if (g.B * ntile * nq > 0x7fffffff || g.T > 0x7fffffff) return false;  // 32-bit thread and time indices
   if (!vec_btd(u) || !vec_btd(c) || (pre.defined() && !vec_btd(pre))) return false;
@@ -387,6 +458,7 @@ bool conv_forward_vec(const ConvArgs& g, const WView& wout, const Tensor& u, con
   a.win = g.win;
   a.wout = wout;
   a.slots = g.slots;
+  a.doc = g.doc;
   a.B = static_cast<int>(g.B);
   a.T = static_cast<int>(g.T);
   a.nq = static_cast<int>(nq);
@@ -424,6 +496,7 @@ struct ConvBwdVecArgs {
   float* partial;          // [K, B·nseg, D]; null: du only
   int B, T, nq, nseg, wvec;
   int64_t D;
+  const int32_t* doc;      // [B, T] document starts (VARLEN instances), or null
 };
 
 template <int DT>
@@ -443,20 +516,26 @@ __device__ __forceinline__ void conv_dpre8(const ConvBwdVecArgs& a, int b, int s
   }
 }
 
-template <int K, int DT>
+// VARLEN (a.doc): dd[i] = doc[t+i] slides beside dp; token t+i reads u_t only when its
+// document began at or before t (dd[i] ≤ t), and u_{t−K+1+j} counts for t's dw term only from
+// t's document start on (position ≥ dd[0]; −1: the zero window anyway).
+template <int K, int DT, bool VARLEN = false>
 __global__ void __launch_bounds__(kConvThreads) conv_bwd_vec_kernel(ConvBwdVecArgs a) {
   const int i = blockIdx.x * kConvThreads + threadIdx.x;
   if (i >= a.B * a.nseg * a.nq) return;
   const int rest = i / a.nq, qd = i - rest * a.nq;
   const int b = rest / a.nseg, seg = rest - b * a.nseg;
   const int d0 = 8 * qd, t0 = seg * kConvBwdSeg, t1 = min(a.T, t0 + kConvBwdSeg);
+  const int32_t* doc = VARLEN ? a.doc + static_cast<int64_t>(b) * a.T : nullptr;
   float wf[8][K];
   load_conv_w<K, DT>(a.w, a.wvec, d0, wf);
   float dp[K][8];  // dp[i] = dpre_{t+i} at the step for t (zero beyond T)
   float ue[K][8];  // ue[j] = u_{t−K+1+j} (zero before 0)
+  int dd[K];       // VARLEN: dd[i] = doc[t+i] (0 beyond T, where dp is zero)
 #pragma unroll
   for (int j = 1; j < K; ++j) {
     conv_dpre8<DT>(a, b, t0 + j - 1, d0, dp[j]);
+    if (VARLEN) dd[j] = t0 + j - 1 < a.T ? doc[t0 + j - 1] : 0;
     const int s = t0 - K + j;
     if (s >= 0) {
       ld8(a.u.p, b * a.u.sb + s * a.u.st + d0, dt_as<DT>(a.u.dt), true, ue[j]);
@@ -472,13 +551,16 @@ __global__ void __launch_bounds__(kConvThreads) conv_bwd_vec_kernel(ConvBwdVecAr
     for (int k = 0; k < 8; ++k) acc[j][k] = 0.f;
   for (int t = t0; t < t1; ++t) {
 #pragma unroll
-    for (int j = 0; j + 1 < K; ++j)
+    for (int j = 0; j + 1 < K; ++j) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         dp[j][k] = dp[j + 1][k];
         ue[j][k] = ue[j + 1][k];
       }
+      if (VARLEN) dd[j] = dd[j + 1];
+    }
     conv_dpre8<DT>(a, b, t + K - 1, d0, dp[K - 1]);
+    if (VARLEN) dd[K - 1] = t + K - 1 < a.T ? doc[t + K - 1] : 0;
     ld8(a.u.p, b * a.u.sb + t * a.u.st + d0, dt_as<DT>(a.u.dt), true, ue[K - 1]);
     if (a.du.p) {
       float duv[8];
@@ -487,15 +569,17 @@ __global__ void __launch_bounds__(kConvThreads) conv_bwd_vec_kernel(ConvBwdVecAr
         float s = 0.f;
 #pragma unroll
         for (int j = 0; j < K; ++j)
-          if (t + K - 1 - j < a.T) s += wf[k][j] * dp[K - 1 - j][k];
+          if (t + K - 1 - j < a.T && (!VARLEN || dd[K - 1 - j] <= t)) s += wf[k][j] * dp[K - 1 - j][k];
         duv[k] = s;
       }
       st8(a.du.p, b * a.du.sb + t * a.du.st + d0, dt_as<DT>(a.du.dt), true, duv);
     }
 #pragma unroll
-    for (int j = 0; j < K; ++j)
+    for (int j = 0; j < K; ++j) {
+      const bool in = !VARLEN || t - K + 1 + j >= dd[0];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) acc[j][k] += dp[0][k] * ue[j][k];
+      for (int k = 0; k < 8; ++k) acc[j][k] += dp[0][k] * (in ? ue[j][k] : 0.f);
+    }
   }
   if (!a.partial) return;
   const int64_t nrow = static_cast<int64_t>(a.B) * a.nseg, prow = static_cast<int64_t>(b) * a.nseg + seg;
@@ -509,8 +593,14 @@ __global__ void __launch_bounds__(kConvThreads) conv_bwd_vec_kernel(ConvBwdVecAr
 
 template <int K>
 void conv_bwd_vec_launch(const ConvBwdVecArgs& a, bool bf16, unsigned blocks, cudaStream_t st) {
-  if (bf16) conv_bwd_vec_kernel<K, kBF16><<<blocks, kConvThreads, 0, st>>>(a);
-  else conv_bwd_vec_kernel<K, kDtAny><<<blocks, kConvThreads, 0, st>>>(a);
+  if (a.doc) {
+    if (bf16) conv_bwd_vec_kernel<K, kBF16, true><<<blocks, kConvThreads, 0, st>>>(a);
+    else conv_bwd_vec_kernel<K, kDtAny, true><<<blocks, kConvThreads, 0, st>>>(a);
+  } else if (bf16) {
+    conv_bwd_vec_kernel<K, kBF16><<<blocks, kConvThreads, 0, st>>>(a);
+  } else {
+    conv_bwd_vec_kernel<K, kDtAny><<<blocks, kConvThreads, 0, st>>>(a);
+  }
 }
 
 // Whether the fast backward can run: D % 8 == 0, pre kept, every [B,T,D] operand with 16-byte
@@ -541,6 +631,7 @@ void conv_backward_vec(const ConvArgs& g, const Tensor& dc, const Tensor& u, con
   a.du = btd_view(du);
   a.w = g.w;
   a.partial = dw_outs ? partial : nullptr;
+  a.doc = g.doc;
   a.B = static_cast<int>(g.B);
   a.T = static_cast<int>(g.T);
   a.nq = static_cast<int>(nq);
@@ -567,8 +658,9 @@ void conv_backward_vec(const ConvArgs& g, const Tensor& dc, const Tensor& u, con
 }  // namespace cuda
 
 void CudaBackend::conv_silu_forward(const Tensor& u, const Tensor& w, Tensor c, Tensor pre, const Tensor& win_in,
-                                    Tensor win_out, const Tensor& slots) {
+                                    Tensor win_out, const Tensor& slots, const Tensor& doc) {
   ConvArgs a = conv_args(u, w, "conv_silu_forward: u");
+  a.doc = doc_starts_arg(doc, a.B, a.T, "conv_silu_forward: doc");
   LAPLACE_CHECK(same_shape(c, u), "conv_silu_forward: c must be [B,T,D]");
   LAPLACE_CHECK(!pre.defined() || same_shape(pre, u), "conv_silu_forward: pre must be [B,T,D]");
   a.win = window_view(win_in, a.K, a.D, "conv_silu: win_in");
@@ -591,8 +683,9 @@ void CudaBackend::conv_silu_forward(const Tensor& u, const Tensor& w, Tensor c, 
 }
 
 void CudaBackend::conv_silu_backward(const Tensor& dc, const Tensor& u, const Tensor& w, const Tensor& pre, Tensor du,
-                                     Tensor dw) {
+                                     Tensor dw, const Tensor& doc) {
   ConvArgs a = conv_args(u, w, "conv_silu_backward: u");
+  a.doc = doc_starts_arg(doc, a.B, a.T, "conv_silu_backward: doc");
   LAPLACE_CHECK(same_shape(dc, u), "conv_silu_backward: dc must be [B,T,D]");
   LAPLACE_CHECK(!pre.defined() || same_shape(pre, u), "conv_silu_backward: pre must be [B,T,D]");
   LAPLACE_CHECK(!du.defined() || same_shape(du, u), "conv_silu_backward: du must be [B,T,D]");

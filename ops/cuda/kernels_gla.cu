@@ -16,6 +16,14 @@
 //             dk_i = λ^{Le−1−i} G v_iᵀ + Σ_{t≥i} λ^{t−i} (dO_t·v_i) q̃_t
 //             G  ← λ^{Le} G + Σ_t λ^{t+1} q̃_tᵀ dO_t       (after chunk 0: ds_in = G)
 // Every sum runs in a fixed order, so results are bitwise reproducible.
+//
+// Documents kept apart (GlaParams::doc; the VARLEN instances): with d = doc[b][n0 + ·] of the
+// chunk in shared memory (n0 its first position) and ℓ = d_{Le−1} (the chunk's last document
+// start when ≥ n0), the chunk's terms are masked as in the tensor-core kernels (gla_tc.cuh):
+// the S term of o_i and dq_i only when d_i < n0; pairs (i, j) only when d_i = d_j; the state
+// carried across the chunk (S or G) zeroed when ℓ ≥ n0; S gains k_jᵀv_j only for n0 + j ≥ ℓ
+// (and dk_j, dv_j get the G term likewise); G gains q̃_tᵀdO_t only for d_t < n0. The kernel's
+// own chunk need not be 128: the masks depend on positions only.
 #include <cmath>
 #include <string>
 
@@ -49,6 +57,7 @@ struct GlaArgs {
   int B, T, H, dk, dv, L;
   float scale;
   double lam[kGlaMaxHeads];  // λ_h
+  const int32_t* doc;        // [B, T] document starts (VARLEN instances only)
 };
 
 // ---- block-wide register-tiled product ---------------------------------------------------------
@@ -158,11 +167,12 @@ __device__ __forceinline__ void store_state(float* dst, int64_t sk, const float*
 }
 
 // Shared-memory footprint (floats) of each kernel for a chunk of L rows. Rows are padded by
-// one float (odd leading dimensions) so that column walks hit distinct banks.
+// one float (odd leading dimensions) so that column walks hit distinct banks. VARLEN kernels
+// keep the chunk's doc values (L ints) after the powers.
 enum GlaKernel { kGlaFwd = 0, kGlaBwdDq = 1, kGlaBwdDkv = 2 };
-inline int64_t gla_smem_floats(int kind, int L, int dk, int dv) {
+inline int64_t gla_smem_floats(int kind, int L, int dk, int dv, bool varlen = false) {
   const int64_t ldk = dk + 1, ldv = dv + 1, ldl = L + 1;
-  const int64_t pw = L + 1;
+  const int64_t pw = L + 1 + (varlen ? L : 0);
   switch (kind) {
     case kGlaFwd: return 2 * L * ldk + L * ldv + dk * ldv + L * ldl + pw;    // Q K V S A pw
     case kGlaBwdDq: return L * ldk + 2 * L * ldv + dk * ldv + L * ldl + pw;  // K V dO S P pw
@@ -170,8 +180,14 @@ inline int64_t gla_smem_floats(int kind, int L, int dk, int dv) {
   }
 }
 
+// VARLEN: the chunk's doc values Ds[i] = doc[b][n0 + i], i < Le (the caller synchronises).
+__device__ __forceinline__ void load_doc(int* Ds, const GlaArgs& a, int b, int n0, int Le) {
+  for (int i = threadIdx.x; i < Le; i += blockDim.x) Ds[i] = a.doc[static_cast<int64_t>(b) * a.T + n0 + i];
+}
+
 // ---- forward -------------------------------------------------------------------------------------
 // grid B·H, block 256. q,k [B,T,H,dk]; v,o [B,T,H,dv]; s_in, s_out [S,H,dk,dv] (slot = slots[b] or b)
+template <bool VARLEN>
 __global__ void __launch_bounds__(kGlaThreads) gla_fwd_kernel(GlaArgs a, HView q, HView k, HView v, HView o,
                                                               SView s_in, SView s_out, const int32_t* slots) {
   extern __shared__ float sm[];
@@ -184,6 +200,7 @@ __global__ void __launch_bounds__(kGlaThreads) gla_fwd_kernel(GlaArgs a, HView q
   float* Ss = Vs + L * ldv;    // [dk, dv+1] state entering the chunk (fp32)
   float* As = Ss + dk * ldv;   // [L, L+1]   λ^{i−j} q̃_i·k_j for j ≤ i, else 0
   float* pw = As + L * ldl;    // [L+1]      λ^m
+  int* Ds = reinterpret_cast<int*>(pw + L + 1);  // [L] VARLEN: the chunk's doc values
   load_powers(pw, a.lam[h], L);
   const int64_t slot = slots ? slots[b] : b;
   load_state(Ss, ldv, s_in.p ? s_in.at(slot, h) : nullptr, s_in.sk, dk, dv);
@@ -193,23 +210,32 @@ __global__ void __launch_bounds__(kGlaThreads) gla_fwd_kernel(GlaArgs a, HView q
     load_rows(Qs, ldk, q, b, n0, Le, h, dk, a.scale);
     load_rows(Ks, ldk, k, b, n0, Le, h, dk, 1.f);
     load_rows(Vs, ldv, v, b, n0, Le, h, dv, 1.f);
+    if (VARLEN) load_doc(Ds, a, b, n0, Le);
     __syncthreads();
-    // A[i][j] = λ^{i−j} q̃_i·k_j (j ≤ i)
+    // A[i][j] = λ^{i−j} q̃_i·k_j (j ≤ i; VARLEN: of one document)
     tile_mm(
         Le, Le, dk, [=](int i, int c) { return Qs[i * ldk + c]; }, [=](int c, int j) { return Ks[j * ldk + c]; },
-        [=](int i, int j, float x) { As[i * ldl + j] = j <= i ? pw[i - j] * x : 0.f; });
+        [=](int i, int j, float x) {
+          As[i * ldl + j] = j <= i && (!VARLEN || Ds[j] == Ds[i]) ? pw[i - j] * x : 0.f;
+        });
     __syncthreads();
-    // o_i = λ^{i+1} q̃_i S + Σ_j A[i][j] v_j
+    // o_i = λ^{i+1} q̃_i S + Σ_j A[i][j] v_j   (VARLEN: the S term when i's document began earlier)
     tile_mm2(
         Le, dv, dk, Le, [=](int i, int c) { return Qs[i * ldk + c]; }, [=](int c, int e) { return Ss[c * ldv + e]; },
         [=](int i, int j) { return As[i * ldl + j]; }, [=](int j, int e) { return Vs[j * ldv + e]; },
-        [=](int i, int e, float x, float y) { stf(o.p, o.at(b, n0 + i, h) + e, o.dt, pw[i + 1] * x + y); });
+        [=](int i, int e, float x, float y) {
+          const float f = !VARLEN || Ds[i] < n0 ? pw[i + 1] : 0.f;
+          stf(o.p, o.at(b, n0 + i, h) + e, o.dt, f * x + y);
+        });
     __syncthreads();
-    // S ← λ^{Le} S + Σ_j λ^{Le−1−j} k_jᵀ v_j   (each thread updates the S entries it owns)
+    // S ← λ^{Le} S + Σ_j λ^{Le−1−j} k_jᵀ v_j   (each thread updates the S entries it owns;
+    // VARLEN: from zero when a document starts in the chunk, with the rows of its last one)
+    const int last = VARLEN ? Ds[Le - 1] : -1;
+    const float dec = VARLEN && last >= n0 ? 0.f : pw[Le];
     tile_mm(
-        dk, dv, Le, [=](int c, int j) { return Ks[j * ldk + c] * pw[Le - 1 - j]; },
+        dk, dv, Le, [=](int c, int j) { return Ks[j * ldk + c] * (!VARLEN || n0 + j >= last ? pw[Le - 1 - j] : 0.f); },
         [=](int j, int e) { return Vs[j * ldv + e]; },
-        [=](int c, int e, float x) { Ss[c * ldv + e] = pw[Le] * Ss[c * ldv + e] + x; });
+        [=](int c, int e, float x) { Ss[c * ldv + e] = dec * Ss[c * ldv + e] + x; });
     __syncthreads();
   }
   if (s_out.p) store_state(s_out.at(slot, h), s_out.sk, Ss, ldv, dk, dv);
@@ -217,6 +243,7 @@ __global__ void __launch_bounds__(kGlaThreads) gla_fwd_kernel(GlaArgs a, HView q
 
 // ---- backward: dq (forward sweep) ------------------------------------------------------------------
 // grid B·H. k [B,T,H,dk]; v, d_o [B,T,H,dv]; dq [B,T,H,dk]; s_in [≥B,H,dk,dv] by batch row
+template <bool VARLEN>
 __global__ void __launch_bounds__(kGlaThreads) gla_bwd_dq_kernel(GlaArgs a, HView k, HView v, HView d_o, HView dq,
                                                                  SView s_in) {
   extern __shared__ float sm[];
@@ -229,6 +256,7 @@ __global__ void __launch_bounds__(kGlaThreads) gla_bwd_dq_kernel(GlaArgs a, HVie
   float* Ss = Gs + L * ldv;    // [dk, dv+1] state entering the chunk
   float* Ps = Ss + dk * ldv;   // [L, L+1]   λ^{i−j} dO_i·v_j for j ≤ i, else 0
   float* pw = Ps + L * ldl;    // [L+1]
+  int* Ds = reinterpret_cast<int*>(pw + L + 1);  // [L] VARLEN: the chunk's doc values
   load_powers(pw, a.lam[h], L);
   load_state(Ss, ldv, s_in.p ? s_in.at(b, h) : nullptr, s_in.sk, dk, dv);
   __syncthreads();
@@ -238,29 +266,38 @@ __global__ void __launch_bounds__(kGlaThreads) gla_bwd_dq_kernel(GlaArgs a, HVie
     load_rows(Ks, ldk, k, b, n0, Le, h, dk, 1.f);
     load_rows(Vs, ldv, v, b, n0, Le, h, dv, 1.f);
     load_rows(Gs, ldv, d_o, b, n0, Le, h, dv, 1.f);
+    if (VARLEN) load_doc(Ds, a, b, n0, Le);
     __syncthreads();
-    // P[i][j] = λ^{i−j} dO_i·v_j (j ≤ i)
+    // P[i][j] = λ^{i−j} dO_i·v_j (j ≤ i; VARLEN: of one document)
     tile_mm(
         Le, Le, dv, [=](int i, int e) { return Gs[i * ldv + e]; }, [=](int e, int j) { return Vs[j * ldv + e]; },
-        [=](int i, int j, float x) { Ps[i * ldl + j] = j <= i ? pw[i - j] * x : 0.f; });
+        [=](int i, int j, float x) {
+          Ps[i * ldl + j] = j <= i && (!VARLEN || Ds[j] == Ds[i]) ? pw[i - j] * x : 0.f;
+        });
     __syncthreads();
-    // dq_i = scale·(λ^{i+1} Σ_e dO_i[e] S[:,e] + Σ_j P[i][j] k_j)
+    // dq_i = scale·(λ^{i+1} Σ_e dO_i[e] S[:,e] + Σ_j P[i][j] k_j)   (VARLEN: the S term as in the forward)
     tile_mm2(
         Le, dk, dv, Le, [=](int i, int e) { return Gs[i * ldv + e]; }, [=](int e, int c) { return Ss[c * ldv + e]; },
         [=](int i, int j) { return Ps[i * ldl + j]; }, [=](int j, int c) { return Ks[j * ldk + c]; },
-        [=](int i, int c, float x, float y) { stf(dq.p, dq.at(b, n0 + i, h) + c, dq.dt, scale * (pw[i + 1] * x + y)); });
+        [=](int i, int c, float x, float y) {
+          const float f = !VARLEN || Ds[i] < n0 ? pw[i + 1] : 0.f;
+          stf(dq.p, dq.at(b, n0 + i, h) + c, dq.dt, scale * (f * x + y));
+        });
     __syncthreads();
-    // S ← λ^{Le} S + Σ_j λ^{Le−1−j} k_jᵀ v_j
+    // S ← λ^{Le} S + Σ_j λ^{Le−1−j} k_jᵀ v_j   (VARLEN as in the forward)
+    const int last = VARLEN ? Ds[Le - 1] : -1;
+    const float dec = VARLEN && last >= n0 ? 0.f : pw[Le];
     tile_mm(
-        dk, dv, Le, [=](int c, int j) { return Ks[j * ldk + c] * pw[Le - 1 - j]; },
+        dk, dv, Le, [=](int c, int j) { return Ks[j * ldk + c] * (!VARLEN || n0 + j >= last ? pw[Le - 1 - j] : 0.f); },
         [=](int j, int e) { return Vs[j * ldv + e]; },
-        [=](int c, int e, float x) { Ss[c * ldv + e] = pw[Le] * Ss[c * ldv + e] + x; });
+        [=](int c, int e, float x) { Ss[c * ldv + e] = dec * Ss[c * ldv + e] + x; });
     __syncthreads();
   }
 }
 
 // ---- backward: dk, dv, ds_in (reverse sweep) ---------------------------------------------------------
 // grid B·H. q, k, dk [B,T,H,dk]; v, d_o, dv [B,T,H,dv]; ds_out, ds_in [≥B,H,dk,dv] by batch row
+template <bool VARLEN>
 __global__ void __launch_bounds__(kGlaThreads) gla_bwd_dkv_kernel(GlaArgs a, HView q, HView k, HView v, HView d_o,
                                                                   HView dk_out, HView dv_out, SView ds_out,
                                                                   SView ds_in) {
@@ -275,6 +312,7 @@ __global__ void __launch_bounds__(kGlaThreads) gla_bwd_dkv_kernel(GlaArgs a, HVi
   float* Gs = Os + L * ldv;    // [dk, dv+1] G: gradient of the state leaving the chunk
   float* Ms = Gs + dk * ldv;   // [L, L+1]   M[i][t], t ≥ i (two uses, see below)
   float* pw = Ms + L * ldl;    // [L+1]
+  int* Ds = reinterpret_cast<int*>(pw + L + 1);  // [L] VARLEN: the chunk's doc values
   load_powers(pw, a.lam[h], L);
   load_state(Gs, ldv, ds_out.p ? ds_out.at(b, h) : nullptr, ds_out.sk, dk, dv);
   __syncthreads();
@@ -286,19 +324,25 @@ __global__ void __launch_bounds__(kGlaThreads) gla_bwd_dkv_kernel(GlaArgs a, HVi
     load_rows(Ks, ldk, k, b, n0, Le, h, dk, 1.f);
     load_rows(Vs, ldv, v, b, n0, Le, h, dv, 1.f);
     load_rows(Os, ldv, d_o, b, n0, Le, h, dv, 1.f);
+    if (VARLEN) load_doc(Ds, a, b, n0, Le);
     __syncthreads();
+    // VARLEN: pairs of one document; the G term for rows from the chunk's last start on
+    const int last = VARLEN ? Ds[Le - 1] : -1;
     if (dv_out.p) {
       // M[i][t] = λ^{t−i} q̃_t·k_i (t ≥ i)
       tile_mm(
           Le, Le, dk, [=](int i, int c) { return Ks[i * ldk + c]; }, [=](int c, int t) { return Qs[t * ldk + c]; },
-          [=](int i, int t, float x) { Ms[i * ldl + t] = t >= i ? pw[t - i] * x : 0.f; });
+          [=](int i, int t, float x) {
+            Ms[i * ldl + t] = t >= i && (!VARLEN || Ds[t] == Ds[i]) ? pw[t - i] * x : 0.f;
+          });
       __syncthreads();
       // dv_i = λ^{Le−1−i} Σ_c k_i[c] G[c,:] + Σ_t M[i][t] dO_t
       tile_mm2(
           Le, dv, dk, Le, [=](int i, int c) { return Ks[i * ldk + c]; }, [=](int c, int e) { return Gs[c * ldv + e]; },
           [=](int i, int t) { return Ms[i * ldl + t]; }, [=](int t, int e) { return Os[t * ldv + e]; },
           [=](int i, int e, float x, float y) {
-            stf(dv_out.p, dv_out.at(b, n0 + i, h) + e, dv_out.dt, pw[Le - 1 - i] * x + y);
+            const float f = !VARLEN || n0 + i >= last ? pw[Le - 1 - i] : 0.f;
+            stf(dv_out.p, dv_out.at(b, n0 + i, h) + e, dv_out.dt, f * x + y);
           });
       __syncthreads();
     }
@@ -306,22 +350,27 @@ __global__ void __launch_bounds__(kGlaThreads) gla_bwd_dkv_kernel(GlaArgs a, HVi
       // M[i][t] = λ^{t−i} dO_t·v_i (t ≥ i)
       tile_mm(
           Le, Le, dv, [=](int i, int e) { return Vs[i * ldv + e]; }, [=](int e, int t) { return Os[t * ldv + e]; },
-          [=](int i, int t, float x) { Ms[i * ldl + t] = t >= i ? pw[t - i] * x : 0.f; });
+          [=](int i, int t, float x) {
+            Ms[i * ldl + t] = t >= i && (!VARLEN || Ds[t] == Ds[i]) ? pw[t - i] * x : 0.f;
+          });
       __syncthreads();
       // dk_i = λ^{Le−1−i} Σ_e G[:,e] v_i[e] + Σ_t M[i][t] q̃_t
       tile_mm2(
           Le, dk, dv, Le, [=](int i, int e) { return Vs[i * ldv + e]; }, [=](int e, int c) { return Gs[c * ldv + e]; },
           [=](int i, int t) { return Ms[i * ldl + t]; }, [=](int t, int c) { return Qs[t * ldk + c]; },
           [=](int i, int c, float x, float y) {
-            stf(dk_out.p, dk_out.at(b, n0 + i, h) + c, dk_out.dt, pw[Le - 1 - i] * x + y);
+            const float f = !VARLEN || n0 + i >= last ? pw[Le - 1 - i] : 0.f;
+            stf(dk_out.p, dk_out.at(b, n0 + i, h) + c, dk_out.dt, f * x + y);
           });
       __syncthreads();
     }
-    // G ← λ^{Le} G + Σ_t λ^{t+1} q̃_tᵀ dO_t
+    // G ← λ^{Le} G + Σ_t λ^{t+1} q̃_tᵀ dO_t   (VARLEN: from zero when a document starts in the
+    // chunk, with the rows whose document began before it)
+    const float dec = VARLEN && last >= n0 ? 0.f : pw[Le];
     tile_mm(
-        dk, dv, Le, [=](int c, int t) { return Qs[t * ldk + c] * pw[t + 1]; },
+        dk, dv, Le, [=](int c, int t) { return Qs[t * ldk + c] * (!VARLEN || Ds[t] < n0 ? pw[t + 1] : 0.f); },
         [=](int t, int e) { return Os[t * ldv + e]; },
-        [=](int c, int e, float x) { Gs[c * ldv + e] = pw[Le] * Gs[c * ldv + e] + x; });
+        [=](int c, int e, float x) { Gs[c * ldv + e] = dec * Gs[c * ldv + e] + x; });
     __syncthreads();
   }
   if (ds_in.p) store_state(ds_in.at(b, h), ds_in.sk, Gs, ldv, dk, dv);
@@ -382,19 +431,25 @@ GlaArgs gla_args(const GlaParams& p, const Tensor& q, const Tensor& v) {
   LAPLACE_CHECK(static_cast<int64_t>(a.B) * a.H < (1LL << 31), "gla: B·H too large for the grid");
   a.scale = static_cast<float>(p.scale);
   for (int h = 0; h < a.H; ++h) a.lam[h] = p.decay[h];
+  a.doc = nullptr;
   return a;
 }
 
 // The kernel's chunk: at most 64, at most p.chunk for the chunked form, at most T (decode
-// needs one row), halved until the shared-memory tiles fit. Depends on the shapes only.
-int gla_chunk(const GlaParams& p, int kind, int T, int dk, int dv, int max_smem) {
+// needs one row), halved until the shared-memory tiles fit. Depends on the shapes only: with
+// doc (varlen) it is the chunk without, unless the doc values do not fit beside its tiles
+// (then halved again), so that a doc without starts keeps the bits of no doc.
+int gla_chunk(const GlaParams& p, int kind, int T, int dk, int dv, int max_smem, bool varlen) {
   int L = kGlaMaxChunk;
   if (p.form == GlaForm::kChunked && p.chunk >= 1 && p.chunk < L) L = static_cast<int>(p.chunk);
   if (T >= 1 && T < L) L = T;
   while (L > 1 && gla_smem_floats(kind, L, dk, dv) * 4 > max_smem) L = (L + 1) / 2;
-  LAPLACE_CHECK(gla_smem_floats(kind, L, dk, dv) * 4 <= max_smem, "gla: the state does not fit in shared memory");
+  while (L > 1 && gla_smem_floats(kind, L, dk, dv, varlen) * 4 > max_smem) L = (L + 1) / 2;
+  LAPLACE_CHECK(gla_smem_floats(kind, L, dk, dv, varlen) * 4 <= max_smem,
+                "gla: the state does not fit in shared memory");
   return L;
 }
+
 
 }  // namespace cuda
 
@@ -402,10 +457,13 @@ using namespace cuda;
 
 void CudaBackend::gla_forward(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor o,
                               const Tensor& s_in, Tensor s_out, const Tensor& slots) {
-  // One token per sequence: the streaming decode kernel (F32 or BF16 states).
-  if (q.ndim == 4 && q.shape[1] == 1 && gla_decode_forward(*this, p, q, k, v, o, s_in, s_out, slots, nullptr, nullptr, 0, nullptr))
+  // One token per sequence: the streaming decode kernel (F32 or BF16 states). Decode steps
+  // take no doc (ops/backend.h); a one-token call with doc runs the generic kernel below.
+  if (q.ndim == 4 && q.shape[1] == 1 && !p.doc.defined() &&
+      gla_decode_forward(*this, p, q, k, v, o, s_in, s_out, slots, nullptr, nullptr, 0, nullptr))
     return;
   GlaArgs a = gla_args(p, q, v);
+  a.doc = doc_starts_arg(p.doc, a.B, a.T, "gla_forward: doc");
   HView vq = head_view(q, a.B, a.T, a.H, a.dk, "gla_forward: q");
   HView vk = head_view(k, a.B, a.T, a.H, a.dk, "gla_forward: k");
   HView vv = head_view(v, a.B, a.T, a.H, a.dv, "gla_forward: v");
@@ -423,10 +481,12 @@ void CudaBackend::gla_forward(const GlaParams& p, const Tensor& q, const Tensor&
   SView so = state_view(s_out, min_entries, a.H, a.dk, a.dv, "gla_forward: s_out");
   if (a.B == 0) return;
   if (gla_tc_forward(*this, p, q, k, v, o, s_in, s_out, slots)) return;  // tensor-core path
-  a.L = gla_chunk(p, kGlaFwd, a.T, a.dk, a.dv, max_smem_optin());
-  const size_t bytes = gla_smem_floats(kGlaFwd, a.L, a.dk, a.dv) * sizeof(float);
-  kernel_smem(gla_fwd_kernel, bytes);
-  gla_fwd_kernel<<<static_cast<unsigned>(a.B * a.H), kGlaThreads, bytes, stream_>>>(a, vq, vk, vv, vo, si, so, ps);
+  const bool varlen = a.doc != nullptr;
+  a.L = gla_chunk(p, kGlaFwd, a.T, a.dk, a.dv, max_smem_optin(), varlen);
+  const size_t bytes = gla_smem_floats(kGlaFwd, a.L, a.dk, a.dv, varlen) * sizeof(float);
+  const auto kern = varlen ? gla_fwd_kernel<true> : gla_fwd_kernel<false>;
+  kernel_smem(kern, bytes);
+  kern<<<static_cast<unsigned>(a.B * a.H), kGlaThreads, bytes, stream_>>>(a, vq, vk, vv, vo, si, so, ps);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -445,23 +505,27 @@ void CudaBackend::gla_backward(const GlaParams& p, const Tensor& q, const Tensor
   SView si = state_view(s_in, a.B, a.H, a.dk, a.dv, "gla_backward: s_in");
   SView sgo = state_view(ds_out, a.B, a.H, a.dk, a.dv, "gla_backward: ds_out");
   SView sgi = state_view(ds_in, a.B, a.H, a.dk, a.dv, "gla_backward: ds_in");
+  a.doc = doc_starts_arg(p.doc, a.B, a.T, "gla_backward: doc");
   if (a.B == 0) return;
   if (gla_tc_backward(*this, p, q, k, v, s_in, d_o, ds_out, dq, dk, dv, ds_in)) return;  // tensor-core path
   const unsigned grid = static_cast<unsigned>(a.B * a.H);
+  const bool varlen = a.doc != nullptr;
   if (vdq.p) {
     GlaArgs a1 = a;
-    a1.L = gla_chunk(p, kGlaBwdDq, a.T, a.dk, a.dv, max_smem_optin());
-    const size_t bytes = gla_smem_floats(kGlaBwdDq, a1.L, a.dk, a.dv) * sizeof(float);
-    kernel_smem(gla_bwd_dq_kernel, bytes);
-    gla_bwd_dq_kernel<<<grid, kGlaThreads, bytes, stream_>>>(a1, vk, vv, vdo, vdq, si);
+    a1.L = gla_chunk(p, kGlaBwdDq, a.T, a.dk, a.dv, max_smem_optin(), varlen);
+    const size_t bytes = gla_smem_floats(kGlaBwdDq, a1.L, a.dk, a.dv, varlen) * sizeof(float);
+    const auto kern = varlen ? gla_bwd_dq_kernel<true> : gla_bwd_dq_kernel<false>;
+    kernel_smem(kern, bytes);
+    kern<<<grid, kGlaThreads, bytes, stream_>>>(a1, vk, vv, vdo, vdq, si);
     CUDA_CHECK_LAUNCH();
   }
   if (vdk.p || vdv.p || sgi.p) {
     GlaArgs a2 = a;
-    a2.L = gla_chunk(p, kGlaBwdDkv, a.T, a.dk, a.dv, max_smem_optin());
-    const size_t bytes = gla_smem_floats(kGlaBwdDkv, a2.L, a.dk, a.dv) * sizeof(float);
-    kernel_smem(gla_bwd_dkv_kernel, bytes);
-    gla_bwd_dkv_kernel<<<grid, kGlaThreads, bytes, stream_>>>(a2, vq, vk, vv, vdo, vdk, vdv, sgo, sgi);
+    a2.L = gla_chunk(p, kGlaBwdDkv, a.T, a.dk, a.dv, max_smem_optin(), varlen);
+    const size_t bytes = gla_smem_floats(kGlaBwdDkv, a2.L, a.dk, a.dv, varlen) * sizeof(float);
+    const auto kern = varlen ? gla_bwd_dkv_kernel<true> : gla_bwd_dkv_kernel<false>;
+    kernel_smem(kern, bytes);
+    kern<<<grid, kGlaThreads, bytes, stream_>>>(a2, vq, vk, vv, vdo, vdk, vdv, sgo, sgi);
     CUDA_CHECK_LAUNCH();
   }
 }
