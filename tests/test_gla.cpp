@@ -685,7 +685,9 @@ void check_packed_equals_one_by_one(DType dt, GlaForm form) {
                        Tensor{});
       EXPECT_TRUE(same_bits(*o, rows_of(*packed.o, b, t0, t1)));
       const bool last = i + 1 == segs.size();
-      if (last) EXPECT_TRUE(same_bits(*s, packed.s->t.slice(0, b, b + 1)));
+      if (last) {
+        EXPECT_TRUE(same_bits(*s, packed.s->t.slice(0, b, b + 1)));
+      }
       if (form != GlaForm::kChunked) continue;
       Owned dq = owned(dt, {1, n, d.H, d.dk}), dk = owned(dt, {1, n, d.H, d.dk}), dv = owned(dt, {1, n, d.H, d.dv}),
             ds = owned(dt, {1, d.H, d.dk, d.dv});
