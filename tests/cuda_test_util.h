@@ -5,6 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
+#include <random>
+#include <string>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -57,6 +60,69 @@ struct Buf {
   std::unique_ptr<DevTensor> dev;
   Tensor r() const { return ref->t; }
   Tensor d() const { return dev->t; }
+};
+
+// A test that runs an op on the GPU and its reference on the CPU: skipped without a GPU.
+class CudaVsCpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    cuda_ = make_cuda_backend(&why);
+    if (!cuda_) GTEST_SKIP() << "no CUDA device: " << why;
+    cpu_ = make_cpu_backend();
+  }
+
+  // Same values (rounded to dev_dt) on both sides; uniform in [lo, hi).
+  Buf input(const std::vector<int64_t>& shape, DType dev_dt, DType ref_dt, uint64_t seed, double lo = -1,
+            double hi = 1) {
+    Buf b;
+    b.ref = host_tensor(ref_dt, shape);
+    auto stage = host_tensor(dev_dt, shape);
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<double> dist(lo, hi);
+    const int64_t n = b.ref->t.numel();
+    for (int64_t i = 0; i < n; ++i) {
+      const double x = round_to(dev_dt, dist(rng));
+      set_flat(stage->t, i, x);
+      set_flat(b.ref->t, i, x);
+    }
+    b.dev = std::make_unique<DevTensor>(*cuda_, dev_dt, shape);
+    cuda_->copy(b.dev->t, stage->t);
+    return b;
+  }
+  Buf zeros(const std::vector<int64_t>& shape, DType dev_dt, DType ref_dt) {
+    Buf b;
+    b.ref = host_tensor(ref_dt, shape);  // zero-filled storage
+    auto stage = host_tensor(dev_dt, shape);
+    b.dev = std::make_unique<DevTensor>(*cuda_, dev_dt, shape);
+    cuda_->copy(b.dev->t, stage->t);
+    return b;
+  }
+  Buf ints(const std::vector<int32_t>& v) {
+    Buf b;
+    const std::vector<int64_t> shape = {static_cast<int64_t>(v.size())};
+    b.ref = host_tensor(DType::kI32, shape);
+    std::memcpy(b.ref->t.data, v.data(), v.size() * 4);
+    b.dev = std::make_unique<DevTensor>(*cuda_, DType::kI32, shape);
+    cuda_->copy(b.dev->t, b.ref->t);
+    return b;
+  }
+  // Host copy (in the device dtype) of a device tensor.
+  std::unique_ptr<OwnedTensor> down(const Tensor& d) {
+    std::vector<int64_t> shape(d.shape.begin(), d.shape.begin() + d.ndim);
+    auto h = host_tensor(d.dtype, shape);
+    cuda_->copy(h->t, d);
+    return h;
+  }
+  // max relative error of the GPU side against the CPU side.
+  double err(const Buf& b) { return max_rel_error(down(b.d())->t, b.r()); }
+  double rms(const Buf& b) { return rms_rel_error(down(b.d())->t, b.r()); }
+  bool same_bytes(const Tensor& a, const Tensor& b) {
+    auto ha = down(a), hb = down(b);
+    return ha->t.nbytes() == hb->t.nbytes() && std::memcmp(ha->t.data, hb->t.data, ha->t.nbytes()) == 0;
+  }
+
+  std::unique_ptr<Backend> cuda_, cpu_;
 };
 
 }  // namespace laplace::testing

@@ -38,6 +38,7 @@ using laplace::testing::round_to;
 constexpr DType kF32 = DType::kF32, kBF16 = DType::kBF16, kF64 = DType::kF64, kI32 = DType::kI32;
 
 using laplace::testing::Buf;
+using laplace::testing::CudaVsCpu;
 using laplace::testing::DevTensor;
 using laplace::testing::host_tensor;
 using laplace::testing::set_flat;
@@ -78,41 +79,8 @@ GlaParams gla_params(int64_t H, int64_t dk, int64_t chunk, GlaForm form = GlaFor
   return p;
 }
 
-class CudaVarlen : public ::testing::Test {
+class CudaVarlen : public CudaVsCpu {
  protected:
-  void SetUp() override {
-    std::string why;
-    cuda_ = make_cuda_backend(&why);
-    if (!cuda_) GTEST_SKIP() << "no CUDA device: " << why;
-    cpu_ = make_cpu_backend();
-  }
-
-  // Same values (rounded to dev_dt) on both sides; uniform in [lo, hi).
-  Buf input(const std::vector<int64_t>& shape, DType dev_dt, DType ref_dt, uint64_t seed, double lo = -1,
-            double hi = 1) {
-    Buf b;
-    b.ref = host_tensor(ref_dt, shape);
-    auto stage = host_tensor(dev_dt, shape);
-    std::mt19937_64 rng(seed);
-    std::uniform_real_distribution<double> dist(lo, hi);
-    const int64_t n = b.ref->t.numel();
-    for (int64_t i = 0; i < n; ++i) {
-      const double x = round_to(dev_dt, dist(rng));
-      set_flat(stage->t, i, x);
-      set_flat(b.ref->t, i, x);
-    }
-    b.dev = std::make_unique<DevTensor>(*cuda_, dev_dt, shape);
-    cuda_->copy(b.dev->t, stage->t);
-    return b;
-  }
-  Buf zeros(const std::vector<int64_t>& shape, DType dev_dt, DType ref_dt) {
-    Buf b;
-    b.ref = host_tensor(ref_dt, shape);
-    auto stage = host_tensor(dev_dt, shape);
-    b.dev = std::make_unique<DevTensor>(*cuda_, dev_dt, shape);
-    cuda_->copy(b.dev->t, stage->t);
-    return b;
-  }
   // doc [B, T] I32 on both sides.
   Buf doc(int64_t B, int64_t T, const std::vector<int32_t>& v) {
     EXPECT_EQ(static_cast<int64_t>(v.size()), B * T);
@@ -123,27 +91,6 @@ class CudaVarlen : public ::testing::Test {
     cuda_->copy(b.dev->t, b.ref->t);
     return b;
   }
-  Buf ints(const std::vector<int32_t>& v) {
-    Buf b;
-    const std::vector<int64_t> shape = {static_cast<int64_t>(v.size())};
-    b.ref = host_tensor(kI32, shape);
-    std::memcpy(b.ref->t.data, v.data(), v.size() * 4);
-    b.dev = std::make_unique<DevTensor>(*cuda_, kI32, shape);
-    cuda_->copy(b.dev->t, b.ref->t);
-    return b;
-  }
-  std::unique_ptr<OwnedTensor> down(const Tensor& d) {
-    std::vector<int64_t> shape(d.shape.begin(), d.shape.begin() + d.ndim);
-    auto h = host_tensor(d.dtype, shape);
-    cuda_->copy(h->t, d);
-    return h;
-  }
-  bool same_bytes(const Tensor& a, const Tensor& b) {
-    auto ha = down(a), hb = down(b);
-    return ha->t.nbytes() == hb->t.nbytes() && std::memcmp(ha->t.data, hb->t.data, ha->t.nbytes()) == 0;
-  }
-  double err(const Buf& b) { return max_rel_error(down(b.d())->t, b.r()); }
-
   // Relative RMS error of the GPU side against the CPU side for each batch row (dim 0); a row
   // whose reference is all zeros reports 0 when the GPU's is all zeros too, else infinity.
   std::vector<double> row_rms(const Buf& b) {
@@ -166,7 +113,6 @@ class CudaVarlen : public ::testing::Test {
     for (size_t r = 0; r < e.size(); ++r) EXPECT_LE(e[r], tol) << what << ", batch row " << r;
   }
 
-  std::unique_ptr<Backend> cuda_, cpu_;
 };
 
 // ---- GLA: tensor-core path --------------------------------------------------------------------
