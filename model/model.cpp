@@ -482,6 +482,16 @@ void Model::mixer_backward(const GlaParams& gp, const Tensor& q, const Tensor& k
                       doc_rows(dv, b, t0, t1), Tensor{});
 }
 
+// The output norm's statistics of B·T tokens as the [B, T, H] view rmsnorm_gate takes.
+Tensor Model::rstd_view(const Tensor& onorm_rstd, int64_t B, int64_t T) const {
+  const int64_t H = cfg_.num_heads;
+  Tensor r = onorm_rstd.slice(0, 0, B * T);
+  r.ndim = 3;
+  r.shape = {B, T, H, 0};
+  r.stride = {T * H, H, 1, 0};
+  return r;
+}
+
 Tensor Model::doc_view(int64_t B, int64_t T) const {
   return doc_.slice(0, 0, B * T).reshape({B, T});
 }
@@ -744,10 +754,7 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
     if (!decode_step) {
       // Row-wise: a ragged forward takes its N rows as one sequence [1, N].
       const int64_t rb = ragged ? 1 : B, rt = ragged ? N : T;
-      Tensor rstd = a.onorm_rstd.slice(0, 0, N);
-      rstd.ndim = 3;
-      rstd.shape = {rb, rt, H, 0};
-      rstd.stride = {rt * H, H, 1, 0};
+      const Tensor rstd = rstd_view(a.onorm_rstd, rb, rt);
       be.rmsnorm_gate_forward(bthd(rows(a.o, N), rb, rt, H, dv), qkvg_part(qkvg, rb, rt, 3), w.onorm_w, cfg_.norm_eps,
                               bthd(rows(a.y, N), rb, rt, H, dv), rstd);
     }
@@ -811,10 +818,7 @@ void Model::train_layer_forward(int64_t l, int64_t B, int64_t T, const GlaParams
   project(rows(a.c, N), w.wqkvg, fp8(0), Tensor{}, qkvg);
   mixer_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
                 bthd(rows(a.o, N), B, T, H, dv));
-  Tensor rstd = a.onorm_rstd.slice(0, 0, N);
-  rstd.ndim = 3;
-  rstd.shape = {B, T, H, 0};
-  rstd.stride = {T * H, H, 1, 0};
+  const Tensor rstd = rstd_view(a.onorm_rstd, B, T);
   be.rmsnorm_gate_forward(bthd(rows(a.o, N), B, T, H, dv), qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps,
                           bthd(rows(a.y, N), B, T, H, dv), rstd);
   project(rows(a.y, N), w.wo, fp8(1), x_in, x_mid);  // x_mid = x_in + y·W_oᵀ
@@ -922,10 +926,7 @@ void Model::backward(const int32_t* targets, const Arena& grads, double loss_sca
     Tensor o = bthd(rows(a.o, N), B, T, H, dv);
     if (plan_.recompute_mixer)
       mixer_forward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), o);
-    Tensor rstd = a.onorm_rstd.slice(0, 0, N);
-    rstd.ndim = 3;
-    rstd.shape = {B, T, H, 0};
-    rstd.stride = {T * H, H, 1, 0};
+    const Tensor rstd = rstd_view(a.onorm_rstd, B, T);
     be.rmsnorm_gate_backward(bthd(rows(dy_, N), B, T, H, dv), o, qkvg_part(qkvg, B, T, 3), w.onorm_w, rstd,
                              bthd(rows(do_, N), B, T, H, dv), qkvg_part(dqkvg, B, T, 3), gw.onorm_w);
     mixer_backward(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),

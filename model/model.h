@@ -228,6 +228,7 @@ class Model {
 
   GlaParams gla_params(GlaForm form) const;
   Tensor doc_view(int64_t B, int64_t T) const;  // doc_ as [B, T]
+  Tensor rstd_view(const Tensor& onorm_rstd, int64_t B, int64_t T) const;
   // Documents kept apart on a backend whose ops do not take GlaParams::doc
   // (Backend::keeps_documents_apart() false): each document of each row of the last forward
   // (doc_segs_) runs through the conv and the mixer as a [1, n] sequence of its own (views into the
