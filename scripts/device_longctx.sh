@@ -17,6 +17,13 @@
 #          decay_exponents [5, 10, 15, 20], each trained at T = 2,048 and at T = 32,768 on the same tokens in the same
 #          order (documents kept apart), then `eval position --documents` on the held-out documents of at least
 #          32,768 tokens, each from a zero state; figures longdoc_* into $OUT/results.jsonl
+#   pair   one of the two laplace-125m runs of the comparison (PAIR_T = 32768 or 2048): configs/laplace-125m-long.json
+#          (its four heads' memories spread over 32 ... 2^20 tokens), PAIR_STEPS steps of 65,536 tokens (3,052: 200.0M)
+#          on the carried slice in order, documents kept apart; then eval position --documents on the held-out long
+#          documents and, at PAIR_T = 32768, passkey and copy. One run fits one call; the gain needs both files.
+#
+# Prebuilt binaries: with .carry/bin.tar.xz (laplace, bench_train, laplace_tests, libcupti_trace.so and the
+# libraries they need that the machine lacks; scripts/device_pack.sh makes it here) the stage build is skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -28,6 +35,16 @@ B=build-gpu
 RES="$OUT/results.jsonl"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+
+if [ -f .carry/bin.tar.xz ] && [ ! -x $B/laplace ]; then
+  mkdir -p $B/bench $B/tests $B/experiments $B/lib && tar -xJf .carry/bin.tar.xz -C $B/lib
+  for f in laplace:. bench_train:bench laplace_tests:tests libcupti_trace.so:experiments; do
+    [ -f $B/lib/${f%%:*} ] && mv $B/lib/${f%%:*} $B/${f##*:}/
+  done
+  echo "prebuilt binaries: $(ls $B/lib | tr '\n' ' ')"
+fi
+export LD_LIBRARY_PATH=$PWD/$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+[ -x $B/laplace ] && STAGES=${STAGES/build/}
 
 if has build; then
   t0=$(date +%s)
@@ -99,9 +116,9 @@ if has peer; then
     | tee "$OUT/peer.log" | grep '^{' || tail -5 "$OUT/peer.log"
 fi
 
-if has quality; then
+TOK=.carry/longctx/tokenizer.model
+prepare_longctx() {  # the carried slice and the held-out long documents, tokenized once per machine
   mkdir -p "$LC"
-  TOK=.carry/longctx/tokenizer.model
   if [ ! -f "$LC/data/train_000000.bin" ]; then
     t0=$(date +%s)
     xz -T0 -dc .carry/longctx/train.jsonl.xz > "$LC/train.jsonl" && xz -dc .carry/longctx/val_long.jsonl.xz > "$LC/val_long.jsonl"
@@ -111,6 +128,39 @@ if has quality; then
       > "$OUT/prepare_test.log" 2>&1 || { tail -5 "$OUT/prepare_test.log"; exit 1; }
     echo "data in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/prepare_train.log")"
   fi
+}
+
+if has pair; then
+  prepare_longctx || exit 1
+  T=${PAIR_T:-32768}
+  run="$LC/laplace125m_t$T"
+  t0=$(date +%s)
+  timeout ${PAIR_TRAIN_S:-520} $B/laplace train --config configs/laplace-125m-long.json --data "$LC/data/train_*.bin" \
+    --tokenizer $TOK --out "$run" --device cuda --dtype bf16 --batch $(( 32768 / T )) --seq $T --grad-accum 2 \
+    --steps ${PAIR_STEPS:-3052} --lr 1.5e-3 --warmup 150 --schedule cosine --min-lr-frac 0.1 --wd 0.1 \
+    --max-grad-norm 1.0 --no-shuffle --documents separate --log-every 100 > "$OUT/train_laplace125m_t$T.log" 2>&1
+  echo "laplace125m T=$T: exit $? in $(( $(date +%s) - t0 )) s; $(grep -E '^step' "$OUT/train_laplace125m_t$T.log" | tail -1)"
+  cp "$run/metrics.jsonl" "$OUT/metrics_laplace125m_t$T.jsonl" 2>/dev/null
+  timeout ${EVAL_S:-90} $B/laplace eval position --model "$run" --data "$LC/test/train_*.bin" --documents \
+    --min-doc-tokens 32768 --context 131072 --device cuda --dtype bf16 --out "$run/eval" \
+    --results "$RES" --tag "laplace125m_t$T" > "$OUT/eval_laplace125m_t$T.log" 2>&1
+  tail -14 "$OUT/eval_laplace125m_t$T.log"
+  cp "$run/eval/longdoc.jsonl" "$OUT/longdoc_laplace125m_t$T.jsonl" 2>/dev/null
+  if [ "$T" = 32768 ]; then
+    timeout ${PROBE_S:-45} $B/laplace eval passkey --model "$run" --data "$LC/test/train_*.bin" --device cuda --dtype bf16 \
+      --contexts 1024,4096,16384,32768 --depths 0,0.5,1 --trials 16 --batch 16 --out "$run/eval" --results "$RES" \
+      --tag "laplace125m_t$T" > "$OUT/passkey_laplace125m_t$T.log" 2>&1
+    tail -14 "$OUT/passkey_laplace125m_t$T.log"
+    timeout ${PROBE_S:-45} $B/laplace eval copy --model "$run" --data "$LC/test/train_*.bin" --device cuda --dtype bf16 \
+      --m 16,64 --d 0,1024,4096,16384 --trials 16 --batch 16 --out "$run/eval" --results "$RES" \
+      --tag "laplace125m_t$T" > "$OUT/copy_laplace125m_t$T.log" 2>&1
+    tail -12 "$OUT/copy_laplace125m_t$T.log"
+    cp "$run"/eval/{passkey,copy}.jsonl "$OUT/" 2>/dev/null
+  fi
+fi
+
+if has quality; then
+  prepare_longctx || exit 1
   SMALL='"model_type": "laplace", "vocab_size": 32768, "hidden_size": 512, "num_layers": 6, "num_heads": 4,
          "head_k_dim": 96, "head_v_dim": 192, "ffn_size": 1536, "conv_size": 4, "chunk_size": 128'
   echo "{$SMALL}" > "$LC/small.json"

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Packs the CUDA binaries built here for a device call: .carry/bin.tar.xz holds laplace, bench_train,
+# laplace_tests and libcupti_trace.so (stripped, from BUILD, default build-cu: sm_90a, -DLAPLACE_EXPERIMENTS=ON)
+# and the shared libraries they load that the GPU machine (Ubuntu 24.04 with CUDA, NCCL and OpenMPI) lacks
+# or may hold in another version: OpenBLAS and its Fortran runtime, sentencepiece, OpenMPI's C++ binding.
+# scripts/device_longctx.sh unpacks it into build-gpu/ and skips its build stage; a call saves the minutes
+# of compiling the CUDA kernels there.
+#
+#   scripts/device_pack.sh [BUILD]      then name .carry/bin.tar.xz in the call's carry
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${1:-build-cu}
+cmake --build "$BUILD" -j "$(nproc)" --target laplace bench_train laplace_tests cupti_trace
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+for f in laplace bench/bench_train tests/laplace_tests experiments/libcupti_trace.so; do
+  strip -o "$tmp/$(basename $f)" "$BUILD/$f"
+done
+for lib in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0 libsentencepiece.so.0 libsentencepiece_train.so.0 \
+           libmpi_cxx.so.40; do
+  path=$(ldd "$BUILD/laplace" | awk -v l="$lib" '$1 == l { print $3 }')
+  [ -n "$path" ] && cp -L "$path" "$tmp/"
+done
+mkdir -p .carry
+tar -C "$tmp" -cf - . | xz -T0 -6 > .carry/bin.tar.xz
+echo "device_pack: .carry/bin.tar.xz $(du -h .carry/bin.tar.xz | cut -f1): $(ls "$tmp" | tr '\n' ' ')"
