@@ -7,13 +7,18 @@
 # of compiling the CUDA kernels there.
 #
 #   scripts/device_pack.sh [BUILD]      then name .carry/bin.tar.xz in the call's carry
+#   BINS="laplace" scripts/device_pack.sh   only those binaries (a call carrying data has 64 MiB in all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build-cu}
-cmake --build "$BUILD" -j "$(nproc)" --target laplace bench_train laplace_tests cupti_trace
+BINS=${BINS:-"laplace bench_train laplace_tests cupti_trace"}
+declare -A FILE=([laplace]=laplace [bench_train]=bench/bench_train [laplace_tests]=tests/laplace_tests
+                 [cupti_trace]=experiments/libcupti_trace.so)
+cmake --build "$BUILD" -j "$(nproc)" --target $BINS
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-for f in laplace bench/bench_train tests/laplace_tests experiments/libcupti_trace.so; do
+for b in $BINS; do
+  f=${FILE[$b]}
   strip -o "$tmp/$(basename $f)" "$BUILD/$f"
 done
 for lib in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0 libsentencepiece.so.0 libsentencepiece_train.so.0 \
