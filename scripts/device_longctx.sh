@@ -116,12 +116,13 @@ if has peer; then
     | tee "$OUT/peer.log" | grep '^{' || tail -5 "$OUT/peer.log"
 fi
 
-TOK=.carry/longctx/tokenizer.model
+LCD=${LC_CARRY:-.carry/longctx}   # the carried slice (a smaller one where a call carries more binaries)
+TOK=$LCD/tokenizer.model
 prepare_longctx() {  # the carried slice and the held-out long documents, tokenized once per machine
   mkdir -p "$LC"
   if [ ! -f "$LC/data/train_000000.bin" ]; then
     t0=$(date +%s)
-    xz -T0 -dc .carry/longctx/train.jsonl.xz > "$LC/train.jsonl" && xz -dc .carry/longctx/val_long.jsonl.xz > "$LC/val_long.jsonl"
+    xz -T0 -dc $LCD/train.jsonl.xz > "$LC/train.jsonl" && xz -dc $LCD/val_long.jsonl.xz > "$LC/val_long.jsonl"
     $B/laplace data prepare --input "$LC/train.jsonl" --tokenizer $TOK --out "$LC/data" --val-fraction 0 --overwrite \
       > "$OUT/prepare_train.log" 2>&1 || { tail -5 "$OUT/prepare_train.log"; exit 1; }
     $B/laplace data prepare --input "$LC/val_long.jsonl" --tokenizer $TOK --out "$LC/test" --val-fraction 0 --overwrite \
