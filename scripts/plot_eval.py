@@ -6,6 +6,8 @@
   position.jsonl  {"mode": "position", "begin": 64, "end": 128, "loss": 3.1, "memory_bytes": ...}
                                                                                      → loss by position (log x)
                                                                                        and the memory held
+  longdoc.jsonl   the same fields, from `eval position --documents` (each held-out document from a zero
+                  state)                                                             → the same plot
 
   scripts/plot_eval.py runs/eval/copy.jsonl --out docs/img/recall_copy.png
   scripts/plot_eval.py runs/eval/position.jsonl other/position.jsonl --labels 125m,350m --out pos.svg
@@ -24,6 +26,7 @@ FIELDS = {
     "copy": ("m", "d", "accuracy"),
     "passkey": ("context", "depth", "accuracy"),
     "position": ("begin", "end", "loss", "memory_bytes"),
+    "longdoc": ("begin", "end", "loss", "memory_bytes"),
 }
 
 
@@ -31,7 +34,7 @@ def read(path):
     recs, mode = [], None
     for where, rec in read_json_lines(path):
         if rec.get("mode") not in FIELDS:
-            raise InputError(f"{where}: not a copy, passkey or position line")
+            raise InputError(f"{where}: not a copy, passkey, position or longdoc line")
         if mode and rec["mode"] != mode:
             raise InputError(f"{where}: a {rec['mode']} line among {mode} lines")
         mode = rec["mode"]
@@ -90,7 +93,8 @@ def plot(mode, files, args):
         ax.grid(True, which="both", alpha=0.3)
         if len(files) > 1:
             ax.legend(fontsize=8)
-        title = "loss by position at constant memory"
+        title = ("loss by position in held-out long documents, each from a zero state" if mode == "longdoc"
+                 else "loss by position at constant memory")
     ax.set_title(args.title or title)
     fig.tight_layout()
     save(fig, plt, args.out)
@@ -98,7 +102,7 @@ def plot(mode, files, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Plot copy/passkey heatmaps or loss by position from laplace eval output.")
-    p.add_argument("paths", nargs="+", help="copy.jsonl, passkey.jsonl or position.jsonl files")
+    p.add_argument("paths", nargs="+", help="copy.jsonl, passkey.jsonl, position.jsonl or longdoc.jsonl files")
     p.add_argument("--out", required=True, help="the figure: a .png or .svg file")
     p.add_argument("--labels", default="", help="comma-separated curve labels (position files)")
     p.add_argument("--title", default="")
@@ -110,7 +114,7 @@ def main(argv=None):
         if len(modes) > 1:
             raise InputError("the files mix modes: " + ", ".join(sorted(modes)))
         mode = modes.pop()
-        if mode != "position" and len(read_all) > 1:
+        if mode not in ("position", "longdoc") and len(read_all) > 1:
             raise InputError(f"a {mode} heatmap takes one file")
         labels = args.labels.split(",") if args.labels else [os.path.basename(os.path.dirname(os.path.abspath(p))) or p
                                                             for p in args.paths]

@@ -60,6 +60,20 @@ class PlotEval(unittest.TestCase):
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("10 points", r.stdout)
 
+    def test_two_longdoc_curves(self):
+        # eval position --documents writes "longdoc" lines: the same plot, one curve per model.
+        longdoc = os.path.join(self.dir, "longdoc.jsonl")
+        with open(self.position) as f:
+            recs = [json.loads(line) for line in f if line.strip()]
+        write(longdoc, [dict(r, mode="longdoc") for r in recs])
+        out = os.path.join(self.dir, "longdoc.png")
+        r = self.run_script(longdoc, longdoc, "--labels", "T 2k,T 32k", "--out", out)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("longdoc: 10 points", r.stdout)
+        r = self.run_script(longdoc, self.position, "--out", out)
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("mix modes", r.stderr)
+
     def test_bad_input(self):
         bad = os.path.join(self.dir, "bad.jsonl")
         cases = [
