@@ -187,28 +187,9 @@ if has quality; then
       cp "$run/eval/longdoc.jsonl" "$OUT/longdoc_${model}_t$T.jsonl" 2>/dev/null
     done
     # The headline figures: the long-trained model's gain over positions 8k-32k, and its slope.
-    python3 - "$OUT/longdoc_${model}_t2048.jsonl" "$OUT/longdoc_${model}_t32768.jsonl" "$model" "$COMMIT" "$(cut -d, -f1 "$OUT/gpu.txt")" >> "$RES" <<'PY'
-import json, sys, datetime
-def rows(p):
-    with open(p) as f:
-        return [json.loads(l) for l in f if l.strip()]
-def mean(rs, lo, hi):
-    sel = [r for r in rs if r["begin"] >= lo and r["end"] <= hi and r["tokens"] > 0]
-    n = sum(r["tokens"] for r in sel)
-    return sum(r["loss"] * r["tokens"] for r in sel) / n if n else float("nan")
-a, b = rows(sys.argv[1]), rows(sys.argv[2])
-model, commit = sys.argv[3], sys.argv[4]
-now = datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ")
-dev = sys.argv[5]
-for name, value, note in (
-        ("longdoc_gain_32k_vs_2k_%s" % model, mean(a, 8192, 32768) - mean(b, 8192, 32768),
-         "mean loss over positions 8,192-32,768 of the T=2,048 run minus the T=32,768 run's"),
-        ("longdoc_slope_%s_t32k" % model, mean(b, 16384, 32768) - mean(b, 2048, 4096),
-         "T=32,768 run: loss at positions 16k-32k minus 2k-4k")):
-    print(json.dumps({"bench": name, "value": value, "unit": "nats", "device": dev, "commit": commit, "date": now,
-                      "note": note + "; held-out documents of at least 32,768 tokens, each from a zero state",
-                      "command": "STAGES=quality scripts/device_longctx.sh"}))
-PY
+    python3 scripts/longdoc_figures.py "$OUT/longdoc_${model}_t2048.jsonl" "$OUT/longdoc_${model}_t32768.jsonl" \
+      --model "$model" --commit "$COMMIT" --device "$(cut -d, -f1 "$OUT/gpu.txt")" \
+      --command "STAGES=quality scripts/device_longctx.sh" >> "$RES"
     tail -2 "$RES"
   done
 fi
