@@ -156,23 +156,22 @@ Request Server::Impl::make_request(const std::shared_ptr<Job>& job, size_t i) {
   r.use_cache = cache_on(*job);
   r.cache_final_state = cache_on(*job);
   r.capture_final_state = !p.save_session.empty();
-  std::weak_ptr<Job> wj = job;
-  r.on_logprobs = [wj, i](RequestId, const TokenLogprobs& lp) {
-    if (auto j = wj.lock()) {
-      std::lock_guard<std::mutex> lk(j->mu);
-      j->choices[i].logprobs.push_back(lp);
-    }
+  // The callbacks hold the job, not a weak reference to it: what the job holds of the
+  // server's capacity (its n admission units, its session reservation) is given back only
+  // in them, so the job must outlive a client that went away. The engine drops a request's
+  // callbacks when it finishes, so this keeps the job no longer than its engine work.
+  r.on_logprobs = [job, i](RequestId, const TokenLogprobs& lp) {
+    std::lock_guard<std::mutex> lk(job->mu);
+    job->choices[i].logprobs.push_back(lp);
   };
-  r.on_token = [this, wj, i](RequestId id, int32_t t) { on_token(wj.lock(), i, id, t); };
-  r.on_finish = [this, wj, i](const FinishInfo& f) { on_finish(wj.lock(), i, f); };
+  r.on_token = [this, job, i](RequestId id, int32_t t) { on_token(job, i, id, t); };
+  r.on_finish = [this, job, i](const FinishInfo& f) { on_finish(job, i, f); };
   if (!p.save_session.empty() && !job->stops.empty()) {
     // A stop string ends the request at its token with the final state captured, so the
     // session is saved (a cancel would leave none).
-    r.stop_after = [wj, i](RequestId, int32_t) {
-      auto j = wj.lock();
-      if (!j) return false;
-      std::lock_guard<std::mutex> lk(j->mu);
-      return j->choices[i].stop_now;
+    r.stop_after = [job, i](RequestId, int32_t) {
+      std::lock_guard<std::mutex> lk(job->mu);
+      return job->choices[i].stop_now;
     };
   }
   return r;
@@ -570,11 +569,9 @@ void Server::Impl::handle_completion(const http::Request& req, const http::Excha
     // skips any), and the session's state, when there is one, predicts the first.
     r.prompt_logprobs = true;
     r.use_cache = false;
-    std::weak_ptr<Job> wj = job;
     const size_t own = job->own.size();
-    r.on_prompt_logprobs = [wj, own](RequestId, const std::vector<TokenLogprobs>& lps) {
-      auto j = wj.lock();
-      if (!j) return;
+    r.on_prompt_logprobs = [job, own](RequestId, const std::vector<TokenLogprobs>& lps) {
+      Job* j = job.get();
       std::lock_guard<std::mutex> lk(j->mu);
       const size_t take = std::min(own, lps.size());
       j->prompt_lps.assign(lps.end() - static_cast<ptrdiff_t>(take), lps.end());
@@ -583,8 +580,7 @@ void Server::Impl::handle_completion(const http::Request& req, const http::Excha
   // A host snapshot of the prompt only where one is needed: forks and sessions.
   if (n > 1 || !job->p.save_session.empty()) {
     r.capture_prompt_state = true;
-    std::weak_ptr<Job> wj = job;
-    r.on_prompt_state = [this, wj](RequestId, const SnapshotPtr& st) { on_prompt_state(wj.lock(), st); };
+    r.on_prompt_state = [this, job](RequestId, const SnapshotPtr& st) { on_prompt_state(job, st); };
   } else {
     job->forked = true;
   }

@@ -369,7 +369,16 @@ std::string Server::Impl::metrics_text() {
   render_metric(&out, "laplace_requests_rejected_total", "counter", "Requests answered 429.", rejected_429.load());
   render_metric(&out, "laplace_client_disconnects_total", "counter", "Requests cancelled because the client left.",
                 disconnects.load());
+  render_metric(&out, "laplace_requests_admitted", "gauge",
+                "Engine requests admitted and not finished (an n-choice request counts n): what the admission "
+                "limit (slots + queue) counts.",
+                static_cast<double>(outstanding.load()));
   render_metric(&out, "laplace_sessions", "gauge", "Named sessions in memory.", static_cast<double>(sessions.count()));
+  render_metric(&out, "laplace_sessions_reserved", "gauge",
+                "Room reserved for sessions that running requests will save (counted against the caps).",
+                static_cast<double>(sessions.reserved_count()));
+  render_metric(&out, "laplace_session_reserved_bytes", "gauge", "Host bytes reserved for those sessions.",
+                static_cast<double>(sessions.reserved_bytes()));
   render_metric(&out, "laplace_session_bytes", "gauge", "Host bytes held by named sessions.",
                 static_cast<double>(sessions.bytes()));
   render_metric(&out, "laplace_session_files", "gauge", "Session files in --session-dir.",

@@ -64,15 +64,27 @@ SessionFormat Server::Impl::session_format() const {
 
 void Server::Impl::engine_loop() {
   while (true) {
+    bool counted = false;
     {
       std::unique_lock<std::mutex> lk(wake_mu);
-      wake_cv.wait(lk, [&] { return stopping.load() || (!held && (wake || !engine->idle())); });
+      wake_cv.wait(lk, [&] {
+        return stopping.load() || (!held && (wake || !engine->idle())) || (held && steps_left > 0);
+      });
       wake = false;
       if (stopping.load()) break;
+      counted = held;
     }
     engine->step();
     flush_dirty();
+    if (counted) {
+      {
+        std::lock_guard<std::mutex> lk(wake_mu);
+        steps_left = std::max(steps_left - 1, 0);
+      }
+      step_cv.notify_all();
+    }
   }
+  step_cv.notify_all();
 }
 
 void Server::Impl::flush_dirty() {
@@ -207,6 +219,17 @@ void Server::hold_engine(bool held) {
     m.held = held;
   }
   m.wake_cv.notify_all();
+  m.step_cv.notify_all();
+}
+
+void Server::step_engine(int steps) {
+  Impl& m = *impl_;
+  if (!m.ready.load()) return;
+  std::unique_lock<std::mutex> lk(m.wake_mu);
+  if (!m.held) return;
+  m.steps_left = std::max(steps, 0);
+  m.wake_cv.notify_all();
+  m.step_cv.wait(lk, [&] { return m.steps_left == 0 || m.stopping.load() || !m.held; });
 }
 
 void Server::stop() {
@@ -277,6 +300,7 @@ ServerCounters Server::counters() const {
   c.outstanding = m.outstanding.load();
   c.connections = m.http ? m.http->connections() : 0;
   c.sessions = m.sessions.count();
+  c.sessions_reserved = m.sessions.reserved_count();
   return c;
 }
 

@@ -55,7 +55,8 @@ struct ServerCounters {
   EngineStats engine;
   StateCacheStats cache;
   int64_t http_requests = 0, rejected_429 = 0, client_disconnects = 0, sessions = 0;
-  int64_t outstanding = 0;  // engine requests submitted and not finished
+  int64_t outstanding = 0;  // engine requests admitted and not finished (the admission limit's count)
+  int64_t sessions_reserved = 0;  // room reserved for sessions that running requests will save
   int64_t connections = 0;  // open HTTP connections
 };
 
@@ -81,6 +82,10 @@ class Server {
   // While held, the engine runs no step: requests are admitted (or refused) as usual and
   // wait. For tests that need requests to stay in flight, and for maintenance.
   void hold_engine(bool held);
+  // While held: runs `steps` engine steps, then returns (the engine stays held). For tests
+  // that need a request at a given point: queued, part-way through its prefill, at its first
+  // token, part-way through its answer.
+  void step_engine(int steps);
   // Blocks until stop() (from another thread or a signal handler's flag).
   void wait();
 

@@ -133,6 +133,8 @@ struct Server::Impl {
   std::condition_variable wake_cv;
   bool wake GUARDED_BY(wake_mu) = false;
   bool held GUARDED_BY(wake_mu) = false;  // hold_engine(): no step runs
+  int steps_left GUARDED_BY(wake_mu) = 0;  // step_engine(): steps still to run while held
+  std::condition_variable step_cv;        // a counted step ran
   std::atomic<bool> stopping{false};
   std::atomic<bool> draining{false};  // graceful stop: no new work is admitted
   bool stopped GUARDED_BY(stop_mu) = false;

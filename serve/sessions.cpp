@@ -100,6 +100,16 @@ int64_t SessionStore::bytes() const {
   return bytes_;
 }
 
+int64_t SessionStore::reserved_count() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return static_cast<int64_t>(reserved_.size());
+}
+
+int64_t SessionStore::reserved_bytes() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return reserved_bytes_;
+}
+
 std::string SessionStore::path(const std::string& name) const { return (fs::path(dir_) / (name + ".session")).string(); }
 
 Status SessionStore::open_dir(int64_t* removed) {

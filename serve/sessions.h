@@ -64,6 +64,9 @@ class SessionStore {
   std::vector<std::pair<std::string, Session>> list() const;
   int64_t count() const;
   int64_t bytes() const;
+  // Room held by reservations not yet committed or released (counted against the caps).
+  int64_t reserved_count() const;
+  int64_t reserved_bytes() const;
   const SessionLimits& limits() const { return lim_; }
 
   // ---- disk ----

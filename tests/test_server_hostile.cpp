@@ -1,0 +1,209 @@
+// The server (serve/server.h) under hostile clients (issue 52), over real sockets on
+// 127.0.0.1: clients that leave at every stage of a request give back all they held,
+// requests are bounded before admission, the server is safe by default on localhost, and
+// the protocol is strict.
+#ifdef LAPLACE_HAVE_SERVER
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "serve/server.h"
+#include "tests/http_client.h"
+#include "tests/server_test_util.h"
+#include "tests/test_util.h"
+
+namespace laplace {
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+namespace httpc = laplace::testing::httpc;
+using namespace laplace::testing::srv;
+
+// A server on a small random-weight model (V = 400) with a trained tokenizer; removed with
+// its directory at the end.
+class TestServer {
+ public:
+  explicit TestServer(ServerOptions o, const std::string& tag = "hostile_model") {
+    dir_ = testing::make_server_model_dir(tag, 52);
+    o.model_dir = dir_;
+    o.model_name = "tiny";
+    o.port = 0;
+    srv_ = std::make_unique<Server>(o);
+    ok_ = srv_->start().is_ok() && srv_->wait_ready().is_ok();
+  }
+  ~TestServer() {
+    srv_->stop();
+    srv_.reset();
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  bool ok() const { return ok_; }
+  Server& operator*() { return *srv_; }
+  Server* operator->() { return srv_.get(); }
+  int port() const { return srv_->port(); }
+  const std::string& dir() const { return dir_; }
+  httpc::Client client() const {
+    httpc::Client c("127.0.0.1", srv_->port());
+    c.set_read_timeout(60, 0);
+    return c;
+  }
+  std::string metrics() const {
+    auto c = client();
+    auto r = c.Get("/metrics");
+    return r ? r->body : "";
+  }
+
+ private:
+  std::string dir_;
+  std::unique_ptr<Server> srv_;
+  bool ok_ = false;
+};
+
+// ==== 1. no leaked capacity when a client goes away ===================================================
+
+// Where a request is when its client leaves, as engine steps run (a 64-token prompt in
+// 16-token pieces, one piece per step: the prefill takes steps 1-4, the first token comes at
+// step 4, the 8th and last token of choice 0 at step 11).
+enum class Stage { kQueued, kMidPrefill, kFirstToken, kMidStream, kBeforeLastToken, kAnswerDone };
+const char* stage_name(Stage s) {
+  switch (s) {
+    case Stage::kQueued: return "queued";
+    case Stage::kMidPrefill: return "mid-prefill";
+    case Stage::kFirstToken: return "first token";
+    case Stage::kMidStream: return "mid-stream";
+    case Stage::kBeforeLastToken: return "before the last token (and the save)";
+    case Stage::kAnswerDone: return "answer done, unread";
+  }
+  return "?";
+}
+int steps_to(Stage s) {
+  switch (s) {
+    case Stage::kQueued: return 0;
+    case Stage::kMidPrefill: return 2;
+    case Stage::kFirstToken: return 4;
+    case Stage::kMidStream: return 6;
+    case Stage::kBeforeLastToken: return 10;
+    case Stage::kAnswerDone: return -1;
+  }
+  return 0;
+}
+
+// A client that disconnects at any stage of a request — queued, mid-prefill, at its first
+// token, mid-stream, just before the step that ends it and saves its session, or after its
+// answer — for n = 1..4, streamed or not, with and without save_session, leaves nothing
+// behind: no admission unit (the job's callbacks had returned early once the job was
+// freed, leaking n − 1 units each time until an idle server answered every request 429), no
+// session reservation (three abandoned save_session requests had filled --max-sessions 3
+// for good), and a graceful stop does not wait for work that is not there.
+TEST(ServerHostile, ClientsLeavingAtAnyStageGiveBackEverySlotAndReservation) {
+  ServerOptions o;
+  o.engine.max_slots = 2;
+  o.engine.prefill_chunk = 16;
+  o.engine.max_batch_tokens = 16;  // one prefill piece per step: the stages are steps apart
+  o.engine.cache_slots = 0;        // no cache hit may skip a prefill
+  o.cache_bytes = 0;
+  o.max_queue = 6;                 // 8 engine requests at once
+  o.max_sessions = 3;
+  o.limits.max_n = 4;
+  o.write_timeout_s = 5;
+  TestServer s(o);
+  ASSERT_TRUE(s.ok());
+  std::vector<int> prompt;
+  for (int i = 0; i < 64; ++i) prompt.push_back(5 + (i * 7) % 300);
+
+  int case_no = 0;
+  for (Stage stage : {Stage::kQueued, Stage::kMidPrefill, Stage::kFirstToken, Stage::kMidStream,
+                      Stage::kBeforeLastToken, Stage::kAnswerDone}) {
+    for (bool stream : {true, false}) {
+      for (int n = 1; n <= 5; ++n) {
+        const bool save = n == 5;  // save_session needs n = 1
+        const int choices = save ? 1 : n;
+        const std::string what = std::string(stage_name(stage)) + (stream ? ", streamed" : ", whole") +
+                                 ", n = " + std::to_string(choices) + (save ? ", save_session" : "");
+        SCOPED_TRACE(what);
+        json body = {{"prompt", prompt}, {"max_tokens", 8},    {"ignore_eos", true},
+                     {"n", choices},     {"stream", stream},   {"temperature", 0.5}};
+        const std::string session = "left" + std::to_string(case_no++);
+        if (save) body["save_session"] = session;
+        const int64_t left_before = s->counters().client_disconnects;
+        s->hold_engine(true);
+        const int fd = connect_local(s.port());
+        ASSERT_GE(fd, 0);
+        ASSERT_TRUE(send_all(fd, http_post("/v1/completions", body.dump())));
+        ASSERT_TRUE(eventually([&] { return s->counters().engine.queued == 1; }, 30)) << "never admitted";
+        if (stage == Stage::kAnswerDone) {
+          s->hold_engine(false);
+          ASSERT_TRUE(eventually([&] { return s->counters().outstanding == 0; }, 60));
+          close_abruptly(fd);
+        } else {
+          s->step_engine(steps_to(stage));
+          close_abruptly(fd);
+          // The server notices at its next write (a keep-alive or a space within 0.5 s)
+          // and cancels what is left, while the engine still stands at the stage.
+          EXPECT_TRUE(eventually([&] { return s->counters().client_disconnects > left_before; }, 30));
+          s->hold_engine(false);
+        }
+        const bool clean = eventually([&] {
+          const ServerCounters c = s->counters();
+          return c.outstanding == 0 && c.engine.running == 0 && c.engine.queued == 0 && c.sessions_reserved == 0;
+        }, 30);
+        const ServerCounters c = s->counters();
+        EXPECT_TRUE(clean) << "left behind: " << c.outstanding << " admitted, " << c.engine.running << " running, "
+                           << c.engine.queued << " queued, " << c.sessions_reserved << " session reservations";
+        if (!clean) return;  // the next cases would only repeat it
+        auto cl = s.client();
+        cl.Delete("/v1/sessions/" + session);  // kept when the answer was done: not a leak
+      }
+    }
+  }
+
+  // /metrics says so too.
+  const std::string m = s.metrics();
+  EXPECT_EQ(metric(m, "laplace_requests_running"), 0);
+  EXPECT_EQ(metric(m, "laplace_requests_waiting"), 0);
+  EXPECT_EQ(metric(m, "laplace_requests_admitted"), 0) << m;
+  EXPECT_EQ(metric(m, "laplace_sessions"), 0);
+  EXPECT_EQ(metric(m, "laplace_sessions_reserved"), 0);
+  EXPECT_EQ(metric(m, "laplace_session_reserved_bytes"), 0);
+
+  // A burst at full capacity is accepted: 8 engine requests, 3 of them saving sessions.
+  s->hold_engine(true);
+  std::vector<int> fds;
+  for (int i = 0; i < 8; ++i) {
+    json body = {{"prompt", "burst " + std::to_string(i)}, {"max_tokens", 3}, {"stream", true}};
+    if (i < 3) body["save_session"] = "kept" + std::to_string(i);
+    const int fd = connect_local(s.port());
+    ASSERT_GE(fd, 0);
+    ASSERT_TRUE(send_all(fd, http_post("/v1/completions", body.dump(), "Connection: close\r\n")));
+    char head[16] = {};
+    ASSERT_GT(read(fd, head, 12), 0);
+    EXPECT_EQ(std::string(head, 12), "HTTP/1.1 200") << "request " << i << " of the burst";
+    fds.push_back(fd);
+  }
+  s->hold_engine(false);
+  for (int fd : fds) {
+    EXPECT_NE(read_until_close(fd, 30).find("data: [DONE]"), std::string::npos);
+    close(fd);
+  }
+  EXPECT_TRUE(eventually([&] { return s->counters().sessions == 3 && s->counters().outstanding == 0; }, 30));
+
+  // And a graceful stop of an idle server does not wait out its grace.
+  const auto t0 = std::chrono::steady_clock::now();
+  s->shutdown(60);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10);
+}
+
+}  // namespace
+}  // namespace laplace
+
+#endif  // LAPLACE_HAVE_SERVER
