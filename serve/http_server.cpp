@@ -18,6 +18,7 @@
 #include <boost/beast/http/parser.hpp>
 #include <boost/beast/http/read.hpp>
 #include <boost/beast/http/string_body.hpp>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -291,8 +292,45 @@ class Connection : public std::enable_shared_from_this<Connection> {
     if (ec == bh::error::body_limit) return refuse(413, "the request is too large");
     if (ec == bh::error::header_limit) return refuse(431, "the request header is too large");
     if (ec == bh::error::bad_content_length) return refuse(400, "invalid Content-Length");
-    if (ec == bh::error::bad_version) return refuse(505, "only HTTP/1.0 and HTTP/1.1 are served");
+    if (ec == bh::error::bad_version) {
+      // 505 is for a well-formed request line of another version; a line that is not one
+      // (a bare LF ending it, a version that is no version) is a malformed request.
+      if (well_formed_request_line()) return refuse(505, "only HTTP/1.0 and HTTP/1.1 are served");
+      return refuse(400, "malformed HTTP request line");
+    }
     refuse(400, "malformed HTTP request (" + ec.message() + ")");
+  }
+
+  // The first line in the read buffer is `METHOD SP TARGET SP HTTP/d.d CRLF`.
+  bool well_formed_request_line() const {
+    const auto data = buf_.cdata();
+    const std::string_view s(static_cast<const char*>(data.data()), data.size());
+    const size_t lf = s.find('\n');
+    if (lf == std::string_view::npos || lf == 0 || s[lf - 1] != '\r') return false;
+    const std::string_view line = s.substr(0, lf - 1);
+    const size_t sp = line.rfind(' ');
+    if (sp == std::string_view::npos || line.find(' ') == sp) return false;
+    const std::string_view v = line.substr(sp + 1);
+    return v.size() == 8 && v.substr(0, 5) == "HTTP/" && std::isdigit(static_cast<unsigned char>(v[5])) &&
+           v[6] == '.' && std::isdigit(static_cast<unsigned char>(v[7]));
+  }
+
+  // RFC 9112 §6.3: a request with a Transfer-Encoding whose last coding is not chunked has
+  // no knowable body length, and a coding we do not decode is not one we can read: either
+  // way the request and what follows it on the connection cannot be parsed safely. Only
+  // exactly "chunked" (one header, HTTP/1.1) is served.
+  bool transfer_encoding_refused() const {
+    int count = 0;
+    bool chunked_only = true;
+    for (const auto& h : req_.headers) {
+      if (!iequals(h.name, "Transfer-Encoding")) continue;
+      ++count;
+      std::string_view v = h.value;
+      while (!v.empty() && (v.front() == ' ' || v.front() == '\t')) v.remove_prefix(1);
+      while (!v.empty() && (v.back() == ' ' || v.back() == '\t')) v.remove_suffix(1);
+      if (!iequals(v, "chunked")) chunked_only = false;
+    }
+    return count > 0 && (count > 1 || !chunked_only || version_ != 11);
   }
 
   void refuse(int status, const std::string& msg) {
@@ -327,6 +365,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     keep_alive_ = m.keep_alive();
     is_head_ = m.method() == bh::verb::head;
     req_ = head_request();
+    if (transfer_encoding_refused()) return refuse(400, "unsupported Transfer-Encoding (only chunked is accepted)");
     if (srv_.check) {
       if (std::optional<http::Response> r = srv_.check(req_)) {
         // Refused before its body: the body is never read, so the connection cannot be

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -201,6 +202,71 @@ TEST(ServerHostile, ClientsLeavingAtAnyStageGiveBackEverySlotAndReservation) {
   const auto t0 = std::chrono::steady_clock::now();
   s->shutdown(60);
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10);
+}
+
+// ==== 4. protocol strictness ===========================================================================
+
+// How many HTTP responses a byte stream holds (status lines at the start of a line).
+int responses_in(const std::string& raw) {
+  int n = 0;
+  for (size_t at = 0; (at = raw.find("HTTP/1.", at)) != std::string::npos; at += 7)
+    if (at == 0 || raw[at - 1] == '\n') ++n;
+  return n;
+}
+
+// RFC 9112 §6.3: a request whose Transfer-Encoding is not exactly chunked gets a 400 and a
+// closed connection. Its body had been read as empty and the bytes after the header served
+// as a second request (a request smuggled past whatever stands in front of the server).
+TEST(ServerProtocol, TransferEncodingOtherThanChunkedIs400AndCloses) {
+  ServerOptions o;
+  o.engine.max_slots = 1;
+  TestServer s(o);
+  ASSERT_TRUE(s.ok());
+  const std::string smuggled = "GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+  for (const std::string te : {"gzip", "chunked, gzip", "gzip, chunked", "identity", "chunked\r\nTransfer-Encoding: chunked",
+                               "CHUNKED, identity"}) {
+    SCOPED_TRACE(te);
+    const std::string raw = raw_exchange(
+        s.port(), "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  "Transfer-Encoding: " + te + "\r\n\r\n" + smuggled);
+    EXPECT_EQ(status_of(raw), 400) << raw;
+    EXPECT_NE(raw.find("Connection: close"), std::string::npos) << raw;
+    EXPECT_EQ(responses_in(raw), 1) << "the bytes after the header were served as a request:\n" << raw;
+  }
+  // HTTP/1.0 has no transfer codings at all.
+  const std::string old = raw_exchange(s.port(), "POST /v1/completions HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                                 "0\r\n\r\n");
+  EXPECT_EQ(status_of(old), 400) << old;
+  // Chunked itself (any case) is read as before.
+  const std::string body = R"({"prompt": "the quick", "max_tokens": 2, "ignore_eos": true})";
+  char len[16];
+  std::snprintf(len, sizeof len, "%zx", body.size());
+  const std::string ok = raw_exchange(
+      s.port(), "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                "Transfer-Encoding: Chunked\r\nConnection: close\r\n\r\n" + std::string(len) + "\r\n" + body +
+                "\r\n0\r\n\r\n");
+  EXPECT_EQ(status_of(ok), 200) << ok;
+  EXPECT_NE(ok.find("\"completion_tokens\":2"), std::string::npos) << ok;
+}
+
+// A request line ending in a bare LF is malformed (400), not another version of HTTP (505);
+// a well-formed line of another version is still a 505.
+TEST(ServerProtocol, BareLfRequestLineIs400AndAnotherVersionIs505) {
+  ServerOptions o;
+  o.engine.max_slots = 1;
+  TestServer s(o);
+  ASSERT_TRUE(s.ok());
+  for (const std::string req : {"GET /health HTTP/1.1\nHost: 127.0.0.1\r\n\r\n", "GET /health HTTP/1.1\n\n",
+                                "GET /health HTTP/1.x\r\n\r\n", "GET /health HTTP/11\r\n\r\n"}) {
+    const std::string raw = raw_exchange(s.port(), req);
+    EXPECT_EQ(status_of(raw), 400) << req << " -> " << raw;
+  }
+  for (const std::string req : {"GET /health HTTP/2.0\r\nHost: 127.0.0.1\r\n\r\n", "GET /health HTTP/0.9\r\n\r\n"}) {
+    const std::string raw = raw_exchange(s.port(), req);
+    EXPECT_EQ(status_of(raw), 505) << req << " -> " << raw;
+  }
+  const std::string fine = raw_exchange(s.port(), "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+  EXPECT_EQ(status_of(fine), 200) << fine;
 }
 
 }  // namespace
