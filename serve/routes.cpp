@@ -188,6 +188,9 @@ void Server::Impl::handle_session_create(const http::Request& req, const http::E
   json creq = {{"prompt", b.contains("prompt") ? b["prompt"] : json("")}, {"max_tokens", 1}, {"temperature", 0}};
   auto job = std::make_shared<Job>();
   if (auto e = parse_completion_params(creq, false, opt.limits, &job->p)) return ex->respond(error_response(*e));
+  if (job->p.prompts.size() != 1)
+    return ex->respond(error_response(
+        api_error(400, "a session is made from one prompt", "invalid_request_error", "", "prompt")));
   job->eos = tok.eos_id();
   if (auto e = tokenize(*job)) return ex->respond(error_response(*e));
   if (draining.load()) return ex->respond(busy_response(503, "the server is shutting down", "server_shutdown"));
@@ -202,8 +205,9 @@ void Server::Impl::handle_session_create(const http::Request& req, const http::E
     std::vector<int32_t> prompt;
   };
   auto pend = std::make_shared<Pending>();
-  pend->prompt = job->prompt;
-  const int64_t bound = engine->slot_bytes() + model.config().vocab_size * 4 + 8 * static_cast<int64_t>(job->prompt.size()) + 64;
+  pend->prompt = job->parts[0].prompt;
+  const int64_t bound =
+      engine->slot_bytes() + model.config().vocab_size * 4 + 8 * static_cast<int64_t>(pend->prompt.size()) + 64;
   Status rs = sessions.reserve(n, bound, &pend->ticket);
   if (!rs.is_ok()) {
     outstanding.fetch_sub(1);
@@ -212,7 +216,7 @@ void Server::Impl::handle_session_create(const http::Request& req, const http::E
   }
   Request r;
   r.initial_state = nullptr;
-  r.prompt = job->prompt;
+  r.prompt = pend->prompt;
   r.use_cache = r.cache_prompt_state = cache_on(*job);
   r.max_tokens = 1;
   r.sampling.temperature = 0;

@@ -55,9 +55,10 @@ http::Response busy_response(int status, const std::string& msg, const std::stri
 // where the server keeps its files.
 std::string redact_paths(const std::string& msg);
 
-// One generated sequence of a job (one of n choices).
+// One generated sequence of a job (one of n choices of one of its prompts).
 struct Choice {
   RequestId id = 0;
+  size_t part = 0;  // which prompt of the job (Job::parts)
   bool submitted = false;
   std::unique_ptr<TextStream> text;
   std::vector<int32_t> tokens;          // every generated token, in order
@@ -75,26 +76,33 @@ struct Choice {
   FinishInfo info;
 };
 
-// One HTTP completion request: n choices, streamed or not.
+// One prompt of a job and its n choices (choices [part × n, part × n + n) of the job): the
+// first is prefilled, the others fork its prompt state. A request has one part per prompt.
+// Fields set before the job is submitted are read freely after; the others under Job::mu.
+struct Part {
+  std::vector<int32_t> prompt;  // the whole context it continues (session + own prompt)
+  std::vector<int32_t> own;     // its own prompt tokens (what echo returns)
+  std::string echo_text;        // echo: the prompt's text
+  int64_t cached_tokens = 0;    // of `prompt`, served from a snapshot (under mu)
+  bool forked = false;          // its choices 1..n-1 submitted or given up (under mu)
+  SnapshotPtr prompt_state;     // after the prompt: forks, sessions (under mu)
+  // echo with logprobs: the prompt's tokens' log-probabilities (null first entry when
+  // nothing predicts it) (under mu).
+  std::vector<TokenLogprobs> prompt_lps;
+};
+
+// One HTTP completion request: its prompts' n choices each, streamed or not.
 struct Job {
   CompletionParams p;
   std::string api_id;
   int64_t created = 0;
-  std::vector<int32_t> prompt;  // the whole context the request continues (session + prompt)
-  std::vector<int32_t> own;     // the request's own prompt tokens (what echo returns)
-  int64_t cached_tokens = 0;    // of `prompt`, served from a snapshot
+  std::vector<Part> parts;      // one per prompt, in order
   int32_t eos = -1;
   std::vector<std::string> stops;
   std::mutex mu;
   std::vector<Choice> choices GUARDED_BY(mu);
   int64_t finished GUARDED_BY(mu) = 0;
-  bool forked GUARDED_BY(mu) = false;       // choices 1..n-1 submitted (or given up)
   bool abandoned GUARDED_BY(mu) = false;    // the client went away
-  SnapshotPtr prompt_state GUARDED_BY(mu);  // after the prompt (cache, forks, sessions)
-  // echo: the prompt's text, and with logprobs its tokens' log-probabilities (null first
-  // entry when nothing predicts it).
-  std::string echo_text;
-  std::vector<TokenLogprobs> prompt_lps GUARDED_BY(mu);
   bool discard_first = false;   // echo with max_tokens 0: the one token generated is not shown
   uint64_t session_ticket = 0;  // room reserved for save_session
   // The answer.
@@ -199,16 +207,19 @@ struct Server::Impl {
   bool cache_on(const Job& j) const { return engine->cache_enabled() && j.p.cache; }
   void memo_put(const std::string& text, const std::vector<int32_t>& ids);
   std::optional<ApiError> tokenize(Job& job);
+  std::optional<ApiError> tokenize_part(const Job& job, const PromptInput* in, Part* part);
   Request make_request(const std::shared_ptr<Job>& job, size_t i);
   void on_token(const std::shared_ptr<Job>& j, size_t i, RequestId id, int32_t t);
   void on_finish(const std::shared_ptr<Job>& j, size_t i, const FinishInfo& f);
-  void on_prompt_state(const std::shared_ptr<Job>& j, const SnapshotPtr& st);
+  void on_prompt_state(const std::shared_ptr<Job>& j, size_t part, const SnapshotPtr& st);
+  void give_up_forks(Job& j, size_t part) REQUIRES(j.mu);
+  Status submit_part(const std::shared_ptr<Job>& job, size_t part);
   void mark_dirty(const std::shared_ptr<Job>& j);
   void cancel_job(const std::shared_ptr<Job>& j);
   void register_job(const std::shared_ptr<Job>& j);
   void unregister_job(Job& j);
   nlohmann::json logprobs_json(const Job& j, Choice& c, const std::vector<TokenLogprobs>& lps, size_t from, size_t to,
-                               bool with_prompt);
+                               const std::vector<TokenLogprobs>* prompt_lps);
   nlohmann::json usage_json(const Job& j);
   nlohmann::json final_json(Job& j);
   nlohmann::json chunk_json(Job& j, nlohmann::json choices);

@@ -250,7 +250,10 @@ TEST_F(ServerTest, MalformedRequestsGetTheRight4xxAndTheServerKeepsServing) {
       {"prompt an object", C, R"({"prompt": {"a": 1}})", 400, "prompt"},
       {"negative token id", C, R"({"prompt": [1, -1]})", 400, "prompt"},
       {"token id outside vocab", C, R"({"prompt": [1, 99999]})", 400, "prompt"},
-      {"batched prompts", C, R"({"prompt": ["a", "b"]})", 400, "prompt"},
+      {"a list of prompts of two kinds", C, R"({"prompt": ["a", [1, 2]]})", 400, "prompt"},
+      {"a list of prompts holding a number", C, R"({"prompt": [[1], 2]})", 400, "prompt"},
+      {"save_session with a list of prompts", C, R"({"prompt": ["a", "b"], "save_session": "x"})", 400,
+       "save_session"},
       {"max_tokens negative", C, R"({"prompt": "a", "max_tokens": -1})", 400, "max_tokens"},
       {"max_tokens zero", C, R"({"prompt": "a", "max_tokens": 0})", 400, "max_tokens"},
       {"max_tokens huge", C, R"({"prompt": "a", "max_tokens": 1000000000000})", 400, "max_tokens"},
@@ -1284,6 +1287,90 @@ TEST_F(ServerTest, EchoWithLogprobsReturnsThePromptsLogprobs) {
   ASSERT_EQ(e2.status, 200);
   EXPECT_EQ(text_of(e2).rfind("the quick brown", 0), 0u) << text_of(e2);
   EXPECT_EQ(e2.body["choices"][0]["logprobs"]["tokens"].size(), encode("the quick brown").size() + 3);
+  wait_idle();
+}
+
+// lm-evaluation-harness at batch sizes above 1 (its local-completions model, loglikelihood):
+// several prompts of token ids in one request, exactly this payload. Each prompt is its own
+// choice, in order (index = prompt), and each equals the same prompt sent alone; the harness
+// reads token_logprobs[ctxlen:-1] and compares each with the best of its top_logprobs.
+TEST_F(ServerTest, ListOfPromptsIsAnsweredAsLmEvalHarnessReadsIt) {
+  const std::vector<std::vector<int32_t>> prompts = {encode("the quick brown fox jumps"), encode("a lazy dog"),
+                                                     encode("over the moon and far away")};
+  const json payload = {{"model", "tiny"}, {"prompt", prompts}, {"temperature", 0},
+                        {"max_tokens", 1}, {"logprobs", 1},     {"seed", 1234}, {"echo", true}};
+  Reply all = post("/v1/completions", payload);
+  ASSERT_EQ(all.status, 200) << all.raw;
+  ASSERT_EQ(all.body["choices"].size(), prompts.size());
+  int64_t prompt_tokens = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SCOPED_TRACE("prompt " + std::to_string(i));
+    const json& c = all.body["choices"][i];
+    EXPECT_EQ(c["index"], i);
+    json one_payload = payload;
+    one_payload["prompt"] = prompts[i];
+    Reply one = post("/v1/completions", one_payload);
+    ASSERT_EQ(one.status, 200) << one.raw;
+    const json& o = one.body["choices"][0];
+    EXPECT_EQ(c["text"], o["text"]);
+    const json& lp = c["logprobs"];
+    ASSERT_EQ(lp["token_logprobs"].size(), prompts[i].size() + 1);  // the prompt's, then the one generated
+    EXPECT_TRUE(lp["token_logprobs"][0].is_null());
+    EXPECT_EQ(lp["tokens"], o["logprobs"]["tokens"]);
+    EXPECT_EQ(lp["text_offset"], o["logprobs"]["text_offset"]);
+    for (size_t k = 1; k < lp["token_logprobs"].size(); ++k)
+      EXPECT_NEAR(lp["token_logprobs"][k].get<double>(), o["logprobs"]["token_logprobs"][k].get<double>(), 1e-5);
+    // What the harness computes: the continuation's sum and whether it is greedy.
+    const size_t ctxlen = 2;
+    double sum = 0;
+    for (size_t k = ctxlen; k + 1 < lp["token_logprobs"].size(); ++k) {
+      sum += lp["token_logprobs"][k].get<double>();
+      double best = -1e30;
+      for (const auto& [t, v] : lp["top_logprobs"][k].items()) best = std::max(best, v.get<double>());
+      EXPECT_GE(best, lp["token_logprobs"][k].get<double>() - 1e-6);
+    }
+    EXPECT_TRUE(std::isfinite(sum));
+    prompt_tokens += static_cast<int64_t>(prompts[i].size());
+  }
+  EXPECT_EQ(all.body["usage"]["prompt_tokens"], prompt_tokens);
+  EXPECT_EQ(all.body["usage"]["completion_tokens"], static_cast<int64_t>(prompts.size()));
+
+  // Its generate_until shape (a list of strings, stop strings), with n = 2: choice index =
+  // prompt × n + k, each as the prompt alone with that n.
+  const json gen = {{"model", "tiny"}, {"prompt", {"the quick", "a lazy"}}, {"max_tokens", 4},
+                    {"temperature", 0.8}, {"stop", {"\n\n"}}, {"seed", 1234}, {"n", 2}, {"ignore_eos", true}};
+  Reply g = post("/v1/completions", gen);
+  ASSERT_EQ(g.status, 200) << g.raw;
+  ASSERT_EQ(g.body["choices"].size(), 4u);
+  for (size_t p = 0; p < 2; ++p) {
+    json alone = gen;
+    alone["prompt"] = gen["prompt"][p];
+    Reply a = post("/v1/completions", alone);
+    ASSERT_EQ(a.status, 200) << a.raw;
+    for (size_t k = 0; k < 2; ++k) {
+      EXPECT_EQ(g.body["choices"][p * 2 + k]["index"], p * 2 + k);
+      EXPECT_EQ(g.body["choices"][p * 2 + k]["text"], a.body["choices"][k]["text"]) << "prompt " << p << ", choice " << k;
+    }
+  }
+  // Streamed: every choice's chunks carry its index, and each ends once.
+  auto c = client();
+  json st = gen;
+  st["stream"] = true;
+  auto r = c.Post("/v1/completions", st.dump(), "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  std::vector<int> ends(4, 0);
+  std::istringstream lines(r->body);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("data: {", 0) != 0) continue;
+    const json ch = json::parse(line.substr(6));
+    for (const json& x : ch["choices"])
+      if (!x["finish_reason"].is_null()) ++ends[x["index"].get<size_t>()];
+  }
+  EXPECT_EQ(ends, (std::vector<int>{1, 1, 1, 1}));
+  // More prompts × n than the slots and the queue can hold is a 400, never a 429.
+  Reply big = post("/v1/completions", json{{"prompt", {"a", "b", "c", "d"}}, {"n", 2}});
+  EXPECT_EQ(big.status, 400) << big.raw;
   wait_idle();
 }
 
