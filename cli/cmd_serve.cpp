@@ -27,6 +27,7 @@ struct ServeArgs {
   double grace_seconds = 30;
   int64_t max_slots = 0, max_queue = 64, max_batch_tokens = 2048, prefill_chunk = 256;
   std::string batch_prefill = "auto";
+  int64_t max_file_queue = 32;
   int64_t max_tokens = 4096, max_prompt_tokens = 32768, max_request_kb = 1024, cache_mb = 256, max_n = 16;
   int64_t cache_slots = -1;  // the state cache's device tier; -1 = as many as the live slots
   std::string memory_budget = "1G";
@@ -65,6 +66,7 @@ Status run_serve(const ServeArgs& a) {
   o.max_queue = a.max_queue;
   o.max_request_bytes = a.max_request_kb * 1024;
   o.max_prompt_tokens = a.max_prompt_tokens;
+  o.max_file_queue = a.max_file_queue;
   o.limits.max_tokens = a.max_tokens;
   o.limits.max_n = a.max_n;
   o.cache_bytes = a.cache_mb << 20;
@@ -129,7 +131,11 @@ void add_serve(CLI::App& app) {
       ->check(CLI::IsMember(kBatchPrefillChoices));
   cmd->add_option("--max-tokens", a->max_tokens, "largest max_tokens a request may ask for")
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--max-prompt-tokens", a->max_prompt_tokens, "longest prompt accepted")->check(CLI::PositiveNumber);
+  cmd->add_option("--max-prompt-tokens", a->max_prompt_tokens,
+                  "longest prompt accepted (in tokens; a longer text than it can hold is refused before tokenizing)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--max-file-queue", a->max_file_queue, "session saves and restores that may wait before 429")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--max-request-kb", a->max_request_kb, "largest request body (KiB)")->check(CLI::PositiveNumber);
   cmd->add_option("--max-n", a->max_n, "largest n")->check(CLI::PositiveNumber);
   cmd->add_option("--cache-mb", a->cache_mb, "host RAM for the exact state cache's host tier (0 = none)")

@@ -530,6 +530,33 @@ void Server::Impl::produce(const std::shared_ptr<Job>& job, bool tick, http::Chu
   }
 }
 
+std::optional<ApiError> Server::Impl::check_prompt_bytes(const CompletionParams& p) const {
+  const int64_t cap = opt.max_prompt_tokens * max_token_bytes;
+  auto refuse = [&](int64_t bytes, const char* param) {
+    return ApiError{400,
+                    "the prompt has " + std::to_string(bytes) + " bytes, more than " +
+                        std::to_string(opt.max_prompt_tokens) + " tokens can hold (at most " + std::to_string(cap) +
+                        "); this server accepts at most " + std::to_string(opt.max_prompt_tokens) + " tokens",
+                    "invalid_request_error", param, "context_length_exceeded"};
+  };
+  if (p.chat) {
+    int64_t bytes = 0;
+    for (const ChatMessage& m : p.messages) bytes += static_cast<int64_t>(m.content.size());
+    if (bytes > cap) return refuse(bytes, "messages");
+    return std::nullopt;
+  }
+  for (const PromptInput& in : p.prompts) {
+    if (in.is_ids && static_cast<int64_t>(in.ids.size()) > opt.max_prompt_tokens)
+      return ApiError{400,
+                      "the prompt has " + std::to_string(in.ids.size()) + " tokens; this server accepts at most " +
+                          std::to_string(opt.max_prompt_tokens),
+                      "invalid_request_error", "prompt", "context_length_exceeded"};
+    if (!in.is_ids && static_cast<int64_t>(in.text.size()) > cap)
+      return refuse(static_cast<int64_t>(in.text.size()), "prompt");
+  }
+  return std::nullopt;
+}
+
 // Submits a part's first choice (its prefill); the others fork its prompt state.
 Status Server::Impl::submit_part(const std::shared_ptr<Job>& job, size_t k) {
   Part& part = job->parts[k];
@@ -592,8 +619,7 @@ void Server::Impl::handle_completion(const http::Request& req, const http::Excha
                  " is more than this server can run at once (" + std::to_string(admission_limit()) +
                  ": slots + queue)",
         "invalid_request_error", "", prompts > 1 ? "prompt" : "n")));
-  job->eos = tok.eos_id() >= 0 && !job->p.ignore_eos ? tok.eos_id() : -1;
-  if (auto e = tokenize(*job)) return ex->respond(error_response(*e));
+  if (auto e = check_prompt_bytes(job->p)) return ex->respond(error_response(*e));
   if (draining.load())
     return ex->respond(busy_response(503, "the server is shutting down", "server_shutdown"));
   if (!admit(units)) {
@@ -603,6 +629,26 @@ void Server::Impl::handle_completion(const http::Request& req, const http::Excha
                                          " requests running or queued); retry shortly",
                                      "rate_limit_exceeded"));
   }
+  // Tokenizing costs in proportion to the prompt: it runs off the event loops, after
+  // admission, so the requests waiting for it are bounded by the admission limit (and their
+  // bytes by it times --max-request-kb).
+  if (!prep->post([this, job, ex, units] { start_completion(job, ex, units); })) {
+    outstanding.fetch_sub(units);
+    jobs_cv.notify_all();
+    return ex->respond(busy_response(503, "the server is shutting down", "server_shutdown"));
+  }
+}
+
+// The rest of a completion, on a prep thread: tokenize, reserve a session's room, submit.
+void Server::Impl::start_completion(const std::shared_ptr<Job>& job, const http::ExchangePtr& ex, int64_t units) {
+  const bool chat = job->p.chat;
+  const int64_t n = job->p.n;
+  job->eos = tok.eos_id() >= 0 && !job->p.ignore_eos ? tok.eos_id() : -1;
+  if (auto e = tokenize(*job)) {
+    outstanding.fetch_sub(units);
+    jobs_cv.notify_all();
+    return ex->respond(error_response(*e));
+  }
   if (!job->p.save_session.empty()) {
     // Room for the session it will save, now: full means a 429 before any work, never a
     // 200 with nothing saved.
@@ -611,6 +657,7 @@ void Server::Impl::handle_completion(const http::Request& req, const http::Excha
     Status st = sessions.reserve(job->p.save_session, bound, &job->session_ticket);
     if (!st.is_ok()) {
       outstanding.fetch_sub(units);
+      jobs_cv.notify_all();
       rejected_429.fetch_add(1);
       return ex->respond(busy_response(429, st.message(), "too_many_sessions"));
     }
@@ -635,6 +682,7 @@ void Server::Impl::handle_completion(const http::Request& req, const http::Excha
     Status st = submit_part(job, k);
     if (!st.is_ok() && k == 0) {  // nothing runs yet
       outstanding.fetch_sub(units);
+      jobs_cv.notify_all();
       if (job->session_ticket) sessions.release(job->session_ticket);
       return ex->respond(error_response(api_error(400, st.message(), "invalid_request_error")));
     }

@@ -191,13 +191,28 @@ void Server::Impl::handle_session_create(const http::Request& req, const http::E
   if (job->p.prompts.size() != 1)
     return ex->respond(error_response(
         api_error(400, "a session is made from one prompt", "invalid_request_error", "", "prompt")));
-  job->eos = tok.eos_id();
-  if (auto e = tokenize(*job)) return ex->respond(error_response(*e));
+  if (auto e = check_prompt_bytes(job->p)) return ex->respond(error_response(*e));
   if (draining.load()) return ex->respond(busy_response(503, "the server is shutting down", "server_shutdown"));
-  // Admitted like any request: it takes a slot for its prefill.
+  // Admitted like any request: it takes a slot for its prefill. Tokenizing runs after, off
+  // the event loops (as for completions).
   if (!admit(1)) {
     rejected_429.fetch_add(1);
     return ex->respond(busy_response(429, "the server is at capacity; retry shortly", "rate_limit_exceeded"));
+  }
+  if (!prep->post([this, job, ex, n] { start_session_create(job, ex, n); })) {
+    outstanding.fetch_sub(1);
+    jobs_cv.notify_all();
+    return ex->respond(busy_response(503, "the server is shutting down", "server_shutdown"));
+  }
+}
+
+void Server::Impl::start_session_create(const std::shared_ptr<Job>& job, const http::ExchangePtr& ex,
+                                        const std::string& n) {
+  job->eos = tok.eos_id();
+  if (auto e = tokenize(*job)) {
+    outstanding.fetch_sub(1);
+    jobs_cv.notify_all();
+    return ex->respond(error_response(*e));
   }
   struct Pending {
     SnapshotPtr snap;
@@ -211,6 +226,7 @@ void Server::Impl::handle_session_create(const http::Request& req, const http::E
   Status rs = sessions.reserve(n, bound, &pend->ticket);
   if (!rs.is_ok()) {
     outstanding.fetch_sub(1);
+    jobs_cv.notify_all();
     rejected_429.fetch_add(1);
     return ex->respond(busy_response(429, rs.message(), "too_many_sessions"));
   }
@@ -240,10 +256,19 @@ void Server::Impl::handle_session_create(const http::Request& req, const http::E
   Status st = engine->submit(std::move(r), &id);
   if (!st.is_ok()) {
     outstanding.fetch_sub(1);
+    jobs_cv.notify_all();
     sessions.release(pend->ticket);
     return ex->respond(error_response(api_error(400, st.message(), "invalid_request_error")));
   }
   kick();
+}
+
+void Server::Impl::file_queue_full(const http::ExchangePtr& ex) {
+  rejected_429.fetch_add(1);
+  ex->respond(busy_response(429,
+                            "too many session saves and restores are waiting (at most " +
+                                std::to_string(opt.max_file_queue) + "); retry shortly",
+                            "file_queue_full"));
 }
 
 void Server::Impl::handle_session_op(const http::Request& req, const http::ExchangePtr& ex, const std::string& n,
@@ -258,7 +283,7 @@ void Server::Impl::handle_session_op(const http::Request& req, const http::Excha
     if (!sessions.has_dir()) return memory_only();
     // Reading and checking a file (up to a state's size: 29.5 MB for laplace-3b) is file
     // work: off the event loop.
-    return run_file_work([this, ex, n] {
+    const bool queued = run_file_work([this, ex, n] {
       Session s;
       Status st = sessions.read(n, [&](const std::string& path) { return session_file_read(path, session_format(), &s); });
       if (!st.is_ok())
@@ -272,6 +297,8 @@ void Server::Impl::handle_session_op(const http::Request& req, const http::Excha
       }
       ex->respond(json_response(200, out));
     });
+    if (!queued) return file_queue_full(ex);
+    return;
   }
   std::optional<Session> it = sessions.get(n);
   if (!it)
@@ -307,7 +334,7 @@ void Server::Impl::handle_session_op(const http::Request& req, const http::Excha
   if (op == "save") {
     if (!sessions.has_dir()) return memory_only();
     Session s = std::move(*it);
-    return run_file_work([this, ex, n, s] {
+    const bool queued = run_file_work([this, ex, n, s] {
       Status st = sessions.write(n, session_file_bytes(s), [&](const std::string& path) {
         return session_file_write(path, s, session_format());
       });
@@ -318,6 +345,8 @@ void Server::Impl::handle_session_op(const http::Request& req, const http::Excha
       out["path"] = sessions.path(n);
       ex->respond(json_response(200, out));
     });
+    if (!queued) return file_queue_full(ex);
+    return;
   }
   return ex->respond(error_response(api_error(404, "unknown session operation", "invalid_request_error")));
 }

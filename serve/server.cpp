@@ -32,6 +32,11 @@ Status Server::Impl::load() {
   if (!fs::exists(dir / "tokenizer.model"))
     return Status::not_found("the model directory has no tokenizer.model (the server speaks text)");
   LAPLACE_RETURN_IF_ERROR(Tokenizer::load((dir / "tokenizer.model").string(), &tok));
+  for (int32_t id = 0; id < static_cast<int32_t>(tok.vocab_size()); ++id) {
+    std::string text;
+    // + 1: a piece's leading space may be dropped when it is decoded alone.
+    if (tok.decode_bytes({id}, &text).is_ok()) max_token_bytes = std::max<int64_t>(max_token_bytes, text.size() + 1);
+  }
   if (tok.vocab_size() > cfg.vocab_size)
     return Status::invalid_argument("tokenizer has " + std::to_string(tok.vocab_size()) +
                                     " pieces but the model only " + std::to_string(cfg.vocab_size));
@@ -117,40 +122,7 @@ bool Server::Impl::admit(int64_t n) {
   return true;
 }
 
-void Server::Impl::start_file_threads() {
-  for (int i = 0; i < 2; ++i)
-    file_threads.emplace_back([this] {
-      for (;;) {
-        std::function<void()> f;
-        {
-          std::unique_lock<std::mutex> lk(files_mu);
-          files_cv.wait(lk, [&] { return files_stop || !files_queue.empty(); });
-          if (files_queue.empty()) return;
-          f = std::move(files_queue.front());
-          files_queue.pop_front();
-        }
-        f();
-      }
-    });
-}
-
-void Server::Impl::stop_file_threads() {
-  {
-    std::lock_guard<std::mutex> lk(files_mu);
-    files_stop = true;
-  }
-  files_cv.notify_all();
-  for (auto& t : file_threads) t.join();
-  file_threads.clear();
-}
-
-void Server::Impl::run_file_work(std::function<void()> f) {
-  {
-    std::lock_guard<std::mutex> lk(files_mu);
-    files_queue.push_back(std::move(f));
-  }
-  files_cv.notify_one();
-}
+bool Server::Impl::run_file_work(std::function<void()> f) { return files->post(std::move(f)); }
 
 Server::Server(ServerOptions o) : impl_(std::make_unique<Impl>(std::move(o))) {}
 
@@ -183,7 +155,8 @@ Status Server::start() {
       [&m](http::Request&& r, http::ExchangePtr ex) { m.route(std::move(r), std::move(ex)); });
   Status st = m.http->listen();
   if (!st.is_ok()) return st;
-  m.start_file_threads();
+  m.files = std::make_unique<WorkQueue>(2, std::max<int64_t>(m.opt.max_file_queue, 1));
+  m.prep = std::make_unique<WorkQueue>(2, 0);
   m.http->start();
   m.loader = std::thread([&m] {
     Status st = m.load();
@@ -244,7 +217,8 @@ void Server::stop() {
   m.stopping.store(true);
   m.wake_cv.notify_all();
   if (m.engine_thread.joinable()) m.engine_thread.join();
-  m.stop_file_threads();
+  if (m.prep) m.prep->stop();
+  if (m.files) m.files->stop();
   m.stop_cv.notify_all();
 }
 

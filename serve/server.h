@@ -34,7 +34,8 @@ struct ServerOptions {
   EngineOptions engine;
   int64_t max_queue = 64;    // requests waiting for a slot; more get 429 + Retry-After
   int64_t max_request_bytes = 1 << 20;
-  int64_t max_prompt_tokens = 32768;
+  int64_t max_prompt_tokens = 32768;  // also caps a prompt's bytes before it is tokenized (docs/serving.md)
+  int64_t max_file_queue = 32;         // session saves and restores waiting; more get 429 + Retry-After
   ApiLimits limits;
   int64_t cache_bytes = int64_t(256) << 20;  // the state cache's host-RAM tier; 0 = none
   std::string session_dir;   // where sessions are saved to disk; "" = memory only

@@ -39,6 +39,7 @@
 #include "serve/server.h"
 #include "serve/sessions.h"
 #include "serve/text_stream.h"
+#include "serve/work_queue.h"
 #include "text/tokenizer.h"
 
 namespace laplace {
@@ -164,12 +165,14 @@ struct Server::Impl {
   std::map<std::string, std::vector<int32_t>> memo GUARDED_BY(memo_mu);
   std::deque<std::string> memo_order GUARDED_BY(memo_mu);
 
-  // File work (session save / restore), off the event loops.
-  std::mutex files_mu;
-  std::condition_variable files_cv;
-  std::deque<std::function<void()>> files_queue GUARDED_BY(files_mu);
-  std::vector<std::thread> file_threads;
-  bool files_stop GUARDED_BY(files_mu) = false;
+  // Work off the event loops. Session saves and restores: a bounded queue (429 when full),
+  // so a burst of saves neither grows without end nor makes an unrelated restore wait long.
+  // Tokenizing admitted requests: bounded by admission itself (each waiting task holds its
+  // admission units), so it has no bound of its own.
+  std::unique_ptr<WorkQueue> files, prep;
+  // Longest text one token stands for (bytes): a prompt longer than max_prompt_tokens times
+  // this has more tokens than the cap, whatever they are, and is refused before tokenizing.
+  int64_t max_token_bytes = 1;
 
   std::atomic<int64_t> outstanding{0}, http_requests{0}, rejected_429{0}, disconnects{0};
   Histogram ttft{"laplace_time_to_first_token_seconds", "Time from request to its first token.", latency_buckets()};
@@ -186,9 +189,10 @@ struct Server::Impl {
   void engine_loop();
   void kick();
   void flush_dirty();  // engine thread, after a step
-  void run_file_work(std::function<void()> f);
-  void start_file_threads();
-  void stop_file_threads();
+  // Queues file work; false (answer 429) when its queue is full.
+  bool run_file_work(std::function<void()> f);
+  // A prompt over the byte cap (max_prompt_tokens × max_token_bytes), found without tokenizing.
+  std::optional<ApiError> check_prompt_bytes(const CompletionParams& p) const;
   SessionFormat session_format() const;
   // Admission: one more engine request (or n), under slots + max_queue. False = full.
   bool admit(int64_t n);
@@ -200,6 +204,8 @@ struct Server::Impl {
   std::string metrics_text();
   nlohmann::json session_json(const std::string& n, const Session& s);
   void handle_session_create(const http::Request& req, const http::ExchangePtr& ex);
+  void start_session_create(const std::shared_ptr<Job>& job, const http::ExchangePtr& ex, const std::string& n);
+  void file_queue_full(const http::ExchangePtr& ex);
   void handle_session_op(const http::Request& req, const http::ExchangePtr& ex, const std::string& n,
                          const std::string& op);
 
@@ -226,6 +232,7 @@ struct Server::Impl {
   void drain_stream(Job& j, std::string* out);
   void produce(const std::shared_ptr<Job>& job, bool tick, http::Chunk* out);
   void handle_completion(const http::Request& req, const http::ExchangePtr& ex, bool chat);
+  void start_completion(const std::shared_ptr<Job>& job, const http::ExchangePtr& ex, int64_t units);
 };
 
 }  // namespace laplace

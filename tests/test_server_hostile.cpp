@@ -34,9 +34,10 @@ using namespace laplace::testing::srv;
 // its directory at the end.
 class TestServer {
  public:
-  explicit TestServer(ServerOptions o, const std::string& tag = "hostile_model") {
+  explicit TestServer(ServerOptions o, const std::string& tag = "hostile_model", bool session_dir = false) {
     dir_ = testing::make_server_model_dir(tag, 52);
     o.model_dir = dir_;
+    if (session_dir) o.session_dir = dir_ + "/sessions";
     o.model_name = "tiny";
     o.port = 0;
     srv_ = std::make_unique<Server>(o);
@@ -202,6 +203,141 @@ TEST(ServerHostile, ClientsLeavingAtAnyStageGiveBackEverySlotAndReservation) {
   const auto t0 = std::chrono::steady_clock::now();
   s->shutdown(60);
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10);
+}
+
+// ==== 2. bounded work before admission =================================================================
+
+// A prompt longer in bytes than --max-prompt-tokens tokens can hold is refused by its size,
+// before it is tokenized (a 1 MiB prompt had been tokenized on an event-loop thread first).
+TEST(ServerBounded, OversizedPromptIsRefusedByItsBytesBeforeTokenizing) {
+  ServerOptions o;
+  o.engine.max_slots = 1;
+  o.max_prompt_tokens = 100;
+  o.max_request_bytes = 2 << 20;
+  TestServer s(o);
+  ASSERT_TRUE(s.ok());
+  const std::string huge(1 << 20, 'a');
+  for (const json& body : {json{{"prompt", huge}}, json{{"prompt", {"the quick", huge}}}}) {
+    auto c = s.client();
+    auto r = c.Post("/v1/completions", body.dump(), "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 400) << r->body.substr(0, 300);
+    const json e = json::parse(r->body, nullptr, false);
+    EXPECT_EQ(e["error"]["code"], "context_length_exceeded") << r->body.substr(0, 300);
+    EXPECT_NE(r->body.find("bytes"), std::string::npos) << "refused by its size: " << r->body.substr(0, 300);
+  }
+  auto c = s.client();
+  auto chat = c.Post("/v1/chat/completions", json{{"messages", {{{"role", "user"}, {"content", huge}}}}}.dump(),
+                     "application/json");
+  ASSERT_TRUE(chat);
+  EXPECT_EQ(chat->status, 400);
+  EXPECT_NE(chat->body.find("bytes"), std::string::npos) << chat->body.substr(0, 300);
+  // A prompt within the cap is served as before.
+  auto ok = c.Post("/v1/completions", json{{"prompt", "the quick"}, {"max_tokens", 2}}.dump(), "application/json");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200) << ok->body;
+}
+
+// Tokenizing runs off the event loops: with one event-loop thread, /health answers at once
+// while long prompts are tokenized (it had waited for each of them).
+TEST(ServerBounded, TokenizingLongPromptsDoesNotStallTheEventLoop) {
+  ServerOptions o;
+  o.engine.max_slots = 1;
+  o.max_queue = 8;
+  o.threads = 1;
+  o.max_prompt_tokens = 4 << 20;
+  o.max_request_bytes = 4 << 20;
+  TestServer s(o);
+  ASSERT_TRUE(s.ok());
+  // Text that the tokenizer splits into many pieces (no long merges).
+  std::string text;
+  for (int i = 0; text.size() < (1u << 20); ++i) text += "q" + std::to_string(i % 97) + "z ";
+  s->hold_engine(true);  // what matters is the tokenizing, not the prefill
+  std::vector<int> fds;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 3; ++i) {
+    const int fd = connect_local(s.port());
+    ASSERT_GE(fd, 0);
+    ASSERT_TRUE(send_all(fd, http_post("/v1/completions", json{{"prompt", text}, {"max_tokens", 1}}.dump(),
+                                       "Connection: close\r\n")));
+    fds.push_back(fd);
+  }
+  // /health, while they are tokenized.
+  double worst = 0;
+  int asked = 0;
+  while (s->counters().outstanding < 3 || s->counters().engine.queued < 3) {
+    const auto h0 = std::chrono::steady_clock::now();
+    const std::string r = raw_exchange(s.port(), "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    worst = std::max(worst, std::chrono::duration<double>(std::chrono::steady_clock::now() - h0).count());
+    ++asked;
+    if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(120)) break;
+  }
+  const double tokenizing = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(s->counters().engine.queued, 3);
+  // Meaningful only if tokenizing took long enough to see: it does (seconds on 2 cores).
+  EXPECT_GT(tokenizing, 0.2) << "the prompts were tokenized too fast to tell";
+  EXPECT_LT(worst, std::max(0.5, tokenizing / 3)) << asked << " /health calls in " << tokenizing << " s";
+  s->hold_engine(false);
+  for (int fd : fds) close_abruptly(fd);
+}
+
+// Session saves and restores wait in a bounded queue: a burst of saves past it is answered
+// 429 + Retry-After at once (2,000 saves had all been queued, and an unrelated restore
+// waited 18 s behind them), and a restore meanwhile is answered promptly.
+TEST(ServerBounded, SessionFileWorkHasABoundedQueue) {
+  ServerOptions o;
+  o.engine.max_slots = 2;
+  o.max_file_queue = 4;
+  o.threads = 8;
+  TestServer s(o, "hostile_files_model", /*session_dir=*/true);
+  ASSERT_TRUE(s.ok());
+  std::vector<int> ids;
+  for (int i = 0; i < 600; ++i) ids.push_back(5 + (i * 13) % 390);
+  auto c = s.client();
+  for (const char* name : {"big", "other"}) {
+    auto r = c.Post("/v1/sessions", json{{"name", name}, {"prompt", ids}}.dump(), "application/json");
+    ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no answer");
+  }
+  auto saved = c.Post("/v1/sessions/other/save", "{}", "application/json");
+  ASSERT_TRUE(saved && saved->status == 200) << (saved ? saved->body : "no answer");
+  // 200 saves of one session, all sent at once.
+  std::vector<int> fds;
+  for (int i = 0; i < 200; ++i) {
+    const int fd = connect_local(s.port());
+    ASSERT_GE(fd, 0);
+    ASSERT_TRUE(send_all(fd, http_post("/v1/sessions/big/save", "{}", "Connection: close\r\n")));
+    fds.push_back(fd);
+  }
+  // An unrelated restore meanwhile: answered at once, or told to come back at once.
+  const auto t0 = std::chrono::steady_clock::now();
+  int restore_status = 0;
+  while (std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30)) {
+    auto r = c.Post("/v1/sessions/other/restore", "{}", "application/json");
+    ASSERT_TRUE(r);
+    restore_status = r->status;
+    if (r->status != 429) break;
+    EXPECT_EQ(r->get_header_value("Retry-After"), "1");
+  }
+  EXPECT_EQ(restore_status, 200);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10);
+  int ok = 0, busy = 0;
+  for (int fd : fds) {
+    const std::string raw = read_until_close(fd, 60);
+    close(fd);
+    const int st = status_of(raw);
+    if (st == 200) ++ok;
+    if (st == 429) {
+      ++busy;
+      EXPECT_NE(raw.find("Retry-After: 1"), std::string::npos) << raw;
+    }
+    EXPECT_TRUE(st == 200 || st == 429) << raw;
+  }
+  EXPECT_GT(ok, 0);
+  EXPECT_GT(busy, 0) << "all 200 saves were queued";
+  // The file is one whole save.
+  auto back = c.Post("/v1/sessions/big/restore", "{}", "application/json");
+  ASSERT_TRUE(back);
+  EXPECT_EQ(back->status, 200) << back->body;
 }
 
 // ==== 4. protocol strictness ===========================================================================
