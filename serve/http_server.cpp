@@ -51,6 +51,7 @@ const char* reason_phrase(int s) {
   switch (s) {
     case 100: return "Continue";
     case 200: return "OK";
+    case 204: return "No Content";
     case 400: return "Bad Request";
     case 401: return "Unauthorized";
     case 403: return "Forbidden";
@@ -145,6 +146,7 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
   http::Options opt;
   http::HeadCheck check;
   http::Handler handler;
+  http::ResponseHeaders response_headers;
   std::vector<std::unique_ptr<Loop>> loops;
   std::vector<asio::executor_work_guard<asio::io_context::executor_type>> guards;
   std::unique_ptr<tcp::acceptor> acceptor;
@@ -273,6 +275,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   void read_request() {
     phase_ = Phase::kHeader;
+    extra_.clear();
     parser_.emplace();
     parser_->header_limit(static_cast<std::uint32_t>(srv_.opt.max_header_bytes));
     parser_->body_limit(static_cast<std::uint64_t>(srv_.opt.max_body_bytes));
@@ -366,6 +369,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     is_head_ = m.method() == bh::verb::head;
     req_ = head_request();
     if (transfer_encoding_refused()) return refuse(400, "unsupported Transfer-Encoding (only chunked is accepted)");
+    extra_ = srv_.response_headers ? srv_.response_headers(req_) : std::vector<http::Header>();
     if (srv_.check) {
       if (std::optional<http::Response> r = srv_.check(req_)) {
         // Refused before its body: the body is never read, so the connection cannot be
@@ -425,6 +429,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     out += "Content-Length: " + std::to_string(r.body.size()) + "\r\n";
     for (const auto& h : r.headers)
       if (!iequals(h.name, "Connection")) out += h.name + ": " + h.value + "\r\n";
+    for (const auto& h : extra_) out += h.name + ": " + h.value + "\r\n";
     if (close) out += "Connection: close\r\n";
     else if (version_ == 10) out += "Connection: keep-alive\r\n";
     out += "\r\n";
@@ -479,6 +484,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     if (!head_.content_type.empty()) out += "Content-Type: " + head_.content_type + "\r\n";
     for (const auto& h : head_.headers)
       if (!iequals(h.name, "Connection")) out += h.name + ": " + h.value + "\r\n";
+    for (const auto& h : extra_) out += h.name + ": " + h.value + "\r\n";
     if (chunked_) out += "Transfer-Encoding: chunked\r\n";
     out += close_after_ ? "Connection: close\r\n" : "";
     out += "\r\n";
@@ -567,6 +573,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   beast::flat_buffer buf_;
   std::optional<bh::request_parser<bh::string_body>> parser_;
   http::Request req_;
+  std::vector<http::Header> extra_;  // ResponseHeaders of the request being answered
   Phase phase_ = Phase::kHeader;
   bool closed_ = false;
   bool keep_alive_ = true, is_head_ = false;
@@ -712,11 +719,12 @@ void HttpServer::Impl::do_accept() {
   });
 }
 
-HttpServer::HttpServer(http::Options o, http::HeadCheck check, http::Handler handler)
+HttpServer::HttpServer(http::Options o, http::HeadCheck check, http::Handler handler, http::ResponseHeaders headers)
     : impl_(std::make_shared<Impl>()) {
   impl_->opt = std::move(o);
   impl_->check = std::move(check);
   impl_->handler = std::move(handler);
+  impl_->response_headers = std::move(headers);
   const int n = std::max(1, impl_->opt.threads);
   for (int i = 0; i < n; ++i) impl_->loops.push_back(std::make_unique<Loop>());
 }

@@ -1,6 +1,9 @@
 // The routes of `laplace serve` (docs/serving.md §9): authentication and readiness before
 // any body is read, then health, models, metrics, completions (serve/jobs.cpp), sessions and
 // the web page (serve/static_files.h).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <regex>
 
 #include "serve/server_impl.h"
@@ -43,8 +46,121 @@ http::Response busy_response(int status, const std::string& msg, const std::stri
   return r;
 }
 
+namespace {
+
+std::string lower(std::string s) {
+  for (char& c : s)
+    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+  return s;
+}
+
+std::string trim(const std::string& s) {
+  const size_t a = s.find_first_not_of(" \t");
+  if (a == std::string::npos) return "";
+  return s.substr(a, s.find_last_not_of(" \t") - a + 1);
+}
+
+// The host of a Host header or an origin's authority: lowercase, without port, brackets or
+// a trailing dot.
+std::string host_name(const std::string& authority) {
+  std::string s = lower(trim(authority));
+  if (!s.empty() && s[0] == '[') {
+    const size_t e = s.find(']');
+    return e == std::string::npos ? "" : s.substr(1, e - 1);
+  }
+  const size_t colon = s.rfind(':');
+  if (colon != std::string::npos && s.find(':') == colon) s.resize(colon);
+  if (!s.empty() && s.back() == '.') s.pop_back();
+  return s;
+}
+
+bool is_ip_literal(const std::string& h) {
+  unsigned char buf[sizeof(in6_addr)];
+  return inet_pton(AF_INET, h.c_str(), buf) == 1 || inet_pton(AF_INET6, h.c_str(), buf) == 1;
+}
+
+http::Response refused(int status, const std::string& msg, const std::string& code) {
+  return error_response(api_error(status, msg, "invalid_request_error", code));
+}
+
+}  // namespace
+
+bool Server::Impl::host_allowed(const http::Request& req) const {
+  const std::string* h = req.find("Host");
+  if (!h) return req.version == 10;  // HTTP/1.0 may omit it; HTTP/1.1 may not
+  const std::string name = host_name(*h);
+  if (name.empty()) return false;
+  // A page can reach this server under a name only through DNS, which its attacker may point
+  // here (DNS rebinding); an IP address or localhost names the server itself.
+  if (name == "localhost" || (name.size() > 10 && name.compare(name.size() - 10, 10, ".localhost") == 0)) return true;
+  if (is_ip_literal(name)) return true;
+  for (const std::string& a : opt.allowed_hosts) {
+    const std::string want = lower(a);
+    if (want == "*" || want == name) return true;
+    if (want.size() > 1 && want[0] == '.' && name.size() > want.size() &&
+        name.compare(name.size() - want.size(), want.size(), want) == 0)
+      return true;
+  }
+  return false;
+}
+
+std::string Server::Impl::foreign_origin(const http::Request& req) const {
+  const std::string* o = req.find("Origin");
+  if (!o) return "";
+  const std::string origin = trim(*o);
+  const size_t sep = origin.find("://");
+  const std::string* h = req.find("Host");
+  // Same origin: the page this server served (its Origin names the Host it was loaded from).
+  if (sep != std::string::npos && h && lower(origin.substr(sep + 3)) == lower(trim(*h))) return "";
+  return origin.empty() ? "null" : origin;
+}
+
+bool Server::Impl::cors_allowed(const std::string& origin) const {
+  std::string o = lower(origin);
+  while (!o.empty() && o.back() == '/') o.pop_back();
+  for (const std::string& a : opt.cors_origins) {
+    std::string want = lower(a);
+    while (!want.empty() && want.back() == '/') want.pop_back();
+    if (want == "*" || want == o) return true;
+  }
+  return false;
+}
+
+std::vector<http::Header> Server::Impl::cors_headers(const http::Request& req) const {
+  const std::string origin = foreign_origin(req);
+  if (origin.empty() || !cors_allowed(origin)) return {};
+  return {{"Access-Control-Allow-Origin", origin},
+          {"Vary", "Origin"},
+          {"Access-Control-Expose-Headers", "Retry-After"}};
+}
+
 std::optional<http::Response> Server::Impl::check_head(const http::Request& req) {
   http_requests.fetch_add(1);
+  // Safe by default on localhost: a web page the user visits must not drive the server.
+  // A name it does not answer to is a rebound DNS name (403); a page of another origin is
+  // refused unless --cors-origin names it (403); a POST must be JSON, which no page of
+  // another origin can send without asking first (a preflight this server refuses).
+  if (!req.find("Host") && req.version != 10)
+    return refused(400, "a Host header is required (HTTP/1.1)", "missing_host");
+  if (!host_allowed(req))
+    return refused(403, "this server does not answer to the host '" + req.header("Host") +
+                            "' (start it with --allowed-hosts to add names)",
+                   "host_not_allowed");
+  const std::string origin = foreign_origin(req);
+  if (!origin.empty() && !cors_allowed(origin))
+    return refused(403, "requests from the web origin '" + origin + "' are not allowed (see --cors-origin)",
+                   "origin_not_allowed");
+  if (req.method == "OPTIONS" && !origin.empty()) {
+    // A CORS preflight from an allowed origin (its Access-Control-Allow-Origin comes from
+    // cors_headers).
+    http::Response r;
+    r.status = 204;
+    r.content_type.clear();
+    r.headers = {{"Access-Control-Allow-Methods", "GET, POST, DELETE"},
+                 {"Access-Control-Allow-Headers", "Authorization, Content-Type"},
+                 {"Access-Control-Max-Age", "600"}};
+    return r;
+  }
   // The page is public and shown while the model loads: it holds no data, and its API calls
   // carry the key and meet the readiness check themselves.
   if (is_static_path(req.path)) return std::nullopt;
@@ -60,6 +176,12 @@ std::optional<http::Response> Server::Impl::check_head(const http::Request& req)
       r.headers.push_back({"WWW-Authenticate", "Bearer realm=\"laplace\""});
       return r;
     }
+  }
+  if (req.method == "POST") {
+    const std::string type = lower(trim(req.header("Content-Type").substr(0, req.header("Content-Type").find(';'))));
+    if (type != "application/json")
+      return refused(415, "the request body must be JSON, sent as 'Content-Type: application/json'",
+                     "unsupported_media_type");
   }
   if (!ready.load() && req.path != "/health" && req.path != "/metrics") {
     if (load_failed.load())

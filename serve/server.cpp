@@ -152,7 +152,8 @@ Status Server::start() {
   ho.max_connections = m.opt.max_connections;
   m.http = std::make_unique<HttpServer>(
       ho, [&m](const http::Request& r) { return m.check_head(r); },
-      [&m](http::Request&& r, http::ExchangePtr ex) { m.route(std::move(r), std::move(ex)); });
+      [&m](http::Request&& r, http::ExchangePtr ex) { m.route(std::move(r), std::move(ex)); },
+      [&m](const http::Request& r) { return m.cors_headers(r); });
   Status st = m.http->listen();
   if (!st.is_ok()) return st;
   m.files = std::make_unique<WorkQueue>(2, std::max<int64_t>(m.opt.max_file_queue, 1));

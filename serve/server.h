@@ -27,6 +27,12 @@ struct ServerOptions {
   std::string host = "127.0.0.1";
   int port = 8000;           // 0 = any free port (port() tells which)
   std::string api_key;       // "" = no key; else "Authorization: Bearer KEY" on every route
+  // Host names a request may name besides IP addresses and localhost ("*" = any): what
+  // keeps a web page from reaching this server through a DNS name rebound to it.
+  std::vector<std::string> allowed_hosts;
+  // Web origins (scheme://host[:port]) whose pages may call the API (CORS); "*" = any.
+  // Other cross-origin requests are refused (403).
+  std::vector<std::string> cors_origins;
   std::string device = "cpu";
   DType dtype = DType::kF32;
   // max_slots (or memory_budget), max_batch_tokens, prefill_chunk, cache_slots (the state

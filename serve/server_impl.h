@@ -200,6 +200,11 @@ struct Server::Impl {
 
   // routes.cpp
   std::optional<http::Response> check_head(const http::Request& req);
+  bool host_allowed(const http::Request& req) const;
+  // The request's Origin when it is another origin than the page's own ("" = none or same).
+  std::string foreign_origin(const http::Request& req) const;
+  bool cors_allowed(const std::string& origin) const;
+  std::vector<http::Header> cors_headers(const http::Request& req) const;
   void route(http::Request&& req, http::ExchangePtr ex);
   std::string metrics_text();
   nlohmann::json session_json(const std::string& n, const Session& s);

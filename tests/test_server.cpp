@@ -350,7 +350,7 @@ TEST_F(ServerTest, GarbageSlowAndVanishingClientsDoNotHurtTheServer) {
   {
     int fd = connect_local(port);
     ASSERT_GE(fd, 0);
-    const std::string part = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le";
+    const std::string part = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le";
     (void)!write(fd, part.data(), part.size());
     char buf[256];
     const auto t0 = std::chrono::steady_clock::now();
@@ -364,13 +364,13 @@ TEST_F(ServerTest, GarbageSlowAndVanishingClientsDoNotHurtTheServer) {
   {
     int fd = connect_local(port);
     ASSERT_GE(fd, 0);
-    const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + std::string(kKey) +
+    const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + std::string(kKey) +
                             "\r\nContent-Length: 500\r\n\r\n{\"prompt\": \"a";
     (void)!write(fd, req.data(), req.size());
     close(fd);
   }
   // A bad Content-Length.
-  std::string b = raw_exchange(port, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n");
+  std::string b = raw_exchange(port, "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: -5\r\n\r\n");
   EXPECT_TRUE(b.empty() || status_of(b) >= 400) << b.substr(0, 80);
   EXPECT_TRUE(healthy());
   Reply ok = post("/v1/completions", R"({"prompt": "the lazy dog", "max_tokens": 3})");
@@ -384,7 +384,7 @@ TEST_F(ServerTest, ClientThatLeavesMidStreamHasItsGenerationCancelled) {
   int fd = connect_local(server_->port());
   ASSERT_GE(fd, 0);
   const std::string body = R"({"prompt": "the quick", "max_tokens": 90000, "ignore_eos": true, "stream": true})";
-  const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + std::string(kKey) +
+  const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + std::string(kKey) +
                           "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
                           "\r\n\r\n" + body;
   (void)!write(fd, req.data(), req.size());
@@ -1020,7 +1020,7 @@ std::string read_until_close(int fd, double seconds) {
 
 std::string post_request(const std::string& body, const std::string& version = "HTTP/1.1",
                          const std::string& extra = "") {
-  return "POST /v1/completions " + version + "\r\nHost: x\r\nAuthorization: Bearer " + std::string(kKey) +
+  return "POST /v1/completions " + version + "\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + std::string(kKey) +
          "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n" + extra +
          "\r\n" + body;
 }
@@ -1041,7 +1041,7 @@ TEST_F(ServerTest, TricklingClientsCannotExtendTheReadDeadlines) {
     int fd = connect_local(port);
     ASSERT_GE(fd, 0);
     const auto t0 = std::chrono::steady_clock::now();
-    std::string head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + std::string(kKey) +
+    std::string head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + std::string(kKey) +
                        "\r\nContent-Length: 1000\r\n";
     if (in_body) head += "\r\n";
     ASSERT_EQ(send(fd, head.data(), head.size(), MSG_NOSIGNAL), static_cast<ssize_t>(head.size()));
@@ -1087,9 +1087,9 @@ TEST_F(ServerTest, Http10IsAnsweredWithoutChunking) {
 // Three requests in one write, the last asking to close: three answers, in order.
 TEST_F(ServerTest, PipelinedRequestsAreAnsweredInOrder) {
   const std::string auth = "Authorization: Bearer " + std::string(kKey) + "\r\n";
-  const std::string reqs = "GET /v1/models HTTP/1.1\r\nHost: x\r\n" + auth + "\r\n" +
+  const std::string reqs = "GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + auth + "\r\n" +
                            post_request(R"({"prompt": "the lazy dog", "max_tokens": 3, "ignore_eos": true})") +
-                           "GET /health HTTP/1.1\r\nHost: x\r\n" + auth + "Connection: close\r\n\r\n";
+                           "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + auth + "Connection: close\r\n\r\n";
   const std::string out = raw_exchange(server_->port(), reqs);
   const size_t a = out.find("HTTP/1.1 200"), b = out.find("HTTP/1.1 200", a + 1), c = out.find("HTTP/1.1 200", b + 1);
   ASSERT_NE(c, std::string::npos) << out;
@@ -1119,7 +1119,7 @@ TEST_F(ServerTest, InvalidContentLengthIsRefusedAtOnce) {
   for (const char* cl : {"Content-Length: -5\r\n", "Content-Length: abc\r\n", "Content-Length: 1e3\r\n",
                          "Content-Length: 5\r\nContent-Length: 6\r\n", "Content-Length: 99999999999999999999999\r\n"}) {
     const auto t0 = std::chrono::steady_clock::now();
-    const std::string out = raw_exchange(server_->port(), "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " +
+    const std::string out = raw_exchange(server_->port(), "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " +
                                                               std::string(kKey) + "\r\n" + cl + "\r\n{\"prompt\":");
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     EXPECT_TRUE(status_of(out) == 400 || status_of(out) == 413) << cl << out.substr(0, 100);
@@ -1705,7 +1705,7 @@ struct RawStream {
 RawStream open_stream(int port, const json& body, bool read_head) {
   RawStream s;
   s.fd = connect_local(port);
-  const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
+  const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: " +
                           std::to_string(body.dump().size()) + "\r\nConnection: close\r\n\r\n" + body.dump();
   (void)!write(s.fd, req.data(), req.size());
   if (read_head) {
@@ -1879,7 +1879,7 @@ TEST(ServerLoad, TwoThousandStreamsCompleteOr429WhileHealthStaysFast) {
       const json body = {{"prompt", "stream " + std::to_string(r) + " " + std::to_string(i)},
                          {"max_tokens", tokens}, {"stream", true}, {"ignore_eos", true}, {"temperature", 0},
                          {"stream_options", {{"include_usage", true}}}};
-      c.out = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+      c.out = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\n"
               "Content-Length: " + std::to_string(body.dump().size()) + "\r\n\r\n" + body.dump();
       epoll_event ev{};
       ev.events = EPOLLIN | EPOLLOUT;

@@ -340,6 +340,111 @@ TEST(ServerBounded, SessionFileWorkHasABoundedQueue) {
   EXPECT_EQ(back->status, 200) << back->body;
 }
 
+// ==== 3. safe by default on localhost ==================================================================
+
+// A whole raw request and its answer, for headers a test must choose itself.
+std::string raw_request(int port, const std::string& method, const std::string& path, const std::string& headers,
+                        const std::string& body = "") {
+  std::string req = method + " " + path + " HTTP/1.1\r\n" + headers + "Connection: close\r\n";
+  if (!body.empty() || method == "POST") req += "Content-Length: " + std::to_string(body.size()) + "\r\n";
+  return raw_exchange(port, req + "\r\n" + body);
+}
+
+// With no API key (the default), a web page the user visits cannot drive the server: its
+// cross-site text/plain POST (which a browser sends without asking) is refused and creates no
+// session, a DNS name rebound to 127.0.0.1 cannot read one back, and a page of another origin
+// gets no CORS answer. The server's own page, localhost and IP addresses work as before.
+TEST(ServerLocalhost, CrossSitePagesCannotDriveAServerWithoutAKey) {
+  ServerOptions o;
+  o.engine.max_slots = 1;
+  TestServer s(o);
+  ASSERT_TRUE(s.ok());
+  const int port = s.port();
+  const std::string self = "127.0.0.1:" + std::to_string(port);
+  const std::string make = R"({"name": "planted", "prompt": "the quick"})";
+  // A form or no-cors fetch from evil.example: text/plain, with its Origin.
+  std::string r = raw_request(port, "POST", "/v1/sessions",
+                              "Host: " + self + "\r\nContent-Type: text/plain\r\nOrigin: http://evil.example\r\n", make);
+  EXPECT_EQ(status_of(r), 403) << r;
+  // The same without an Origin (a client that hides it): still not JSON.
+  r = raw_request(port, "POST", "/v1/sessions", "Host: " + self + "\r\nContent-Type: text/plain\r\n", make);
+  EXPECT_EQ(status_of(r), 415) << r;
+  r = raw_request(port, "POST", "/v1/sessions", "Host: " + self + "\r\n", make);
+  EXPECT_EQ(status_of(r), 415) << r;
+  auto c = s.client();
+  EXPECT_EQ(c.Get("/v1/sessions/planted")->status, 404) << "a cross-site POST made a session";
+  // DNS rebinding: a name pointed at 127.0.0.1 by the page's owner.
+  ASSERT_EQ(c.Post("/v1/sessions", R"({"name": "mine", "prompt": "the quick"})", "application/json")->status, 200);
+  for (const std::string& host :
+       std::vector<std::string>{"evil.example:" + std::to_string(port), "evil.example", "localhost.evil.example"}) {
+    r = raw_request(port, "GET", "/v1/sessions/mine", "Host: " + host + "\r\n");
+    EXPECT_EQ(status_of(r), 403) << host << ": " << r;
+    EXPECT_EQ(r.find("the quick"), std::string::npos) << host;
+  }
+  r = raw_request(port, "GET", "/v1/sessions/mine", "");
+  EXPECT_EQ(status_of(r), 400) << "HTTP/1.1 without Host: " << r;
+  for (const std::string& host : std::vector<std::string>{self, "localhost:" + std::to_string(port), "LOCALHOST",
+                                                         "[::1]:" + std::to_string(port), "127.0.0.1"}) {
+    r = raw_request(port, "GET", "/v1/sessions/mine", "Host: " + host + "\r\n");
+    EXPECT_EQ(status_of(r), 200) << host << ": " << r;
+  }
+  // CORS: none unless configured. A preflight from another origin is refused.
+  r = raw_request(port, "OPTIONS", "/v1/completions",
+                  "Host: " + self + "\r\nOrigin: http://evil.example\r\nAccess-Control-Request-Method: POST\r\n");
+  EXPECT_EQ(status_of(r), 403) << r;
+  EXPECT_EQ(r.find("Access-Control-Allow-Origin"), std::string::npos) << r;
+  // The server's own page (same origin) is not a foreign origin.
+  r = raw_request(port, "POST", "/v1/completions",
+                  "Host: " + self + "\r\nOrigin: http://" + self + "\r\nContent-Type: application/json\r\n",
+                  R"({"prompt": "the quick", "max_tokens": 2})");
+  EXPECT_EQ(status_of(r), 200) << r;
+  EXPECT_EQ(r.find("Access-Control-Allow-Origin"), std::string::npos) << r;
+  // JSON with parameters is JSON.
+  r = raw_request(port, "POST", "/v1/completions", "Host: " + self + "\r\nContent-Type: Application/JSON; charset=utf-8\r\n",
+                  R"({"prompt": "the quick", "max_tokens": 2})");
+  EXPECT_EQ(status_of(r), 200) << r;
+}
+
+// --allowed-hosts adds names; --cors-origin lets a named origin's pages call the API, with
+// a preflight and Access-Control-Allow-Origin on every answer (errors included).
+TEST(ServerLocalhost, AllowedHostsAndCorsOriginsAreHonoured) {
+  ServerOptions o;
+  o.engine.max_slots = 1;
+  o.allowed_hosts = {"laplace.internal", ".corp.example"};
+  o.cors_origins = {"https://app.example"};
+  o.api_key = "k";
+  TestServer s(o);
+  ASSERT_TRUE(s.ok());
+  const int port = s.port();
+  for (const std::string host : {"laplace.internal:8000", "gpu1.corp.example", "Laplace.Internal"}) {
+    const std::string r = raw_request(port, "GET", "/", "Host: " + host + "\r\n");  // the page: no key needed
+    EXPECT_EQ(status_of(r), 200) << host << ": " << r;
+  }
+  EXPECT_EQ(status_of(raw_request(port, "GET", "/", "Host: corp.example.evil\r\n")), 403);
+  const std::string pre = raw_request(port, "OPTIONS", "/v1/completions",
+                                      "Host: 127.0.0.1\r\nOrigin: https://app.example\r\n"
+                                      "Access-Control-Request-Method: POST\r\n"
+                                      "Access-Control-Request-Headers: authorization, content-type\r\n");
+  EXPECT_EQ(status_of(pre), 204) << pre;
+  EXPECT_NE(pre.find("Access-Control-Allow-Origin: https://app.example"), std::string::npos) << pre;
+  EXPECT_NE(pre.find("Access-Control-Allow-Headers: Authorization, Content-Type"), std::string::npos) << pre;
+  const std::string body = R"({"prompt": "the quick", "max_tokens": 2})";
+  const std::string ok = raw_request(port, "POST", "/v1/completions",
+                                     "Host: 127.0.0.1\r\nOrigin: https://app.example\r\nAuthorization: Bearer k\r\n"
+                                     "Content-Type: application/json\r\n", body);
+  EXPECT_EQ(status_of(ok), 200) << ok;
+  EXPECT_NE(ok.find("Access-Control-Allow-Origin: https://app.example"), std::string::npos) << ok;
+  const std::string no_key = raw_request(port, "POST", "/v1/completions",
+                                         "Host: 127.0.0.1\r\nOrigin: https://app.example\r\n"
+                                         "Content-Type: application/json\r\n", body);
+  EXPECT_EQ(status_of(no_key), 401) << no_key;
+  EXPECT_NE(no_key.find("Access-Control-Allow-Origin: https://app.example"), std::string::npos) << no_key;
+  const std::string other = raw_request(port, "POST", "/v1/completions",
+                                        "Host: 127.0.0.1\r\nOrigin: https://app.example.evil\r\nAuthorization: Bearer k\r\n"
+                                        "Content-Type: application/json\r\n", body);
+  EXPECT_EQ(status_of(other), 403) << other;
+}
+
 // ==== 4. protocol strictness ===========================================================================
 
 // How many HTTP responses a byte stream holds (status lines at the start of a line).
