@@ -36,22 +36,11 @@ std::string random_id(const char* prefix) {
   return buf;
 }
 
-// Characters in s as a client decodes the JSON string we send: UTF-8 code points, and each
-// invalid sequence one U+FFFD (what dump_json puts there).
-int64_t text_chars(const std::string& s) {
+// Characters that start in s: its bytes other than UTF-8 continuation bytes (for valid
+// UTF-8, its code points).
+int64_t char_starts(const std::string& s) {
   int64_t n = 0;
-  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  for (size_t i = 0, size = s.size(); i < size; ++n) {
-    const unsigned char c = p[i];
-    const size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
-    if (len == 0) {  // a stray continuation byte or an invalid lead: one replacement
-      ++i;
-      continue;
-    }
-    size_t k = 1;
-    while (k < len && i + k < size && (p[i + k] & 0xC0) == 0x80) ++k;
-    i += k;  // whole (one character) or cut short (one replacement for what was there)
-  }
+  for (unsigned char ch : s) n += (ch & 0xC0) != 0x80;
   return n;
 }
 
@@ -257,12 +246,8 @@ void Server::Impl::on_finish(const std::shared_ptr<Job>& j, size_t i, const Fini
     }
     if (j->session_ticket && i == 0) {
       // The room was reserved at admission: a finished request's context is always kept.
-      SnapshotPtr snap = f.final_state ? f.final_state : part.prompt_state;
-      if (f.reason != FinishReason::kCancelled && snap) {
-        Session s;
-        s.context = part.prompt;
-        s.context.insert(s.context.end(), c.tokens.begin(), c.tokens.end());
-        s.snap = std::move(snap);
+      Session s;
+      if (f.reason != FinishReason::kCancelled && kept_session(*j, part, c, f, &s)) {
         sessions.commit(j->session_ticket, std::move(s));
       } else {
         sessions.release(j->session_ticket);
@@ -272,6 +257,44 @@ void Server::Impl::on_finish(const std::shared_ptr<Job>& j, size_t i, const Fini
   }
   mark_dirty(j);
   jobs_cv.notify_all();
+}
+
+// What save_session keeps of a finished choice: the context its client saw. The prompt, then
+// the generated tokens whose text went out whole; where a stop string ended the text inside a
+// token, the part of that token's text that went out, tokenized again (the stop string and
+// what follows it are not kept); the end-of-sequence token when it ended the answer. With
+// echo and max_tokens 0, only the prompt (the one token generated was never shown). The
+// state is the final one when it covers a prefix of that context, else the prompt's.
+bool Server::Impl::kept_session(const Job& j, const Part& part, const Choice& c, const FinishInfo& f, Session* out) {
+  out->context = part.prompt;
+  std::vector<int32_t> gen = j.discard_first ? std::vector<int32_t>() : c.tokens;
+  const bool eos_end = f.reason == FinishReason::kEos && !gen.empty() && gen.back() == j.eos;
+  if (eos_end) gen.pop_back();
+  if (c.text->stopped()) {
+    // The longest run of tokens whose text is a prefix of what was sent, then the rest.
+    const std::string& sent = c.text->sent();
+    size_t k = gen.size();
+    std::string text;
+    for (; k > 0; --k) {
+      const std::vector<int32_t> head(gen.begin(), gen.begin() + static_cast<ptrdiff_t>(k));
+      if (tok.decode(head, &text).is_ok() && sent.compare(0, text.size(), text) == 0 && text.size() <= sent.size())
+        break;
+      text.clear();
+    }
+    std::vector<int32_t> tail;
+    if (text.size() < sent.size() && !tok.encode(sent.substr(text.size()), &tail).is_ok()) tail.clear();
+    gen.resize(k);
+    gen.insert(gen.end(), tail.begin(), tail.end());
+  }
+  out->context.insert(out->context.end(), gen.begin(), gen.end());
+  if (eos_end) out->context.push_back(j.eos);
+  const auto covers = [&](const SnapshotPtr& snap) {
+    return snap && snap->tokens.size() <= out->context.size() &&
+           std::equal(snap->tokens.begin(), snap->tokens.end(), out->context.begin());
+  };
+  if (covers(f.final_state)) out->snap = f.final_state;
+  else if (covers(part.prompt_state)) out->snap = part.prompt_state;
+  return out->snap != nullptr;
 }
 
 // A part's choices 1..n-1 will never start: they finish as cancelled, and what admission
@@ -376,9 +399,12 @@ json Server::Impl::logprobs_json(const Job& j, Choice& c, const std::vector<Toke
       for (const auto& [t, v] : lp.top) top[token_text(tok, t)] = v;
       tops.push_back(top);
     }
-    // Where the token's text starts in the choice's text (prompt included when echoed).
-    offsets.push_back(c.lp_offset);
-    c.lp_offset += text_chars(s);
+    // Where the token's text starts in the choice's text (prompt included when echoed), in
+    // characters: the index of the character its first byte belongs to, so the byte-fallback
+    // tokens that make up one character share its offset (and later offsets do not drift).
+    const bool inside = !s.empty() && (static_cast<unsigned char>(s[0]) & 0xC0) == 0x80 && c.lp_offset > 0;
+    offsets.push_back(c.lp_offset - (inside ? 1 : 0));
+    c.lp_offset += char_starts(s);
   };
   if (prompt_lps)
     for (const TokenLogprobs& lp : *prompt_lps) add(lp);

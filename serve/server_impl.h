@@ -66,7 +66,7 @@ struct Choice {
   std::vector<TokenLogprobs> logprobs;  // one per token of `tokens` (when asked)
   std::string pending;                  // text not yet streamed
   size_t lp_sent = 0;                   // logprobs already streamed
-  int64_t lp_offset = 0;                // text_offset of the next logprobs entry (characters)
+  int64_t lp_offset = 0;                // characters started before the next logprobs entry
   bool echo_sent = false;               // streaming: the echoed prompt went out
   bool text_done = false;               // a stop string completed (the engine is told to stop)
   bool stop_now = false;                // ... and, through Request::stop_after, at this token
@@ -224,6 +224,7 @@ struct Server::Impl {
   void on_finish(const std::shared_ptr<Job>& j, size_t i, const FinishInfo& f);
   void on_prompt_state(const std::shared_ptr<Job>& j, size_t part, const SnapshotPtr& st);
   void give_up_forks(Job& j, size_t part) REQUIRES(j.mu);
+  bool kept_session(const Job& j, const Part& part, const Choice& c, const FinishInfo& f, Session* out);
   Status submit_part(const std::shared_ptr<Job>& job, size_t part);
   void mark_dirty(const std::shared_ptr<Job>& j);
   void cancel_job(const std::shared_ptr<Job>& j);

@@ -1290,6 +1290,81 @@ TEST_F(ServerTest, EchoWithLogprobsReturnsThePromptsLogprobs) {
   wait_idle();
 }
 
+// What the client sees is what a session keeps, and what text_offset counts (issue 52):
+// text_offset is a character index into the choice's text, shared by the byte-fallback
+// tokens that make one character (it had counted each as one, drifting after non-ASCII); a
+// session saved where a stop string ended the text keeps the text sent and not the stop
+// string or the rest of its token; echo with max_tokens 0 keeps only the prompt.
+TEST_F(ServerTest, WhatTheClientSeesIsWhatASessionKeeps) {
+  const std::vector<int32_t> e_acute = encode("\xC3\xA9");
+  ASSERT_EQ(e_acute.size(), 2u) << "expected byte-fallback pieces for a character outside the corpus";
+  std::vector<int32_t> ids = e_acute;
+  const std::vector<int32_t> rest = encode("a quick fox");
+  ids.insert(ids.end(), rest.begin(), rest.end());
+  Reply e = post("/v1/completions", json{{"prompt", ids}, {"echo", true}, {"logprobs", 0}, {"max_tokens", 0}});
+  ASSERT_EQ(e.status, 200) << e.raw;
+  const json off = e.body["choices"][0]["logprobs"]["text_offset"];
+  ASSERT_EQ(off.size(), ids.size());
+  EXPECT_EQ(off[0], 0);
+  EXPECT_EQ(off[1], 0) << "the second byte of one character starts no character of its own";
+  int64_t at = 1;
+  for (size_t k = 0; k < rest.size(); ++k) {
+    EXPECT_EQ(off[2 + k], at) << "token " << 2 + k;
+    std::string t;
+    ASSERT_TRUE(tok_->decode({rest[k]}, &t).is_ok());
+    at += static_cast<int64_t>(t.size());  // ASCII
+  }
+
+  // A stop string that starts inside a token.
+  std::string full, stop;
+  size_t cut = 0;
+  for (const char* prompt : {"the quick", "the lazy dog", "a fortune", "why did the"}) {
+    Reply g = post("/v1/completions", json{{"prompt", prompt}, {"max_tokens", 12}, {"temperature", 0},
+                                           {"ignore_eos", true}, {"logprobs", 0}, {"cache", false}});
+    ASSERT_EQ(g.status, 200) << g.raw;
+    full = text_of(g);
+    size_t start = 0;
+    for (const json& tj : g.body["choices"][0]["logprobs"]["tokens"]) {
+      const std::string t = tj.get<std::string>();
+      bool ascii = t.size() >= 2;
+      for (unsigned char ch : t) ascii = ascii && ch >= 0x20 && ch < 0x7F;
+      if (ascii && start > 0 && full.find(t.substr(1)) == start + 1) {
+        stop = t.substr(1);
+        cut = start + 1;
+        break;
+      }
+      start += t.size();
+    }
+    if (!stop.empty()) {
+      Reply s = post("/v1/completions", json{{"prompt", prompt}, {"max_tokens", 12}, {"temperature", 0},
+                                             {"ignore_eos", true}, {"stop", stop}, {"save_session", "seen"},
+                                             {"cache", false}});
+      ASSERT_EQ(s.status, 200) << s.raw;
+      EXPECT_EQ(text_of(s), full.substr(0, cut));
+      Reply kept = get("/v1/sessions/seen");
+      ASSERT_EQ(kept.status, 200) << kept.raw;
+      EXPECT_EQ(kept.body["text"], std::string(prompt) + full.substr(0, cut)) << "stop '" << stop << "'";
+      // It continues like any session.
+      Reply more = post("/v1/completions", json{{"prompt", " and"}, {"session", "seen"}, {"max_tokens", 2},
+                                                {"ignore_eos", true}});
+      EXPECT_EQ(more.status, 200) << more.raw;
+      break;
+    }
+  }
+  EXPECT_FALSE(stop.empty()) << "no generated token to cut a stop string from";
+
+  // Echo scoring with save_session keeps the prompt alone.
+  const std::vector<int32_t> scored = encode("the quick brown");
+  Reply sc = post("/v1/completions", json{{"prompt", scored}, {"echo", true}, {"logprobs", 0}, {"max_tokens", 0},
+                                          {"save_session", "scored"}});
+  ASSERT_EQ(sc.status, 200) << sc.raw;
+  Reply ks = get("/v1/sessions/scored");
+  ASSERT_EQ(ks.status, 200) << ks.raw;
+  EXPECT_EQ(ks.body["token_ids"], json(scored));
+  for (const char* n : {"seen", "scored"}) client().Delete(std::string("/v1/sessions/") + n);
+  wait_idle();
+}
+
 // lm-evaluation-harness at batch sizes above 1 (its local-completions model, loglikelihood):
 // several prompts of token ids in one request, exactly this payload. Each prompt is its own
 // choice, in order (index = prompt), and each equals the same prompt sent alone; the harness
