@@ -4,6 +4,9 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 
+#include <algorithm>
+#include <filesystem>
+#include <mutex>
 #include <regex>
 
 #include "serve/server_impl.h"
@@ -22,10 +25,43 @@ http::Response json_response(int status, const json& j) {
   return r;
 }
 
+namespace {
+std::mutex roots_mu;
+std::vector<std::string>& redacted_roots() {
+  static std::vector<std::string> roots;
+  return roots;
+}
+}  // namespace
+
+void add_redacted_root(const std::string& dir) {
+  if (dir.empty()) return;
+  std::error_code ec;
+  std::vector<std::string> forms = {std::filesystem::absolute(dir, ec).lexically_normal().string()};
+  const auto canon = std::filesystem::weakly_canonical(dir, ec);
+  if (!ec) forms.push_back(canon.string());
+  std::lock_guard<std::mutex> lk(roots_mu);
+  for (std::string f : forms) {
+    while (f.size() > 1 && f.back() == '/') f.pop_back();
+    if (f.size() > 1 && std::find(redacted_roots().begin(), redacted_roots().end(), f) == redacted_roots().end())
+      redacted_roots().push_back(f);
+  }
+  // Longest first: a root inside another is taken whole.
+  std::sort(redacted_roots().begin(), redacted_roots().end(),
+            [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
+}
+
 std::string redact_paths(const std::string& msg) {
-  // An absolute path: a '/' at the start of a word, then at least one more component.
+  // The directories the server uses are known, whatever characters their names hold (spaces,
+  // ':', ',', parentheses): a path under one becomes the part below it.
+  std::string out = msg;
+  {
+    std::lock_guard<std::mutex> lk(roots_mu);
+    for (const std::string& root : redacted_roots())
+      for (size_t at; (at = out.find(root + "/")) != std::string::npos;) out.erase(at, root.size() + 1);
+  }
+  // Any other absolute path: a '/' at the start of a word, then at least one more component.
   static const std::regex abs(R"((^|[\s'"(=:,])(/[^\s'"():,]*/)([^\s'"():,/]*))");
-  return std::regex_replace(msg, abs, "$1$3");
+  return std::regex_replace(out, abs, "$1$3");
 }
 
 http::Response error_response(const ApiError& e) {
@@ -422,6 +458,37 @@ void Server::Impl::handle_session_op(const http::Request& req, const http::Excha
     if (!queued) return file_queue_full(ex);
     return;
   }
+  if (req.method == "DELETE") {
+    // From memory; with ?file=true its saved file too (removed in its turn, after a save in
+    // progress: file work, off the event loop). Without it the file stays, so a session can
+    // be dropped from memory and restored later; the answer says whether a file is kept.
+    const bool in_memory = sessions.erase(n);
+    const std::string query = req.target.find('?') == std::string::npos ? "" : req.target.substr(req.target.find('?') + 1);
+    const bool with_file = query == "file=true" || query == "file=1";
+    const auto gone = [ex, n] {
+      ex->respond(error_response(
+          api_error(404, "session '" + n + "' does not exist", "invalid_request_error", "session_not_found")));
+    };
+    if (!with_file || !sessions.has_dir()) {
+      if (!in_memory) return gone();
+      json out = {{"name", n}, {"object", "session"}, {"deleted", true}};
+      if (sessions.has_dir()) {
+        std::error_code ec;
+        out["file_kept"] = std::filesystem::exists(sessions.path(n), ec);
+      }
+      return ex->respond(json_response(200, out));
+    }
+    const bool queued = run_file_work([this, ex, n, in_memory, gone] {
+      bool removed = false;
+      Status st = sessions.remove_file(n, &removed);
+      if (!st.is_ok()) return ex->respond(error_response(api_error(500, st.message(), "server_error")));
+      if (!in_memory && !removed) return gone();
+      ex->respond(json_response(
+          200, json{{"name", n}, {"object", "session"}, {"deleted", true}, {"file_deleted", removed}}));
+    });
+    if (!queued) return file_queue_full(ex);
+    return;
+  }
   std::optional<Session> it = sessions.get(n);
   if (!it)
     return ex->respond(error_response(
@@ -432,10 +499,6 @@ void Server::Impl::handle_session_op(const http::Request& req, const http::Excha
     if (tok.decode(it->context, &text).is_ok()) out["text"] = text;
     out["token_ids"] = it->context;
     return ex->respond(json_response(200, out));
-  }
-  if (req.method == "DELETE") {
-    sessions.erase(n);
-    return ex->respond(json_response(200, json{{"name", n}, {"object", "session"}, {"deleted", true}}));
   }
   if (op == "fork") {
     json b = json::parse(req.body, nullptr, false);
@@ -464,7 +527,7 @@ void Server::Impl::handle_session_op(const http::Request& req, const http::Excha
         return ex->respond(error_response(api_error(507, st.message(), "server_error", "session_storage_full")));
       if (!st.is_ok()) return ex->respond(error_response(api_error(500, st.message(), "server_error")));
       json out = session_json(n, s);
-      out["path"] = sessions.path(n);
+      out["file"] = n + ".session";  // in --session-dir; where that is stays the server's
       ex->respond(json_response(200, out));
     });
     if (!queued) return file_queue_full(ex);

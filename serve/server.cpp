@@ -135,6 +135,8 @@ Status Server::start() {
   if (m.name.empty() || m.name == ".") m.name = "laplace";
   // What crashed writers left: session temporaries, and in the model directory (a training
   // run's output, often) the trainer's checkpoint.safetensors.tmp.* and the like.
+  add_redacted_root(m.opt.model_dir);
+  add_redacted_root(m.opt.session_dir);
   int64_t removed = 0;
   LAPLACE_RETURN_IF_ERROR(m.sessions.open_dir(&removed));
   if (fs::is_directory(m.opt.model_dir)) removed += remove_stale_temporaries(m.opt.model_dir);

@@ -55,6 +55,8 @@ http::Response busy_response(int status, const std::string& msg, const std::stri
 // Absolute paths in a message become their last component: errors do not tell a client
 // where the server keeps its files.
 std::string redact_paths(const std::string& msg);
+// A directory whose paths redact_paths cuts to what lies below it (the model's, the sessions').
+void add_redacted_root(const std::string& dir);
 
 // One generated sequence of a job (one of n choices of one of its prompts).
 struct Choice {

@@ -82,6 +82,9 @@ class SessionStore {
   // Reading takes the same per-name turn, so a restore never sees a save half done
   // (the rename makes that so anyway; the turn keeps the order of requests).
   Status read(const std::string& name, const std::function<Status(const std::string&)>& reader);
+  // Removes NAME.session in its turn (after any save of it in progress). *removed: whether
+  // there was one. io_error when it cannot be removed.
+  Status remove_file(const std::string& name, bool* removed);
   int64_t disk_bytes() const;
   int64_t disk_files() const;
 

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -34,10 +35,11 @@ using namespace laplace::testing::srv;
 // its directory at the end.
 class TestServer {
  public:
-  explicit TestServer(ServerOptions o, const std::string& tag = "hostile_model", bool session_dir = false) {
+  explicit TestServer(ServerOptions o, const std::string& tag = "hostile_model", bool session_dir = false,
+                      const std::string& session_subdir = "sessions") {
     dir_ = testing::make_server_model_dir(tag, 52);
     o.model_dir = dir_;
-    if (session_dir) o.session_dir = dir_ + "/sessions";
+    if (session_dir) o.session_dir = dir_ + "/" + session_subdir;
     o.model_name = "tiny";
     o.port = 0;
     srv_ = std::make_unique<Server>(o);
@@ -443,6 +445,50 @@ TEST(ServerLocalhost, AllowedHostsAndCorsOriginsAreHonoured) {
                                         "Host: 127.0.0.1\r\nOrigin: https://app.example.evil\r\nAuthorization: Bearer k\r\n"
                                         "Content-Type: application/json\r\n", body);
   EXPECT_EQ(status_of(other), 403) << other;
+}
+
+// ==== 6. loose ends ====================================================================================
+
+// A save's answer names the file, not where the server keeps it; errors name no part of the
+// session directory's path even when it holds spaces, ':', ',' or parentheses (redaction had
+// stopped there and shown the rest); DELETE with ?file=true removes the saved file too.
+TEST(ServerLooseEnds, NoServerPathsInAnswersAndDeleteCanRemoveTheFile) {
+  ServerOptions o;
+  o.engine.max_slots = 1;
+  const std::string odd = "my sessions (v1): a,b";
+  TestServer s(o, "hostile_paths_model", /*session_dir=*/true, odd);
+  ASSERT_TRUE(s.ok());
+  auto c = s.client();
+  ASSERT_EQ(c.Post("/v1/sessions", R"({"name": "keep", "prompt": "the quick"})", "application/json")->status, 200);
+  auto saved = c.Post("/v1/sessions/keep/save", "{}", "application/json");
+  ASSERT_TRUE(saved && saved->status == 200) << (saved ? saved->body : "");
+  EXPECT_EQ(saved->body.find(s.dir()), std::string::npos) << saved->body;
+  EXPECT_EQ(json::parse(saved->body)["file"], "keep.session");
+  const std::string file = s.dir() + "/" + odd + "/keep.session";
+  ASSERT_TRUE(fs::exists(file));
+  // A damaged file's error.
+  { std::ofstream(s.dir() + "/" + odd + "/broken.session", std::ios::binary) << "short"; }
+  auto bad = c.Post("/v1/sessions/broken/restore", "{}", "application/json");
+  ASSERT_TRUE(bad);
+  EXPECT_EQ(bad->status, 400) << bad->body;
+  for (const std::string piece : {s.dir(), std::string("(v1)"), std::string("a,b"), std::string("my sessions")})
+    EXPECT_EQ(bad->body.find(piece), std::string::npos) << piece << " in " << bad->body;
+  // DELETE keeps the file (and says so), so a session can leave memory and come back...
+  auto del = c.Delete("/v1/sessions/keep");
+  ASSERT_TRUE(del && del->status == 200) << (del ? del->body : "");
+  EXPECT_EQ(json::parse(del->body)["file_kept"], true);
+  EXPECT_TRUE(fs::exists(file));
+  ASSERT_EQ(c.Post("/v1/sessions/keep/restore", "{}", "application/json")->status, 200);
+  // ... and with ?file=true removes it too.
+  del = c.Delete("/v1/sessions/keep?file=true");
+  ASSERT_TRUE(del && del->status == 200) << (del ? del->body : "");
+  EXPECT_EQ(json::parse(del->body)["file_deleted"], true);
+  EXPECT_FALSE(fs::exists(file));
+  EXPECT_EQ(c.Post("/v1/sessions/keep/restore", "{}", "application/json")->status, 404);
+  EXPECT_EQ(c.Delete("/v1/sessions/keep?file=true")->status, 404);
+  EXPECT_EQ(s->counters().sessions, 0);
+  const std::string m = s.metrics();
+  EXPECT_EQ(metric(m, "laplace_session_files"), 0) << "keep.session is no longer counted against the disk caps";
 }
 
 // ==== 4. protocol strictness ===========================================================================
