@@ -4,6 +4,8 @@
 #include "serve/http_server.h"
 #include "core/thread_annotations.h"
 
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
 
 #include <atomic>
@@ -230,6 +232,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
     // HTTP/1.0 has no chunking: the body ends when the connection does.
     close_after_ = !keep_alive_ || version_ != 11 || has_close(head_.headers) || must_close();
     last_write_ = Clock::now();
+    progress_at_ = last_write_;
+    acked_ = written_;
     start_tick();
     pump(false);
   }
@@ -443,7 +447,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void write(Then then) {
     arm(srv_.opt.write_timeout_s);
     asio::async_write(sock_, asio::buffer(wbuf_),
-                      [self = shared_from_this(), then = std::move(then)](const beast::error_code& ec, size_t) {
+                      [self = shared_from_this(), then = std::move(then)](const beast::error_code& ec, size_t n) {
+                        self->written_ += static_cast<int64_t>(n);
                         if (self->closed_) return;
                         self->disarm();
                         if (ec) return self->close_now();  // the client is gone (a stream is aborted)
@@ -555,10 +560,28 @@ class Connection : public std::enable_shared_from_this<Connection> {
     f();
   }
 
+  // A client that stops reading: once its receive buffer is full, what we sent stays
+  // unacknowledged. The write deadline alone would start only when our own send buffer is
+  // full too (megabytes on a fast link, hours of a slow stream); this drops the client when
+  // none of what we sent has been acknowledged for write_timeout.
+  bool stalled() {
+    int unacked = 0;
+    if (::ioctl(sock_.native_handle(), SIOCOUTQ, &unacked) != 0) return false;
+    const int64_t acked = written_ - unacked;  // (low while a write is part-way in: no false progress)
+    const auto now = Clock::now();
+    if (unacked == 0 || acked > acked_) {
+      acked_ = std::max(acked_, acked);
+      progress_at_ = now;
+      return false;
+    }
+    return now - progress_at_ >= seconds(srv_.opt.write_timeout_s);
+  }
+
   void start_tick() {
     tick_.expires_after(seconds(srv_.opt.tick_s));
     tick_.async_wait([self = shared_from_this()](const beast::error_code& ec) {
       if (ec || self->phase_ != Phase::kStreaming || self->stream_done_) return;
+      if (self->stalled()) return self->close_now();  // its work is cancelled (on_abort)
       if (!self->writing_ && Clock::now() - self->last_write_ >= seconds(self->srv_.opt.tick_s * 0.9)) self->pump(true);
       if (self->phase_ == Phase::kStreaming && !self->stream_done_) self->start_tick();
     });
@@ -589,6 +612,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool head_sent_ = false, stream_done_ = false, writing_ = false, pump_again_ = false;
   bool chunked_ = true, close_after_ = false;
   Clock::time_point last_write_;
+  int64_t written_ = 0;  // bytes handed to the kernel on this connection
+  int64_t acked_ = 0;    // of those, acknowledged by the client (as last seen)
+  Clock::time_point progress_at_;  // when acked_ last grew (or nothing was unacknowledged)
 };
 
 class ExchangeImpl : public http::Exchange, public std::enable_shared_from_this<ExchangeImpl> {

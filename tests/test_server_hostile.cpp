@@ -4,8 +4,12 @@
 // the protocol is strict.
 #ifdef LAPLACE_HAVE_SERVER
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#include <thread>
 
 #include <chrono>
 #include <cstdio>
@@ -253,7 +257,11 @@ TEST(ServerBounded, TokenizingLongPromptsDoesNotStallTheEventLoop) {
   ASSERT_TRUE(s.ok());
   // Text that the tokenizer splits into many pieces (no long merges).
   std::string text;
-  for (int i = 0; text.size() < (1u << 20); ++i) text += "q" + std::to_string(i % 97) + "z ";
+  for (int i = 0; text.size() < (1u << 20); ++i) {
+    text += 'q';
+    text += std::to_string(i % 97);
+    text += "z ";
+  }
   s->hold_engine(true);  // what matters is the tokenizing, not the prefill
   std::vector<int> fds;
   const auto t0 = std::chrono::steady_clock::now();
@@ -471,7 +479,7 @@ TEST(ServerLooseEnds, NoServerPathsInAnswersAndDeleteCanRemoveTheFile) {
   auto bad = c.Post("/v1/sessions/broken/restore", "{}", "application/json");
   ASSERT_TRUE(bad);
   EXPECT_EQ(bad->status, 400) << bad->body;
-  for (const std::string piece : {s.dir(), std::string("(v1)"), std::string("a,b"), std::string("my sessions")})
+  for (const std::string& piece : {s.dir(), std::string("(v1)"), std::string("a,b"), std::string("my sessions")})
     EXPECT_EQ(bad->body.find(piece), std::string::npos) << piece << " in " << bad->body;
   // DELETE keeps the file (and says so), so a session can leave memory and come back...
   auto del = c.Delete("/v1/sessions/keep");
@@ -489,6 +497,50 @@ TEST(ServerLooseEnds, NoServerPathsInAnswersAndDeleteCanRemoveTheFile) {
   EXPECT_EQ(s->counters().sessions, 0);
   const std::string m = s.metrics();
   EXPECT_EQ(metric(m, "laplace_session_files"), 0) << "keep.session is no longer counted against the disk caps";
+}
+
+// A streaming client that stops reading is dropped, and its generation cancelled, once
+// nothing the server sent has been acknowledged for the write timeout — not only after the
+// server's own send buffer (megabytes on loopback) has filled too, which a slow stream takes
+// far longer than that to do. Tokens come one every 0.2 s here, a few kilobytes in all.
+TEST(ServerLooseEnds, ClientThatStopsReadingIsDroppedAtTheWriteDeadline) {
+  ServerOptions o;
+  o.engine.max_slots = 1;
+  o.write_timeout_s = 2;
+  o.limits.max_tokens = 100000;
+  TestServer s(o);
+  ASSERT_TRUE(s.ok());
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  const int small = 4096;  // its receive window closes after a few kilobytes
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(s.port()));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  s->hold_engine(true);
+  const int64_t left_before = s->counters().client_disconnects;
+  ASSERT_TRUE(send_all(fd, http_post("/v1/completions", json{{"prompt", "the quick"}, {"max_tokens", 90000},
+                                                              {"ignore_eos", true}, {"stream", true},
+                                                              {"logprobs", 5}}.dump())));
+  ASSERT_TRUE(eventually([&] { return s->counters().engine.queued == 1; }, 30));
+  s->step_engine(80);  // enough to fill the client's window (logprobs make each chunk large)
+  const auto t0 = std::chrono::steady_clock::now();
+  bool dropped = false;
+  while (std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10)) {
+    s->step_engine(1);
+    if (s->counters().client_disconnects > left_before) {
+      dropped = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_TRUE(dropped) << "a client that reads nothing kept its slot for " << took << " s";
+  EXPECT_LT(took, 6);
+  s->hold_engine(false);
+  EXPECT_TRUE(eventually([&] { return s->counters().engine.running == 0 && s->counters().outstanding == 0; }, 30));
+  close(fd);
 }
 
 // ==== 4. protocol strictness ===========================================================================
