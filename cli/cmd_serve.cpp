@@ -21,12 +21,14 @@ void on_signal(int) { g_stop = 1; }
 
 struct ServeArgs {
   std::string model_dir, name, host = "127.0.0.1", api_key, api_key_file, device = "cpu", dtype = "f32";
+  std::vector<std::string> allowed_hosts, cors_origins;
   std::string session_dir;
   int port = 8000, threads = 4, read_timeout = 10;
   int64_t max_sessions = 1024, max_session_mb = 0, session_disk_mb = 0, max_session_files = 0, max_connections = 0;
   double grace_seconds = 30;
   int64_t max_slots = 0, max_queue = 64, max_batch_tokens = 2048, prefill_chunk = 256;
   std::string batch_prefill = "auto";
+  int64_t max_file_queue = 32;
   int64_t max_tokens = 4096, max_prompt_tokens = 32768, max_request_kb = 1024, cache_mb = 256, max_n = 16;
   int64_t cache_slots = -1;  // the state cache's device tier; -1 = as many as the live slots
   std::string memory_budget = "1G";
@@ -47,6 +49,8 @@ Status run_serve(const ServeArgs& a) {
   o.host = a.host;
   o.port = a.port;
   o.api_key = a.api_key;
+  o.allowed_hosts = a.allowed_hosts;
+  o.cors_origins = a.cors_origins;
   if (!a.api_key_file.empty()) {
     LAPLACE_RETURN_IF_ERROR(read_file(a.api_key_file, &o.api_key));
     while (!o.api_key.empty() && (o.api_key.back() == '\n' || o.api_key.back() == '\r')) o.api_key.pop_back();
@@ -65,6 +69,7 @@ Status run_serve(const ServeArgs& a) {
   o.max_queue = a.max_queue;
   o.max_request_bytes = a.max_request_kb * 1024;
   o.max_prompt_tokens = a.max_prompt_tokens;
+  o.max_file_queue = a.max_file_queue;
   o.limits.max_tokens = a.max_tokens;
   o.limits.max_n = a.max_n;
   o.cache_bytes = a.cache_mb << 20;
@@ -113,6 +118,13 @@ void add_serve(CLI::App& app) {
   cmd->add_option("--port", a->port, "port (0 = any free port)")->check(CLI::Range(0, 65535));
   cmd->add_option("--api-key", a->api_key, "require 'Authorization: Bearer KEY' on every route");
   cmd->add_option("--api-key-file", a->api_key_file, "read the API key from a file (keeps it out of ps)");
+  cmd->add_option("--allowed-hosts", a->allowed_hosts,
+                  "host names requests may use besides IP addresses and localhost (comma-separated; .example.com "
+                  "= its subdomains; * = any)")
+      ->delimiter(',');
+  cmd->add_option("--cors-origin", a->cors_origins,
+                  "web origins whose pages may call the API, e.g. https://app.example.com (comma-separated; * = any)")
+      ->delimiter(',');
   cmd->add_option("--device", a->device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_option("--dtype", a->dtype, "f32 (CPU) or bf16 (CUDA)");
   add_decode_options(cmd, &a->state_dtype, &a->eager, &a->defer_writeback, &a->prefill_graphs);
@@ -129,7 +141,11 @@ void add_serve(CLI::App& app) {
       ->check(CLI::IsMember(kBatchPrefillChoices));
   cmd->add_option("--max-tokens", a->max_tokens, "largest max_tokens a request may ask for")
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--max-prompt-tokens", a->max_prompt_tokens, "longest prompt accepted")->check(CLI::PositiveNumber);
+  cmd->add_option("--max-prompt-tokens", a->max_prompt_tokens,
+                  "longest prompt accepted (in tokens; a longer text than it can hold is refused before tokenizing)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--max-file-queue", a->max_file_queue, "session saves and restores that may wait before 429")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--max-request-kb", a->max_request_kb, "largest request body (KiB)")->check(CLI::PositiveNumber);
   cmd->add_option("--max-n", a->max_n, "largest n")->check(CLI::PositiveNumber);
   cmd->add_option("--cache-mb", a->cache_mb, "host RAM for the exact state cache's host tier (0 = none)")

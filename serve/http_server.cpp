@@ -4,6 +4,8 @@
 #include "serve/http_server.h"
 #include "core/thread_annotations.h"
 
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
 
 #include <atomic>
@@ -18,6 +20,7 @@
 #include <boost/beast/http/parser.hpp>
 #include <boost/beast/http/read.hpp>
 #include <boost/beast/http/string_body.hpp>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -50,6 +53,7 @@ const char* reason_phrase(int s) {
   switch (s) {
     case 100: return "Continue";
     case 200: return "OK";
+    case 204: return "No Content";
     case 400: return "Bad Request";
     case 401: return "Unauthorized";
     case 403: return "Forbidden";
@@ -144,6 +148,7 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
   http::Options opt;
   http::HeadCheck check;
   http::Handler handler;
+  http::ResponseHeaders response_headers;
   std::vector<std::unique_ptr<Loop>> loops;
   std::vector<asio::executor_work_guard<asio::io_context::executor_type>> guards;
   std::unique_ptr<tcp::acceptor> acceptor;
@@ -227,6 +232,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
     // HTTP/1.0 has no chunking: the body ends when the connection does.
     close_after_ = !keep_alive_ || version_ != 11 || has_close(head_.headers) || must_close();
     last_write_ = Clock::now();
+    progress_at_ = last_write_;
+    acked_ = written_;
     start_tick();
     pump(false);
   }
@@ -272,6 +279,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   void read_request() {
     phase_ = Phase::kHeader;
+    extra_.clear();
     parser_.emplace();
     parser_->header_limit(static_cast<std::uint32_t>(srv_.opt.max_header_bytes));
     parser_->body_limit(static_cast<std::uint64_t>(srv_.opt.max_body_bytes));
@@ -291,8 +299,45 @@ class Connection : public std::enable_shared_from_this<Connection> {
     if (ec == bh::error::body_limit) return refuse(413, "the request is too large");
     if (ec == bh::error::header_limit) return refuse(431, "the request header is too large");
     if (ec == bh::error::bad_content_length) return refuse(400, "invalid Content-Length");
-    if (ec == bh::error::bad_version) return refuse(505, "only HTTP/1.0 and HTTP/1.1 are served");
+    if (ec == bh::error::bad_version) {
+      // 505 is for a well-formed request line of another version; a line that is not one
+      // (a bare LF ending it, a version that is no version) is a malformed request.
+      if (well_formed_request_line()) return refuse(505, "only HTTP/1.0 and HTTP/1.1 are served");
+      return refuse(400, "malformed HTTP request line");
+    }
     refuse(400, "malformed HTTP request (" + ec.message() + ")");
+  }
+
+  // The first line in the read buffer is `METHOD SP TARGET SP HTTP/d.d CRLF`.
+  bool well_formed_request_line() const {
+    const auto data = buf_.cdata();
+    const std::string_view s(static_cast<const char*>(data.data()), data.size());
+    const size_t lf = s.find('\n');
+    if (lf == std::string_view::npos || lf == 0 || s[lf - 1] != '\r') return false;
+    const std::string_view line = s.substr(0, lf - 1);
+    const size_t sp = line.rfind(' ');
+    if (sp == std::string_view::npos || line.find(' ') == sp) return false;
+    const std::string_view v = line.substr(sp + 1);
+    return v.size() == 8 && v.substr(0, 5) == "HTTP/" && std::isdigit(static_cast<unsigned char>(v[5])) &&
+           v[6] == '.' && std::isdigit(static_cast<unsigned char>(v[7]));
+  }
+
+  // RFC 9112 §6.3: a request with a Transfer-Encoding whose last coding is not chunked has
+  // no knowable body length, and a coding we do not decode is not one we can read: either
+  // way the request and what follows it on the connection cannot be parsed safely. Only
+  // exactly "chunked" (one header, HTTP/1.1) is served.
+  bool transfer_encoding_refused() const {
+    int count = 0;
+    bool chunked_only = true;
+    for (const auto& h : req_.headers) {
+      if (!iequals(h.name, "Transfer-Encoding")) continue;
+      ++count;
+      std::string_view v = h.value;
+      while (!v.empty() && (v.front() == ' ' || v.front() == '\t')) v.remove_prefix(1);
+      while (!v.empty() && (v.back() == ' ' || v.back() == '\t')) v.remove_suffix(1);
+      if (!iequals(v, "chunked")) chunked_only = false;
+    }
+    return count > 0 && (count > 1 || !chunked_only || version_ != 11);
   }
 
   void refuse(int status, const std::string& msg) {
@@ -327,6 +372,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
     keep_alive_ = m.keep_alive();
     is_head_ = m.method() == bh::verb::head;
     req_ = head_request();
+    if (transfer_encoding_refused()) return refuse(400, "unsupported Transfer-Encoding (only chunked is accepted)");
+    extra_ = srv_.response_headers ? srv_.response_headers(req_) : std::vector<http::Header>();
     if (srv_.check) {
       if (std::optional<http::Response> r = srv_.check(req_)) {
         // Refused before its body: the body is never read, so the connection cannot be
@@ -386,6 +433,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     out += "Content-Length: " + std::to_string(r.body.size()) + "\r\n";
     for (const auto& h : r.headers)
       if (!iequals(h.name, "Connection")) out += h.name + ": " + h.value + "\r\n";
+    for (const auto& h : extra_) out += h.name + ": " + h.value + "\r\n";
     if (close) out += "Connection: close\r\n";
     else if (version_ == 10) out += "Connection: keep-alive\r\n";
     out += "\r\n";
@@ -399,7 +447,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void write(Then then) {
     arm(srv_.opt.write_timeout_s);
     asio::async_write(sock_, asio::buffer(wbuf_),
-                      [self = shared_from_this(), then = std::move(then)](const beast::error_code& ec, size_t) {
+                      [self = shared_from_this(), then = std::move(then)](const beast::error_code& ec, size_t n) {
+                        self->written_ += static_cast<int64_t>(n);
                         if (self->closed_) return;
                         self->disarm();
                         if (ec) return self->close_now();  // the client is gone (a stream is aborted)
@@ -440,6 +489,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     if (!head_.content_type.empty()) out += "Content-Type: " + head_.content_type + "\r\n";
     for (const auto& h : head_.headers)
       if (!iequals(h.name, "Connection")) out += h.name + ": " + h.value + "\r\n";
+    for (const auto& h : extra_) out += h.name + ": " + h.value + "\r\n";
     if (chunked_) out += "Transfer-Encoding: chunked\r\n";
     out += close_after_ ? "Connection: close\r\n" : "";
     out += "\r\n";
@@ -510,10 +560,28 @@ class Connection : public std::enable_shared_from_this<Connection> {
     f();
   }
 
+  // A client that stops reading: once its receive buffer is full, what we sent stays
+  // unacknowledged. The write deadline alone would start only when our own send buffer is
+  // full too (megabytes on a fast link, hours of a slow stream); this drops the client when
+  // none of what we sent has been acknowledged for write_timeout.
+  bool stalled() {
+    int unacked = 0;
+    if (::ioctl(sock_.native_handle(), SIOCOUTQ, &unacked) != 0) return false;
+    const int64_t acked = written_ - unacked;  // (low while a write is part-way in: no false progress)
+    const auto now = Clock::now();
+    if (unacked == 0 || acked > acked_) {
+      acked_ = std::max(acked_, acked);
+      progress_at_ = now;
+      return false;
+    }
+    return now - progress_at_ >= seconds(srv_.opt.write_timeout_s);
+  }
+
   void start_tick() {
     tick_.expires_after(seconds(srv_.opt.tick_s));
     tick_.async_wait([self = shared_from_this()](const beast::error_code& ec) {
       if (ec || self->phase_ != Phase::kStreaming || self->stream_done_) return;
+      if (self->stalled()) return self->close_now();  // its work is cancelled (on_abort)
       if (!self->writing_ && Clock::now() - self->last_write_ >= seconds(self->srv_.opt.tick_s * 0.9)) self->pump(true);
       if (self->phase_ == Phase::kStreaming && !self->stream_done_) self->start_tick();
     });
@@ -528,6 +596,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   beast::flat_buffer buf_;
   std::optional<bh::request_parser<bh::string_body>> parser_;
   http::Request req_;
+  std::vector<http::Header> extra_;  // ResponseHeaders of the request being answered
   Phase phase_ = Phase::kHeader;
   bool closed_ = false;
   bool keep_alive_ = true, is_head_ = false;
@@ -543,6 +612,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool head_sent_ = false, stream_done_ = false, writing_ = false, pump_again_ = false;
   bool chunked_ = true, close_after_ = false;
   Clock::time_point last_write_;
+  int64_t written_ = 0;  // bytes handed to the kernel on this connection
+  int64_t acked_ = 0;    // of those, acknowledged by the client (as last seen)
+  Clock::time_point progress_at_;  // when acked_ last grew (or nothing was unacknowledged)
 };
 
 class ExchangeImpl : public http::Exchange, public std::enable_shared_from_this<ExchangeImpl> {
@@ -673,11 +745,12 @@ void HttpServer::Impl::do_accept() {
   });
 }
 
-HttpServer::HttpServer(http::Options o, http::HeadCheck check, http::Handler handler)
+HttpServer::HttpServer(http::Options o, http::HeadCheck check, http::Handler handler, http::ResponseHeaders headers)
     : impl_(std::make_shared<Impl>()) {
   impl_->opt = std::move(o);
   impl_->check = std::move(check);
   impl_->handler = std::move(handler);
+  impl_->response_headers = std::move(headers);
   const int n = std::max(1, impl_->opt.threads);
   for (int i = 0; i < n; ++i) impl_->loops.push_back(std::make_unique<Loop>());
 }

@@ -122,12 +122,15 @@ struct Options {
 using HeadCheck = std::function<std::optional<Response>(const Request& head)>;
 // Called on the connection's thread with a whole request. Must not block.
 using Handler = std::function<void(Request&& req, ExchangePtr ex)>;
+// Called on the connection's thread once a request's header is in: headers every answer to
+// it carries (its refusals included), e.g. CORS headers that depend on its Origin.
+using ResponseHeaders = std::function<std::vector<Header>(const Request& head)>;
 
 }  // namespace http
 
 class HttpServer {
  public:
-  HttpServer(http::Options o, http::HeadCheck check, http::Handler handler);
+  HttpServer(http::Options o, http::HeadCheck check, http::Handler handler, http::ResponseHeaders headers = nullptr);
   ~HttpServer();
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;

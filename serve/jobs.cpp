@@ -36,22 +36,11 @@ std::string random_id(const char* prefix) {
   return buf;
 }
 
-// Characters in s as a client decodes the JSON string we send: UTF-8 code points, and each
-// invalid sequence one U+FFFD (what dump_json puts there).
-int64_t text_chars(const std::string& s) {
+// Characters that start in s: its bytes other than UTF-8 continuation bytes (for valid
+// UTF-8, its code points).
+int64_t char_starts(const std::string& s) {
   int64_t n = 0;
-  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  for (size_t i = 0, size = s.size(); i < size; ++n) {
-    const unsigned char c = p[i];
-    const size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
-    if (len == 0) {  // a stray continuation byte or an invalid lead: one replacement
-      ++i;
-      continue;
-    }
-    size_t k = 1;
-    while (k < len && i + k < size && (p[i + k] & 0xC0) == 0x80) ++k;
-    i += k;  // whole (one character) or cut short (one replacement for what was there)
-  }
+  for (unsigned char ch : s) n += (ch & 0xC0) != 0x80;
   return n;
 }
 
@@ -73,7 +62,7 @@ void Server::Impl::memo_put(const std::string& text, const std::vector<int32_t>&
   }
 }
 
-std::optional<ApiError> Server::Impl::tokenize(Job& job) {
+std::optional<ApiError> Server::Impl::tokenize_part(const Job& job, const PromptInput* in, Part* part) {
   const CompletionParams& p = job.p;
   std::vector<int32_t> ids;
   if (p.chat) {
@@ -89,56 +78,68 @@ std::optional<ApiError> Server::Impl::tokenize(Job& job) {
           continue;
         }
       }
-      std::vector<int32_t> part;
-      Status e = tok.encode(piece.text, &part);
+      std::vector<int32_t> piece_ids;
+      Status e = tok.encode(piece.text, &piece_ids);
       if (!e.is_ok()) return ApiError{400, e.message(), "invalid_request_error", "messages", ""};
-      ids.insert(ids.end(), part.begin(), part.end());
+      ids.insert(ids.end(), piece_ids.begin(), piece_ids.end());
     }
-  } else if (p.prompt_is_ids) {
-    for (int32_t t : p.prompt_ids)
+  } else if (in->is_ids) {
+    for (int32_t t : in->ids)
       if (t >= model.config().vocab_size)
         return ApiError{400, "prompt token id " + std::to_string(t) + " is outside the vocabulary (" +
                                  std::to_string(model.config().vocab_size) + ")",
                         "invalid_request_error", "prompt", ""};
-    ids = p.prompt_ids;
+    ids = in->ids;
   } else {
-    Status e = tok.encode(p.prompt_text, &ids);
+    Status e = tok.encode(in->text, &ids);
     if (!e.is_ok()) return ApiError{400, e.message(), "invalid_request_error", "prompt", ""};
   }
+  part->own = ids;
+  part->prompt.insert(part->prompt.end(), ids.begin(), ids.end());
+  if (part->prompt.empty()) {
+    if (tok.bos_id() >= 0) {
+      part->prompt.push_back(tok.bos_id());  // an empty prompt starts a document
+    } else {
+      return ApiError{400, "the prompt is empty", "invalid_request_error", p.chat ? "messages" : "prompt", ""};
+    }
+  }
+  if (static_cast<int64_t>(part->prompt.size()) > opt.max_prompt_tokens)
+    return ApiError{400,
+                    "the prompt has " + std::to_string(part->prompt.size()) + " tokens; this server accepts at most " +
+                        std::to_string(opt.max_prompt_tokens),
+                    "invalid_request_error", p.chat ? "messages" : "prompt", "context_length_exceeded"};
+  if (p.echo && !p.chat) {
+    if (in->is_ids) {
+      if (!tok.decode(ids, &part->echo_text).is_ok()) part->echo_text.clear();
+    } else {
+      part->echo_text = in->text;
+    }
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> Server::Impl::tokenize(Job& job) {
+  const CompletionParams& p = job.p;
   for (const auto& [t, bias] : p.sampling.logit_bias)
     if (t >= model.config().vocab_size)
       return ApiError{400, "logit_bias names token id " + std::to_string(t) + ", outside the vocabulary (" +
                                std::to_string(model.config().vocab_size) + ")",
                       "invalid_request_error", "logit_bias", ""};
-  job.prompt.clear();
+  Part base;
   if (!p.session.empty()) {
     std::optional<Session> s = sessions.get(p.session);
     if (!s)
       return ApiError{404, "session '" + p.session + "' does not exist", "invalid_request_error", "session",
                       "session_not_found"};
-    job.prompt = s->context;
-    job.prompt_state = s->snap;  // a candidate start
+    base.prompt = s->context;
+    base.prompt_state = s->snap;  // a candidate start
   }
-  job.own = ids;
-  job.prompt.insert(job.prompt.end(), ids.begin(), ids.end());
-  if (job.prompt.empty()) {
-    if (tok.bos_id() >= 0) {
-      job.prompt.push_back(tok.bos_id());  // an empty prompt starts a document
-    } else {
-      return ApiError{400, "the prompt is empty", "invalid_request_error", p.chat ? "messages" : "prompt", ""};
-    }
-  }
-  if (static_cast<int64_t>(job.prompt.size()) > opt.max_prompt_tokens)
-    return ApiError{400,
-                    "the prompt has " + std::to_string(job.prompt.size()) + " tokens; this server accepts at most " +
-                        std::to_string(opt.max_prompt_tokens),
-                    "invalid_request_error", p.chat ? "messages" : "prompt", "context_length_exceeded"};
-  if (p.echo) {
-    if (p.prompt_is_ids) {
-      if (!tok.decode(ids, &job.echo_text).is_ok()) job.echo_text.clear();
-    } else {
-      job.echo_text = p.prompt_text;
-    }
+  job.parts.clear();
+  const size_t count = p.chat ? 1 : p.prompts.size();
+  for (size_t k = 0; k < count; ++k) {
+    Part part = base;
+    if (auto e = tokenize_part(job, p.chat ? nullptr : &p.prompts[k], &part)) return e;
+    job.parts.push_back(std::move(part));
   }
   return std::nullopt;
 }
@@ -147,7 +148,9 @@ Request Server::Impl::make_request(const std::shared_ptr<Job>& job, size_t i) {
   const CompletionParams& p = job->p;
   Request r;
   r.sampling = p.sampling;
-  r.sampling.seed = p.sampling.seed + i;  // choices differ; choice 0 keeps the given seed
+  // Choices of a prompt differ; its choice 0 keeps the given seed, so each prompt of a list
+  // is answered as it would be alone.
+  r.sampling.seed = p.sampling.seed + i % static_cast<size_t>(p.n);
   r.max_tokens = std::max<int64_t>(p.max_tokens, 1);
   r.top_logprobs = p.logprobs;
   r.eos_id = job->eos;
@@ -156,23 +159,22 @@ Request Server::Impl::make_request(const std::shared_ptr<Job>& job, size_t i) {
   r.use_cache = cache_on(*job);
   r.cache_final_state = cache_on(*job);
   r.capture_final_state = !p.save_session.empty();
-  std::weak_ptr<Job> wj = job;
-  r.on_logprobs = [wj, i](RequestId, const TokenLogprobs& lp) {
-    if (auto j = wj.lock()) {
-      std::lock_guard<std::mutex> lk(j->mu);
-      j->choices[i].logprobs.push_back(lp);
-    }
+  // The callbacks hold the job, not a weak reference to it: what the job holds of the
+  // server's capacity (its n admission units, its session reservation) is given back only
+  // in them, so the job must outlive a client that went away. The engine drops a request's
+  // callbacks when it finishes, so this keeps the job no longer than its engine work.
+  r.on_logprobs = [job, i](RequestId, const TokenLogprobs& lp) {
+    std::lock_guard<std::mutex> lk(job->mu);
+    job->choices[i].logprobs.push_back(lp);
   };
-  r.on_token = [this, wj, i](RequestId id, int32_t t) { on_token(wj.lock(), i, id, t); };
-  r.on_finish = [this, wj, i](const FinishInfo& f) { on_finish(wj.lock(), i, f); };
+  r.on_token = [this, job, i](RequestId id, int32_t t) { on_token(job, i, id, t); };
+  r.on_finish = [this, job, i](const FinishInfo& f) { on_finish(job, i, f); };
   if (!p.save_session.empty() && !job->stops.empty()) {
     // A stop string ends the request at its token with the final state captured, so the
     // session is saved (a cancel would leave none).
-    r.stop_after = [wj, i](RequestId, int32_t) {
-      auto j = wj.lock();
-      if (!j) return false;
-      std::lock_guard<std::mutex> lk(j->mu);
-      return j->choices[i].stop_now;
+    r.stop_after = [job, i](RequestId, int32_t) {
+      std::lock_guard<std::mutex> lk(job->mu);
+      return job->choices[i].stop_now;
     };
   }
   return r;
@@ -222,8 +224,10 @@ void Server::Impl::on_finish(const std::shared_ptr<Job>& j, size_t i, const Fini
   {
     std::lock_guard<std::mutex> lk(j->mu);
     Choice& c = j->choices[i];
+    Part& part = j->parts[c.part];
+    const bool lead = i % static_cast<size_t>(j->p.n) == 0;  // the choice that prefilled the prompt
     c.info = f;
-    if (i == 0) j->cached_tokens = f.cached_tokens;
+    if (lead) part.cached_tokens = f.cached_tokens;
     c.finished = true;
     ++j->finished;
     if (!c.text_done) {
@@ -231,16 +235,8 @@ void Server::Impl::on_finish(const std::shared_ptr<Job>& j, size_t i, const Fini
       c.finish_reason = finish_reason_api(f.reason);
       if (f.reason != FinishReason::kCancelled) c.pending += c.text->finish();
     }
-    // Choice 0 ended before its prompt state could seed the others: they never start.
-    if (i == 0 && !j->forked) {
-      j->forked = true;
-      for (size_t k = 1; k < j->choices.size(); ++k) {
-        j->choices[k].finished = j->choices[k].text_done = true;
-        j->choices[k].finish_reason = "cancelled";
-        ++j->finished;
-        outstanding.fetch_sub(1);  // counted at submit, never started
-      }
-    }
+    // The lead ended before its prompt state could seed the others: they never start.
+    if (lead && !part.forked) give_up_forks(*j, c.part);
     if (j->p.chat && c.finish_reason != "cancelled") {
       // Remember which tokens produced this reply (without a trailing end-of-sequence).
       std::vector<int32_t> ids = c.text->tokens();
@@ -250,12 +246,8 @@ void Server::Impl::on_finish(const std::shared_ptr<Job>& j, size_t i, const Fini
     }
     if (j->session_ticket && i == 0) {
       // The room was reserved at admission: a finished request's context is always kept.
-      SnapshotPtr snap = f.final_state ? f.final_state : j->prompt_state;
-      if (f.reason != FinishReason::kCancelled && snap) {
-        Session s;
-        s.context = j->prompt;
-        s.context.insert(s.context.end(), c.tokens.begin(), c.tokens.end());
-        s.snap = std::move(snap);
+      Session s;
+      if (f.reason != FinishReason::kCancelled && kept_session(*j, part, c, f, &s)) {
         sessions.commit(j->session_ticket, std::move(s));
       } else {
         sessions.release(j->session_ticket);
@@ -267,22 +259,71 @@ void Server::Impl::on_finish(const std::shared_ptr<Job>& j, size_t i, const Fini
   jobs_cv.notify_all();
 }
 
-// The prompt is in the state (the engine has cached it): start choices 1..n-1 from it.
-void Server::Impl::on_prompt_state(const std::shared_ptr<Job>& j, const SnapshotPtr& st) {
+// What save_session keeps of a finished choice: the context its client saw. The prompt, then
+// the generated tokens whose text went out whole; where a stop string ended the text inside a
+// token, the part of that token's text that went out, tokenized again (the stop string and
+// what follows it are not kept); the end-of-sequence token when it ended the answer. With
+// echo and max_tokens 0, only the prompt (the one token generated was never shown). The
+// state is the final one when it covers a prefix of that context, else the prompt's.
+bool Server::Impl::kept_session(const Job& j, const Part& part, const Choice& c, const FinishInfo& f, Session* out) {
+  out->context = part.prompt;
+  std::vector<int32_t> gen = j.discard_first ? std::vector<int32_t>() : c.tokens;
+  const bool eos_end = f.reason == FinishReason::kEos && !gen.empty() && gen.back() == j.eos;
+  if (eos_end) gen.pop_back();
+  if (c.text->stopped()) {
+    // The longest run of tokens whose text is a prefix of what was sent, then the rest.
+    const std::string& sent = c.text->sent();
+    size_t k = gen.size();
+    std::string text;
+    for (; k > 0; --k) {
+      const std::vector<int32_t> head(gen.begin(), gen.begin() + static_cast<ptrdiff_t>(k));
+      if (tok.decode(head, &text).is_ok() && sent.compare(0, text.size(), text) == 0 && text.size() <= sent.size())
+        break;
+      text.clear();
+    }
+    std::vector<int32_t> tail;
+    if (text.size() < sent.size() && !tok.encode(sent.substr(text.size()), &tail).is_ok()) tail.clear();
+    gen.resize(k);
+    gen.insert(gen.end(), tail.begin(), tail.end());
+  }
+  out->context.insert(out->context.end(), gen.begin(), gen.end());
+  if (eos_end) out->context.push_back(j.eos);
+  const auto covers = [&](const SnapshotPtr& snap) {
+    return snap && snap->tokens.size() <= out->context.size() &&
+           std::equal(snap->tokens.begin(), snap->tokens.end(), out->context.begin());
+  };
+  if (covers(f.final_state)) out->snap = f.final_state;
+  else if (covers(part.prompt_state)) out->snap = part.prompt_state;
+  return out->snap != nullptr;
+}
+
+// A part's choices 1..n-1 will never start: they finish as cancelled, and what admission
+// counted for them is given back.
+void Server::Impl::give_up_forks(Job& j, size_t part) {
+  Part& pt = j.parts[part];
+  pt.forked = true;
+  const size_t n = static_cast<size_t>(j.p.n);
+  for (size_t k = part * n + 1; k < part * n + n; ++k) {
+    Choice& c = j.choices[k];
+    c.finished = c.text_done = true;
+    c.finish_reason = "cancelled";
+    ++j.finished;
+    outstanding.fetch_sub(1);  // counted when the job was admitted, never started
+  }
+}
+
+// The prompt is in the state (the engine has cached it): start the part's choices 1..n-1 from it.
+void Server::Impl::on_prompt_state(const std::shared_ptr<Job>& j, size_t part, const SnapshotPtr& st) {
   if (!j) return;
   std::lock_guard<std::mutex> lk(j->mu);
-  j->prompt_state = st;
-  if (j->forked) return;
-  j->forked = true;
-  for (size_t k = 1; k < j->choices.size(); ++k) {
+  Part& pt = j->parts[part];
+  pt.prompt_state = st;
+  if (pt.forked) return;
+  if (j->abandoned) return give_up_forks(*j, part);
+  pt.forked = true;
+  const size_t n = static_cast<size_t>(j->p.n);
+  for (size_t k = part * n + 1; k < part * n + n; ++k) {
     Choice& c = j->choices[k];
-    if (j->abandoned) {
-      c.finished = c.text_done = true;
-      c.finish_reason = "cancelled";
-      ++j->finished;
-      outstanding.fetch_sub(1);  // counted when the job was admitted
-      continue;
-    }
     Request r = make_request(j, k);
     r.initial_state = st;  // a fork: no prefill of its own
     Status s = engine->submit(std::move(r), &c.id);
@@ -326,7 +367,7 @@ void Server::Impl::unregister_job(Job& j) {
 // ---- answers ------------------------------------------------------------------------------
 
 json Server::Impl::logprobs_json(const Job& j, Choice& c, const std::vector<TokenLogprobs>& lps, size_t from,
-                                 size_t to, bool with_prompt) {
+                                 size_t to, const std::vector<TokenLogprobs>* prompt_lps) {
   if (j.p.chat) {
     json content = json::array();
     for (size_t k = from; k < to; ++k) {
@@ -358,12 +399,15 @@ json Server::Impl::logprobs_json(const Job& j, Choice& c, const std::vector<Toke
       for (const auto& [t, v] : lp.top) top[token_text(tok, t)] = v;
       tops.push_back(top);
     }
-    // Where the token's text starts in the choice's text (prompt included when echoed).
-    offsets.push_back(c.lp_offset);
-    c.lp_offset += text_chars(s);
+    // Where the token's text starts in the choice's text (prompt included when echoed), in
+    // characters: the index of the character its first byte belongs to, so the byte-fallback
+    // tokens that make up one character share its offset (and later offsets do not drift).
+    const bool inside = !s.empty() && (static_cast<unsigned char>(s[0]) & 0xC0) == 0x80 && c.lp_offset > 0;
+    offsets.push_back(c.lp_offset - (inside ? 1 : 0));
+    c.lp_offset += char_starts(s);
   };
-  if (with_prompt)
-    for (const TokenLogprobs& lp : j.prompt_lps) add(lp);
+  if (prompt_lps)
+    for (const TokenLogprobs& lp : *prompt_lps) add(lp);
   for (size_t k = from; k < to; ++k) add(lps[k]);
   return json{{"tokens", tokens}, {"token_logprobs", token_lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
 }
@@ -372,11 +416,15 @@ json Server::Impl::usage_json(const Job& j) {
   int64_t gen = 0;
   for (const auto& c : j.choices) gen += static_cast<int64_t>(c.tokens.size());
   if (j.discard_first) gen = 0;
-  const int64_t prompt = static_cast<int64_t>(j.prompt.size());
+  int64_t prompt = 0, cached = 0;
+  for (const Part& part : j.parts) {
+    prompt += static_cast<int64_t>(part.prompt.size());
+    cached += part.cached_tokens;
+  }
   return json{{"prompt_tokens", prompt},
               {"completion_tokens", gen},
               {"total_tokens", prompt + gen},
-              {"prompt_tokens_details", {{"cached_tokens", j.cached_tokens}}}};
+              {"prompt_tokens_details", {{"cached_tokens", cached}}}};
 }
 
 json Server::Impl::final_json(Job& j) {
@@ -389,10 +437,12 @@ json Server::Impl::final_json(Job& j) {
     c.lp_offset = 0;
     if (j.p.chat) {
       ch["message"] = {{"role", "assistant"}, {"content", c.text->sent()}};
-      ch["logprobs"] = j.p.logprobs >= 0 ? logprobs_json(j, c, c.logprobs, 0, nlp, false) : json(nullptr);
+      ch["logprobs"] = j.p.logprobs >= 0 ? logprobs_json(j, c, c.logprobs, 0, nlp, nullptr) : json(nullptr);
     } else {
-      ch["text"] = (echo ? j.echo_text : std::string()) + c.text->sent();
-      ch["logprobs"] = j.p.logprobs >= 0 ? logprobs_json(j, c, c.logprobs, 0, nlp, echo) : json(nullptr);
+      const Part& part = j.parts[c.part];
+      ch["text"] = (echo ? part.echo_text : std::string()) + c.text->sent();
+      ch["logprobs"] =
+          j.p.logprobs >= 0 ? logprobs_json(j, c, c.logprobs, 0, nlp, echo ? &part.prompt_lps : nullptr) : json(nullptr);
     }
     choices.push_back(ch);
   }
@@ -433,10 +483,12 @@ void Server::Impl::drain_stream(Job& j, std::string* out) {
       if (!c.pending.empty() || c.first) delta["content"] = c.pending;
       ch["delta"] = delta;
     } else {
-      ch["text"] = (echo_now ? j.echo_text : std::string()) + c.pending;
+      ch["text"] = (echo_now ? j.parts[c.part].echo_text : std::string()) + c.pending;
     }
     const bool lp_prompt = echo_now && j.p.logprobs >= 0;
-    ch["logprobs"] = has_lp || lp_prompt ? logprobs_json(j, c, c.logprobs, c.lp_sent, nlp, lp_prompt) : json(nullptr);
+    ch["logprobs"] = has_lp || lp_prompt ? logprobs_json(j, c, c.logprobs, c.lp_sent, nlp,
+                                                         lp_prompt ? &j.parts[c.part].prompt_lps : nullptr)
+                                         : json(nullptr);
     if (echo_now) c.echo_sent = true;
     c.lp_sent = nlp;
     c.first = false;
@@ -504,6 +556,73 @@ void Server::Impl::produce(const std::shared_ptr<Job>& job, bool tick, http::Chu
   }
 }
 
+std::optional<ApiError> Server::Impl::check_prompt_bytes(const CompletionParams& p) const {
+  const int64_t cap = opt.max_prompt_tokens * max_token_bytes;
+  auto refuse = [&](int64_t bytes, const char* param) {
+    return ApiError{400,
+                    "the prompt has " + std::to_string(bytes) + " bytes, more than " +
+                        std::to_string(opt.max_prompt_tokens) + " tokens can hold (at most " + std::to_string(cap) +
+                        "); this server accepts at most " + std::to_string(opt.max_prompt_tokens) + " tokens",
+                    "invalid_request_error", param, "context_length_exceeded"};
+  };
+  if (p.chat) {
+    int64_t bytes = 0;
+    for (const ChatMessage& m : p.messages) bytes += static_cast<int64_t>(m.content.size());
+    if (bytes > cap) return refuse(bytes, "messages");
+    return std::nullopt;
+  }
+  for (const PromptInput& in : p.prompts) {
+    if (in.is_ids && static_cast<int64_t>(in.ids.size()) > opt.max_prompt_tokens)
+      return ApiError{400,
+                      "the prompt has " + std::to_string(in.ids.size()) + " tokens; this server accepts at most " +
+                          std::to_string(opt.max_prompt_tokens),
+                      "invalid_request_error", "prompt", "context_length_exceeded"};
+    if (!in.is_ids && static_cast<int64_t>(in.text.size()) > cap)
+      return refuse(static_cast<int64_t>(in.text.size()), "prompt");
+  }
+  return std::nullopt;
+}
+
+// Submits a part's first choice (its prefill); the others fork its prompt state.
+Status Server::Impl::submit_part(const std::shared_ptr<Job>& job, size_t k) {
+  Part& part = job->parts[k];
+  const size_t n = static_cast<size_t>(job->p.n);
+  // Where to start: the session's own state, or (chosen by the engine when the request
+  // gets its slot, r.use_cache) the longest cached prefix if that covers more.
+  SnapshotPtr start;
+  {
+    std::lock_guard<std::mutex> lk(job->mu);
+    start = std::move(part.prompt_state);
+    part.prompt_state = nullptr;
+  }
+  Request r = make_request(job, k * n);
+  start_from(start, part.prompt, &r);
+  r.cache_prompt_state = cache_on(*job);
+  const bool echo_lps = job->p.echo && job->p.logprobs >= 0 && !part.own.empty();
+  if (echo_lps) {
+    // The prompt's own tokens' log-probabilities: every one of them is fed (no cache hit
+    // skips any), and the session's state, when there is one, predicts the first.
+    r.prompt_logprobs = true;
+    r.use_cache = false;
+    const size_t own = part.own.size();
+    r.on_prompt_logprobs = [job, k, own](RequestId, const std::vector<TokenLogprobs>& lps) {
+      std::lock_guard<std::mutex> lk(job->mu);
+      const size_t take = std::min(own, lps.size());
+      job->parts[k].prompt_lps.assign(lps.end() - static_cast<ptrdiff_t>(take), lps.end());
+    };
+  }
+  // A host snapshot of the prompt only where one is needed: forks and sessions.
+  if (n > 1 || !job->p.save_session.empty()) {
+    r.capture_prompt_state = true;
+    r.on_prompt_state = [this, job, k](RequestId, const SnapshotPtr& st) { on_prompt_state(job, k, st); };
+  }
+  std::lock_guard<std::mutex> lk(job->mu);
+  if (n == 1 && job->p.save_session.empty()) part.forked = true;
+  Status st = engine->submit(std::move(r), &job->choices[k * n].id);
+  if (st.is_ok()) job->choices[k * n].submitted = true;
+  return st;
+}
+
 void Server::Impl::handle_completion(const http::Request& req, const http::ExchangePtr& ex, bool chat) {
   json body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded())
@@ -516,32 +635,55 @@ void Server::Impl::handle_completion(const http::Request& req, const http::Excha
         404, "The model '" + job->p.model + "' does not exist (this server serves '" + name + "')",
         "invalid_request_error", "model_not_found", "model")));
   const int64_t n = job->p.n;
-  // n choices are n engine requests at once: more than the slots and the queue can ever
-  // hold is a request that can never succeed, not a busy server.
-  if (n > admission_limit())
+  const size_t prompts = chat ? 1 : job->p.prompts.size();
+  // n choices of each prompt are engine requests at once: more than the slots and the queue
+  // can ever hold is a request that can never succeed, not a busy server.
+  const int64_t units = n * static_cast<int64_t>(prompts);
+  if (units > admission_limit())
     return ex->respond(error_response(api_error(
-        400, "n = " + std::to_string(n) + " is more than this server can run at once (" +
-                 std::to_string(admission_limit()) + ": slots + queue)",
-        "invalid_request_error", "", "n")));
-  job->eos = tok.eos_id() >= 0 && !job->p.ignore_eos ? tok.eos_id() : -1;
-  if (auto e = tokenize(*job)) return ex->respond(error_response(*e));
+        400, (prompts > 1 ? std::to_string(prompts) + " prompts x " : std::string()) + "n = " + std::to_string(n) +
+                 " is more than this server can run at once (" + std::to_string(admission_limit()) +
+                 ": slots + queue)",
+        "invalid_request_error", "", prompts > 1 ? "prompt" : "n")));
+  if (auto e = check_prompt_bytes(job->p)) return ex->respond(error_response(*e));
   if (draining.load())
     return ex->respond(busy_response(503, "the server is shutting down", "server_shutdown"));
-  if (!admit(n)) {
+  if (!admit(units)) {
     rejected_429.fetch_add(1);
     return ex->respond(busy_response(429,
                                      "the server is at capacity (" + std::to_string(outstanding.load()) +
                                          " requests running or queued); retry shortly",
                                      "rate_limit_exceeded"));
   }
+  // Tokenizing costs in proportion to the prompt: it runs off the event loops, after
+  // admission, so the requests waiting for it are bounded by the admission limit (and their
+  // bytes by it times --max-request-kb).
+  if (!prep->post([this, job, ex, units] { start_completion(job, ex, units); })) {
+    outstanding.fetch_sub(units);
+    jobs_cv.notify_all();
+    return ex->respond(busy_response(503, "the server is shutting down", "server_shutdown"));
+  }
+}
+
+// The rest of a completion, on a prep thread: tokenize, reserve a session's room, submit.
+void Server::Impl::start_completion(const std::shared_ptr<Job>& job, const http::ExchangePtr& ex, int64_t units) {
+  const bool chat = job->p.chat;
+  const int64_t n = job->p.n;
+  job->eos = tok.eos_id() >= 0 && !job->p.ignore_eos ? tok.eos_id() : -1;
+  if (auto e = tokenize(*job)) {
+    outstanding.fetch_sub(units);
+    jobs_cv.notify_all();
+    return ex->respond(error_response(*e));
+  }
   if (!job->p.save_session.empty()) {
     // Room for the session it will save, now: full means a 429 before any work, never a
     // 200 with nothing saved.
     const int64_t bound = engine->slot_bytes() + model.config().vocab_size * 4 +
-                          8 * static_cast<int64_t>(job->prompt.size() + job->p.max_tokens) + 64;
+                          8 * static_cast<int64_t>(job->parts[0].prompt.size() + job->p.max_tokens) + 64;
     Status st = sessions.reserve(job->p.save_session, bound, &job->session_ticket);
     if (!st.is_ok()) {
-      outstanding.fetch_sub(n);
+      outstanding.fetch_sub(units);
+      jobs_cv.notify_all();
       rejected_429.fetch_add(1);
       return ex->respond(busy_response(429, st.message(), "too_many_sessions"));
     }
@@ -551,52 +693,36 @@ void Server::Impl::handle_completion(const http::Request& req, const http::Excha
   job->stops.insert(job->stops.end(), job->p.stop.begin(), job->p.stop.end());
   job->api_id = random_id(chat ? "chatcmpl" : "cmpl");
   job->created = unix_time();
-  job->choices.resize(static_cast<size_t>(n));
-  for (auto& c : job->choices) c.text = std::make_unique<TextStream>(&tok, job->stops);
   job->discard_first = job->p.echo && job->p.max_tokens == 0;
   job->ex = ex;
-  prompt_tokens_total.fetch_add(static_cast<int64_t>(job->prompt.size()));
-
-  // Where to start: the session's own state, or (chosen by the engine when the request
-  // gets its slot, r.use_cache) the longest cached prefix if that covers more.
-  const SnapshotPtr start = job->prompt_state;
-  job->prompt_state = nullptr;
-  Request r = make_request(job, 0);
-  start_from(start, job->prompt, &r);
-  r.cache_prompt_state = cache_on(*job);
-  const bool echo_lps = job->p.echo && job->p.logprobs >= 0 && !job->own.empty();
-  if (echo_lps) {
-    // The prompt's own tokens' log-probabilities: every one of them is fed (no cache hit
-    // skips any), and the session's state, when there is one, predicts the first.
-    r.prompt_logprobs = true;
-    r.use_cache = false;
-    std::weak_ptr<Job> wj = job;
-    const size_t own = job->own.size();
-    r.on_prompt_logprobs = [wj, own](RequestId, const std::vector<TokenLogprobs>& lps) {
-      auto j = wj.lock();
-      if (!j) return;
-      std::lock_guard<std::mutex> lk(j->mu);
-      const size_t take = std::min(own, lps.size());
-      j->prompt_lps.assign(lps.end() - static_cast<ptrdiff_t>(take), lps.end());
-    };
-  }
-  // A host snapshot of the prompt only where one is needed: forks and sessions.
-  if (n > 1 || !job->p.save_session.empty()) {
-    r.capture_prompt_state = true;
-    std::weak_ptr<Job> wj = job;
-    r.on_prompt_state = [this, wj](RequestId, const SnapshotPtr& st) { on_prompt_state(wj.lock(), st); };
-  } else {
-    job->forked = true;
-  }
   {
     std::lock_guard<std::mutex> lk(job->mu);
-    Status st = engine->submit(std::move(r), &job->choices[0].id);
-    if (!st.is_ok()) {
-      outstanding.fetch_sub(n);
+    job->choices.resize(static_cast<size_t>(units));
+    for (size_t i = 0; i < job->choices.size(); ++i) {
+      job->choices[i].part = i / static_cast<size_t>(n);
+      job->choices[i].text = std::make_unique<TextStream>(&tok, job->stops);
+    }
+  }
+  for (size_t k = 0; k < job->parts.size(); ++k) {
+    prompt_tokens_total.fetch_add(static_cast<int64_t>(job->parts[k].prompt.size()));
+    Status st = submit_part(job, k);
+    if (!st.is_ok() && k == 0) {  // nothing runs yet
+      outstanding.fetch_sub(units);
+      jobs_cv.notify_all();
       if (job->session_ticket) sessions.release(job->session_ticket);
       return ex->respond(error_response(api_error(400, st.message(), "invalid_request_error")));
     }
-    job->choices[0].submitted = true;
+    if (!st.is_ok()) {
+      // Every part passed the checks the first did, so this is not expected; its choices
+      // end as cancelled rather than leave the others' answer waiting.
+      std::lock_guard<std::mutex> lk(job->mu);
+      Choice& lead = job->choices[k * static_cast<size_t>(n)];
+      lead.finished = lead.text_done = true;
+      lead.finish_reason = "cancelled";
+      ++job->finished;
+      outstanding.fetch_sub(1);
+      give_up_forks(*job, k);
+    }
   }
   register_job(job);
   kick();

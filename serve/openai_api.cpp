@@ -131,28 +131,40 @@ std::optional<ApiError> parse_completion_params(const json& b, bool chat, const 
   } else {
     if (!b.contains("prompt") || b["prompt"].is_null()) return bad("prompt", "'prompt' is required");
     const json& pr = b["prompt"];
+    // A list of token ids is one prompt; a list of strings or of id lists is a batch (what
+    // lm-evaluation-harness sends at batch sizes above 1), each prompt its own choices.
+    auto ids_of = [](const json& a, PromptInput* out) -> std::optional<ApiError> {
+      out->is_ids = true;
+      for (const json& t : a) {
+        if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
+          return bad("prompt", "a token-id prompt must be an array of non-negative integers");
+        out->ids.push_back(static_cast<int32_t>(t.get<int64_t>()));
+      }
+      return std::nullopt;
+    };
     if (pr.is_string()) {
-      p.prompt_text = pr.get<std::string>();
+      p.prompts.push_back(PromptInput{pr.get<std::string>(), {}, false});
     } else if (pr.is_array() && !pr.empty() && pr[0].is_number()) {
-      p.prompt_is_ids = true;
-      for (const json& t : pr) {
-        if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
-          return bad("prompt", "a token-id prompt must be an array of non-negative integers");
-        p.prompt_ids.push_back(static_cast<int32_t>(t.get<int64_t>()));
+      PromptInput in;
+      LAPLACE_API_TRY(ids_of(pr, &in));
+      p.prompts.push_back(std::move(in));
+    } else if (pr.is_array() && !pr.empty() && (pr[0].is_string() || pr[0].is_array())) {
+      if (static_cast<int64_t>(pr.size()) > lim.max_prompts)
+        return bad("prompt", "at most " + std::to_string(lim.max_prompts) + " prompts in one request");
+      const bool strings = pr[0].is_string();
+      for (const json& one : pr) {
+        PromptInput in;
+        if (strings && one.is_string()) {
+          in.text = one.get<std::string>();
+        } else if (!strings && one.is_array()) {
+          LAPLACE_API_TRY(ids_of(one, &in));
+        } else {
+          return bad("prompt", "a list of prompts must be all strings or all arrays of token ids");
+        }
+        p.prompts.push_back(std::move(in));
       }
-    } else if (pr.is_array() && pr.size() == 1 && pr[0].is_string()) {
-      p.prompt_text = pr[0].get<std::string>();
-    } else if (pr.is_array() && pr.size() == 1 && pr[0].is_array()) {
-      p.prompt_is_ids = true;
-      for (const json& t : pr[0]) {
-        if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
-          return bad("prompt", "a token-id prompt must be an array of non-negative integers");
-        p.prompt_ids.push_back(static_cast<int32_t>(t.get<int64_t>()));
-      }
-    } else if (pr.is_array() && pr.size() > 1) {
-      return bad("prompt", "batched prompts are not supported: send one prompt per request (use n for several completions)");
     } else {
-      return bad("prompt", "'prompt' must be a string, an array of token ids, or an array of one of those");
+      return bad("prompt", "'prompt' must be a string, an array of token ids, or an array of either");
     }
   }
 
@@ -271,6 +283,8 @@ std::optional<ApiError> parse_completion_params(const json& b, bool chat, const 
   if (!p.save_session.empty() && !valid_session_name(p.save_session))
     return bad("save_session", "session names are 1-64 characters of [A-Za-z0-9_.-], not starting with '.'");
   if (!p.save_session.empty() && p.n > 1) return bad("save_session", "'save_session' needs n = 1");
+  if (!p.save_session.empty() && p.prompts.size() > 1)
+    return bad("save_session", "'save_session' needs a single prompt");
   if (p.echo && p.logprobs < 0 && p.max_tokens == 0)
     return bad("max_tokens", "'max_tokens' 0 needs 'echo' with 'logprobs' (there is nothing else to return)");
   LAPLACE_API_TRY(get_bool(b, "cache", &p.cache));

@@ -36,17 +36,24 @@ struct ApiLimits {
   int64_t default_max_tokens = 16;   // /v1/completions default (OpenAI's)
   int64_t default_chat_max_tokens = 256;
   int64_t max_n = 16;
+  int64_t max_prompts = 256;         // prompts in one /v1/completions request
   int64_t max_stop = 4;              // stop strings per request
   int64_t max_stop_bytes = 256;
+};
+
+// One prompt of /v1/completions: text, or token ids.
+struct PromptInput {
+  std::string text;
+  std::vector<int32_t> ids;
+  bool is_ids = false;
 };
 
 struct CompletionParams {
   bool chat = false;
   std::string model;                // "" = not given
-  // /v1/completions: text, or token ids when the prompt is an array of integers.
-  std::string prompt_text;
-  std::vector<int32_t> prompt_ids;
-  bool prompt_is_ids = false;
+  // /v1/completions: one prompt, or a list of them (a string, an array of token ids, or an
+  // array of either kind). Each prompt has its own n choices; choice index = prompt × n + k.
+  std::vector<PromptInput> prompts;
   std::vector<ChatMessage> messages;  // chat
   int64_t max_tokens = 16;
   SamplingOptions sampling;

@@ -1,6 +1,12 @@
 // The routes of `laplace serve` (docs/serving.md §9): authentication and readiness before
 // any body is read, then health, models, metrics, completions (serve/jobs.cpp), sessions and
 // the web page (serve/static_files.h).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <mutex>
 #include <regex>
 
 #include "serve/server_impl.h"
@@ -19,10 +25,43 @@ http::Response json_response(int status, const json& j) {
   return r;
 }
 
+namespace {
+std::mutex roots_mu;
+std::vector<std::string>& redacted_roots() {
+  static std::vector<std::string> roots;
+  return roots;
+}
+}  // namespace
+
+void add_redacted_root(const std::string& dir) {
+  if (dir.empty()) return;
+  std::error_code ec;
+  std::vector<std::string> forms = {std::filesystem::absolute(dir, ec).lexically_normal().string()};
+  const auto canon = std::filesystem::weakly_canonical(dir, ec);
+  if (!ec) forms.push_back(canon.string());
+  std::lock_guard<std::mutex> lk(roots_mu);
+  for (std::string f : forms) {
+    while (f.size() > 1 && f.back() == '/') f.pop_back();
+    if (f.size() > 1 && std::find(redacted_roots().begin(), redacted_roots().end(), f) == redacted_roots().end())
+      redacted_roots().push_back(f);
+  }
+  // Longest first: a root inside another is taken whole.
+  std::sort(redacted_roots().begin(), redacted_roots().end(),
+            [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
+}
+
 std::string redact_paths(const std::string& msg) {
-  // An absolute path: a '/' at the start of a word, then at least one more component.
+  // The directories the server uses are known, whatever characters their names hold (spaces,
+  // ':', ',', parentheses): a path under one becomes the part below it.
+  std::string out = msg;
+  {
+    std::lock_guard<std::mutex> lk(roots_mu);
+    for (const std::string& root : redacted_roots())
+      for (size_t at; (at = out.find(root + "/")) != std::string::npos;) out.erase(at, root.size() + 1);
+  }
+  // Any other absolute path: a '/' at the start of a word, then at least one more component.
   static const std::regex abs(R"((^|[\s'"(=:,])(/[^\s'"():,]*/)([^\s'"():,/]*))");
-  return std::regex_replace(msg, abs, "$1$3");
+  return std::regex_replace(out, abs, "$1$3");
 }
 
 http::Response error_response(const ApiError& e) {
@@ -43,8 +82,121 @@ http::Response busy_response(int status, const std::string& msg, const std::stri
   return r;
 }
 
+namespace {
+
+std::string lower(std::string s) {
+  for (char& c : s)
+    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+  return s;
+}
+
+std::string trim(const std::string& s) {
+  const size_t a = s.find_first_not_of(" \t");
+  if (a == std::string::npos) return "";
+  return s.substr(a, s.find_last_not_of(" \t") - a + 1);
+}
+
+// The host of a Host header or an origin's authority: lowercase, without port, brackets or
+// a trailing dot.
+std::string host_name(const std::string& authority) {
+  std::string s = lower(trim(authority));
+  if (!s.empty() && s[0] == '[') {
+    const size_t e = s.find(']');
+    return e == std::string::npos ? "" : s.substr(1, e - 1);
+  }
+  const size_t colon = s.rfind(':');
+  if (colon != std::string::npos && s.find(':') == colon) s.resize(colon);
+  if (!s.empty() && s.back() == '.') s.pop_back();
+  return s;
+}
+
+bool is_ip_literal(const std::string& h) {
+  unsigned char buf[sizeof(in6_addr)];
+  return inet_pton(AF_INET, h.c_str(), buf) == 1 || inet_pton(AF_INET6, h.c_str(), buf) == 1;
+}
+
+http::Response refused(int status, const std::string& msg, const std::string& code) {
+  return error_response(api_error(status, msg, "invalid_request_error", code));
+}
+
+}  // namespace
+
+bool Server::Impl::host_allowed(const http::Request& req) const {
+  const std::string* h = req.find("Host");
+  if (!h) return req.version == 10;  // HTTP/1.0 may omit it; HTTP/1.1 may not
+  const std::string name = host_name(*h);
+  if (name.empty()) return false;
+  // A page can reach this server under a name only through DNS, which its attacker may point
+  // here (DNS rebinding); an IP address or localhost names the server itself.
+  if (name == "localhost" || (name.size() > 10 && name.compare(name.size() - 10, 10, ".localhost") == 0)) return true;
+  if (is_ip_literal(name)) return true;
+  for (const std::string& a : opt.allowed_hosts) {
+    const std::string want = lower(a);
+    if (want == "*" || want == name) return true;
+    if (want.size() > 1 && want[0] == '.' && name.size() > want.size() &&
+        name.compare(name.size() - want.size(), want.size(), want) == 0)
+      return true;
+  }
+  return false;
+}
+
+std::string Server::Impl::foreign_origin(const http::Request& req) const {
+  const std::string* o = req.find("Origin");
+  if (!o) return "";
+  const std::string origin = trim(*o);
+  const size_t sep = origin.find("://");
+  const std::string* h = req.find("Host");
+  // Same origin: the page this server served (its Origin names the Host it was loaded from).
+  if (sep != std::string::npos && h && lower(origin.substr(sep + 3)) == lower(trim(*h))) return "";
+  return origin.empty() ? "null" : origin;
+}
+
+bool Server::Impl::cors_allowed(const std::string& origin) const {
+  std::string o = lower(origin);
+  while (!o.empty() && o.back() == '/') o.pop_back();
+  for (const std::string& a : opt.cors_origins) {
+    std::string want = lower(a);
+    while (!want.empty() && want.back() == '/') want.pop_back();
+    if (want == "*" || want == o) return true;
+  }
+  return false;
+}
+
+std::vector<http::Header> Server::Impl::cors_headers(const http::Request& req) const {
+  const std::string origin = foreign_origin(req);
+  if (origin.empty() || !cors_allowed(origin)) return {};
+  return {{"Access-Control-Allow-Origin", origin},
+          {"Vary", "Origin"},
+          {"Access-Control-Expose-Headers", "Retry-After"}};
+}
+
 std::optional<http::Response> Server::Impl::check_head(const http::Request& req) {
   http_requests.fetch_add(1);
+  // Safe by default on localhost: a web page the user visits must not drive the server.
+  // A name it does not answer to is a rebound DNS name (403); a page of another origin is
+  // refused unless --cors-origin names it (403); a POST must be JSON, which no page of
+  // another origin can send without asking first (a preflight this server refuses).
+  if (!req.find("Host") && req.version != 10)
+    return refused(400, "a Host header is required (HTTP/1.1)", "missing_host");
+  if (!host_allowed(req))
+    return refused(403, "this server does not answer to the host '" + req.header("Host") +
+                            "' (start it with --allowed-hosts to add names)",
+                   "host_not_allowed");
+  const std::string origin = foreign_origin(req);
+  if (!origin.empty() && !cors_allowed(origin))
+    return refused(403, "requests from the web origin '" + origin + "' are not allowed (see --cors-origin)",
+                   "origin_not_allowed");
+  if (req.method == "OPTIONS" && !origin.empty()) {
+    // A CORS preflight from an allowed origin (its Access-Control-Allow-Origin comes from
+    // cors_headers).
+    http::Response r;
+    r.status = 204;
+    r.content_type.clear();
+    r.headers = {{"Access-Control-Allow-Methods", "GET, POST, DELETE"},
+                 {"Access-Control-Allow-Headers", "Authorization, Content-Type"},
+                 {"Access-Control-Max-Age", "600"}};
+    return r;
+  }
   // The page is public and shown while the model loads: it holds no data, and its API calls
   // carry the key and meet the readiness check themselves.
   if (is_static_path(req.path)) return std::nullopt;
@@ -60,6 +212,12 @@ std::optional<http::Response> Server::Impl::check_head(const http::Request& req)
       r.headers.push_back({"WWW-Authenticate", "Bearer realm=\"laplace\""});
       return r;
     }
+  }
+  if (req.method == "POST") {
+    const std::string type = lower(trim(req.header("Content-Type").substr(0, req.header("Content-Type").find(';'))));
+    if (type != "application/json")
+      return refused(415, "the request body must be JSON, sent as 'Content-Type: application/json'",
+                     "unsupported_media_type");
   }
   if (!ready.load() && req.path != "/health" && req.path != "/metrics") {
     if (load_failed.load())
@@ -188,13 +346,31 @@ void Server::Impl::handle_session_create(const http::Request& req, const http::E
   json creq = {{"prompt", b.contains("prompt") ? b["prompt"] : json("")}, {"max_tokens", 1}, {"temperature", 0}};
   auto job = std::make_shared<Job>();
   if (auto e = parse_completion_params(creq, false, opt.limits, &job->p)) return ex->respond(error_response(*e));
-  job->eos = tok.eos_id();
-  if (auto e = tokenize(*job)) return ex->respond(error_response(*e));
+  if (job->p.prompts.size() != 1)
+    return ex->respond(error_response(
+        api_error(400, "a session is made from one prompt", "invalid_request_error", "", "prompt")));
+  if (auto e = check_prompt_bytes(job->p)) return ex->respond(error_response(*e));
   if (draining.load()) return ex->respond(busy_response(503, "the server is shutting down", "server_shutdown"));
-  // Admitted like any request: it takes a slot for its prefill.
+  // Admitted like any request: it takes a slot for its prefill. Tokenizing runs after, off
+  // the event loops (as for completions).
   if (!admit(1)) {
     rejected_429.fetch_add(1);
     return ex->respond(busy_response(429, "the server is at capacity; retry shortly", "rate_limit_exceeded"));
+  }
+  if (!prep->post([this, job, ex, n] { start_session_create(job, ex, n); })) {
+    outstanding.fetch_sub(1);
+    jobs_cv.notify_all();
+    return ex->respond(busy_response(503, "the server is shutting down", "server_shutdown"));
+  }
+}
+
+void Server::Impl::start_session_create(const std::shared_ptr<Job>& job, const http::ExchangePtr& ex,
+                                        const std::string& n) {
+  job->eos = tok.eos_id();
+  if (auto e = tokenize(*job)) {
+    outstanding.fetch_sub(1);
+    jobs_cv.notify_all();
+    return ex->respond(error_response(*e));
   }
   struct Pending {
     SnapshotPtr snap;
@@ -202,17 +378,19 @@ void Server::Impl::handle_session_create(const http::Request& req, const http::E
     std::vector<int32_t> prompt;
   };
   auto pend = std::make_shared<Pending>();
-  pend->prompt = job->prompt;
-  const int64_t bound = engine->slot_bytes() + model.config().vocab_size * 4 + 8 * static_cast<int64_t>(job->prompt.size()) + 64;
+  pend->prompt = job->parts[0].prompt;
+  const int64_t bound =
+      engine->slot_bytes() + model.config().vocab_size * 4 + 8 * static_cast<int64_t>(pend->prompt.size()) + 64;
   Status rs = sessions.reserve(n, bound, &pend->ticket);
   if (!rs.is_ok()) {
     outstanding.fetch_sub(1);
+    jobs_cv.notify_all();
     rejected_429.fetch_add(1);
     return ex->respond(busy_response(429, rs.message(), "too_many_sessions"));
   }
   Request r;
   r.initial_state = nullptr;
-  r.prompt = job->prompt;
+  r.prompt = pend->prompt;
   r.use_cache = r.cache_prompt_state = cache_on(*job);
   r.max_tokens = 1;
   r.sampling.temperature = 0;
@@ -236,10 +414,19 @@ void Server::Impl::handle_session_create(const http::Request& req, const http::E
   Status st = engine->submit(std::move(r), &id);
   if (!st.is_ok()) {
     outstanding.fetch_sub(1);
+    jobs_cv.notify_all();
     sessions.release(pend->ticket);
     return ex->respond(error_response(api_error(400, st.message(), "invalid_request_error")));
   }
   kick();
+}
+
+void Server::Impl::file_queue_full(const http::ExchangePtr& ex) {
+  rejected_429.fetch_add(1);
+  ex->respond(busy_response(429,
+                            "too many session saves and restores are waiting (at most " +
+                                std::to_string(opt.max_file_queue) + "); retry shortly",
+                            "file_queue_full"));
 }
 
 void Server::Impl::handle_session_op(const http::Request& req, const http::ExchangePtr& ex, const std::string& n,
@@ -254,7 +441,7 @@ void Server::Impl::handle_session_op(const http::Request& req, const http::Excha
     if (!sessions.has_dir()) return memory_only();
     // Reading and checking a file (up to a state's size: 29.5 MB for laplace-3b) is file
     // work: off the event loop.
-    return run_file_work([this, ex, n] {
+    const bool queued = run_file_work([this, ex, n] {
       Session s;
       Status st = sessions.read(n, [&](const std::string& path) { return session_file_read(path, session_format(), &s); });
       if (!st.is_ok())
@@ -268,6 +455,39 @@ void Server::Impl::handle_session_op(const http::Request& req, const http::Excha
       }
       ex->respond(json_response(200, out));
     });
+    if (!queued) return file_queue_full(ex);
+    return;
+  }
+  if (req.method == "DELETE") {
+    // From memory; with ?file=true its saved file too (removed in its turn, after a save in
+    // progress: file work, off the event loop). Without it the file stays, so a session can
+    // be dropped from memory and restored later; the answer says whether a file is kept.
+    const bool in_memory = sessions.erase(n);
+    const std::string query = req.target.find('?') == std::string::npos ? "" : req.target.substr(req.target.find('?') + 1);
+    const bool with_file = query == "file=true" || query == "file=1";
+    const auto gone = [ex, n] {
+      ex->respond(error_response(
+          api_error(404, "session '" + n + "' does not exist", "invalid_request_error", "session_not_found")));
+    };
+    if (!with_file || !sessions.has_dir()) {
+      if (!in_memory) return gone();
+      json out = {{"name", n}, {"object", "session"}, {"deleted", true}};
+      if (sessions.has_dir()) {
+        std::error_code ec;
+        out["file_kept"] = std::filesystem::exists(sessions.path(n), ec);
+      }
+      return ex->respond(json_response(200, out));
+    }
+    const bool queued = run_file_work([this, ex, n, in_memory, gone] {
+      bool removed = false;
+      Status st = sessions.remove_file(n, &removed);
+      if (!st.is_ok()) return ex->respond(error_response(api_error(500, st.message(), "server_error")));
+      if (!in_memory && !removed) return gone();
+      ex->respond(json_response(
+          200, json{{"name", n}, {"object", "session"}, {"deleted", true}, {"file_deleted", removed}}));
+    });
+    if (!queued) return file_queue_full(ex);
+    return;
   }
   std::optional<Session> it = sessions.get(n);
   if (!it)
@@ -279,10 +499,6 @@ void Server::Impl::handle_session_op(const http::Request& req, const http::Excha
     if (tok.decode(it->context, &text).is_ok()) out["text"] = text;
     out["token_ids"] = it->context;
     return ex->respond(json_response(200, out));
-  }
-  if (req.method == "DELETE") {
-    sessions.erase(n);
-    return ex->respond(json_response(200, json{{"name", n}, {"object", "session"}, {"deleted", true}}));
   }
   if (op == "fork") {
     json b = json::parse(req.body, nullptr, false);
@@ -303,7 +519,7 @@ void Server::Impl::handle_session_op(const http::Request& req, const http::Excha
   if (op == "save") {
     if (!sessions.has_dir()) return memory_only();
     Session s = std::move(*it);
-    return run_file_work([this, ex, n, s] {
+    const bool queued = run_file_work([this, ex, n, s] {
       Status st = sessions.write(n, session_file_bytes(s), [&](const std::string& path) {
         return session_file_write(path, s, session_format());
       });
@@ -311,9 +527,11 @@ void Server::Impl::handle_session_op(const http::Request& req, const http::Excha
         return ex->respond(error_response(api_error(507, st.message(), "server_error", "session_storage_full")));
       if (!st.is_ok()) return ex->respond(error_response(api_error(500, st.message(), "server_error")));
       json out = session_json(n, s);
-      out["path"] = sessions.path(n);
+      out["file"] = n + ".session";  // in --session-dir; where that is stays the server's
       ex->respond(json_response(200, out));
     });
+    if (!queued) return file_queue_full(ex);
+    return;
   }
   return ex->respond(error_response(api_error(404, "unknown session operation", "invalid_request_error")));
 }
@@ -369,7 +587,16 @@ std::string Server::Impl::metrics_text() {
   render_metric(&out, "laplace_requests_rejected_total", "counter", "Requests answered 429.", rejected_429.load());
   render_metric(&out, "laplace_client_disconnects_total", "counter", "Requests cancelled because the client left.",
                 disconnects.load());
+  render_metric(&out, "laplace_requests_admitted", "gauge",
+                "Engine requests admitted and not finished (an n-choice request counts n): what the admission "
+                "limit (slots + queue) counts.",
+                static_cast<double>(outstanding.load()));
   render_metric(&out, "laplace_sessions", "gauge", "Named sessions in memory.", static_cast<double>(sessions.count()));
+  render_metric(&out, "laplace_sessions_reserved", "gauge",
+                "Room reserved for sessions that running requests will save (counted against the caps).",
+                static_cast<double>(sessions.reserved_count()));
+  render_metric(&out, "laplace_session_reserved_bytes", "gauge", "Host bytes reserved for those sessions.",
+                static_cast<double>(sessions.reserved_bytes()));
   render_metric(&out, "laplace_session_bytes", "gauge", "Host bytes held by named sessions.",
                 static_cast<double>(sessions.bytes()));
   render_metric(&out, "laplace_session_files", "gauge", "Session files in --session-dir.",

@@ -32,6 +32,11 @@ Status Server::Impl::load() {
   if (!fs::exists(dir / "tokenizer.model"))
     return Status::not_found("the model directory has no tokenizer.model (the server speaks text)");
   LAPLACE_RETURN_IF_ERROR(Tokenizer::load((dir / "tokenizer.model").string(), &tok));
+  for (int32_t id = 0; id < static_cast<int32_t>(tok.vocab_size()); ++id) {
+    std::string text;
+    // + 1: a piece's leading space may be dropped when it is decoded alone.
+    if (tok.decode_bytes({id}, &text).is_ok()) max_token_bytes = std::max<int64_t>(max_token_bytes, text.size() + 1);
+  }
   if (tok.vocab_size() > cfg.vocab_size)
     return Status::invalid_argument("tokenizer has " + std::to_string(tok.vocab_size()) +
                                     " pieces but the model only " + std::to_string(cfg.vocab_size));
@@ -64,15 +69,27 @@ SessionFormat Server::Impl::session_format() const {
 
 void Server::Impl::engine_loop() {
   while (true) {
+    bool counted = false;
     {
       std::unique_lock<std::mutex> lk(wake_mu);
-      wake_cv.wait(lk, [&] { return stopping.load() || (!held && (wake || !engine->idle())); });
+      wake_cv.wait(lk, [&] {
+        return stopping.load() || (!held && (wake || !engine->idle())) || (held && steps_left > 0);
+      });
       wake = false;
       if (stopping.load()) break;
+      counted = held;
     }
     engine->step();
     flush_dirty();
+    if (counted) {
+      {
+        std::lock_guard<std::mutex> lk(wake_mu);
+        steps_left = std::max(steps_left - 1, 0);
+      }
+      step_cv.notify_all();
+    }
   }
+  step_cv.notify_all();
 }
 
 void Server::Impl::flush_dirty() {
@@ -105,40 +122,7 @@ bool Server::Impl::admit(int64_t n) {
   return true;
 }
 
-void Server::Impl::start_file_threads() {
-  for (int i = 0; i < 2; ++i)
-    file_threads.emplace_back([this] {
-      for (;;) {
-        std::function<void()> f;
-        {
-          std::unique_lock<std::mutex> lk(files_mu);
-          files_cv.wait(lk, [&] { return files_stop || !files_queue.empty(); });
-          if (files_queue.empty()) return;
-          f = std::move(files_queue.front());
-          files_queue.pop_front();
-        }
-        f();
-      }
-    });
-}
-
-void Server::Impl::stop_file_threads() {
-  {
-    std::lock_guard<std::mutex> lk(files_mu);
-    files_stop = true;
-  }
-  files_cv.notify_all();
-  for (auto& t : file_threads) t.join();
-  file_threads.clear();
-}
-
-void Server::Impl::run_file_work(std::function<void()> f) {
-  {
-    std::lock_guard<std::mutex> lk(files_mu);
-    files_queue.push_back(std::move(f));
-  }
-  files_cv.notify_one();
-}
+bool Server::Impl::run_file_work(std::function<void()> f) { return files->post(std::move(f)); }
 
 Server::Server(ServerOptions o) : impl_(std::make_unique<Impl>(std::move(o))) {}
 
@@ -151,6 +135,8 @@ Status Server::start() {
   if (m.name.empty() || m.name == ".") m.name = "laplace";
   // What crashed writers left: session temporaries, and in the model directory (a training
   // run's output, often) the trainer's checkpoint.safetensors.tmp.* and the like.
+  add_redacted_root(m.opt.model_dir);
+  add_redacted_root(m.opt.session_dir);
   int64_t removed = 0;
   LAPLACE_RETURN_IF_ERROR(m.sessions.open_dir(&removed));
   if (fs::is_directory(m.opt.model_dir)) removed += remove_stale_temporaries(m.opt.model_dir);
@@ -168,10 +154,12 @@ Status Server::start() {
   ho.max_connections = m.opt.max_connections;
   m.http = std::make_unique<HttpServer>(
       ho, [&m](const http::Request& r) { return m.check_head(r); },
-      [&m](http::Request&& r, http::ExchangePtr ex) { m.route(std::move(r), std::move(ex)); });
+      [&m](http::Request&& r, http::ExchangePtr ex) { m.route(std::move(r), std::move(ex)); },
+      [&m](const http::Request& r) { return m.cors_headers(r); });
   Status st = m.http->listen();
   if (!st.is_ok()) return st;
-  m.start_file_threads();
+  m.files = std::make_unique<WorkQueue>(2, std::max<int64_t>(m.opt.max_file_queue, 1));
+  m.prep = std::make_unique<WorkQueue>(2, 0);
   m.http->start();
   m.loader = std::thread([&m] {
     Status st = m.load();
@@ -207,6 +195,17 @@ void Server::hold_engine(bool held) {
     m.held = held;
   }
   m.wake_cv.notify_all();
+  m.step_cv.notify_all();
+}
+
+void Server::step_engine(int steps) {
+  Impl& m = *impl_;
+  if (!m.ready.load()) return;
+  std::unique_lock<std::mutex> lk(m.wake_mu);
+  if (!m.held) return;
+  m.steps_left = std::max(steps, 0);
+  m.wake_cv.notify_all();
+  m.step_cv.wait(lk, [&] { return m.steps_left == 0 || m.stopping.load() || !m.held; });
 }
 
 void Server::stop() {
@@ -221,7 +220,8 @@ void Server::stop() {
   m.stopping.store(true);
   m.wake_cv.notify_all();
   if (m.engine_thread.joinable()) m.engine_thread.join();
-  m.stop_file_threads();
+  if (m.prep) m.prep->stop();
+  if (m.files) m.files->stop();
   m.stop_cv.notify_all();
 }
 
@@ -277,6 +277,7 @@ ServerCounters Server::counters() const {
   c.outstanding = m.outstanding.load();
   c.connections = m.http ? m.http->connections() : 0;
   c.sessions = m.sessions.count();
+  c.sessions_reserved = m.sessions.reserved_count();
   return c;
 }
 

@@ -27,6 +27,12 @@ struct ServerOptions {
   std::string host = "127.0.0.1";
   int port = 8000;           // 0 = any free port (port() tells which)
   std::string api_key;       // "" = no key; else "Authorization: Bearer KEY" on every route
+  // Host names a request may name besides IP addresses and localhost ("*" = any): what
+  // keeps a web page from reaching this server through a DNS name rebound to it.
+  std::vector<std::string> allowed_hosts;
+  // Web origins (scheme://host[:port]) whose pages may call the API (CORS); "*" = any.
+  // Other cross-origin requests are refused (403).
+  std::vector<std::string> cors_origins;
   std::string device = "cpu";
   DType dtype = DType::kF32;
   // max_slots (or memory_budget), max_batch_tokens, prefill_chunk, cache_slots (the state
@@ -34,7 +40,8 @@ struct ServerOptions {
   EngineOptions engine;
   int64_t max_queue = 64;    // requests waiting for a slot; more get 429 + Retry-After
   int64_t max_request_bytes = 1 << 20;
-  int64_t max_prompt_tokens = 32768;
+  int64_t max_prompt_tokens = 32768;  // also caps a prompt's bytes before it is tokenized (docs/serving.md)
+  int64_t max_file_queue = 32;         // session saves and restores waiting; more get 429 + Retry-After
   ApiLimits limits;
   int64_t cache_bytes = int64_t(256) << 20;  // the state cache's host-RAM tier; 0 = none
   std::string session_dir;   // where sessions are saved to disk; "" = memory only
@@ -55,7 +62,8 @@ struct ServerCounters {
   EngineStats engine;
   StateCacheStats cache;
   int64_t http_requests = 0, rejected_429 = 0, client_disconnects = 0, sessions = 0;
-  int64_t outstanding = 0;  // engine requests submitted and not finished
+  int64_t outstanding = 0;  // engine requests admitted and not finished (the admission limit's count)
+  int64_t sessions_reserved = 0;  // room reserved for sessions that running requests will save
   int64_t connections = 0;  // open HTTP connections
 };
 
@@ -81,6 +89,10 @@ class Server {
   // While held, the engine runs no step: requests are admitted (or refused) as usual and
   // wait. For tests that need requests to stay in flight, and for maintenance.
   void hold_engine(bool held);
+  // While held: runs `steps` engine steps, then returns (the engine stays held). For tests
+  // that need a request at a given point: queued, part-way through its prefill, at its first
+  // token, part-way through its answer.
+  void step_engine(int steps);
   // Blocks until stop() (from another thread or a signal handler's flag).
   void wait();
 

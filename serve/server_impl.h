@@ -39,6 +39,7 @@
 #include "serve/server.h"
 #include "serve/sessions.h"
 #include "serve/text_stream.h"
+#include "serve/work_queue.h"
 #include "text/tokenizer.h"
 
 namespace laplace {
@@ -54,17 +55,20 @@ http::Response busy_response(int status, const std::string& msg, const std::stri
 // Absolute paths in a message become their last component: errors do not tell a client
 // where the server keeps its files.
 std::string redact_paths(const std::string& msg);
+// A directory whose paths redact_paths cuts to what lies below it (the model's, the sessions').
+void add_redacted_root(const std::string& dir);
 
-// One generated sequence of a job (one of n choices).
+// One generated sequence of a job (one of n choices of one of its prompts).
 struct Choice {
   RequestId id = 0;
+  size_t part = 0;  // which prompt of the job (Job::parts)
   bool submitted = false;
   std::unique_ptr<TextStream> text;
   std::vector<int32_t> tokens;          // every generated token, in order
   std::vector<TokenLogprobs> logprobs;  // one per token of `tokens` (when asked)
   std::string pending;                  // text not yet streamed
   size_t lp_sent = 0;                   // logprobs already streamed
-  int64_t lp_offset = 0;                // text_offset of the next logprobs entry (characters)
+  int64_t lp_offset = 0;                // characters started before the next logprobs entry
   bool echo_sent = false;               // streaming: the echoed prompt went out
   bool text_done = false;               // a stop string completed (the engine is told to stop)
   bool stop_now = false;                // ... and, through Request::stop_after, at this token
@@ -75,26 +79,33 @@ struct Choice {
   FinishInfo info;
 };
 
-// One HTTP completion request: n choices, streamed or not.
+// One prompt of a job and its n choices (choices [part × n, part × n + n) of the job): the
+// first is prefilled, the others fork its prompt state. A request has one part per prompt.
+// Fields set before the job is submitted are read freely after; the others under Job::mu.
+struct Part {
+  std::vector<int32_t> prompt;  // the whole context it continues (session + own prompt)
+  std::vector<int32_t> own;     // its own prompt tokens (what echo returns)
+  std::string echo_text;        // echo: the prompt's text
+  int64_t cached_tokens = 0;    // of `prompt`, served from a snapshot (under mu)
+  bool forked = false;          // its choices 1..n-1 submitted or given up (under mu)
+  SnapshotPtr prompt_state;     // after the prompt: forks, sessions (under mu)
+  // echo with logprobs: the prompt's tokens' log-probabilities (null first entry when
+  // nothing predicts it) (under mu).
+  std::vector<TokenLogprobs> prompt_lps;
+};
+
+// One HTTP completion request: its prompts' n choices each, streamed or not.
 struct Job {
   CompletionParams p;
   std::string api_id;
   int64_t created = 0;
-  std::vector<int32_t> prompt;  // the whole context the request continues (session + prompt)
-  std::vector<int32_t> own;     // the request's own prompt tokens (what echo returns)
-  int64_t cached_tokens = 0;    // of `prompt`, served from a snapshot
+  std::vector<Part> parts;      // one per prompt, in order
   int32_t eos = -1;
   std::vector<std::string> stops;
   std::mutex mu;
   std::vector<Choice> choices GUARDED_BY(mu);
   int64_t finished GUARDED_BY(mu) = 0;
-  bool forked GUARDED_BY(mu) = false;       // choices 1..n-1 submitted (or given up)
   bool abandoned GUARDED_BY(mu) = false;    // the client went away
-  SnapshotPtr prompt_state GUARDED_BY(mu);  // after the prompt (cache, forks, sessions)
-  // echo: the prompt's text, and with logprobs its tokens' log-probabilities (null first
-  // entry when nothing predicts it).
-  std::string echo_text;
-  std::vector<TokenLogprobs> prompt_lps GUARDED_BY(mu);
   bool discard_first = false;   // echo with max_tokens 0: the one token generated is not shown
   uint64_t session_ticket = 0;  // room reserved for save_session
   // The answer.
@@ -133,6 +144,8 @@ struct Server::Impl {
   std::condition_variable wake_cv;
   bool wake GUARDED_BY(wake_mu) = false;
   bool held GUARDED_BY(wake_mu) = false;  // hold_engine(): no step runs
+  int steps_left GUARDED_BY(wake_mu) = 0;  // step_engine(): steps still to run while held
+  std::condition_variable step_cv;        // a counted step ran
   std::atomic<bool> stopping{false};
   std::atomic<bool> draining{false};  // graceful stop: no new work is admitted
   bool stopped GUARDED_BY(stop_mu) = false;
@@ -154,12 +167,14 @@ struct Server::Impl {
   std::map<std::string, std::vector<int32_t>> memo GUARDED_BY(memo_mu);
   std::deque<std::string> memo_order GUARDED_BY(memo_mu);
 
-  // File work (session save / restore), off the event loops.
-  std::mutex files_mu;
-  std::condition_variable files_cv;
-  std::deque<std::function<void()>> files_queue GUARDED_BY(files_mu);
-  std::vector<std::thread> file_threads;
-  bool files_stop GUARDED_BY(files_mu) = false;
+  // Work off the event loops. Session saves and restores: a bounded queue (429 when full),
+  // so a burst of saves neither grows without end nor makes an unrelated restore wait long.
+  // Tokenizing admitted requests: bounded by admission itself (each waiting task holds its
+  // admission units), so it has no bound of its own.
+  std::unique_ptr<WorkQueue> files, prep;
+  // Longest text one token stands for (bytes): a prompt longer than max_prompt_tokens times
+  // this has more tokens than the cap, whatever they are, and is refused before tokenizing.
+  int64_t max_token_bytes = 1;
 
   std::atomic<int64_t> outstanding{0}, http_requests{0}, rejected_429{0}, disconnects{0};
   Histogram ttft{"laplace_time_to_first_token_seconds", "Time from request to its first token.", latency_buckets()};
@@ -176,9 +191,10 @@ struct Server::Impl {
   void engine_loop();
   void kick();
   void flush_dirty();  // engine thread, after a step
-  void run_file_work(std::function<void()> f);
-  void start_file_threads();
-  void stop_file_threads();
+  // Queues file work; false (answer 429) when its queue is full.
+  bool run_file_work(std::function<void()> f);
+  // A prompt over the byte cap (max_prompt_tokens × max_token_bytes), found without tokenizing.
+  std::optional<ApiError> check_prompt_bytes(const CompletionParams& p) const;
   SessionFormat session_format() const;
   // Admission: one more engine request (or n), under slots + max_queue. False = full.
   bool admit(int64_t n);
@@ -186,10 +202,17 @@ struct Server::Impl {
 
   // routes.cpp
   std::optional<http::Response> check_head(const http::Request& req);
+  bool host_allowed(const http::Request& req) const;
+  // The request's Origin when it is another origin than the page's own ("" = none or same).
+  std::string foreign_origin(const http::Request& req) const;
+  bool cors_allowed(const std::string& origin) const;
+  std::vector<http::Header> cors_headers(const http::Request& req) const;
   void route(http::Request&& req, http::ExchangePtr ex);
   std::string metrics_text();
   nlohmann::json session_json(const std::string& n, const Session& s);
   void handle_session_create(const http::Request& req, const http::ExchangePtr& ex);
+  void start_session_create(const std::shared_ptr<Job>& job, const http::ExchangePtr& ex, const std::string& n);
+  void file_queue_full(const http::ExchangePtr& ex);
   void handle_session_op(const http::Request& req, const http::ExchangePtr& ex, const std::string& n,
                          const std::string& op);
 
@@ -197,22 +220,27 @@ struct Server::Impl {
   bool cache_on(const Job& j) const { return engine->cache_enabled() && j.p.cache; }
   void memo_put(const std::string& text, const std::vector<int32_t>& ids);
   std::optional<ApiError> tokenize(Job& job);
+  std::optional<ApiError> tokenize_part(const Job& job, const PromptInput* in, Part* part);
   Request make_request(const std::shared_ptr<Job>& job, size_t i);
   void on_token(const std::shared_ptr<Job>& j, size_t i, RequestId id, int32_t t);
   void on_finish(const std::shared_ptr<Job>& j, size_t i, const FinishInfo& f);
-  void on_prompt_state(const std::shared_ptr<Job>& j, const SnapshotPtr& st);
+  void on_prompt_state(const std::shared_ptr<Job>& j, size_t part, const SnapshotPtr& st);
+  void give_up_forks(Job& j, size_t part) REQUIRES(j.mu);
+  bool kept_session(const Job& j, const Part& part, const Choice& c, const FinishInfo& f, Session* out);
+  Status submit_part(const std::shared_ptr<Job>& job, size_t part);
   void mark_dirty(const std::shared_ptr<Job>& j);
   void cancel_job(const std::shared_ptr<Job>& j);
   void register_job(const std::shared_ptr<Job>& j);
   void unregister_job(Job& j);
   nlohmann::json logprobs_json(const Job& j, Choice& c, const std::vector<TokenLogprobs>& lps, size_t from, size_t to,
-                               bool with_prompt);
+                               const std::vector<TokenLogprobs>* prompt_lps);
   nlohmann::json usage_json(const Job& j);
   nlohmann::json final_json(Job& j);
   nlohmann::json chunk_json(Job& j, nlohmann::json choices);
   void drain_stream(Job& j, std::string* out);
   void produce(const std::shared_ptr<Job>& job, bool tick, http::Chunk* out);
   void handle_completion(const http::Request& req, const http::ExchangePtr& ex, bool chat);
+  void start_completion(const std::shared_ptr<Job>& job, const http::ExchangePtr& ex, int64_t units);
 };
 
 }  // namespace laplace

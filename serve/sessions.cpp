@@ -100,6 +100,40 @@ int64_t SessionStore::bytes() const {
   return bytes_;
 }
 
+Status SessionStore::remove_file(const std::string& name, bool* removed) {
+  *removed = false;
+  if (dir_.empty()) return Status::ok();
+  std::shared_ptr<std::mutex> m = turn(name);
+  Status st;
+  {
+    std::lock_guard<std::mutex> one_writer(*m);
+    std::error_code ec;
+    *removed = fs::remove(path(name), ec);
+    if (ec) {
+      st = Status::io_error("cannot remove the session file of '" + name + "': " + ec.message());
+    } else {
+      std::lock_guard<std::mutex> lk(disk_mu_);
+      auto it = files_.find(name);
+      if (it != files_.end()) {
+        disk_bytes_ -= it->second;
+        files_.erase(it);
+      }
+    }
+  }
+  drop_turn(name, m);
+  return st;
+}
+
+int64_t SessionStore::reserved_count() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return static_cast<int64_t>(reserved_.size());
+}
+
+int64_t SessionStore::reserved_bytes() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return reserved_bytes_;
+}
+
 std::string SessionStore::path(const std::string& name) const { return (fs::path(dir_) / (name + ".session")).string(); }
 
 Status SessionStore::open_dir(int64_t* removed) {

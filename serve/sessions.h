@@ -64,6 +64,9 @@ class SessionStore {
   std::vector<std::pair<std::string, Session>> list() const;
   int64_t count() const;
   int64_t bytes() const;
+  // Room held by reservations not yet committed or released (counted against the caps).
+  int64_t reserved_count() const;
+  int64_t reserved_bytes() const;
   const SessionLimits& limits() const { return lim_; }
 
   // ---- disk ----
@@ -79,6 +82,9 @@ class SessionStore {
   // Reading takes the same per-name turn, so a restore never sees a save half done
   // (the rename makes that so anyway; the turn keeps the order of requests).
   Status read(const std::string& name, const std::function<Status(const std::string&)>& reader);
+  // Removes NAME.session in its turn (after any save of it in progress). *removed: whether
+  // there was one. io_error when it cannot be removed.
+  Status remove_file(const std::string& name, bool* removed);
   int64_t disk_bytes() const;
   int64_t disk_files() const;
 

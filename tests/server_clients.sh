@@ -27,7 +27,7 @@ body=$(curl -sf "${AUTH[@]}" "$URL/v1/completions" -H 'Content-Type: application
   -d '{"model":"tiny","prompt":"The quick","max_tokens":8,"temperature":0}')
 echo "$body" | grep -q '"completion_tokens":8' || fail "completion: $body"; check "curl: completion"
 text=$(echo "$body" | /usr/bin/python3 -c 'import json,sys; print(json.load(sys.stdin)["choices"][0]["text"], end="")')
-streamed=$(curl -sfN "${AUTH[@]}" "$URL/v1/completions" -d '{"model":"tiny","prompt":"The quick","max_tokens":8,"temperature":0,"stream":true}' |
+streamed=$(curl -sfN "${AUTH[@]}" "$URL/v1/completions" -H 'Content-Type: application/json' -d '{"model":"tiny","prompt":"The quick","max_tokens":8,"temperature":0,"stream":true}' |
   /usr/bin/python3 -c '
 import json, sys
 out = ""
@@ -40,9 +40,18 @@ for line in sys.stdin:
 assert done, "no [DONE]"
 print(out, end="")')
 [ "$streamed" = "$text" ] || fail "streamed '$streamed' != '$text'"; check "curl: streaming equals non-streaming"
-code=$(curl -s -o "$WORK/err.json" -w '%{http_code}' "${AUTH[@]}" "$URL/v1/completions" -d '{"prompt": 5}')
+code=$(curl -s -o "$WORK/err.json" -w '%{http_code}' "${AUTH[@]}" "$URL/v1/completions" -H 'Content-Type: application/json' -d '{"prompt": 5}')
 [ "$code" = 400 ] && grep -q '"param":"prompt"' "$WORK/err.json" || fail "bad prompt: $code $(cat "$WORK/err.json")"
 check "curl: wrong prompt type is 400 with param"
+# Safe on localhost: a body that is not declared JSON (curl -d alone sends a form's type, as a
+# cross-site page can) is 415, and a host name the server does not answer to is 403.
+code=$(curl -s -o /dev/null -w '%{http_code}' "${AUTH[@]}" "$URL/v1/completions" -d '{"prompt":"a","max_tokens":1}')
+[ "$code" = 415 ] || fail "form-typed body: got $code, want 415"
+code=$(curl -s -o /dev/null -w '%{http_code}' "${AUTH[@]}" -H 'Host: rebound.example' "$URL/v1/models")
+[ "$code" = 403 ] || fail "rebound host: got $code, want 403"
+code=$(curl -s -o /dev/null -w '%{http_code}' "${AUTH[@]}" "http://localhost:$PORT/v1/models")
+[ "$code" = 200 ] || fail "localhost: got $code, want 200"
+check "curl: a form-typed body is 415, another host name 403, localhost 200"
 metrics=$(curl -sf "${AUTH[@]}" "$URL/metrics")
 grep -q '^laplace_time_to_first_token_seconds_count [1-9]' <<< "$metrics" || fail "metrics: $metrics"
 check "curl: /metrics in Prometheus format"
@@ -64,7 +73,7 @@ LAPLACE_URL=$URL LAPLACE_MODEL=tiny LAPLACE_API_KEY=$KEY node --test "$HERE/open
 kill "$SERVER_PID"; wait "$SERVER_PID" || fail "the first server did not exit 0 on SIGTERM"
 SERVER_PID=
 SERVER_LOG=$WORK/server2.log start_server --name tiny --max-slots 2 --max-tokens 1000000 --grace-seconds 0.5
-curl -sN "http://127.0.0.1:$PORT/v1/completions" \
+curl -sN "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
   -d '{"prompt":"The quick","max_tokens":900000,"ignore_eos":true,"stream":true}' > "$WORK/stream.txt" &
 CURL_PID=$!
 for _ in $(seq 1 200); do [ -s "$WORK/stream.txt" ] && break; sleep 0.05; done

@@ -145,14 +145,41 @@ TEST(PrefixCache, LongestPrefixAtAnyTokenBoundaryAndLruEviction) {
   EXPECT_EQ(h[2], PrefixCache::prefix_hashes({1, 2, 4})[2]);
 }
 
+// A list of prompts (strings, or lists of token ids: lm-evaluation-harness's batches) is
+// one prompt each, in order; a list of ids stays one prompt.
+TEST(OpenAiParse, ListsOfPromptsAreOnePromptEach) {
+  ApiLimits lim;
+  lim.max_prompts = 3;
+  CompletionParams p;
+  ASSERT_FALSE(parse_completion_params(json::parse(R"({"prompt": [[1, 2], [3], []]})"), false, lim, &p));
+  ASSERT_EQ(p.prompts.size(), 3u);
+  EXPECT_EQ(p.prompts[0].ids, (std::vector<int32_t>{1, 2}));
+  EXPECT_EQ(p.prompts[1].ids, (std::vector<int32_t>{3}));
+  EXPECT_TRUE(p.prompts[2].is_ids && p.prompts[2].ids.empty());
+  ASSERT_FALSE(parse_completion_params(json::parse(R"({"prompt": ["a", "b"]})"), false, lim, &p));
+  ASSERT_EQ(p.prompts.size(), 2u);
+  EXPECT_EQ(p.prompts[1].text, "b");
+  EXPECT_FALSE(p.prompts[1].is_ids);
+  ASSERT_FALSE(parse_completion_params(json::parse(R"({"prompt": [7, 8]})"), false, lim, &p));
+  ASSERT_EQ(p.prompts.size(), 1u);
+  for (const char* bad : {R"({"prompt": ["a", [1]]})", R"({"prompt": [[1], "a"]})", R"({"prompt": [[1], [-1]]})",
+                          R"({"prompt": ["a", "b", "c", "d"]})", R"({"prompt": []})",
+                          R"({"prompt": ["a", "b"], "save_session": "s"})"}) {
+    auto e = parse_completion_params(json::parse(bad), false, lim, &p);
+    ASSERT_TRUE(e) << bad;
+    EXPECT_EQ(e->http_status, 400) << bad;
+  }
+}
+
 TEST(OpenAiParse, AcceptsTheFormsClientsSend) {
   ApiLimits lim;
   CompletionParams p;
   ASSERT_FALSE(parse_completion_params(json::parse(R"({"prompt": [1, 2, 3], "max_tokens": 7.0, "top_k": -1,
       "seed": 18446744073709551615, "stop": "x", "stream": true, "stream_options": {"include_usage": true},
       "logprobs": 2, "n": 3})"), false, lim, &p));
-  EXPECT_TRUE(p.prompt_is_ids);
-  EXPECT_EQ(p.prompt_ids, (std::vector<int32_t>{1, 2, 3}));
+  ASSERT_EQ(p.prompts.size(), 1u);
+  EXPECT_TRUE(p.prompts[0].is_ids);
+  EXPECT_EQ(p.prompts[0].ids, (std::vector<int32_t>{1, 2, 3}));
   EXPECT_EQ(p.max_tokens, 7);
   EXPECT_EQ(p.sampling.top_k, 0);
   EXPECT_EQ(p.sampling.seed, UINT64_MAX);

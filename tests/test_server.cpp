@@ -250,7 +250,10 @@ TEST_F(ServerTest, MalformedRequestsGetTheRight4xxAndTheServerKeepsServing) {
       {"prompt an object", C, R"({"prompt": {"a": 1}})", 400, "prompt"},
       {"negative token id", C, R"({"prompt": [1, -1]})", 400, "prompt"},
       {"token id outside vocab", C, R"({"prompt": [1, 99999]})", 400, "prompt"},
-      {"batched prompts", C, R"({"prompt": ["a", "b"]})", 400, "prompt"},
+      {"a list of prompts of two kinds", C, R"({"prompt": ["a", [1, 2]]})", 400, "prompt"},
+      {"a list of prompts holding a number", C, R"({"prompt": [[1], 2]})", 400, "prompt"},
+      {"save_session with a list of prompts", C, R"({"prompt": ["a", "b"], "save_session": "x"})", 400,
+       "save_session"},
       {"max_tokens negative", C, R"({"prompt": "a", "max_tokens": -1})", 400, "max_tokens"},
       {"max_tokens zero", C, R"({"prompt": "a", "max_tokens": 0})", 400, "max_tokens"},
       {"max_tokens huge", C, R"({"prompt": "a", "max_tokens": 1000000000000})", 400, "max_tokens"},
@@ -347,7 +350,7 @@ TEST_F(ServerTest, GarbageSlowAndVanishingClientsDoNotHurtTheServer) {
   {
     int fd = connect_local(port);
     ASSERT_GE(fd, 0);
-    const std::string part = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le";
+    const std::string part = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le";
     (void)!write(fd, part.data(), part.size());
     char buf[256];
     const auto t0 = std::chrono::steady_clock::now();
@@ -361,13 +364,13 @@ TEST_F(ServerTest, GarbageSlowAndVanishingClientsDoNotHurtTheServer) {
   {
     int fd = connect_local(port);
     ASSERT_GE(fd, 0);
-    const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + std::string(kKey) +
+    const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + std::string(kKey) +
                             "\r\nContent-Length: 500\r\n\r\n{\"prompt\": \"a";
     (void)!write(fd, req.data(), req.size());
     close(fd);
   }
   // A bad Content-Length.
-  std::string b = raw_exchange(port, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n");
+  std::string b = raw_exchange(port, "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: -5\r\n\r\n");
   EXPECT_TRUE(b.empty() || status_of(b) >= 400) << b.substr(0, 80);
   EXPECT_TRUE(healthy());
   Reply ok = post("/v1/completions", R"({"prompt": "the lazy dog", "max_tokens": 3})");
@@ -381,7 +384,7 @@ TEST_F(ServerTest, ClientThatLeavesMidStreamHasItsGenerationCancelled) {
   int fd = connect_local(server_->port());
   ASSERT_GE(fd, 0);
   const std::string body = R"({"prompt": "the quick", "max_tokens": 90000, "ignore_eos": true, "stream": true})";
-  const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + std::string(kKey) +
+  const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + std::string(kKey) +
                           "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
                           "\r\n\r\n" + body;
   (void)!write(fd, req.data(), req.size());
@@ -688,7 +691,7 @@ TEST_F(ServerTest, SessionsSaveRestoreForkAndDeleteExactly) {
   // To disk and back.
   Reply saved = post("/v1/sessions/story3/save", std::string("{}"));
   ASSERT_EQ(saved.status, 200) << saved.raw;
-  const std::string path = saved.body["path"];
+  const std::string path = *dir_ + "/sessions/" + saved.body["file"].get<std::string>();
   ASSERT_TRUE(fs::exists(path));
   ASSERT_EQ(cl.Delete("/v1/sessions/story3")->status, 200);
   Reply restored = post("/v1/sessions/story3/restore", std::string("{}"));
@@ -1017,7 +1020,7 @@ std::string read_until_close(int fd, double seconds) {
 
 std::string post_request(const std::string& body, const std::string& version = "HTTP/1.1",
                          const std::string& extra = "") {
-  return "POST /v1/completions " + version + "\r\nHost: x\r\nAuthorization: Bearer " + std::string(kKey) +
+  return "POST /v1/completions " + version + "\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + std::string(kKey) +
          "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n" + extra +
          "\r\n" + body;
 }
@@ -1038,7 +1041,7 @@ TEST_F(ServerTest, TricklingClientsCannotExtendTheReadDeadlines) {
     int fd = connect_local(port);
     ASSERT_GE(fd, 0);
     const auto t0 = std::chrono::steady_clock::now();
-    std::string head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + std::string(kKey) +
+    std::string head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + std::string(kKey) +
                        "\r\nContent-Length: 1000\r\n";
     if (in_body) head += "\r\n";
     ASSERT_EQ(send(fd, head.data(), head.size(), MSG_NOSIGNAL), static_cast<ssize_t>(head.size()));
@@ -1084,9 +1087,9 @@ TEST_F(ServerTest, Http10IsAnsweredWithoutChunking) {
 // Three requests in one write, the last asking to close: three answers, in order.
 TEST_F(ServerTest, PipelinedRequestsAreAnsweredInOrder) {
   const std::string auth = "Authorization: Bearer " + std::string(kKey) + "\r\n";
-  const std::string reqs = "GET /v1/models HTTP/1.1\r\nHost: x\r\n" + auth + "\r\n" +
+  const std::string reqs = "GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + auth + "\r\n" +
                            post_request(R"({"prompt": "the lazy dog", "max_tokens": 3, "ignore_eos": true})") +
-                           "GET /health HTTP/1.1\r\nHost: x\r\n" + auth + "Connection: close\r\n\r\n";
+                           "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + auth + "Connection: close\r\n\r\n";
   const std::string out = raw_exchange(server_->port(), reqs);
   const size_t a = out.find("HTTP/1.1 200"), b = out.find("HTTP/1.1 200", a + 1), c = out.find("HTTP/1.1 200", b + 1);
   ASSERT_NE(c, std::string::npos) << out;
@@ -1116,7 +1119,7 @@ TEST_F(ServerTest, InvalidContentLengthIsRefusedAtOnce) {
   for (const char* cl : {"Content-Length: -5\r\n", "Content-Length: abc\r\n", "Content-Length: 1e3\r\n",
                          "Content-Length: 5\r\nContent-Length: 6\r\n", "Content-Length: 99999999999999999999999\r\n"}) {
     const auto t0 = std::chrono::steady_clock::now();
-    const std::string out = raw_exchange(server_->port(), "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " +
+    const std::string out = raw_exchange(server_->port(), "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " +
                                                               std::string(kKey) + "\r\n" + cl + "\r\n{\"prompt\":");
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     EXPECT_TRUE(status_of(out) == 400 || status_of(out) == 413) << cl << out.substr(0, 100);
@@ -1287,6 +1290,165 @@ TEST_F(ServerTest, EchoWithLogprobsReturnsThePromptsLogprobs) {
   wait_idle();
 }
 
+// What the client sees is what a session keeps, and what text_offset counts (issue 52):
+// text_offset is a character index into the choice's text, shared by the byte-fallback
+// tokens that make one character (it had counted each as one, drifting after non-ASCII); a
+// session saved where a stop string ended the text keeps the text sent and not the stop
+// string or the rest of its token; echo with max_tokens 0 keeps only the prompt.
+TEST_F(ServerTest, WhatTheClientSeesIsWhatASessionKeeps) {
+  const std::vector<int32_t> e_acute = encode("\xC3\xA9");
+  ASSERT_EQ(e_acute.size(), 2u) << "expected byte-fallback pieces for a character outside the corpus";
+  std::vector<int32_t> ids = e_acute;
+  const std::vector<int32_t> rest = encode("a quick fox");
+  ids.insert(ids.end(), rest.begin(), rest.end());
+  Reply e = post("/v1/completions", json{{"prompt", ids}, {"echo", true}, {"logprobs", 0}, {"max_tokens", 0}});
+  ASSERT_EQ(e.status, 200) << e.raw;
+  const json off = e.body["choices"][0]["logprobs"]["text_offset"];
+  ASSERT_EQ(off.size(), ids.size());
+  EXPECT_EQ(off[0], 0);
+  EXPECT_EQ(off[1], 0) << "the second byte of one character starts no character of its own";
+  int64_t at = 1;
+  for (size_t k = 0; k < rest.size(); ++k) {
+    EXPECT_EQ(off[2 + k], at) << "token " << 2 + k;
+    std::string t;
+    ASSERT_TRUE(tok_->decode({rest[k]}, &t).is_ok());
+    at += static_cast<int64_t>(t.size());  // ASCII
+  }
+
+  // A stop string that starts inside a token.
+  std::string full, stop;
+  size_t cut = 0;
+  for (const char* prompt : {"the quick", "the lazy dog", "a fortune", "why did the"}) {
+    Reply g = post("/v1/completions", json{{"prompt", prompt}, {"max_tokens", 12}, {"temperature", 0},
+                                           {"ignore_eos", true}, {"logprobs", 0}, {"cache", false}});
+    ASSERT_EQ(g.status, 200) << g.raw;
+    full = text_of(g);
+    size_t start = 0;
+    for (const json& tj : g.body["choices"][0]["logprobs"]["tokens"]) {
+      const std::string t = tj.get<std::string>();
+      bool ascii = t.size() >= 2;
+      for (unsigned char ch : t) ascii = ascii && ch >= 0x20 && ch < 0x7F;
+      if (ascii && start > 0 && full.find(t.substr(1)) == start + 1) {
+        stop = t.substr(1);
+        cut = start + 1;
+        break;
+      }
+      start += t.size();
+    }
+    if (!stop.empty()) {
+      Reply s = post("/v1/completions", json{{"prompt", prompt}, {"max_tokens", 12}, {"temperature", 0},
+                                             {"ignore_eos", true}, {"stop", stop}, {"save_session", "seen"},
+                                             {"cache", false}});
+      ASSERT_EQ(s.status, 200) << s.raw;
+      EXPECT_EQ(text_of(s), full.substr(0, cut));
+      Reply kept = get("/v1/sessions/seen");
+      ASSERT_EQ(kept.status, 200) << kept.raw;
+      EXPECT_EQ(kept.body["text"], std::string(prompt) + full.substr(0, cut)) << "stop '" << stop << "'";
+      // It continues like any session.
+      Reply more = post("/v1/completions", json{{"prompt", " and"}, {"session", "seen"}, {"max_tokens", 2},
+                                                {"ignore_eos", true}});
+      EXPECT_EQ(more.status, 200) << more.raw;
+      break;
+    }
+  }
+  EXPECT_FALSE(stop.empty()) << "no generated token to cut a stop string from";
+
+  // Echo scoring with save_session keeps the prompt alone.
+  const std::vector<int32_t> scored = encode("the quick brown");
+  Reply sc = post("/v1/completions", json{{"prompt", scored}, {"echo", true}, {"logprobs", 0}, {"max_tokens", 0},
+                                          {"save_session", "scored"}});
+  ASSERT_EQ(sc.status, 200) << sc.raw;
+  Reply ks = get("/v1/sessions/scored");
+  ASSERT_EQ(ks.status, 200) << ks.raw;
+  EXPECT_EQ(ks.body["token_ids"], json(scored));
+  for (const char* n : {"seen", "scored"}) client().Delete(std::string("/v1/sessions/") + n);
+  wait_idle();
+}
+
+// lm-evaluation-harness at batch sizes above 1 (its local-completions model, loglikelihood):
+// several prompts of token ids in one request, exactly this payload. Each prompt is its own
+// choice, in order (index = prompt), and each equals the same prompt sent alone; the harness
+// reads token_logprobs[ctxlen:-1] and compares each with the best of its top_logprobs.
+TEST_F(ServerTest, ListOfPromptsIsAnsweredAsLmEvalHarnessReadsIt) {
+  const std::vector<std::vector<int32_t>> prompts = {encode("the quick brown fox jumps"), encode("a lazy dog"),
+                                                     encode("over the moon and far away")};
+  const json payload = {{"model", "tiny"}, {"prompt", prompts}, {"temperature", 0},
+                        {"max_tokens", 1}, {"logprobs", 1},     {"seed", 1234}, {"echo", true}};
+  Reply all = post("/v1/completions", payload);
+  ASSERT_EQ(all.status, 200) << all.raw;
+  ASSERT_EQ(all.body["choices"].size(), prompts.size());
+  int64_t prompt_tokens = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SCOPED_TRACE("prompt " + std::to_string(i));
+    const json& c = all.body["choices"][i];
+    EXPECT_EQ(c["index"], i);
+    json one_payload = payload;
+    one_payload["prompt"] = prompts[i];
+    Reply one = post("/v1/completions", one_payload);
+    ASSERT_EQ(one.status, 200) << one.raw;
+    const json& o = one.body["choices"][0];
+    EXPECT_EQ(c["text"], o["text"]);
+    const json& lp = c["logprobs"];
+    ASSERT_EQ(lp["token_logprobs"].size(), prompts[i].size() + 1);  // the prompt's, then the one generated
+    EXPECT_TRUE(lp["token_logprobs"][0].is_null());
+    EXPECT_EQ(lp["tokens"], o["logprobs"]["tokens"]);
+    EXPECT_EQ(lp["text_offset"], o["logprobs"]["text_offset"]);
+    for (size_t k = 1; k < lp["token_logprobs"].size(); ++k)
+      EXPECT_NEAR(lp["token_logprobs"][k].get<double>(), o["logprobs"]["token_logprobs"][k].get<double>(), 1e-5);
+    // What the harness computes: the continuation's sum and whether it is greedy.
+    const size_t ctxlen = 2;
+    double sum = 0;
+    for (size_t k = ctxlen; k + 1 < lp["token_logprobs"].size(); ++k) {
+      sum += lp["token_logprobs"][k].get<double>();
+      double best = -1e30;
+      for (const auto& [t, v] : lp["top_logprobs"][k].items()) best = std::max(best, v.get<double>());
+      EXPECT_GE(best, lp["token_logprobs"][k].get<double>() - 1e-6);
+    }
+    EXPECT_TRUE(std::isfinite(sum));
+    prompt_tokens += static_cast<int64_t>(prompts[i].size());
+  }
+  EXPECT_EQ(all.body["usage"]["prompt_tokens"], prompt_tokens);
+  EXPECT_EQ(all.body["usage"]["completion_tokens"], static_cast<int64_t>(prompts.size()));
+
+  // Its generate_until shape (a list of strings, stop strings), with n = 2: choice index =
+  // prompt × n + k, each as the prompt alone with that n.
+  const json gen = {{"model", "tiny"}, {"prompt", {"the quick", "a lazy"}}, {"max_tokens", 4},
+                    {"temperature", 0.8}, {"stop", {"\n\n"}}, {"seed", 1234}, {"n", 2}, {"ignore_eos", true}};
+  Reply g = post("/v1/completions", gen);
+  ASSERT_EQ(g.status, 200) << g.raw;
+  ASSERT_EQ(g.body["choices"].size(), 4u);
+  for (size_t p = 0; p < 2; ++p) {
+    json alone = gen;
+    alone["prompt"] = gen["prompt"][p];
+    Reply a = post("/v1/completions", alone);
+    ASSERT_EQ(a.status, 200) << a.raw;
+    for (size_t k = 0; k < 2; ++k) {
+      EXPECT_EQ(g.body["choices"][p * 2 + k]["index"], p * 2 + k);
+      EXPECT_EQ(g.body["choices"][p * 2 + k]["text"], a.body["choices"][k]["text"]) << "prompt " << p << ", choice " << k;
+    }
+  }
+  // Streamed: every choice's chunks carry its index, and each ends once.
+  auto c = client();
+  json st = gen;
+  st["stream"] = true;
+  auto r = c.Post("/v1/completions", st.dump(), "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  std::vector<int> ends(4, 0);
+  std::istringstream lines(r->body);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("data: {", 0) != 0) continue;
+    const json ch = json::parse(line.substr(6));
+    for (const json& x : ch["choices"])
+      if (!x["finish_reason"].is_null()) ++ends[x["index"].get<size_t>()];
+  }
+  EXPECT_EQ(ends, (std::vector<int>{1, 1, 1, 1}));
+  // More prompts × n than the slots and the queue can hold is a 400, never a 429.
+  Reply big = post("/v1/completions", json{{"prompt", {"a", "b", "c", "d"}}, {"n", 2}});
+  EXPECT_EQ(big.status, 400) << big.raw;
+  wait_idle();
+}
+
 // `laplace bench http`'s client (serve/http_load.h) against this server: as many streams as
 // it admits (2 slots + 4 queued) all complete with exactly max_tokens tokens and give a rate;
 // without the API key every stream fails with the 401 named; no server is an error.
@@ -1337,7 +1499,9 @@ TEST_F(ServerTest, ErrorsDoNotRevealAbsolutePathsAndSessionFilesAreOwnerOnly) {
   Reply saved = post("/v1/sessions/private/save", std::string("{}"));
   ASSERT_EQ(saved.status, 200) << saved.raw;
   struct stat st {};
-  ASSERT_EQ(::stat(saved.body["path"].get<std::string>().c_str(), &st), 0);
+  EXPECT_EQ(saved.body["file"], "private.session");
+  EXPECT_EQ(saved.raw.find(*dir_), std::string::npos) << "a save's answer names no absolute path: " << saved.raw;
+  ASSERT_EQ(::stat((*dir_ + "/sessions/private.session").c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
   // A damaged file: the error names what is wrong, not where the server keeps its files.
   std::ofstream(*dir_ + "/sessions/broken.session", std::ios::binary) << "short";
@@ -1618,7 +1782,7 @@ struct RawStream {
 RawStream open_stream(int port, const json& body, bool read_head) {
   RawStream s;
   s.fd = connect_local(port);
-  const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
+  const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: " +
                           std::to_string(body.dump().size()) + "\r\nConnection: close\r\n\r\n" + body.dump();
   (void)!write(s.fd, req.data(), req.size());
   if (read_head) {
@@ -1792,7 +1956,7 @@ TEST(ServerLoad, TwoThousandStreamsCompleteOr429WhileHealthStaysFast) {
       const json body = {{"prompt", "stream " + std::to_string(r) + " " + std::to_string(i)},
                          {"max_tokens", tokens}, {"stream", true}, {"ignore_eos", true}, {"temperature", 0},
                          {"stream_options", {{"include_usage", true}}}};
-      c.out = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+      c.out = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\n"
               "Content-Length: " + std::to_string(body.dump().size()) + "\r\n\r\n" + body.dump();
       epoll_event ev{};
       ev.events = EPOLLIN | EPOLLOUT;
