@@ -5,8 +5,8 @@
 
 #include "cli/common.h"
 #include "core/file_util.h"
-#include "dist/comm.h"
-#include "dist/sharded_parameters.h"
+#include "distributed/comm.h"
+#include "distributed/sharded_parameters.h"
 #include "text/data_loader.h"
 #include "text/prepare.h"
 #include "text/tokenizer.h"
