@@ -1,14 +1,14 @@
 // `laplace dist plan`: what FSDP-style training with distributed Muon costs per rank,
-// from global shapes only (dist/plan.h), without starting anything.
+// from global shapes only (distributed/plan.h), without starting anything.
 #include <algorithm>
 #include <cstdio>
 
 #include "cli/common.h"
 #include "core/dtype.h"
-#include "dist/comm.h"
-#include "dist/fsdp_layout.h"
-#include "dist/plan.h"
-#include "dist/step_model.h"
+#include "distributed/comm.h"
+#include "distributed/fsdp_layout.h"
+#include "distributed/plan.h"
+#include "distributed/step_model.h"
 #include "model/config.h"
 #include "ops/backend.h"
 #include "train/memory_plan.h"
@@ -42,7 +42,7 @@ void print_prediction(const char* label, const StepPrediction& p) {
               p.fb_s, p.exposed_s, p.opt_s, p.ns_s, p.muon_s, p.step_s, p.tok_s, p.tok_s_per_gpu);
 }
 
-// The step model (dist/step_model.h) for the given machine, then for the machines people ask
+// The step model (distributed/step_model.h) for the given machine, then for the machines people ask
 // about: 1, 2 and 8 GPUs in one node, and nodes of 8 GPUs.
 Status run_predict(const PlanArgs& a, const Config& c) {
   const StepWorkload& w = a.work;
@@ -395,7 +395,7 @@ void add_dist(CLI::App& app) {
       ->check(CLI::IsMember({"bf16", "f32", "f64"}));
   plan->add_option("--show-ranks", a->show_ranks, "print sent/received of the first N ranks")
       ->check(CLI::NonNegativeNumber);
-  plan->add_flag("--predict", a->predict, "also predict step time and tokens/s (dist/step_model.h) for the given "
+  plan->add_flag("--predict", a->predict, "also predict step time and tokens/s (distributed/step_model.h) for the given "
                                           "machine and for 1-8 GPUs and 2-64 nodes of 8");
   plan->add_option("--memory-gb", a->memory_gb, "also print one rank's memory plan (bf16 weights, f32 masters) on "
                    "GPUs of this many GB, for --batch, --seq and --grad-accum")

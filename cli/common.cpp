@@ -9,6 +9,8 @@
 
 #include "model/config.h"
 #include "model/quantize.h"
+#include "text/prepare.h"
+#include "text/tokenizer.h"
 
 #ifdef LAPLACE_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -202,6 +204,21 @@ Status parse_bytes(const std::string& s, int64_t* out) {
   else return Status::invalid_argument("bad byte count '" + s + "' (use e.g. 512M, 4G)");
   if (!(v >= 0) || end == s.c_str()) return Status::invalid_argument("bad byte count '" + s + "'");
   *out = static_cast<int64_t>(v * mul);
+  return Status::ok();
+}
+
+Status parse_documents(const std::string& v, const std::string& tokenizer, int32_t* sep) {
+  if (v == "packed") {
+    *sep = -1;
+    return Status::ok();
+  }
+  if (v != "separate") return Status::invalid_argument("--documents must be 'separate' or 'packed', got '" + v + "'");
+  *sep = kDefaultDocumentSeparator;
+  if (!tokenizer.empty()) {
+    Tokenizer tok;
+    LAPLACE_RETURN_IF_ERROR(Tokenizer::load(tokenizer, &tok));
+    *sep = document_separator_id(tok);
+  }
   return Status::ok();
 }
 

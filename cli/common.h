@@ -90,6 +90,11 @@ Status parse_number_list(const std::string& s, const std::string& flag, std::vec
 // "123", "64k", "512M", "2G" (binary multiples) → bytes.
 Status parse_bytes(const std::string& s, int64_t* out);
 
+// --documents: "separate" keeps the documents of a packed window apart (each from a zero state,
+// as serving starts each request), "packed" runs the window as one stream. The separator is the
+// tokenizer's (the shards were written with it), else the one `data prepare` writes (</s>, 2).
+Status parse_documents(const std::string& v, const std::string& tokenizer, int32_t* sep);
+
 // What BenchLog records as the device: the GPU's name for "cuda", else the CPU model and
 // its thread count ("AMD EPYC 7R32 x16").
 std::string device_description(const std::string& device);

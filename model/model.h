@@ -44,7 +44,7 @@ struct PlanOptions {
 
 // Weight groups, in forward order: 0 = embedding, 1 + l = layer l, L + 1 = final norm
 // and head. A distributed trainer gathers group g's weights before the forward uses them
-// and reduce-scatters its gradients once the backward has finished them (dist/).
+// and reduce-scatters its gradients once the backward has finished them (distributed/).
 using GroupHook = std::function<void(int64_t group)>;
 
 struct ForwardOptions {

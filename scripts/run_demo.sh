@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The demo, once built: fortunes corpus → BPE tokenizer → token shards → laplace-tiny
 # trained on the CPU → checkpoint → generated text. Everything lands in runs/demo/.
-# Environment: STEPS (default 500), LAPLACE (the binary, default build/laplace).
+# Environment: STEPS (default 500), LAPLACE (the binary: default build-demo/laplace, which
+# scripts/demo.sh builds, or else build/laplace).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-LAPLACE=${LAPLACE:-build/laplace}
+if [ -z "${LAPLACE:-}" ]; then
+  LAPLACE=build/laplace
+  [ -x build-demo/laplace ] && LAPLACE=build-demo/laplace
+fi
 OUT=${OUT:-runs/demo}
 STEPS=${STEPS:-500}
 FORTUNES=/usr/share/games/fortunes

@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
-# Installs everything Laplace needs from Debian packages (nothing else is fetched).
-# Idempotent: packages already present are not reinstalled.
+# Installs everything Laplace needs from Debian packages (nothing else is fetched);
+# `setup.sh --demo` only what the demo needs. Idempotent: packages already present are not
+# reinstalled.
 set -euo pipefail
 
+# What the demo needs (scripts/demo.sh: `setup.sh --demo`): compilers, CMake, OpenBLAS,
+# sentencepiece, nlohmann-json, CLI11 and its corpus.
 PACKAGES=(
   build-essential cmake ninja-build pkg-config
-  libopenblas-dev libopenblas0-openmp libsentencepiece-dev sentencepiece nlohmann-json3-dev libcli11-dev libboost-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
-  libopenmpi-dev openmpi-bin
-  python3 python3-numpy python3-torch python3-matplotlib python3-sentencepiece python3-setuptools python3-pip
+  libopenblas-dev libopenblas0-openmp libsentencepiece-dev nlohmann-json3-dev libcli11-dev
   fortunes fortunes-min
-  curl
-  chromium
 )
+# Everything else, for the tests, the server, MPI and the Python reference.
+if [ "${1:-}" != --demo ]; then
+  PACKAGES+=(
+    sentencepiece libboost-dev
+    libgtest-dev libgmock-dev libbenchmark-dev
+    libopenmpi-dev openmpi-bin
+    python3 python3-numpy python3-torch python3-matplotlib python3-sentencepiece python3-setuptools python3-pip
+    curl
+    chromium
+  )
+fi
 # The server tests drive `laplace serve` with the official openai client (npm).
 if [ "${LAPLACE_SETUP_NODE:-0}" = 1 ]; then
   command -v node > /dev/null || PACKAGES+=(nodejs)

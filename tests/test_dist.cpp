@@ -18,10 +18,10 @@
 #include <nlohmann/json.hpp>
 
 #include "core/file_util.h"
-#include "dist/comm.h"
-#include "dist/fsdp_layout.h"
-#include "dist/plan.h"
-#include "dist/sharded_parameters.h"
+#include "distributed/comm.h"
+#include "distributed/fsdp_layout.h"
+#include "distributed/plan.h"
+#include "distributed/sharded_parameters.h"
 #include "model/config.h"
 #include "model/weights.h"
 #include "tests/test_util.h"
@@ -279,7 +279,7 @@ TEST(DistTrain, AKilledRankEndsTheRunOnEveryRankWithoutAHang) {
 }
 
 // gather and all_to_all feed identical bytes into one newton_schulz per unit: identical
-// weights; the per-rank bytes each logs equal the formula of dist/plan.h.
+// weights; the per-rank bytes each logs equal the formula of distributed/plan.h.
 TEST(DistTrain, GatherEqualsAllToAllAndBytesEqualFormula) {
   REQUIRE_MPIRUN();
   DistFixture f;

@@ -1,6 +1,6 @@
-// The step model of dist/step_model.h: exact on one GPU (it is the measurement it is given),
+// The step model of distributed/step_model.h: exact on one GPU (it is the measurement it is given),
 // within 10 % of the 2 × H200 figures BENCHMARKS.md records, its Muon bytes those of
-// dist/plan.h, the inter-node bandwidth used across nodes, and un-overlapped collectives added
+// distributed/plan.h, the inter-node bandwidth used across nodes, and un-overlapped collectives added
 // to the step.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -10,7 +10,7 @@
 #include <cstdio>
 #include <string>
 
-#include "dist/step_model.h"
+#include "distributed/step_model.h"
 #include "model/config.h"
 
 namespace laplace {
@@ -52,7 +52,7 @@ TEST(StepModel, BytesBandwidthAndOverlap) {
   const StepPrediction a = predict_step(c, node, w), b = predict_step(c, cluster, w);
   EXPECT_EQ(a.busbw_gbs, node.nvlink_gbs);
   EXPECT_EQ(b.busbw_gbs, cluster.ib_gbs);  // a ring crosses the nodes
-  // The Muon exchange is the busiest rank's bytes of dist/plan.h.
+  // The Muon exchange is the busiest rank's bytes of distributed/plan.h.
   const auto params = sharded_params(c, false);
   int64_t most = 0;
   for (const auto& t : muon_traffic(params, assign_muon_owners(params, 32), 32, MuonComm::kAllToAll, 2))

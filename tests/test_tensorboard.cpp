@@ -22,7 +22,7 @@
 #include "core/file_util.h"
 #include "tests/test_util.h"
 #include "text/shard.h"
-#include "dist/comm.h"
+#include "distributed/comm.h"
 #include "train/tensorboard.h"
 #include "train/trainer.h"
 

@@ -35,7 +35,7 @@ struct TrainProgress {
 };
 
 // The metadata every training checkpoint carries (kind, version, config, counters,
-// loader position); the sharded parameter store writes the same keys (dist/sharded_parameters.h).
+// loader position); the sharded parameter store writes the same keys (distributed/sharded_parameters.h).
 std::map<std::string, std::string> checkpoint_metadata(const Config& c, const TrainProgress& p);
 // Checks an open checkpoint's metadata (kind, version, config equal to `c`, consistent
 // counters) and reads the progress from it.

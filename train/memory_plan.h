@@ -41,7 +41,7 @@ namespace laplace {
 
 struct PlanOptions;  // model/model.h
 
-// FSDP (dist/fsdp_layout.h): one rank's sharded buffers, in bytes. The full weights and the
+// FSDP (distributed/fsdp_layout.h): one rank's sharded buffers, in bytes. The full weights and the
 // full local gradient of a micro-batch stay the plan's own classes.
 struct ShardBytes {
   size_t masters = 0;     // master-weight shards

@@ -48,7 +48,7 @@ struct Param {
   Tensor state0, state1;
 };
 
-// What a step over row shards needs from the other ranks (dist/sharded_parameters.h implements it).
+// What a step over row shards needs from the other ranks (distributed/sharded_parameters.h implements it).
 // Every call is collective (each rank makes the same calls in the same order) and is queued
 // on the device: nothing in it waits for the device or reads a value back.
 class ShardExchange {

@@ -19,7 +19,7 @@
 //
 // Two implementations: WholeParameters (train/whole_parameters.h), whole masters and
 // gradients on one device, the gradient accumulated in place over the micro-batches; and
-// ShardedParameters (dist/sharded_parameters.h), row shards over the ranks of a
+// ShardedParameters (distributed/sharded_parameters.h), row shards over the ranks of a
 // communicator with per-group weight all-gathers and gradient reduce-scatters. The store
 // is also the Trainer's only way to the other ranks (agree, all_gather_value, ...), so
 // train/ needs no collective of its own: on one device they are the identity.

@@ -5,13 +5,13 @@
 // One Trainer class runs every case. What differs is where the parameters live between
 // steps and how the gradients reach them, and that is its ParameterStore
 // (train/parameter_store.h): WholeParameters (train/whole_parameters.h, the default) keeps
-// whole masters and gradients on one device; ShardedParameters (dist/sharded_parameters.h)
+// whole masters and gradients on one device; ShardedParameters (distributed/sharded_parameters.h)
 // keeps this rank's row shards and reaches the other ranks through a communicator. The
 // Trainer owns the rest (backend, model, optimizer, data, device loss buffers, progress,
 // record) and does setup, the step, validation and checkpointing once, calling the store's
 // hooks; the collectives it needs (agreeing on a status, comparing values across ranks,
 // the validation loss of every rank) go through the store too, so train/ does not depend
-// on dist/.
+// on distributed/.
 #pragma once
 
 #include <cstdint>

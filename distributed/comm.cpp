@@ -1,4 +1,4 @@
-#include "dist/comm.h"
+#include "distributed/comm.h"
 
 #include <cstdlib>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "dist/nccl/rank_sum.h"
+#include "distributed/nccl/rank_sum.h"
 
 #include <cuda_bf16.h>
 
@@ -36,7 +36,7 @@ cudaError_t rank_sum_launch(const void* parts, int P, int64_t n, void* out, int 
   int64_t g = (n + kThreads - 1) / kThreads;
   if (g > 132 * 16) g = 132 * 16;
   const unsigned grid = static_cast<unsigned>(g);
-  switch (type) {  // dist/comm.h's CommType values (checked where it is called)
+  switch (type) {  // distributed/comm.h's CommType values (checked where it is called)
     case 0:  // kF32
       rank_sum_kernel<float><<<grid, kThreads, 0, stream>>>(static_cast<const float*>(parts), P, n,
                                                             static_cast<float*>(out), accumulate);

@@ -1,6 +1,6 @@
 // Builds without NCCL (no CUDA, or CMake found no nccl.h / libnccl): the NCCL
 // communicator reports why it is missing.
-#include "dist/comm.h"
+#include "distributed/comm.h"
 
 namespace laplace {
 

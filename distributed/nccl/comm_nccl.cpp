@@ -1,11 +1,11 @@
-// The NCCL Communicator: one rank per GPU (dist/comm.h).
+// The NCCL Communicator: one rank per GPU (distributed/comm.h).
 //
 // Device buffers travel through NCCL, queued on the stream set by use_stream() (the
 // CUDA backend's), so a training step orders its collectives with its kernels and never
 // waits on the host. Only byte moves go to NCCL — grouped ncclSend/ncclRecv for
 // all_gather and all_to_all (uneven per-peer counts; NCCL's own AllGather needs equal
 // ones) and ncclBroadcast — and the reductions are the base class's: parts staged on the
-// device, then summed by a kernel in rank order (dist/nccl/rank_sum.cu), so results are
+// device, then summed by a kernel in rank order (distributed/nccl/rank_sum.cu), so results are
 // bitwise the same whatever algorithm or topology NCCL picks, and equal to a one-rank run
 // that adds the same parts in the same order.
 //
@@ -22,8 +22,8 @@
 #include <vector>
 
 #include "core/check.h"
-#include "dist/comm.h"
-#include "dist/nccl/rank_sum.h"
+#include "distributed/comm.h"
+#include "distributed/nccl/rank_sum.h"
 
 namespace laplace {
 
@@ -107,7 +107,7 @@ class NcclCommunicator final : public Communicator {
     stream_ = compute_ = s ? static_cast<cudaStream_t>(s) : own_stream_;
   }
 
-  // Overlap: collectives on own_stream_ beside the compute stream (dist/comm.h).
+  // Overlap: collectives on own_stream_ beside the compute stream (distributed/comm.h).
   void overlap_begin() override {
     if (stream_ != compute_ || compute_ == own_stream_) return;
     stream_ = own_stream_;

@@ -1,4 +1,4 @@
-// One rank's FSDP buffers (dist/sharded_parameters.h) as a pure function of the plan: which rows of
+// One rank's FSDP buffers (distributed/sharded_parameters.h) as a pure function of the plan: which rows of
 // every parameter each rank holds, where they sit in the rank's Muon and staging buffers, and
 // the spec lists of the three arenas the sharded store allocates besides the model's (its
 // shards, the Muon buffers, the collective staging). It allocates exactly these lists and
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "core/arena.h"
-#include "dist/plan.h"
+#include "distributed/plan.h"
 #include "train/memory_plan.h"
 #include "train/muon.h"
 

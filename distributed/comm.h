@@ -1,5 +1,5 @@
 // Communicator: the collectives distributed training needs (docs/distributed.md),
-// over raw typed host buffers, with an MPI implementation (dist/comm_mpi.cpp, Open MPI
+// over raw typed host buffers, with an MPI implementation (distributed/comm_mpi.cpp, Open MPI
 // on CPUs; a stub that says so when the build has no MPI) and a single-process one
 // (P = 1) used when the program was not started by mpirun.
 //
@@ -15,10 +15,10 @@
 // route the engine takes internally: all_gather sends counts[me]·(P−1) and receives
 // Σ_{q≠me} counts[q]; all_to_all sends Σ_{q≠me} send_counts[q] and receives
 // Σ_{q≠me} recv_counts[q]; broadcast sends count·(P−1) at the root and receives count
-// elsewhere. These are the quantities the Muon traffic formula (dist/plan.h) predicts.
+// elsewhere. These are the quantities the Muon traffic formula (distributed/plan.h) predicts.
 //
 // Counts and offsets are in ELEMENTS of the given type. Buffers are host memory, except
-// for the NCCL communicator (dist/nccl/), which also takes device memory: device
+// for the NCCL communicator (distributed/nccl/), which also takes device memory: device
 // buffers go through NCCL on the stream given to use_stream(), host buffers through
 // MPI. One call's buffers are all on the same side.
 // Every rank must call every collective in the same order with consistent counts
@@ -148,7 +148,7 @@ Status make_communicator(std::unique_ptr<Communicator>* out);
 // True when this build has the MPI implementation.
 bool mpi_available();
 
-// NCCL communicator for one rank per GPU (dist/nccl/comm_nccl.cpp): under an MPI launcher
+// NCCL communicator for one rank per GPU (distributed/nccl/comm_nccl.cpp): under an MPI launcher
 // it selects GPU (local rank mod visible GPUs) — call it BEFORE creating the CUDA
 // backend — and bootstraps NCCL over MPI, which also carries host-buffer collectives;
 // without a launcher it is a one-rank NCCL communicator. Unsupported (with the reason)

@@ -1,7 +1,7 @@
 // A model of one training step on P GPUs (G per node, N nodes), for the machines we cannot
 // run here (docs/distributed.md §7). Its inputs are one GPU's forward + backward rate and
 // optimizer time (flags; the defaults are laplace-3b's on one H200) and the exact per-rank
-// bytes of dist/plan.h; it states its assumptions:
+// bytes of distributed/plan.h; it states its assumptions:
 //
 //   fb      = A·B·T / fb_tok_s                      forward + backward of this rank's tokens
 //   coll(S) = (P−1)/P · S / busbw                   a ring all-gather or reduce-scatter of S bytes
@@ -10,7 +10,7 @@
 //   exposed = max(0, fsdp − overlap·fb)             the part the compute stream cannot hide
 //   opt     = opt_1gpu·(1 − ns_share)/P             element-wise optimizer work on the shards
 //   ns      = opt_1gpu·ns_share·(max owner cost / total cost)   Newton–Schulz, the busiest owner
-//   muon    = max_r max(sent_r, received_r) / busbw the Muon exchanges (dist/plan.h's bytes)
+//   muon    = max_r max(sent_r, received_r) / busbw the Muon exchanges (distributed/plan.h's bytes)
 //   step    = fb + exposed + opt + ns + muon (+ overhead, P > 1);   tokens/s = P·A·B·T / step
 //
 // busbw is NVLink's within one node and the slower of NVLink and InfiniBand (per GPU: one NIC
@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "dist/plan.h"
+#include "distributed/plan.h"
 
 namespace laplace {
 

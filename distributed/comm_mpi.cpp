@@ -1,8 +1,8 @@
 // The MPI Communicator (Open MPI on CPUs). Compiled with MPI when CMake found it
 // (LAPLACE_HAVE_MPI); otherwise make_mpi_communicator reports that this build has none.
 // Only byte-moving collectives go to MPI (Allgatherv, Alltoallv, Bcast: exact copies);
-// reductions are done by the base class in a fixed rank order (dist/comm.h).
-#include "dist/comm.h"
+// reductions are done by the base class in a fixed rank order (distributed/comm.h).
+#include "distributed/comm.h"
 
 #include <climits>
 #include <cstdio>

@@ -1,4 +1,4 @@
-#include "dist/step_model.h"
+#include "distributed/step_model.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "dist/sharded_parameters.h"
+#include "distributed/sharded_parameters.h"
 
 #include <algorithm>
 #include <cmath>
@@ -10,7 +10,7 @@
 #include "core/check.h"
 #include "core/file_util.h"
 #include "core/safetensors.h"
-#include "dist/fsdp_layout.h"
+#include "distributed/fsdp_layout.h"
 
 namespace laplace {
 
@@ -203,7 +203,7 @@ Status ShardedParameters::create() {
     else if (n.rfind("model.layers.", 0) == 0) g = 1 + static_cast<size_t>(std::stoll(n.substr(13)));
     groups_[g].push_back(i);
   }
-  // Muon buffers and the collective staging (dist/fsdp_layout.h).
+  // Muon buffers and the collective staging (distributed/fsdp_layout.h).
   unit_ov_ = lay.unit_rows;
   owned_off_ = lay.owned_off;
   ns_.dtype = lay.ns.dtype;
@@ -294,7 +294,7 @@ std::string ShardedParameters::setup_lines() const {
 
 // ---- collectives over the parameter table --------------------------------------------------
 
-// Opens the communicator's overlap region (dist/comm.h) and queues the all-gathers of every
+// Opens the communicator's overlap region (distributed/comm.h) and queues the all-gathers of every
 // group beside the compute, marking each group. After a skipped step too: the masters did not
 // change, so the weights come out as they were (the skip flag stays on the device).
 void ShardedParameters::gather_weights() {
@@ -607,7 +607,7 @@ Status ShardedParameters::load_checkpoint(const std::string& path, TrainProgress
 
 // ---- the step ----------------------------------------------------------------------------------------
 //
-// Overlap (dist/comm.h): the step opens the communicator's overlap region (gather_weights
+// Overlap (distributed/comm.h): the step opens the communicator's overlap region (gather_weights
 // left it open), the forward waits for group g's all-gather just before it reads group g,
 // and the backward hands each group to the reduce-scatter as soon as its gradients are
 // queued; the optimizer reads the shards after overlap_end.

@@ -1,4 +1,4 @@
-#include "dist/plan.h"
+#include "distributed/plan.h"
 
 #include <algorithm>
 #include <numeric>

@@ -2,7 +2,7 @@
 // (docs/distributed.md) behind `mpirun -np P laplace train …` (or `laplace train
 // --distributed` in one process), with train/trainer.h's Trainer running the loop.
 //
-// Every rank holds, for every parameter, the rows shard_rows(rows, rank, P) (dist/plan.h)
+// Every rank holds, for every parameter, the rows shard_rows(rows, rank, P) (distributed/plan.h)
 // of its fp32/fp64 master weights, gradient and optimizer state (Muon momentum or
 // AdamW m, v). A step:
 //   for each of the A = grad-accum micro-steps:
@@ -19,7 +19,7 @@
 //   shards; then all-gather the shards into the full weights, and read the step's result.
 // Parameters are gathered and gradients reduce-scattered per parameter, walked in
 // per-layer groups (embedding; layer 0 … L−1; final norm + head; model/model.h's weight
-// groups). Overlap (dist/comm.h): after the optimizer every shard is rounded, then the
+// groups). Overlap (distributed/comm.h): after the optimizer every shard is rounded, then the
 // groups are all-gathered in forward order beside the compute, and the forward waits
 // for group g's all-gather only just before it reads group g; the backward hands each
 // group to the reduce-scatter as soon as its gradients are queued, so the reductions of
@@ -53,8 +53,8 @@
 #include <string>
 #include <vector>
 
-#include "dist/comm.h"
-#include "dist/plan.h"
+#include "distributed/comm.h"
+#include "distributed/plan.h"
 #include "model/model.h"
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
