@@ -181,7 +181,7 @@ class Model {
   // After a replay of a captured forward_queued(B, T, opt, ...): logits() views its logits.
   void set_replayed(int64_t B, int64_t T, const ForwardOptions& opt);
 
-  // Speculative verification (docs/serving.md §12): B rows of T tokens (host ids [B, T]), row b
+  // Speculative verification (docs/serving.md §11): B rows of T tokens (host ids [B, T]), row b
   // continuing the context of slot slots[b] of a pool with deferred write-back (R ≥ T), every
   // position's logits ([B·T, V], row b·T + t). Position t computes what the (t + 1)-th of T
   // decode steps feeding the row's tokens would (on the CPU the same bits: every op is

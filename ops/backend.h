@@ -274,7 +274,7 @@ class Backend {
   // slots [B] I32 on this device.
   virtual void gla_pending_flush(const GlaParams& p, Tensor states, const GlaPending& pend, const Tensor& slots);
 
-  // Speculative verification (docs/serving.md §12), for a pool with deferred write-back: row b
+  // Speculative verification (docs/serving.md §11), for a pool with deferred write-back: row b
   // feeds T tokens (1 ≤ T ≤ R) after the context of entry slots[b], and position t reads the
   // entry's state, its pending pairs and the pairs of positions 0 … t − 1 of its own row
   // (causally). o and y of position t are those the (t + 1)-th of T consecutive

@@ -1,4 +1,4 @@
-// Draft sources for speculative decoding (docs/serving.md §12): a guess of what a sequence
+// Draft sources for speculative decoding (docs/serving.md §11): a guess of what a sequence
 // says next, made cheaply on the host and checked by the model in one verification forward
 // (Model::verify). A wrong guess costs compute, never a wrong token: the engine keeps only
 // what the model itself would have produced.

@@ -372,12 +372,12 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
           "engine: speculative decoding with k = " + std::to_string(k) + " needs deferred write-back with R > k "
           "(--defer-writeback " + std::string(k < 4 ? "4, 8 or 16" : k < 8 ? "8 or 16" : "16") + "; it is " +
           std::to_string(pending.steps) + "): a window of k + 1 tokens must fit the slot's pending pairs and meet "
-          "at most one write-back (docs/serving.md §12)");
+          "at most one write-back (docs/serving.md §11)");
     if (!model.backend().supports({"gla_verify_deferred", model.dtype(), {c.num_heads, c.head_k_dim, c.head_v_dim}}) ||
         !model.backend().supports({"gla_verify_commit", model.dtype(), {c.num_heads, c.head_k_dim, c.head_v_dim}}))
       return Status::unsupported(std::string("engine: speculative decoding needs the verification ops, which the ") +
                                  model.backend().name() + " backend does not have yet (the CPU has them; "
-                                 "docs/serving.md §12)");
+                                 "docs/serving.md §11)");
     if (st == DType::kBF16) return Status::invalid_argument("engine: speculative decoding takes F32 states");
     // A verification's rows are exact (no padded widths), and its tokens are picked on the host.
     opt.pipeline = false;

@@ -118,7 +118,7 @@ struct EngineOptions {
   // collects it starts from that batch (requests that start decoding meanwhile join the step
   // after). Tokens and states are those of unpipelined decoding; only timing changes.
   bool pipeline = true;
-  // Speculative decoding (docs/serving.md §12): 0 = off; k = 1 … 8 = each decoding sequence's
+  // Speculative decoding (docs/serving.md §11): 0 = off; k = 1 … 8 = each decoding sequence's
   // last token and up to k drafted tokens run as one verification forward (Model::verify), and
   // the tokens the model itself gives are kept, as many as match the draft plus one. Greedy
   // tokens are bitwise those without it (on the CPU); sampled tokens keep their distribution.

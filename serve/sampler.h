@@ -45,7 +45,7 @@ class Sampler {
 
   // Picks a token from logits[0..V) and records it for the penalties.
   int32_t sample(const float* logits, int64_t V);
-  // A token for a position of a speculative verification (docs/serving.md §12) whose drafted
+  // A token for a position of a speculative verification (docs/serving.md §11) whose drafted
   // token is `draft` (< 0: none, then sample()). Greedy: the argmax, as sample() (the draft is
   // accepted when they are equal). Otherwise rejection sampling against the point-mass draft:
   // draft with probability p(draft), else a draw from p without it, so the token is distributed

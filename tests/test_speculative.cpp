@@ -1,4 +1,4 @@
-// Speculative decoding (docs/serving.md §12) on the CPU: the verification forward and its
+// Speculative decoding (docs/serving.md §11) on the CPU: the verification forward and its
 // commit against decoding the same tokens one by one (logits and slot bytes), the n-gram
 // drafter, and the engine with speculation against the engine without it.
 #include <gtest/gtest.h>

@@ -2,7 +2,7 @@
 // docs/serving.md §4), shared by the decode step (gla.cpp), speculative verification
 // (gla_verify.cpp) and its commit (gla_verify_commit.cpp). One definition of each sum: a
 // verified position then gives the bits of the decode step it stands for, and a commit the
-// bits of the write-back that step would have made (docs/serving.md §12), because both run
+// bits of the write-back that step would have made (docs/serving.md §11), because both run
 // the very same loops on the very same values.
 //
 // Per head, with qs = scale·q, λ's powers pw[n] = λ^n and pairs (k_j, v_j), j < m, pair 0

@@ -1,4 +1,4 @@
-// CPU speculative verification (Backend::gla_verify_deferred; docs/serving.md §12): T tokens
+// CPU speculative verification (Backend::gla_verify_deferred; docs/serving.md §11): T tokens
 // per row after the context of a deferred-write-back pool entry, every position's output as the
 // decode step it stands for would give it, nothing written to the pool.
 //

@@ -1,4 +1,4 @@
-// CPU commit of a speculative verification (Backend::gla_verify_commit; docs/serving.md §12):
+// CPU commit of a speculative verification (Backend::gla_verify_commit; docs/serving.md §11):
 // the accepted positions of each row join its entry's context exactly as that many decode steps
 // would have left it. With the entry's count word (m0, d0) and the window's write-back position
 // w = R − 1 − d0 − m0 (gla_verify.cpp), a row that accepted a positions either
