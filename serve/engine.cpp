@@ -472,6 +472,8 @@ std::string Engine::summary() const {
                 dtype_name(pool_.dtype()), defer.c_str(), mib, (long long)opt_.max_batch_tokens, (long long)opt_.prefill_chunk,
                 widths.empty() ? "exact" : widths.c_str(), opt_.graphs ? "CUDA graphs captured" : "eager");
   std::string out = buf;
+  if (opt_.speculative_k > 0)
+    out += "; speculative decoding: up to " + std::to_string(opt_.speculative_k) + " drafted tokens per sequence and step";
   if (cache_on_) {
     std::snprintf(buf, sizeof buf, "\nstate cache: device tier %lld slots x %lld bytes/slot = %.1f MiB; host tier %.1f MiB",
                   (long long)opt_.cache_slots, (long long)slot_bytes(),
