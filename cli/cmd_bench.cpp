@@ -312,11 +312,13 @@ Status run_bench_decode(const DecodeArgs& a) {
     const std::string kind = a.speculative.substr(0, a.speculative.find(':'));
     const std::string dev = a.model.device == "cuda" ? "gpu" : a.model.device;
     res.note += ", " + a.speculative + ", median of " + std::to_string(a.spec_reps) + " alternating pairs";
-    res.add("decode_spec_tok_s", ws, "tok/s");
-    res.add("decode_nospec_tok_s", wo, "tok/s");
-    res.add("decode_spec_tokens_per_forward", f.tokens_per_forward, "tok");
-    res.add("decode_spec_accept_pct", 100.0 * f.accept_rate, "%");
-    res.add("spec_speedup_" + kind + "_" + dev + "_b" + std::to_string(a.batch), speedup, "x");
+    // spec_speedup_ngram_cpu_b1 and its companions: the drafter, the device and the batch.
+    const std::string what = kind + "_" + dev + "_b" + std::to_string(a.batch);
+    res.add("decode_spec_tok_s_" + what, ws, "tok/s");
+    res.add("decode_nospec_tok_s_" + what, wo, "tok/s");
+    res.add("decode_spec_tokens_per_forward_" + what, f.tokens_per_forward, "tok");
+    res.add("decode_spec_accept_pct_" + what, 100.0 * f.accept_rate, "%");
+    res.add("spec_speedup_" + what, speedup, "x");
     return Status::ok();
   }
   res.add("decode_tok_s", f.tok_s, "tok/s");
