@@ -137,7 +137,7 @@ struct EngineStats {
   int64_t steps = 0;              // step() calls that did work
   int64_t prefill_tokens = 0;     // prompt tokens fed through prefill forwards
   int64_t prefill_forwards = 0;
-  int64_t decode_tokens = 0;      // live rows fed through decode forwards
+  int64_t decode_tokens = 0;      // live rows fed through decode forwards (a verification's row once)
   int64_t decode_forwards = 0;
   int64_t padded_rows = 0;        // padding rows run (decode_widths)
   int64_t chained_decodes = 0;    // decode forwards queued ahead (EngineOptions::pipeline)
