@@ -5,6 +5,7 @@
 //                         --batch N --steps S --prompt-len P [--layers-sweep]
 //                         [--state-dtype f32|bf16] [--eager] [--defer-writeback R] [--accuracy-steps K]
 //                         [--compare-prompt-len P2 (then P again: the baseline)] [--no-pipeline]
+//                         [--speculative ngram[:K] (and the same decode without: the speed-up)]
 //   laplace bench prefill --config F | --model DIR --prompt-len P [--reps R]
 //   laplace bench serve   --config F | --model DIR --rate R --count N --prompt-len P
 //                         --output-len O [--max-slots S | --memory-budget B]
@@ -127,6 +128,8 @@ struct DecodeArgs {
   int64_t prefill_graphs = 16;
   int64_t accuracy_steps = 0;
   int64_t compare_prompt_len = 0;
+  std::string speculative = "off";
+  int64_t spec_reps = 5;
   std::string results = "bench/results.jsonl", tag;
 };
 
@@ -134,6 +137,8 @@ struct DecodeFigures {
   double ms_per_step = 0, tok_s = 0, prefill_tok_s = 0;
   double forward_ms = 0, host_ms = 0;  // per step: the executor's decode call; sampling/emitting
   double chain_ms = 0;                  // per step: of forward_ms, queueing the next step (pipeline)
+  // Speculative decoding: tokens emitted per decode forward, and the share of drafted tokens accepted.
+  double tokens_per_forward = 1, accept_rate = 0;
 };
 
 // Prefills `batch` sequences through the engine, then times `steps` engine steps in
@@ -143,6 +148,7 @@ Status measure_decode(Model& m, const DecodeArgs& a, bool print_summary, DecodeF
   LAPLACE_RETURN_IF_ERROR(
       engine_decode_options(a.model.device, a.state_dtype, a.eager, a.defer_writeback, a.prefill_graphs, &o));
   o.pipeline = !a.no_pipeline;
+  LAPLACE_RETURN_IF_ERROR(speculative_options(a.speculative, &o));
   o.max_slots = a.batch;
   o.prefill_chunk = std::min(a.prefill_chunk, a.prompt_len);
   o.max_batch_tokens = a.max_batch_tokens > 0 ? a.max_batch_tokens : a.batch + 4 * o.prefill_chunk;
@@ -157,6 +163,7 @@ Status measure_decode(Model& m, const DecodeArgs& a, bool print_summary, DecodeF
     // Sequences prefilled early decode while later ones still prefill (at least one
     // prefill piece runs per step), so the token allowance covers that phase too.
     r.max_tokens = a.warmup + a.steps + 2 + (a.batch * a.prompt_len + o.prefill_chunk - 1) / o.prefill_chunk;
+    r.max_tokens *= 1 + o.speculative_k;  // a speculative step emits up to k + 1 tokens
     r.eos_id = -1;
     RequestId id;
     LAPLACE_RETURN_IF_ERROR(eng->submit(std::move(r), &id));
@@ -181,7 +188,12 @@ Status measure_decode(Model& m, const DecodeArgs& a, bool print_summary, DecodeF
   f->forward_ms = 1e3 * (after.decode_seconds - before.decode_seconds) / static_cast<double>(a.steps);
   f->host_ms = 1e3 * (after.sample_seconds - before.sample_seconds) / static_cast<double>(a.steps);
   f->chain_ms = 1e3 * (after.chain_seconds - before.chain_seconds) / static_cast<double>(a.steps);
-  f->tok_s = static_cast<double>(a.steps * a.batch) / secs;
+  // Tokens emitted (a speculative step emits one or more per sequence).
+  const int64_t emitted = after.generated_tokens - before.generated_tokens;
+  f->tok_s = static_cast<double>(emitted) / secs;
+  f->tokens_per_forward = static_cast<double>(emitted) / static_cast<double>(a.steps * a.batch);
+  const int64_t drafted = after.drafted_tokens - before.drafted_tokens;
+  f->accept_rate = drafted > 0 ? static_cast<double>(after.accepted_tokens - before.accepted_tokens) / drafted : 0;
   f->prefill_tok_s = static_cast<double>(prompt_total) / prefill_s;
   return Status::ok();
 }
@@ -270,6 +282,45 @@ Status run_bench_decode(const DecodeArgs& a) {
               "next step), %.3f ms emitting tokens\n",
               (long long)a.batch, (long long)a.prompt_len, f.ms_per_step, f.tok_s, f.prefill_tok_s, f.forward_ms,
               f.chain_ms, f.host_ms);
+  if (a.speculative != "off") {
+    // The same decode without speculation (same prompts, options and R): the speed-up is the
+    // ratio of emitted tokens per second; greedy tokens are the same either way. Runs with and
+    // without alternate, --spec-reps pairs, and the medians are compared, so that a shared
+    // machine's load hits both alike.
+    DecodeArgs b = a;
+    b.speculative = "off";
+    std::vector<double> with, without;
+    for (int64_t r = 0; r < a.spec_reps; ++r) {
+      DecodeFigures g = f, base;
+      if (r > 0) LAPLACE_RETURN_IF_ERROR(measure_decode(lm.model, a, false, &g));
+      LAPLACE_RETURN_IF_ERROR(measure_decode(lm.model, b, false, &base));
+      std::printf("  pair %lld: %.1f tokens/s with, %.1f without (x%.3f)\n", (long long)r, g.tok_s, base.tok_s,
+                  g.tok_s / base.tok_s);
+      with.push_back(g.tok_s);
+      without.push_back(base.tok_s);
+    }
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      const size_t n = v.size();
+      return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+    };
+    const double ws = median(with), wo = median(without), speedup = ws / wo;
+    std::printf("speculative %s: %.2f tokens per sequence and forward, %.1f%% of drafted tokens accepted; "
+                "median %.1f tokens/s against %.1f without over %lld pairs: x%.3f\n",
+                a.speculative.c_str(), f.tokens_per_forward, 100.0 * f.accept_rate, ws, wo, (long long)a.spec_reps,
+                speedup);
+    const std::string kind = a.speculative.substr(0, a.speculative.find(':'));
+    const std::string dev = a.model.device == "cuda" ? "gpu" : a.model.device;
+    res.note += ", " + a.speculative + ", median of " + std::to_string(a.spec_reps) + " alternating pairs";
+    // spec_speedup_ngram_cpu_b1 and its companions: the drafter, the device and the batch.
+    const std::string what = kind + "_" + dev + "_b" + std::to_string(a.batch);
+    res.add("decode_spec_tok_s_" + what, ws, "tok/s");
+    res.add("decode_nospec_tok_s_" + what, wo, "tok/s");
+    res.add("decode_spec_tokens_per_forward_" + what, f.tokens_per_forward, "tok");
+    res.add("decode_spec_accept_pct_" + what, 100.0 * f.accept_rate, "%");
+    res.add("spec_speedup_" + what, speedup, "x");
+    return Status::ok();
+  }
   res.add("decode_tok_s", f.tok_s, "tok/s");
   res.add("decode_ms_per_step", f.ms_per_step, "ms");
   res.add("decode_prefill_tok_s", f.prefill_tok_s, "tok/s");
@@ -737,6 +788,10 @@ void add_bench(CLI::App& app) {
   dec->add_option("--sweep-max-layers", d->sweep_max_layers, "largest layer count of the sweep (default: config's)")
       ->check(CLI::NonNegativeNumber);
   add_decode_options(dec, &d->state_dtype, &d->eager, &d->defer_writeback, &d->prefill_graphs);
+  add_speculative_option(dec, &d->speculative);
+  dec->add_option("--spec-reps", d->spec_reps,
+                  "with --speculative: alternating runs with and without it; the medians give the speed-up")
+      ->check(CLI::Range(1, 100));
   dec->add_flag("--no-pipeline", d->no_pipeline,
                 "queue each decode step only after the last one's tokens are emitted (EngineOptions::pipeline)");
   dec->add_option("--accuracy-steps", d->accuracy_steps,

@@ -36,6 +36,7 @@ struct ServeArgs {
   int64_t defer_writeback = 0;
   int64_t prefill_graphs = 16;
   bool eager = false;
+  std::string speculative = "off";
 };
 
 Status run_serve(const ServeArgs& a) {
@@ -60,6 +61,7 @@ Status run_serve(const ServeArgs& a) {
   LAPLACE_RETURN_IF_ERROR(parse_dtype(a.dtype, &o.dtype));
   LAPLACE_RETURN_IF_ERROR(
       engine_decode_options(a.device, a.state_dtype, a.eager, a.defer_writeback, a.prefill_graphs, &o.engine));
+  LAPLACE_RETURN_IF_ERROR(speculative_options(a.speculative, &o.engine));
   o.engine.max_slots = a.max_slots;
   if (a.max_slots == 0) LAPLACE_RETURN_IF_ERROR(parse_bytes(a.memory_budget, &o.engine.memory_budget));
   o.engine.cache_slots = a.cache_slots;
@@ -128,6 +130,7 @@ void add_serve(CLI::App& app) {
   cmd->add_option("--device", a->device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_option("--dtype", a->dtype, "f32 (CPU) or bf16 (CUDA)");
   add_decode_options(cmd, &a->state_dtype, &a->eager, &a->defer_writeback, &a->prefill_graphs);
+  add_speculative_option(cmd, &a->speculative);
   cmd->add_option("--max-slots", a->max_slots, "sequences served at once (0 = from --memory-budget)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--memory-budget", a->memory_budget, "bytes for state slots when --max-slots is 0 (e.g. 512M)");

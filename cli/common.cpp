@@ -108,6 +108,35 @@ Status engine_decode_options(const std::string& device, const std::string& state
   return Status::ok();
 }
 
+void add_speculative_option(CLI::App* cmd, std::string* spec) {
+  cmd->add_option("--speculative", *spec,
+                  "speculative decoding: ngram[:K] drafts up to K tokens (1-8, default 4) by prompt lookup in each "
+                  "sequence's context and checks them in one forward; greedy output is unchanged, sampled output "
+                  "keeps its distribution. Needs --defer-writeback R with R > K. off = none");
+}
+
+Status speculative_options(const std::string& spec, EngineOptions* o) {
+  o->speculative_k = 0;
+  o->drafter = nullptr;
+  if (spec.empty() || spec == "off") return Status::ok();
+  const size_t colon = spec.rfind(':');
+  const std::string kind = spec.substr(0, spec.find(':'));
+  if (kind == "draft")
+    return Status::unsupported("--speculative draft:DIR (a draft model) is not built yet; use ngram[:K]");
+  if (kind != "ngram") return Status::invalid_argument("--speculative: '" + spec + "' is not off, ngram or ngram:K");
+  int64_t k = 4;
+  if (colon != std::string::npos) {
+    const std::string num = spec.substr(colon + 1);
+    std::istringstream is(num);
+    if (!(is >> k) || !is.eof() || k < 1 || k > kMaxSpeculativeK)
+      return Status::invalid_argument("--speculative " + spec + ": K must be a whole number from 1 to " +
+                                      std::to_string(kMaxSpeculativeK));
+  }
+  o->speculative_k = k;
+  o->drafter = std::make_shared<NgramDrafter>();
+  return Status::ok();
+}
+
 namespace {
 // Whether --weights asks for the FP8 products (quantising weights held in another dtype).
 bool fp8_products(const std::string& weights) { return weights == "fp8" || weights == "fp8-fast"; }

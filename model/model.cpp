@@ -159,6 +159,14 @@ Status Model::plan(const PlanOptions& opt) {
     s.push_back({p + "ab", dtype_, {N, 2 * F}});
     s.push_back({p + "h", dtype_, {N, F}});
   }
+  if (opt.verify_rows < 0 || (opt.verify_rows > 0 && (opt.training || opt.verify_rows > N)))
+    return Status::invalid_argument("plan: verify_rows is for inference plans, at most the token rows");
+  for (int64_t l = 0; opt.verify_rows > 0 && l < cfg_.num_layers; ++l) {
+    const std::string p = std::string("verify").append(std::to_string(l)).append(".");
+    s.push_back({p + "u", dtype_, {opt.verify_rows, D}});
+    s.push_back({p + "qkvg", dtype_, {opt.verify_rows, R}});
+  }
+  if (opt.verify_rows > 0) s.push_back({"accepted", DType::kI32, {B}});
   if (opt.training) s.push_back({"x_final", dtype_, {N, D}});
   s.push_back({"lnf_mean", st, {NL}});
   s.push_back({"lnf_rstd", st, {NL}});
@@ -205,6 +213,13 @@ Status Model::plan(const PlanOptions& opt) {
     a.ab = get(q + "ab");
     a.h = get(q + "h");
   }
+  verify_acts_.assign(opt.verify_rows > 0 ? cfg_.num_layers : 0, VerifyActs{});
+  for (size_t l = 0; l < verify_acts_.size(); ++l) {
+    const std::string p = std::string("verify").append(std::to_string(l)).append(".");
+    verify_acts_[l] = {get(p + "u"), get(p + "qkvg")};
+  }
+  accepted_ = opt.verify_rows > 0 ? get("accepted") : Tensor{};
+  verify_B_ = 0;
   x_final_ = opt.training ? get("x_final") : layer_[0].x_in;
   lnf_mean_ = get("lnf_mean");
   lnf_rstd_ = get("lnf_rstd");
@@ -635,6 +650,62 @@ void Model::set_replayed_ragged(int64_t G) {
   logits_ = rows(logits_buf_, G);
 }
 
+void Model::verify(const int32_t* tokens, int64_t B, int64_t T, StatePool& pool, const int32_t* slots) {
+  ForwardOptions opt;
+  opt.form = GlaForm::kRecurrent;
+  check_forward(B, T, opt, &pool);
+  LAPLACE_CHECK(B * T <= plan_.verify_rows, "verify: more token rows than the plan's verify_rows");
+  LAPLACE_CHECK(pool.pending_steps() >= T,
+                "verify: needs a pool with deferred write-back of R ≥ T (one write-back per window at most)");
+  LAPLACE_CHECK(pool.dtype() != DType::kBF16, "verify: BF16 state pools are not verified");
+  Backend& be = *be_;
+  const int64_t N = B * T;
+  be.copy(ids_.slice(0, 0, N), Tensor(const_cast<int32_t*>(tokens), DType::kI32, {N}));
+  for (int64_t b = 0; b < B; ++b) LAPLACE_CHECK(slots[b] >= 0 && slots[b] < pool.slots(), "verify: bad slot");
+  be.copy(slots_.slice(0, 0, B), Tensor(const_cast<int32_t*>(slots), DType::kI32, {B}));
+  doc_on_ = false;
+  verifying_ = true;
+  run_forward(B, T, opt, &pool, slots);
+  verifying_ = false;
+  verify_pool_ = &pool;
+  verify_B_ = B;
+  verify_T_ = T;
+  verify_slots_.assign(slots, slots + B);
+}
+
+void Model::commit(const int32_t* accepted) {
+  LAPLACE_CHECK(verify_B_ > 0, "commit: no verification to commit (or committed already)");
+  Backend& be = *be_;
+  const int64_t B = verify_B_, T = verify_T_, N = B * T, K = cfg_.conv_size;
+  for (int64_t b = 0; b < B; ++b) LAPLACE_CHECK(accepted[b] >= 0 && accepted[b] <= T, "commit: accepted outside [0, T]");
+  const Tensor acc = accepted_.slice(0, 0, B);
+  be.copy(acc, Tensor(const_cast<int32_t*>(accepted), DType::kI32, {B}));
+  // slots_ still holds the verification's slot ids (no forward ran since: verify_B_ says so).
+  const Tensor slot_ids = slots_.slice(0, 0, B);
+  const GlaParams gp = gla_params(GlaForm::kRecurrent);
+  StatePool& pool = *verify_pool_;
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    const Tensor qkvg = rows(verify_acts_[l].qkvg, N);
+    be.gla_verify_commit(gp, qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2), acc, pool.gla(l), pool.pending(l),
+                         slot_ids);
+    // The conv window: the last K of (window, the accepted inputs), as a decode step per token
+    // would shift it: rows [a, K) move up by a (ascending, so each is read before it is
+    // overwritten), then the last min(a, K) inputs fill the end.
+    const Tensor u = rows(verify_acts_[l].u, N);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t a = accepted[b];
+      if (a == 0) continue;
+      const Tensor win = pool.conv(l).select(verify_slots_[b]);  // [K, D]
+      for (int64_t i = 0; i + a < K; ++i) be.copy(win.slice(0, i, i + 1), win.slice(0, i + a, i + a + 1));
+      for (int64_t i = std::max<int64_t>(K - a, 0); i < K; ++i) {
+        const int64_t r = b * T + a - (K - i);  // input a − (K − i) of row b
+        be.copy(win.slice(0, i, i + 1), u.slice(0, r, r + 1));
+      }
+    }
+  }
+  verify_B_ = 0;
+}
+
 void Model::forward_queued(int64_t B, int64_t T, const ForwardOptions& opt, StatePool* pool) {
   check_forward(B, T, opt, pool);
   LAPLACE_CHECK(!pool || (T == 1 && opt.form == GlaForm::kRecurrent),
@@ -654,6 +725,7 @@ void Model::set_replayed(int64_t B, int64_t T, const ForwardOptions& opt) {
 
 void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt, StatePool* pool,
                         const int32_t* host_slots) {
+  if (!verifying_) verify_B_ = 0;  // a verification is committed before any other forward
   Backend& be = *be_;
   const int64_t D = cfg_.hidden_size, H = cfg_.num_heads, dv = cfg_.head_v_dim;
   const bool ragged = segs.size() > 1;
@@ -684,7 +756,7 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
   const Tensor doc = doc_on_ ? doc_view(B, T) : Tensor{};
   gp.doc = doc;
   // Decode: one token per sequence from its slot (a training plan takes no pool).
-  const bool decode_step = !ragged && pool && T == 1 && opt.form == GlaForm::kRecurrent;
+  const bool decode_step = !ragged && pool && T == 1 && opt.form == GlaForm::kRecurrent && !verifying_;
   if (plan_.training) {  // what the backward's recompute_layers runs again
     last_form_ = opt.form;
     last_before_ = plan_.recompute_layers ? opt.before_group : GroupHook{};
@@ -700,18 +772,21 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
     const LayerWeights& w = w_.layers[l];
     const Tensor x_in = rows(a.x_in, N), x_mid = rows(a.x_mid, N);
     const Tensor x_out = rows(l + 1 < cfg_.num_layers ? layer_[l + 1].x_in : x_final_, N);
-    const Tensor qkvg = rows(a.qkvg, N);
+    const Tensor qkvg = rows(verifying_ ? verify_acts_[l].qkvg : a.qkvg, N);
 
     // Mixer block: x_mid = x_in + (RMSNorm(GLA(conv(LN1 x))) ⊙ SiLU(g)) · W_oᵀ
-    be.layernorm_forward(x_in, w.norm1_w, w.norm1_b, cfg_.norm_eps, rows(a.u, N), rows(a.ln1_mean, N),
+    // A verification keeps this layer's conv input and projections for the commit (and writes
+    // no window: the conv reads the slot's window and the row's own earlier inputs).
+    const Tensor u_buf = verifying_ ? verify_acts_[l].u : a.u;
+    be.layernorm_forward(x_in, w.norm1_w, w.norm1_b, cfg_.norm_eps, rows(u_buf, N), rows(a.ln1_mean, N),
                          rows(a.ln1_rstd, N));
     Tensor win = pool ? pool->conv(l) : Tensor{};
     if (documents_by_views()) {  // one segment, no pool (forward() checked)
       conv_forward(btc(rows(a.u, N), B, T), w.conv_w, btc(rows(a.c, N), B, T), Tensor{}, doc);
     } else {
       for (const Segment& s : segs)
-        be.conv_silu_forward(btc(seg_rows(a.u, s), s.B, s.T), w.conv_w, btc(seg_rows(a.c, s), s.B, s.T), Tensor{},
-                             win, win, seg_slots(s), doc);
+        be.conv_silu_forward(btc(seg_rows(u_buf, s), s.B, s.T), w.conv_w, btc(seg_rows(a.c, s), s.B, s.T), Tensor{},
+                             win, verifying_ ? Tensor{} : win, seg_slots(s), doc);
     }
     static const Fp8Matrix kNone{};
     const std::array<Fp8Matrix, 4>* f8 = fp8_on_ ? &fp8_layers_[l] : nullptr;
@@ -720,8 +795,13 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
     Tensor st = pool ? pool->gla(l) : Tensor{};
     const GlaPending pend = pool ? pool->pending(l) : GlaPending{};
     // The chunked form reads S itself: fold the rows' pending pairs in first.
-    if (!decode_step && pend.defined()) be.gla_pending_flush(gp, st, pend, slot_ids);
-    if (decode_step && pend.defined()) {
+    if (!decode_step && !verifying_ && pend.defined()) be.gla_pending_flush(gp, st, pend, slot_ids);
+    if (verifying_) {
+      // Speculative verification: every position as the decode step it stands for, the pool unwritten.
+      be.gla_verify_deferred(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
+                             qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps, st, pend, slot_ids,
+                             bthd(rows(a.o, N), B, T, H, dv), bthd(rows(a.y, N), B, T, H, dv));
+    } else if (decode_step && pend.defined()) {
       // Deferred write-back: S read every step, written every R-th (docs/serving.md §4).
       be.gla_decode_gate_deferred(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
                                   qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps, st, pend, slot_ids,
@@ -751,7 +831,7 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
         }
       }
     }
-    if (!decode_step) {
+    if (!decode_step && !verifying_) {
       // Row-wise: a ragged forward takes its N rows as one sequence [1, N].
       const int64_t rb = ragged ? 1 : B, rt = ragged ? N : T;
       const Tensor rstd = rstd_view(a.onorm_rstd, rb, rt);

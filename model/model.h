@@ -40,6 +40,10 @@ struct PlanOptions {
   // for bit, for about one more forward's work. Excludes recompute_mixer (the layer's GLA output
   // is recomputed with the rest).
   bool recompute_layers = false;
+  // Inference: token rows of the largest speculative verification (Model::verify; 0 = none).
+  // Each layer then keeps its conv input and projections of those rows, which the commit reads
+  // after the forward has gone on to the next layers.
+  int64_t verify_rows = 0;
 };
 
 // Weight groups, in forward order: 0 = embedding, 1 + l = layer l, L + 1 = final norm
@@ -177,6 +181,20 @@ class Model {
   // After a replay of a captured forward_queued(B, T, opt, ...): logits() views its logits.
   void set_replayed(int64_t B, int64_t T, const ForwardOptions& opt);
 
+  // Speculative verification (docs/serving.md §11): B rows of T tokens (host ids [B, T]), row b
+  // continuing the context of slot slots[b] of a pool with deferred write-back (R ≥ T), every
+  // position's logits ([B·T, V], row b·T + t). Position t computes what the (t + 1)-th of T
+  // decode steps feeding the row's tokens would (on the CPU the same bits: every op is
+  // row-invariant there and the mixer is Backend::gla_verify_deferred). Nothing in the pool is
+  // written; commit() then makes the accepted prefix of each row part of its context. Needs a
+  // plan with verify_rows ≥ B·T and a backend that supports gla_verify_deferred.
+  void verify(const int32_t* tokens, int64_t B, int64_t T, StatePool& pool, const int32_t* slots);
+  // After verify(), before any other forward: row b's first accepted[b] tokens (host, 0 … T; 0
+  // leaves its slot alone) join its slot's context. The slot's bytes are then those that
+  // accepted[b] decode steps of those tokens leave (on the CPU bitwise): the mixer's states,
+  // pairs and counts through Backend::gla_verify_commit, the conv window from the kept inputs.
+  void commit(const int32_t* accepted);
+
   // Logits of the last forward: [B·T, V], or [B, V] with last_logits_only. In the
   // model dtype, except BF16 models in inference plans, whose logits are F32.
   Tensor logits() const { return logits_; }
@@ -297,6 +315,18 @@ class Model {
   Arena acts_;     // activations (per layer when training)
   Arena scratch_;  // backward scratch (training only)
   std::vector<LayerActs> layer_;
+  // Speculative verification: each layer's conv input u [verify_rows, D] and projections
+  // [verify_rows, H(2dk+2dv)] (PlanOptions::verify_rows), the commit's accepted counts [B] I32,
+  // and the forward being verified (its pool, shape and host slots; B = 0: none to commit).
+  struct VerifyActs {
+    Tensor u, qkvg;
+  };
+  std::vector<VerifyActs> verify_acts_;
+  Tensor accepted_;
+  bool verifying_ = false;  // run_forward: the forward is a verification
+  StatePool* verify_pool_ = nullptr;
+  int64_t verify_B_ = 0, verify_T_ = 0;
+  std::vector<int32_t> verify_slots_;
   Tensor ids_, targets_, slots_;  // [N] I32, [N] I32, [B] I32 on the device
   Tensor doc_;                    // [N] I32 on the device: the last forward's document starts
   bool doc_on_ = false;           // whether the last forward kept documents apart

@@ -62,11 +62,23 @@ void Backend::gla_pending_flush(const GlaParams&, Tensor, const GlaPending&, con
   LAPLACE_CHECK(false, "this backend has no deferred state write-back");
 }
 
+void Backend::gla_verify_deferred(const GlaParams&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                  const Tensor&, double, const Tensor&, const GlaPending&, const Tensor&, Tensor,
+                                  Tensor) {
+  LAPLACE_CHECK(false, (std::string(name()) + " backend has no speculative verification (gla_verify_deferred)").c_str());
+}
+
+void Backend::gla_verify_commit(const GlaParams&, const Tensor&, const Tensor&, const Tensor&, Tensor,
+                                const GlaPending&, const Tensor&) {
+  LAPLACE_CHECK(false, (std::string(name()) + " backend has no speculative verification (gla_verify_commit)").c_str());
+}
+
 bool is_backend_op(const std::string& op) {
   static const char* const kOps[] = {
       "copy", "fill", "axpy", "gemm", "gemm_add", "embedding_forward", "embedding_backward", "layernorm_forward",
       "layernorm_backward", "conv_silu_forward", "conv_silu_backward", "gla_forward", "gla_backward",
-      "gla_decode_gate", "gla_decode_gate_deferred", "gla_pending_flush", "rmsnorm_gate_forward",
+      "gla_decode_gate", "gla_decode_gate_deferred", "gla_pending_flush", "gla_verify_deferred", "gla_verify_commit",
+      "rmsnorm_gate_forward",
       "rmsnorm_gate_backward", "swiglu_forward", "swiglu_backward", "argmax_rows", "cross_entropy_forward",
       "cross_entropy_backward", "sum_squares", "row_sum_squares", "scale", "adamw_update", "muon_momentum",
       "muon_apply", "sum_squares_into", "grad_clip_scalars", "scale_by", "scale_by_inv_norm", "adamw_update_gated",

@@ -274,6 +274,25 @@ class Backend {
   // slots [B] I32 on this device.
   virtual void gla_pending_flush(const GlaParams& p, Tensor states, const GlaPending& pend, const Tensor& slots);
 
+  // Speculative verification (docs/serving.md §11), for a pool with deferred write-back: row b
+  // feeds T tokens (1 ≤ T ≤ R) after the context of entry slots[b], and position t reads the
+  // entry's state, its pending pairs and the pairs of positions 0 … t − 1 of its own row
+  // (causally). o and y of position t are those the (t + 1)-th of T consecutive
+  // gla_decode_gate_deferred steps would give, a write-back within the window included (on
+  // the CPU the same bits: ops/cpu/gla_deferred.h). Nothing in the pool is written.
+  // q,k [B,T,H,dk]; v,g,o,y [B,T,H,dv]; slots [B] I32. Backends without it say so in
+  // supports() and stop with a message when called (the CUDA backend, for now).
+  virtual void gla_verify_deferred(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const Tensor& g, const Tensor& w, double eps, const Tensor& states,
+                                   const GlaPending& pend, const Tensor& slots, Tensor o, Tensor y);
+  // After gla_verify_deferred of the same rows: the first accepted[b] positions of row b
+  // (0 ≤ accepted[b] ≤ T; 0 leaves the entry alone) join entry slots[b]'s context: the state,
+  // pairs and count words become those of accepted[b] gla_decode_gate_deferred steps of those
+  // positions (on the CPU the same bytes). k [B,T,H,dk], v [B,T,H,dv]: the verified pairs;
+  // accepted [B] I32 on this device.
+  virtual void gla_verify_commit(const GlaParams& p, const Tensor& k, const Tensor& v, const Tensor& accepted,
+                                 Tensor states, const GlaPending& pend, const Tensor& slots);
+
   // y = RMSNorm(o; w) ⊙ SiLU(g), per head. o,g [B,T,H,dv]; w [dv]; y [B,T,H,dv];
   // rstd [B,T,H] optional.
   virtual void rmsnorm_gate_forward(const Tensor& o, const Tensor& g, const Tensor& w, double eps,

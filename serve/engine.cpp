@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <tuple>
 
 namespace laplace {
 
@@ -287,6 +288,13 @@ void EagerExecutor::chain_greedy(const DecodeBatch& batch) {
 
 void EagerExecutor::last_row_logits(int64_t b, std::vector<float>* row) { logits_rows_to_host(m_, b, 1, row); }
 
+void EagerExecutor::verify(const VerifyBatch& batch, std::vector<float>* logits) {
+  m_.verify(batch.tokens.data(), batch.rows(), batch.T, pool_, batch.slots.data());
+  logits_rows_to_host(m_, 0, batch.rows() * batch.T, logits);
+}
+
+void EagerExecutor::commit(const std::vector<int32_t>& accepted) { m_.commit(accepted.data()); }
+
 void EagerExecutor::decode(const DecodeBatch& batch, std::vector<float>* logits) {
   forward_decode(batch);
   logits_rows_to_host(m_, 0, batch.live, logits);
@@ -315,6 +323,7 @@ struct Engine::Seq {
   bool decoding = false;    // prefill done; `next` is fed by the next decode
   int32_t next = 0;
   std::vector<int32_t> generated;  // kept only for capture_final_state / cache_final_state
+  std::vector<int32_t> context;    // speculative decoding: the whole context, what the drafter reads
   // The logits after the start state's tokens (a cache hit or the initial snapshot): the
   // first token's when nothing is left to prefill.
   std::shared_ptr<const std::vector<float>> start_logits;
@@ -353,6 +362,26 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
   if (pending.steps != 0 && !PendingSpec::supported(pending.steps))
     return Status::invalid_argument("engine: deferred write-back takes R = 4, 8 or 16 (0 = off), not " +
                                     std::to_string(pending.steps));
+  if (opt.speculative_k < 0 || opt.speculative_k > kMaxSpeculativeK)
+    return Status::invalid_argument("engine: speculative decoding drafts 1 to " + std::to_string(kMaxSpeculativeK) +
+                                    " tokens per step (0 = off), not " + std::to_string(opt.speculative_k));
+  if (opt.speculative_k > 0) {
+    const int64_t k = opt.speculative_k;
+    if (pending.steps <= k)
+      return Status::invalid_argument(
+          "engine: speculative decoding with k = " + std::to_string(k) + " needs deferred write-back with R > k "
+          "(--defer-writeback " + std::string(k < 4 ? "4, 8 or 16" : k < 8 ? "8 or 16" : "16") + "; it is " +
+          std::to_string(pending.steps) + "): a window of k + 1 tokens must fit the slot's pending pairs and meet "
+          "at most one write-back (docs/serving.md §11)");
+    if (!model.backend().supports({"gla_verify_deferred", model.dtype(), {c.num_heads, c.head_k_dim, c.head_v_dim}}) ||
+        !model.backend().supports({"gla_verify_commit", model.dtype(), {c.num_heads, c.head_k_dim, c.head_v_dim}}))
+      return Status::unsupported(std::string("engine: speculative decoding needs the verification ops, which the ") +
+                                 model.backend().name() + " backend does not have yet (the CPU has them; "
+                                 "docs/serving.md §11)");
+    if (st == DType::kBF16) return Status::invalid_argument("engine: speculative decoding takes F32 states");
+    // A verification's rows are exact (no padded widths), and its tokens are picked on the host.
+    opt.pipeline = false;
+  }
   LAPLACE_RETURN_IF_ERROR(resolve_slots(c, opt, st, &opt.max_slots, &opt.cache_slots, pending));
   if (opt.max_slots + 1 + opt.cache_slots >= INT32_MAX)
     return Status::invalid_argument("engine: max_slots + cache_slots too large");
@@ -388,11 +417,20 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
     po.max_tokens = std::max(max_width, opt.prefill_chunk);
     if (e->batch_prefill_) po.max_tokens = std::max(po.max_tokens, opt.max_batch_tokens);
     po.max_logit_rows = max_width;
+    if (opt.speculative_k > 0) {  // verifications: every row's k + 1 positions, every logit row
+      const int64_t rows = max_width * (opt.speculative_k + 1);
+      po.verify_rows = rows;
+      po.max_seq = std::max(po.max_seq, opt.speculative_k + 1);
+      po.max_tokens = std::max(po.max_tokens, rows);
+      po.max_logit_rows = rows;
+    }
     LAPLACE_RETURN_IF_ERROR(model.plan(po).with_context("engine: plan"));
   } else {
     const PlanOptions& p = model.plan_options();
+    const int64_t vrows = opt.speculative_k > 0 ? max_width * (opt.speculative_k + 1) : 0;
     if (p.training || p.max_batch < max_width || p.max_seq < opt.prefill_chunk ||
-        model.plan_rows() < std::max(max_width, opt.prefill_chunk) || model.logit_rows() < max_width)
+        model.plan_rows() < std::max(max_width, opt.prefill_chunk) || model.logit_rows() < max_width ||
+        p.verify_rows < vrows || model.logit_rows() < vrows || p.max_seq < opt.speculative_k + 1)
       return Status::invalid_argument("engine: the model's plan is smaller than the engine needs (batch " +
                                       std::to_string(max_width) + ", sequence " +
                                       std::to_string(opt.prefill_chunk) + ", inference)");
@@ -410,6 +448,7 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
   // shape's first use (a prefill tail of a new length, an eager decode width) takes the
   // library's pick rather than stalling a request while candidates are timed.
   model.backend().set_tuning(false);
+  if (opt.speculative_k > 0) e->drafter_ = opt.drafter ? opt.drafter : std::make_shared<NgramDrafter>();
   e->by_slot_.resize(static_cast<size_t>(opt.max_slots));
   for (int64_t s = 0; s < opt.max_slots; ++s) e->free_slots_.insert(static_cast<int32_t>(s));
   *out = std::move(e);
@@ -433,6 +472,8 @@ std::string Engine::summary() const {
                 dtype_name(pool_.dtype()), defer.c_str(), mib, (long long)opt_.max_batch_tokens, (long long)opt_.prefill_chunk,
                 widths.empty() ? "exact" : widths.c_str(), opt_.graphs ? "CUDA graphs captured" : "eager");
   std::string out = buf;
+  if (opt_.speculative_k > 0)
+    out += "; speculative decoding: up to " + std::to_string(opt_.speculative_k) + " drafted tokens per sequence and step";
   if (cache_on_) {
     std::snprintf(buf, sizeof buf, "\nstate cache: device tier %lld slots x %lld bytes/slot = %.1f MiB; host tier %.1f MiB",
                   (long long)opt_.cache_slots, (long long)slot_bytes(),
@@ -735,31 +776,103 @@ bool Engine::can_chain(const StepPlan& plan, const std::vector<int32_t>& ids) {
   return true;
 }
 
-void Engine::emit_token(Seq* s, int32_t tok, const float* logits, int64_t row, double t) {
-  if (t < 0) t = now();
+bool Engine::deliver(Seq* s, int32_t tok, const float* logits, double t, FinishReason* r) {
   FinishInfo& info = s->info;
   if (info.first_token_time < 0) info.first_token_time = t;
   info.token_times.push_back(t);
   ++info.generated_tokens;
   if (s->req.capture_final_state || s->req.cache_final_state) s->generated.push_back(tok);
+  if (drafter_) s->context.push_back(tok);
   if (s->req.top_logprobs >= 0 && s->req.on_logprobs && !s->cancelled.load()) {
     LAPLACE_CHECK(logits != nullptr, "emit_token: logprobs need the logits");
     s->req.on_logprobs(info.id, token_logprobs(logits, vocab_, tok, s->req.top_logprobs));
   }
   if (s->req.on_token && !s->cancelled.load()) s->req.on_token(info.id, tok);
-  FinishReason r;
-  if (!stop_rule(s, tok, info.generated_tokens, &r)) {
+  if (!stop_rule(s, tok, info.generated_tokens, r)) {
     if (!(s->req.stop_after && !s->cancelled.load() && s->req.stop_after(info.id, tok))) {
       s->next = tok;
-      return;
+      return false;
     }
-    r = FinishReason::kStop;  // the caller saw a stop: as if tok were a stop id
+    *r = FinishReason::kStop;  // the caller saw a stop: as if tok were a stop id
   }
+  return true;
+}
+
+void Engine::emit_token(Seq* s, int32_t tok, const float* logits, int64_t row, double t) {
+  FinishReason r;
+  if (!deliver(s, tok, logits, t < 0 ? now() : t, &r)) return;
   if (!logits && (s->req.capture_final_state || (s->req.cache_final_state && cache_on_))) {
     exec_->last_row_logits(row, &row_logits_);  // only a finishing row's final state needs them
     logits = row_logits_.data();
   }
   finish(s, r, logits);
+}
+
+bool Engine::speculative_step(const StepPlan& plan, EngineStats* d) {
+  const int64_t n = plan.batch.live, k = opt_.speculative_k;
+  drafts_.resize(static_cast<size_t>(n));
+  int64_t longest = 0;
+  for (int64_t b = 0; b < n; ++b) {
+    const Seq* s = plan.decode[b];
+    // No draft past max_tokens: the window emits its accepted drafts and one token more.
+    const int64_t room = std::min(k, s->req.max_tokens - s->info.generated_tokens - 1);
+    drafter_->propose(s->context, room, &drafts_[b]);
+    if (static_cast<int64_t>(drafts_[b].size()) > room) drafts_[b].resize(static_cast<size_t>(std::max<int64_t>(room, 0)));
+    for (int32_t& t : drafts_[b])
+      if (t < 0 || t >= vocab_) t = 0;  // a drafter's id outside the vocabulary is only a bad guess
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(drafts_[b].size()));
+  }
+  if (longest == 0) return false;
+  // Rows of T = longest + 1: the last token, the draft, then the last token again as padding
+  // (its positions are computed and never kept).
+  VerifyBatch vb;
+  vb.T = longest + 1;
+  vb.slots.resize(static_cast<size_t>(n));
+  vb.tokens.reserve(static_cast<size_t>(n * vb.T));
+  for (int64_t b = 0; b < n; ++b) {
+    const Seq* s = plan.decode[b];
+    vb.slots[b] = s->slot;
+    vb.tokens.push_back(s->next);
+    vb.tokens.insert(vb.tokens.end(), drafts_[b].begin(), drafts_[b].end());
+    vb.tokens.resize(static_cast<size_t>((b + 1) * vb.T), s->next);
+  }
+  const double t = now();
+  exec_->verify(vb, &logits_);
+  d->decode_seconds += now() - t;
+  ++d->decode_forwards;
+  ++d->verify_forwards;
+  d->decode_tokens += n;
+  // Each row walks its window: position p's token (sample_speculative: greedy's argmax, or the
+  // rejection scheme against the drafted token) is emitted; the walk goes on while it equals the
+  // draft and nothing ended the request. A row keeps the pairs of the positions it walked: those
+  // tokens were fed, the last emitted one is its next input. The commit comes before any finish,
+  // so a final snapshot or cache entry holds the context the emitted tokens leave.
+  const double ts = now();
+  accepted_.assign(static_cast<size_t>(n), 0);
+  std::vector<std::tuple<Seq*, FinishReason, const float*>> ending;
+  for (int64_t b = 0; b < n; ++b) {
+    Seq* s = plan.decode[b];
+    const std::vector<int32_t>& draft = drafts_[b];
+    d->drafted_tokens += static_cast<int64_t>(draft.size());
+    for (int64_t p = 0; p <= static_cast<int64_t>(draft.size()) && !s->cancelled.load(); ++p) {
+      const float* lg = logits_.data() + (b * vb.T + p) * vocab_;
+      const int32_t want = p < static_cast<int64_t>(draft.size()) ? draft[p] : -1;
+      const int32_t tok = s->sampler.sample_speculative(lg, vocab_, want);
+      ++accepted_[b];
+      ++d->generated_tokens;
+      FinishReason r;
+      if (deliver(s, tok, lg, ts, &r)) {
+        ending.emplace_back(s, r, lg);
+        break;
+      }
+      if (tok != want) break;
+      ++d->accepted_tokens;
+    }
+  }
+  exec_->commit(accepted_);
+  for (auto& [s, r, lg] : ending) finish(s, r, lg);
+  d->sample_seconds += now() - ts;
+  return true;
 }
 
 // Prompt done (its last piece fed, or nothing to feed after an initial state): offer the
@@ -784,6 +897,7 @@ void Engine::prompt_done(Seq* s, const float* logits) {
   auto it = std::find(prefilling_.begin(), prefilling_.end(), s);
   if (it != prefilling_.end()) prefilling_.erase(it);
   s->decoding = true;
+  if (drafter_) s->context = s->context_tokens();
   // Nothing was fed after the start state: the prompt state IS that state.
   const bool nothing_fed = s->info.prompt_tokens == 0;
   const bool from_cache = s->info.start == StateSource::kDeviceCache || s->info.start == StateSource::kHostCache;
@@ -880,7 +994,7 @@ bool Engine::step() {
   const bool work = instant || !notify.empty() || !plan.pieces.empty() || !plan.decode.empty();
 
   // Decode first: running sequences get their token before new prompts are prefilled.
-  if (!plan.decode.empty()) {
+  if (!plan.decode.empty() && !(drafter_ && !plan.in_flight && speculative_step(plan, &d))) {
     // A decode queued ahead was chained only from all-greedy rows, whose options are fixed.
     bool greedy = opt_.device_greedy;
     for (int64_t b = 0; b < plan.batch.live && greedy && !plan.in_flight; ++b) greedy = device_greedy_row(plan.decode[b]);
@@ -992,6 +1106,9 @@ bool Engine::step() {
     stats_.decode_seconds += d.decode_seconds;
     stats_.sample_seconds += d.sample_seconds;
     stats_.chain_seconds += d.chain_seconds;
+    stats_.verify_forwards += d.verify_forwards;
+    stats_.drafted_tokens += d.drafted_tokens;
+    stats_.accepted_tokens += d.accepted_tokens;
     exec_->prefill_graph_stats(&stats_.prefill_graph_captures, &stats_.prefill_graph_replays);
     in_step_ = false;
   }

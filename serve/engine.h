@@ -34,6 +34,7 @@
 #include "core/thread_annotations.h"
 #include "model/model.h"
 #include "model/state.h"
+#include "serve/drafter.h"
 #include "serve/generate.h"
 #include "serve/request.h"
 #include "serve/state_cache.h"
@@ -117,13 +118,26 @@ struct EngineOptions {
   // collects it starts from that batch (requests that start decoding meanwhile join the step
   // after). Tokens and states are those of unpipelined decoding; only timing changes.
   bool pipeline = true;
+  // Speculative decoding (docs/serving.md §11): 0 = off; k = 1 … 8 = each decoding sequence's
+  // last token and up to k drafted tokens run as one verification forward (Model::verify), and
+  // the tokens the model itself gives are kept, as many as match the draft plus one. Greedy
+  // tokens are bitwise those without it (on the CPU); sampled tokens keep their distribution.
+  // Needs deferred write-back with R > k (a window of k + 1 tokens then meets at most one
+  // write-back and fits the slot's pending pairs) and a backend with the verification ops
+  // (the CPU; the CUDA backend refuses it at create()). Turns pipelining off.
+  int64_t speculative_k = 0;
+  // Where the drafts come from; null = NgramDrafter (prompt lookup in the sequence's context).
+  std::shared_ptr<Drafter> drafter;
 };
+
+// The longest draft EngineOptions::speculative_k allows.
+constexpr int64_t kMaxSpeculativeK = 8;
 
 struct EngineStats {
   int64_t steps = 0;              // step() calls that did work
   int64_t prefill_tokens = 0;     // prompt tokens fed through prefill forwards
   int64_t prefill_forwards = 0;
-  int64_t decode_tokens = 0;      // live rows fed through decode forwards
+  int64_t decode_tokens = 0;      // live rows fed through decode forwards (a verification's row once)
   int64_t decode_forwards = 0;
   int64_t padded_rows = 0;        // padding rows run (decode_widths)
   int64_t chained_decodes = 0;    // decode forwards queued ahead (EngineOptions::pipeline)
@@ -137,6 +151,9 @@ struct EngineStats {
   double chain_seconds = 0;
   // Ragged prefill forwards captured as CUDA graphs, and replayed from them (--prefill-graphs).
   int64_t prefill_graph_captures = 0, prefill_graph_replays = 0;
+  // Speculative decoding: verification forwards (counted in decode_forwards too), the drafted
+  // tokens they checked and those accepted (each also emitted: generated_tokens counts them).
+  int64_t verify_forwards = 0, drafted_tokens = 0, accepted_tokens = 0;
 };
 
 // Usable slots (the scratch slot not counted) whose pool fits in budget_bytes, as
@@ -163,6 +180,15 @@ struct DecodeBatch {
   std::vector<int32_t> slots;
   int64_t live = 0;
   int64_t width() const { return static_cast<int64_t>(tokens.size()); }
+};
+
+// One speculative verification forward: row b feeds tokens[b·T, (b + 1)·T) (its last token,
+// its draft, then padding) after the context of slots[b].
+struct VerifyBatch {
+  std::vector<int32_t> tokens;
+  std::vector<int32_t> slots;
+  int64_t T = 1;
+  int64_t rows() const { return static_cast<int64_t>(slots.size()); }
 };
 
 // One prefill forward: tokens[0, n) of a prompt into `slot`.
@@ -201,6 +227,11 @@ class StepExecutor {
   virtual void decode_greedy(const DecodeBatch& batch, std::vector<int32_t>* ids) = 0;
   // Row b of the last forward's logits, as host F32 [V].
   virtual void last_row_logits(int64_t b, std::vector<float>* row) = 0;
+  // Speculative decoding (Model::verify / commit): the verification forward, leaving every
+  // position's F32 logits in logits [rows·T × V] row-major (row b·T + t), the pool unwritten;
+  // then commit() makes each row's first accepted[b] tokens part of its slot's context.
+  virtual void verify(const VerifyBatch& batch, std::vector<float>* logits) = 0;
+  virtual void commit(const std::vector<int32_t>& accepted) = 0;
 
   // Pipelined greedy decode (optional; the engine calls these only when can_chain()).
   // chain_greedy() queues the decode of `batch`, the batch of the last greedy decode or
@@ -232,6 +263,8 @@ class EagerExecutor : public StepExecutor {
   void decode(const DecodeBatch& batch, std::vector<float>* logits) override;
   void decode_greedy(const DecodeBatch& batch, std::vector<int32_t>* ids) override;
   void last_row_logits(int64_t b, std::vector<float>* row) override;
+  void verify(const VerifyBatch& batch, std::vector<float>* logits) override;
+  void commit(const std::vector<int32_t>& accepted) override;
   bool can_chain() const override { return true; }
   void chain_greedy(const DecodeBatch& batch) override;
   void collect_greedy(int64_t live, std::vector<int32_t>* ids) override;
@@ -384,6 +417,13 @@ class Engine {
   int64_t width_for(int64_t n) const;
   // Emits a token for seq (sampled from logits row) and finishes it when a stop rule hits.
   void emit(Seq* s, const float* logits);
+  // emit_token's first part: records and delivers the token (logprobs, on_token), then decides
+  // whether it ends s (stop rules, Request::stop_after): true with the reason, else s->next = tok.
+  bool deliver(Seq* s, int32_t tok, const float* logits, double t, FinishReason* r);
+  // Speculative decoding's decode step (EngineOptions::speculative_k): drafts for the plan's
+  // rows, one verification forward, the accepted tokens emitted and committed. False (nothing
+  // run) when no row has a draft: a plain decode step serves then.
+  bool speculative_step(const StepPlan& plan, EngineStats* d);
   // The same for a token chosen already (device greedy): `logits` may be null, then row
   // `row` of the executor's last forward is fetched if a final state needs it. t: the
   // token's time (now() when negative).
@@ -440,6 +480,9 @@ class Engine {
   std::vector<float> logits_;
   std::vector<float> row_logits_;   // one row fetched for a final state (device greedy)
   std::vector<int32_t> greedy_ids_;
+  std::shared_ptr<Drafter> drafter_;           // EngineOptions::drafter, or the n-gram one
+  std::vector<std::vector<int32_t>> drafts_;   // speculative_step's, per row
+  std::vector<int32_t> accepted_;
   // The decode queued ahead by a step (EngineOptions::pipeline), collected by the next.
   bool in_flight_ = false;
   std::vector<Seq*> in_flight_rows_;  // row b's sequence

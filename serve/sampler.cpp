@@ -21,7 +21,7 @@ void Sampler::observe_prompt(const std::vector<int32_t>& ids) {
   for (int32_t t : ids) seen_[t] = true;
 }
 
-int32_t Sampler::sample(const float* logits, int64_t V) {
+void Sampler::apply_penalties(const float* logits, int64_t V) {
   work_.assign(logits, logits + V);
   // Penalties act on logits before temperature (OpenAI / vLLM semantics).
   if (opt_.repetition_penalty != 1.0) {
@@ -37,45 +37,57 @@ int32_t Sampler::sample(const float* logits, int64_t V) {
   }
   for (const auto& [t, bias] : opt_.logit_bias)
     if (t >= 0 && t < V) work_[t] += bias;
+}
 
+int64_t Sampler::distribution(int64_t V, std::vector<double>* probs, double* total) {
+  // Softmax at temperature, in double, over the candidates kept by top-k.
+  order_.resize(V);
+  std::iota(order_.begin(), order_.end(), 0);
+  auto by_logit = [&](int32_t a, int32_t b) { return work_[a] > work_[b] || (work_[a] == work_[b] && a < b); };
+  int64_t keep = V;
+  if (opt_.top_k > 0 && opt_.top_k < V) {
+    keep = opt_.top_k;
+    std::partial_sort(order_.begin(), order_.begin() + keep, order_.end(), by_logit);
+  } else {
+    std::sort(order_.begin(), order_.end(), by_logit);
+  }
+  std::vector<double>& p = *probs;
+  p.assign(keep, 0.0);
+  const double mx = work_[order_[0]];
+  double sum = 0;
+  for (int64_t i = 0; i < keep; ++i) sum += p[i] = std::exp((work_[order_[i]] - mx) / opt_.temperature);
+  for (auto& x : p) x /= sum;
+  // min-p relative to the most likely token, then top-p (nucleus) on what is left.
+  if (opt_.min_p > 0) {
+    const double floor = opt_.min_p * p[0];
+    int64_t k = 1;
+    while (k < keep && p[k] >= floor) ++k;
+    keep = k;
+  }
+  if (opt_.top_p < 1.0) {
+    double cum = 0;
+    int64_t k = 0;
+    while (k < keep) {
+      cum += p[k++];
+      if (cum >= opt_.top_p) break;
+    }
+    keep = std::max<int64_t>(k, 1);
+  }
+  double t = 0;
+  for (int64_t i = 0; i < keep; ++i) t += p[i];
+  *total = t;
+  return keep;
+}
+
+int32_t Sampler::sample(const float* logits, int64_t V) {
+  apply_penalties(logits, V);
   int32_t token;
   if (opt_.temperature <= 0.0) {
     token = argmax(work_.data(), V);
   } else {
-    // Softmax at temperature, in double, over the candidates kept by top-k.
-    order_.resize(V);
-    std::iota(order_.begin(), order_.end(), 0);
-    auto by_logit = [&](int32_t a, int32_t b) { return work_[a] > work_[b] || (work_[a] == work_[b] && a < b); };
-    int64_t keep = V;
-    if (opt_.top_k > 0 && opt_.top_k < V) {
-      keep = opt_.top_k;
-      std::partial_sort(order_.begin(), order_.begin() + keep, order_.end(), by_logit);
-    } else {
-      std::sort(order_.begin(), order_.end(), by_logit);
-    }
-    std::vector<double> p(keep);
-    const double mx = work_[order_[0]];
-    double sum = 0;
-    for (int64_t i = 0; i < keep; ++i) sum += p[i] = std::exp((work_[order_[i]] - mx) / opt_.temperature);
-    for (auto& x : p) x /= sum;
-    // min-p relative to the most likely token, then top-p (nucleus) on what is left.
-    if (opt_.min_p > 0) {
-      const double floor = opt_.min_p * p[0];
-      int64_t k = 1;
-      while (k < keep && p[k] >= floor) ++k;
-      keep = k;
-    }
-    if (opt_.top_p < 1.0) {
-      double cum = 0;
-      int64_t k = 0;
-      while (k < keep) {
-        cum += p[k++];
-        if (cum >= opt_.top_p) break;
-      }
-      keep = std::max<int64_t>(k, 1);
-    }
     double total = 0;
-    for (int64_t i = 0; i < keep; ++i) total += p[i];
+    const int64_t keep = distribution(V, &probs_, &total);
+    const std::vector<double>& p = probs_;
     double r = rng_.uniform() * total;
     int64_t pick = keep - 1;
     for (int64_t i = 0; i < keep; ++i) {
@@ -86,6 +98,41 @@ int32_t Sampler::sample(const float* logits, int64_t V) {
       }
     }
     token = order_[pick];
+  }
+  record(token);
+  return token;
+}
+
+int32_t Sampler::sample_speculative(const float* logits, int64_t V, int32_t draft) {
+  if (draft < 0 || draft >= V) return sample(logits, V);
+  apply_penalties(logits, V);
+  int32_t token;
+  if (opt_.temperature <= 0.0) {
+    token = argmax(work_.data(), V);  // the draft is right or not; nothing is drawn
+  } else {
+    // Rejection sampling with a point-mass draft q = δ_x (Leviathan et al. 2023; Chen et al.
+    // 2023): accept x with probability min(1, p(x)/q(x)) = p(x), else draw from the residual
+    // max(p − q, 0) normalised, which is p without x. P(x) = p(x) and, for y ≠ x,
+    // P(y) = (1 − p(x)) · p(y) / (1 − p(x)) = p(y): the token is distributed as sample()'s.
+    double total = 0;
+    const int64_t keep = distribution(V, &probs_, &total);
+    const std::vector<double>& p = probs_;
+    double px = 0;
+    for (int64_t i = 0; i < keep; ++i)
+      if (order_[i] == draft) px = p[i];
+    if (rng_.uniform() * total < px) {
+      token = draft;
+    } else {
+      double r = rng_.uniform() * (total - px);
+      int64_t pick = -1;
+      for (int64_t i = 0; i < keep; ++i) {
+        if (order_[i] == draft) continue;
+        pick = i;  // the last candidate other than x, should rounding leave r ≥ 0
+        r -= p[i];
+        if (r < 0) break;
+      }
+      token = pick >= 0 ? order_[pick] : draft;  // (x the only candidate: px = total, accepted above)
+    }
   }
   record(token);
   return token;

@@ -45,6 +45,13 @@ class Sampler {
 
   // Picks a token from logits[0..V) and records it for the penalties.
   int32_t sample(const float* logits, int64_t V);
+  // A token for a position of a speculative verification (docs/serving.md §11) whose drafted
+  // token is `draft` (< 0: none, then sample()). Greedy: the argmax, as sample() (the draft is
+  // accepted when they are equal). Otherwise rejection sampling against the point-mass draft:
+  // draft with probability p(draft), else a draw from p without it, so the token is distributed
+  // exactly as sample()'s (p: the distribution sample() draws from, penalties, temperature,
+  // top-k/p and min-p applied). Records the token as sample() does.
+  int32_t sample_speculative(const float* logits, int64_t V, int32_t draft);
   // True when sample() is argmax(logits) whatever was seen: temperature 0 and no
   // penalty. The engine then takes the token from a device argmax (ops argmax_rows,
   // the same tie rule) and reports it with record().
@@ -64,8 +71,14 @@ class Sampler {
   }
   std::unordered_map<int32_t, int64_t> generated_counts_;
   std::unordered_map<int32_t, bool> seen_;  // prompt or generated, for repetition
+  // work_ = logits with the penalties and biases applied.
+  void apply_penalties(const float* logits, int64_t V);
+  // The distribution sample() draws from (temperature > 0): candidates order_[0, keep) with
+  // probabilities (*p)[0, keep) summing to *total (≤ 1 after min-p / top-p); returns keep.
+  int64_t distribution(int64_t V, std::vector<double>* p, double* total);
   std::vector<float> work_;
   std::vector<int32_t> order_;
+  std::vector<double> probs_;
 };
 
 struct TokenLogprobs;  // serve/request.h

@@ -184,6 +184,23 @@ std::vector<OpCase> all_cases() {
        1e-4, 1e-2, [recurrent](Backend& b, const std::vector<Tensor>& t) {
          b.gla_decode_gate(recurrent, t[0], t[1], t[2], t[3], t[4], 1e-5, t[5], t[6], t[7], t[8]);
        }});
+  // Speculative verification (R 4): 2 rows of T 4 in slots of 3, count words m ∈ {0, 1, 2}
+  // (phase 0), so each head's write-back falls at position 3 − m: pending steps, the write-back
+  // and steps after it in one window. The commit keeps 0 … 4 positions of each row.
+  auto pend = [](const std::vector<Tensor>& t, size_t i) { return GlaPending{t[i], t[i + 1], t[i + 2], 4}; };
+  add({"gla_verify_deferred", "T 4, R 4, slots {2,0} of 3, pending 0–2 pairs", {2, 8, 12},
+       {in({2, 4, 2, 8}), in({2, 4, 2, 8}), in({2, 4, 2, 12}), in({2, 4, 2, 12}), in({12}), f32(in({3, 2, 8, 12})),
+        in({3, 2, 3, 8}), in({3, 2, 3, 12}), ids({3, 2}, 3), ids({2}, 3, Init::kSlots), out({2, 4, 2, 12}),
+        out({2, 4, 2, 12})},
+       1e-4, 1e-2, [recurrent, pend](Backend& b, const std::vector<Tensor>& t) {
+         b.gla_verify_deferred(recurrent, t[0], t[1], t[2], t[3], t[4], 1e-5, t[5], pend(t, 6), t[9], t[10], t[11]);
+       }});
+  add({"gla_verify_commit", "T 4, R 4, slots {2,0} of 3, 0–4 accepted", {2, 8, 12},
+       {in({2, 4, 2, 8}), in({2, 4, 2, 12}), ids({2}, 5), f32(io({3, 2, 8, 12})), io({3, 2, 3, 8}), io({3, 2, 3, 12}),
+        Arg{{3, 2}, Init::kIds, true, DType::kI32, 3}, ids({2}, 3, Init::kSlots)},
+       1e-4, 1e-2, [recurrent, pend](Backend& b, const std::vector<Tensor>& t) {
+         b.gla_verify_commit(recurrent, t[0], t[1], t[2], t[3], pend(t, 4), t[7]);
+       }});
   // ---- element-wise, losses, reductions
   add({"swiglu_forward", "[13,2·20]", {}, {in({13, 40}), out({13, 20})},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.swiglu_forward(t[0], t[1]); }});

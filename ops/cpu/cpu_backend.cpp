@@ -944,6 +944,19 @@ void CpuBackend::gla_pending_flush(const GlaParams& p, Tensor states, const GlaP
   cpu::gla_pending_flush(p, states, pend, slots);
 }
 
+void CpuBackend::gla_verify_deferred(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                                     const Tensor& g, const Tensor& w, double eps, const Tensor& states,
+                                     const GlaPending& pend, const Tensor& slots, Tensor o, Tensor y) {
+  // The gate per (token, head), as a decode step's (gla_decode_gate_deferred) takes it.
+  cpu::gla_verify_deferred(p, q, k, v, o, states, pend, slots);
+  rmsnorm_gate_forward(o, g, w, eps, y, Tensor{});
+}
+
+void CpuBackend::gla_verify_commit(const GlaParams& p, const Tensor& k, const Tensor& v, const Tensor& accepted,
+                                   Tensor states, const GlaPending& pend, const Tensor& slots) {
+  cpu::gla_verify_commit(p, k, v, accepted, states, pend, slots);
+}
+
 void CpuBackend::rmsnorm_gate_forward(const Tensor& o, const Tensor& g, const Tensor& w, double eps,
                                       Tensor y, Tensor rstd) {
   dispatch(o.dtype, [&](auto tag) { rmsgate_fwd<decltype(tag)>(o, g, w, eps, y, rstd); });

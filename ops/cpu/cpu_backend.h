@@ -62,6 +62,11 @@ class CpuBackend : public Backend {
                                 const Tensor& g, const Tensor& w, double eps, Tensor states, const GlaPending& pend,
                                 const Tensor& slots, Tensor o, Tensor y) override;
   void gla_pending_flush(const GlaParams& p, Tensor states, const GlaPending& pend, const Tensor& slots) override;
+  void gla_verify_deferred(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                           const Tensor& w, double eps, const Tensor& states, const GlaPending& pend,
+                           const Tensor& slots, Tensor o, Tensor y) override;
+  void gla_verify_commit(const GlaParams& p, const Tensor& k, const Tensor& v, const Tensor& accepted, Tensor states,
+                         const GlaPending& pend, const Tensor& slots) override;
 
   void rmsnorm_gate_forward(const Tensor& o, const Tensor& g, const Tensor& w, double eps, Tensor y,
                             Tensor rstd) override;

@@ -12,6 +12,8 @@
 // contiguous row) so the compiler vectorises them without reassociating sums.
 #include "ops/cpu/gla.h"
 
+#include "ops/cpu/gla_deferred.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -553,29 +555,10 @@ void backward_typed(const GlaParams& p, const Tensor& q, const Tensor& k, const 
 //   flush:                  S ← T; m ← 0, d ← pending_phase(h, R)
 // The CUDA kernels sum in another order, so the two agree to rounding only.
 
-constexpr int64_t kMaxPendingSteps = 16;
-
-// The pending pairs and count of entry e, head h.
-template <class F>
-struct HeadPending {
-  F* k;  // [R−1, dk]
-  F* v;  // [R−1, dv]
-  int32_t* count;
-};
-
-template <class F>
-HeadPending<F> head_pending(const GlaPending& p, int64_t e, int64_t h) {
-  return {static_cast<F*>(p.k.data) + e * p.k.stride[0] + h * p.k.stride[1],
-          static_cast<F*>(p.v.data) + e * p.v.stride[0] + h * p.v.stride[1],
-          static_cast<int32_t*>(p.count.data) + e * p.count.stride[0] + h * p.count.stride[1]};
-}
-
-// The count word's m and d, checked (a corrupt word would index past the pairs).
-void pending_count(const int32_t* count, int64_t R, int64_t* m, int64_t* d) {
-  LAPLACE_CHECK(pending_word_valid(*count, R), "gla deferred: a pending count is out of range (corrupt slot?)");
-  *m = pending_m(*count);
-  *d = pending_d(*count);
-}
+using deferred::head_pending;
+using deferred::HeadPending;
+using deferred::kMaxPendingSteps;
+using deferred::pending_count;
 
 template <class F>
 void deferred_decode_typed(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor states,
@@ -593,36 +576,21 @@ void deferred_decode_typed(const GlaParams& p, const Tensor& q, const Tensor& k,
     int64_t m = 0, d = 0;
     pending_count(pp.count, R, &m, &d);
     F pw[kMaxPendingSteps + 1];
-    decay_powers(p.decay[h], R, pw);
+    deferred::decay_powers(p.decay[h], R, pw);
     std::vector<F> qs(dk);
     for (int64_t i = 0; i < dk; ++i) qs[i] = static_cast<F>(p.scale) * qr[i];
-    std::fill(out, out + dv, F(0));
+    const F* kp[kMaxPendingSteps];
+    const F* vp[kMaxPendingSteps];
+    for (int64_t j = 0; j < m; ++j) {
+      kp[j] = pp.k + j * dk;
+      vp[j] = pp.v + j * dv;
+    }
     if (m + 1 + d == R) {  // the write-back step
-      for (int64_t i = 0; i < dk; ++i) {
-        F* row = S[i];
-        for (int64_t x = 0; x < dv; ++x) {
-          F t = pw[m + 1] * row[x];
-          for (int64_t j = 0; j < m; ++j) t += pw[m - j] * pp.k[j * dk + i] * pp.v[j * dv + x];
-          row[x] = t + kr[i] * vr[x];
-          out[x] += qs[i] * row[x];
-        }
-      }
+      deferred::write_back(qs.data(), S[0], S.ts, S[0], S.ts, dk, dv, m, pw, kp, vp, kr, vr, out);
       *pp.count = 0;
       continue;
     }
-    for (int64_t i = 0; i < dk; ++i) {
-      const F* row = S[i];
-      for (int64_t x = 0; x < dv; ++x) out[x] += qs[i] * row[x];
-    }
-    for (int64_t x = 0; x < dv; ++x) out[x] *= pw[m + 1];
-    for (int64_t j = 0; j <= m; ++j) {
-      const F* kj = j < m ? pp.k + j * dk : kr;
-      const F* vj = j < m ? pp.v + j * dv : vr;
-      F d = 0;
-      for (int64_t i = 0; i < dk; ++i) d += qs[i] * kj[i];
-      const F a = j < m ? pw[m - j] * d : d;
-      for (int64_t x = 0; x < dv; ++x) out[x] += a * vj[x];
-    }
+    deferred::pending_output(qs.data(), S[0], S.ts, dk, dv, m, pw, kp, vp, kr, vr, out);
     std::copy(kr, kr + dk, pp.k + m * dk);
     std::copy(vr, vr + dv, pp.v + m * dv);
     *pp.count = pending_word(static_cast<int32_t>(m + 1), static_cast<int32_t>(d));

@@ -19,4 +19,13 @@ void gla_decode_deferred(const GlaParams& p, const Tensor& q, const Tensor& k, c
                          Tensor states, const GlaPending& pend, const Tensor& slots);
 void gla_pending_flush(const GlaParams& p, Tensor states, const GlaPending& pend, const Tensor& slots);
 
+// Speculative verification (ops/backend.h gla_verify_deferred, o only; gla_verify.cpp) and its
+// commit (gla_verify_commit.cpp); check_verify_args is their shared argument check.
+void gla_verify_deferred(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor o,
+                         const Tensor& states, const GlaPending& pend, const Tensor& slots);
+void gla_verify_commit(const GlaParams& p, const Tensor& k, const Tensor& v, const Tensor& accepted, Tensor states,
+                       const GlaPending& pend, const Tensor& slots);
+void check_verify_args(const Tensor& k, const Tensor& v, const Tensor& states, const GlaPending& pend,
+                       const Tensor& slots);
+
 }  // namespace laplace::cpu

@@ -343,6 +343,8 @@ bool CudaBackend::supports(const OpQuery& q) const {
   if (!is_backend_op(q.op)) return false;
   if (q.op == "copy") return q.dtype == DType::kF32 || q.dtype == DType::kBF16 || q.dtype == DType::kF64 ||
                              q.dtype == DType::kI32;
+  // Speculative verification has a CPU reference only so far (docs/serving.md §11).
+  if (q.op == "gla_verify_deferred" || q.op == "gla_verify_commit") return false;
   if (q.dtype != DType::kF32 && q.dtype != DType::kBF16) return false;
   // cuBLASLt's FP8 layouts: a matrix [N, K] needs both multiples of 16.
   if (q.op == "gemm_e4m3" && q.dims.size() == 2 && (q.dims[0] % 16 != 0 || q.dims[1] % 16 != 0)) return false;
