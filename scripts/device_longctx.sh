@@ -6,7 +6,8 @@
 #   tests  the GPU tests of documents kept apart and of the GLA and conv ops (FILTER), log in $OUT
 #   sweep  whole training steps against T (bench_train, random tokens, one stream and documents kept
 #          apart): laplace-125m at 2k/8k/32k/64k with B·T = 32,768 (65,536 at 64k); figures into $OUT/results.jsonl
-#   sweep3b the same for laplace-3b at 2k (B 4), 8k and 32k (B 1; the plan recomputes what does not fit)
+#   sweep3b the same for laplace-3b at 2k (B 4), 8k and 32k (B 1; the plan recomputes what does not fit),
+#          65,536 tokens a step at each T
 #   trace  a CUPTI kernel trace of two 125M steps at T = 2,048 (B 16) and T = 32,768 (B 1): GPU time per
 #          kernel name per step, side by side ($OUT/trace_125m.txt)
 #   peer   ../shared/peers/tsweep_peer.py (carried as .carry/tsweep_peer.py: PyTorch + flash-linear-attention, and
@@ -77,8 +78,10 @@ if has sweep; then
   done
 fi
 if has sweep3b; then
-  for st in "2048 4" "8192 1" "32768 1"; do
-    set -- $st; train_bench laplace3b configs/laplace-3b.json $1 $2 2
+  # 65,536 tokens a step at every T (the optimizer step, about 0.4 s at 3B, weighs the same): B 4 × 8
+  # micro-batches at 2k, 1 × 8 at 8k, 1 × 2 at 32k (B·T = 32,768 does not fit at 2k without recompute).
+  for st in "2048 4 8" "8192 1 8" "32768 1 2"; do
+    set -- $st; train_bench laplace3b configs/laplace-3b.json $1 $2 $3
   done
 fi
 
