@@ -4,7 +4,7 @@ Run from the repo root: /usr/bin/python3 -m unittest -v python/test_package.py
 Runs on Debian's torch 1.13 without transformers: the model, its cache, gradients, bf16, loading and the
 error cases. With LAPLACE_BINARY set (ctest sets it): `laplace export hf` and C++-vs-package logits. The parts
 that need transformers (Auto classes, generate(), trust_remote_code) and sentencepiece (the tokenizer) skip
-with a message when those packages are missing; scripts/device_hf_check.py covers them on the GPU machine.
+with a message when those packages are missing; scripts/device/hf_check.py covers them on the GPU machine.
 """
 import importlib
 import json
@@ -40,7 +40,7 @@ try:
 except ImportError:
     spm = None
 NO_TRANSFORMERS = "transformers is not installed (Debian has no python3-transformers): the transformers parts " \
-                  "run in scripts/device_hf_check.py on the GPU machine"
+                  "run in scripts/device/hf_check.py on the GPU machine"
 
 
 def rand_params(cfg, seed, big=True):
@@ -273,7 +273,7 @@ class TestModelVsReference(unittest.TestCase):
     def test_fla_call_convention(self):
         """The model calls flash-linear-attention as its documented API reads (q,k,v [B,T,H,d], g_gamma = log decay
         per head, scale, initial_state / output_final_state fp32): a stand-in with those semantics, written from
-        fla's docstring, gives the reference's logits. (The real kernels run in scripts/device_hf_check.py.)"""
+        fla's docstring, gives the reference's logits. (The real kernels run in scripts/device/hf_check.py.)"""
         calls = []
 
         def fake_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,

@@ -11,7 +11,7 @@
 #   4. token shards (unless --no-shards): 1 % of the documents, whole files, held out for validation
 #      -> DIR/data/{train,val}_*.bin;
 #   5. --carry: the slice a GPU machine can take in one call (at most 54 MiB of xz) and the tokenizer
-#      -> .carry/corpus/, which scripts/device_train125m.sh tokenizes there;
+#      -> .carry/corpus/, which scripts/device/train125m.sh tokenizes there;
 #   6. --long: the long-document corpus (scripts/corpus.py --long-docs): a document per source directory
 #      (its .h then .c files) and per Documentation book, 2 % of the directories held out, lengths counted
 #      with DIR's tokenizer -> LDIR/{docs,train,val,val_long}.jsonl, stats.json, lengths.md; and its shards

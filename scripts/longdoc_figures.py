@@ -54,7 +54,7 @@ def main(argv=None):
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="")
     p.add_argument("--commit", default="")
-    p.add_argument("--command", default="scripts/device_longctx.sh")
+    p.add_argument("--command", default="scripts/device/long_context.sh")
     a = p.parse_args(argv)
     try:
         out = figures(rows(a.short), rows(a.long), a.model)

@@ -1,6 +1,6 @@
 // `laplace export hf`: the transformers directory (config.json with auto_map, the weights, the embedded
 // python/laplace files byte for byte) and its errors. python/test_package.py loads such a directory and
-// compares its logits with `laplace forward`; scripts/device_hf_check.py does it through transformers.
+// compares its logits with `laplace forward`; scripts/device/hf_check.py does it through transformers.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 

@@ -56,7 +56,7 @@ const char* kKey = "secret-key";
 std::string make_model_dir() { return testing::make_server_model_dir("server_model", 77); }
 
 // The device the servers under test run on: the CPU, or LAPLACE_SERVER_TEST_DEVICE (e.g.
-// cuda, from scripts/device_serve_check.sh). The tests compare a server with itself (cold
+// cuda, from scripts/device/server_tests.sh). The tests compare a server with itself (cold
 // runs, cache hits, forks), so they mean the same on any device.
 std::string server_device() {
   const char* d = std::getenv("LAPLACE_SERVER_TEST_DEVICE");

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepares .carry/boost/ (ignored by git) so that a machine without Boost — the GPU machine:
 # Ubuntu 24.04, no network — can build `laplace serve` and the server tests with
-# -DLAPLACE_BOOST_ROOT=.carry/boost (scripts/device_serve_check.sh does).
+# -DLAPLACE_BOOST_ROOT=.carry/boost (scripts/device/server_tests.sh does).
 #
 # What it carries: the Boost headers serve/http_server.cpp includes, and every header they
 # include in turn, exactly as the compiler finds them (`g++ -M`), copied from this machine's
@@ -12,7 +12,7 @@
 #
 # Needs: g++ and libboost-dev (scripts/setup.sh installs both).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 dest=.carry/boost
 [ -f /usr/include/boost/beast/http/parser.hpp ] || { echo "no /usr/include/boost/beast: apt-get install libboost-dev" >&2; exit 1; }
 rm -rf "$dest"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: build, run the engine's GPU tests, then the serving benchmarks of laplace-3b
 # (random bf16 weights); logs and JSON lines under $OUT. Stages run in the order given:
-#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson burst pgraphs rates ops train train125 lab declab overlap deferred cores ncu trace ptrace algo fp8serve fp8train fp8 fp8q dstream wgmma parity" COMMIT=abc123 scripts/device_decode.sh
+#   STAGES="tests decode eager bf16 defer prefill sweep prompt poisson burst pgraphs rates ops train train125 lab declab overlap deferred cores ncu trace ptrace algo fp8serve fp8train fp8 fp8q dstream wgmma parity" COMMIT=abc123 scripts/device/decode.sh
 # COMMIT is written into every result line (the device's git HEAD may be stale).
 # The device tool returns at most 8 files from $OUT, so every stage appends to one log,
 # $OUT/run.log (the GPU tests and the build keep their own; results go to results.jsonl).
@@ -9,7 +9,7 @@
 # ($OUT/smi.csv) and summarises the loaded samples at the end: decode and training run at the
 # card's 700 W limit, where the clock (and so every figure) varies from card to card.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
 export LAPLACE_COMMIT=${COMMIT:-$(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)}
 export NCCL_NVLS_ENABLE=0
@@ -218,7 +218,7 @@ if tps:
                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                       "note": "laplace train %s, B=8 x T=2048 x accum 32 (524288 tokens/step), random tokens, "
                               "median of steps 2-%d" % (args, len(tps) + 1),
-                      "command": "scripts/device_decode.sh (stage fp8train)"}), file=open(results, "a"))
+                      "command": "scripts/device/decode.sh (stage fp8train)"}), file=open(results, "a"))
 PY
       done ;;
     dstream)  # experiments/decode/stream.cu: the pending step's BF16 state read, block per (slot, head) against

@@ -5,9 +5,9 @@
 # Muon strategies. Per-step
 # lines go to $OUT/train_*.log; $OUT/summary.txt has the medians (steps after the first
 # two) of tokens/s, Muon time and Muon bytes.
-# Usage: [B=8] [A=2] [STEPS=8] [FILTER=...] [SKIP_TESTS=1] scripts/device_dist.sh
+# Usage: [B=8] [A=2] [STEPS=8] [FILTER=...] [SKIP_TESTS=1] scripts/device/distributed.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 # NVLink multicast stays off on shared hosts (the device manual); laplace sets it too.
@@ -17,7 +17,7 @@ B=${B:-8} A=${A:-2} STEPS=${STEPS:-8}
 if [ "${SKIP_TESTS:-0}" = 1 ]; then
   cmake --build build-gpu -j "$(nproc)" --target laplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 else
-  FILTER=${FILTER:-Dist*:CudaOps.RowSum*} ./scripts/device_check.sh || exit 1
+  FILTER=${FILTER:-Dist*:CudaOps.RowSum*} ./scripts/device/gpu_tests.sh || exit 1
 fi
 
 DATA=/tmp/laplace_data3b

@@ -2,7 +2,7 @@
 # On a GPU machine (the H200 of the `device` tool): build with CUDA for sm_90a and
 # run the GPU tests, writing logs under $OUT (or ./out).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1

@@ -3,8 +3,8 @@
 transformers installed; flash-linear-attention used when importable). Builds nothing: give it the `laplace`
 binary of a CUDA build and a model directory (config.json, model.safetensors[, tokenizer.model]).
 
-  python3 scripts/device_hf_check.py --laplace build/laplace --model runs/125m --out out/hf_125m.jsonl
-  python3 scripts/device_hf_check.py --laplace build/laplace --init-3b-layers 2 --model out/l3b2 --out out/hf_3b2.jsonl
+  python3 scripts/device/hf_check.py --laplace build/laplace --model runs/125m --out out/hf_125m.jsonl
+  python3 scripts/device/hf_check.py --laplace build/laplace --init-3b-layers 2 --model out/l3b2 --out out/hf_3b2.jsonl
 
 Checks, one JSON line each (stdout and --out), then "DEVICE HF CHECK: PASS" or "...: FAIL (n)":
   1. hf_bf16_vs_cuda_bf16   LaplaceForCausalLM (bf16, CUDA) logits vs `laplace forward --device cuda --dtype bf16`

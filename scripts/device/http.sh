@@ -4,14 +4,14 @@
 # same concurrency and engine settings: serve_http_tok_s_3b_<STREAMS> and the percentage of the
 # engine's own rate that reaches clients through HTTP (issue 29: at least 90 % at 1,280).
 #
-#   COMMIT=abc123 scripts/device_http.sh      (carry .carry/boost and .carry/corpus)
+#   COMMIT=abc123 scripts/device/http.sh      (carry .carry/boost and .carry/corpus)
 #
-# Needs the Boost.Asio/Beast headers in .carry/boost (scripts/carry_boost.sh on Debian) and a
+# Needs the Boost.Asio/Beast headers in .carry/boost (scripts/device/carry_boost.sh on Debian) and a
 # tokenizer, TOKENIZER (default .carry/corpus/tokenizer.model, scripts/corpus.sh --carry): the server
 # speaks text.
 # Results in $OUT/results.jsonl, logs in $OUT/http.log.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export LAPLACE_COMMIT=${COMMIT:-$(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)}
@@ -30,7 +30,7 @@ t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$LOG"; }
 
 if [ -z "${NO_BUILD:-}" ]; then
-  [ -f .carry/boost/boost/beast/http/parser.hpp ] || { echo "no .carry/boost: run scripts/carry_boost.sh and carry it"; exit 1; }
+  [ -f .carry/boost/boost/beast/http/parser.hpp ] || { echo "no .carry/boost: run scripts/device/carry_boost.sh and carry it"; exit 1; }
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a -DLAPLACE_TESTS=OFF \
     -DLAPLACE_BENCH=OFF -DLAPLACE_MPI=OFF -DLAPLACE_BOOST_ROOT=.carry/boost > "$OUT/configure.log" 2>&1 ||
     { tail -30 "$OUT/configure.log"; exit 1; }

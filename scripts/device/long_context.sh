@@ -24,9 +24,9 @@
 #          documents and, at PAIR_T = 32768, passkey and copy. One run fits one call; the gain needs both files.
 #
 # Prebuilt binaries: with .carry/bin.tar.xz (laplace, bench_train, laplace_tests, libcupti_trace.so and the
-# libraries they need that the machine lacks; scripts/device_pack.sh makes it here) the stage build is skipped.
+# libraries they need that the machine lacks; scripts/device/pack.sh makes it here) the stage build is skipped.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"build tests sweep trace peer"}
@@ -192,7 +192,7 @@ if has quality; then
     # The headline figures: the long-trained model's gain over positions 8k-32k, and its slope.
     python3 scripts/longdoc_figures.py "$OUT/longdoc_${model}_t2048.jsonl" "$OUT/longdoc_${model}_t32768.jsonl" \
       --model "$model" --commit "$COMMIT" --device "$(cut -d, -f1 "$OUT/gpu.txt")" \
-      --command "STAGES=quality scripts/device_longctx.sh" >> "$RES"
+      --command "STAGES=quality scripts/device/long_context.sh" >> "$RES"
     tail -2 "$RES"
   done
 fi

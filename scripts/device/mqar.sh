@@ -6,7 +6,7 @@
 #   (mqar.txt), the progress log (mqar.log) and, when matplotlib is there, mqar.png.
 #   Every grid setting can be overridden from the environment (STATES, PAIRS, SEQS, STEPS, ...).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 STATES=${STATES:-1x16x16,2x16x32,4x32x64,4x64x128}

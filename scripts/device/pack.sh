@@ -3,13 +3,13 @@
 # laplace_tests and libcupti_trace.so (stripped, from BUILD, default build-cu: sm_90a, -DLAPLACE_EXPERIMENTS=ON)
 # and the shared libraries they load that the GPU machine (Ubuntu 24.04 with CUDA, NCCL and OpenMPI) lacks
 # or may hold in another version: OpenBLAS and its Fortran runtime, sentencepiece, OpenMPI's C++ binding.
-# scripts/device_longctx.sh unpacks it into build-gpu/ and skips its build stage; a call saves the minutes
+# scripts/device/long_context.sh unpacks it into build-gpu/ and skips its build stage; a call saves the minutes
 # of compiling the CUDA kernels there.
 #
-#   scripts/device_pack.sh [BUILD]      then name .carry/bin.tar.xz in the call's carry
-#   BINS="laplace" scripts/device_pack.sh   only those binaries (a call carrying data has 64 MiB in all)
+#   scripts/device/pack.sh [BUILD]      then name .carry/bin.tar.xz in the call's carry
+#   BINS="laplace" scripts/device/pack.sh   only those binaries (a call carrying data has 64 MiB in all)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 BUILD=${1:-build-cu}
 BINS=${BINS:-"laplace bench_train laplace_tests cupti_trace"}
 declare -A FILE=([laplace]=laplace [bench_train]=bench/bench_train [laplace_tests]=tests/laplace_tests

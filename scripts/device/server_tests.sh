@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (the H200 of the `device` tool): build `laplace serve` and the server
 # tests there, with the Boost.Asio/Beast headers carried in .carry/boost (made on Debian by
-# scripts/carry_boost.sh; the machine has no Boost and no network), then
+# scripts/device/carry_boost.sh; the machine has no Boost and no network), then
 #   1. the engine-cache and server tests on the CPU (the carried build works there);
 #   2. the server tests with the servers on the GPU (LAPLACE_SERVER_TEST_DEVICE=cuda);
 #   3. `laplace serve --device cuda` on laplace-tiny (random weights) driven with curl:
@@ -12,7 +12,7 @@
 # Rerunning on a warm machine rebuilds incrementally (build-srv-gpu is kept).
 # For a dry run of step 3 on a CPU machine: DEVICE=cpu BUILD=build-srv NO_BUILD=1 NO_GTEST=1.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 failures=0
@@ -23,7 +23,7 @@ DEVICE=${DEVICE:-cuda}
 BUILD=${BUILD:-build-srv-gpu}
 t0=$SECONDS
 if [ -z "${NO_BUILD:-}" ]; then
-  [ -f .carry/boost/boost/beast/http/parser.hpp ] || { echo "no .carry/boost: run scripts/carry_boost.sh on Debian and carry .carry/boost"; exit 1; }
+  [ -f .carry/boost/boost/beast/http/parser.hpp ] || { echo "no .carry/boost: run scripts/device/carry_boost.sh on Debian and carry .carry/boost"; exit 1; }
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
   gen=()
   command -v ninja > /dev/null && gen=(-G Ninja)

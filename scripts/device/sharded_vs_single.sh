@@ -4,9 +4,9 @@
 # random tokens, the same flags. Prints each run's median tokens/s over steps 5.. and the
 # per-step losses side by side (the two accumulate gradients in another order, so they agree to
 # rounding, not bit for bit). Logs and metrics under $OUT.
-#   [COMMIT=abc123] [STEPS=30] [BUILD=1] scripts/device_p1.sh
+#   [COMMIT=abc123] [STEPS=30] [BUILD=1] scripts/device/sharded_vs_single.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0

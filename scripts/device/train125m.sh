@@ -9,7 +9,7 @@
 #          1..STOP1 (the parity point), then, once the reference is done, a resume to STEPS; then the
 #          loss over the whole validation split, a sample and (QUALITY=1) the quality evaluations of
 #          docs/quality.md (eval copy, passkey, position, serving; QUALITY_MODES: which) into $RUNS/quality and (HF=1) the
-#          Python package's check on the trained model (scripts/device_hf_check.py). Metrics and
+#          Python package's check on the trained model (scripts/device/hf_check.py). Metrics and
 #          TensorBoard events in $RUNS/ours
 #   ref    after the run's first 45 steps, alone on the GPU, give the throughput figure (into
 #          $OUT/results.jsonl): the PyTorch reference trainer on the same init, data order and schedule
@@ -32,12 +32,12 @@
 #   compare once the reference is done: scripts/compare_runs.py against our metrics (or the curve), the
 #          convergence_* figures into $OUT/results.jsonl and the plot $OUT/parity.png
 #   side   (SIDE, default "tests hf3b mqar"; also "prebuild") while the two runs train (after the throughput figure), work whose timings do not matter:
-#          the GPU tests (needs TESTS=ON; built at low priority), the MQAR grid of scripts/device_mqar.sh
+#          the GPU tests (needs TESTS=ON; built at low priority), the MQAR grid of scripts/device/mqar.sh
 #          and the Python package's check at the 3B shapes (2 layers); logs in $RUNS
 #   wait   waits up to WAIT_S seconds (from the script's start) for both, then copies what exists to $OUT
 # A later call with STAGES=wait (on the same warm machine) picks up the runs where they are.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
 RUNS=${RUNS:-runs}      # work dir: shards, checkpoints, logs (kept between calls while the machine is held)
 CORPUS=${CORPUS:-.carry/corpus}
@@ -106,7 +106,7 @@ tag = "laplace125m_t2048" + ("" if accum == 2 else "_b16_accum1")
 date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 note = "whole steps incl. optimizer, B=16 x T=2048 x accum %d (%d tokens/step), bf16, median of steps 5-%d" % (
     accum, 32768 * accum, len(rows) + 4)
-cmd = "scripts/device_train125m.sh (stage bench)"
+cmd = "scripts/device/train125m.sh (stage bench)"
 for name, v, unit in (("train_tok_s_" + tag, tps, "tokens/s"), ("train_mfu_" + tag, mfu, "fraction of 989 TFLOP/s")):
     print(json.dumps({"bench": name, "value": round(v, 4 if unit != "tokens/s" else 0), "unit": unit,
                       "device": "NVIDIA H200", "commit": commit, "date": date, "note": note, "command": cmd}))
@@ -146,7 +146,7 @@ if has train; then
         --dtype bf16 --weights fp8 > $RUNS/ours_eval_fp8.log 2>&1; echo \"eval --weights fp8 exit \$?\"
     fi > $RUNS/quality.log 2>&1
     if [ \$rc = 0 ] && [ ${HF:-1} = 1 ]; then
-      $PY scripts/device_hf_check.py --laplace $LAPLACE --model $RUNS/ours --out $RUNS/hf_125m.jsonl
+      $PY scripts/device/hf_check.py --laplace $LAPLACE --model $RUNS/ours --out $RUNS/hf_125m.jsonl
     fi > $RUNS/hf_125m.log 2>&1
     echo exit \$rc > $RUNS/ours.done" > $RUNS/ours.log 2>&1 < /dev/null &
   stamp "train started"
@@ -167,7 +167,7 @@ rows = [json.loads(l) for l in open("%s/ours/metrics.jsonl" % runs) if '"loss"' 
 date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 note = ("whole steps incl. optimizer, B=16 x T=2048 x accum 2 (65536 tokens/step), bf16, laplace-125m, median of "
         "steps 5-%d of the corpus run, alone on the GPU" % (len(rows) + 4))
-cmd = "scripts/device_train125m.sh (train stage, before the reference starts)"
+cmd = "scripts/device/train125m.sh (train stage, before the reference starts)"
 for name, key, unit in (("train_tok_s_laplace125m_t2048", "tokens_per_s", "tokens/s"),
                         ("train_mfu_laplace125m_t2048", "mfu", "fraction of 989 TFLOP/s")):
     v = statistics.median(r[key] for r in rows)
@@ -256,7 +256,7 @@ if has side; then
   # Each step is cut at SIDE_S seconds from the script's start, so that the call ends with its files.
   left() { echo $(( ${SIDE_S:-540} - ($(date +%s) - t0) )); }
   if [[ " ${SIDE:-tests hf3b mqar} " == *" prebuild "* ]]; then
-    # Builds PREBUILD's targets for a later call (scripts/device_decode.sh BUILD=0) at the lowest
+    # Builds PREBUILD's targets for a later call (scripts/device/decode.sh BUILD=0) at the lowest
     # priority, in the background, so that it neither waits for nor slows the runs much.
     setsid nohup nice -n 19 cmake --build build-gpu -j 12 --target ${PREBUILD:-laplace_tests} \
       > $RUNS/prebuild.log 2>&1 < /dev/null &
@@ -272,12 +272,12 @@ if has side; then
     done
   fi
   if [[ " ${SIDE:-tests hf3b mqar} " == *" hf3b "* ]]; then
-    timeout "$(left)" $PY scripts/device_hf_check.py --laplace $LAPLACE --init-3b-layers 2 --model $RUNS/l3b2 --no-cpu \
+    timeout "$(left)" $PY scripts/device/hf_check.py --laplace $LAPLACE --init-3b-layers 2 --model $RUNS/l3b2 --no-cpu \
       --out $RUNS/hf_3b2.jsonl > $RUNS/hf_3b2.log 2>&1
     stamp "hf 3b-2-layer check exit $?"
   fi
   if [[ " ${SIDE:-tests hf3b mqar} " == *" mqar "* ]]; then
-    NO_BUILD=1 OUT=$RUNS/mqar timeout "$(left)" bash scripts/device_mqar.sh > $RUNS/mqar.log 2>&1
+    NO_BUILD=1 OUT=$RUNS/mqar timeout "$(left)" bash scripts/device/mqar.sh > $RUNS/mqar.log 2>&1
     stamp "mqar exit $?"
   fi
 fi
@@ -321,7 +321,7 @@ if has compare && [ -f $RUNS/twin.done ]; then
   [ -f "$OURS" ] || OURS=bench/curves/laplace125m_ours.jsonl
   $PY scripts/compare_runs.py "$OURS" $RUNS/twin/metrics.jsonl --last 200 \
     --tag ${TAG}_twin --results "$OUT/results.jsonl" --commit "$COMMIT" --device "NVIDIA H200" \
-    --command "scripts/device_train125m.sh (stages twin, compare)" --labels "laplace B16x2,laplace B32x1" \
+    --command "scripts/device/train125m.sh (stages twin, compare)" --labels "laplace B16x2,laplace B32x1" \
     --plot "$OUT/twin.png" 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
 fi
 
@@ -330,7 +330,7 @@ if has compare && [ -f $RUNS/fp8.done ]; then
   [ -f "$OURS" ] || OURS=bench/curves/${TAG}_ours.jsonl
   $PY scripts/compare_runs.py "$OURS" $RUNS/fp8/metrics.jsonl --last 200 --prefix "$(echo ${FP8_PRECISION:-fp8} | tr -d -)" --tag laplace125m \
     --results "$OUT/results.jsonl" --commit "$COMMIT" --device "NVIDIA H200" \
-    --command "scripts/device_train125m.sh (stages train fp8 compare)" --labels "bf16,${FP8_PRECISION:-fp8}" \
+    --command "scripts/device/train125m.sh (stages train fp8 compare)" --labels "bf16,${FP8_PRECISION:-fp8}" \
     --plot "$OUT/fp8.png" 2>&1 | tee -a "$OUT/summary.txt"
 fi
 
@@ -339,7 +339,7 @@ if has compare && [ -f $RUNS/ref.done ]; then
   [ -f "$OURS" ] || OURS=bench/curves/laplace125m_ours.jsonl
   $PY scripts/compare_runs.py "$OURS" $RUNS/ref/metrics.jsonl --last 200 --tag $TAG \
     --results "$OUT/results.jsonl" --commit "$COMMIT" --device "NVIDIA H200" \
-    --command "scripts/device_train125m.sh (stage compare)" --plot "$OUT/parity.png" 2>&1 | tee -a "$OUT/summary.txt"
+    --command "scripts/device/train125m.sh (stage compare)" --plot "$OUT/parity.png" 2>&1 | tee -a "$OUT/summary.txt"
 fi
 
 collect
