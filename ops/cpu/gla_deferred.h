@@ -44,6 +44,28 @@ inline void pending_count(const int32_t* count, int64_t R, int64_t* m, int64_t* 
   *d = pending_d(*count);
 }
 
+// Row t of head h of batch row b in a [B, T, H, d] view.
+template <class F>
+F* token_row(const Tensor& x, int64_t b, int64_t t, int64_t h) {
+  return static_cast<F*>(x.data) + b * x.stride[0] + t * x.stride[1] + h * x.stride[2];
+}
+
+// The pairs a window of speculative steps reads, in decode order: the entry's m pending pairs,
+// then tokens 0 … n − 1 of row b, head h of k [B, T, H, dk] and v [B, T, H, dv].
+template <class F>
+void window_pairs(const HeadPending<F>& pp, int64_t m, const Tensor& k, const Tensor& v, int64_t b, int64_t h,
+                  int64_t n, const F** kp, const F** vp) {
+  const int64_t dk = k.shape[3], dv = v.shape[3];
+  for (int64_t j = 0; j < m; ++j) {
+    kp[j] = pp.k + j * dk;
+    vp[j] = pp.v + j * dv;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    kp[m + t] = token_row<F>(k, b, t, h);
+    vp[m + t] = token_row<F>(v, b, t, h);
+  }
+}
+
 // pw[n] = λ^n for n = 0..N, each power in double, cast once (as gla.cpp's other forms).
 template <class F>
 void decay_powers(double lambda, int64_t N, F* pw) {

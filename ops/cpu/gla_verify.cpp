@@ -19,11 +19,7 @@ namespace {
 
 using deferred::kMaxPendingSteps;
 
-// Row t of head h of batch row b in a [B, T, H, d] view.
-template <class F>
-F* token_row(const Tensor& x, int64_t b, int64_t t, int64_t h) {
-  return static_cast<F*>(x.data) + b * x.stride[0] + t * x.stride[1] + h * x.stride[2];
-}
+using deferred::token_row;
 
 template <class F>
 void verify_typed(const GlaParams& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& states,
@@ -44,14 +40,7 @@ void verify_typed(const GlaParams& p, const Tensor& q, const Tensor& k, const Te
     // The pairs in decode order: the entry's m0, then the row's T.
     const F* kp[2 * kMaxPendingSteps];
     const F* vp[2 * kMaxPendingSteps];
-    for (int64_t j = 0; j < m0; ++j) {
-      kp[j] = pp.k + j * dk;
-      vp[j] = pp.v + j * dv;
-    }
-    for (int64_t t = 0; t < T; ++t) {
-      kp[m0 + t] = token_row<F>(k, b, t, h);
-      vp[m0 + t] = token_row<F>(v, b, t, h);
-    }
+    deferred::window_pairs<F>(pp, m0, k, v, b, h, T, kp, vp);
     std::vector<F> qs(dk);
     std::vector<F> written(w < T ? dk * dv : 0);  // the state the write-back step leaves
     for (int64_t t = 0; t < T; ++t) {

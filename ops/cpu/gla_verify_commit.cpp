@@ -18,10 +18,7 @@ namespace {
 
 using deferred::kMaxPendingSteps;
 
-template <class F>
-const F* token_row(const Tensor& x, int64_t b, int64_t t, int64_t h) {
-  return static_cast<const F*>(x.data) + b * x.stride[0] + t * x.stride[1] + h * x.stride[2];
-}
+using deferred::token_row;
 
 template <class F>
 void commit_typed(const GlaParams& p, const Tensor& k, const Tensor& v, const Tensor& accepted, Tensor states,
@@ -52,14 +49,7 @@ void commit_typed(const GlaParams& p, const Tensor& k, const Tensor& v, const Te
     deferred::decay_powers(p.decay[h], R, pw);
     const F* kp[2 * kMaxPendingSteps];
     const F* vp[2 * kMaxPendingSteps];
-    for (int64_t j = 0; j < m0; ++j) {
-      kp[j] = pp.k + j * dk;
-      vp[j] = pp.v + j * dv;
-    }
-    for (int64_t t = 0; t <= w; ++t) {  // (the same values as the pairs just appended)
-      kp[m0 + t] = token_row<F>(k, b, t, h);
-      vp[m0 + t] = token_row<F>(v, b, t, h);
-    }
+    deferred::window_pairs<F>(pp, m0, k, v, b, h, w + 1, kp, vp);  // (the values of the pairs just appended)
     F* S = static_cast<F*>(states.data) + e * states.stride[0] + h * states.stride[1];
     const int64_t ss = states.stride[2];
     deferred::write_back<F>(nullptr, S, ss, S, ss, dk, dv, m0 + w, pw, kp, vp, kp[m0 + w], vp[m0 + w], nullptr);
