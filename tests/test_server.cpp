@@ -40,6 +40,7 @@
 #include "serve/metrics.h"
 #include "serve/server.h"
 #include "tests/http_client.h"
+#include "tests/server_test_util.h"
 #include "tests/test_util.h"
 #include "text/tokenizer.h"
 
@@ -172,22 +173,14 @@ Server* ServerTest::server_ = nullptr;
 Tokenizer* ServerTest::tok_ = nullptr;
 
 // ---- raw sockets ------------------------------------------------------------------------------
+// (connect_local, read_until_close, status_of, metric and eventually: tests/server_test_util.h)
+using laplace::testing::srv::connect_local;
+using laplace::testing::srv::eventually;
+using laplace::testing::srv::metric;
+using laplace::testing::srv::read_until_close;
+using laplace::testing::srv::status_of;
 
-int connect_local(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
-    close(fd);
-    return -1;
-  }
-  timeval tv{5, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  return fd;
-}
-
+// Unlike srv::raw_exchange, reads with the socket's 5 s timeout until the server closes.
 std::string raw_exchange(int port, const std::string& bytes) {
   int fd = connect_local(port);
   if (fd < 0) return "";
@@ -198,31 +191,6 @@ std::string raw_exchange(int port, const std::string& bytes) {
   while ((n = read(fd, buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
   close(fd);
   return out;
-}
-
-// The value of an unlabelled Prometheus metric in /metrics text (-1 if absent).
-double metric(const std::string& text, const std::string& name) {
-  size_t at = 0;
-  while ((at = text.find(name + " ", at)) != std::string::npos) {
-    if (at == 0 || text[at - 1] == '\n') return std::atof(text.c_str() + at + name.size() + 1);
-    at += name.size();
-  }
-  return -1;
-}
-
-// Polls pred until it holds or the time is up; a bound for slow machines, not a delay.
-bool eventually(const std::function<bool()>& pred, double seconds) {
-  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  while (std::chrono::steady_clock::now() < end) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  return pred();
-}
-
-int status_of(const std::string& http) {
-  if (http.size() < 12 || http.compare(0, 5, "HTTP/") != 0) return 0;
-  return std::atoi(http.c_str() + 9);
 }
 
 // ---- hostile and malformed requests -------------------------------------------------------------
@@ -1004,20 +972,6 @@ TEST(ServerLoading, PortInUseIsRefusedAndAConnectionBurstIsAnsweredInFull) {
 // ==== issue 29: the transport ==================================================================
 
 // Reads what the server sends until it closes the connection or `seconds` pass.
-std::string read_until_close(int fd, double seconds) {
-  std::string out;
-  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  char buf[8192];
-  while (std::chrono::steady_clock::now() < end) {
-    pollfd p{fd, POLLIN, 0};
-    if (poll(&p, 1, 100) <= 0) continue;
-    const ssize_t n = read(fd, buf, sizeof buf);
-    if (n <= 0) break;
-    out.append(buf, static_cast<size_t>(n));
-  }
-  return out;
-}
-
 std::string post_request(const std::string& body, const std::string& version = "HTTP/1.1",
                          const std::string& extra = "") {
   return "POST /v1/completions " + version + "\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + std::string(kKey) +
