@@ -971,7 +971,7 @@ TEST(ServerLoading, PortInUseIsRefusedAndAConnectionBurstIsAnsweredInFull) {
 
 // ==== issue 29: the transport ==================================================================
 
-// Reads what the server sends until it closes the connection or `seconds` pass.
+// A completion request with the key and a JSON body, in HTTP `version`.
 std::string post_request(const std::string& body, const std::string& version = "HTTP/1.1",
                          const std::string& extra = "") {
   return "POST /v1/completions " + version + "\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + std::string(kKey) +
