@@ -7,13 +7,17 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
+#include <memory>
 #include <utility>
+#include <vector>
 
 namespace laplace {
 
@@ -174,25 +178,132 @@ static void maybe_kill_for_test(const std::string& path, std::FILE* f) {
   ::kill(::getpid(), SIGKILL);
 }
 
+Status FileLock::lock(const std::string& path) {
+  unlock();
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    const int fd = open_retry(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0) return errno_status(path, "cannot open the lock file", errno);
+    struct flock fl{};
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    int rc;
+    do rc = ::fcntl(fd, F_OFD_SETLKW, &fl);
+    while (rc != 0 && errno == EINTR);
+    if (rc != 0) {
+      const int e = errno;
+      ::close(fd);
+      return errno_status(path, "cannot lock", e);
+    }
+    // Still the file at `path`? A holder may have removed it while we waited.
+    struct stat held{}, now{};
+    if (::fstat(fd, &held) == 0 && ::stat(path.c_str(), &now) == 0 && held.st_ino == now.st_ino &&
+        held.st_dev == now.st_dev) {
+      fd_ = fd;
+      path_ = path;
+      return Status::ok();
+    }
+    ::close(fd);
+  }
+  return Status::io_error(path + ": the lock file keeps being replaced");
+}
+
+void FileLock::unlock() {
+  if (fd_ >= 0) ::close(fd_);  // closing the description releases its lock
+  fd_ = -1;
+}
+
+void FileLock::remove_and_unlock() {
+  if (fd_ >= 0) ::unlink(path_.c_str());
+  unlock();
+}
+
+Status hash_files(const std::vector<std::string>& paths, std::string* hex) {
+  XXH3_state_t* st = XXH3_createState();
+  if (st == nullptr) return Status::out_of_memory("hash_files: no memory for the hash state");
+  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> own(st, XXH3_freeState);
+  XXH3_128bits_reset(st);
+  std::vector<char> buf(size_t(4) << 20);
+  for (const std::string& path : paths) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return errno_status(path, "cannot open it to hash it", errno);
+    struct stat sb{};
+    ::fstat(fd, &sb);
+    const uint64_t size = static_cast<uint64_t>(sb.st_size);
+    XXH3_128bits_update(st, &size, sizeof(size));  // so that moving bytes between files changes the digest
+    while (true) {
+      const ssize_t n = ::read(fd, buf.data(), buf.size());
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        const int e = errno;
+        ::close(fd);
+        return errno_status(path, "read failed while hashing it", e);
+      }
+      if (n == 0) break;
+      XXH3_128bits_update(st, buf.data(), static_cast<size_t>(n));
+    }
+    ::close(fd);
+  }
+  const XXH128_hash_t h = XXH3_128bits_digest(st);
+  char out[33];
+  std::snprintf(out, sizeof(out), "%016llx%016llx", static_cast<unsigned long long>(h.high64),
+                static_cast<unsigned long long>(h.low64));
+  *hex = out;
+  return Status::ok();
+}
+
+// A pid means something only on the machine (or container) that wrote it, and a directory
+// may be shared by several (sessions on NFS): temporaries carry their machine's tag.
+const std::string& temporary_host_tag() {
+  static const std::string tag = [] {
+    char name[256] = {0};
+    if (::gethostname(name, sizeof(name) - 1) != 0) name[0] = 0;
+    uint32_t h = 2166136261u;  // FNV-1a: a tag, not a digest
+    for (const char* c = name; *c; ++c) h = (h ^ static_cast<uint8_t>(*c)) * 16777619u;
+    char out[16];
+    std::snprintf(out, sizeof(out), "%08x", h);
+    return std::string(out);
+  }();
+  return tag;
+}
+
 namespace {
 
-// `NAME.tmp.<pid>[.<n>]`: the pid of the writer (0 when `file` is not such a name).
-long temporary_owner(const std::string& file, std::string* target) {
+// `NAME.tmp.<pid>[.<n>[.h<tag>]]`: the pid of the writer (0 when `file` is not such a
+// name); *tag its host's tag ("" for names from before tags, taken as this machine's).
+long temporary_owner(const std::string& file, std::string* target, std::string* tag) {
   const size_t at = file.rfind(".tmp.");
   if (at == std::string::npos || at == 0) return 0;
-  const std::string tail = file.substr(at + 5);
-  const size_t dot = tail.find('.');
-  const std::string pid = tail.substr(0, dot);
-  const std::string seq = dot == std::string::npos ? "" : tail.substr(dot + 1);
+  std::vector<std::string> parts;
+  for (size_t from = at + 5;;) {
+    const size_t dot = file.find('.', from);
+    parts.push_back(file.substr(from, dot == std::string::npos ? std::string::npos : dot - from));
+    if (dot == std::string::npos) break;
+    from = dot + 1;
+  }
   auto digits = [](const std::string& x) {
     return !x.empty() && x.size() <= 10 && std::all_of(x.begin(), x.end(), [](char c) { return c >= '0' && c <= '9'; });
   };
-  if (!digits(pid) || (dot != std::string::npos && !digits(seq))) return 0;
+  tag->clear();
+  if (parts.size() == 3) {
+    if (parts[2].size() != 9 || parts[2][0] != 'h') return 0;
+    *tag = parts[2].substr(1);
+  }
+  if (parts.empty() || parts.size() > 3 || !digits(parts[0]) || (parts.size() >= 2 && !digits(parts[1]))) return 0;
   *target = file.substr(0, at);
-  return std::atol(pid.c_str());
+  return std::atol(parts[0].c_str());
 }
 
 bool process_gone(long pid) { return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH; }
+
+// Whether a temporary is a dead writer's: on this machine, its process is gone; from
+// another machine (a shared directory), it has not been written to for an hour (no
+// atomic write takes that long; a live writer's file is never that old).
+bool stale(const std::filesystem::path& p, long pid, const std::string& tag) {
+  if (tag.empty() || tag == temporary_host_tag()) return process_gone(pid);
+  struct stat st{};
+  if (::stat(p.c_str(), &st) != 0) return false;
+  return ::time(nullptr) - st.st_mtime > 3600;
+}
 
 }  // namespace
 
@@ -201,13 +312,13 @@ int64_t remove_stale_temporaries(const std::string& dir, const std::string& name
   std::error_code ec;
   for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string file = it->path().filename().string();
-    std::string target;
-    const long pid = temporary_owner(file, &target);
+    std::string target, tag;
+    const long pid = temporary_owner(file, &target, &tag);
     if (pid == 0 || (!name_suffix.empty() && (target.size() < name_suffix.size() ||
                                               target.compare(target.size() - name_suffix.size(), name_suffix.size(),
                                                              name_suffix) != 0)))
       continue;
-    if (process_gone(pid) && ::unlink(it->path().c_str()) == 0) ++removed;
+    if (stale(it->path(), pid, tag) && ::unlink(it->path().c_str()) == 0) ++removed;
   }
   return removed;
 }
@@ -219,9 +330,9 @@ int64_t remove_stale_temporaries_of(const std::string& path) {
   std::error_code ec;
   for (std::filesystem::directory_iterator it(parent_dir(path), ec), end; !ec && it != end; it.increment(ec)) {
     const std::string file = it->path().filename().string();
-    std::string target;
-    const long pid = temporary_owner(file, &target);
-    if (pid != 0 && target == name && process_gone(pid) && ::unlink(it->path().c_str()) == 0) ++removed;
+    std::string target, tag;
+    const long pid = temporary_owner(file, &target, &tag);
+    if (pid != 0 && target == name && stale(it->path(), pid, tag) && ::unlink(it->path().c_str()) == 0) ++removed;
   }
   return removed;
 }
@@ -236,7 +347,7 @@ Status write_file_atomic(const std::string& path, const std::function<Status(std
   std::string tmp;
   int fd = -1;
   for (int attempt = 0; attempt < 16 && fd < 0; ++attempt) {
-    tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter.fetch_add(1));
+    tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter.fetch_add(1)) + ".h" + temporary_host_tag();
     fd = open_retry(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, static_cast<mode_t>(mode));
     if (fd < 0 && errno != EEXIST) break;
   }

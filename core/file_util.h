@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "core/status.h"
 
@@ -24,7 +25,8 @@ Status read_file(const std::string& path, std::string* out);
 Status write_all(std::FILE* f, const void* data, size_t n);
 
 // Crash-safe replacement of `path`:
-//   1. creates `path + ".tmp.<pid>.<n>"` (n: a per-process counter; O_EXCL, so no
+//   1. creates `path + ".tmp.<pid>.<n>.h<host>"` (n: a per-process counter, host: a tag of
+//      this machine's name; O_EXCL, so no
 //      two writers, threads or processes, ever share a temporary) in the same
 //      directory (so the rename below stays within one filesystem and is atomic),
 //      with permissions `mode` (before the umask); temporaries of `path` left by
@@ -40,14 +42,45 @@ Status write_file_atomic(const std::string& path, const std::function<Status(std
                          unsigned mode = 0666);
 Status write_file_atomic(const std::string& path, const void* data, size_t n, unsigned mode = 0666);
 
-// Removes the temporaries of write_file_atomic in `dir` (`NAME.tmp.<pid>[.<n>]`) whose
-// process is gone (not a process of this machine now: kill(pid, 0) fails with ESRCH);
-// `name_suffix` non-empty limits it to NAMEs ending so (".session"). A temporary of a
-// live writer is left alone. Returns how many were removed (errors are ignored: this is
-// tidying). Temporaries written from another machine into a shared directory look
-// like dead processes' here: do not share such a directory between machines.
+// Removes the temporaries of write_file_atomic in `dir` (`NAME.tmp.<pid>[.<n>[.h<host>]]`)
+// whose writer is dead: written on this machine by a process that is gone (kill(pid, 0)
+// fails with ESRCH), or written by another machine sharing the directory (NFS) and not
+// touched for an hour; `name_suffix` non-empty limits it to NAMEs ending so (".session").
+// A temporary of a live writer is left alone. Returns how many were removed (errors are
+// ignored: this is tidying).
 int64_t remove_stale_temporaries(const std::string& dir, const std::string& name_suffix = "");
 // The same for one target path's temporaries (`path.tmp.*`).
+// An exclusive lock between processes (and threads) on the file `path`, created 0600 when
+// absent: an open file description lock (fcntl F_OFD_SETLKW), which the kernel drops when
+// its holder dies (kill -9 included: never a stuck lock) and which NFS carries as a POSIX
+// lock. The lock file may be removed by its holder (remove_and_unlock); a waiter that then
+// gets it finds it unlinked and takes the new one instead, so two holders never coexist.
+class FileLock {
+ public:
+  FileLock() = default;
+  FileLock(const FileLock&) = delete;
+  FileLock& operator=(const FileLock&) = delete;
+  ~FileLock() { unlock(); }
+  // Blocks until held. Errors: io_error naming the path.
+  Status lock(const std::string& path);
+  void unlock();
+  // Removes the lock file, then unlocks.
+  void remove_and_unlock();
+  bool held() const { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
+  std::string path_;
+};
+
+// A digest that identifies the contents of `paths`, in order (each file's size and bytes):
+// 32 hex digits of XXH3-128 (xxhash). For telling whether two processes hold the same files
+// (a fleet's replicas, the same model), not for security. Reads the files once.
+// Errors: not_found / io_error naming the file.
+Status hash_files(const std::vector<std::string>& paths, std::string* hex);
+
+// This machine's tag in temporary names: 8 hex digits of a hash of its host name.
+const std::string& temporary_host_tag();
 int64_t remove_stale_temporaries_of(const std::string& path);
 
 // A read-only, private memory map of a whole file (for large checkpoints and

@@ -13,6 +13,7 @@ std::string Status::to_string() const {
     case Code::kCorrupt: name = "corrupt"; break;
     case Code::kUnsupported: name = "unsupported"; break;
     case Code::kOutOfMemory: name = "out of memory"; break;
+    case Code::kConflict: name = "conflict"; break;
   }
   return std::string(name) + ": " + msg_;
 }

@@ -11,7 +11,7 @@ namespace laplace {
 // by accident; where ignoring one is right, the call says so with (void) and a comment.
 class [[nodiscard]] Status {
  public:
-  enum class Code { kOk = 0, kInvalidArgument, kNotFound, kIoError, kCorrupt, kUnsupported, kOutOfMemory };
+  enum class Code { kOk = 0, kInvalidArgument, kNotFound, kIoError, kCorrupt, kUnsupported, kOutOfMemory, kConflict };
 
   Status() = default;
   static Status ok() { return Status(); }
@@ -21,6 +21,8 @@ class [[nodiscard]] Status {
   static Status corrupt(std::string msg) { return Status(Code::kCorrupt, std::move(msg)); }
   static Status unsupported(std::string msg) { return Status(Code::kUnsupported, std::move(msg)); }
   static Status out_of_memory(std::string msg) { return Status(Code::kOutOfMemory, std::move(msg)); }
+  // What was to be changed changed meanwhile (another writer got there first).
+  static Status conflict(std::string msg) { return Status(Code::kConflict, std::move(msg)); }
 
   bool is_ok() const { return code_ == Code::kOk; }
   explicit operator bool() const { return is_ok(); }

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <sys/wait.h>
@@ -204,6 +205,39 @@ TEST(FileUtil, StaleTemporariesOfDeadWritersAreRemoved) {
   EXPECT_EQ(list_dir(dir), (std::vector<std::string>{"a.session.tmp." + live + ".0", "b.session",
                                                      "checkpoint.safetensors", "keep.tmp.notapid"}));
   EXPECT_EQ(remove_stale_temporaries(dir), 0);
+  fs::remove_all(dir);
+}
+
+// A directory shared by several machines (sessions on NFS): another machine's pids mean
+// nothing here, so its temporaries go only once they have not been written to for an hour,
+// while this machine's tag with a dead pid goes at once.
+TEST(FileUtil, TemporariesOfAnotherMachineGoOnlyWhenOld) {
+  std::string dir = testing::make_temp_dir("fu");
+  const pid_t child = fork();
+  if (child == 0) _exit(0);
+  ASSERT_GT(child, 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  const std::string dead = std::to_string(child), mine = temporary_host_tag();
+  ASSERT_EQ(mine.size(), 8u);
+  const std::string other = mine == "00000000" ? "00000001" : "00000000";
+  const std::vector<std::string> names = {"a.session.tmp." + dead + ".0.h" + mine,    // this machine, dead: goes
+                                          "b.session.tmp." + dead + ".0.h" + other,   // another machine, young: stays
+                                          "c.session.tmp." + dead + ".0.h" + other};  // another machine, old: goes
+  for (const std::string& name : names) ASSERT_TRUE(write_file_atomic(dir + "/" + name, "x", 1).is_ok());
+  struct timeval old[2] = {{::time(nullptr) - 7200, 0}, {::time(nullptr) - 7200, 0}};
+  ASSERT_EQ(::utimes((dir + "/" + names[2]).c_str(), old), 0);
+  EXPECT_EQ(remove_stale_temporaries(dir, ".session"), 2);
+  EXPECT_EQ(list_dir(dir), (std::vector<std::string>{names[1]}));
+  // What this machine writes carries its tag.
+  std::string seen;
+  ASSERT_TRUE(write_file_atomic(dir + "/d.session", [&](std::FILE*) {
+                for (const auto& e : fs::directory_iterator(dir))
+                  if (e.path().filename().string().rfind("d.session.tmp.", 0) == 0) seen = e.path().filename().string();
+                return Status::ok();
+              }).is_ok());
+  ASSERT_GE(seen.size(), 10u);
+  EXPECT_EQ(seen.substr(seen.size() - 10), ".h" + mine);
   fs::remove_all(dir);
 }
 
