@@ -1,4 +1,5 @@
 // `laplace serve`: the OpenAI-compatible HTTP server (serve/server.h).
+#include <cctype>
 #include <csignal>
 #include <cstdio>
 #include <thread>
@@ -23,6 +24,7 @@ struct ServeArgs {
   std::string model_dir, name, host = "127.0.0.1", api_key, api_key_file, device = "cpu", dtype = "f32";
   std::vector<std::string> allowed_hosts, cors_origins;
   std::string session_dir;
+  std::string replica_id;
   int port = 8000, threads = 4, read_timeout = 10;
   int64_t max_sessions = 1024, max_session_mb = 0, session_disk_mb = 0, max_session_files = 0, max_connections = 0;
   double grace_seconds = 30;
@@ -76,6 +78,7 @@ Status run_serve(const ServeArgs& a) {
   o.limits.max_n = a.max_n;
   o.cache_bytes = a.cache_mb << 20;
   o.session_dir = a.session_dir;
+  o.replica_id = a.replica_id;
   o.threads = a.threads;
   o.read_timeout_s = a.read_timeout;
   o.max_sessions = a.max_sessions;
@@ -116,6 +119,16 @@ void add_serve(CLI::App& app) {
   cmd->add_option("--model", a->model_dir, "model directory (config.json, model.safetensors, tokenizer.model)")
       ->required();
   cmd->add_option("--name", a->name, "model id clients use (default: the directory's name)");
+  cmd->add_option("--replica-id", a->replica_id,
+                  "this replica's name in a fleet: /health, /metrics, the X-Laplace-Replica header, saved sessions "
+                  "(default HOSTNAME:PORT)")
+      ->check([](const std::string& v) {
+        if (v.empty() || v.size() > 64) return std::string("1 to 64 characters");
+        for (char c : v)
+          if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-' && c != ':')
+            return std::string("letters, digits, '.', '_', '-' and ':' only");
+        return std::string();
+      });
   cmd->add_option("--host", a->host, "address to bind (default 127.0.0.1: this machine only)");
   cmd->add_option("--port", a->port, "port (0 = any free port)")->check(CLI::Range(0, 65535));
   cmd->add_option("--api-key", a->api_key, "require 'Authorization: Bearer KEY' on every route");

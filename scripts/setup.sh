@@ -5,10 +5,10 @@
 set -euo pipefail
 
 # What the demo needs (scripts/demo.sh: `setup.sh --demo`): compilers, CMake, OpenBLAS,
-# sentencepiece, nlohmann-json, CLI11 and its corpus.
+# sentencepiece, nlohmann-json, CLI11, xxhash and its corpus.
 PACKAGES=(
   build-essential cmake ninja-build pkg-config
-  libopenblas-dev libopenblas0-openmp libsentencepiece-dev nlohmann-json3-dev libcli11-dev
+  libopenblas-dev libopenblas0-openmp libsentencepiece-dev nlohmann-json3-dev libcli11-dev libxxhash-dev
   fortunes fortunes-min
 )
 # Everything else, for the tests, the server, MPI and the Python reference.
@@ -20,6 +20,7 @@ if [ "${1:-}" != --demo ]; then
     python3 python3-numpy python3-torch python3-matplotlib python3-sentencepiece python3-setuptools python3-pip
     curl
     chromium
+    haproxy
   )
 fi
 # The server tests drive `laplace serve` with the official openai client (npm).

@@ -127,12 +127,26 @@ std::optional<ApiError> Server::Impl::tokenize(Job& job) {
                       "invalid_request_error", "logit_bias", ""};
   Part base;
   if (!p.session.empty()) {
-    std::optional<Session> s = sessions.get(p.session);
-    if (!s)
-      return ApiError{404, "session '" + p.session + "' does not exist", "invalid_request_error", "session",
-                      "session_not_found"};
-    base.prompt = s->context;
-    base.prompt_state = s->snap;  // a candidate start
+    // The session as this replica should use it: with a --session-dir shared by a fleet,
+    // the saved one when this replica holds none or an older unchanged copy (file work, but
+    // this runs on a prep thread, not an event loop).
+    Session s;
+    Status st = sessions.current(p.session, [this](const std::string& path, Session* out) {
+      return session_file_read(path, session_format(), out);
+    }, &s);
+    if (!st.is_ok()) {
+      const http::Response r = session_error(st);
+      const bool server_side = r.status >= 500 && st.code() != Status::Code::kOutOfMemory;
+      const char* code = st.code() == Status::Code::kNotFound   ? "session_not_found"
+                         : st.code() == Status::Code::kConflict ? "session_conflict"
+                         : st.code() == Status::Code::kOutOfMemory ? "too_many_sessions"
+                                                                    : "session_file_invalid";
+      return ApiError{r.status, st.message(), server_side ? "server_error" : "invalid_request_error", "session", code};
+    }
+    // Saved back under its own name, the answer's context descends from this version.
+    if (p.save_session == p.session) job.session_base = s.base_version;
+    base.prompt = s.context;
+    base.prompt_state = s.snap;  // a candidate start
   }
   job.parts.clear();
   const size_t count = p.chat ? 1 : p.prompts.size();
@@ -248,6 +262,8 @@ void Server::Impl::on_finish(const std::shared_ptr<Job>& j, size_t i, const Fini
       // The room was reserved at admission: a finished request's context is always kept.
       Session s;
       if (f.reason != FinishReason::kCancelled && kept_session(*j, part, c, f, &s)) {
+        s.base_version = j->session_base;
+        s.changed = true;
         sessions.commit(j->session_ticket, std::move(s));
       } else {
         sessions.release(j->session_ticket);

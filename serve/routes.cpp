@@ -167,7 +167,7 @@ std::vector<http::Header> Server::Impl::cors_headers(const http::Request& req) c
   if (origin.empty() || !cors_allowed(origin)) return {};
   return {{"Access-Control-Allow-Origin", origin},
           {"Vary", "Origin"},
-          {"Access-Control-Expose-Headers", "Retry-After"}};
+          {"Access-Control-Expose-Headers", "Retry-After, X-Laplace-Replica"}};
 }
 
 std::optional<http::Response> Server::Impl::check_head(const http::Request& req) {
@@ -193,13 +193,16 @@ std::optional<http::Response> Server::Impl::check_head(const http::Request& req)
     r.status = 204;
     r.content_type.clear();
     r.headers = {{"Access-Control-Allow-Methods", "GET, POST, DELETE"},
-                 {"Access-Control-Allow-Headers", "Authorization, Content-Type"},
+                 {"Access-Control-Allow-Headers", "Authorization, Content-Type, X-Laplace-Affinity"},
                  {"Access-Control-Max-Age", "600"}};
     return r;
   }
   // The page is public and shown while the model loads: it holds no data, and its API calls
   // carry the key and meet the readiness check themselves.
   if (is_static_path(req.path)) return std::nullopt;
+  // /health too: a balancer's or an orchestrator's probe carries no key, and it tells only
+  // whether this replica serves and which model (no data).
+  if (req.path == "/health") return std::nullopt;
   if (!opt.api_key.empty()) {
     const std::string want = "Bearer " + opt.api_key;
     const std::string got = req.header("Authorization");
@@ -228,11 +231,14 @@ std::optional<http::Response> Server::Impl::check_head(const http::Request& req)
 }
 
 json Server::Impl::session_json(const std::string& n, const Session& s) {
-  return json{{"name", n},
-              {"object", "session"},
-              {"tokens", s.context.size()},
-              {"cached_tokens", s.snap ? s.snap->tokens.size() : 0},
-              {"state_bytes", s.snap ? s.snap->state.size() : 0}};
+  json j{{"name", n},
+         {"object", "session"},
+         {"tokens", s.context.size()},
+         {"cached_tokens", s.snap ? s.snap->tokens.size() : 0},
+         {"state_bytes", s.snap ? s.snap->state.size() : 0}};
+  // The saved version it descends from (a shared --session-dir: docs/deployment.md).
+  if (s.base_version > 0) j["version"] = s.base_version;
+  return j;
 }
 
 namespace {
@@ -270,9 +276,16 @@ void Server::Impl::route(http::Request&& req, http::ExchangePtr ex) {
     const bool get = m == "GET" || m == "HEAD";
     if (p.size() == 1 && p[0] == "health") {
       if (!get) return ex->respond(method_not_allowed("GET"));
-      if (ready.load() && !draining.load()) return ex->respond(json_response(200, json{{"status", "ok"}}));
-      const char* s = draining.load() ? "stopping" : load_failed.load() ? "failed" : "loading";
-      http::Response r = json_response(503, json{{"status", s}});
+      // A balancer's check reads the replica and the model's hash (a fleet never mixes
+      // models); a draining replica answers 503 at once, so it is sent nothing new.
+      json h{{"replica", replica}, {"model", name}};
+      if (ready.load()) h["model_hash"] = model_hash;
+      if (ready.load() && !draining.load()) {
+        h["status"] = "ok";
+        return ex->respond(json_response(200, h));
+      }
+      h["status"] = draining.load() ? "stopping" : load_failed.load() ? "failed" : "loading";
+      http::Response r = json_response(503, h);
       if (!load_failed.load()) r.headers.push_back({"Retry-After", "1"});
       return ex->respond(std::move(r));
     }
@@ -489,43 +502,51 @@ void Server::Impl::handle_session_op(const http::Request& req, const http::Excha
     if (!queued) return file_queue_full(ex);
     return;
   }
-  std::optional<Session> it = sessions.get(n);
-  if (!it)
-    return ex->respond(error_response(
-        api_error(404, "session '" + n + "' does not exist", "invalid_request_error", "session_not_found")));
-  if (req.method == "GET" || req.method == "HEAD") {
-    json out = session_json(n, *it);
-    std::string text;
-    if (tok.decode(it->context, &text).is_ok()) out["text"] = text;
-    out["token_ids"] = it->context;
-    return ex->respond(json_response(200, out));
-  }
-  if (op == "fork") {
-    json b = json::parse(req.body, nullptr, false);
-    if (b.is_discarded() || !b.is_object() || !b.contains("name") || !b["name"].is_string() ||
-        !valid_session_name(b["name"].get<std::string>()))
-      return ex->respond(
-          error_response(api_error(400, "fork needs {\"name\": NEW_NAME}", "invalid_request_error", "", "name")));
-    const std::string to = b["name"].get<std::string>();
-    Session copy = *it;  // snapshots are immutable: a fork shares its state until it moves on
-    json out = session_json(to, copy);
-    Status st = sessions.put(to, std::move(copy));
-    if (!st.is_ok()) {
-      rejected_429.fetch_add(1);
-      return ex->respond(busy_response(429, st.message(), "too_many_sessions"));
+  if (!(req.method == "GET" || req.method == "HEAD") && op != "fork" && op != "save")
+    return ex->respond(error_response(api_error(404, "unknown session operation", "invalid_request_error")));
+  // What to do with the session once it is found (on the event loop, or on a file thread).
+  auto act = [this, ex, n, op, method = req.method, body = req.body](Session s) {
+    if (method == "GET" || method == "HEAD") {
+      json out = session_json(n, s);
+      std::string text;
+      if (tok.decode(s.context, &text).is_ok()) out["text"] = text;
+      out["token_ids"] = s.context;
+      return ex->respond(json_response(200, out));
     }
-    return ex->respond(json_response(200, out));
-  }
+    if (op == "fork") {
+      json b = json::parse(body, nullptr, false);
+      if (b.is_discarded() || !b.is_object() || !b.contains("name") || !b["name"].is_string() ||
+          !valid_session_name(b["name"].get<std::string>()))
+        return ex->respond(
+            error_response(api_error(400, "fork needs {\"name\": NEW_NAME}", "invalid_request_error", "", "name")));
+      const std::string to = b["name"].get<std::string>();
+      Session copy = s;  // snapshots are immutable: a fork shares its state until it moves on
+      copy.base_version = -1;  // new content under its name: its save replaces what is saved there
+      copy.changed = true;
+      json out = session_json(to, copy);
+      Status st = sessions.put(to, std::move(copy));
+      if (!st.is_ok()) {
+        rejected_429.fetch_add(1);
+        return ex->respond(busy_response(429, st.message(), "too_many_sessions"));
+      }
+      return ex->respond(json_response(200, out));
+    }
+    ex->respond(error_response(api_error(500, "unknown session operation", "server_error")));
+  };
   if (op == "save") {
     if (!sessions.has_dir()) return memory_only();
-    Session s = std::move(*it);
-    const bool queued = run_file_work([this, ex, n, s] {
-      Status st = sessions.write(n, session_file_bytes(s), [&](const std::string& path) {
-        return session_file_write(path, s, session_format());
-      });
-      if (st.code() == Status::Code::kOutOfMemory)
-        return ex->respond(error_response(api_error(507, st.message(), "server_error", "session_storage_full")));
-      if (!st.is_ok()) return ex->respond(error_response(api_error(500, st.message(), "server_error")));
+    // In its turn across every replica sharing the directory; refused (409) when another
+    // saved the name since this replica's copy was read.
+    const bool queued = run_file_work([this, ex, n] {
+      Session s;
+      int64_t version = 0;
+      Status st = sessions.save(
+          n, [this](const std::string& path, Session* out) { return session_file_read(path, session_format(), out); },
+          [this](const std::string& path, const Session& s, int64_t v) {
+            return session_file_write(path, s, session_format(), v);
+          },
+          &s, &version);
+      if (!st.is_ok()) return ex->respond(session_error(st));
       json out = session_json(n, s);
       out["file"] = n + ".session";  // in --session-dir; where that is stays the server's
       ex->respond(json_response(200, out));
@@ -533,8 +554,46 @@ void Server::Impl::handle_session_op(const http::Request& req, const http::Excha
     if (!queued) return file_queue_full(ex);
     return;
   }
-  return ex->respond(error_response(api_error(404, "unknown session operation", "invalid_request_error")));
+  if (!sessions.has_dir()) {
+    if (op == "save") return memory_only();
+    std::optional<Session> it = sessions.get(n);
+    if (!it)
+      return ex->respond(error_response(
+          api_error(404, "session '" + n + "' does not exist", "invalid_request_error", "session_not_found")));
+    return act(std::move(*it));
+  }
+  // With a directory (perhaps shared by a fleet), the session as this replica should use
+  // it: memory's, or the saved one when memory has none or an older unchanged copy.
+  const bool queued = run_file_work([this, ex, n, act] {
+    Session s;
+    Status st = sessions.current(n, [this](const std::string& path, Session* out) {
+      return session_file_read(path, session_format(), out);
+    }, &s);
+    if (!st.is_ok()) return ex->respond(session_error(st));
+    act(std::move(s));
+  });
+  if (!queued) return file_queue_full(ex);
 }
+
+http::Response Server::Impl::session_error(const Status& st) {
+  switch (st.code()) {
+    case Status::Code::kNotFound:
+      return error_response(api_error(404, st.message(), "invalid_request_error", "session_not_found"));
+    case Status::Code::kConflict:
+      return error_response(api_error(409, st.message(), "invalid_request_error", "session_conflict"));
+    case Status::Code::kOutOfMemory:
+      if (st.message().find("session directory") != std::string::npos)
+        return error_response(api_error(507, st.message(), "server_error", "session_storage_full"));
+      rejected_429.fetch_add(1);
+      return busy_response(429, st.message(), "too_many_sessions");
+    case Status::Code::kCorrupt:
+    case Status::Code::kInvalidArgument:
+      return error_response(api_error(400, st.message(), "invalid_request_error", "session_file_invalid"));
+    default:
+      return error_response(api_error(500, st.message(), "server_error"));
+  }
+}
+
 
 // ---- metrics --------------------------------------------------------------------------------
 
@@ -542,6 +601,18 @@ std::string Server::Impl::metrics_text() {
   std::string out;
   const bool up = ready.load();
   render_metric(&out, "laplace_ready", "gauge", "1 when the model is loaded.", up ? 1 : 0);
+  {
+    // Which replica and model these figures are of (a fleet is scraped replica by replica).
+    auto label = [](const std::string& v) {
+      std::string e;
+      for (char c : v) e += c == '\\' ? "\\\\" : c == '"' ? "\\\"" : c == '\n' ? "\\n" : std::string(1, c);
+      return e;
+    };
+    out += "# HELP laplace_replica_info This replica's id, the model it serves and the model's hash.\n"
+           "# TYPE laplace_replica_info gauge\n"
+           "laplace_replica_info{replica=\"" + label(replica) + "\",model=\"" + label(name) + "\",model_hash=\"" +
+           label(up ? model_hash : "") + "\"} 1\n";
+  }
   if (up) {
     const EngineStats s = engine->stats();
     render_metric(&out, "laplace_requests_running", "gauge", "Requests holding a state slot.", s.running);

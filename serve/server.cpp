@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <filesystem>
 
+#include <unistd.h>
+
 #include "core/file_util.h"
 #include "model/config.h"
 #include "serve/server_impl.h"
@@ -50,6 +52,9 @@ Status Server::Impl::load() {
   LAPLACE_RETURN_IF_ERROR(model.create(cfg, *backend, opt.dtype));
   if (!fs::exists(dir / "model.safetensors")) return Status::not_found("the model directory has no model.safetensors");
   LAPLACE_RETURN_IF_ERROR(model.load((dir / "model.safetensors").string()));
+  LAPLACE_RETURN_IF_ERROR(hash_files({(dir / "config.json").string(), (dir / "model.safetensors").string(),
+                                      (dir / "tokenizer.model").string()},
+                                     &model_hash));
   LAPLACE_RETURN_IF_ERROR(Engine::create(model, opt.engine, &engine));
   std::string summary = engine->summary() + "\n";
   for (size_t at = 0, nl; (nl = summary.find('\n', at)) != std::string::npos; at = nl + 1)
@@ -61,6 +66,8 @@ SessionFormat Server::Impl::session_format() const {
   SessionFormat f;
   f.config = &model.config();
   f.fingerprint = config_fingerprint;
+  f.model_hash = model_hash;
+  f.replica = replica;
   f.state_dtype = engine->pool().dtype();
   f.pending = PendingSpec{engine->pool().pending_steps(), model.dtype()};
   f.pool = &engine->pool();
@@ -155,9 +162,19 @@ Status Server::start() {
   m.http = std::make_unique<HttpServer>(
       ho, [&m](const http::Request& r) { return m.check_head(r); },
       [&m](http::Request&& r, http::ExchangePtr ex) { m.route(std::move(r), std::move(ex)); },
-      [&m](const http::Request& r) { return m.cors_headers(r); });
+      [&m](const http::Request& r) {
+        std::vector<http::Header> h = m.cors_headers(r);
+        h.push_back({"X-Laplace-Replica", m.replica});  // which replica answered, behind a balancer
+        return h;
+      });
   Status st = m.http->listen();
   if (!st.is_ok()) return st;
+  m.replica = m.opt.replica_id;
+  if (m.replica.empty()) {
+    char host[256] = {0};
+    if (::gethostname(host, sizeof(host) - 1) != 0 || host[0] == 0) std::snprintf(host, sizeof(host), "localhost");
+    m.replica = std::string(host) + ":" + std::to_string(m.http->port());
+  }
   m.files = std::make_unique<WorkQueue>(2, std::max<int64_t>(m.opt.max_file_queue, 1));
   m.prep = std::make_unique<WorkQueue>(2, 0);
   m.http->start();

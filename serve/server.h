@@ -24,6 +24,9 @@ namespace laplace {
 struct ServerOptions {
   std::string model_dir;     // config.json, model.safetensors, tokenizer.model [, chat_template.json]
   std::string model_name;    // the id clients send as "model"; "" = the directory's name
+  // This server's name in a fleet: in /health, /metrics, the X-Laplace-Replica header of
+  // every answer, and the session files it saves. "" = HOSTNAME:PORT.
+  std::string replica_id;
   std::string host = "127.0.0.1";
   int port = 8000;           // 0 = any free port (port() tells which)
   std::string api_key;       // "" = no key; else "Authorization: Bearer KEY" on every route

@@ -108,6 +108,7 @@ struct Job {
   bool abandoned GUARDED_BY(mu) = false;    // the client went away
   bool discard_first = false;   // echo with max_tokens 0: the one token generated is not shown
   uint64_t session_ticket = 0;  // room reserved for save_session
+  int64_t session_base = -1;    // save_session of the session it continues: that one's saved version
   // The answer.
   http::ExchangePtr ex;
   bool head_sent GUARDED_BY(mu) = false;  // non-streamed: the head went out (with whitespace)
@@ -137,6 +138,11 @@ struct Server::Impl {
   Tokenizer tok;
   ChatTemplate chat_tmpl;
   std::string config_fingerprint;
+  // XXH3-128 of config.json, model.safetensors and tokenizer.model: replicas of one fleet
+  // must serve the same model (the balancer's health check compares it), and a session
+  // saved by another model is refused. Set before `ready`.
+  std::string model_hash;
+  std::string replica;  // opt.replica_id, or HOSTNAME:PORT (set in start(), before serving)
   std::unique_ptr<Engine> engine;
 
   // Engine thread wake-up.
@@ -213,6 +219,8 @@ struct Server::Impl {
   void handle_session_create(const http::Request& req, const http::ExchangePtr& ex);
   void start_session_create(const std::shared_ptr<Job>& job, const http::ExchangePtr& ex, const std::string& n);
   void file_queue_full(const http::ExchangePtr& ex);
+  // A session operation's error as its answer: 404, 409 (conflict), 429 / 507 (caps), 400, 500.
+  http::Response session_error(const Status& st);
   void handle_session_op(const http::Request& req, const http::ExchangePtr& ex, const std::string& n,
                          const std::string& op);
 

@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "core/file_util.h"
+#include "core/safetensors.h"
 
 namespace laplace {
 
@@ -29,6 +30,7 @@ Status SessionStore::put(const std::string& name, Session s) {
                                                      : std::string()) +
                                  " (delete some)");
   bytes_ += add;
+  s.gen = next_gen_++;
   sessions_[name] = std::move(s);
   return Status::ok();
 }
@@ -56,6 +58,7 @@ void SessionStore::commit(uint64_t ticket, Session s) {
   reserved_bytes_ -= r->second.bytes;
   auto it = sessions_.find(r->second.name);
   bytes_ += s.bytes() - (it == sessions_.end() ? 0 : it->second.bytes());
+  s.gen = next_gen_++;
   sessions_[r->second.name] = std::move(s);
   reserved_.erase(r);
 }
@@ -107,9 +110,16 @@ Status SessionStore::remove_file(const std::string& name, bool* removed) {
   Status st;
   {
     std::lock_guard<std::mutex> one_writer(*m);
+    FileLock across;  // after any save of it in progress in another process too
+    st = across.lock(path(name) + ".lock");
     std::error_code ec;
-    *removed = fs::remove(path(name), ec);
-    if (ec) {
+    if (st.is_ok()) {
+      *removed = fs::remove(path(name), ec);
+      across.remove_and_unlock();
+    }
+    if (!st.is_ok()) {
+      // the lock's error
+    } else if (ec) {
       st = Status::io_error("cannot remove the session file of '" + name + "': " + ec.message());
     } else {
       std::lock_guard<std::mutex> lk(disk_mu_);
@@ -143,6 +153,14 @@ Status SessionStore::open_dir(int64_t* removed) {
   fs::create_directories(dir_, ec);
   if (ec) return Status::io_error("cannot create the session directory: " + ec.message());
   ::chmod(dir_.c_str(), 0700);  // sessions are their owner's (best effort: the directory may be shared on purpose)
+  {
+    // Found now rather than at the first save: a directory this process cannot write to
+    // (permissions, a read-only mount, a full disk).
+    FileLock probe;
+    Status st = probe.lock((fs::path(dir_) / ".write-check.lock").string());
+    if (st.is_ok()) probe.remove_and_unlock();
+    if (!st.is_ok()) return Status::io_error("the session directory is not writable: " + st.message());
+  }
   *removed = remove_stale_temporaries(dir_, ".session");
   std::lock_guard<std::mutex> lk(disk_mu_);
   files_.clear();
@@ -174,13 +192,81 @@ void SessionStore::drop_turn(const std::string& name, const std::shared_ptr<std:
   if (it != turns_.end() && it->second == m && m.use_count() == 2) turns_.erase(it);
 }
 
-Status SessionStore::write(const std::string& name, int64_t size,
-                           const std::function<Status(const std::string&)>& writer) {
+Status SessionStore::resolve(const std::string& name, int64_t saved, const std::string& by,
+                             const std::function<Status(Session*)>& load, Session* out) {
+  std::optional<Session> mem = get(name);
+  // Memory is current when nothing is saved, when it descends from what is saved, or when
+  // it is new content of this replica's (its save replaces the file).
+  if (mem && (saved == 0 || mem->base_version == saved || mem->base_version < 0)) {
+    *out = std::move(*mem);
+    return Status::ok();
+  }
+  if (mem && mem->changed)
+    return Status::conflict("session '" + name + "' was changed on this replica since version " +
+                            std::to_string(mem->base_version) + ", and saved as version " + std::to_string(saved) +
+                            (by.empty() ? std::string() : " by replica " + by) +
+                            " since (restore it to continue from that save, or save under another name)");
+  if (saved == 0) return Status::not_found("session '" + name + "' does not exist");
+  Session s;
+  Status st = load(&s);
+  if (st.code() == Status::Code::kNotFound) return Status::not_found("session '" + name + "' does not exist");
+  LAPLACE_RETURN_IF_ERROR(st);
+  LAPLACE_RETURN_IF_ERROR(put(name, s));
+  *out = std::move(s);
+  return Status::ok();
+}
+
+Status SessionStore::current(const std::string& name, const std::function<Status(const std::string&, Session*)>& load,
+                             Session* out) {
+  if (dir_.empty()) {
+    std::optional<Session> mem = get(name);
+    if (!mem) return Status::not_found("session '" + name + "' does not exist");
+    *out = std::move(*mem);
+    return Status::ok();
+  }
+  int64_t saved = 0;
+  std::string by;
+  LAPLACE_RETURN_IF_ERROR(session_file_version(path(name), &saved, &by));
+  return resolve(name, saved, by, [&](Session* s) { return read(name, [&](const std::string& p) { return load(p, s); }); },
+                 out);
+}
+
+Status SessionStore::save(const std::string& name, const std::function<Status(const std::string&, Session*)>& load,
+                          const std::function<Status(const std::string&, const Session&, int64_t)>& writer,
+                          Session* saved_session, int64_t* version) {
   if (dir_.empty()) return Status::invalid_argument("no session directory");
   std::shared_ptr<std::mutex> m = turn(name);
   Status st;
   {
     std::lock_guard<std::mutex> one_writer(*m);
+    // One writer across the processes sharing the directory: the version check and the
+    // rename below are one step for them all. The session to save is looked up in the turn
+    // too, so saves of one name by this replica follow each other's versions.
+    FileLock across;
+    st = across.lock(path(name) + ".lock");
+    int64_t now = 0;
+    std::string by;
+    if (st.is_ok()) st = session_file_version(path(name), &now, &by);
+    Session s;
+    if (st.is_ok()) st = resolve(name, now, by, [&](Session* out) { return load(path(name), out); }, &s);
+    if (st.is_ok() && s.base_version == now && !s.changed) {
+      // What is saved already (this replica's copy is that version, unchanged).
+      *version = now;
+      *saved_session = std::move(s);
+      drop_turn(name, m);
+      return Status::ok();
+    }
+    if (st.is_ok() && s.base_version >= 0 && now != s.base_version)
+      st = Status::conflict("session '" + name + "' was saved " +
+                            (now == 0 ? std::string("and removed") : "as version " + std::to_string(now)) +
+                            (by.empty() ? std::string() : " by replica " + by) + " since this replica took version " +
+                            std::to_string(s.base_version) +
+                            " (restore it to continue from that save, or save under another name)");
+    if (!st.is_ok()) {
+      drop_turn(name, m);
+      return st;
+    }
+    const int64_t size = session_file_bytes(s);
     int64_t old = 0;
     bool is_new = false;
     {
@@ -191,29 +277,48 @@ Status SessionStore::write(const std::string& name, int64_t size,
       const int64_t files = static_cast<int64_t>(files_.size()) + pending_files_ + (is_new ? 1 : 0);
       const int64_t bytes = disk_bytes_ + pending_disk_bytes_ + size - old;
       if (lim_.max_disk_files > 0 && files > lim_.max_disk_files)
-        return Status::out_of_memory("the session directory holds its maximum of " +
-                                     std::to_string(lim_.max_disk_files) + " files");
-      if (lim_.max_disk_bytes > 0 && size - old > 0 && bytes > lim_.max_disk_bytes)
-        return Status::out_of_memory("saving would take the session directory to " + std::to_string(bytes) +
-                                     " bytes, over its maximum of " + std::to_string(lim_.max_disk_bytes));
-      pending_files_ += is_new ? 1 : 0;
-      pending_disk_bytes_ += size;
+        st = Status::out_of_memory("the session directory holds its maximum of " +
+                                   std::to_string(lim_.max_disk_files) + " files");
+      else if (lim_.max_disk_bytes > 0 && size - old > 0 && bytes > lim_.max_disk_bytes)
+        st = Status::out_of_memory("saving would take the session directory to " + std::to_string(bytes) +
+                                   " bytes, over its maximum of " + std::to_string(lim_.max_disk_bytes));
+      if (st.is_ok()) {
+        pending_files_ += is_new ? 1 : 0;
+        pending_disk_bytes_ += size;
+      }
     }
-    st = writer(path(name));
-    std::error_code ec;
-    const auto real = fs::file_size(path(name), ec);
-    std::lock_guard<std::mutex> lk(disk_mu_);
-    pending_files_ -= is_new ? 1 : 0;
-    pending_disk_bytes_ -= size;
-    if (!ec) {
-      auto it = files_.find(name);
-      if (it != files_.end()) disk_bytes_ -= it->second;
-      files_[name] = static_cast<int64_t>(real);
-      disk_bytes_ += static_cast<int64_t>(real);
+    if (st.is_ok()) {
+      st = writer(path(name), s, now + 1);
+      if (st.is_ok()) {
+        *version = now + 1;
+        mark_saved(name, s.gen, now + 1);
+        s.base_version = now + 1;
+        s.changed = false;
+        *saved_session = s;
+      }
+      std::error_code ec;
+      const auto real = fs::file_size(path(name), ec);
+      std::lock_guard<std::mutex> lk(disk_mu_);
+      pending_files_ -= is_new ? 1 : 0;
+      pending_disk_bytes_ -= size;
+      if (!ec) {
+        auto it = files_.find(name);
+        if (it != files_.end()) disk_bytes_ -= it->second;
+        files_[name] = static_cast<int64_t>(real);
+        disk_bytes_ += static_cast<int64_t>(real);
+      }
     }
   }
   drop_turn(name, m);
   return st;
+}
+
+void SessionStore::mark_saved(const std::string& name, uint64_t gen, int64_t version) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = sessions_.find(name);
+  if (it == sessions_.end() || it->second.gen != gen) return;
+  it->second.base_version = version;
+  it->second.changed = false;
 }
 
 Status SessionStore::read(const std::string& name, const std::function<Status(const std::string&)>& reader) {
@@ -241,6 +346,7 @@ int64_t SessionStore::disk_files() const {
 
 // ---- the session file ---------------------------------------------------------------------
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -254,7 +360,7 @@ int64_t session_file_bytes(const Session& s) {
                                          s.context.size() * 4);
 }
 
-Status session_file_write(const std::string& path, const Session& s, const SessionFormat& f) {
+Status session_file_write(const std::string& path, const Session& s, const SessionFormat& f, int64_t version) {
   const StateSnapshot& sn = *s.snap;
   const int64_t esz = static_cast<int64_t>(dtype_size(sn.state_dtype));
   // Tensor views of the immutable snapshot (the writer only reads them).
@@ -270,9 +376,42 @@ Status session_file_write(const std::string& path, const Session& s, const Sessi
   return safetensors_write(path, t,
                            {{"laplace_session", "1"},
                             {"config_fingerprint", f.fingerprint},
+                            {"model_hash", f.model_hash},
+                            {"session_version", std::to_string(version)},
+                            {"saved_by", f.replica},
                             {"defer_writeback", std::to_string(f.pending.steps)},
                             {"pair_dtype", dtype_name(f.pending.pair_dtype)}},
                            0600);
+}
+
+namespace {
+
+// The version a session file's metadata records (1 when none: files from before versions).
+Status version_of(const std::map<std::string, std::string>& md, int64_t* version, std::string* saved_by) {
+  auto it = md.find("laplace_session");
+  if (it == md.end() || it->second != "1") return Status::corrupt("not a Laplace session file (or an unknown version)");
+  *version = 1;
+  if ((it = md.find("session_version")) != md.end()) {
+    const std::string& v = it->second;
+    if (v.empty() || v.size() > 18 || !std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
+        std::stoll(v) < 1)
+      return Status::corrupt("session file: session_version '" + v + "' is not a positive integer");
+    *version = std::stoll(v);
+  }
+  if (saved_by && (it = md.find("saved_by")) != md.end()) *saved_by = it->second;
+  return Status::ok();
+}
+
+}  // namespace
+
+Status session_file_version(const std::string& path, int64_t* version, std::string* saved_by) {
+  *version = 0;
+  if (saved_by) saved_by->clear();
+  SafeTensorsReader r;
+  Status st = SafeTensorsReader::open(path, &r);  // maps the file and reads its header only
+  if (st.code() == Status::Code::kNotFound) return Status::ok();
+  LAPLACE_RETURN_IF_ERROR(st);
+  return version_of(r.metadata(), version, saved_by);
 }
 
 namespace {
@@ -303,6 +442,10 @@ Status session_file_read(const std::string& path, const SessionFormat& f, Sessio
   auto md = r.metadata();
   if (md["laplace_session"] != "1") return Status::corrupt("not a Laplace session file (or an unknown version)");
   if (md["config_fingerprint"] != f.fingerprint) return Status::invalid_argument("the session was saved by a different model");
+  if (!f.model_hash.empty() && md.count("model_hash") && !md["model_hash"].empty() && md["model_hash"] != f.model_hash)
+    return Status::invalid_argument("the session was saved by a different model (same configuration, other weights)");
+  LAPLACE_RETURN_IF_ERROR(version_of(md, &out->base_version, nullptr));
+  out->changed = false;
   auto get = [&](const char* name, DType dt, const SafeTensorInfo** info) -> Status {
     *info = r.find(name);
     if (!*info || (*info)->dtype != dt || (*info)->shape.size() != 1)

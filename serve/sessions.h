@@ -11,6 +11,14 @@
 // so the file is always one whole save, never a mix or a truncation, even after kill -9),
 // files 0600, at most max_disk_bytes / max_disk_files in all. Temporaries left by dead
 // processes are removed when the store opens its directory.
+//
+// The directory may be shared by the replicas of a fleet (docs/deployment.md). Every file
+// carries a version (1, 2, ...); a session in memory remembers the version it descends
+// from. Saves of a name take turns across processes too (a lock file per name, see
+// FileLock), and a save whose session descends from an older version than the file's is
+// refused (conflict: another replica saved it meanwhile) instead of overwriting it. A
+// session asked for by name is taken from the file when this replica holds none, or holds
+// an unchanged copy of an older version (current()).
 #pragma once
 
 #include <cstdint>
@@ -33,6 +41,12 @@ namespace laplace {
 struct Session {
   std::vector<int32_t> context;  // every token of the session, in order
   SnapshotPtr snap;              // the state after a prefix of `context`
+  // The saved version this content descends from, or -1: new content that replaces
+  // whatever is saved under its name (a session created, forked, or kept from a request
+  // that did not continue it).
+  int64_t base_version = -1;
+  bool changed = true;           // since base_version was read or written
+  uint64_t gen = 0;              // set by the store: which put of its name this is
   // Host bytes it holds (what the memory cap counts).
   int64_t bytes() const {
     return (snap ? snap->bytes() : 0) + static_cast<int64_t>(context.size() * sizeof(int32_t));
@@ -75,10 +89,28 @@ class SessionStore {
   // Creates the directory, removes dead writers' temporaries, counts the files.
   // *removed: the number of temporaries removed.
   Status open_dir(int64_t* removed);
-  // Writes NAME.session through writer(path) (which writes it atomically, 0600) as its
-  // only writer; `size` is the file's size (for the quota). io_error from the writer;
-  // out_of_memory when the disk caps would be passed.
-  Status write(const std::string& name, int64_t size, const std::function<Status(const std::string&)>& writer);
+  // Saves the session `name` as this replica holds it (see current()) to NAME.session
+  // through writer(path, session, version) (which writes it atomically, 0600, as that
+  // version), as its only writer, in this process and in any other sharing the directory.
+  // Nothing is written when this replica's copy is the saved version, unchanged.
+  // *saved: the session saved; *version: the version it is now. Errors: current()'s;
+  // conflict when the file is no longer the version the copy descends from (another
+  // replica saved it meanwhile); out_of_memory when the disk caps would be passed;
+  // io_error from the writer.
+  Status save(const std::string& name, const std::function<Status(const std::string&, Session*)>& load,
+              const std::function<Status(const std::string&, const Session&, int64_t)>& writer, Session* saved,
+              int64_t* version);
+  // After a save of the session `gen` of `name` as `version`: it now descends from that
+  // version, unchanged (nothing happens when the name holds another session by now).
+  void mark_saved(const std::string& name, uint64_t gen, int64_t version);
+  // The session `name` as this replica should use it: the one in memory, or, with a
+  // directory, the saved one when memory holds none, or holds an unchanged copy of another
+  // version than the file's (which then replaces it in memory, under the caps).
+  // load(path, out) reads a file. not_found when there is neither; conflict when memory
+  // holds a changed copy and the file is another version (two replicas changed it);
+  // out_of_memory (the caps) or load's error otherwise.
+  Status current(const std::string& name, const std::function<Status(const std::string&, Session*)>& load,
+                 Session* out);
   // Reading takes the same per-name turn, so a restore never sees a save half done
   // (the rename makes that so anyway; the turn keeps the order of requests).
   Status read(const std::string& name, const std::function<Status(const std::string&)>& reader);
@@ -92,6 +124,9 @@ class SessionStore {
   std::shared_ptr<std::mutex> turn(const std::string& name);
   void drop_turn(const std::string& name, const std::shared_ptr<std::mutex>& m);
   bool fits_locked(int64_t add_count, int64_t add_bytes) const REQUIRES(mu_);
+  // current()'s choice, given the file's version (0 = none) and saver; load(out) reads it.
+  Status resolve(const std::string& name, int64_t saved, const std::string& by,
+                 const std::function<Status(Session*)>& load, Session* out);
 
   SessionLimits lim_;
   std::string dir_;
@@ -105,6 +140,7 @@ class SessionStore {
   };
   std::map<uint64_t, Reservation> reserved_ GUARDED_BY(mu_);
   uint64_t next_ticket_ GUARDED_BY(mu_) = 1;
+  uint64_t next_gen_ GUARDED_BY(mu_) = 1;
   int64_t reserved_count_ GUARDED_BY(mu_) = 0, reserved_bytes_ GUARDED_BY(mu_) = 0;
 
   mutable std::mutex disk_mu_;
@@ -115,18 +151,25 @@ class SessionStore {
 };
 
 // The session file: safetensors with tensors state, logits, snapshot_tokens, context and
-// metadata laplace_session=1, config_fingerprint, defer_writeback, pair_dtype.
+// metadata laplace_session=1, config_fingerprint, model_hash, defer_writeback, pair_dtype,
+// session_version and saved_by (the replica).
 struct SessionFormat {
   const Config* config = nullptr;
   std::string fingerprint;     // of the model's config
+  std::string model_hash;      // of the model's files ("" = not checked)
+  std::string replica;         // who saves
   DType state_dtype = DType::kF32;
   PendingSpec pending;         // this server's slot layout (defer_writeback, pair dtype)
   const StatePool* pool = nullptr;
 };
 // The file's size in bytes, header included (an upper bound: the header is padded).
 int64_t session_file_bytes(const Session& s);
-// Writes the file atomically with permissions 0600.
-Status session_file_write(const std::string& path, const Session& s, const SessionFormat& f);
+// Writes the file atomically with permissions 0600, as `version`.
+Status session_file_write(const std::string& path, const Session& s, const SessionFormat& f, int64_t version);
+// The version of the file at `path` (0 when there is none; 1 for files from before
+// versions were recorded) and the replica that saved it. corrupt when it is not a session
+// file. Reads only the header.
+Status session_file_version(const std::string& path, int64_t* version, std::string* saved_by = nullptr);
 // Reads and checks a file: format, model, slot layout (another layout is converted to
 // this server's), sizes, token ids, the state's tokens a prefix of the context, and every
 // value of the state and the logits finite. not_found when there is no file; corrupt or
