@@ -109,8 +109,23 @@ function initTabs() {
 
 // ---- chat ------------------------------------------------------------------------------------
 
+// Behind a fleet's balancer (docs/deployment.md), requests with one X-Laplace-Affinity key
+// reach one replica. A conversation gets a random key, so each turn reaches the replica whose
+// state cache holds the previous turn's state; a raw completion, a hash of its prompt's first
+// 256 characters, so prompts sharing that prefix meet their cached states; a request that
+// continues or keeps a named session, that name.
+function randomKey() {
+  return "c-" + Array.from(crypto.getRandomValues(new Uint8Array(8)), (b) => b.toString(16).padStart(2, "0")).join("");
+}
+function promptKey(prompt) {
+  let h = 0x811c9dc5;  // FNV-1a: a routing key, not a digest
+  for (const ch of prompt.slice(0, 256)) h = Math.imul(h ^ ch.codePointAt(0), 0x01000193) >>> 0;
+  return "p-" + h.toString(16).padStart(8, "0");
+}
+
 const chat = {
   messages: [],     // {role, content}: the conversation sent with each chat request
+  key: randomKey(), // the conversation's affinity key (a new one when it is cleared)
   lastPrompt: null, // completion mode: the last raw prompt (for Regenerate)
   controller: null, // the running request's AbortController
   lastBubble: null, // the last reply's element (Regenerate replaces it)
@@ -194,7 +209,7 @@ async function readEvents(resp, onData) {
 }
 
 // Streams one reply into `bubble`; returns the generated text.
-async function streamReply(bubble, endpoint, body) {
+async function streamReply(bubble, endpoint, body, affinity) {
   const textNode = bubble.querySelector(".text");
   const out = document.createTextNode("");
   textNode.appendChild(out);
@@ -206,8 +221,11 @@ async function streamReply(bubble, endpoint, body) {
   const t0 = performance.now();
   let tFirst = 0, tLast = 0, chunks = 0, usageTokens = -1, stopped = false, failed = "";
   try {
+    // A named session routes by its name: the replica that holds it (or loads it).
+    const route = body.session || body.save_session || affinity;
     const resp = await api(endpoint, {
       method: "POST",
+      headers: { "X-Laplace-Affinity": route },
       body: JSON.stringify(Object.assign(body, { stream: true, stream_options: { include_usage: true } })),
       signal: chat.controller.signal,
     });
@@ -258,7 +276,7 @@ async function runChat() {
   const bubble = addBubble("bot", "Model");
   chat.lastBubble = bubble;
   const body = Object.assign({ messages: chat.messages.slice() }, samplingFields());
-  const r = await streamReply(bubble, "/v1/chat/completions", body);
+  const r = await streamReply(bubble, "/v1/chat/completions", body, chat.key);
   // A stopped reply stays in the conversation as far as it went (as llama.cpp's page does),
   // unless the conversation was cleared meanwhile (its bubble is gone).
   if (bubble.isConnected && (r.ok || r.text)) chat.messages.push({ role: "assistant", content: r.text });
@@ -270,7 +288,7 @@ async function runCompletion(prompt) {
   bubble.querySelector(".text").appendChild(el("span", "prompt", prompt));
   chat.lastBubble = bubble;
   chat.lastPrompt = prompt;
-  await streamReply(bubble, "/v1/completions", Object.assign({ prompt }, samplingFields()));
+  await streamReply(bubble, "/v1/completions", Object.assign({ prompt }, samplingFields()), promptKey(prompt));
   setBusy(false);
 }
 
@@ -308,6 +326,7 @@ function stop() {
 function clearChat() {
   stop();
   chat.messages = [];
+  chat.key = randomKey();
   chat.lastPrompt = null;
   chat.lastBubble = null;
   $("transcript").replaceChildren();
