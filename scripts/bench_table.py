@@ -46,9 +46,12 @@ class BadInput(Exception):
 
 def area_of(name):
     """The area of a bench name: multi-GPU runs (`_gpusN`, `dist…`, `muon_…`) are "dist"
-    whatever their prefix; otherwise the prefix train_, gla_, decode_, prefill_, serve_."""
+    whatever their prefix; otherwise the prefix train_, gla_, decode_, prefill_, serve_ (fleet_:
+    serving too)."""
     if re.search(r"_gpus\d+", name) or name.startswith(("dist", "muon_")):
         return "dist"
+    if name.startswith("fleet_"):
+        return "serve"
     for a in ("train", "gla", "decode", "prefill", "serve"):
         if name.startswith(a + "_"):
             return a
