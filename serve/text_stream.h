@@ -32,12 +32,23 @@ class TextStream {
   const std::vector<int32_t>& tokens() const { return ids_; }
 
  private:
-  // The decoded text without trailing U+FFFD (an unfinished UTF-8 character).
-  std::string stable_text() const;
+  // Decodes what the last token added, without trailing U+FFFD (an unfinished UTF-8
+  // character): the text is decoded_ + pending_. Each push decodes a few tokens, not all of
+  // them (a whole decode per token made a long answer quadratic): the tokens from prefix_
+  // on, less the text of those before read_ (already in decoded_), which they need only as
+  // context (a piece's leading space is dropped at the start of a decode).
+  void advance();
+  // The text from byte `from` on (from >= decoded_.size() - its last piece or so).
+  std::string tail(size_t from) const;
+  size_t size() const { return decoded_.size() + pending_.size(); }
 
   const Tokenizer* tok_;
   std::vector<std::string> stops_;
+  size_t max_stop_ = 0;
   std::vector<int32_t> ids_;
+  std::string decoded_;   // the text of ids_[0, read_)
+  std::string pending_;   // the stable text of ids_[read_, end) (an unfinished character's tokens)
+  size_t prefix_ = 0, read_ = 0;
   std::string sent_;
   bool stopped_ = false;
 };

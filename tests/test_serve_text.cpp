@@ -107,6 +107,27 @@ TEST(TextStream, SplitUtf8CharactersAreHeldUntilComplete) {
   for (const auto& c : chunks) EXPECT_EQ(c.find("\xEF\xBF\xBD"), std::string::npos) << "no U+FFFD sent";
 }
 
+// What a random-weight model emits: any id, byte-fallback pieces (lone lead bytes, stray
+// continuation bytes) among them. The stream decodes a few tokens per push, not all of them
+// (a whole decode per token made long answers quadratic), and what it sends is still exactly
+// the whole decode.
+TEST(TextStream, AnySequenceOfIdsStreamsToItsWholeDecode) {
+  const Tokenizer& tok = tokenizer();
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<int32_t> ids(1 + rng() % 300);
+    for (auto& t : ids) t = static_cast<int32_t>(rng() % tok.vocab_size());
+    TextStream s(&tok, {});
+    std::string sent;
+    for (int32_t t : ids) sent += s.push(t);
+    sent += s.finish();
+    std::string whole;
+    ASSERT_TRUE(tok.decode(ids, &whole).is_ok());
+    ASSERT_EQ(sent, whole) << "trial " << trial;
+    ASSERT_EQ(s.sent(), whole);
+  }
+}
+
 TEST(PrefixCache, LongestPrefixAtAnyTokenBoundaryAndLruEviction) {
   auto snap = [](std::vector<int32_t> t) {
     auto s = std::make_shared<StateSnapshot>();
