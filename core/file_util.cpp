@@ -337,9 +337,10 @@ int64_t remove_stale_temporaries_of(const std::string& path) {
   return removed;
 }
 
-Status write_file_atomic(const std::string& path, const std::function<Status(std::FILE*)>& writer, unsigned mode) {
+Status write_file_atomic(const std::string& path, const std::function<Status(std::FILE*)>& writer, unsigned mode,
+                         bool tidy) {
   // What a crashed writer of this path left behind (its process is gone) goes first.
-  remove_stale_temporaries_of(path);
+  if (tidy) remove_stale_temporaries_of(path);
   // Same directory as the target: rename(2) is atomic only within one filesystem. A
   // temporary of its own per write (pid and a counter, created O_EXCL): writers never
   // share one, so concurrent writes of a path cannot interleave their bytes.

@@ -38,8 +38,11 @@ Status write_all(std::FILE* f, const void* data, size_t n);
 // temp file is removed and the previous file at `path`, if any, is untouched;
 // the returned error names `path`. Concurrent writers of one path each write
 // their own temporary; the last rename wins, and the file is always one of them whole.
+// `tidy` false skips step 1's removal of dead writers' temporaries, which lists the whole
+// directory: for a writer that tidies its directory itself (the session store, whose
+// directory may hold tens of thousands of files).
 Status write_file_atomic(const std::string& path, const std::function<Status(std::FILE*)>& writer,
-                         unsigned mode = 0666);
+                         unsigned mode = 0666, bool tidy = true);
 Status write_file_atomic(const std::string& path, const void* data, size_t n, unsigned mode = 0666);
 
 // Removes the temporaries of write_file_atomic in `dir` (`NAME.tmp.<pid>[.<n>[.h<host>]]`)

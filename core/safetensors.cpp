@@ -406,7 +406,7 @@ Status SafeTensorsReader::read_into(const std::string& name, Tensor dst) const {
 }
 
 Status safetensors_write(const std::string& path, const std::vector<NamedTensor>& tensors,
-                         const std::map<std::string, std::string>& metadata, unsigned mode) {
+                         const std::map<std::string, std::string>& metadata, unsigned mode, bool tidy) {
   // Validate first so that nothing is written (not even a temp file) for bad input.
   std::set<std::string> names;
   for (const NamedTensor& nt : tensors) {
@@ -473,7 +473,7 @@ Status safetensors_write(const std::string& path, const std::vector<NamedTensor>
       LAPLACE_RETURN_IF_ERROR(write_all(f, nt.tensor.data, nt.tensor.nbytes()));
     }
     return Status::ok();
-  }, mode);
+  }, mode, tidy);
 }
 
 }  // namespace laplace

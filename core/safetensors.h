@@ -101,10 +101,12 @@ struct NamedTensor {
 // then the tensors in layout order, fields dtype, shape, data_offsets), padded
 // with spaces to a multiple of 8 bytes. "__metadata__" holds `metadata` with
 // "format" set to "pt" (a caller's "format" value is replaced). `mode`: the
-// file's permissions (before the umask; 0600 for files only their owner may read).
+// file's permissions (before the umask; 0600 for files only their owner may read); `tidy`:
+// as write_file_atomic's.
 // Errors: invalid_argument (empty, duplicate or reserved names, invalid UTF-8,
 // a tensor that is not CPU/contiguous), io_error / not_found (the file).
 Status safetensors_write(const std::string& path, const std::vector<NamedTensor>& tensors,
-                         const std::map<std::string, std::string>& metadata, unsigned mode = 0666);
+                         const std::map<std::string, std::string>& metadata, unsigned mode = 0666,
+                         bool tidy = true);
 
 }  // namespace laplace

@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <chrono>
 #include <filesystem>
 
 #include "core/file_util.h"
@@ -162,6 +163,10 @@ Status SessionStore::open_dir(int64_t* removed) {
     if (!st.is_ok()) return Status::io_error("the session directory is not writable: " + st.message());
   }
   *removed = remove_stale_temporaries(dir_, ".session");
+  {
+    std::lock_guard<std::mutex> lk(disk_mu_);
+    tidied_at_ = std::chrono::steady_clock::now();
+  }
   std::lock_guard<std::mutex> lk(disk_mu_);
   files_.clear();
   disk_bytes_ = 0;
@@ -266,6 +271,18 @@ Status SessionStore::save(const std::string& name, const std::function<Status(co
       drop_turn(name, m);
       return st;
     }
+    // Dead writers' temporaries: at start (open_dir) and then at most every ten minutes, not
+    // at every save (which would list a directory of tens of thousands of sessions each time).
+    bool tidy = false;
+    {
+      const auto now_t = std::chrono::steady_clock::now();
+      std::lock_guard<std::mutex> lk(disk_mu_);
+      if (now_t - tidied_at_ > std::chrono::minutes(10)) {
+        tidied_at_ = now_t;
+        tidy = true;
+      }
+    }
+    if (tidy) remove_stale_temporaries(dir_, ".session");
     const int64_t size = session_file_bytes(s);
     int64_t old = 0;
     bool is_new = false;
@@ -381,7 +398,7 @@ Status session_file_write(const std::string& path, const Session& s, const Sessi
                             {"saved_by", f.replica},
                             {"defer_writeback", std::to_string(f.pending.steps)},
                             {"pair_dtype", dtype_name(f.pending.pair_dtype)}},
-                           0600);
+                           0600, /*tidy=*/false);  // the store tidies its directory (SessionStore::save)
 }
 
 namespace {

@@ -21,6 +21,7 @@
 // an unchanged copy of an older version (current()).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -148,6 +149,7 @@ class SessionStore {
   std::map<std::string, int64_t> files_ GUARDED_BY(disk_mu_);  // name -> bytes on disk
   int64_t disk_bytes_ GUARDED_BY(disk_mu_) = 0, pending_disk_bytes_ GUARDED_BY(disk_mu_) = 0,
           pending_files_ GUARDED_BY(disk_mu_) = 0;
+  std::chrono::steady_clock::time_point tidied_at_ GUARDED_BY(disk_mu_);  // dead writers' temporaries removed
 };
 
 // The session file: safetensors with tensors state, logits, snapshot_tokens, context and

@@ -205,6 +205,13 @@ TEST(FileUtil, StaleTemporariesOfDeadWritersAreRemoved) {
   EXPECT_EQ(list_dir(dir), (std::vector<std::string>{"a.session.tmp." + live + ".0", "b.session",
                                                      "checkpoint.safetensors", "keep.tmp.notapid"}));
   EXPECT_EQ(remove_stale_temporaries(dir), 0);
+  // A writer that tidies its directory itself (tidy = false) leaves them for that.
+  ASSERT_TRUE(write_file_atomic(dir + "/c.session.tmp." + dead + ".1", "x", 1).is_ok());
+  ASSERT_TRUE(write_file_atomic(
+                  dir + "/c.session", [](std::FILE* f) { return write_all(f, "s", 1); }, 0600, /*tidy=*/false)
+                  .is_ok());
+  EXPECT_TRUE(fs::exists(dir + "/c.session.tmp." + dead + ".1"));
+  EXPECT_EQ(remove_stale_temporaries(dir, ".session"), 1);
   fs::remove_all(dir);
 }
 
