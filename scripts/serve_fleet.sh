@@ -311,7 +311,7 @@ $(tail -n 8 "$dir/r$k.log")"
     done
     local hash replica model
     hash=$(json_field model_hash "$body") replica=$(json_field replica "$body") model=$(json_field model "$body")
-    [ -n "$hash" ] || die "replica r$k's /health has no model_hash ($(cat "$body")): this laplace serve predates fleets (issue #55)"
+    [ -n "$hash" ] || die "replica r$k's /health has no model_hash ($(cat "$body")): this laplace serve predates fleets"
     [ "$replica" = "r$k" ] || die "the server on port $p answers as replica '$replica', not r$k"
     what="--model ${models[$((k % ${#models[@]}))]}"
     [ $gpu_mode = gpus ] && what+=", GPU ${gpus[$k]}"

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""A fleet of `laplace serve` replicas behind the real HAProxy (issue #55), on 127.0.0.1.
+"""A fleet of `laplace serve` replicas behind the real HAProxy, on 127.0.0.1.
 
 scripts/serve_fleet.sh starts 3 CPU replicas of a small random-weight model (a 400-piece
 tokenizer and laplace-tiny's shapes, as tests/serve_fixture.sh makes it) with a shared
