@@ -8,7 +8,7 @@
 #include "core/file_util.h"
 
 #ifdef LAPLACE_HAVE_SERVER
-#include "serve/server.h"
+#include "serve/http/server.h"
 #endif
 
 namespace laplace::cli {

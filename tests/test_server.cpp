@@ -38,7 +38,7 @@
 #include "model/model.h"
 #include "serve/http_load.h"
 #include "serve/metrics.h"
-#include "serve/server.h"
+#include "serve/http/server.h"
 #include "tests/http_client.h"
 #include "tests/server_test_util.h"
 #include "tests/test_util.h"

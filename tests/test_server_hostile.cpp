@@ -22,7 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "serve/server.h"
+#include "serve/http/server.h"
 #include "tests/http_client.h"
 #include "tests/server_test_util.h"
 #include "tests/test_util.h"

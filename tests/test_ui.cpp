@@ -17,8 +17,8 @@
 
 #include "core/file_util.h"
 #include "model/model.h"
-#include "serve/server.h"
-#include "serve/static_files.h"
+#include "serve/http/server.h"
+#include "serve/http/static_files.h"
 #include "tests/http_client.h"
 #include "tests/test_util.h"
 #include "text/tokenizer.h"

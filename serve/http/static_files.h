@@ -12,7 +12,7 @@
 #include <optional>
 #include <string_view>
 
-#include "serve/http_server.h"
+#include "serve/http/http_server.h"
 
 namespace laplace {
 

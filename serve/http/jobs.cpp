@@ -4,7 +4,7 @@
 #include <cmath>
 #include <random>
 
-#include "serve/server_impl.h"
+#include "serve/http/server_impl.h"
 
 namespace laplace {
 

@@ -9,8 +9,8 @@
 #include <mutex>
 #include <regex>
 
-#include "serve/server_impl.h"
-#include "serve/static_files.h"
+#include "serve/http/server_impl.h"
+#include "serve/http/static_files.h"
 
 namespace laplace {
 
