@@ -1,4 +1,4 @@
-// `laplace serve`: the OpenAI-compatible HTTP server (serve/server.h).
+// `laplace serve`: the OpenAI-compatible HTTP server (serve/http/server.h).
 #include <cctype>
 #include <csignal>
 #include <cstdio>

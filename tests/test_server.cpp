@@ -1,4 +1,4 @@
-// The HTTP server (serve/server.h) over real sockets on 127.0.0.1, CPU backend, a small
+// The HTTP server (serve/http/server.h) over real sockets on 127.0.0.1, CPU backend, a small
 // random-weight model with a trained 400-piece tokenizer. Hostile input, the exact state
 // cache, forks, sessions, the bounded queue and a bounded load test.
 #ifdef LAPLACE_HAVE_SERVER

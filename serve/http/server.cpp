@@ -1,6 +1,6 @@
-// `laplace serve`'s lifetime (serve/server.h): start, model loading, the engine thread,
-// file work, stop and the graceful stop. The routes are in serve/routes.cpp, completions
-// in serve/jobs.cpp, sessions in serve/sessions.cpp, the transport in serve/http_server.cpp.
+// `laplace serve`'s lifetime (serve/http/server.h): start, model loading, the engine thread,
+// file work, stop and the graceful stop. The routes are in serve/http/routes.cpp, completions
+// in serve/http/jobs.cpp, sessions in serve/sessions.cpp, the transport in serve/http/http_server.cpp.
 #include "serve/http/server.h"
 
 #include <chrono>
