@@ -32,13 +32,13 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/bench_log.h"
+#include "bench/bench_log.h"
 #include "core/file_util.h"
 #include "eval/stream.h"
 #include "cli/common.h"
 #include "model/config.h"
 #include "serve/engine.h"
-#include "serve/http_load.h"
+#include "bench/http_load.h"
 
 #ifdef LAPLACE_HAVE_CUDA
 #include <cuda_runtime_api.h>

@@ -20,7 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/common.h"
-#include "core/bench_log.h"
+#include "bench/bench_log.h"
 #include "eval/context.h"
 #include "eval/recall.h"
 #include "eval/serving.h"

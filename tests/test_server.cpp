@@ -36,7 +36,7 @@
 #include "core/file_util.h"
 #include "core/safetensors.h"
 #include "model/model.h"
-#include "serve/http_load.h"
+#include "bench/http_load.h"
 #include "serve/metrics.h"
 #include "serve/http/server.h"
 #include "tests/http_client.h"
