@@ -29,7 +29,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "core/bench_log.h"
+#include "bench/bench_log.h"
 #include "core/arena.h"
 #include "ops/backend.h"
 

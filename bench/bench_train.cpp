@@ -38,7 +38,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "core/bench_log.h"
+#include "bench/bench_log.h"
 #include "model/model.h"
 #include "model/weights.h"
 #include "train/memory_plan.h"

@@ -10,7 +10,7 @@
 //   laplace bench serve   --config F | --model DIR --rate R --count N --prompt-len P
 //                         --output-len O [--max-slots S | --memory-budget B]
 //   laplace bench http    --port N [--host H] --streams S --prompt-len P --max-tokens M
-//                         (a running `laplace serve`; serve/http_load.h)
+//                         (a running `laplace serve`; bench/http_load.h)
 //
 // On CUDA, decode replays CUDA graphs captured when the engine is created (--eager: the
 // same kernels and padded widths without graphs).
@@ -32,13 +32,13 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/bench_log.h"
+#include "bench/bench_log.h"
+#include "bench/http_load.h"
+#include "cli/common.h"
 #include "core/file_util.h"
 #include "eval/stream.h"
-#include "cli/common.h"
 #include "model/config.h"
 #include "serve/engine.h"
-#include "serve/http_load.h"
 
 #ifdef LAPLACE_HAVE_CUDA
 #include <cuda_runtime_api.h>

@@ -19,8 +19,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench/bench_log.h"
 #include "cli/common.h"
-#include "core/bench_log.h"
 #include "eval/context.h"
 #include "eval/recall.h"
 #include "eval/serving.h"

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "cli/common.h"
-#include "core/bench_log.h"
+#include "bench/bench_log.h"
 #include "eval/mqar.h"
 
 namespace laplace::cli {

@@ -1,4 +1,4 @@
-// `laplace serve`: the OpenAI-compatible HTTP server (serve/server.h).
+// `laplace serve`: the OpenAI-compatible HTTP server (serve/http/server.h).
 #include <cctype>
 #include <csignal>
 #include <cstdio>
@@ -8,7 +8,7 @@
 #include "core/file_util.h"
 
 #ifdef LAPLACE_HAVE_SERVER
-#include "serve/server.h"
+#include "serve/http/server.h"
 #endif
 
 namespace laplace::cli {

@@ -1,5 +1,6 @@
-// The ops interface: every computation of the model goes through a Backend, so the
-// same model code runs on the CPU (ops/cpu) and on CUDA (ops/cuda).
+// The ops interface (the laplace_ops library: this header and ops/backend.cpp, on laplace_core
+// alone): every computation of the model goes through a Backend, so the same model code runs
+// on the CPU (ops/cpu, laplace_ops_cpu) and on CUDA (ops/cuda, laplace_cuda).
 //
 // Conventions (all backends):
 //  - Tensors are row-major views (core/tensor.h); the innermost dim is contiguous,
@@ -370,10 +371,15 @@ class Backend {
   virtual void loss_sum_into(const Tensor& losses, double count, Tensor acc, bool accumulate) = 0;
 };
 
+// The factories: declared with the interface, defined in the libraries above laplace_ops, so
+// code that links only the interface (the model) calls none of them.
+// Defined in laplace_ops_cpu (ops/cpu/cpu_backend.cpp).
 std::unique_ptr<Backend> make_cpu_backend();
-// "cpu" or "cuda"; an unsupported error says why CUDA is unavailable.
+// "cpu" or "cuda"; an unsupported error says why CUDA is unavailable. Defined in
+// laplace_backends (ops/backends/make_backend.cpp), which links both backends.
 Status make_backend(const std::string& device, std::unique_ptr<Backend>* out);
-// nullptr with a reason in *why when CUDA is not compiled in or no GPU is present.
+// nullptr with a reason in *why when CUDA is not compiled in or no GPU is present. Defined in
+// laplace_cuda (ops/cuda/cuda_backend.cpp) or laplace_nocuda (ops/cuda/no_cuda.cpp).
 std::unique_ptr<Backend> make_cuda_backend(std::string* why);
 
 }  // namespace laplace

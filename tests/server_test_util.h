@@ -1,4 +1,4 @@
-// Raw-socket helpers for tests that drive a server (serve/server.h) on 127.0.0.1 the way a
+// Raw-socket helpers for tests that drive a server (serve/http/server.h) on 127.0.0.1 the way a
 // hostile or careless client would: bytes written by hand, connections dropped at will.
 #pragma once
 

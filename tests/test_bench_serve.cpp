@@ -17,7 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/bench_log.h"
+#include "bench/bench_log.h"
 #include "tests/test_util.h"
 
 namespace laplace {

@@ -1,4 +1,4 @@
-// The HTTP server (serve/server.h) over real sockets on 127.0.0.1, CPU backend, a small
+// The HTTP server (serve/http/server.h) over real sockets on 127.0.0.1, CPU backend, a small
 // random-weight model with a trained 400-piece tokenizer. Hostile input, the exact state
 // cache, forks, sessions, the bounded queue and a bounded load test.
 #ifdef LAPLACE_HAVE_SERVER
@@ -33,12 +33,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench/http_load.h"
 #include "core/file_util.h"
 #include "core/safetensors.h"
 #include "model/model.h"
-#include "serve/http_load.h"
+#include "serve/http/server.h"
 #include "serve/metrics.h"
-#include "serve/server.h"
 #include "tests/http_client.h"
 #include "tests/server_test_util.h"
 #include "tests/test_util.h"
@@ -1412,7 +1412,7 @@ TEST_F(ServerTest, ListOfPromptsIsAnsweredAsLmEvalHarnessReadsIt) {
   wait_idle();
 }
 
-// `laplace bench http`'s client (serve/http_load.h) against this server: as many streams as
+// `laplace bench http`'s client (bench/http_load.h) against this server: as many streams as
 // it admits (2 slots + 4 queued) all complete with exactly max_tokens tokens and give a rate;
 // without the API key every stream fails with the 401 named; no server is an error.
 TEST_F(ServerTest, BenchHttpLoadCountsStreamsTokensAndFailures) {

@@ -23,7 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/safetensors.h"
-#include "serve/server.h"
+#include "serve/http/server.h"
 #include "serve/sessions.h"
 #include "tests/http_client.h"
 #include "tests/test_util.h"

@@ -1,4 +1,4 @@
-// The server (serve/server.h) under hostile clients (issue 52), over real sockets on
+// The server (serve/http/server.h) under hostile clients (issue 52), over real sockets on
 // 127.0.0.1: clients that leave at every stage of a request give back all they held,
 // requests are bounded before admission, the server is safe by default on localhost, and
 // the protocol is strict.
@@ -22,7 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "serve/server.h"
+#include "serve/http/server.h"
 #include "tests/http_client.h"
 #include "tests/server_test_util.h"
 #include "tests/test_util.h"

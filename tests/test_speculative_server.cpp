@@ -11,7 +11,7 @@
 #include <string>
 
 #include "serve/drafter.h"
-#include "serve/server.h"
+#include "serve/http/server.h"
 #include "tests/http_client.h"
 #include "tests/test_util.h"
 

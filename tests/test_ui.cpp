@@ -1,4 +1,4 @@
-// The web page of `laplace serve` (serve/static_files.h) over a real socket: the page and its
+// The web page of `laplace serve` (serve/http/static_files.h) over a real socket: the page and its
 // files load without the API key while the API still needs it, with the right types and the
 // security headers, also while no model is loaded; HEAD answers the head alone; the files
 // carry no inline script or style and never build HTML from data. The page in a browser:
@@ -17,8 +17,8 @@
 
 #include "core/file_util.h"
 #include "model/model.h"
-#include "serve/server.h"
-#include "serve/static_files.h"
+#include "serve/http/server.h"
+#include "serve/http/static_files.h"
 #include "tests/http_client.h"
 #include "tests/test_util.h"
 #include "text/tokenizer.h"

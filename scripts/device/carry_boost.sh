@@ -3,7 +3,7 @@
 # Ubuntu 24.04, no network — can build `laplace serve` and the server tests with
 # -DLAPLACE_BOOST_ROOT=.carry/boost (scripts/device/server_tests.sh does).
 #
-# What it carries: the Boost headers serve/http_server.cpp includes, and every header they
+# What it carries: the Boost headers serve/http/http_server.cpp includes, and every header they
 # include in turn, exactly as the compiler finds them (`g++ -M`), copied from this machine's
 # Debian libboost-dev (1.74) with their paths (.carry/boost/boost/asio/..., beast/..., ...):
 # about 800 files, 5.5 MB. Asio and Beast are header-only, so nothing binary is carried.
@@ -17,7 +17,7 @@ dest=.carry/boost
 [ -f /usr/include/boost/beast/http/parser.hpp ] || { echo "no /usr/include/boost/beast: apt-get install libboost-dev" >&2; exit 1; }
 rm -rf "$dest"
 mkdir -p "$dest"
-files=$(g++ -std=c++20 -M -I. -DBOOST_ERROR_CODE_HEADER_ONLY -DBOOST_ASIO_NO_DEPRECATED serve/http_server.cpp |
+files=$(g++ -std=c++20 -M -I. -DBOOST_ERROR_CODE_HEADER_ONLY -DBOOST_ASIO_NO_DEPRECATED serve/http/http_server.cpp |
   tr ' \\' '\n\n' | grep '^/usr/include/boost/' | sort -u)
 for f in $files; do
   rel=${f#/usr/include/}

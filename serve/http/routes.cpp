@@ -1,6 +1,6 @@
 // The routes of `laplace serve` (docs/serving.md §9): authentication and readiness before
-// any body is read, then health, models, metrics, completions (serve/jobs.cpp), sessions and
-// the web page (serve/static_files.h).
+// any body is read, then health, models, metrics, completions (serve/http/jobs.cpp), sessions and
+// the web page (serve/http/static_files.h).
 #include <arpa/inet.h>
 #include <netinet/in.h>
 
@@ -9,8 +9,8 @@
 #include <mutex>
 #include <regex>
 
-#include "serve/server_impl.h"
-#include "serve/static_files.h"
+#include "serve/http/server_impl.h"
+#include "serve/http/static_files.h"
 
 namespace laplace {
 

@@ -1,11 +1,11 @@
-// The inside of `laplace serve` (serve/server.h), shared by its parts:
+// The inside of `laplace serve` (serve/http/server.h), shared by its parts:
 //   server.cpp    lifetime: start, model loading, the engine thread, stop and graceful stop;
 //   routes.cpp    the routes: authentication, admission, health, models, metrics, sessions;
 //   jobs.cpp      completions: a request's engine work (n choices), its answer streamed or
 //                 whole, and what the engine's callbacks feed it;
-//   sessions.cpp  the session store and the session file (serve/sessions.h);
-//   static_files.cpp the web page (serve/ui/, compiled into the binary);
-//   http_server.* the transport (serve/http_server.h).
+//   serve/sessions.* the session store and the session file (in laplace_serve, below);
+//   static_files.cpp the web page (serve/http/ui/, compiled into the binary);
+//   http_server.* the transport (serve/http/http_server.h).
 //
 // Threads: the HTTP event loops run the routes and the producers of answers; ONE engine
 // thread runs Engine::step() and the engine's callbacks, which fill jobs under their lock
@@ -29,14 +29,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/thread_annotations.h"
 #include "model/model.h"
 #include "serve/chat_template.h"
 #include "serve/engine.h"
-#include "core/thread_annotations.h"
-#include "serve/http_server.h"
+#include "serve/http/http_server.h"
+#include "serve/http/server.h"
 #include "serve/metrics.h"
 #include "serve/openai_api.h"
-#include "serve/server.h"
 #include "serve/sessions.h"
 #include "serve/text_stream.h"
 #include "serve/work_queue.h"

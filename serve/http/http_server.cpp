@@ -1,7 +1,7 @@
 // Boost 1.74's asio/awaitable.hpp uses std::exchange without including <utility> (C++20).
 #include <utility>
 
-#include "serve/http_server.h"
+#include "serve/http/http_server.h"
 #include "core/thread_annotations.h"
 
 #include <linux/sockios.h>

@@ -1,4 +1,4 @@
-#include "serve/http_load.h"
+#include "bench/http_load.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -17,7 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/bench_log.h"
+#include "bench/bench_log.h"
 #include "core/rng.h"
 
 namespace laplace {

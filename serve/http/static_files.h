@@ -1,5 +1,5 @@
 // The web page of `laplace serve` (docs/serving.md §9, "The web page"): a chat view, a live
-// view of /metrics and the named sessions, as three hand-written files (serve/ui/) compiled
+// view of /metrics and the named sessions, as three hand-written files (serve/http/ui/) compiled
 // into the binary, so a server needs no file beside it and no network to show its page.
 //
 // The page is public: it loads without the API key (it holds no data of its own; the key it
@@ -12,7 +12,7 @@
 #include <optional>
 #include <string_view>
 
-#include "serve/http_server.h"
+#include "serve/http/http_server.h"
 
 namespace laplace {
 

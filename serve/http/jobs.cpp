@@ -1,10 +1,10 @@
 // Completions: a request's engine work (n choices), what the engine's callbacks feed it,
-// and its answer (serve/server_impl.h).
+// and its answer (serve/http/server_impl.h).
 #include <chrono>
 #include <cmath>
 #include <random>
 
-#include "serve/server_impl.h"
+#include "serve/http/server_impl.h"
 
 namespace laplace {
 

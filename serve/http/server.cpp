@@ -1,7 +1,7 @@
-// `laplace serve`'s lifetime (serve/server.h): start, model loading, the engine thread,
-// file work, stop and the graceful stop. The routes are in serve/routes.cpp, completions
-// in serve/jobs.cpp, sessions in serve/sessions.cpp, the transport in serve/http_server.cpp.
-#include "serve/server.h"
+// `laplace serve`'s lifetime (serve/http/server.h): start, model loading, the engine thread,
+// file work, stop and the graceful stop. The routes are in serve/http/routes.cpp, completions
+// in serve/http/jobs.cpp, sessions in serve/sessions.cpp, the transport in serve/http/http_server.cpp.
+#include "serve/http/server.h"
 
 #include <chrono>
 #include <cstdio>
@@ -11,7 +11,7 @@
 
 #include "core/file_util.h"
 #include "model/config.h"
-#include "serve/server_impl.h"
+#include "serve/http/server_impl.h"
 
 namespace laplace {
 

@@ -1,4 +1,4 @@
-#include "core/bench_log.h"
+#include "bench/bench_log.h"
 
 #include <algorithm>
 #include <cmath>

@@ -3,11 +3,11 @@
 // boundary, n > 1 as forks of one prefill, and named sessions (save / restore / fork /
 // delete a whole context). See docs/serving.md §"HTTP server".
 //
-// Threads: a few HTTP event-loop threads (serve/http_server.h) parse requests and write
+// Threads: a few HTTP event-loop threads (serve/http/http_server.h) parse requests and write
 // answers, thousands of connections each; ONE engine thread runs Engine::step() whenever
 // there is work. Engine callbacks (engine thread) hand tokens to per-request jobs under
 // the job's lock; after each step the engine thread wakes the connections of the jobs
-// that moved. The parts: serve/server_impl.h.
+// that moved. The parts: serve/http/server_impl.h.
 #pragma once
 
 #include <cstdint>
