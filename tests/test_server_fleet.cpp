@@ -251,9 +251,11 @@ TEST_F(Fleet, RacingSavesFromTwoReplicasAreOrderedByVersion) {
   // A version is one replica's: the same number twice only when a replica's second save
   // found its copy saved already.
   std::sort(versions.begin(), versions.end());
-  for (size_t i = 1; i < versions.size(); ++i)
-    if (versions[i].first == versions[i - 1].first)
+  for (size_t i = 1; i < versions.size(); ++i) {
+    if (versions[i].first == versions[i - 1].first) {
       EXPECT_EQ(versions[i].second, versions[i - 1].second) << "version " << versions[i].first << " written by two";
+    }
+  }
   EXPECT_EQ(versions.back().first, file_version("s3"));
 }
 
