@@ -362,15 +362,14 @@ class FleetTest(unittest.TestCase):
 
     def test_6_drain(self):
         keys = self.keys_by_replica()
-        # A stream of a few seconds (the replicas' --grace-seconds is 60), its length from the
-        # rate of a short one (on 2 shared cores it varies tenfold), at most 3,000 tokens (a
-        # stream's time per token grows with its length: 4,000 took 6 s where 2,000 took 1.7);
-        # whichever replica it reaches is the one stopped.
+        # A stream of about 8 s (the replicas' --grace-seconds is 60), its length from the rate
+        # of a short one just before (on 2 shared cores it varies tenfold); whichever replica it
+        # reaches is the one stopped.
         t0 = time.time()
-        c, resp = self.front.open_stream({"prompt": "The quick", "max_tokens": 64, "ignore_eos": True})
+        c, resp = self.front.open_stream({"prompt": "The quick", "max_tokens": 256, "ignore_eos": True})
         self.assertTrue(read_events(resp)[1])
         c.close()
-        n = int(min(3000, max(600, 64 / (time.time() - t0) * 8)))
+        n = int(min(60000, max(600, 256 / (time.time() - t0) * 8)))
         c, resp = self.front.open_stream({"prompt": "The quick", "max_tokens": n, "ignore_eos": True,
                                           "stream_options": {"include_usage": True}})
         self.addCleanup(c.close)
