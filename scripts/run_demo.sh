@@ -10,7 +10,7 @@ if [ -z "${LAPLACE:-}" ]; then
   [ -x build-demo/laplace ] && LAPLACE=build-demo/laplace
 fi
 OUT=${OUT:-runs/demo}
-STEPS=${STEPS:-500}
+STEPS=${STEPS:-160}
 FORTUNES=/usr/share/games/fortunes
 mkdir -p "$OUT"
 
@@ -41,8 +41,8 @@ fi
 # 4. Train laplace-tiny (4 layers, D=128, 4 heads of 32×64 state) on the CPU.
 "$LAPLACE" train --config configs/laplace-tiny.json --data "$OUT/data/train_*.bin" \
   --val-data "$OUT/data/val_*.bin" --tokenizer "$OUT/tokenizer.model" --out "$OUT/model" \
-  --batch 16 --seq 128 --steps "$STEPS" --lr 0.01 --warmup 30 --schedule cosine --wd 0.01 \
-  --eval-every 100 --eval-batches 8 --ckpt-every 200 --log-every 20
+  --batch 16 --seq 128 --steps "$STEPS" --lr 0.015 --warmup 20 --schedule cosine --wd 0.01 \
+  --eval-every 80 --eval-batches 8 --ckpt-every 200 --log-every 20
 
 # 5. Generate from the trained checkpoint.
 echo "== generation (temperature 0.8, top-k 40, seed 1)"
