@@ -7,6 +7,9 @@
 // tests/test_fleet.py runs separate processes behind HAProxy).
 #ifdef LAPLACE_HAVE_SERVER
 
+#include <poll.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
@@ -26,6 +29,7 @@
 #include "serve/http/server.h"
 #include "serve/sessions.h"
 #include "tests/http_client.h"
+#include "tests/server_test_util.h"
 #include "tests/test_util.h"
 
 namespace laplace {
@@ -51,7 +55,8 @@ bool testing_eventually(const std::function<bool()>& pred) {
 
 class Replica {
  public:
-  Replica(const std::string& model_dir, const std::string& sessions, const std::string& id) {
+  Replica(const std::string& model_dir, const std::string& sessions, const std::string& id,
+          int64_t max_connections = 0) {
     ServerOptions o;
     o.model_dir = model_dir;
     o.model_name = "tiny";
@@ -60,6 +65,7 @@ class Replica {
     o.engine.max_slots = 2;
     o.engine.prefill_chunk = 16;
     o.session_dir = sessions;
+    o.max_connections = max_connections;
     srv_ = std::make_unique<Server>(o);
     start_status_ = srv_->start();
     if (start_status_.is_ok()) start_status_ = srv_->wait_ready();
@@ -164,6 +170,31 @@ TEST_F(Fleet, HealthAndMetricsNameTheReplicaAndTheModel) {
   EXPECT_TRUE(saw);
   std::error_code ec;
   fs::remove_all(other, ec);
+}
+
+// A connection past --max-connections is refused at once with a 503 that names the replica
+// too (a balancer's log and the client then say which one was full).
+TEST_F(Fleet, AConnectionOverTheLimitIsRefusedNamingTheReplica) {
+  Replica small(model_, sessions_, "rSmall", 3);
+  ASSERT_TRUE(small.start_status().is_ok());
+  const int port = small.server().port();
+  std::vector<int> held;
+  std::string refused;
+  for (int i = 0; i < 8 && refused.empty(); ++i) {
+    const int fd = testing::srv::connect_local(port);
+    ASSERT_GE(fd, 0);
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 300) > 0) {
+      refused = testing::srv::read_until_close(fd, 2);
+      close(fd);
+    } else {
+      held.push_back(fd);  // accepted and waiting for its request
+    }
+  }
+  for (int fd : held) close(fd);
+  ASSERT_FALSE(refused.empty()) << "no connection was refused past the limit of 3";
+  EXPECT_EQ(refused.rfind("HTTP/1.1 503", 0), 0u) << refused;
+  EXPECT_NE(refused.find("X-Laplace-Replica: rSmall\r\n"), std::string::npos) << refused;
 }
 
 // Saved on A, continued on B: B holds nothing of it and takes it from the shared directory,

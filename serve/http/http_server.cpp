@@ -711,13 +711,19 @@ void wake_all(const std::vector<ExchangePtr>& exchanges) {
 void HttpServer::Impl::refuse(tcp::socket& s) {
   // Over the connection limit: a short answer, written at once (a new socket's send buffer
   // is empty), then closed.
-  static const std::string kBusy =
-      "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\nConnection: close\r\n"
-      "Content-Length: " +
-      std::to_string(error_body("too many connections").size()) + "\r\n\r\n" + error_body("too many connections");
+  // With the headers every answer carries (ResponseHeaders of a request with no header: the
+  // replica's name, behind a balancer).
+  const std::string busy = [this] {
+    std::string h;
+    if (response_headers)
+      for (const http::Header& x : response_headers(http::Request{})) h += x.name + ": " + x.value + "\r\n";
+    return "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\nConnection: close\r\n" +
+           h + "Content-Length: " + std::to_string(error_body("too many connections").size()) + "\r\n\r\n" +
+           error_body("too many connections");
+  }();
   beast::error_code ec;
   s.non_blocking(true, ec);
-  s.write_some(asio::buffer(kBusy), ec);
+  s.write_some(asio::buffer(busy), ec);
   s.shutdown(tcp::socket::shutdown_both, ec);
   s.close(ec);
 }
