@@ -88,7 +88,21 @@ function waitEvent(name, timeoutMs) {
 }
 
 let session = "";
-const affinity = [];  // {chat, key, session} of each completion request the page sent
+// Runs in the page: keeps {chat, key, session} of each completion request in
+// window.__laplaceAffinity.
+function recordAffinity() {
+  const seen = (window.__laplaceAffinity = []);
+  const original = window.fetch.bind(window);
+  window.fetch = (url, options = {}) => {
+    if (/\/v1\/(chat\/)?completions$/.test(String(url))) {
+      let body = {};
+      try { body = JSON.parse(options.body || "{}"); } catch (_) { /* not JSON: no session */ }
+      seen.push({ chat: /chat/.test(String(url)), key: (options.headers || {})["X-Laplace-Affinity"] || "",
+                  session: body.session || "" });
+    }
+    return original(url, options);
+  };
+}
 const cmd = (method, params, timeoutMs) => send(method, params, session, timeoutMs);
 
 async function evaluate(expression) {
@@ -188,14 +202,9 @@ async function main() {
   });
   await cmd("Page.enable");
   await cmd("Runtime.enable");
-  // Every completion request's X-Laplace-Affinity (what a fleet's balancer routes on).
-  await cmd("Network.enable");
-  listeners.push((msg) => {
-    if (msg.method !== "Network.requestWillBeSent" || !/\/v1\/(chat\/)?completions$/.test(msg.params.request.url)) return;
-    const h = msg.params.request.headers;
-    const body = msg.params.request.postData ? JSON.parse(msg.params.request.postData) : {};
-    affinity.push({ chat: /chat/.test(msg.params.request.url), key: h["X-Laplace-Affinity"] || "", session: body.session || "" });
-  });
+  // Every completion request's X-Laplace-Affinity (what a fleet's balancer routes on), as the
+  // page hands it to fetch (recorded in the page, before its own script runs).
+  await cmd("Page.addScriptToEvaluateOnNewDocument", { source: `(${recordAffinity.toString()})();` });
   await cmd("Log.enable");
   await viewport(900, 760, false);
 
@@ -318,6 +327,16 @@ async function main() {
         "a chat reply continues a named session");
   await evaluate(`document.getElementById("session").value = ""`);
 
+  // Affinity: one key for the turns of a conversation, a prompt's hash for a completion, the
+  // session's name when a request continues one.
+  const affinity = await evaluate("window.__laplaceAffinity");
+  const chatKeys = affinity.filter((a) => a.chat && !a.session).map((a) => a.key);
+  // (the first reply and its regeneration: one conversation; a cleared chat starts another)
+  check(chatKeys.length >= 2 && chatKeys.every((k) => /^c-[0-9a-f]{16}$/.test(k)) && chatKeys[1] === chatKeys[0],
+        `a conversation's requests carry one X-Laplace-Affinity key (${chatKeys.join(", ")})`);
+  check(affinity.some((a) => !a.chat && /^p-[0-9a-f]{8}$/.test(a.key)), "a completion's key is its prompt's hash");
+  check(affinity.some((a) => a.session === "demo-fork" && a.key === "demo-fork"), "a session's requests route by its name");
+
   // 7. A phone-sized window: every view fits its width.
   await viewport(390, 844, true);
   await load();
@@ -330,15 +349,6 @@ async function main() {
   await click("#tab-sessions");
   await waitFor(row("demo-fork"), "the sessions on a phone", 10000);
   await noHorizontalOverflow("sessions view on a phone");
-
-  // Affinity: one key for the turns of a conversation, a prompt's hash for a completion, the
-  // session's name when a request continues one.
-  const chatKeys = affinity.filter((a) => a.chat && !a.session).map((a) => a.key);
-  // (the first reply and its regeneration: one conversation; a cleared chat starts another)
-  check(chatKeys.length >= 2 && chatKeys.every((k) => /^c-[0-9a-f]{16}$/.test(k)) && chatKeys[1] === chatKeys[0],
-        `a conversation's requests carry one X-Laplace-Affinity key (${chatKeys.join(", ")})`);
-  check(affinity.some((a) => !a.chat && /^p-[0-9a-f]{8}$/.test(a.key)), "a completion's key is its prompt's hash");
-  check(affinity.some((a) => a.session === "demo-fork" && a.key === "demo-fork"), "a session's requests route by its name");
 
   check(problems.length === 0, `no page exception, console error or policy violation${problems.length ? ": " + problems.join("; ") : ""}`);
 }

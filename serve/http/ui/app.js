@@ -220,6 +220,19 @@ async function streamReply(bubble, endpoint, body, affinity) {
   setBusy(true);
   const t0 = performance.now();
   let tFirst = 0, tLast = 0, chunks = 0, usageTokens = -1, stopped = false, failed = "";
+  // Text reaches the page at most once a frame: a local model streams thousands of tokens a
+  // second, and laying the transcript out for each (to keep it scrolled to the end) would
+  // take the page's whole time as the reply grows.
+  let unshown = "", frame = 0;
+  const show = () => {
+    frame = 0;
+    if (!unshown) return;
+    const box = $("transcript"), follow = nearEnd(box);
+    out.appendData(unshown);
+    unshown = "";
+    if (follow) box.scrollTop = box.scrollHeight;
+    stats.textContent = "streaming…";
+  };
   try {
     // A named session routes by its name: the replica that holds it (or loads it).
     const route = body.session || body.save_session || affinity;
@@ -242,10 +255,8 @@ async function streamReply(bubble, endpoint, body, affinity) {
           if (!tFirst) tFirst = performance.now();
           tLast = performance.now();
           chunks++;
-          const box = $("transcript"), follow = nearEnd(box);
-          out.appendData(piece);
-          if (follow) box.scrollTop = box.scrollHeight;
-          stats.textContent = "streaming…";
+          unshown += piece;
+          if (!frame) frame = requestAnimationFrame(show);
         }
       });
     }
@@ -253,6 +264,8 @@ async function streamReply(bubble, endpoint, body, affinity) {
     if (e.name === "AbortError") stopped = true;
     else failed = String(e.message || e);
   }
+  if (frame) cancelAnimationFrame(frame);
+  show();  // what arrived since the last frame
   chat.controller = null;
   // The usage comes with the stream's end; a stopped stream has none, and its pieces (one or
   // more tokens each, as the server batches them) give a lower bound.
