@@ -135,13 +135,9 @@ std::optional<ApiError> Server::Impl::tokenize(Job& job) {
       return session_file_read(path, session_format(), out);
     }, &s);
     if (!st.is_ok()) {
-      const http::Response r = session_error(st);
-      const bool server_side = r.status >= 500 && st.code() != Status::Code::kOutOfMemory;
-      const char* code = st.code() == Status::Code::kNotFound   ? "session_not_found"
-                         : st.code() == Status::Code::kConflict ? "session_conflict"
-                         : st.code() == Status::Code::kOutOfMemory ? "too_many_sessions"
-                                                                    : "session_file_invalid";
-      return ApiError{r.status, st.message(), server_side ? "server_error" : "invalid_request_error", "session", code};
+      ApiError e = session_api_error(st);
+      e.param = "session";
+      return e;
     }
     // Saved back under its own name, the answer's context descends from this version.
     if (p.save_session == p.session) job.session_base = s.base_version;

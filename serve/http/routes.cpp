@@ -575,25 +575,30 @@ void Server::Impl::handle_session_op(const http::Request& req, const http::Excha
   if (!queued) return file_queue_full(ex);
 }
 
-http::Response Server::Impl::session_error(const Status& st) {
+ApiError Server::Impl::session_api_error(const Status& st) {
   switch (st.code()) {
     case Status::Code::kNotFound:
-      return error_response(api_error(404, st.message(), "invalid_request_error", "session_not_found"));
+      return api_error(404, st.message(), "invalid_request_error", "session_not_found");
     case Status::Code::kConflict:
-      return error_response(api_error(409, st.message(), "invalid_request_error", "session_conflict"));
+      return api_error(409, st.message(), "invalid_request_error", "session_conflict");
     case Status::Code::kOutOfMemory:
       if (st.message().find("session directory") != std::string::npos)
-        return error_response(api_error(507, st.message(), "server_error", "session_storage_full"));
+        return api_error(507, st.message(), "server_error", "session_storage_full");
       rejected_429.fetch_add(1);
-      return busy_response(429, st.message(), "too_many_sessions");
+      return api_error(429, st.message(), "invalid_request_error", "too_many_sessions");
     case Status::Code::kCorrupt:
     case Status::Code::kInvalidArgument:
-      return error_response(api_error(400, st.message(), "invalid_request_error", "session_file_invalid"));
+      return api_error(400, st.message(), "invalid_request_error", "session_file_invalid");
     default:
-      return error_response(api_error(500, st.message(), "server_error"));
+      return api_error(500, st.message(), "server_error");
   }
 }
 
+http::Response Server::Impl::session_error(const Status& st) {
+  const ApiError e = session_api_error(st);
+  if (e.http_status == 429) return busy_response(429, e.message, e.code);  // with Retry-After
+  return error_response(e);
+}
 
 // ---- metrics --------------------------------------------------------------------------------
 

@@ -219,7 +219,9 @@ struct Server::Impl {
   void handle_session_create(const http::Request& req, const http::ExchangePtr& ex);
   void start_session_create(const std::shared_ptr<Job>& job, const http::ExchangePtr& ex, const std::string& n);
   void file_queue_full(const http::ExchangePtr& ex);
-  // A session operation's error as its answer: 404, 409 (conflict), 429 / 507 (caps), 400, 500.
+  // A session operation's error: 404, 409 (conflict), 429 / 507 (caps; a 429 is counted), 400,
+  // 500; as an answer (a 429 with Retry-After).
+  ApiError session_api_error(const Status& st);
   http::Response session_error(const Status& st);
   void handle_session_op(const http::Request& req, const http::ExchangePtr& ex, const std::string& n,
                          const std::string& op);
