@@ -18,13 +18,17 @@
 #          decay_exponents [5, 10, 15, 20], each trained at T = 2,048 and at T = 32,768 on the same tokens in the same
 #          order (documents kept apart), then `eval position --documents` on the held-out documents of at least
 #          32,768 tokens, each from a zero state; figures longdoc_* into $OUT/results.jsonl
-#   pair   one of the two laplace-125m runs of the comparison (PAIR_T = 32768 or 2048): configs/laplace-125m-long.json
+#   pair   the two laplace-125m runs of the comparison (PAIR_T: "32768 2048", or one of them): configs/laplace-125m-long.json
 #          (its four heads' memories spread over 32 ... 2^20 tokens), PAIR_STEPS steps of 65,536 tokens (3,052: 200.0M)
 #          on the carried slice in order, documents kept apart; then eval position --documents on the held-out long
-#          documents and, at PAIR_T = 32768, passkey and copy. One run fits one call; the gain needs both files.
+#          documents and, at PAIR_T = 32768, passkey and copy. Checkpointed every PAIR_CKPT steps: a call that stops
+#          training at PAIR_TRAIN_S seconds, or at DEADLINE less PAIR_RESERVE, is continued by the next call on
+#          the same machine; a finished run is evaluated once. With both evaluated, the gain and the slope.
 #
 # Prebuilt binaries: with .carry/bin.tar.xz (laplace, bench_train, laplace_tests, libcupti_trace.so and the
 # libraries they need that the machine lacks; scripts/device/pack.sh makes it here) the stage build is skipped.
+# A call that carries the corpus has no room for all of them: BINS=laplace pack.sh makes bin.tar.xz, and
+# PACK_AS=bin-tests BINS="laplace_tests bench_train cupti_trace" pack.sh the rest, for a later call.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
@@ -35,15 +39,18 @@ COMMIT=${COMMIT:-$(git describe --always --dirty --abbrev=7 2>/dev/null || echo 
 B=build-gpu
 RES="$OUT/results.jsonl"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+T_START=$(date +%s)
+time_left() { echo $(( ${DEADLINE:-100000} - ($(date +%s) - T_START) )); }  # DEADLINE: seconds this call may run
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 
-if [ -f .carry/bin.tar.xz ] && [ ! -x $B/laplace ]; then
-  mkdir -p $B/bench $B/tests $B/experiments $B/lib && tar -xJf .carry/bin.tar.xz -C $B/lib
+for tarball in .carry/bin.tar.xz .carry/bin-tests.tar.xz; do  # what pack.sh made, in one or two parts
+  [ -f $tarball ] || continue
+  mkdir -p $B/bench $B/tests $B/experiments $B/lib && tar -xJf $tarball -C $B/lib
   for f in laplace:. bench_train:bench laplace_tests:tests libcupti_trace.so:experiments; do
     [ -f $B/lib/${f%%:*} ] && mv $B/lib/${f%%:*} $B/${f##*:}/
   done
-  echo "prebuilt binaries: $(ls $B/lib | tr '\n' ' ')"
-fi
+  echo "prebuilt binaries from $tarball"
+done
 export LD_LIBRARY_PATH=$PWD/$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 [ -x $B/laplace ] && STAGES=${STAGES/build/}
 
@@ -136,30 +143,49 @@ prepare_longctx() {  # the carried slice and the held-out long documents, tokeni
 
 if has pair; then
   prepare_longctx || exit 1
-  T=${PAIR_T:-32768}
-  run="$LC/laplace125m_t$T"
-  t0=$(date +%s)
-  timeout ${PAIR_TRAIN_S:-520} $B/laplace train --config configs/laplace-125m-long.json --data "$LC/data/train_*.bin" \
-    --tokenizer $TOK --out "$run" --device cuda --dtype bf16 --batch $(( 32768 / T )) --seq $T --grad-accum 2 \
-    --steps ${PAIR_STEPS:-3052} --lr 1.5e-3 --warmup 150 --schedule cosine --min-lr-frac 0.1 --wd 0.1 \
-    --max-grad-norm 1.0 --no-shuffle --documents separate --log-every 100 > "$OUT/train_laplace125m_t$T.log" 2>&1
-  echo "laplace125m T=$T: exit $? in $(( $(date +%s) - t0 )) s; $(grep -E '^step' "$OUT/train_laplace125m_t$T.log" | tail -1)"
-  cp "$run/metrics.jsonl" "$OUT/metrics_laplace125m_t$T.jsonl" 2>/dev/null
-  timeout ${EVAL_S:-90} $B/laplace eval position --model "$run" --data "$LC/test/train_*.bin" --documents \
-    --min-doc-tokens 32768 --context 131072 --device cuda --dtype bf16 --out "$run/eval" \
-    --results "$RES" --tag "laplace125m_t$T" > "$OUT/eval_laplace125m_t$T.log" 2>&1
-  tail -14 "$OUT/eval_laplace125m_t$T.log"
-  cp "$run/eval/longdoc.jsonl" "$OUT/longdoc_laplace125m_t$T.jsonl" 2>/dev/null
-  if [ "$T" = 32768 ]; then
-    timeout ${PROBE_S:-45} $B/laplace eval passkey --model "$run" --data "$LC/test/train_*.bin" --device cuda --dtype bf16 \
-      --contexts 1024,4096,16384,32768 --depths 0,0.5,1 --trials 16 --batch 16 --out "$run/eval" --results "$RES" \
-      --tag "laplace125m_t$T" > "$OUT/passkey_laplace125m_t$T.log" 2>&1
-    tail -14 "$OUT/passkey_laplace125m_t$T.log"
-    timeout ${PROBE_S:-45} $B/laplace eval copy --model "$run" --data "$LC/test/train_*.bin" --device cuda --dtype bf16 \
-      --m 16,64 --d 0,1024,4096,16384 --trials 16 --batch 16 --out "$run/eval" --results "$RES" \
-      --tag "laplace125m_t$T" > "$OUT/copy_laplace125m_t$T.log" 2>&1
-    tail -12 "$OUT/copy_laplace125m_t$T.log"
-    cp "$run"/eval/{passkey,copy}.jsonl "$OUT/" 2>/dev/null
+  for T in ${PAIR_T:-32768}; do
+    run="$LC/laplace125m_t$T"
+    # Resumable: a checkpoint every PAIR_CKPT steps, so a call that runs out of time (PAIR_TRAIN_S, or
+    # DEADLINE less what the evaluations need) loses at most that much and the next call on the same
+    # machine goes on from it (resume is bitwise).
+    if [ ! -f "$run/done" ]; then
+      left=$(( $(time_left) - ${PAIR_RESERVE:-0} ))
+      limit=${PAIR_TRAIN_S:-520}; [ $left -lt $limit ] && limit=$left
+      [ $limit -lt 30 ] && { echo "laplace125m T=$T: no time left to train"; break; }
+      t0=$(date +%s)
+      timeout $limit $B/laplace train --config configs/laplace-125m-long.json --data "$LC/data/train_*.bin" \
+        --tokenizer $TOK --out "$run" --device cuda --dtype bf16 --batch $(( 32768 / T )) --seq $T --grad-accum 2 \
+        --steps ${PAIR_STEPS:-3052} --lr 1.5e-3 --warmup 150 --schedule cosine --min-lr-frac 0.1 --wd 0.1 \
+        --max-grad-norm 1.0 --no-shuffle --documents separate --log-every 100 --ckpt-every ${PAIR_CKPT:-250} \
+        --resume auto >> "$OUT/train_laplace125m_t$T.log" 2>&1
+      rc=$?
+      [ $rc = 0 ] && touch "$run/done"
+      echo "laplace125m T=$T: exit $rc in $(( $(date +%s) - t0 )) s; $(grep -E '^step' "$OUT/train_laplace125m_t$T.log" | tail -1)"
+      cp "$run/metrics.jsonl" "$OUT/metrics_laplace125m_t$T.jsonl" 2>/dev/null
+    fi
+    [ -f "$run/done" ] && [ ! -f "$run/eval/longdoc.jsonl" ] || continue
+    timeout ${EVAL_S:-90} $B/laplace eval position --model "$run" --data "$LC/test/train_*.bin" --documents \
+      --min-doc-tokens 32768 --context 131072 --device cuda --dtype bf16 --out "$run/eval" \
+      --results "$RES" --tag "laplace125m_t$T" > "$OUT/eval_laplace125m_t$T.log" 2>&1
+    tail -14 "$OUT/eval_laplace125m_t$T.log"
+    cp "$run/eval/longdoc.jsonl" "$OUT/longdoc_laplace125m_t$T.jsonl" 2>/dev/null
+    if [ "$T" = 32768 ]; then
+      timeout ${PROBE_S:-45} $B/laplace eval passkey --model "$run" --data "$LC/test/train_*.bin" --device cuda \
+        --dtype bf16 --contexts 1024,4096,16384,32768 --depths 0,0.5,1 --trials 16 --batch 16 --out "$run/eval" \
+        --results "$RES" --tag "laplace125m_t$T" > "$OUT/passkey_laplace125m_t$T.log" 2>&1
+      tail -14 "$OUT/passkey_laplace125m_t$T.log"
+      timeout ${PROBE_S:-45} $B/laplace eval copy --model "$run" --data "$LC/test/train_*.bin" --device cuda \
+        --dtype bf16 --m 16,64 --d 0,1024,4096,16384 --trials 16 --batch 16 --out "$run/eval" --results "$RES" \
+        --tag "laplace125m_t$T" > "$OUT/copy_laplace125m_t$T.log" 2>&1
+      tail -12 "$OUT/copy_laplace125m_t$T.log"
+      cp "$run"/eval/{passkey,copy}.jsonl "$OUT/" 2>/dev/null
+    fi
+  done
+  a="$LC/laplace125m_t2048/eval/longdoc.jsonl" b="$LC/laplace125m_t32768/eval/longdoc.jsonl"
+  if [ -f "$a" ] && [ -f "$b" ]; then
+    python3 scripts/longdoc_figures.py "$a" "$b" --model laplace125m --commit "$COMMIT" \
+      --device "$(cut -d, -f1 "$OUT/gpu.txt")" --command "STAGES=pair scripts/device/long_context.sh" >> "$RES"
+    tail -2 "$RES"
   fi
 fi
 

@@ -8,6 +8,7 @@
 #
 #   scripts/device/pack.sh [BUILD]      then name .carry/bin.tar.xz in the call's carry
 #   BINS="laplace" scripts/device/pack.sh   only those binaries (a call carrying data has 64 MiB in all)
+#   PACK_AS=bin-tests BINS=... pack.sh       into .carry/bin-tests.tar.xz instead (long_context.sh unpacks both)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${1:-build-cu}
@@ -27,5 +28,6 @@ for lib in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0 libsentencepiece.s
   [ -n "$path" ] && cp -L "$path" "$tmp/"
 done
 mkdir -p .carry
-tar -C "$tmp" -cf - . | xz -T0 -6 > .carry/bin.tar.xz
-echo "device_pack: .carry/bin.tar.xz $(du -h .carry/bin.tar.xz | cut -f1): $(ls "$tmp" | tr '\n' ' ')"
+dest=.carry/${PACK_AS:-bin}.tar.xz
+tar -C "$tmp" -cf - . | xz -T0 -6 > "$dest"
+echo "device_pack: $dest $(du -h "$dest" | cut -f1): $(ls "$tmp" | tr '\n' ' ')"
