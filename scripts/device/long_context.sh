@@ -164,6 +164,8 @@ if has pair; then
       cp "$run/metrics.jsonl" "$OUT/metrics_laplace125m_t$T.jsonl" 2>/dev/null
     fi
     [ -f "$run/done" ] && [ ! -f "$run/eval/longdoc.jsonl" ] || continue
+    need=$(( ${EVAL_S:-90} + ( T == 32768 ? 2 * ${PROBE_S:-45} : 0 ) ))
+    [ $(time_left) -ge $need ] || { echo "laplace125m T=$T: trained; no time left to evaluate it"; break; }
     timeout ${EVAL_S:-90} $B/laplace eval position --model "$run" --data "$LC/test/train_*.bin" --documents \
       --min-doc-tokens 32768 --context 131072 --device cuda --dtype bf16 --out "$run/eval" \
       --results "$RES" --tag "laplace125m_t$T" > "$OUT/eval_laplace125m_t$T.log" 2>&1
