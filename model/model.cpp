@@ -238,15 +238,22 @@ Status Model::plan(const PlanOptions& opt) {
     Tensor* dst[] = {&dx_, &dtmp_, &du_, &dc_, &dqkvg_, &do_, &dy_, &dz_, &dab_, &dh_};
     for (size_t i = 0; i < scratch_.size(); ++i) *dst[i] = scratch_.tensor(i);
   }
+  return plan_fp8(opt.training);
+}
+
+// ---- FP8 weights ----------------------------------------------------------------------------
+
+Status Model::plan_fp8(bool training) {
   if (fp8_on_) {
-    if (opt.training) return Status::unsupported("FP8 weights serve inference plans only, not training");
+    if (training) return Status::unsupported("FP8 weights serve inference plans only, not training");
     LAPLACE_RETURN_IF_ERROR(plan_fp8_inputs());
   }
   if (fp8_train_) {
-    if (!opt.training) return Status::unsupported("FP8 training needs a training plan");
+    if (!training) return Status::unsupported("FP8 training needs a training plan");
     LAPLACE_RETURN_IF_ERROR(plan_fp8_inputs());
     // dW = dYᵀ·X contracts over the tokens.
-    if (!be_->supports({"gemm_e4m3", dtype_, {std::max({D, HV, F}), N}}))
+    const int64_t N = plan_rows_;
+    if (!be_->supports({"gemm_e4m3", dtype_, {std::max({cfg_.hidden_size, cfg_.v_dim(), cfg_.ffn_size}), N}}))
       return Status::unsupported("FP8 training on " + std::string(be_->name()) + " needs a multiple of 16 tokens per "
                                  "micro-batch, not " + std::to_string(N));
     LAPLACE_RETURN_IF_ERROR(fp8_grads_.create(fp8_grad_specs(cfg_, N), be_->allocator(), "FP8 gradient operands"));
@@ -255,8 +262,6 @@ Status Model::plan(const PlanOptions& opt) {
   }
   return Status::ok();
 }
-
-// ---- FP8 weights ----------------------------------------------------------------------------
 
 std::vector<std::vector<TensorSpec>> Model::fp8_training_specs(const Config& c, int64_t tokens) {
   return {fp8_matrix_specs(c, false), fp8_matrix_specs(c, true), fp8_input_specs(c, tokens),

@@ -305,6 +305,7 @@ class Model {
   // Whether the backend's FP8 products take a weight [rows, cols]; else why not, naming `what`.
   Status fp8_product_fits(const std::string& what, int64_t rows, int64_t cols) const;
   Status plan_fp8_inputs();  // the projections' input codes and scales, for plan_rows_ rows
+  Status plan_fp8(bool training);  // plan()'s FP8 buffers, for the FP8 mode chosen before it
   Config cfg_;
   Backend* be_ = nullptr;
   DType dtype_ = DType::kF32;
