@@ -27,6 +27,12 @@ void fp8_quantize_rows(const float* w, int64_t rows, int64_t cols, uint8_t* q, f
 void fp8_dequantize_rows(const uint8_t* q, const float* scale, int64_t rows, int64_t cols, float* w);
 // "<weight>_scale".
 std::string fp8_scale_name(const std::string& weight);
+
+// A code buffer's first r·c bytes seen as an F8E4M3 matrix [r, c].
+inline Tensor fp8_codes(const Tensor& buf, int64_t r, int64_t c) {
+  const int64_t shape[2] = {r, c};
+  return Tensor::make(buf.data, DType::kF8E4M3, shape, 2, buf.device);
+}
 // Whether the codes and scales of a matrix read from a file are FP8 weights: every scale finite
 // and positive (e4m3_scale gives at least FLT_MIN) and no code NaN (a quantiser saturates, so
 // 0x7F and 0xFF never stand for a weight). Says which row or element otherwise, under `name`.
