@@ -463,40 +463,51 @@ void Model::set_replayed(int64_t B, int64_t T, const ForwardOptions& opt) {
   logits_ = rows(logits_buf_, opt.last_logits_only ? B : B * T);
 }
 
+// What every layer of one inference forward shares: its segments, slots and form.
+struct Model::Pass {
+  std::span<const Segment> segs;
+  StatePool* pool = nullptr;
+  const int32_t* host_slots = nullptr;
+  int64_t B = 0, T = 0, N = 0;  // sequences, length (0: ragged), token rows
+  bool ragged = false;
+  bool decode_step = false;  // one token per sequence from its slot
+  GlaParams gp;
+  Tensor doc, slot_ids;
+};
+
 void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt, StatePool* pool,
                         const int32_t* host_slots) {
   if (!verifying_) verify_B_ = 0;  // a verification is committed before any other forward
-  Backend& be = *be_;
-  const int64_t D = cfg_.hidden_size, H = cfg_.num_heads, dv = cfg_.head_v_dim;
   const bool ragged = segs.size() > 1;
   LAPLACE_CHECK(!ragged || (opt.last_logits_only && opt.form == GlaForm::kChunked && pool),
                 "run_forward: a ragged forward is chunked, from slots, last-token logits only");
   // One segment: [B, T]. Ragged: B sequences of N tokens in all (T only per segment).
-  const Segment& one = segs.front();
-  const int64_t B = segs.back().first + segs.back().B;
-  const int64_t N = segs.back().row + segs.back().B * segs.back().T;
-  const int64_t T = ragged ? 0 : one.T;
+  Pass p;
+  p.segs = segs;
+  p.pool = pool;
+  p.host_slots = host_slots;
+  p.ragged = ragged;
+  p.B = segs.back().first + segs.back().B;
+  p.N = segs.back().row + segs.back().B * segs.back().T;
+  p.T = ragged ? 0 : segs.front().T;
+  const int64_t B = p.B, T = p.T, N = p.N;
   last_B_ = B;
   last_T_ = T;
   last_only_ = opt.last_logits_only;
-  const Tensor slot_ids = pool ? slots_.slice(0, 0, B) : Tensor{};
-  const Tensor tok_ids = ids_.slice(0, 0, N);
-  // Segment views: rows [s.row, s.row + s.B·s.T) as [s.B, s.T, …] and the segment's slots.
-  auto seg_rows = [](const Tensor& t, const Segment& s) { return t.slice(0, s.row, s.row + s.B * s.T); };
-  auto seg_slots = [&](const Segment& s) { return pool ? slots_.slice(0, s.first, s.first + s.B) : Tensor{}; };
+  p.slot_ids = pool ? slots_.slice(0, 0, B) : Tensor{};
 
   const int64_t L = cfg_.num_layers;
   auto before = [&](int64_t group) {
     if (opt.before_group) opt.before_group(group);
   };
   before(0);
-  be.embedding_forward(tok_ids, w_.embed, rows(layer_[0].x_in, N));
-  GlaParams gp = gla_params(opt.form);
+  be_->embedding_forward(ids_.slice(0, 0, N), w_.embed, rows(layer_[0].x_in, N));
+  p.gp = gla_params(opt.form);
   // Documents kept apart: [B, T] starts for the conv and the mixer (one segment: not ragged).
-  const Tensor doc = doc_on_ ? doc_view(B, T) : Tensor{};
-  gp.doc = doc;
+  p.doc = doc_on_ ? doc_view(B, T) : Tensor{};
+  p.gp.doc = p.doc;
   // Decode: one token per sequence from its slot (a training plan takes no pool).
-  const bool decode_step = !ragged && pool && T == 1 && opt.form == GlaForm::kRecurrent && !verifying_;
+  p.decode_step = !ragged && pool && T == 1 && opt.form == GlaForm::kRecurrent && !verifying_;
   if (plan_.training) {  // what the backward's recompute_layers runs again
     last_form_ = opt.form;
     last_before_ = plan_.recompute_layers ? opt.before_group : GroupHook{};
@@ -504,111 +515,134 @@ void Model::run_forward(std::span<const Segment> segs, const ForwardOptions& opt
   for (int64_t l = 0; l < L; ++l) {
     before(1 + l);
     if (plan_.training) {  // one segment [B, T] from the zero state (check_forward: no pool)
-      train_layer_forward(l, B, T, gp, true);
+      train_layer_forward(l, B, T, p.gp, true);
       continue;
     }
     // Inference plans: pools, decode steps, ragged segments, FP8 weights.
-    const LayerActs& a = layer_[l];
-    const LayerWeights& w = w_.layers[l];
-    const Tensor x_in = rows(a.x_in, N), x_mid = rows(a.x_mid, N);
-    const Tensor x_out = rows(l + 1 < cfg_.num_layers ? layer_[l + 1].x_in : x_final_, N);
-    const Tensor qkvg = rows(verifying_ ? verify_acts_[l].qkvg : a.qkvg, N);
+    infer_mixer(l, p);
+    infer_channel_mixer(l, p);
+  }
+  before(L + 1);
+  infer_head(p, opt);
+}
 
-    // Mixer block: x_mid = x_in + (RMSNorm(GLA(conv(LN1 x))) ⊙ SiLU(g)) · W_oᵀ
-    // A verification keeps this layer's conv input and projections for the commit (and writes
-    // no window: the conv reads the slot's window and the row's own earlier inputs).
-    const Tensor u_buf = verifying_ ? verify_acts_[l].u : a.u;
-    be.layernorm_forward(x_in, w.norm1_w, w.norm1_b, cfg_.norm_eps, rows(u_buf, N), rows(a.ln1_mean, N),
-                         rows(a.ln1_rstd, N));
-    Tensor win = pool ? pool->conv(l) : Tensor{};
-    if (documents_by_views()) {  // one segment, no pool (forward() checked)
-      conv_forward(btc(rows(a.u, N), B, T), w.conv_w, btc(rows(a.c, N), B, T), Tensor{}, doc);
-    } else {
-      for (const Segment& s : segs)
-        be.conv_silu_forward(btc(seg_rows(u_buf, s), s.B, s.T), w.conv_w, btc(seg_rows(a.c, s), s.B, s.T), Tensor{},
-                             win, verifying_ ? Tensor{} : win, seg_slots(s), doc);
-    }
-    static const Fp8Matrix kNone{};
-    const std::array<Fp8Matrix, 4>* f8 = fp8_on_ ? &fp8_layers_[l] : nullptr;
-    const auto fp8 = [&](int kind) -> const Fp8Matrix& { return f8 ? (*f8)[kind] : kNone; };
-    project(rows(a.c, N), w.wqkvg, fp8(0), Tensor{}, qkvg);
-    Tensor st = pool ? pool->gla(l) : Tensor{};
-    const GlaPending pend = pool ? pool->pending(l) : GlaPending{};
-    // The chunked form reads S itself: fold the rows' pending pairs in first.
-    if (!decode_step && !verifying_ && pend.defined()) be.gla_pending_flush(gp, st, pend, slot_ids);
-    if (verifying_) {
-      // Speculative verification: every position as the decode step it stands for, the pool unwritten.
-      be.gla_verify_deferred(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
-                             qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps, st, pend, slot_ids,
-                             bthd(rows(a.o, N), B, T, H, dv), bthd(rows(a.y, N), B, T, H, dv));
-    } else if (decode_step && pend.defined()) {
-      // Deferred write-back: S read every step, written every R-th (docs/serving.md §4).
-      be.gla_decode_gate_deferred(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
-                                  qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps, st, pend, slot_ids,
-                                  bthd(rows(a.o, N), B, T, H, dv), bthd(rows(a.y, N), B, T, H, dv));
-    } else if (decode_step) {
-      // One pass over each state: recurrence, output and gate fused (same bits as below).
-      be.gla_decode_gate(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
-                         qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps, st, slot_ids,
-                         bthd(rows(a.o, N), B, T, H, dv), bthd(rows(a.y, N), B, T, H, dv));
-    } else {
-      for (const Segment& s : segs) {
-        const Tensor q = seg_rows(qkvg, s);
-        Tensor o = bthd(seg_rows(a.o, s), s.B, s.T, H, dv);
-        if (st.defined() && st.dtype == DType::kBF16) {
-          // A BF16 pool in a chunked forward: each row's state goes through F32 (one rounding
-          // back on the store, as a decode step's).
-          const Tensor stage = state_stage(s.B);
-          for (int64_t b = 0; b < s.B; ++b) be.copy(stage.select(b), st.select(host_slots[s.first + b]));
-          be.gla_forward(gp, qkvg_part(q, s.B, s.T, 0), qkvg_part(q, s.B, s.T, 1), qkvg_part(q, s.B, s.T, 2), o,
-                         stage, stage, Tensor{});
-          for (int64_t b = 0; b < s.B; ++b) be.copy(st.select(host_slots[s.first + b]), stage.select(b));
-        } else if (documents_by_views()) {
-          mixer_forward(gp, qkvg_part(q, s.B, s.T, 0), qkvg_part(q, s.B, s.T, 1), qkvg_part(q, s.B, s.T, 2), o);
-        } else {
-          be.gla_forward(gp, qkvg_part(q, s.B, s.T, 0), qkvg_part(q, s.B, s.T, 1), qkvg_part(q, s.B, s.T, 2), o, st,
-                         st, seg_slots(s));
-        }
+// Mixer block of an inference layer: x_mid = x_in + (RMSNorm(GLA(conv(LN1 x))) ⊙ SiLU(g)) · W_oᵀ.
+void Model::infer_mixer(int64_t l, const Pass& p) {
+  Backend& be = *be_;
+  const int64_t B = p.B, T = p.T, N = p.N, H = cfg_.num_heads, dv = cfg_.head_v_dim;
+  const GlaParams& gp = p.gp;
+  const LayerActs& a = layer_[l];
+  const LayerWeights& w = w_.layers[l];
+  const Tensor x_in = rows(a.x_in, N), x_mid = rows(a.x_mid, N);
+  const Tensor qkvg = rows(verifying_ ? verify_acts_[l].qkvg : a.qkvg, N);
+  // Segment views: rows [s.row, s.row + s.B·s.T) as [s.B, s.T, …] and the segment's slots.
+  auto seg_rows = [](const Tensor& t, const Segment& s) { return t.slice(0, s.row, s.row + s.B * s.T); };
+  auto seg_slots = [&](const Segment& s) { return p.pool ? slots_.slice(0, s.first, s.first + s.B) : Tensor{}; };
+
+  // A verification keeps this layer's conv input and projections for the commit (and writes
+  // no window: the conv reads the slot's window and the row's own earlier inputs).
+  const Tensor u_buf = verifying_ ? verify_acts_[l].u : a.u;
+  be.layernorm_forward(x_in, w.norm1_w, w.norm1_b, cfg_.norm_eps, rows(u_buf, N), rows(a.ln1_mean, N),
+                       rows(a.ln1_rstd, N));
+  Tensor win = p.pool ? p.pool->conv(l) : Tensor{};
+  if (documents_by_views()) {  // one segment, no pool (forward() checked)
+    conv_forward(btc(rows(a.u, N), B, T), w.conv_w, btc(rows(a.c, N), B, T), Tensor{}, p.doc);
+  } else {
+    for (const Segment& s : p.segs)
+      be.conv_silu_forward(btc(seg_rows(u_buf, s), s.B, s.T), w.conv_w, btc(seg_rows(a.c, s), s.B, s.T), Tensor{},
+                           win, verifying_ ? Tensor{} : win, seg_slots(s), p.doc);
+  }
+  static const Fp8Matrix kNone{};
+  project(rows(a.c, N), w.wqkvg, fp8_on_ ? fp8_layers_[l][0] : kNone, Tensor{}, qkvg);
+  Tensor st = p.pool ? p.pool->gla(l) : Tensor{};
+  const GlaPending pend = p.pool ? p.pool->pending(l) : GlaPending{};
+  // The chunked form reads S itself: fold the rows' pending pairs in first.
+  if (!p.decode_step && !verifying_ && pend.defined()) be.gla_pending_flush(gp, st, pend, p.slot_ids);
+  if (verifying_) {
+    // Speculative verification: every position as the decode step it stands for, the pool unwritten.
+    be.gla_verify_deferred(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
+                           qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps, st, pend, p.slot_ids,
+                           bthd(rows(a.o, N), B, T, H, dv), bthd(rows(a.y, N), B, T, H, dv));
+  } else if (p.decode_step && pend.defined()) {
+    // Deferred write-back: S read every step, written every R-th (docs/serving.md §4).
+    be.gla_decode_gate_deferred(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
+                                qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps, st, pend, p.slot_ids,
+                                bthd(rows(a.o, N), B, T, H, dv), bthd(rows(a.y, N), B, T, H, dv));
+  } else if (p.decode_step) {
+    // One pass over each state: recurrence, output and gate fused (same bits as below).
+    be.gla_decode_gate(gp, qkvg_part(qkvg, B, T, 0), qkvg_part(qkvg, B, T, 1), qkvg_part(qkvg, B, T, 2),
+                       qkvg_part(qkvg, B, T, 3), w.onorm_w, cfg_.norm_eps, st, p.slot_ids,
+                       bthd(rows(a.o, N), B, T, H, dv), bthd(rows(a.y, N), B, T, H, dv));
+  } else {
+    for (const Segment& s : p.segs) {
+      const Tensor q = seg_rows(qkvg, s);
+      Tensor o = bthd(seg_rows(a.o, s), s.B, s.T, H, dv);
+      if (st.defined() && st.dtype == DType::kBF16) {
+        // A BF16 pool in a chunked forward: each row's state goes through F32 (one rounding
+        // back on the store, as a decode step's).
+        const Tensor stage = state_stage(s.B);
+        for (int64_t b = 0; b < s.B; ++b) be.copy(stage.select(b), st.select(p.host_slots[s.first + b]));
+        be.gla_forward(gp, qkvg_part(q, s.B, s.T, 0), qkvg_part(q, s.B, s.T, 1), qkvg_part(q, s.B, s.T, 2), o,
+                       stage, stage, Tensor{});
+        for (int64_t b = 0; b < s.B; ++b) be.copy(st.select(p.host_slots[s.first + b]), stage.select(b));
+      } else if (documents_by_views()) {
+        mixer_forward(gp, qkvg_part(q, s.B, s.T, 0), qkvg_part(q, s.B, s.T, 1), qkvg_part(q, s.B, s.T, 2), o);
+      } else {
+        be.gla_forward(gp, qkvg_part(q, s.B, s.T, 0), qkvg_part(q, s.B, s.T, 1), qkvg_part(q, s.B, s.T, 2), o, st,
+                       st, seg_slots(s));
       }
     }
-    if (!decode_step && !verifying_) {
-      // Row-wise: a ragged forward takes its N rows as one sequence [1, N].
-      const int64_t rb = ragged ? 1 : B, rt = ragged ? N : T;
-      const Tensor rstd = rstd_view(a.onorm_rstd, rb, rt);
-      be.rmsnorm_gate_forward(bthd(rows(a.o, N), rb, rt, H, dv), qkvg_part(qkvg, rb, rt, 3), w.onorm_w, cfg_.norm_eps,
-                              bthd(rows(a.y, N), rb, rt, H, dv), rstd);
-    }
-    project(rows(a.y, N), w.wo, fp8(1), x_in, x_mid);  // x_mid = x_in + y·W_oᵀ
-
-    // Channel mixer: x_out = x_mid + (SiLU(a) ⊙ b) · W_3ᵀ with [a|b] = LN2(x_mid) · W_12ᵀ
-    if (fp8_on_) {
-      // Inference with FP8 weights: LN2's output and h are read only by W_12's and W_3's
-      // products, which take their codes, so the backend may produce the codes without writing
-      // z or h (Backend::layernorm_forward_e4m3, swiglu_forward_e4m3). One codes buffer serves
-      // both products in turn.
-      const Tensor zq = fp8_codes(fp8_xq_, N, cfg_.hidden_size), xs = fp8_xs_.slice(0, 0, N);
-      be.layernorm_forward_e4m3(x_mid, w.norm2_w, w.norm2_b, cfg_.norm_eps, rows(a.z, N), zq, xs);
-      project_codes(zq, xs, fp8(2), Tensor{}, rows(a.ab, N));
-      const Tensor hq = fp8_codes(fp8_xq_, N, cfg_.ffn_size);
-      be.swiglu_forward_e4m3(rows(a.ab, N), rows(a.h, N), hq, xs);
-      project_codes(hq, xs, fp8(3), x_mid, x_out);  // x_out = x_mid + h·W_3ᵀ
-    } else {
-      be.layernorm_forward(x_mid, w.norm2_w, w.norm2_b, cfg_.norm_eps, rows(a.z, N), rows(a.ln2_mean, N),
-                           rows(a.ln2_rstd, N));
-      project(rows(a.z, N), w.w12, fp8(2), Tensor{}, rows(a.ab, N));
-      be.swiglu_forward(rows(a.ab, N), rows(a.h, N));
-      project(rows(a.h, N), w.w3, fp8(3), x_mid, x_out);  // x_out = x_mid + h·W_3ᵀ
-    }
   }
+  if (!p.decode_step && !verifying_) {
+    // Row-wise: a ragged forward takes its N rows as one sequence [1, N].
+    const int64_t rb = p.ragged ? 1 : B, rt = p.ragged ? N : T;
+    const Tensor rstd = rstd_view(a.onorm_rstd, rb, rt);
+    be.rmsnorm_gate_forward(bthd(rows(a.o, N), rb, rt, H, dv), qkvg_part(qkvg, rb, rt, 3), w.onorm_w, cfg_.norm_eps,
+                            bthd(rows(a.y, N), rb, rt, H, dv), rstd);
+  }
+  project(rows(a.y, N), w.wo, fp8_on_ ? fp8_layers_[l][1] : kNone, x_in, x_mid);  // x_mid = x_in + y·W_oᵀ
+}
 
-  // Head: logits = LN_f(x) · W_headᵀ, for every token or each sequence's last one.
-  before(L + 1);
-  const int64_t M = opt.last_logits_only ? B : N;
+// Channel mixer of an inference layer: x_out = x_mid + (SiLU(a) ⊙ b) · W_3ᵀ with [a|b] = LN2(x_mid) · W_12ᵀ.
+void Model::infer_channel_mixer(int64_t l, const Pass& p) {
+  Backend& be = *be_;
+  const int64_t N = p.N;
+  const LayerActs& a = layer_[l];
+  const LayerWeights& w = w_.layers[l];
+  const Tensor x_mid = rows(a.x_mid, N);
+  const Tensor x_out = rows(l + 1 < cfg_.num_layers ? layer_[l + 1].x_in : x_final_, N);
+  if (fp8_on_) {
+    // Inference with FP8 weights: LN2's output and h are read only by W_12's and W_3's
+    // products, which take their codes, so the backend may produce the codes without writing
+    // z or h (Backend::layernorm_forward_e4m3, swiglu_forward_e4m3). One codes buffer serves
+    // both products in turn.
+    const std::array<Fp8Matrix, 4>& f8 = fp8_layers_[l];
+    const Tensor zq = fp8_codes(fp8_xq_, N, cfg_.hidden_size), xs = fp8_xs_.slice(0, 0, N);
+    be.layernorm_forward_e4m3(x_mid, w.norm2_w, w.norm2_b, cfg_.norm_eps, rows(a.z, N), zq, xs);
+    project_codes(zq, xs, f8[2], Tensor{}, rows(a.ab, N));
+    const Tensor hq = fp8_codes(fp8_xq_, N, cfg_.ffn_size);
+    be.swiglu_forward_e4m3(rows(a.ab, N), rows(a.h, N), hq, xs);
+    project_codes(hq, xs, f8[3], x_mid, x_out);  // x_out = x_mid + h·W_3ᵀ
+  } else {
+    static const Fp8Matrix kNone{};
+    be.layernorm_forward(x_mid, w.norm2_w, w.norm2_b, cfg_.norm_eps, rows(a.z, N), rows(a.ln2_mean, N),
+                         rows(a.ln2_rstd, N));
+    project(rows(a.z, N), w.w12, kNone, Tensor{}, rows(a.ab, N));
+    be.swiglu_forward(rows(a.ab, N), rows(a.h, N));
+    project(rows(a.h, N), w.w3, kNone, x_mid, x_out);  // x_out = x_mid + h·W_3ᵀ
+  }
+}
+
+// Head: logits = LN_f(x) · W_headᵀ, for every token or each sequence's last one.
+void Model::infer_head(const Pass& p, const ForwardOptions& opt) {
+  Backend& be = *be_;
+  const int64_t N = p.N, D = cfg_.hidden_size;
+  const int64_t M = opt.last_logits_only ? p.B : N;
   if (!opt.last_logits_only) {
     be.layernorm_forward(rows(x_final_, N), w_.norm_w, w_.norm_b, cfg_.norm_eps, rows(zf_, N), rows(lnf_mean_, N),
                          rows(lnf_rstd_, N));
   } else {
-    for (const Segment& s : segs) {  // each sequence's last row, strided by its segment's length
+    for (const Segment& s : p.segs) {  // each sequence's last row, strided by its segment's length
       Tensor last = x_final_.slice(0, s.row + s.T - 1, s.row + s.T);
       last.shape[0] = s.B;
       last.stride[0] = s.T * D;

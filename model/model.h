@@ -279,6 +279,12 @@ class Model {
   // pool in a chunked forward (its rows' states are staged through stage_).
   void run_forward(std::span<const Segment> segs, const ForwardOptions& opt, StatePool* pool,
                    const int32_t* host_slots);
+  // run_forward's parts in an inference plan: per layer the mixer block (x_in → x_mid) and the
+  // channel mixer (x_mid → x_out), then the head. Pass: what the layers of one forward share.
+  struct Pass;
+  void infer_mixer(int64_t l, const Pass& p);
+  void infer_channel_mixer(int64_t l, const Pass& p);
+  void infer_head(const Pass& p, const ForwardOptions& opt);
   // A ragged forward's segments (runs of adjacent sequences of one length), checked against
   // the plan and the pool; and its options (chunked form, last-token logits).
   std::vector<Segment> ragged_segments(const std::vector<int64_t>& lengths, const StatePool& pool) const;
