@@ -728,76 +728,50 @@ std::vector<std::vector<size_t>> Engine::prefill_groups(const StepPlan& plan) co
   return groups;
 }
 
-bool Engine::step() {
-  std::vector<std::unique_ptr<Seq>> notify;
-  std::vector<Seq*> admitted;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    LAPLACE_CHECK(!in_step_, "engine: step() is not reentrant (one engine thread)");
-    in_step_ = true;
-    notify.swap(pending_finish_);
-    admitted = admit_locked();
+// A decode step of the running rows (plan.decode): one forward, or the one queued ahead collected,
+// then each row's token emitted; the next greedy decode is queued first where it can be.
+void Engine::decode_phase(const StepPlan& plan, EngineStats* d_out) {
+  EngineStats& d = *d_out;
+  // A decode queued ahead was chained only from all-greedy rows, whose options are fixed.
+  bool greedy = opt_.device_greedy;
+  for (int64_t b = 0; b < plan.batch.live && greedy && !plan.in_flight; ++b) greedy = device_greedy_row(plan.decode[b]);
+  const double t = now();
+  if (plan.in_flight) exec_->collect_greedy(plan.batch.live, &greedy_ids_);
+  else if (greedy) exec_->decode_greedy(plan.batch, &greedy_ids_);
+  else exec_->decode(plan.batch, &logits_);
+  // The next step's decode goes to the device now, before the host emits this one's.
+  const double tc = now();
+  if (greedy && can_chain(plan, greedy_ids_)) {
+    exec_->chain_greedy(plan.batch);
+    ++d.chained_decodes;
+    in_flight_ = true;
+    in_flight_rows_ = plan.decode;
+    in_flight_batch_ = plan.batch;
+    d.chain_seconds += now() - tc;
   }
-  // Slot copies run here, on the engine thread, outside the lock (submit() need not wait
-  // for them). The slots are this thread's: cancel() during a step only marks them.
-  for (Seq* s : admitted) start_context(s);
-  for (auto& s : notify)
-    if (s->req.on_finish) s->req.on_finish(s->info);
-
-  // Requests whose whole prompt is already in their start state (initial snapshot or a
-  // cache hit): their first token comes from its logits (no forward); they decode in this step.
-  EngineStats d;  // this step's counters
-  bool instant = false;
-  const std::vector<Seq*> waiting = prefilling_;
-  for (Seq* s : waiting) {
-    if (s->prefilled < static_cast<int64_t>(s->req.prompt.size()) || s->cancelled.load()) continue;
-    const double ts = now();
-    start_decoding(s, s->start_logits->data());
+  d.decode_seconds += now() - t;
+  ++d.decode_forwards;
+  d.decode_tokens += plan.batch.live;
+  d.padded_rows += plan.batch.width() - plan.batch.live;
+  const double ts = now();  // the time of this step's greedy tokens
+  for (int64_t b = 0; b < plan.batch.live; ++b) {
+    Seq* s = plan.decode[b];
+    if (s->cancelled.load()) continue;
+    if (greedy) {
+      s->sampler.record(greedy_ids_[static_cast<size_t>(b)]);
+      emit_token(s, greedy_ids_[static_cast<size_t>(b)], nullptr, b, ts);
+    } else {
+      emit(s, logits_.data() + b * vocab_);
+    }
     ++d.generated_tokens;
-    d.sample_seconds += now() - ts;
-    instant = true;
   }
+  d.sample_seconds += now() - ts;
+}
 
-  StepPlan plan = plan_step();
-  const bool work = instant || !notify.empty() || !plan.pieces.empty() || !plan.decode.empty();
-
-  // Decode first: running sequences get their token before new prompts are prefilled.
-  if (!plan.decode.empty() && !(drafter_ && !plan.in_flight && speculative_step(plan, &d))) {
-    // A decode queued ahead was chained only from all-greedy rows, whose options are fixed.
-    bool greedy = opt_.device_greedy;
-    for (int64_t b = 0; b < plan.batch.live && greedy && !plan.in_flight; ++b) greedy = device_greedy_row(plan.decode[b]);
-    const double t = now();
-    if (plan.in_flight) exec_->collect_greedy(plan.batch.live, &greedy_ids_);
-    else if (greedy) exec_->decode_greedy(plan.batch, &greedy_ids_);
-    else exec_->decode(plan.batch, &logits_);
-    // The next step's decode goes to the device now, before the host emits this one's.
-    const double tc = now();
-    if (greedy && can_chain(plan, greedy_ids_)) {
-      exec_->chain_greedy(plan.batch);
-      ++d.chained_decodes;
-      in_flight_ = true;
-      in_flight_rows_ = plan.decode;
-      in_flight_batch_ = plan.batch;
-      d.chain_seconds += now() - tc;
-    }
-    d.decode_seconds += now() - t;
-    ++d.decode_forwards;
-    d.decode_tokens += plan.batch.live;
-    d.padded_rows += plan.batch.width() - plan.batch.live;
-    const double ts = now();  // the time of this step's greedy tokens
-    for (int64_t b = 0; b < plan.batch.live; ++b) {
-      Seq* s = plan.decode[b];
-      if (s->cancelled.load()) continue;
-      if (greedy) {
-        s->sampler.record(greedy_ids_[static_cast<size_t>(b)]);
-        emit_token(s, greedy_ids_[static_cast<size_t>(b)], nullptr, b, ts);
-      } else {
-        emit(s, logits_.data() + b * vocab_);
-      }
-      ++d.generated_tokens;
-    }
-    d.sample_seconds += now() - ts;
-  }
+// The plan's prefill pieces, grouped into as few forwards as the plan allows; a piece that ends
+// its prompt starts the sequence decoding from its last-token logits (or the device's pick).
+void Engine::prefill_phase(const StepPlan& plan, EngineStats* d_out) {
+  EngineStats& d = *d_out;
   std::vector<PrefillPiece> group_pieces;
   for (std::vector<size_t> group : prefill_groups(plan)) {
     // A callback of an earlier piece may have cancelled one (released at the step's end).
@@ -854,6 +828,44 @@ bool Engine::step() {
       }
     }
   }
+}
+
+bool Engine::step() {
+  std::vector<std::unique_ptr<Seq>> notify;
+  std::vector<Seq*> admitted;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    LAPLACE_CHECK(!in_step_, "engine: step() is not reentrant (one engine thread)");
+    in_step_ = true;
+    notify.swap(pending_finish_);
+    admitted = admit_locked();
+  }
+  // Slot copies run here, on the engine thread, outside the lock (submit() need not wait
+  // for them). The slots are this thread's: cancel() during a step only marks them.
+  for (Seq* s : admitted) start_context(s);
+  for (auto& s : notify)
+    if (s->req.on_finish) s->req.on_finish(s->info);
+
+  // Requests whose whole prompt is already in their start state (initial snapshot or a
+  // cache hit): their first token comes from its logits (no forward); they decode in this step.
+  EngineStats d;  // this step's counters
+  bool instant = false;
+  const std::vector<Seq*> waiting = prefilling_;
+  for (Seq* s : waiting) {
+    if (s->prefilled < static_cast<int64_t>(s->req.prompt.size()) || s->cancelled.load()) continue;
+    const double ts = now();
+    start_decoding(s, s->start_logits->data());
+    ++d.generated_tokens;
+    d.sample_seconds += now() - ts;
+    instant = true;
+  }
+
+  StepPlan plan = plan_step();
+  const bool work = instant || !notify.empty() || !plan.pieces.empty() || !plan.decode.empty();
+
+  // Decode first: running sequences get their token before new prompts are prefilled.
+  if (!plan.decode.empty() && !(drafter_ && !plan.in_flight && speculative_step(plan, &d))) decode_phase(plan, &d);
+  prefill_phase(plan, &d);
 
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -862,26 +874,37 @@ bool Engine::step() {
       finish_cancelled_locked(s);
     }
     cancel_in_step_.clear();
-    if (work) ++stats_.steps;
-    stats_.prefill_tokens += d.prefill_tokens;
-    stats_.prefill_forwards += d.prefill_forwards;
-    stats_.decode_tokens += d.decode_tokens;
-    stats_.decode_forwards += d.decode_forwards;
-    stats_.padded_rows += d.padded_rows;
-    stats_.chained_decodes += d.chained_decodes;
-    stats_.generated_tokens += d.generated_tokens;
-    stats_.prefill_seconds += d.prefill_seconds;
-    stats_.decode_seconds += d.decode_seconds;
-    stats_.sample_seconds += d.sample_seconds;
-    stats_.chain_seconds += d.chain_seconds;
-    stats_.verify_forwards += d.verify_forwards;
-    stats_.drafted_tokens += d.drafted_tokens;
-    stats_.accepted_tokens += d.accepted_tokens;
+    d.steps = work ? 1 : 0;
+    stats_ += d;
     exec_->prefill_graph_stats(&stats_.prefill_graph_captures, &stats_.prefill_graph_replays);
     in_step_ = false;
   }
   done_.clear();
   return work;
+}
+
+EngineStats& operator+=(EngineStats& a, const EngineStats& b) {
+  a.steps += b.steps;
+  a.prefill_tokens += b.prefill_tokens;
+  a.prefill_forwards += b.prefill_forwards;
+  a.decode_tokens += b.decode_tokens;
+  a.decode_forwards += b.decode_forwards;
+  a.padded_rows += b.padded_rows;
+  a.chained_decodes += b.chained_decodes;
+  a.generated_tokens += b.generated_tokens;
+  a.submitted += b.submitted;
+  a.finished += b.finished;
+  a.cancelled += b.cancelled;
+  a.prefill_seconds += b.prefill_seconds;
+  a.decode_seconds += b.decode_seconds;
+  a.sample_seconds += b.sample_seconds;
+  a.chain_seconds += b.chain_seconds;
+  a.prefill_graph_captures += b.prefill_graph_captures;
+  a.prefill_graph_replays += b.prefill_graph_replays;
+  a.verify_forwards += b.verify_forwards;
+  a.drafted_tokens += b.drafted_tokens;
+  a.accepted_tokens += b.accepted_tokens;
+  return a;
 }
 
 bool Engine::idle() const {

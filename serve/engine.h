@@ -157,6 +157,10 @@ struct EngineStats {
   int64_t verify_forwards = 0, drafted_tokens = 0, accepted_tokens = 0;
 };
 
+// Adds b's counters and times to a's; the fields that say "now" (queued, running, free_slots)
+// stay a's. A step sums its own counters into the engine's with it.
+EngineStats& operator+=(EngineStats& a, const EngineStats& b);
+
 // Usable slots (the scratch slot not counted) whose pool fits in budget_bytes, as
 // StatePool allocates it (one arena block of (slots + 1) × slot bytes). 0 if none fit.
 // With deferred write-back (pending.steps > 0) a slot also holds its pending tail.
@@ -256,6 +260,9 @@ class Engine {
   // rows, one verification forward, the accepted tokens emitted and committed. False (nothing
   // run) when no row has a draft: a plain decode step serves then.
   bool speculative_step(const StepPlan& plan, EngineStats* d);
+  // step()'s two phases, counting into d: the decode batch, then the prefill pieces.
+  void decode_phase(const StepPlan& plan, EngineStats* d);
+  void prefill_phase(const StepPlan& plan, EngineStats* d);
   // The same for a token chosen already (device greedy): `logits` may be null, then row
   // `row` of the executor's last forward is fetched if a final state needs it. t: the
   // token's time (now() when negative).
