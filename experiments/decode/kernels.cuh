@@ -1,6 +1,6 @@
 // Shared pieces of the experiments/decode versions: the kernel arguments (the production DecArgs of
-// ops/cuda/kernels_gla_decode.cu without the gate fields), the production dtype-coded loads/stores,
-// state-vector helpers copied from the production sources, the deterministic initial states,
+// ops/cuda/kernels_gla_decode.cu without the gate fields), the production dtype-coded loads/stores
+// and state vectors (included, not copied), the deterministic initial states,
 // and thin inline-PTX wrappers for the Hopper bulk copies and mbarriers used by v2 and v3.
 #pragma once
 
@@ -12,6 +12,7 @@
 
 #include "ops/cuda/bulk_copy.cuh"
 #include "ops/cuda/cuda_common.cuh"
+#include "ops/cuda/state_vec.cuh"
 
 namespace decode_exp {
 
@@ -62,28 +63,9 @@ using laplace::cuda::ldf;
 using laplace::cuda::stf;
 static_assert(kF32 == laplace::cuda::kF32 && kBF16 == laplace::cuda::kBF16, "dtype codes differ");
 
-// The production kernel's 4-column state vectors (16 bytes of F32, 8 of BF16); the pointers
-// may be global or shared.
-__device__ __forceinline__ void load_vec(const float* p, float* x) {
-  const float4 t = *reinterpret_cast<const float4*>(p);
-  x[0] = t.x, x[1] = t.y, x[2] = t.z, x[3] = t.w;
-}
-__device__ __forceinline__ void load_vec(const __nv_bfloat16* p, float* x) {
-  const uint2 t = *reinterpret_cast<const uint2*>(p);
-  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&t.x));
-  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&t.y));
-  x[0] = a.x, x[1] = a.y, x[2] = b.x, x[3] = b.y;
-}
-__device__ __forceinline__ void store_vec(float* p, const float* x) {
-  *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
-}
-__device__ __forceinline__ void store_vec(__nv_bfloat16* p, const float* x) {
-  const __nv_bfloat162 a = __floats2bfloat162_rn(x[0], x[1]), b = __floats2bfloat162_rn(x[2], x[3]);
-  uint2 t;
-  t.x = *reinterpret_cast<const uint32_t*>(&a);
-  t.y = *reinterpret_cast<const uint32_t*>(&b);
-  *reinterpret_cast<uint2*>(p) = t;
-}
+// The production kernel's 4-column state vectors (ops/cuda/state_vec.cuh).
+using laplace::cuda::load_vec;
+using laplace::cuda::store_vec;
 
 // The experiments' host-side generator (q, k, v and sample picks): a 64-bit LCG, uniform in [0, 1).
 struct Rng {

@@ -3,6 +3,7 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include "ops/cuda/row_common.cuh"
+#include "ops/cuda/state_vec.cuh"
 
 namespace laplace {
 namespace cuda {
@@ -34,10 +35,6 @@ __global__ void embedding_keys_kernel(const int32_t* ids, int64_t N, int32_t V, 
   const int32_t id = ids[n];
   keys[n] = id >= 0 && id < V ? static_cast<uint32_t>(id) : static_cast<uint32_t>(V);
   vals[n] = static_cast<int32_t>(n);
-}
-
-__device__ __forceinline__ float round_to(float x, int dt) {
-  return dt == kBF16 ? __bfloat162float(__float2bfloat16_rn(x)) : x;
 }
 
 // Block (bx, y): columns [256·bx, 256·bx + 256) of tiles y, y + gridDim.y, …. A tile is the
