@@ -8,13 +8,21 @@
 // (Backend::supports) is skipped with a message, never silently converted. Every case then
 // runs a second time from the same inputs and must give the same bytes.
 //
+// Shape sets: small shapes that cut chunks and tiles short, then the head shapes of laplace-tiny
+// (H 4, dk 32, dv 64, chunk 64) and laplace-3b (H 16, dk 96, dv 192, chunk 128; D 3072, F 8192,
+// V 92160) where the CUDA kernels take their tensor-core, vectorised and multi-block paths. A
+// padded argument (`padded`) is a view whose token rows sit `pad` elements apart beyond their
+// width, as the model's q, k, v and g are views into one projection: the kernels' strided (generic)
+// paths; the padding holds the guard pattern, so reading it gives NaN and writing it is caught.
+//
 // Backends: the CPU in F32 (always) and CUDA in F32 and BF16 when a GPU is present.
 // LAPLACE_OPS_PERF=1 also times each case on the tested backend (median of 10 runs);
 // LAPLACE_OPS_VERBOSE=1 prints every compared output's error.
 //
 // Tolerances: F32 ≤ 2e-5 (the F32 rounding of sums over at most a few hundred terms), the
 // GLA ops ≤ 1e-4 (chunked sums of products of decays); BF16 outputs ≤ 1e-2 (one bf16 rounding
-// of the output, 2^-8 relative); F32 outputs of BF16 inputs ≤ 1e-4.
+// of the output, 2^-8 relative); F32 outputs of BF16 inputs ≤ 1e-4. I32 outputs and FP8 codes
+// are compared exactly (both backends quantise with the same rounded reciprocal: core/fp8.h).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -40,7 +48,7 @@
 namespace laplace {
 namespace {
 
-enum class Init { kUniform, kPositive, kIds, kTargets, kSlots, kDocs };
+enum class Init { kUniform, kPositive, kIds, kTargets, kSlots, kDocs, kZero, kOne };
 
 struct Arg {
   std::vector<int64_t> shape;
@@ -49,6 +57,7 @@ struct Arg {
   std::optional<DType> fixed = {};  // this dtype on every side (I32 ids, F64 sums); else the case's
   int64_t range = 0;                // ids/targets in [0, range); slots a permutation of [0, range)
   bool f32_at_bf16 = false;         // F32 where the case runs in BF16, as the model keeps it (below)
+  int64_t pad = 0;                  // elements between token rows beyond their width (padded)
 };
 
 Arg in(std::vector<int64_t> s, Init i = Init::kUniform) { return Arg{std::move(s), i}; }
@@ -61,6 +70,21 @@ Arg f64_out(std::vector<int64_t> s) { return Arg{std::move(s), Init::kUniform, t
 // (5), at both chunk edges (8, 16) and hold a one-token document (16); odd rows continue the
 // initial state up to 3, then a one-token document (3) and starts at 4 and mid-chunk (11).
 Arg docs(std::vector<int64_t> s) { return Arg{std::move(s), Init::kDocs, false, DType::kI32}; }
+
+// A device scalar (one F64 element on the tested backend: the optimizer's norm, clip and skip).
+Arg scalar(Init i = Init::kPositive) { return Arg{{1}, i, false, DType::kF64}; }
+Arg scalar_io(Init i = Init::kPositive) { return Arg{{1}, i, true, DType::kF64}; }
+// FP8 codes (compared exactly) and their F32 scales, whatever dtype the case runs in.
+Arg codes(std::vector<int64_t> s) { return Arg{std::move(s), Init::kUniform, false, DType::kF8E4M3}; }
+Arg codes_out(std::vector<int64_t> s) { return Arg{std::move(s), Init::kUniform, true, DType::kF8E4M3}; }
+Arg scales(std::vector<int64_t> s) { return Arg{std::move(s), Init::kPositive, false, DType::kF32}; }
+Arg scales_out(std::vector<int64_t> s) { return Arg{std::move(s), Init::kUniform, true, DType::kF32}; }
+// The argument as a view whose token rows (dim 1 of [B, T, H, d], dim 0 of a matrix) lie `pad`
+// elements apart beyond their width.
+Arg padded(Arg a, int64_t pad = 8) {
+  a.pad = pad;
+  return a;
+}
 
 // Where a case runs in BF16, these stay F32, as the model and the CUDA kernels keep them: norm statistics,
 // GLA states of the chunked forms, per-row losses, master weights and optimizer moments.
@@ -201,6 +225,57 @@ std::vector<OpCase> all_cases() {
        1e-4, 1e-2, [recurrent, pend](Backend& b, const std::vector<Tensor>& t) {
          b.gla_verify_commit(recurrent, t[0], t[1], t[2], t[3], pend(t, 4), t[7]);
        }});
+  // ---- GLA at the models' head shapes: laplace-tiny (H 4, dk 32, dv 64, chunk 64; T 150: two
+  // chunks and a tail) and laplace-3b (H 16, dk 96, dv 192, chunk 128; T 300), the latter also with
+  // q, k, v (and their gradients) as padded views, as the model's qkvg parts are, and documents.
+  const GlaParams tiny = gla_params(GlaForm::kChunked, 64, 4), big = gla_params(GlaForm::kChunked, 128, 16);
+  add({"gla_forward", "tiny heads, B 2, T 150, from and into states", {4, 32, 64},
+       {in({2, 150, 4, 32}), in({2, 150, 4, 32}), in({2, 150, 4, 64}), out({2, 150, 4, 64}), f32(in({2, 4, 32, 64})),
+        f32(out({2, 4, 32, 64}))},
+       1e-4, 1e-2, [tiny](Backend& b, const std::vector<Tensor>& t) { b.gla_forward(tiny, t[0], t[1], t[2], t[3], t[4], t[5], {}); }});
+  add({"gla_backward", "tiny heads, B 2, T 150, state gradients", {4, 32, 64},
+       {in({2, 150, 4, 32}), in({2, 150, 4, 32}), in({2, 150, 4, 64}), f32(in({2, 4, 32, 64})), in({2, 150, 4, 64}),
+        f32(in({2, 4, 32, 64})), out({2, 150, 4, 32}), out({2, 150, 4, 32}), out({2, 150, 4, 64}), f32(out({2, 4, 32, 64}))},
+       1e-4, 1e-2, [tiny](Backend& b, const std::vector<Tensor>& t) {
+         b.gla_backward(tiny, t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9]);
+       }});
+  add({"gla_forward", "3b heads, B 1, T 300, q k v padded", {16, 96, 192},
+       {padded(in({1, 300, 16, 96})), padded(in({1, 300, 16, 96})), padded(in({1, 300, 16, 192})), out({1, 300, 16, 192})},
+       1e-4, 1e-2, [big](Backend& b, const std::vector<Tensor>& t) { b.gla_forward(big, t[0], t[1], t[2], t[3], {}, {}, {}); }});
+  add({"gla_forward", "3b heads, B 1, T 300", {16, 96, 192},
+       {in({1, 300, 16, 96}), in({1, 300, 16, 96}), in({1, 300, 16, 192}), out({1, 300, 16, 192})},
+       1e-4, 1e-2, [big](Backend& b, const std::vector<Tensor>& t) { b.gla_forward(big, t[0], t[1], t[2], t[3], {}, {}, {}); }});
+  add({"gla_backward", "3b heads, B 1, T 300, q k v and dq dk dv padded", {16, 96, 192},
+       {padded(in({1, 300, 16, 96})), padded(in({1, 300, 16, 96})), padded(in({1, 300, 16, 192})),
+        in({1, 300, 16, 192}), padded(out({1, 300, 16, 96})), padded(out({1, 300, 16, 96})),
+        padded(out({1, 300, 16, 192}))},
+       1e-4, 1e-2, [big](Backend& b, const std::vector<Tensor>& t) {
+         b.gla_backward(big, t[0], t[1], t[2], {}, t[3], {}, t[4], t[5], t[6], {});
+       }});
+  add({"gla_backward", "3b heads, B 1, T 300, documents", {16, 96, 192},
+       {in({1, 300, 16, 96}), in({1, 300, 16, 96}), in({1, 300, 16, 192}), in({1, 300, 16, 192}),
+        out({1, 300, 16, 96}), out({1, 300, 16, 96}), out({1, 300, 16, 192}), docs({1, 300})},
+       1e-4, 1e-2, [big, with_doc](Backend& b, const std::vector<Tensor>& t) {
+         b.gla_backward(with_doc(big, t[7]), t[0], t[1], t[2], {}, t[3], {}, t[4], t[5], t[6], {});
+       }});
+  add({"rmsnorm_gate_forward", "3b heads [1,300,16,192], gate padded", {},
+       {in({1, 300, 16, 192}), padded(in({1, 300, 16, 192})), in({192}), out({1, 300, 16, 192}), f32(out({1, 300, 16}))},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.rmsnorm_gate_forward(t[0], t[1], t[2], 1e-5, t[3], t[4]); }});
+  // Deferred write-back (R 4): count words m ∈ {0 … 3} (phase 0), so some rows write their state
+  // back this step and the rest append a pair; then a flush folds every entry's pairs in.
+  add({"gla_decode_gate_deferred", "3 rows in slots of 4, R 4, 0–3 pending pairs", {2, 8, 12},
+       {in({3, 1, 2, 8}), in({3, 1, 2, 8}), in({3, 1, 2, 12}), in({3, 1, 2, 12}), in({12}), f32(io({4, 2, 8, 12})),
+        io({4, 2, 3, 8}), io({4, 2, 3, 12}), Arg{{4, 2}, Init::kIds, true, DType::kI32, 4}, ids({3}, 4, Init::kSlots),
+        out({3, 1, 2, 12}), out({3, 1, 2, 12})},
+       1e-4, 1e-2, [recurrent, pend](Backend& b, const std::vector<Tensor>& t) {
+         b.gla_decode_gate_deferred(recurrent, t[0], t[1], t[2], t[3], t[4], 1e-5, t[5], pend(t, 6), t[9], t[10], t[11]);
+       }});
+  add({"gla_pending_flush", "slots {2,0} of 3, R 4, 0–3 pending pairs", {2, 8, 12},
+       {f32(io({3, 2, 8, 12})), in({3, 2, 3, 8}), in({3, 2, 3, 12}), Arg{{3, 2}, Init::kIds, true, DType::kI32, 4},
+        ids({2}, 3, Init::kSlots)},
+       1e-4, 1e-2, [recurrent, pend](Backend& b, const std::vector<Tensor>& t) {
+         b.gla_pending_flush(recurrent, t[0], pend(t, 1), t[4]);
+       }});
   // ---- element-wise, losses, reductions
   add({"swiglu_forward", "[13,2·20]", {}, {in({13, 40}), out({13, 20})},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.swiglu_forward(t[0], t[1]); }});
@@ -263,6 +338,56 @@ std::vector<OpCase> all_cases() {
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.muon_momentum(t[0], t[1], t[2], 0.95, true); }});
   add({"muon_apply", "[8,12]", {}, {f32(io({8, 12})), in({8, 12})},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.muon_apply(t[0], t[1], 2e-2, 0.1, 1.3); }});
+  // ---- optimizer on device scalars (F64 [1] on the tested backend)
+  add({"sum_squares_into", "[7,13] accumulated into a scalar", {}, {in({7, 13}), scalar_io()},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.sum_squares_into(t[0], t[1], true); }});
+  add({"grad_clip_scalars", "norm above max_norm 0.5: clipped", {}, {scalar(), f64_out({3})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.grad_clip_scalars(t[0], 0.5, t[1]); }});
+  add({"grad_clip_scalars", "norm below max_norm 5: coefficient 1", {}, {scalar(), f64_out({3})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.grad_clip_scalars(t[0], 5.0, t[1]); }});
+  add({"scale_by", "[11,7] ·= coef", {}, {io({11, 7}), scalar()},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.scale_by(t[0], t[1]); }});
+  add({"scale_by_inv_norm", "[11,7] /= √ss + eps", {}, {io({11, 7}), scalar()},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.scale_by_inv_norm(t[0], t[1], 1e-7); }});
+  for (const Init skip : {Init::kZero, Init::kOne}) {
+    const std::string when = skip == Init::kZero ? ", not skipped" : ", skipped: nothing changes";
+    add({"adamw_update_gated", "[8,12], step 3" + when, {},
+         {f32(io({8, 12})), in({8, 12}), f32(io({8, 12})), f32(io({8, 12}, Init::kPositive)), scalar(skip)},
+         2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) {
+           AdamWParams p;
+           p.lr = 1e-2;
+           p.wd = 0.1;
+           p.step = 3;
+           b.adamw_update_gated(t[0], t[1], t[2], t[3], p, t[4]);
+         }});
+    add({"muon_momentum_gated", "[8,12], Nesterov" + when, {}, {in({8, 12}), f32(io({8, 12})), io({8, 12}), scalar(skip)},
+         2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.muon_momentum_gated(t[0], t[1], t[2], 0.95, true, t[3]); }});
+    add({"muon_apply_gated", "[8,12]" + when, {}, {f32(io({8, 12})), in({8, 12}), scalar(skip)},
+         2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.muon_apply_gated(t[0], t[1], 2e-2, 0.1, 1.3, t[2]); }});
+  }
+  add({"loss_sum_into", "[300] losses / 280, accumulated", {}, {f32(in({300}, Init::kPositive)), scalar_io()},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.loss_sum_into(t[0], 280.0, t[1], true); }});
+  // ---- FP8 (E4M3 codes, F32 scales): quantisers, the dequantiser and the product. The product
+  // needs K and N multiples of 16 on CUDA (cuBLASLt's FP8 layouts).
+  add({"quantize_rows_e4m3", "[33,48]", {}, {in({33, 48}), codes_out({33, 48}), scales_out({33})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.quantize_rows_e4m3(t[0], t[1], t[2]); }});
+  add({"quantize_cols_e4m3", "[40,24] → [24,40]", {}, {in({40, 24}), codes_out({24, 40}), scales_out({24})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.quantize_cols_e4m3(t[0], t[1], t[2]); }});
+  add({"quantize_rows_cols_e4m3", "[32,48], both", {},
+       {in({32, 48}), codes_out({32, 48}), scales_out({32}), codes_out({48, 32}), scales_out({48})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.quantize_rows_cols_e4m3(t[0], t[1], t[2], t[3], t[4]); }});
+  add({"dequantize_rows_e4m3", "[16,32]", {}, {codes({16, 32}), scales({16}), out({16, 32})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.dequantize_rows_e4m3(t[0], t[1], t[2]); }});
+  add({"gemm_e4m3", "[32,48]·[16,48]ᵀ + c", {}, {codes({32, 48}), scales({32}), codes({16, 48}), scales({16}), in({32, 16}), out({32, 16})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.gemm_e4m3(t[0], t[1], t[2], t[3], t[4], t[5], Fp8Accum::kF32); }});
+  add({"gemm_e4m3", "[300,3072]·[1024,3072]ᵀ, no residual", {},
+       {codes({300, 3072}), scales({300}), codes({1024, 3072}), scales({1024}), out({300, 1024})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.gemm_e4m3(t[0], t[1], t[2], t[3], {}, t[4], Fp8Accum::kF32); }});
+  add({"quantize_rows_e4m3", "[300,8192]", {}, {in({300, 8192}), codes_out({300, 8192}), scales_out({300})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.quantize_rows_e4m3(t[0], t[1], t[2]); }});
+  add({"quantize_rows_cols_e4m3", "[300,3072], both", {},
+       {in({300, 3072}), codes_out({300, 3072}), scales_out({300}), codes_out({3072, 300}), scales_out({3072})},
+       2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.quantize_rows_cols_e4m3(t[0], t[1], t[2], t[3], t[4]); }});
   return v;
 }
 
@@ -281,36 +406,64 @@ void fill_guard(DType dt, void* base, int64_t from, int64_t n) {
   }
 }
 
-// One argument on one backend: n + 2·kGuard elements, the tensor in the middle.
+// One argument on one backend: the tensor's elements (with its padding, if any) between kGuard
+// guard elements on each side. Everything that is not the tensor holds the guard pattern.
 struct Buffer {
   Backend* be = nullptr;
   void* mem = nullptr;
   DType dt = DType::kF32;
-  int64_t n = 0;
+  int64_t n = 0;      // the tensor's elements
+  int64_t phys = 0;   // the elements it spans (n, plus the padding between its token rows)
   Tensor view;
   std::vector<unsigned char> host;  // the whole buffer as staged (guards included)
-  Buffer(Backend& b, DType d, const std::vector<int64_t>& shape) : be(&b), dt(d) {
+  std::vector<bool> used;           // [phys]: whether an element of the tensor sits there
+  Buffer(Backend& b, DType d, const std::vector<int64_t>& shape, int64_t pad = 0) : be(&b), dt(d) {
     view = Tensor::make(nullptr, d, shape.data(), static_cast<int>(shape.size()), b.device());
     n = view.numel();
-    host.assign(static_cast<size_t>((n + 2 * kGuard) * static_cast<int64_t>(dtype_size(d))), 0);
-    fill_guard(d, host.data(), 0, kGuard);
-    fill_guard(d, host.data(), kGuard + n, kGuard);
+    phys = n;
+    if (pad > 0) {
+      // Token rows: dim 1 of [B, T, H, d], else dim 0; the dims after it stay contiguous.
+      const int rd = view.ndim == 4 ? 1 : 0;
+      LAPLACE_CHECK(view.ndim >= 2, "test: a padded argument has at least two dims");
+      view.stride[rd] += pad;
+      for (int d = rd - 1; d >= 0; --d) view.stride[d] = view.stride[d + 1] * view.shape[d + 1];
+      phys = view.stride[0] * view.shape[0];
+    }
+    const size_t es = dtype_size(d);
+    host.assign(static_cast<size_t>(phys + 2 * kGuard) * es, 0);
+    fill_guard(d, host.data(), 0, phys + 2 * kGuard);
+    used.assign(static_cast<size_t>(phys), false);
+    const Tensor layout = values_host();
+    for (int64_t e = 0; e < n; ++e) used[static_cast<size_t>(offset(layout, e))] = true;
     mem = b.allocator().allocate(host.size());
     LAPLACE_CHECK(mem != nullptr, "test: allocation failed");
-    view.data = static_cast<unsigned char*>(mem) + kGuard * static_cast<int64_t>(dtype_size(d));
+    view.data = static_cast<unsigned char*>(mem) + kGuard * static_cast<int64_t>(es);
   }
   ~Buffer() { be->allocator().deallocate(mem); }
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
   void* values() { return host.data() + kGuard * static_cast<int64_t>(dtype_size(dt)); }
-  // The staged values (guards excluded) as a host tensor, for testing::element_set / _get.
-  Tensor values_host() { return Tensor::make(values(), dt, &n, 1, Device::kCPU); }
+  // The staged tensor (its strides, guards excluded) on the host, for testing::element_set / _get.
+  Tensor values_host() {
+    Tensor t = view;
+    t.data = values();
+    t.device = Device::kCPU;
+    return t;
+  }
+  static int64_t offset(const Tensor& t, int64_t flat) {
+    int64_t off = 0;
+    for (int d = t.ndim - 1; d >= 0; --d) {
+      off += (flat % t.shape[d]) * t.stride[d];
+      flat /= t.shape[d];
+    }
+    return off;
+  }
   Tensor whole_host() {
-    const int64_t all = n + 2 * kGuard;
+    const int64_t all = phys + 2 * kGuard;
     return Tensor::make(host.data(), dt, &all, 1, Device::kCPU);
   }
   Tensor whole_dev() {
-    const int64_t all = n + 2 * kGuard;
+    const int64_t all = phys + 2 * kGuard;
     return Tensor::make(mem, dt, &all, 1, be->device());
   }
   void upload() { be->copy(whole_dev(), whole_host()); }
@@ -318,14 +471,17 @@ struct Buffer {
     be->copy(whole_host(), whole_dev());
     be->synchronize();
   }
-  // Whether the guards still hold their pattern, bit for bit.
+  // Whether the guards and the padding still hold their pattern, bit for bit.
   bool guards_intact() const {
-    std::vector<unsigned char> want(host.size());
-    fill_guard(dt, want.data(), 0, kGuard);
-    fill_guard(dt, want.data(), kGuard + n, kGuard);
-    const size_t g = static_cast<size_t>(kGuard) * dtype_size(dt);
-    return std::memcmp(want.data(), host.data(), g) == 0 &&
-           std::memcmp(want.data() + host.size() - g, host.data() + host.size() - g, g) == 0;
+    const size_t es = dtype_size(dt);
+    std::vector<unsigned char> want(es);
+    fill_guard(dt, want.data(), 0, 1);
+    for (int64_t i = 0; i < phys + 2 * kGuard; ++i) {
+      const int64_t j = i - kGuard;
+      if (j >= 0 && j < phys && used[static_cast<size_t>(j)]) continue;
+      if (std::memcmp(want.data(), host.data() + static_cast<size_t>(i) * es, es) != 0) return false;
+    }
+    return true;
   }
 };
 
@@ -337,6 +493,8 @@ std::vector<double> values_for(const Arg& a, int64_t n, DType dt, uint64_t seed)
   for (int64_t i = 0; i < n; ++i) {
     switch (a.init) {
       case Init::kUniform: x[i] = testing::round_to(dt, uni(rng)); break;
+      case Init::kZero: x[i] = 0; break;
+      case Init::kOne: x[i] = 1; break;
       case Init::kPositive: x[i] = testing::round_to(dt, pos(rng)); break;
       case Init::kIds: x[i] = static_cast<double>(rng() % static_cast<uint64_t>(a.range)); break;
       case Init::kTargets: x[i] = i % 4 == 3 ? -1.0 : static_cast<double>(rng() % static_cast<uint64_t>(a.range)); break;
@@ -376,7 +534,7 @@ std::string run_case(const OpCase& c, size_t index, const Tested& t, Backend& re
     const Arg& a = c.args[i];
     const DType dt = a.fixed.value_or(a.f32_at_bf16 && t.dt == DType::kBF16 ? DType::kF32 : t.dt);
     const DType rdt = a.fixed.value_or(DType::kF64);
-    mine.push_back(std::make_unique<Buffer>(*t.be, dt, a.shape));
+    mine.push_back(std::make_unique<Buffer>(*t.be, dt, a.shape, a.pad));
     refs.push_back(std::make_unique<Buffer>(ref, rdt, a.shape));
     const std::vector<double> x = values_for(a, mine.back()->n, dt, 1000003ull * (index + 1) + i);
     for (int64_t e = 0; e < mine.back()->n; ++e) {
@@ -398,7 +556,7 @@ std::string run_case(const OpCase& c, size_t index, const Tested& t, Backend& re
     mine[i]->download();
     refs[i]->download();
     if (!mine[i]->guards_intact()) {
-      std::snprintf(line, sizeof line, "argument %zu: a write outside the tensor (its guard changed)\n", i);
+      std::snprintf(line, sizeof line, "argument %zu: a write outside the tensor (its guard or padding changed)\n", i);
       err += line;
     }
     if (!c.args[i].compared) continue;
@@ -411,7 +569,7 @@ std::string run_case(const OpCase& c, size_t index, const Tested& t, Backend& re
       worst = std::max(worst, std::fabs(a - b));
       scale = std::max(scale, std::fabs(b));
     }
-    const bool exact = c.args[i].fixed == DType::kI32;
+    const bool exact = c.args[i].fixed == DType::kI32 || c.args[i].fixed == DType::kF8E4M3;
     const double rel = worst / std::max(scale, 1e-30);
     const bool out_bf16 = mine[i]->dt == DType::kBF16;
     const double tol = t.dt == DType::kBF16 ? (out_bf16 ? c.tol_bf16 : 1e-4) : c.tol_f32;
@@ -523,7 +681,23 @@ TEST(BackendOps, TheHarnessCatchesWrongValuesAndStrayWrites) {
                  }
                  b.fill(wide, 3.0);
                }};
-  EXPECT_NE(run_case(stray, 1, t, *ref, false).find("guard changed"), std::string::npos);
+  EXPECT_NE(run_case(stray, 1, t, *ref, false).find("guard or padding changed"), std::string::npos);
+  // A padded argument: an op that writes its rows as if they were contiguous lands in the
+  // padding between them, and one that ignores the row stride reads it back (NaN).
+  OpCase packed{"fill", "padded rows written as contiguous", {}, {padded(out({4, 4}))}, 2e-5, 1e-2,
+                [&](Backend& b, const std::vector<Tensor>& x) {
+                  Tensor dense = x[0];
+                  if (&b == cpu.get()) dense.stride[0] = 4;
+                  b.fill(dense, 3.0);
+                }};
+  EXPECT_NE(run_case(packed, 4, t, *ref, false).find("guard or padding changed"), std::string::npos);
+  OpCase reads{"scale", "padded rows read as contiguous", {}, {padded(io({4, 4}))}, 2e-5, 1e-2,
+               [&](Backend& b, const std::vector<Tensor>& x) {
+                 Tensor dense = x[0];
+                 if (&b == cpu.get()) dense.stride[0] = 4;
+                 b.scale(dense, 2.0);
+               }};
+  EXPECT_NE(run_case(reads, 5, t, *ref, false), "");
   // An op whose second run from the same inputs differs (in the last bits) is caught too.
   int calls = 0;
   OpCase flaky{"fill", "another value on the second run", {}, {out({4, 4})}, 2e-5, 1e-2,

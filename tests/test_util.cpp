@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "core/file_util.h"
+#include "core/fp8.h"
 #include "model/model.h"
 #include "ops/backend.h"
 #include "text/tokenizer.h"
@@ -32,6 +33,7 @@ int64_t offset_of(const Tensor& t, int64_t flat) {
 double round_to(DType dt, double x) {
   if (dt == DType::kBF16) return bf16_to_float(float_to_bf16(static_cast<float>(x)));
   if (dt == DType::kF32) return static_cast<float>(x);
+  if (dt == DType::kF8E4M3) return e4m3_to_float(e4m3_from_float(static_cast<float>(x)));
   return x;
 }
 
@@ -42,6 +44,7 @@ double element_get(const Tensor& t, int64_t flat) {
     case DType::kF64: return static_cast<const double*>(t.data)[off];
     case DType::kBF16: return bf16_to_float(static_cast<const uint16_t*>(t.data)[off]);
     case DType::kI32: return static_cast<const int32_t*>(t.data)[off];
+    case DType::kF8E4M3: return e4m3_to_float(static_cast<const uint8_t*>(t.data)[off]);
     default: LAPLACE_CHECK(false, "element_get: unsupported dtype"); return 0;
   }
 }
@@ -53,6 +56,7 @@ void element_set(const Tensor& t, int64_t flat, double v) {
     case DType::kF64: static_cast<double*>(t.data)[off] = v; break;
     case DType::kBF16: static_cast<uint16_t*>(t.data)[off] = float_to_bf16(static_cast<float>(v)); break;
     case DType::kI32: static_cast<int32_t*>(t.data)[off] = static_cast<int32_t>(v); break;
+    case DType::kF8E4M3: static_cast<uint8_t*>(t.data)[off] = e4m3_from_float(static_cast<float>(v)); break;
     default: LAPLACE_CHECK(false, "element_set: unsupported dtype");
   }
 }
