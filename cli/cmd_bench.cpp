@@ -149,6 +149,7 @@ Status measure_decode(Model& m, const DecodeArgs& a, bool print_summary, DecodeF
       engine_decode_options(a.model.device, a.state_dtype, a.eager, a.defer_writeback, a.prefill_graphs, &o));
   o.pipeline = !a.no_pipeline;
   LAPLACE_RETURN_IF_ERROR(speculative_options(a.speculative, &o));
+  if (!a.model.dir.empty()) o.draft_tokenizer = a.model.dir + "/tokenizer.model";
   o.max_slots = a.batch;
   o.prefill_chunk = std::min(a.prefill_chunk, a.prompt_len);
   o.max_batch_tokens = a.max_batch_tokens > 0 ? a.max_batch_tokens : a.batch + 4 * o.prefill_chunk;

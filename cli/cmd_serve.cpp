@@ -64,6 +64,7 @@ Status run_serve(const ServeArgs& a) {
   LAPLACE_RETURN_IF_ERROR(
       engine_decode_options(a.device, a.state_dtype, a.eager, a.defer_writeback, a.prefill_graphs, &o.engine));
   LAPLACE_RETURN_IF_ERROR(speculative_options(a.speculative, &o.engine));
+  o.engine.draft_tokenizer = a.model_dir + "/tokenizer.model";
   o.engine.max_slots = a.max_slots;
   if (a.max_slots == 0) LAPLACE_RETURN_IF_ERROR(parse_bytes(a.memory_budget, &o.engine.memory_budget));
   o.engine.cache_slots = a.cache_slots;

@@ -111,29 +111,45 @@ Status engine_decode_options(const std::string& device, const std::string& state
 void add_speculative_option(CLI::App* cmd, std::string* spec) {
   cmd->add_option("--speculative", *spec,
                   "speculative decoding: ngram[:K] drafts up to K tokens (1-8, default 4) by prompt lookup in each "
-                  "sequence's context and checks them in one forward; greedy output is unchanged, sampled output "
-                  "keeps its distribution. Needs --defer-writeback R with R > K. off = none");
+                  "sequence's context, draft:DIR[:K] by a smaller model with the same tokenizer (a model directory); "
+                  "either is checked in one forward: greedy output is unchanged, sampled output keeps its "
+                  "distribution. Needs --defer-writeback R with R > K. off = none");
 }
 
 Status speculative_options(const std::string& spec, EngineOptions* o) {
   o->speculative_k = 0;
   o->drafter = nullptr;
+  o->draft_model.clear();
   if (spec.empty() || spec == "off") return Status::ok();
-  const size_t colon = spec.rfind(':');
   const std::string kind = spec.substr(0, spec.find(':'));
-  if (kind == "draft")
-    return Status::unsupported("--speculative draft:DIR (a draft model) is not built yet; use ngram[:K]");
-  if (kind != "ngram") return Status::invalid_argument("--speculative: '" + spec + "' is not off, ngram or ngram:K");
+  if (kind != "ngram" && kind != "draft")
+    return Status::invalid_argument("--speculative: '" + spec + "' is not off, ngram[:K] or draft:DIR[:K]");
+  // What follows the kind: ngram's K; the draft's directory, then K after a last ':' if it is a number.
+  std::string rest = spec.size() > kind.size() ? spec.substr(kind.size() + 1) : "";
+  std::string num;
+  if (kind == "ngram") {
+    num = rest;
+    if (spec.size() > kind.size() && num.empty())
+      return Status::invalid_argument("--speculative " + spec + ": K is missing after ':'");
+  } else {
+    const size_t colon = rest.rfind(':');
+    if (colon != std::string::npos && colon + 1 < rest.size() &&
+        rest.find_first_not_of("0123456789", colon + 1) == std::string::npos) {
+      num = rest.substr(colon + 1);
+      rest.resize(colon);
+    }
+    if (rest.empty()) return Status::invalid_argument("--speculative " + spec + ": draft:DIR names no directory");
+  }
   int64_t k = 4;
-  if (colon != std::string::npos) {
-    const std::string num = spec.substr(colon + 1);
+  if (!num.empty()) {
     std::istringstream is(num);
     if (!(is >> k) || !is.eof() || k < 1 || k > kMaxSpeculativeK)
       return Status::invalid_argument("--speculative " + spec + ": K must be a whole number from 1 to " +
                                       std::to_string(kMaxSpeculativeK));
   }
   o->speculative_k = k;
-  o->drafter = std::make_shared<NgramDrafter>();
+  if (kind == "ngram") o->drafter = std::make_shared<NgramDrafter>();
+  else o->draft_model = rest;
   return Status::ok();
 }
 

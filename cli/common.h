@@ -63,10 +63,10 @@ void add_decode_options(CLI::App* cmd, std::string* state_dtype, bool* eager, in
 Status engine_decode_options(const std::string& device, const std::string& state_dtype, bool eager,
                              int64_t defer_writeback, int64_t prefill_graphs, EngineOptions* o);
 
-// --speculative (docs/serving.md §11): "off", "ngram" or "ngram:K" (prompt-lookup drafts of up
-// to K tokens, 1 … 8; default 4) as EngineOptions::speculative_k and drafter. A draft model
-// ("draft:DIR[:K]") is not built yet: refused with a message. K must be below
-// --defer-writeback's R (Engine::create says so).
+// --speculative (docs/serving.md §11): "off", "ngram[:K]" (prompt-lookup drafts of up to K
+// tokens, 1 … 8; default 4) or "draft:DIR[:K]" (a draft model's directory, which
+// Engine::create loads and checks) as EngineOptions::speculative_k, drafter and draft_model.
+// K must be below --defer-writeback's R (Engine::create says so).
 void add_speculative_option(CLI::App* cmd, std::string* spec);
 Status speculative_options(const std::string& spec, EngineOptions* o);
 

@@ -4,7 +4,7 @@
 
 namespace laplace {
 
-void NgramDrafter::propose(std::span<const int32_t> ctx, int64_t k, std::vector<int32_t>* out) {
+void NgramDrafter::propose(RequestId, std::span<const int32_t> ctx, int64_t k, std::vector<int32_t>* out) {
   out->clear();
   const int64_t L = static_cast<int64_t>(ctx.size());
   if (k <= 0 || L < 2) return;

@@ -8,15 +8,18 @@
 #include <span>
 #include <vector>
 
+#include "serve/request.h"
+
 namespace laplace {
 
 class Drafter {
  public:
   virtual ~Drafter() = default;
-  // Up to k tokens that may follow `context` (a sequence's whole context: its prompt and every
-  // token emitted so far), into *out (cleared first); fewer or none when there is no guess.
-  // Called on the engine thread only.
-  virtual void propose(std::span<const int32_t> context, int64_t k, std::vector<int32_t>* out) = 0;
+  // Up to k tokens that may follow `context` (request `id`'s whole context: its prompt and every
+  // token emitted so far), into *out (cleared first); fewer or none when there is no guess. A
+  // request's context only grows from one call to the next; a drafter that keeps state per
+  // request (DraftModelDrafter) keys it by id. Called on the engine thread only.
+  virtual void propose(RequestId id, std::span<const int32_t> context, int64_t k, std::vector<int32_t>* out) = 0;
 };
 
 // Prompt lookup (n-gram) drafts, with no second model: the context's last n tokens are looked
@@ -28,7 +31,7 @@ class Drafter {
 class NgramDrafter : public Drafter {
  public:
   explicit NgramDrafter(int64_t max_n = 3, int64_t min_n = 1) : max_n_(max_n), min_n_(min_n) {}
-  void propose(std::span<const int32_t> context, int64_t k, std::vector<int32_t>* out) override;
+  void propose(RequestId id, std::span<const int32_t> context, int64_t k, std::vector<int32_t>* out) override;
 
  private:
   int64_t max_n_, min_n_;

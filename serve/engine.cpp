@@ -7,6 +7,8 @@
 #include <limits>
 #include <tuple>
 
+#include "serve/draft_model.h"
+
 namespace laplace {
 
 const char* finish_reason_name(FinishReason r) {
@@ -216,7 +218,17 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
   // shape's first use (a prefill tail of a new length, an eager decode width) takes the
   // library's pick rather than stalling a request while candidates are timed.
   model.backend().set_tuning(false);
-  if (opt.speculative_k > 0) e->drafter_ = opt.drafter ? opt.drafter : std::make_shared<NgramDrafter>();
+  if (opt.speculative_k > 0 && opt.drafter) {
+    e->drafter_ = opt.drafter;
+  } else if (opt.speculative_k > 0 && !opt.draft_model.empty()) {
+    std::unique_ptr<DraftModelDrafter> d;
+    LAPLACE_RETURN_IF_ERROR(open_draft_model(opt.draft_model, c, opt.draft_tokenizer, model.backend(), model.dtype(),
+                                             opt.max_slots, &d)
+                                .with_context("engine"));
+    e->drafter_ = std::move(d);
+  } else if (opt.speculative_k > 0) {
+    e->drafter_ = std::make_shared<NgramDrafter>();
+  }
   e->by_slot_.resize(static_cast<size_t>(opt.max_slots));
   for (int64_t s = 0; s < opt.max_slots; ++s) e->free_slots_.insert(static_cast<int32_t>(s));
   *out = std::move(e);
@@ -584,7 +596,7 @@ bool Engine::speculative_step(const StepPlan& plan, EngineStats* d) {
     const Seq* s = plan.decode[b];
     // No draft past max_tokens: the window emits its accepted drafts and one token more.
     const int64_t room = std::min(k, s->req.max_tokens - s->info.generated_tokens - 1);
-    drafter_->propose(s->context, room, &drafts_[b]);
+    drafter_->propose(s->info.id, s->context, room, &drafts_[b]);
     if (static_cast<int64_t>(drafts_[b].size()) > room) drafts_[b].resize(static_cast<size_t>(std::max<int64_t>(room, 0)));
     for (int32_t& t : drafts_[b])
       if (t < 0 || t >= vocab_) t = 0;  // a drafter's id outside the vocabulary is only a bad guess

@@ -127,8 +127,14 @@ struct EngineOptions {
   // write-back and fits the slot's pending pairs) and a backend with the verification ops
   // (the CPU; the CUDA backend refuses it at create()). Turns pipelining off.
   int64_t speculative_k = 0;
-  // Where the drafts come from; null = NgramDrafter (prompt lookup in the sequence's context).
+  // Where the drafts come from; null = a draft model when draft_model names one, else
+  // NgramDrafter (prompt lookup in the sequence's context).
   std::shared_ptr<Drafter> drafter;
+  // A draft model's directory (--speculative draft:DIR): create() loads it on the served model's
+  // backend in its dtype (serve/draft_model.h), with a state slot per live slot (not counted in
+  // memory_budget), after checking its vocabulary and its tokenizer.model against
+  // draft_tokenizer (the served model's tokenizer file; empty: not checked).
+  std::string draft_model, draft_tokenizer;
 };
 
 // The longest draft EngineOptions::speculative_k allows.

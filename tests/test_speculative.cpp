@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <random>
@@ -12,6 +13,8 @@
 #include "model/model.h"
 #include "ops/backend.h"
 #include "ops/cpu/cpu_backend.h"
+#include "core/file_util.h"
+#include "serve/draft_model.h"
 #include "serve/drafter.h"
 #include "serve/engine.h"
 #include "serve/generate.h"
@@ -163,7 +166,7 @@ TEST(SpeculativeVerify, RefusesWhatItCannotDoExactly) {
 
 std::vector<int32_t> draft(Drafter& d, const std::vector<int32_t>& ctx, int64_t k) {
   std::vector<int32_t> out = {-7};  // cleared by propose
-  d.propose(ctx, k, &out);
+  d.propose(1, ctx, k, &out);
   return out;
 }
 
@@ -203,7 +206,7 @@ class OracleDrafter : public Drafter {
  public:
   OracleDrafter(std::map<std::vector<int32_t>, std::vector<int32_t>> truth, double error, int64_t V)
       : truth_(std::move(truth)), error_(error), V_(V) {}
-  void propose(std::span<const int32_t> ctx, int64_t k, std::vector<int32_t>* out) override {
+  void propose(RequestId, std::span<const int32_t> ctx, int64_t k, std::vector<int32_t>* out) override {
     out->clear();
     for (const auto& [prompt, gen] : truth_) {
       if (ctx.size() < prompt.size() || !std::equal(prompt.begin(), prompt.end(), ctx.begin())) continue;
@@ -488,6 +491,141 @@ TEST(SpeculativeEngine, ClearErrorsAtStartUp) {
   EXPECT_NE(st.message().find("verification"), std::string::npos) << st.message();
 }
 
+// ---- the draft model -------------------------------------------------------------------------
+
+// A draft model with the target's shapes and the weights of init seed `seed`.
+std::unique_ptr<DraftModelDrafter> draft_model(Backend& be, const Config& c, uint64_t seed, int64_t slots,
+                                               int64_t chunk = 64) {
+  auto m = std::make_unique<Model>();
+  EXPECT_TRUE(m->create(c, be, DType::kF32).is_ok());
+  m->init_weights(seed);
+  std::unique_ptr<DraftModelDrafter> d;
+  const Status st = DraftModelDrafter::create(std::move(m), c.vocab_size, slots, chunk, &d);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  return d;
+}
+
+// The drafts are the draft model's own greedy continuation (the engine's tokens without
+// speculation, for a draft model that is the target), fed incrementally: a second call feeds
+// only the tokens the context gained, and a context that is not the one fed starts over.
+TEST(DraftModel, ProposesItsGreedyContinuationFeedingOnlyWhatIsNew) {
+  const Config c = small_config(8, 12, 4);
+  SpecRig plain(spec_opts(2, 8, 0));
+  const std::vector<int32_t> prompt = random_tokens(37, c.vocab_size, 71);
+  const RequestId id = plain.add(plain.make(prompt, 12));
+  plain.eng->run_until_idle();
+  const std::vector<int32_t> want = plain.out[id].tokens;
+  ASSERT_EQ(want.size(), 12u);
+  auto d = draft_model(*plain.be, c, 7, 2, 16);  // the target's weights (SpecRig's seed 7)
+  // The context as the engine holds it: the prompt and the tokens emitted so far (the last of
+  // them is the next input); the draft continues it.
+  std::vector<int32_t> ctx = prompt;
+  ctx.push_back(want[0]);
+  std::vector<int32_t> out;
+  d->propose(5, ctx, 4, &out);
+  EXPECT_EQ(out, std::vector<int32_t>(want.begin() + 1, want.begin() + 5));
+  EXPECT_EQ(d->fed_tokens(), static_cast<int64_t>(prompt.size()));
+  ctx.insert(ctx.end(), want.begin() + 1, want.begin() + 4);
+  d->propose(5, ctx, 5, &out);
+  EXPECT_EQ(out, std::vector<int32_t>(want.begin() + 4, want.begin() + 9));
+  EXPECT_EQ(d->fed_tokens(), static_cast<int64_t>(prompt.size()) + 3);
+  // Another request, then more than the two slots: the least recent gives its slot up.
+  d->propose(6, prompt, 2, &out);
+  d->propose(7, prompt, 2, &out);
+  EXPECT_EQ(d->evictions(), 1);
+  d->propose(5, ctx, 5, &out);  // fed again from the start, the same drafts
+  EXPECT_EQ(out, std::vector<int32_t>(want.begin() + 4, want.begin() + 9));
+  EXPECT_EQ(d->evictions(), 2);
+  // A context that is not the one fed for that id (shorter) starts over.
+  d->propose(5, std::vector<int32_t>(prompt.begin(), prompt.begin() + 3), 0, &out);
+  EXPECT_TRUE(out.empty());
+  d->propose(5, ctx, 5, &out);
+  EXPECT_EQ(out, std::vector<int32_t>(want.begin() + 4, want.begin() + 9));
+}
+
+// Greedy decoding with a draft model gives the tokens, final states and logits of decoding
+// without it, bitwise: with the target's own weights as the draft (nearly every draft taken)
+// and with other weights (few taken), with fewer draft slots than sequences.
+TEST(SpeculativeEngine, DraftModelGreedyEqualsDecodingWithoutBitwise) {
+  const Config c = small_config(8, 12, 4);
+  const auto prompts = mixed_prompts(c.vocab_size, 6);
+  const std::vector<int64_t> maxt = {90, 61, 120};
+  SpecRig plain(spec_opts(3, 8, 0));
+  const std::vector<Outcome> want = run_all(plain, prompts, maxt, 2);
+  for (uint64_t seed : {uint64_t{7}, uint64_t{8}}) {
+    SCOPED_TRACE("draft seed " + std::to_string(seed));
+    auto be = make_cpu_backend();
+    std::shared_ptr<DraftModelDrafter> d = draft_model(*be, c, seed, 2);
+    SpecRig spec(spec_opts(3, 8, 5, d));
+    expect_same(run_all(spec, prompts, maxt, 2), want);
+    const EngineStats st = spec.eng->stats();
+    EXPECT_GT(st.verify_forwards, 0);
+    EXPECT_GT(d->evictions(), 0);
+    if (seed == 7) {
+      EXPECT_GT(st.accepted_tokens, st.drafted_tokens * 9 / 10);
+      EXPECT_LT(st.decode_forwards, st.generated_tokens / 3);
+    } else {
+      EXPECT_LT(st.accepted_tokens, st.drafted_tokens / 2);
+    }
+  }
+}
+
+// --speculative draft:DIR loads the directory at Engine::create and refuses, naming the reason,
+// a draft model of another vocabulary or another tokenizer file, and a directory with no model.
+TEST(SpeculativeEngine, DraftModelDirectoryIsCheckedAtStartUp) {
+  const Config c = small_config(8, 12, 4);
+  const std::string dir = testing::make_temp_dir("draft_model");
+  auto save = [&](const std::string& d, const Config& cc, const std::string& tok) {
+    std::filesystem::create_directories(d);
+    const std::string cj = cc.to_json();
+    ASSERT_TRUE(write_file_atomic(d + "/config.json", cj.data(), cj.size()).is_ok());
+    auto be = make_cpu_backend();
+    Model m;
+    ASSERT_TRUE(m.create(cc, *be, DType::kF32).is_ok());
+    m.init_weights(7);
+    ASSERT_TRUE(m.save(d + "/model.safetensors").is_ok());
+    ASSERT_TRUE(write_file_atomic(d + "/tokenizer.model", tok.data(), tok.size()).is_ok());
+  };
+  save(dir + "/good", c, "the tokenizer");
+  Config other = c;
+  other.vocab_size = c.vocab_size + 1;
+  save(dir + "/vocab", other, "the tokenizer");
+  save(dir + "/tok", c, "another tokenizer");
+  const std::string target_tok = dir + "/target.model";
+  ASSERT_TRUE(write_file_atomic(target_tok, "the tokenizer", 13).is_ok());
+
+  auto opts = [&](const std::string& d) {
+    EngineOptions o = spec_opts(2, 8, 3);
+    o.draft_model = d;
+    o.draft_tokenizer = target_tok;
+    return o;
+  };
+  auto be = make_cpu_backend();
+  Model m;
+  ASSERT_TRUE(m.create(c, *be, DType::kF32).is_ok());
+  m.init_weights(7);
+  std::unique_ptr<Engine> e;
+  Status st = Engine::create(m, opts(dir + "/vocab"), &e);
+  EXPECT_EQ(st.code(), Status::Code::kInvalidArgument);
+  EXPECT_NE(st.message().find("vocabulary"), std::string::npos) << st.message();
+  st = Engine::create(m, opts(dir + "/tok"), &e);
+  EXPECT_EQ(st.code(), Status::Code::kInvalidArgument);
+  EXPECT_NE(st.message().find("tokenizer"), std::string::npos) << st.message();
+  st = Engine::create(m, opts(dir + "/none"), &e);
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("none"), std::string::npos) << st.message();
+  st = Engine::create(m, opts(dir + "/good"), &e);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  // The loaded draft is the target's weights: its drafts are taken.
+  Request r;
+  r.prompt = random_tokens(20, c.vocab_size, 3);
+  r.max_tokens = 40;
+  r.sampling = greedy();
+  ASSERT_TRUE(e->submit(std::move(r), nullptr).is_ok());
+  e->run_until_idle();
+  EXPECT_GT(e->stats().accepted_tokens, 20);
+}
+
 // ---- sampling keeps the target distribution ---------------------------------------------
 
 // The chi-square statistic of observed counts against probabilities (bins with an expected
@@ -585,7 +723,7 @@ TEST(SpeculativeSampling, RejectionAgainstAPointDraftKeepsTheDistribution) {
 class FixedDrafter : public Drafter {
  public:
   explicit FixedDrafter(std::vector<int32_t> d) : d_(std::move(d)) {}
-  void propose(std::span<const int32_t>, int64_t k, std::vector<int32_t>* out) override {
+  void propose(RequestId, std::span<const int32_t>, int64_t k, std::vector<int32_t>* out) override {
     out->assign(d_.begin(), d_.begin() + std::min<int64_t>(k, static_cast<int64_t>(d_.size())));
   }
 
