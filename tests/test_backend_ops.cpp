@@ -112,8 +112,8 @@ GlaParams gla_params(GlaForm form, int64_t chunk, int64_t H) {
   return p;
 }
 
-std::vector<OpCase> all_cases() {
-  std::vector<OpCase> v;
+// Products, the embedding, the norms and the conv, at small shapes.
+void dense_row_and_conv_cases(std::vector<OpCase>& v) {
   auto add = [&](OpCase c) { v.push_back(std::move(c)); };
   // ---- dense
   add({"gemm", "[64,96]·[96,80]", {}, {in({64, 96}), in({96, 80}), out({64, 80})},
@@ -165,6 +165,11 @@ std::vector<OpCase> all_cases() {
   add({"conv_silu_backward", "[2,19,16], documents, dw accumulates",
        {}, {in({2, 19, 16}), in({2, 19, 16}), in({16, 4}), in({2, 19, 16}), out({2, 19, 16}), io({16, 4}), docs({2, 19})},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.conv_silu_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6]); }});
+}
+
+// The GLA mixer in every form, at small shapes and at the models' head shapes.
+void gla_cases(std::vector<OpCase>& v) {
+  auto add = [&](OpCase c) { v.push_back(std::move(c)); };
   // ---- GLA (B 2, T 19, H 2, dk 8, dv 12; chunk 8 leaves a short tail chunk)
   const GlaParams chunked = gla_params(GlaForm::kChunked, 8, 2), recurrent = gla_params(GlaForm::kRecurrent, 8, 2);
   add({"gla_forward", "chunked, T 19, from and into states", {2, 8, 12},
@@ -276,6 +281,11 @@ std::vector<OpCase> all_cases() {
        1e-4, 1e-2, [recurrent, pend](Backend& b, const std::vector<Tensor>& t) {
          b.gla_pending_flush(recurrent, t[0], pend(t, 1), t[4]);
        }});
+}
+
+// Element-wise ops, losses and reductions, at small shapes and at laplace-3b's.
+void elementwise_cases(std::vector<OpCase>& v) {
+  auto add = [&](OpCase c) { v.push_back(std::move(c)); };
   // ---- element-wise, losses, reductions
   add({"swiglu_forward", "[13,2·20]", {}, {in({13, 40}), out({13, 20})},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.swiglu_forward(t[0], t[1]); }});
@@ -325,6 +335,11 @@ std::vector<OpCase> all_cases() {
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.cross_entropy_forward(t[0], t[1], t[2]); }});
   add({"cross_entropy_backward", "[4,92160], in place", {}, {io({4, 92160}), ids({4}, 92160, Init::kTargets)},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.cross_entropy_backward(t[0], t[1], 0.25, t[0]); }});
+}
+
+// The optimizer's ops, with host scalars and with device scalars.
+void optimizer_cases(std::vector<OpCase>& v) {
+  auto add = [&](OpCase c) { v.push_back(std::move(c)); };
   // ---- optimizer
   add({"adamw_update", "[8,12], step 3", {}, {f32(io({8, 12})), in({8, 12}), f32(io({8, 12})), f32(io({8, 12}, Init::kPositive))},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) {
@@ -367,6 +382,11 @@ std::vector<OpCase> all_cases() {
   }
   add({"loss_sum_into", "[300] losses / 280, accumulated", {}, {f32(in({300}, Init::kPositive)), scalar_io()},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.loss_sum_into(t[0], 280.0, t[1], true); }});
+}
+
+// FP8 quantisers, the dequantiser and the product.
+void fp8_cases(std::vector<OpCase>& v) {
+  auto add = [&](OpCase c) { v.push_back(std::move(c)); };
   // ---- FP8 (E4M3 codes, F32 scales): quantisers, the dequantiser and the product. The product
   // needs K and N multiples of 16 on CUDA (cuBLASLt's FP8 layouts).
   add({"quantize_rows_e4m3", "[33,48]", {}, {in({33, 48}), codes_out({33, 48}), scales_out({33})},
@@ -388,6 +408,15 @@ std::vector<OpCase> all_cases() {
   add({"quantize_rows_cols_e4m3", "[300,3072], both", {},
        {in({300, 3072}), codes_out({300, 3072}), scales_out({300}), codes_out({3072, 300}), scales_out({3072})},
        2e-5, 1e-2, [](Backend& b, const std::vector<Tensor>& t) { b.quantize_rows_cols_e4m3(t[0], t[1], t[2], t[3], t[4]); }});
+}
+
+std::vector<OpCase> all_cases() {
+  std::vector<OpCase> v;
+  dense_row_and_conv_cases(v);
+  gla_cases(v);
+  elementwise_cases(v);
+  optimizer_cases(v);
+  fp8_cases(v);
   return v;
 }
 
