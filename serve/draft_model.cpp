@@ -6,6 +6,7 @@
 #include "core/file_util.h"
 #include "model/config.h"
 #include "serve/generate.h"
+#include "serve/sampler.h"
 
 namespace laplace {
 
@@ -59,14 +60,14 @@ void DraftModelDrafter::propose(RequestId id, std::span<const int32_t> context, 
     pool_.reset(model_->backend(), slot);
     e.fed = 0;
   }
+  // The engine's contexts hold vocabulary ids only; a context with anything else gets no guess.
+  const int64_t V = model_->config().vocab_size;
+  if (std::any_of(context.begin() + e.fed, context.end(), [V](int32_t t) { return t < 0 || t >= V; })) return;
   ForwardOptions piece;
   piece.last_logits_only = true;
-  const int64_t V = model_->config().vocab_size;
   // The context's new tokens but the last, in pieces of at most chunk_ (chunked form).
   while (e.fed < L - 1) {
     const int64_t n = std::min(chunk_, L - 1 - e.fed);
-    for (int64_t j = 0; j < n; ++j)  // the engine's contexts hold only vocabulary ids; a guess is all this gives
-      if (context[static_cast<size_t>(e.fed + j)] < 0 || context[static_cast<size_t>(e.fed + j)] >= V) return;
     model_->forward(context.data() + e.fed, 1, n, piece, &pool_, &slot);
     e.fed += n;
     fed_tokens_ += n;
@@ -78,11 +79,10 @@ void DraftModelDrafter::propose(RequestId id, std::span<const int32_t> context, 
   step.form = GlaForm::kRecurrent;
   step.last_logits_only = true;
   int32_t tok = context[static_cast<size_t>(L - 1)];
-  if (tok < 0 || tok >= V) return;
   for (int64_t j = 0; j < k; ++j) {
     model_->forward(&tok, 1, 1, step, &pool_, &scratch);
     logits_row_to_host(*model_, 0, &logits_);
-    tok = static_cast<int32_t>(std::max_element(logits_.begin(), logits_.end()) - logits_.begin());
+    tok = argmax(logits_.data(), V);
     out->push_back(tok);
   }
 }

@@ -218,16 +218,16 @@ Status Engine::create(Model& model, const EngineOptions& o, std::unique_ptr<Engi
   // shape's first use (a prefill tail of a new length, an eager decode width) takes the
   // library's pick rather than stalling a request while candidates are timed.
   model.backend().set_tuning(false);
-  if (opt.speculative_k > 0 && opt.drafter) {
+  if (opt.speculative_k > 0) {
     e->drafter_ = opt.drafter;
-  } else if (opt.speculative_k > 0 && !opt.draft_model.empty()) {
-    std::unique_ptr<DraftModelDrafter> d;
-    LAPLACE_RETURN_IF_ERROR(open_draft_model(opt.draft_model, c, opt.draft_tokenizer, model.backend(), model.dtype(),
-                                             opt.max_slots, &d)
-                                .with_context("engine"));
-    e->drafter_ = std::move(d);
-  } else if (opt.speculative_k > 0) {
-    e->drafter_ = std::make_shared<NgramDrafter>();
+    if (!e->drafter_ && !opt.draft_model.empty()) {
+      std::unique_ptr<DraftModelDrafter> d;
+      LAPLACE_RETURN_IF_ERROR(open_draft_model(opt.draft_model, c, opt.draft_tokenizer, model.backend(),
+                                               model.dtype(), opt.max_slots, &d)
+                                  .with_context("engine"));
+      e->drafter_ = std::move(d);
+    }
+    if (!e->drafter_) e->drafter_ = std::make_shared<NgramDrafter>();
   }
   e->by_slot_.resize(static_cast<size_t>(opt.max_slots));
   for (int64_t s = 0; s < opt.max_slots; ++s) e->free_slots_.insert(static_cast<int32_t>(s));
