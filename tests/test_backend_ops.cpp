@@ -463,7 +463,7 @@ struct Buffer {
     fill_guard(d, host.data(), 0, phys + 2 * kGuard);
     used.assign(static_cast<size_t>(phys), false);
     const Tensor layout = values_host();
-    for (int64_t e = 0; e < n; ++e) used[static_cast<size_t>(offset(layout, e))] = true;
+    for (int64_t e = 0; e < n; ++e) used[static_cast<size_t>(testing::offset_of(layout, e))] = true;
     mem = b.allocator().allocate(host.size());
     LAPLACE_CHECK(mem != nullptr, "test: allocation failed");
     view.data = static_cast<unsigned char*>(mem) + kGuard * static_cast<int64_t>(es);
@@ -478,14 +478,6 @@ struct Buffer {
     t.data = values();
     t.device = Device::kCPU;
     return t;
-  }
-  static int64_t offset(const Tensor& t, int64_t flat) {
-    int64_t off = 0;
-    for (int d = t.ndim - 1; d >= 0; --d) {
-      off += (flat % t.shape[d]) * t.stride[d];
-      flat /= t.shape[d];
-    }
-    return off;
   }
   Tensor whole_host() {
     const int64_t all = phys + 2 * kGuard;

@@ -19,7 +19,6 @@
 
 namespace laplace::testing {
 
-namespace {
 int64_t offset_of(const Tensor& t, int64_t flat) {
   int64_t off = 0;
   for (int d = t.ndim - 1; d >= 0; --d) {
@@ -28,7 +27,6 @@ int64_t offset_of(const Tensor& t, int64_t flat) {
   }
   return off;
 }
-}  // namespace
 
 double round_to(DType dt, double x) {
   if (dt == DType::kBF16) return bf16_to_float(float_to_bf16(static_cast<float>(x)));

@@ -28,6 +28,8 @@ struct OwnedTensor {
 // x as `dt` holds it (BF16: through F32, rounded to nearest even; F32: rounded; F8E4M3: the
 // code's value (core/fp8.h); else x).
 double round_to(DType dt, double x);
+// The element offset (strides applied) of a flat logical (row-major) index.
+int64_t offset_of(const Tensor& t, int64_t flat);
 // Element at a flat logical (row-major) index, honouring strides: F32, F64, BF16, I32, F8E4M3
 // (a code's value; setting one stores the nearest code).
 double element_get(const Tensor& t, int64_t flat);
