@@ -146,7 +146,7 @@ if has pair; then
   for T in ${PAIR_T:-32768}; do
     run="$LC/laplace125m_t$T"
     # Resumable: a checkpoint every PAIR_CKPT steps, so a call that runs out of time (PAIR_TRAIN_S, or
-    # DEADLINE less what the evaluations need) loses at most that much and the next call on the same
+    # DEADLINE less PAIR_RESERVE) loses at most that much and the next call on the same
     # machine goes on from it (resume is bitwise).
     if [ ! -f "$run/done" ]; then
       left=$(( $(time_left) - ${PAIR_RESERVE:-0} ))
@@ -184,10 +184,10 @@ if has pair; then
     fi
   done
   a="$LC/laplace125m_t2048/eval/longdoc.jsonl" b="$LC/laplace125m_t32768/eval/longdoc.jsonl"
-  if [ -f "$a" ] && [ -f "$b" ]; then
+  if [ -f "$a" ] && [ -f "$b" ] && [ ! -f "$LC/pair_figures.jsonl" ]; then  # once, not again in later calls
     python3 scripts/longdoc_figures.py "$a" "$b" --model laplace125m --commit "$COMMIT" \
-      --device "$(cut -d, -f1 "$OUT/gpu.txt")" --command "STAGES=pair scripts/device/long_context.sh" >> "$RES"
-    tail -2 "$RES"
+      --device "$(cut -d, -f1 "$OUT/gpu.txt")" --command "STAGES=pair scripts/device/long_context.sh" \
+      > "$LC/pair_figures.tmp" && mv "$LC/pair_figures.tmp" "$LC/pair_figures.jsonl" && tee -a "$RES" < "$LC/pair_figures.jsonl"
   fi
 fi
 
